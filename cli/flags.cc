@@ -1,0 +1,190 @@
+// Flag parser implementation (see flags.h).
+#include "cemlm/cli/flags.h"
+
+#include <charconv>
+#include <cstdio>
+#include <sstream>
+
+namespace cemlm::cli {
+namespace {
+
+template <typename T>
+bool parse_number(const std::string& s, T* out) {
+  if (s.empty()) return false;
+  if constexpr (std::is_floating_point_v<T>) {
+    char* end = nullptr;
+    double v = std::strtod(s.c_str(), &end);
+    if (*end != '\0') return false;
+    *out = T(v);
+    return true;
+  } else {
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+    return ec == std::errc() && p == s.data() + s.size();
+  }
+}
+
+template <typename T>
+std::string to_text(const T& v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+}  // namespace
+
+Flags::Flags(std::string usage, std::string summary)
+    : usage_(std::move(usage)), summary_(std::move(summary)) {}
+
+Flags::Flag& Flags::declare(const std::string& name, const std::string& help, bool required) {
+  flags_.push_back(Flag{name, help, "", "", required});
+  return flags_.back();
+}
+
+void Flags::add(const std::string& name, std::string* out, const std::string& help, bool required) {
+  Flag& f = declare(name, help, required);
+  f.default_text = out->empty() ? "" : "\"" + *out + "\"";
+  f.metavar = "STR";
+  f.set = [out](const std::string& v) { *out = v; return true; };
+}
+
+#define CEMLM_NUMERIC_FLAG(T, META)                                                            \
+  void Flags::add(const std::string& name, T* out, const std::string& help, bool required) {  \
+    Flag& f = declare(name, help, required);                                                   \
+    f.default_text = to_text(*out);                                                            \
+    f.metavar = META;                                                                          \
+    f.set = [out](const std::string& v) { return parse_number(v, out); };                     \
+  }
+CEMLM_NUMERIC_FLAG(int, "N")
+CEMLM_NUMERIC_FLAG(int64_t, "N")
+CEMLM_NUMERIC_FLAG(double, "X")
+CEMLM_NUMERIC_FLAG(float, "X")
+#undef CEMLM_NUMERIC_FLAG
+
+void Flags::add_bool(const std::string& name, bool* out, const std::string& help) {
+  Flag& f = declare(name, help, false);
+  f.is_bool = true;
+  f.set = [out](const std::string&) { *out = true; return true; };
+}
+
+void Flags::add_list(const std::string& name, std::vector<std::string>* out,
+                     const std::string& help, bool required) {
+  Flag& f = declare(name, help, required);
+  f.is_list = true;
+  f.metavar = "ITEM…";
+  f.set = [out](const std::string& v) { out->push_back(v); return true; };
+}
+
+void Flags::add_positional(const std::string& name, std::string* out, const std::string& help,
+                           bool required) {
+  positionals_.push_back(Flag{name, help, "", name, required});
+  positionals_.back().set = [out](const std::string& v) { *out = v; return true; };
+}
+
+bool Flags::given(const std::string& name) const {
+  for (const auto& f : flags_)
+    if (f.name == name) return f.given;
+  for (const auto& f : positionals_)
+    if (f.name == name) return f.given;
+  return false;
+}
+
+std::string Flags::help() const {
+  std::ostringstream os;
+  os << "usage: " << usage_ << "\n\n" << summary_ << "\n";
+  if (!positionals_.empty()) {
+    os << "\narguments:\n";
+    for (const auto& f : positionals_) os << "  " << f.name << "\n      " << f.help << "\n";
+  }
+  os << "\noptions:\n";
+  for (const auto& f : flags_) {
+    os << "  --" << f.name;
+    if (!f.is_bool) os << " " << f.metavar;
+    os << "\n      " << f.help;
+    if (f.required) os << " (required)";
+    else if (!f.default_text.empty()) os << " (default: " << f.default_text << ")";
+    os << "\n";
+  }
+  os << "  --help\n      show this help and exit\n";
+  return os.str();
+}
+
+int Flags::parse(int argc, char** argv) {
+  size_t next_positional = 0;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(help().c_str(), stdout);
+      return 0;
+    }
+    if (a.rfind("--", 0) != 0) {
+      if (next_positional >= positionals_.size()) {
+        std::fprintf(stderr, "error: unexpected argument '%s' (see --help)\n", a.c_str());
+        return 2;
+      }
+      positionals_[next_positional].given = true;
+      positionals_[next_positional++].set(a);
+      continue;
+    }
+    std::string name = a.substr(2), value;
+    bool has_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    Flag* f = nullptr;
+    for (auto& g : flags_)
+      if (g.name == name) f = &g;
+    if (!f) {
+      std::fprintf(stderr, "error: unknown option '--%s' (see --help)\n", name.c_str());
+      return 2;
+    }
+    f->given = true;
+    if (f->is_bool) {
+      f->set("");
+      continue;
+    }
+    if (f->is_list) {
+      if (has_value) f->set(value);
+      while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) f->set(argv[++i]);
+      continue;
+    }
+    if (!has_value) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "error: option '--%s' needs a value (see --help)\n", name.c_str());
+        return 2;
+      }
+      value = argv[++i];
+    }
+    if (!f->set(value)) {
+      std::fprintf(stderr, "error: option '--%s': cannot parse '%s' as %s\n", name.c_str(),
+                   value.c_str(), f->metavar.c_str());
+      return 2;
+    }
+  }
+  for (const auto* list : {&flags_, &positionals_})
+    for (const auto& f : *list)
+      if (f.required && !f.given) {
+        std::fprintf(stderr, "error: '%s%s' is required (see --help)\n",
+                     list == &flags_ ? "--" : "", f.name.c_str());
+        return 2;
+      }
+  return -1;
+}
+
+bool parse_id_list(const std::string& s, std::vector<int>* out) {
+  out->clear();
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    size_t comma = s.find(',', pos);
+    if (comma == std::string::npos) comma = s.size();
+    std::string item = s.substr(pos, comma - pos);
+    int v = 0;
+    if (!parse_number(item, &v)) return false;
+    out->push_back(v);
+    pos = comma + 1;
+  }
+  return !out->empty();
+}
+
+}  // namespace cemlm::cli

@@ -1,0 +1,48 @@
+// Tiny command-line flag parser shared by every `cemlm` subcommand: typed flags with defaults,
+// --help text generated from the declarations, and errors that name the flag.
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace cemlm::cli {
+
+class Flags {
+ public:
+  Flags(std::string usage, std::string summary);
+
+  // Declare flags. `name` without leading dashes. Defaults are the current values of *out.
+  void add(const std::string& name, std::string* out, const std::string& help, bool required = false);
+  void add(const std::string& name, int* out, const std::string& help, bool required = false);
+  void add(const std::string& name, int64_t* out, const std::string& help, bool required = false);
+  void add(const std::string& name, double* out, const std::string& help, bool required = false);
+  void add(const std::string& name, float* out, const std::string& help, bool required = false);
+  void add_bool(const std::string& name, bool* out, const std::string& help);
+  // Flag taking every following non-flag argument (e.g. --input a.txt b.txt).
+  void add_list(const std::string& name, std::vector<std::string>* out, const std::string& help,
+                bool required = false);
+  // Positional arguments, in order.
+  void add_positional(const std::string& name, std::string* out, const std::string& help,
+                      bool required = true);
+
+  // Returns -1 to continue, otherwise the exit code to return (0 after --help, 2 on a bad flag).
+  int parse(int argc, char** argv);
+  bool given(const std::string& name) const;
+  std::string help() const;
+
+ private:
+  struct Flag {
+    std::string name, help, default_text, metavar;
+    bool required = false, is_bool = false, is_list = false, given = false;
+    std::function<bool(const std::string&)> set;  // false: value does not parse
+  };
+  Flag& declare(const std::string& name, const std::string& help, bool required);
+  std::string usage_, summary_;
+  std::vector<Flag> flags_;
+  std::vector<Flag> positionals_;
+};
+
+// Parses "3,17,42" into ids; false on anything that is not a comma-separated integer list.
+bool parse_id_list(const std::string& s, std::vector<int>* out);
+
+}  // namespace cemlm::cli

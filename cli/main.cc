@@ -1,0 +1,42 @@
+// `cemlm`: one program, many subcommands. This file only dispatches; see commands.h.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cemlm/cli/commands.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  const char* summary;
+  int (*run)(int, char**);
+};
+
+const Command kCommands[] = {
+    {"init", "write a randomly initialised checkpoint for a config", cemlm::cli::cmd_init},
+    {"score", "log-probabilities and perplexity of a text or id sequence", cemlm::cli::cmd_score},
+    {"inspect", "parameter counts and KV-cache size of a checkpoint", cemlm::cli::cmd_inspect},
+    {"tokenizer", "train a SentencePiece tokenizer", cemlm::cli::cmd_tokenizer},
+};
+
+void print_help() {
+  std::printf("usage: cemlm <command> [options]\n\nCEM/Leviathan language models: train, serve, score.\n\ncommands:\n");
+  for (const auto& c : kCommands) std::printf("  %-12s %s\n", c.name, c.summary);
+  std::printf("  %-12s %s\n", "help", "show this list");
+  std::printf("\nRun 'cemlm <command> --help' for the options of a command.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "help") || !std::strcmp(argv[1], "--help") ||
+      !std::strcmp(argv[1], "-h")) {
+    print_help();
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& c : kCommands)
+    if (!std::strcmp(argv[1], c.name)) return c.run(argc - 2, argv + 2);
+  std::fprintf(stderr, "cemlm: unknown command '%s' (run 'cemlm help')\n", argv[1]);
+  return 2;
+}

@@ -1,0 +1,294 @@
+// config.json parser and writer (MODEL.md §7). Every key is looked up through a Reader that
+// records which keys were consumed, so unknown keys are reported by name after parsing.
+#include "cemlm/engine/config.h"
+#include "cemlm/engine/status.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace cemlm {
+namespace {
+
+using nlohmann::json;
+
+class Reader {
+ public:
+  Reader(const json& obj, std::string prefix) : obj_(obj), prefix_(std::move(prefix)) {}
+
+  bool has(const std::string& key) const { return obj_.contains(key); }
+  std::string path(const std::string& key) const { return prefix_ + key; }
+
+  absl::Status get_int(const std::string& key, int* out, bool required, int64_t lo, int64_t hi) {
+    seen_.insert(key);
+    if (!obj_.contains(key)) return missing(key, required);
+    const json& v = obj_[key];
+    if (!v.is_number_integer())
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be an integer"));
+    int64_t x = v.get<int64_t>();
+    if (x < lo || x > hi)
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' = ", x,
+                                                     " is out of range [", lo, ", ", hi, "]"));
+    *out = int(x);
+    return absl::OkStatus();
+  }
+  absl::Status get_float(const std::string& key, float* out, double lo, double hi) {
+    seen_.insert(key);
+    if (!obj_.contains(key)) return absl::OkStatus();
+    const json& v = obj_[key];
+    if (!v.is_number())
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be a number"));
+    double x = v.get<double>();
+    if (!(x > lo && x <= hi))
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' = ", x,
+                                                     " is out of range (", lo, ", ", hi, "]"));
+    *out = float(x);
+    return absl::OkStatus();
+  }
+  absl::Status get_bool(const std::string& key, bool* out) {
+    seen_.insert(key);
+    if (!obj_.contains(key)) return absl::OkStatus();
+    if (!obj_[key].is_boolean())
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be true or false"));
+    *out = obj_[key].get<bool>();
+    return absl::OkStatus();
+  }
+  absl::Status get_string(const std::string& key, std::string* out, bool required) {
+    seen_.insert(key);
+    if (!obj_.contains(key)) return missing(key, required);
+    if (!obj_[key].is_string())
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be a string"));
+    *out = obj_[key].get<std::string>();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<const json*> get_object(const std::string& key, bool required) {
+    seen_.insert(key);
+    if (!obj_.contains(key)) {
+      if (required) return missing(key, true);
+      return nullptr;
+    }
+    if (!obj_[key].is_object())
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be an object"));
+    return &obj_[key];
+  }
+  absl::Status check_unknown() const {
+    for (auto it = obj_.begin(); it != obj_.end(); ++it) {
+      if (!seen_.count(it.key()))
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config: unknown key '", path(it.key()), "' (remove it or check its spelling)"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status missing(const std::string& key, bool required) const {
+    if (!required) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("config: missing required key '", path(key), "'"));
+  }
+  const json& obj_;
+  std::string prefix_;
+  std::set<std::string> seen_;
+};
+
+template <typename E>
+absl::Status get_enum(Reader& r, const std::string& key, E* out, bool required,
+                      std::initializer_list<std::pair<const char*, E>> choices) {
+  std::string s;
+  if (!r.has(key)) return r.get_string(key, &s, required);
+  if (auto st = r.get_string(key, &s, required); !st.ok()) return st;
+  std::string names;
+  for (auto& [name, value] : choices) {
+    if (s == name) {
+      *out = value;
+      return absl::OkStatus();
+    }
+    absl::StrAppend(&names, names.empty() ? "" : ", ", "\"", name, "\"");
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("config: '", r.path(key), "' = \"", s, "\" is not one of ", names));
+}
+
+constexpr int64_t kBig = 1 << 24;
+
+absl::Status parse_lev(Reader& emb, ModelConfig& c) {
+  auto lev_obj = emb.get_object("lev", c.embedding == EmbeddingType::kLev);
+  if (!lev_obj.ok()) return lev_obj.status();
+  if (*lev_obj == nullptr) return absl::OkStatus();
+  if (c.embedding != EmbeddingType::kLev)
+    return absl::InvalidArgumentError(
+        "config: 'embedding.lev' is only allowed when 'embedding.type' is \"lev\"");
+  Reader lev(**lev_obj, "embedding.lev.");
+  CEMLM_RETURN_IF_ERROR(lev.get_int("digits", &c.lev.digits, true, 1, 8));
+  CEMLM_RETURN_IF_ERROR(lev.get_int("seed_dim", &c.lev.seed_dim, true, 1, 4096));
+  CEMLM_RETURN_IF_ERROR(lev.get_int("knots", &c.lev.knots, true, 2, 1024));
+  CEMLM_RETURN_IF_ERROR(lev.get_int("rank", &c.lev.rank, true, 1, 4096));
+  CEMLM_RETURN_IF_ERROR(lev.get_int("heads", &c.lev.heads, true, 1, 256));
+  CEMLM_RETURN_IF_ERROR(lev.check_unknown());
+  int64_t b = 1;
+  for (;; ++b) {
+    int64_t p = 1;
+    for (int i = 0; i < c.lev.digits && p < c.vocab_size; ++i) p *= b;
+    if (p >= c.vocab_size) break;
+  }
+  c.lev.base = int(b);
+  return absl::OkStatus();
+}
+
+absl::Status parse_precond(Reader& r, const std::string& sub, bool is_cem, int d_model, int* rank) {
+  CEMLM_RETURN_IF_ERROR(r.get_int("precond_rank", rank, false, 0, d_model));
+  if (!is_cem && *rank != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: '", sub, ".precond_rank' only applies to \"cem\" sub-layers; remove it"));
+  return absl::OkStatus();
+}
+
+absl::Status parse_into(const json& root, ModelConfig& c) {
+  if (!root.is_object()) return absl::InvalidArgumentError("config: top level must be a JSON object");
+  Reader r(root, "");
+  std::string arch;
+  CEMLM_RETURN_IF_ERROR(r.get_string("architecture", &arch, true));
+  if (arch != "cemlm")
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: 'architecture' = \"", arch, "\" must be \"cemlm\""));
+  int version = 0;
+  CEMLM_RETURN_IF_ERROR(r.get_int("format_version", &version, true, 1, 1));
+  CEMLM_RETURN_IF_ERROR(r.get_int("vocab_size", &c.vocab_size, true, 2, kBig));
+  CEMLM_RETURN_IF_ERROR(r.get_int("d_model", &c.d_model, true, 1, 65536));
+  CEMLM_RETURN_IF_ERROR(r.get_int("n_layers", &c.n_layers, true, 1, 1024));
+  CEMLM_RETURN_IF_ERROR(r.get_int("n_heads", &c.n_heads, true, 1, 1024));
+  CEMLM_RETURN_IF_ERROR(r.get_int("head_dim", &c.head_dim, true, 2, 4096));
+  if (c.head_dim % 2)
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: 'head_dim' = ", c.head_dim, " must be even (RoPE pairs dims)"));
+  CEMLM_RETURN_IF_ERROR(r.get_int("d_ff", &c.d_ff, true, 1, 1 << 20));
+  CEMLM_RETURN_IF_ERROR(r.get_int("max_seq_len", &c.max_seq_len, false, 1, 1 << 22));
+  CEMLM_RETURN_IF_ERROR(r.get_float("norm_eps", &c.norm_eps, 0.0, 1.0));
+  CEMLM_RETURN_IF_ERROR(r.get_float("rope_theta", &c.rope_theta, 0.0, 1e12));
+
+  auto emb_obj = r.get_object("embedding", true);
+  if (!emb_obj.ok()) return emb_obj.status();
+  Reader emb(**emb_obj, "embedding.");
+  CEMLM_RETURN_IF_ERROR(get_enum(emb, "type", &c.embedding, true,
+                                 {{"table", EmbeddingType::kTable}, {"lev", EmbeddingType::kLev}}));
+  CEMLM_RETURN_IF_ERROR(emb.get_bool("tie_output", &c.tie_output));
+  if (c.tie_output && c.embedding != EmbeddingType::kTable)
+    return absl::InvalidArgumentError(
+        "config: 'embedding.tie_output' = true is only allowed with 'embedding.type' = \"table\"");
+  CEMLM_RETURN_IF_ERROR(parse_lev(emb, c));
+  CEMLM_RETURN_IF_ERROR(emb.check_unknown());
+
+  auto attn_obj = r.get_object("attention", true);
+  if (!attn_obj.ok()) return attn_obj.status();
+  Reader attn(**attn_obj, "attention.");
+  CEMLM_RETURN_IF_ERROR(get_enum(attn, "type", &c.attention, true,
+                                 {{"standard", AttentionType::kStandard}, {"cem", AttentionType::kCem}}));
+  CEMLM_RETURN_IF_ERROR(get_enum(
+      attn, "diag", &c.diag, false,
+      {{"none", DiagMode::kNone}, {"shared", DiagMode::kShared}, {"per_head", DiagMode::kPerHead}}));
+  if (c.attention != AttentionType::kCem && c.diag != DiagMode::kNone)
+    return absl::InvalidArgumentError(
+        "config: 'attention.diag' only applies to \"cem\" attention; remove it or set \"none\"");
+  CEMLM_RETURN_IF_ERROR(parse_precond(attn, "attention", c.attention == AttentionType::kCem,
+                                      c.d_model, &c.attn_precond_rank));
+  CEMLM_RETURN_IF_ERROR(attn.check_unknown());
+
+  auto mlp_obj = r.get_object("mlp", true);
+  if (!mlp_obj.ok()) return mlp_obj.status();
+  Reader mlp(**mlp_obj, "mlp.");
+  CEMLM_RETURN_IF_ERROR(
+      get_enum(mlp, "type", &c.mlp, true, {{"swiglu", MlpType::kSwiglu}, {"cem", MlpType::kCem}}));
+  CEMLM_RETURN_IF_ERROR(
+      parse_precond(mlp, "mlp", c.mlp == MlpType::kCem, c.d_model, &c.mlp_precond_rank));
+  CEMLM_RETURN_IF_ERROR(mlp.check_unknown());
+
+  auto rec_obj = r.get_object("recursion", false);
+  if (!rec_obj.ok()) return rec_obj.status();
+  if (*rec_obj) {
+    Reader rec(**rec_obj, "recursion.");
+    CEMLM_RETURN_IF_ERROR(rec.get_int("max", &c.recursion_max, false, 1, 64));
+    CEMLM_RETURN_IF_ERROR(rec.get_int("default", &c.recursion_default, false, 1, c.recursion_max));
+    CEMLM_RETURN_IF_ERROR(get_enum(rec, "step_size", &c.step_size, false,
+                                   {{"inverse_T", StepSize::kInverseT}, {"unit", StepSize::kUnit}}));
+    CEMLM_RETURN_IF_ERROR(rec.check_unknown());
+  }
+  CEMLM_RETURN_IF_ERROR(r.get_int("bos_id", &c.bos_id, false, 0, c.vocab_size - 1));
+  CEMLM_RETURN_IF_ERROR(r.get_int("eos_id", &c.eos_id, false, 0, c.vocab_size - 1));
+  return r.check_unknown();
+}
+
+const char* diag_name(DiagMode d) {
+  return d == DiagMode::kNone ? "none" : d == DiagMode::kShared ? "shared" : "per_head";
+}
+
+}  // namespace
+
+int64_t ModelConfig::kv_floats_per_token_layer() const {
+  if (attention == AttentionType::kStandard) return 2LL * qk_dim();
+  return qk_dim() + (diag != DiagMode::kNone ? d_model : 0);
+}
+
+std::string ModelConfig::variant_name() const {
+  std::string s = attention == AttentionType::kCem
+                      ? absl::StrCat("cem-attn(", diag_name(diag), ",r", attn_precond_rank, ")")
+                      : "std-attn";
+  absl::StrAppend(&s, mlp == MlpType::kCem ? absl::StrCat("+cem-mlp(r", mlp_precond_rank, ")")
+                                           : std::string("+swiglu"));
+  absl::StrAppend(&s, embedding == EmbeddingType::kLev ? "+lev" : tie_output ? "+table(tied)" : "+table");
+  return s;
+}
+
+absl::StatusOr<ModelConfig> parse_config(const std::string& json_text) {
+  json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded())
+    return absl::InvalidArgumentError("config: not valid JSON (check commas, quotes and braces)");
+  ModelConfig c;
+  CEMLM_RETURN_IF_ERROR(parse_into(root, c));
+  return c;
+}
+
+absl::StatusOr<ModelConfig> load_config(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("config: cannot open '", path, "'"));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  auto c = parse_config(ss.str());
+  if (!c.ok()) return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
+  return c;
+}
+
+std::string config_to_json(const ModelConfig& c) {
+  json j;
+  j["architecture"] = "cemlm";
+  j["format_version"] = 1;
+  j["vocab_size"] = c.vocab_size;
+  j["d_model"] = c.d_model;
+  j["n_layers"] = c.n_layers;
+  j["n_heads"] = c.n_heads;
+  j["head_dim"] = c.head_dim;
+  j["d_ff"] = c.d_ff;
+  j["max_seq_len"] = c.max_seq_len;
+  j["norm_eps"] = c.norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  j["embedding"]["type"] = c.embedding == EmbeddingType::kLev ? "lev" : "table";
+  j["embedding"]["tie_output"] = c.tie_output;
+  if (c.embedding == EmbeddingType::kLev)
+    j["embedding"]["lev"] = {{"digits", c.lev.digits}, {"seed_dim", c.lev.seed_dim},
+                             {"knots", c.lev.knots}, {"rank", c.lev.rank}, {"heads", c.lev.heads}};
+  j["attention"]["type"] = c.attention == AttentionType::kCem ? "cem" : "standard";
+  if (c.attention == AttentionType::kCem) {
+    j["attention"]["diag"] = diag_name(c.diag);
+    j["attention"]["precond_rank"] = c.attn_precond_rank;
+  }
+  j["mlp"]["type"] = c.mlp == MlpType::kCem ? "cem" : "swiglu";
+  if (c.mlp == MlpType::kCem) j["mlp"]["precond_rank"] = c.mlp_precond_rank;
+  j["recursion"] = {{"default", c.recursion_default}, {"max", c.recursion_max},
+                    {"step_size", c.step_size == StepSize::kUnit ? "unit" : "inverse_T"}};
+  if (c.bos_id >= 0) j["bos_id"] = c.bos_id;
+  if (c.eos_id >= 0) j["eos_id"] = c.eos_id;
+  return j.dump(2) + "\n";
+}
+
+}  // namespace cemlm

@@ -1,0 +1,47 @@
+// CPU linear maps: thin wrappers that express each product as one row-major cblas_sgemm.
+#include "cemlm/kernels/linear.h"
+
+#include <cblas.h>
+
+namespace cemlm {
+
+void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+          const float* B, int ldb, float beta, float* C, int ldc) {
+  if (M == 0 || N == 0) return;
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta) {
+  const int N = int(x.dim(0)), in = int(x.dim(-1)), out = int(W.dim(0));
+  CEMLM_CHECK(W.dim(1) == in && y.dim(-1) == out && y.dim(0) == N);
+  gemm(false, true, N, out, in, 1.0f, x.data, in, W.data, in, beta, y.data, out);
+}
+
+void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta) {
+  const int N = int(x.dim(0)), out = int(W.dim(0)), in = int(W.dim(1));
+  CEMLM_CHECK(x.dim(-1) == out && y.dim(-1) == in && y.dim(0) == N);
+  gemm(false, false, N, in, out, 1.0f, x.data, out, W.data, in, beta, y.data, in);
+}
+
+void linear_backward(const ExecCtx&, Tensor dx, Tensor dW, const Tensor& dy, const Tensor& x,
+                     const Tensor& W, bool accumulate_dx) {
+  const int N = int(dy.dim(0)), out = int(W.dim(0)), in = int(W.dim(1));
+  if (!dx.empty())  // dx = dy · W
+    gemm(false, false, N, in, out, 1.0f, dy.data, out, W.data, in, accumulate_dx ? 1.0f : 0.0f,
+         dx.data, in);
+  if (!dW.empty())  // dW += dyᵀ · x
+    gemm(true, false, out, in, N, 1.0f, dy.data, out, x.data, in, 1.0f, dW.data, in);
+}
+
+void linear_t_backward(const ExecCtx&, Tensor dx, Tensor dW, const Tensor& dy, const Tensor& x,
+                       const Tensor& W, bool accumulate_dx) {
+  const int N = int(dy.dim(0)), out = int(W.dim(0)), in = int(W.dim(1));
+  if (!dx.empty())  // y = x W  ⇒  dx = dy · Wᵀ
+    gemm(false, true, N, out, in, 1.0f, dy.data, in, W.data, in, accumulate_dx ? 1.0f : 0.0f,
+         dx.data, out);
+  if (!dW.empty())  // dW += xᵀ · dy
+    gemm(true, false, out, in, N, 1.0f, x.data, out, dy.data, in, 1.0f, dW.data, in);
+}
+
+}  // namespace cemlm

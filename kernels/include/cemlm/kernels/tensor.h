@@ -1,0 +1,52 @@
+// Tensor view and execution context shared by every op. A Tensor never owns memory: ops read
+// and write through views so that they never allocate; owners (ParamStore, arenas) live above.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+
+#define CEMLM_CHECK(cond)                                                              \
+  do {                                                                                 \
+    if (!(cond)) {                                                                     \
+      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);    \
+      std::abort();                                                                    \
+    }                                                                                  \
+  } while (0)
+
+namespace cemlm {
+
+enum class Device : uint8_t { kCpu, kCuda };
+
+struct Tensor {
+  float* data = nullptr;
+  std::array<int64_t, 4> shape{0, 0, 0, 0};
+  int ndim = 0;
+  Device device = Device::kCpu;
+
+  Tensor() = default;
+  Tensor(float* d, std::initializer_list<int64_t> dims, Device dev = Device::kCpu)
+      : data(d), device(dev) {
+    CEMLM_CHECK(dims.size() <= 4);
+    for (int64_t s : dims) shape[ndim++] = s;
+  }
+  int64_t dim(int i) const { return shape[i < 0 ? ndim + i : i]; }
+  int64_t numel() const {
+    int64_t n = ndim ? 1 : 0;
+    for (int i = 0; i < ndim; ++i) n *= shape[i];
+    return n;
+  }
+  bool empty() const { return data == nullptr; }
+  // Row i of the leading dimension, as a view of the remaining dims.
+  float* row(int64_t i) const { return data + i * (numel() / shape[0]); }
+};
+
+// Everything an op needs besides its tensors. CPU ops use OpenBLAS/OpenMP; CUDA ops the stream.
+struct ExecCtx {
+  Device device = Device::kCpu;
+  void* cuda_stream = nullptr;
+  void* cublas = nullptr;
+};
+
+}  // namespace cemlm

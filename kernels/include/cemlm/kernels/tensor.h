@@ -43,10 +43,13 @@ struct Tensor {
 };
 
 // Everything an op needs besides its tensors. CPU ops use OpenBLAS/OpenMP; CUDA ops the stream.
+// `scratch` is caller-owned temporary memory for ops that need it (each op documents how much).
 struct ExecCtx {
   Device device = Device::kCpu;
   void* cuda_stream = nullptr;
   void* cublas = nullptr;
+  float* scratch = nullptr;
+  int64_t scratch_floats = 0;
 };
 
 }  // namespace cemlm

@@ -1,0 +1,63 @@
+// The model's forward pass on the CPU (fp32, the oracle for every faster path): one batch of
+// sequence chunks over a paged KV cache, and the full-sequence forward built on it. Each CEM
+// sub-layer runs the batch's largest T; a row stops updating after its own T (rows are ordered
+// by T descending so the rows still updating at step t form a prefix). Keys are written once.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "cemlm/engine/config.h"
+#include "cemlm/engine/model_runner.h"
+#include "cemlm/engine/params.h"
+#include "cemlm/kernels/attention.h"
+
+namespace cemlm {
+
+// Paged KV storage for all layers: [L][n_blocks, block_size, width] per kind (MODEL.md §9).
+class KvPool {
+ public:
+  KvPool(const ModelConfig& c, int block_size, int64_t n_blocks);
+  static int64_t blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes);
+  KvLayerView layer(int l);
+  int block_size() const { return block_size_; }
+  int64_t num_blocks() const { return n_blocks_; }
+  void copy_block(int32_t src, int32_t dst);
+
+ private:
+  int block_size_;
+  int64_t n_blocks_;
+  int n_layers_, n_heads_, kw_, vw_, cw_;  // floats per token per layer per kind
+  std::vector<float> k_, v_, c_;
+};
+
+class CpuModel {
+ public:
+  // `w` must outlive the model. Precomputes the LEV table and the RoPE table.
+  CpuModel(const ModelConfig& c, const Weights& w);
+  const ModelConfig& config() const { return cfg_; }
+  // See ModelRunner::forward.
+  void forward(const Batch& batch, KvPool& kv, std::vector<float>* logits);
+  // Embedding rows for ids (the precomputed table, or the table weight).
+  const float* embedding(int token) const;
+
+ private:
+  struct Rows;
+  void attention_standard(int l, Rows& r, KvPool& kv);
+  void attention_cem(int l, Rows& r, KvPool& kv);
+  void mlp_swiglu(int l, Rows& r);
+  void mlp_cem(int l, Rows& r);
+  float* buf(size_t i, int64_t n);
+
+  ModelConfig cfg_;
+  const Weights& w_;
+  std::vector<float> lev_table_;  // [V, D] when the embedding is LEV
+  std::vector<float> rope_;       // [max_seq_len, d_h]
+  std::vector<std::vector<float>> bufs_;
+};
+
+// Logits [N, V] of a whole sequence at recursion T: the reference path used by `cemlm score`,
+// tests and the trainer's checks (one contiguous block holds the sequence).
+std::vector<float> full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids,
+                                int T);
+
+}  // namespace cemlm

@@ -1,0 +1,125 @@
+// The engine's public API: create from a checkpoint, submit/cancel generation requests whose
+// events stream back per request, score texts, and read live stats. No gRPC types here: the server
+// maps its protos onto these structs. Thread-safe; the step loop runs on the engine's own thread.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cemlm/engine/config.h"
+#include "cemlm/engine/sampling.h"
+
+namespace cemlm {
+
+class Tokenizer;
+using Clock = std::chrono::steady_clock;
+using RequestId = uint64_t;
+
+struct EngineOptions {
+  std::string model_dir;
+  std::string device = "cpu";           // "cpu" | "cuda"
+  int64_t kv_cache_memory = 256 << 20;   // bytes for the paged KV cache
+  int block_size = 16;                   // tokens per KV block
+  int max_batch_tokens = 512;            // tokens per engine step (chunked prefill budget)
+  int max_running = 256;                 // sequences decoding at once
+  int max_waiting = 1024;                // bounded queue; submit fails RESOURCE_EXHAUSTED beyond
+  bool prefix_caching = true;
+  int threads = 0;                       // CPU threads for compute; 0 = all cores
+};
+
+struct GenerateRequest {
+  std::vector<int> prompt_ids;           // already tokenized (the server tokenizes text)
+  int recursion_depth = 0;               // 0: the model's recursion.default
+  SamplingParams sampling;
+  int priority = 0;                      // larger runs first; FCFS within a priority
+  std::optional<Clock::time_point> deadline;
+  std::string client_request_id;         // echoed in logs only
+};
+
+enum class FinishReason { kNone, kStop, kLength, kCancelled, kDeadline, kError };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", ...
+
+struct Usage {
+  int prompt_tokens = 0;
+  int generated_tokens = 0;
+  int64_t recursion_steps = 0;  // CEM recursion steps executed for this request (tokens × T × CEM sub-layers)
+  int cached_prompt_tokens = 0; // prompt tokens served from the prefix cache
+};
+
+struct RequestTimings {
+  Clock::time_point submitted, scheduled, first_token, finished;
+};
+
+// One event on a request's stream. Token events come in order; exactly one final event
+// (finish_reason != kNone) ends every accepted request, whatever happens.
+struct StreamEvent {
+  RequestId id = 0;
+  std::vector<int> token_ids;          // new tokens (usually one)
+  std::vector<float> logprobs;         // logprob of each under the unmodified model distribution
+  std::vector<std::vector<TopLogprob>> top_logprobs;  // per token, when requested
+  std::string text;                    // detokenized text added by these tokens (stop strings cut)
+  FinishReason finish_reason = FinishReason::kNone;
+  absl::Status error;                  // set when finish_reason == kError
+  Usage usage;                         // filled on the final event
+  RequestTimings timings;              // filled on the final event
+};
+using EventCallback = std::function<void(const StreamEvent&)>;
+
+struct ScoreRequest {
+  std::vector<int> ids;
+  int recursion_depth = 0;
+};
+struct ScoreResult {
+  std::vector<int> ids;
+  std::vector<float> logprobs;  // logprobs[i] = log p(ids[i] | ids[<i]) for i ≥ 1; [0] is NaN (none)
+  double nll = 0, perplexity = 0;
+  int recursion_depth = 0;
+};
+
+struct EngineStats {
+  int running = 0, waiting = 0;
+  double kv_cache_usage = 0;     // 0–1
+  int64_t kv_blocks_total = 0, kv_blocks_free = 0;
+  int64_t preemptions_total = 0;
+  int64_t prefix_cache_hits_total = 0;
+};
+
+struct ModelInfo {
+  ModelConfig config;
+  std::string variant;
+  int64_t parameters = 0;
+  int64_t kv_bytes_per_token = 0;
+  std::string device;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> create(const EngineOptions& opts);
+  virtual ~Engine() = default;
+
+  // Validates (INVALID_ARGUMENT naming the field), then queues (RESOURCE_EXHAUSTED when the
+  // queue is full, UNAVAILABLE after shutdown began). `on_event` is called from the engine thread
+  // and must not block; it is never called after the final event.
+  virtual absl::StatusOr<RequestId> submit(GenerateRequest req, EventCallback on_event) = 0;
+  // Idempotent; the request ends with kCancelled and its blocks are freed within one step.
+  virtual void cancel(RequestId id) = 0;
+  // Blocking prefill-only scoring (runs on the caller's thread between engine steps).
+  virtual absl::StatusOr<ScoreResult> score(const ScoreRequest& req) = 0;
+  // Checks a request without submitting it.
+  virtual absl::Status validate(const GenerateRequest& req) const = 0;
+
+  virtual const ModelConfig& config() const = 0;
+  virtual const Tokenizer* tokenizer() const = 0;  // null when the checkpoint has none
+  virtual ModelInfo info() const = 0;
+  virtual EngineStats stats() const = 0;
+
+  // Stop accepting; when `cancel_running`, end every request with kCancelled. Waits for the loop.
+  virtual void shutdown(bool cancel_running) = 0;
+};
+
+}  // namespace cemlm

@@ -1,0 +1,54 @@
+// The boundary between host bookkeeping (scheduler, block manager, sampler) and compute: one
+// engine step hands the runner a batch of sequence chunks whose KV blocks are already allocated;
+// the runner writes their keys into the paged cache and returns logits for the rows that want them.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cemlm/engine/config.h"
+
+namespace cemlm {
+
+struct BatchSeq {
+  const int* tokens = nullptr;   // tokens fed this step (a prefill chunk, or one decode token)
+  int n_tokens = 0;
+  int pos_begin = 0;             // tokens of this sequence already in the cache (= position of tokens[0])
+  int recursion = 1;             // T for every CEM sub-layer of this sequence
+  const int32_t* block_table = nullptr;  // blocks covering positions [0, pos_begin + n_tokens)
+  int n_blocks = 0;
+  bool want_logits = false;      // logits of the last fed token (decode, or last prefill chunk)
+  bool want_all_logits = false;  // logits of every fed token (scoring)
+};
+
+// Sequences must be ordered by `recursion` descending (rows of a step t < T form a prefix).
+struct Batch {
+  std::vector<BatchSeq> seqs;
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual int block_size() const = 0;
+  virtual int64_t num_blocks() const = 0;
+  // Runs one step. `logits` receives, in sequence order, one row [V] per want_logits sequence and
+  // n_tokens rows per want_all_logits sequence.
+  virtual void forward(const Batch& batch, std::vector<float>* logits) = 0;
+  // Copies cached entries of block `src` to block `dst` (copy-on-write for shared prefixes).
+  virtual void copy_block(int32_t src, int32_t dst) = 0;
+};
+
+struct RunnerOptions {
+  std::string device = "cpu";
+  int64_t kv_cache_memory = 256 << 20;
+  int block_size = 16;
+  int threads = 0;
+};
+
+// CPU (or CUDA when built and requested) runner over a loaded checkpoint.
+absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
+                                                               const RunnerOptions& opts);
+
+}  // namespace cemlm

@@ -1,0 +1,40 @@
+// Sampling parameters of one request and their validation (named-field errors).
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace cemlm {
+
+struct SamplingParams {
+  float temperature = 1.0f;        // 0: greedy
+  int top_k = 0;                   // 0: off
+  float top_p = 1.0f;              // 1: off
+  float min_p = 0.0f;              // 0: off
+  float repetition_penalty = 1.0f; // 1: off (CTRL-style, on prompt and generated tokens)
+  float presence_penalty = 0.0f;   // OpenAI-style, on generated tokens
+  float frequency_penalty = 0.0f;
+  std::optional<uint64_t> seed;    // same seed ⇒ same output, alone or batched
+  int max_new_tokens = 64;
+  std::vector<std::string> stop;   // stop strings (not included in the output)
+  std::vector<int> stop_token_ids; // generation ends after such a token (not included in text)
+  bool ignore_eos = false;
+  int top_logprobs = 0;            // alternatives reported per token (0–20)
+};
+
+// One alternative token reported with a generated token.
+struct TopLogprob {
+  int token_id;
+  float logprob;
+};
+
+inline constexpr int kMaxStopStrings = 16;
+inline constexpr int kMaxTopLogprobs = 20;
+
+// Checks ranges and finiteness; the message names the field, e.g. "sampling.top_p".
+absl::Status validate_sampling(const SamplingParams& p, int vocab_size);
+
+}  // namespace cemlm

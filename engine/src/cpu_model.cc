@@ -1,0 +1,271 @@
+// CPU forward pass (see cpu_model.h). Flat per-layer lists of op calls; all buffers are
+// grow-only and reused between steps, so a steady decode loop does not allocate.
+#include "cemlm/engine/cpu_model.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "cemlm/kernels/elementwise.h"
+#include "cemlm/kernels/lev.h"
+#include "cemlm/kernels/linear.h"
+#include "cemlm/kernels/precond.h"
+#include "cemlm/kernels/rmsnorm.h"
+#include "cemlm/kernels/rope.h"
+
+namespace cemlm {
+
+KvPool::KvPool(const ModelConfig& c, int block_size, int64_t n_blocks)
+    : block_size_(block_size),
+      n_blocks_(n_blocks),
+      n_layers_(c.n_layers),
+      n_heads_(c.n_heads),
+      kw_(c.qk_dim()),
+      vw_(c.attention == AttentionType::kStandard ? c.qk_dim() : 0),
+      cw_(c.attention == AttentionType::kCem && c.diag != DiagMode::kNone ? c.d_model : 0) {
+  const int64_t per = int64_t(n_layers_) * n_blocks * block_size;
+  k_.assign(per * kw_, 0.0f);
+  v_.assign(per * vw_, 0.0f);
+  c_.assign(per * cw_, 0.0f);
+}
+
+int64_t KvPool::blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes) {
+  return bytes / (int64_t(block_size) * c.kv_bytes_per_token());
+}
+
+KvLayerView KvPool::layer(int l) {
+  const int64_t per = n_blocks_ * block_size_;
+  KvLayerView v;
+  v.k = k_.data() + l * per * kw_;
+  v.v = vw_ ? v_.data() + l * per * vw_ : nullptr;
+  v.c = cw_ ? c_.data() + l * per * cw_ : nullptr;
+  v.block_size = block_size_;
+  v.n_heads = n_heads_;
+  v.k_width = kw_;
+  v.c_width = cw_;
+  return v;
+}
+
+void KvPool::copy_block(int32_t src, int32_t dst) {
+  const int64_t per = n_blocks_ * block_size_;
+  for (auto [pool, w] : {std::pair{&k_, kw_}, std::pair{&v_, vw_}, std::pair{&c_, cw_}}) {
+    if (!w) continue;
+    for (int l = 0; l < n_layers_; ++l) {
+      float* base = pool->data() + l * per * w;
+      std::memcpy(base + int64_t(dst) * block_size_ * w, base + int64_t(src) * block_size_ * w,
+                  sizeof(float) * block_size_ * w);
+    }
+  }
+}
+
+// Per-step row bookkeeping and the hidden-state buffer.
+struct CpuModel::Rows {
+  int N = 0, Tmax = 1;
+  std::vector<int32_t> pos, ids;
+  std::vector<float> eta;
+  std::vector<AttnSeq> seqs;
+  std::vector<int> seq_T;
+  float* h = nullptr;
+  ExecCtx ctx;
+  // Rows and sequences still updating at recursion step t (a prefix: seqs sorted by T desc).
+  int active(int t, int* n_seqs) const {
+    int ns = 0, n = 0;
+    while (ns < int(seqs.size()) && seq_T[ns] > t) n += seqs[ns++].n_rows;
+    *n_seqs = ns;
+    return n;
+  }
+};
+
+namespace {
+enum Buf { kH, kC, kY, kQ, kK, kV, kA, kU, kPU, kQD, kOC, kG, kZ, kScratch, kFinal, kNumBufs };
+Tensor view(float* p, int64_t r, int64_t c) { return Tensor(p, {r, c}); }
+}  // namespace
+
+CpuModel::CpuModel(const ModelConfig& c, const Weights& w) : cfg_(c), w_(w), bufs_(kNumBufs) {
+  rope_.resize(size_t(c.max_seq_len) * c.head_dim);
+  rope_table_init(Tensor(rope_.data(), {c.max_seq_len, c.head_dim}), c.rope_theta);
+  if (c.embedding == EmbeddingType::kLev) {
+    lev_table_.resize(size_t(c.vocab_size) * c.d_model);
+    std::vector<int32_t> all(c.vocab_size);
+    for (int i = 0; i < c.vocab_size; ++i) all[i] = i;
+    LevWeights lw{w.lev_codebooks, w.lev_seed_proj, w.lev_ln_weight,
+                  w.lev_ln_bias,   w.lev_spline,    w.lev_out_proj};
+    lev_forward(ExecCtx{}, Tensor(lev_table_.data(), {c.vocab_size, c.d_model}), all.data(), lw);
+  }
+}
+
+const float* CpuModel::embedding(int token) const {
+  const float* base = lev_table_.empty() ? w_.embed.data : lev_table_.data();
+  return base + int64_t(token) * cfg_.d_model;
+}
+
+float* CpuModel::buf(size_t i, int64_t n) {
+  if (int64_t(bufs_[i].size()) < n) bufs_[i].resize(n);
+  return bufs_[i].data();
+}
+
+void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logits) {
+  const int D = cfg_.d_model, Q = cfg_.qk_dim(), F = cfg_.d_ff, V = cfg_.vocab_size;
+  Rows r;
+  int max_ctx = 0;
+  for (const BatchSeq& s : batch.seqs) {
+    CEMLM_CHECK(s.recursion >= 1 && s.n_tokens >= 1);
+    CEMLM_CHECK(r.seq_T.empty() || r.seq_T.back() >= s.recursion);
+    CEMLM_CHECK(int64_t(s.n_blocks) * kv.block_size() >= s.pos_begin + s.n_tokens);
+    CEMLM_CHECK(s.pos_begin + s.n_tokens <= cfg_.max_seq_len);
+    r.seqs.push_back(AttnSeq{r.N, s.n_tokens, s.pos_begin, s.block_table});
+    r.seq_T.push_back(s.recursion);
+    for (int i = 0; i < s.n_tokens; ++i) {
+      CEMLM_CHECK(s.tokens[i] >= 0 && s.tokens[i] < V);
+      r.ids.push_back(s.tokens[i]);
+      r.pos.push_back(s.pos_begin + i);
+      r.eta.push_back(cfg_.step(s.recursion));
+    }
+    r.N += s.n_tokens;
+    max_ctx = std::max(max_ctx, s.pos_begin + s.n_tokens);
+  }
+  if (r.N == 0) return;
+  r.Tmax = r.seq_T.front();
+  const int64_t N = r.N;
+  const int rank = std::max(cfg_.attn_precond_rank, cfg_.mlp_precond_rank);
+  const int64_t scratch =
+      std::max<int64_t>(int64_t(2) * max_ctx * omp_get_max_threads(), 2 * N * std::max(rank, 1));
+  r.ctx.scratch = buf(kScratch, scratch);
+  r.ctx.scratch_floats = scratch;
+  // Sized once per step for the largest use.
+  const int H = cfg_.n_heads;
+  buf(kC, N * D), buf(kY, N * D), buf(kQ, N * Q), buf(kK, N * Q), buf(kV, N * Q), buf(kA, N * Q);
+  buf(kU, N * D), buf(kPU, N * D), buf(kQD, N * H * D), buf(kOC, N * H * D), buf(kG, N * F);
+  buf(kZ, N * F);
+  r.h = buf(kH, N * D);
+  for (int64_t i = 0; i < N; ++i) std::memcpy(r.h + i * D, embedding(r.ids[i]), sizeof(float) * D);
+
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    if (cfg_.attention == AttentionType::kCem) attention_cem(l, r, kv);
+    else attention_standard(l, r, kv);
+    if (cfg_.mlp == MlpType::kCem) mlp_cem(l, r);
+    else mlp_swiglu(l, r);
+  }
+
+  std::vector<int64_t> out_rows;
+  for (size_t s = 0; s < batch.seqs.size(); ++s) {
+    const AttnSeq& a = r.seqs[s];
+    if (batch.seqs[s].want_all_logits)
+      for (int i = 0; i < a.n_rows; ++i) out_rows.push_back(a.row_begin + i);
+    else if (batch.seqs[s].want_logits)
+      out_rows.push_back(a.row_begin + a.n_rows - 1);
+  }
+  const int64_t M = int64_t(out_rows.size());
+  float* fin = buf(kFinal, M * D);
+  for (int64_t i = 0; i < M; ++i) std::memcpy(fin + i * D, r.h + out_rows[i] * D, sizeof(float) * D);
+  rmsnorm_forward(r.ctx, view(fin, M, D), Tensor{}, view(fin, M, D), w_.final_norm, cfg_.norm_eps);
+  logits->resize(size_t(M) * V);
+  linear_forward(r.ctx, view(logits->data(), M, V), view(fin, M, D), w_.lm_head);
+}
+
+void CpuModel::attention_standard(int l, Rows& r, KvPool& kv) {
+  const LayerWeights& lw = w_.layers[l];
+  const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim();
+  const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
+  Tensor h = view(r.h, N, D), c = view(buf(kC, 0), N, D), q = view(buf(kQ, 0), N, Q),
+         k = view(buf(kK, 0), N, Q), v = view(buf(kV, 0), N, Q), a = view(buf(kA, 0), N, Q);
+  rmsnorm_forward(r.ctx, c, Tensor{}, h, lw.attn_norm, cfg_.norm_eps);
+  linear_forward(r.ctx, q, c, lw.wq);
+  linear_forward(r.ctx, k, c, lw.wk);
+  linear_forward(r.ctx, v, c, lw.wv);
+  rope_forward(r.ctx, q, q, r.pos.data(), rope, false);
+  rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
+  const KvLayerView view_l = kv.layer(l);
+  kv_write(r.ctx, view_l, r.seqs.data(), int(r.seqs.size()), k, v, Tensor{});
+  paged_attention_forward(r.ctx, a, Tensor{}, q, Tensor{}, DiagKind::kNone, view_l, r.seqs.data(),
+                          int(r.seqs.size()), 1.0f / std::sqrt(float(cfg_.head_dim)));
+  linear_forward(r.ctx, h, a, lw.wo, 1.0f);
+}
+
+void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
+  const LayerWeights& lw = w_.layers[l];
+  const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim(), H = cfg_.n_heads;
+  const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
+  const bool diag = cfg_.diag != DiagMode::kNone;
+  const DiagKind kind = cfg_.diag == DiagMode::kShared    ? DiagKind::kShared
+                        : cfg_.diag == DiagMode::kPerHead ? DiagKind::kPerHead
+                                                          : DiagKind::kNone;
+  const int64_t qd_width = cfg_.diag == DiagMode::kPerHead ? H * D : D;
+  Tensor c = view(buf(kC, 0), N, D), k = view(buf(kK, 0), N, Q);
+  // The context and the keys come from the sub-layer input, once, whatever T is.
+  rmsnorm_forward(r.ctx, c, Tensor{}, view(r.h, N, D), lw.attn_norm, cfg_.norm_eps);
+  linear_forward(r.ctx, k, c, lw.wk);
+  rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
+  const KvLayerView view_l = kv.layer(l);
+  kv_write(r.ctx, view_l, r.seqs.data(), int(r.seqs.size()), k, Tensor{}, diag ? c : Tensor{});
+  const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
+  for (int t = 0; t < r.Tmax; ++t) {
+    int ns = 0;
+    const int64_t n = r.active(t, &ns);
+    Tensor x = view(r.h, n, D), y = view(buf(kY, 0), n, D), q = view(buf(kQ, 0), n, Q),
+           a = view(buf(kA, 0), n, Q), u = view(buf(kU, 0), n, D), pu = view(buf(kPU, 0), n, D),
+           qd = view(buf(kQD, 0), n, qd_width), oc = view(buf(kOC, 0), n, qd_width);
+    rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
+    linear_forward(r.ctx, q, y, lw.wq);
+    rope_forward(r.ctx, q, q, r.pos.data(), rope, false);
+    if (diag) diag_scale_forward(r.ctx, qd, y, lw.diag);
+    paged_attention_forward(r.ctx, a, diag ? oc : Tensor{}, q, diag ? qd : Tensor{}, kind, view_l,
+                            r.seqs.data(), ns, scale);
+    rope_forward(r.ctx, a, a, r.pos.data(), rope, true);
+    linear_t_forward(r.ctx, u, a, lw.wq);
+    if (diag) diag_gather_forward(r.ctx, u, oc, lw.diag);
+    if (cfg_.attn_precond_rank > 0) precond_forward(r.ctx, pu, u, lw.attn_p, lw.attn_u, lw.attn_v);
+    axpy_rows_forward(r.ctx, x, cfg_.attn_precond_rank > 0 ? pu : u, r.eta.data());
+  }
+}
+
+void CpuModel::mlp_swiglu(int l, Rows& r) {
+  const LayerWeights& lw = w_.layers[l];
+  const int64_t N = r.N, D = cfg_.d_model, F = cfg_.d_ff;
+  Tensor h = view(r.h, N, D), c = view(buf(kC, 0), N, D), g = view(buf(kG, 0), N, F),
+         z = view(buf(kZ, 0), N, F);
+  rmsnorm_forward(r.ctx, c, Tensor{}, h, lw.mlp_norm, cfg_.norm_eps);
+  linear_forward(r.ctx, g, c, lw.w_gate);
+  linear_forward(r.ctx, z, c, lw.w_up);
+  swiglu_forward(r.ctx, z, g, z);
+  linear_forward(r.ctx, h, z, lw.w_down, 1.0f);
+}
+
+void CpuModel::mlp_cem(int l, Rows& r) {
+  const LayerWeights& lw = w_.layers[l];
+  const int64_t N = r.N, D = cfg_.d_model, F = cfg_.d_ff;
+  Tensor c = view(buf(kC, 0), N, D), g = view(buf(kG, 0), N, F);
+  // The gate comes from the fixed sub-layer input, once.
+  rmsnorm_forward(r.ctx, c, Tensor{}, view(r.h, N, D), lw.mlp_norm, cfg_.norm_eps);
+  linear_forward(r.ctx, g, c, lw.w_gate);
+  silu_forward(r.ctx, g, g);
+  for (int t = 0; t < r.Tmax; ++t) {
+    int ns = 0;
+    const int64_t n = r.active(t, &ns);
+    Tensor x = view(r.h, n, D), y = view(buf(kY, 0), n, D), z = view(buf(kZ, 0), n, F),
+           u = view(buf(kU, 0), n, D), pu = view(buf(kPU, 0), n, D);
+    rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.mlp_norm, cfg_.norm_eps);
+    linear_forward(r.ctx, z, y, lw.w_up);
+    mul_forward(r.ctx, z, z, view(g.data, n, F));
+    linear_t_forward(r.ctx, u, z, lw.w_up);
+    if (cfg_.mlp_precond_rank > 0) precond_forward(r.ctx, pu, u, lw.mlp_p, lw.mlp_u, lw.mlp_v);
+    axpy_rows_forward(r.ctx, x, cfg_.mlp_precond_rank > 0 ? pu : u, r.eta.data());
+  }
+}
+
+std::vector<float> full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids,
+                                int T) {
+  CpuModel model(c, w);
+  const int n = int(ids.size());
+  KvPool kv(c, n, 1);
+  const int32_t block = 0;
+  Batch b;
+  b.seqs.push_back(BatchSeq{ids.data(), n, 0, T, &block, 1, false, true});
+  std::vector<float> logits;
+  model.forward(b, kv, &logits);
+  return logits;
+}
+
+}  // namespace cemlm

@@ -1,0 +1,66 @@
+// make_model_runner: loads a checkpoint and serves it with the CPU model over a KV pool sized
+// from the memory budget. (The CUDA runner plugs in here when the backend is built.)
+#include <omp.h>
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_model.h"
+#include "cemlm/engine/model_runner.h"
+#include "cemlm/engine/status.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace cemlm {
+namespace {
+
+class CpuRunner final : public ModelRunner {
+ public:
+  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks)
+      : ck_(std::move(ck)),
+        weights_(bind_weights(ck_.config, ck_.params)),
+        model_(ck_.config, weights_),
+        kv_(ck_.config, block_size, n_blocks) {}
+  const ModelConfig& config() const override { return ck_.config; }
+  int block_size() const override { return kv_.block_size(); }
+  int64_t num_blocks() const override { return kv_.num_blocks(); }
+  void forward(const Batch& batch, std::vector<float>* logits) override {
+    model_.forward(batch, kv_, logits);
+  }
+  void copy_block(int32_t src, int32_t dst) override { kv_.copy_block(src, dst); }
+
+ private:
+  Checkpoint ck_;
+  Weights weights_;
+  CpuModel model_;
+  KvPool kv_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
+                                                               const RunnerOptions& opts) {
+  if (opts.device != "cpu")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device \"", opts.device, "\" is not available in this build; use --device cpu "
+        "(or rebuild with -DCEMLM_CUDA=ON on a machine with the CUDA toolkit)"));
+  if (opts.block_size < 1 || opts.block_size > 1024)
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));
+  CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
+  const int64_t blocks = KvPool::blocks_for_budget(ck.config, opts.block_size, opts.kv_cache_memory);
+  const int64_t needed = (ck.config.max_seq_len + opts.block_size - 1) / opts.block_size;
+  if (blocks < needed)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_cache_memory ", opts.kv_cache_memory, " bytes holds ", blocks,
+        " blocks but one max_seq_len sequence needs ", needed, " (",
+        needed * opts.block_size * ck.config.kv_bytes_per_token(), " bytes); raise --kv-cache-memory"));
+  if (opts.threads > 0) {
+    omp_set_num_threads(opts.threads);
+    openblas_set_num_threads(opts.threads);
+  }
+  return std::unique_ptr<ModelRunner>(new CpuRunner(std::move(ck), opts.block_size, blocks));
+}
+
+}  // namespace cemlm

@@ -1,0 +1,40 @@
+// CPU RoPE: table-driven rotation of each head's half-split pairs.
+#include "cemlm/kernels/rope.h"
+
+#include <cmath>
+
+namespace cemlm {
+
+void rope_table_init(Tensor table, float theta) {
+  const int64_t P = table.dim(0), dh = table.dim(1), half = dh / 2;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t m = 0; m < half; ++m) {
+      const double ang = double(p) * std::pow(double(theta), -2.0 * double(m) / double(dh));
+      table.data[p * dh + m] = float(std::cos(ang));
+      table.data[p * dh + half + m] = float(std::sin(ang));
+    }
+}
+
+void rope_forward(const ExecCtx&, Tensor out, const Tensor& x, const int32_t* pos,
+                  const Tensor& table, bool inverse) {
+  const int64_t N = x.dim(0), W = x.dim(-1), dh = table.dim(1), half = dh / 2, H = W / dh;
+  CEMLM_CHECK(W % dh == 0 && out.numel() == x.numel());
+  const float sign = inverse ? -1.0f : 1.0f;
+#pragma omp parallel for schedule(static) if (N * W > 16384)
+  for (int64_t i = 0; i < N; ++i) {
+    CEMLM_CHECK(pos[i] >= 0 && pos[i] < table.dim(0));
+    const float* cs = table.data + int64_t(pos[i]) * dh;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* xi = x.data + i * W + h * dh;
+      float* oi = out.data + i * W + h * dh;
+      for (int64_t m = 0; m < half; ++m) {
+        const float c = cs[m], s = sign * cs[half + m];
+        const float a = xi[m], b = xi[m + half];
+        oi[m] = a * c - b * s;
+        oi[m + half] = b * c + a * s;
+      }
+    }
+  }
+}
+
+}  // namespace cemlm

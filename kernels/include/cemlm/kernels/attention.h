@@ -1,0 +1,46 @@
+// Causal attention over a paged KV cache, shared by standard attention (MODEL.md §4.1) and each
+// CEM recursion step (§4.2): scores q·κ (+ the CEM diagonal term qd·c), softmax over j ≤ i, and
+// the weighted sums of values (κ itself for CEM) and of contexts c (for the diagonal's ω).
+// CPU oracle: kernels/cpu/attention.cc; test: tests/kernels/ and tests/engine/.
+#pragma once
+#include <cstdint>
+
+#include "cemlm/kernels/tensor.h"
+
+namespace cemlm {
+
+// One layer's slice of the paged cache. Pools are [n_blocks, block_size, width]; block b of a
+// sequence's table holds its positions [b·block_size, (b+1)·block_size).
+struct KvLayerView {
+  float* k = nullptr;  // [.., H·d_h] rotated keys
+  float* v = nullptr;  // [.., H·d_h] values; null for CEM (values are the keys)
+  float* c = nullptr;  // [.., D] normalised contexts; null unless the CEM diagonal term is on
+  int block_size = 0;
+  int n_heads = 0;
+  int k_width = 0;  // H·d_h
+  int c_width = 0;  // D
+};
+
+// Rows [row_begin, row_begin + n_rows) of the batch belong to one sequence whose row r sits at
+// position pos_begin + r and attends to cached positions 0 … pos_begin + r.
+struct AttnSeq {
+  int row_begin = 0, n_rows = 0, pos_begin = 0;
+  const int32_t* blocks = nullptr;
+};
+
+enum class DiagKind { kNone, kShared, kPerHead };
+
+// Writes row r's entries (k[r], v[r], c[r]; v/c when the view has them) at its position.
+void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_seqs,
+              const Tensor& k /*[N,H·d_h]*/, const Tensor& v /*[N,H·d_h] or empty*/,
+              const Tensor& c /*[N,D] or empty*/);
+
+// out[N, H·d_h]  = Σ_j p_{k,ij} v_{k,j}          (v = κ when kv.v is null)
+// out_c          = shared: [N, D] Σ_k Σ_j p_{k,ij} c_j;  per-head: [N, H, D] Σ_j p_{k,ij} c_j; else empty
+// s_{k,ij} = scale·(q_{k,i}·κ_{k,j} + qd_{(k),i}·c_j), qd = [N, D] (shared) or [N, H, D] (per-head).
+// Scratch: 2·(max context length) floats per OpenMP thread.
+void paged_attention_forward(const ExecCtx&, Tensor out, Tensor out_c, const Tensor& q,
+                             const Tensor& qd, DiagKind diag, const KvLayerView& kv,
+                             const AttnSeq* seqs, int n_seqs, float scale);
+
+}  // namespace cemlm

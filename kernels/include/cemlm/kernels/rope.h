@@ -1,0 +1,17 @@
+// Half-split rotary position embedding (MODEL.md §2) applied per head, with an inverse mode
+// (R_pᵀ = R_{−p}) used by CEM attention to rotate outputs back and by every backward pass.
+// CPU oracle: kernels/cpu/rope.cc; test: tests/kernels/.
+#pragma once
+#include <cstdint>
+
+#include "cemlm/kernels/tensor.h"
+
+namespace cemlm {
+
+// table[P, d_h]: cos(pθ_m) in [:, 0:d_h/2], sin(pθ_m) in [:, d_h/2:]; computed in double.
+void rope_table_init(Tensor table, float theta);
+// out[N, H·d_h] = R_pos (x) per head (R_posᵀ when inverse); out may alias x. pos[N] < P.
+void rope_forward(const ExecCtx&, Tensor out, const Tensor& x, const int32_t* pos,
+                  const Tensor& table, bool inverse);
+
+}  // namespace cemlm

@@ -1,0 +1,97 @@
+// `cemlm score`: log-probability of every token given its prefix, NLL and perplexity, computed
+// with the full-sequence CPU forward (the oracle); optionally dumps the [N, V] logits.
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/cli/flags.h"
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_model.h"
+#include "cemlm/engine/safetensors.h"
+#include "cemlm/engine/sampler.h"
+#include "cemlm/engine/tokenizer.h"
+#include "cemlm/engine/utf8.h"
+#include "nlohmann/json.hpp"
+
+namespace cemlm::cli {
+namespace {
+
+int fail(const std::string& msg) {
+  std::fprintf(stderr, "error: %s\n", msg.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int cmd_score(int argc, char** argv) {
+  std::string model, text, ids_text, dump;
+  int T = 0;
+  Flags f("cemlm score --model DIR (--text STR | --ids 3,17,42) [--recursion T] [--dump-logits FILE]",
+          "Prints JSON {\"tokens\", \"logprobs\", \"nll\", \"perplexity\"}: the log-probability of each\n"
+          "token given its prefix (the first token has none: null), computed with the full-sequence\n"
+          "CPU forward.");
+  f.add("model", &model, "checkpoint directory", true);
+  f.add("text", &text, "text to score (needs the checkpoint's tokenizer.model)");
+  f.add("ids", &ids_text, "comma-separated token ids to score");
+  f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
+  f.add("dump-logits", &dump, "write the logits as a safetensors file with one F32 tensor `logits` [N, V]");
+  if (int rc = f.parse(argc, argv); rc >= 0) return rc;
+  if (f.given("text") == f.given("ids")) return fail("give exactly one of --text and --ids (see --help)");
+
+  auto ck = load_checkpoint(model);
+  if (!ck.ok()) return fail(std::string(ck.status().message()));
+  const ModelConfig& c = ck->config;
+  std::vector<int> ids;
+  if (f.given("ids")) {
+    if (!parse_id_list(ids_text, &ids)) return fail("--ids: expected comma-separated integers like 3,17,42");
+  } else {
+    if (ck->tokenizer_path.empty())
+      return fail("--text: the checkpoint '" + model + "' has no tokenizer.model; use --ids");
+    if (!is_valid_utf8(text)) return fail("--text: not valid UTF-8");
+    std::string err;
+    auto tok = Tokenizer::load(ck->tokenizer_path, &err);
+    if (!tok) return fail(err);
+    ids = tok->encode(text);
+  }
+  if (ids.size() < 2) return fail("need at least 2 tokens to score (got " + std::to_string(ids.size()) + ")");
+  if (int(ids.size()) > c.max_seq_len)
+    return fail("input has " + std::to_string(ids.size()) + " tokens; the model's max_seq_len is " +
+                std::to_string(c.max_seq_len));
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= c.vocab_size)
+      return fail("token id " + std::to_string(ids[i]) + " at index " + std::to_string(i) +
+                  " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
+  if (T == 0) T = c.recursion_default;
+  if (T < 1 || T > c.recursion_max)
+    return fail("--recursion " + std::to_string(T) + " is outside [1, recursion.max = " +
+                std::to_string(c.recursion_max) + "]");
+
+  const Weights w = bind_weights(c, ck->params);
+  const std::vector<float> logits = full_forward(c, w, ids, T);
+  const size_t V = size_t(c.vocab_size);
+  nlohmann::json out;
+  out["tokens"] = ids;
+  out["logprobs"] = nlohmann::json::array({nullptr});
+  double nll = 0;
+  for (size_t i = 0; i + 1 < ids.size(); ++i) {
+    std::span<const float> row(logits.data() + i * V, V);
+    const double lp = double(row[size_t(ids[i + 1])]) - log_sum_exp(row);
+    if (!std::isfinite(lp)) return fail("the model produced non-finite logits at position " + std::to_string(i));
+    out["logprobs"].push_back(lp);
+    nll -= lp;
+  }
+  nll /= double(ids.size() - 1);
+  out["nll"] = nll;
+  out["perplexity"] = std::exp(nll);
+  out["recursion"] = T;
+  if (!dump.empty()) {
+    auto st = write_safetensors(dump, {NamedTensor{"logits", {int64_t(ids.size()), int64_t(V)}, logits}});
+    if (!st.ok()) return fail(std::string(st.message()));
+  }
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+}  // namespace cemlm::cli

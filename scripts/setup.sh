@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs the Debian packages cemlm needs (only those missing) and builds it into ./build.
+# Usage: scripts/setup.sh [extra cmake args]. Needs root (or sudo) for apt-get on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(
+  build-essential cmake pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev
+  libsentencepiece-dev sentencepiece
+  libopenblas-openmp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  fortunes fortunes-min
+  python3 python3-yaml python3-grpcio python3-protobuf prometheus curl
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "$@" > build.log 2>&1 || { cat build.log; exit 1; }
+cmake --build build -j"$(nproc)" >> build.log 2>&1 || { tail -50 build.log; exit 1; }
+echo "setup: built ./build/cli/cemlm"

@@ -2,8 +2,6 @@
 // grow-only and reused between steps, so a steady decode loop does not allocate.
 #include "cemlm/engine/cpu_model.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -96,6 +94,13 @@ CpuModel::CpuModel(const ModelConfig& c, const Weights& w) : cfg_(c), w_(w), buf
   }
 }
 
+DiagKind CpuModel::diag_kind() const {
+  if (cfg_.attention != AttentionType::kCem) return DiagKind::kNone;
+  return cfg_.diag == DiagMode::kShared    ? DiagKind::kShared
+         : cfg_.diag == DiagMode::kPerHead ? DiagKind::kPerHead
+                                           : DiagKind::kNone;
+}
+
 const float* CpuModel::embedding(int token) const {
   const float* base = lev_table_.empty() ? w_.embed.data : lev_table_.data();
   return base + int64_t(token) * cfg_.d_model;
@@ -109,7 +114,6 @@ float* CpuModel::buf(size_t i, int64_t n) {
 void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logits) {
   const int D = cfg_.d_model, Q = cfg_.qk_dim(), F = cfg_.d_ff, V = cfg_.vocab_size;
   Rows r;
-  int max_ctx = 0;
   for (const BatchSeq& s : batch.seqs) {
     CEMLM_CHECK(s.recursion >= 1 && s.n_tokens >= 1);
     CEMLM_CHECK(r.seq_T.empty() || r.seq_T.back() >= s.recursion);
@@ -124,14 +128,15 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
       r.eta.push_back(cfg_.step(s.recursion));
     }
     r.N += s.n_tokens;
-    max_ctx = std::max(max_ctx, s.pos_begin + s.n_tokens);
   }
   if (r.N == 0) return;
   r.Tmax = r.seq_T.front();
   const int64_t N = r.N;
   const int rank = std::max(cfg_.attn_precond_rank, cfg_.mlp_precond_rank);
-  const int64_t scratch =
-      std::max<int64_t>(int64_t(2) * max_ctx * omp_get_max_threads(), 2 * N * std::max(rank, 1));
+  const DiagKind kind = diag_kind();
+  const int64_t scratch = std::max<int64_t>(
+      paged_attention_scratch_floats(r.seqs.data(), int(r.seqs.size()), kv.layer(0), kind),
+      2 * N * std::max(rank, 1));
   r.ctx.scratch = buf(kScratch, scratch);
   r.ctx.scratch_floats = scratch;
   // Sized once per step for the largest use.
@@ -189,9 +194,7 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
   const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim(), H = cfg_.n_heads;
   const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
   const bool diag = cfg_.diag != DiagMode::kNone;
-  const DiagKind kind = cfg_.diag == DiagMode::kShared    ? DiagKind::kShared
-                        : cfg_.diag == DiagMode::kPerHead ? DiagKind::kPerHead
-                                                          : DiagKind::kNone;
+  const DiagKind kind = diag_kind();
   const int64_t qd_width = cfg_.diag == DiagMode::kPerHead ? H * D : D;
   Tensor c = view(buf(kC, 0), N, D), k = view(buf(kK, 0), N, Q);
   // The context and the keys come from the sub-layer input, once, whatever T is.

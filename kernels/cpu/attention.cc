@@ -1,6 +1,6 @@
-// CPU paged attention: one query row per work item (OpenMP over all rows of the batch); keys
-// are read in place from their blocks, scores kept in per-thread scratch. The shared diagonal's
-// score row is computed once per query row and reused by every head.
+// CPU paged attention. Long sequences (prefill, training): gather the cached rows, then sgemm per
+// head with heads in parallel. Short ones (decode): one query row per work item, keys read in
+// place from their blocks. Either way the shared diagonal's scores are computed once per row.
 #include "cemlm/kernels/attention.h"
 
 #include <omp.h>
@@ -10,13 +10,21 @@
 #include <cstring>
 #include <vector>
 
+#include "cemlm/kernels/linear.h"
+
 namespace cemlm {
 namespace {
 
 inline float dot(const float* a, const float* b, int n) {
   float s = 0;
+#pragma omp simd reduction(+ : s)
   for (int i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 inline int64_t slot_of(const KvLayerView& kv, const int32_t* blocks, int pos) {
@@ -65,23 +73,130 @@ void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_
   }
 }
 
+namespace {
+
+constexpr int kGemmMinRows = 8;  // below this a sequence's rows take the per-row path
+
+inline bool use_gemm(const AttnSeq& s) { return s.n_rows >= kGemmMinRows; }
+
+int64_t row_path_floats(int max_ctx) { return int64_t(3) * max_ctx * omp_get_max_threads(); }
+
+int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag) {
+  const int64_t n_ctx = s.pos_begin + s.n_rows, R = s.n_rows;
+  int64_t f = n_ctx * kv.k_width * (kv.v ? 2 : 1) + R * n_ctx * omp_get_max_threads();
+  if (diag != DiagKind::kNone) f += n_ctx * kv.c_width;
+  if (diag == DiagKind::kShared) f += 2 * R * n_ctx;
+  return f;
+}
+
+// Copies a sequence's first n_ctx cached rows of one pool into contiguous [n_ctx, width].
+void gather(const float* pool, int width, const KvLayerView& kv, const int32_t* blocks, int n_ctx,
+            float* out) {
+  for (int j = 0; j < n_ctx; j += kv.block_size) {
+    const int n = std::min(kv.block_size, n_ctx - j);
+    std::memcpy(out + int64_t(j) * width, pool + slot_of(kv, blocks, j) * width,
+                sizeof(float) * n * width);
+  }
+}
+
+// Scaled, causally masked softmax of each row of S[R, n_ctx]; row r sees columns ≤ pos0 + r.
+void masked_softmax_rows(float* S, int R, int n_ctx, int pos0, float scale) {
+  for (int r = 0; r < R; ++r) {
+    float* row = S + int64_t(r) * n_ctx;
+    const int n = pos0 + r + 1;
+    for (int j = 0; j < n; ++j) row[j] *= scale;
+    softmax_inplace(row, n);
+    std::fill(row + n, row + n_ctx, 0.0f);
+  }
+}
+
+// One sequence with many rows: scores and weighted sums as sgemms, heads in parallel.
+void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& q, const Tensor& qd,
+                    DiagKind diag, const KvLayerView& kv, const AttnSeq& s, float scale) {
+  const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
+  const int R = s.n_rows, n_ctx = s.pos_begin + s.n_rows;
+  float* kc = ctx.scratch;
+  float* vc = kv.v ? kc + int64_t(n_ctx) * W : kc;
+  float* next = kc + int64_t(n_ctx) * W * (kv.v ? 2 : 1);
+  float* cc = nullptr;
+  float* sd = nullptr;
+  float* psum = nullptr;
+  gather(kv.k, W, kv, s.blocks, n_ctx, kc);
+  if (kv.v) gather(kv.v, W, kv, s.blocks, n_ctx, vc);
+  if (diag != DiagKind::kNone) {
+    cc = next;
+    next += int64_t(n_ctx) * D;
+    gather(kv.c, D, kv, s.blocks, n_ctx, cc);
+  }
+  const float* qs = q.data + int64_t(s.row_begin) * W;
+  float* os = out.data + int64_t(s.row_begin) * W;
+  if (diag == DiagKind::kShared) {  // the diagonal score is shared by every head: once
+    sd = next;
+    psum = sd + int64_t(R) * n_ctx;
+    next = psum + int64_t(R) * n_ctx;
+    gemm(false, true, R, n_ctx, D, 1.0f, qd.data + int64_t(s.row_begin) * D, D, cc, D, 0.0f, sd, n_ctx);
+    std::fill(psum, psum + int64_t(R) * n_ctx, 0.0f);
+  }
+#pragma omp parallel for schedule(static)
+  for (int h = 0; h < H; ++h) {
+    float* S = next + int64_t(omp_get_thread_num()) * R * n_ctx;
+    if (diag == DiagKind::kShared) std::copy(sd, sd + int64_t(R) * n_ctx, S);
+    if (diag == DiagKind::kPerHead)
+      gemm(false, true, R, n_ctx, D, 1.0f, qd.data + (int64_t(s.row_begin) * H + h) * D, H * D, cc, D,
+           0.0f, S, n_ctx);
+    gemm(false, true, R, n_ctx, dh, 1.0f, qs + h * dh, W, kc + h * dh, W,
+         diag == DiagKind::kNone ? 0.0f : 1.0f, S, n_ctx);
+    masked_softmax_rows(S, R, n_ctx, s.pos_begin, scale);
+    gemm(false, false, R, dh, n_ctx, 1.0f, S, n_ctx, vc + h * dh, W, 0.0f, os + h * dh, W);
+    if (diag == DiagKind::kPerHead)
+      gemm(false, false, R, D, n_ctx, 1.0f, S, n_ctx, cc, D, 0.0f,
+           out_c.data + (int64_t(s.row_begin) * H + h) * D, H * D);
+    if (diag == DiagKind::kShared) {
+#pragma omp critical(cemlm_attention_psum)
+      for (int64_t e = 0; e < int64_t(R) * n_ctx; ++e) psum[e] += S[e];
+    }
+  }
+  if (diag == DiagKind::kShared)
+    gemm(false, false, R, D, n_ctx, 1.0f, psum, n_ctx, cc, D, 0.0f,
+         out_c.data + int64_t(s.row_begin) * D, D);
+}
+
+}  // namespace
+
+int64_t paged_attention_scratch_floats(const AttnSeq* seqs, int n_seqs, const KvLayerView& kv,
+                                       DiagKind diag) {
+  int max_ctx = 0;
+  int64_t need = 0;
+  for (int i = 0; i < n_seqs; ++i) {
+    max_ctx = std::max(max_ctx, seqs[i].pos_begin + seqs[i].n_rows);
+    if (use_gemm(seqs[i])) need = std::max(need, gemm_path_floats(seqs[i], kv, diag));
+  }
+  return std::max(need, row_path_floats(max_ctx));
+}
+
 void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& q,
                              const Tensor& qd, DiagKind diag, const KvLayerView& kv,
                              const AttnSeq* seqs, int n_seqs, float scale) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
   CEMLM_CHECK(q.dim(-1) == W && out.dim(-1) == W);
   CEMLM_CHECK(diag == DiagKind::kNone || (kv.c && !qd.empty() && !out_c.empty()));
+  CEMLM_CHECK(ctx.scratch_floats >= paged_attention_scratch_floats(seqs, n_seqs, kv, diag));
   int n_rows = 0;
-  const std::vector<int> owner = row_owner(seqs, n_seqs, &n_rows);
+  std::vector<int> owner = row_owner(seqs, n_seqs, &n_rows);
   int max_ctx = 0;
-  for (int s = 0; s < n_seqs; ++s) max_ctx = std::max(max_ctx, seqs[s].pos_begin + seqs[s].n_rows);
-  CEMLM_CHECK(ctx.scratch_floats >= int64_t(2) * max_ctx * omp_get_max_threads());
+  for (int s = 0; s < n_seqs; ++s) {
+    max_ctx = std::max(max_ctx, seqs[s].pos_begin + seqs[s].n_rows);
+    if (!use_gemm(seqs[s])) continue;
+    attention_gemm(ctx, out, out_c, q, qd, diag, kv, seqs[s], scale);
+    for (int r = 0; r < seqs[s].n_rows; ++r) owner[seqs[s].row_begin + r] = -1;  // done
+  }
   const float* vpool = kv.v ? kv.v : kv.k;
   const int64_t oc_width = diag == DiagKind::kPerHead ? int64_t(H) * D : D;
 #pragma omp parallel
   {
-    float* sc = ctx.scratch + int64_t(2) * max_ctx * omp_get_thread_num();
+    float* sc = ctx.scratch + int64_t(3) * max_ctx * omp_get_thread_num();
     float* dsc = sc + max_ctx;
+    float* wsum = dsc + max_ctx;
 #pragma omp for schedule(dynamic, 2)
     for (int i = 0; i < n_rows; ++i) {
       const int s = owner[i];
@@ -90,8 +205,10 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
       const int n_ctx = sq.pos_begin + (i - sq.row_begin) + 1;
       if (diag == DiagKind::kShared) {  // identical for every head: once per row
         const float* qdi = qd.data + int64_t(i) * D;
-        for (int j = 0; j < n_ctx; ++j)
+        for (int j = 0; j < n_ctx; ++j) {
           dsc[j] = dot(qdi, kv.c + slot_of(kv, sq.blocks, j) * D, D);
+          wsum[j] = 0.0f;
+        }
       }
       float* oc = diag == DiagKind::kNone ? nullptr : out_c.data + i * oc_width;
       if (oc) std::memset(oc, 0, sizeof(float) * oc_width);
@@ -108,18 +225,15 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
         softmax_inplace(sc, n_ctx);
         float* oi = out.data + int64_t(i) * W + h * dh;
         std::memset(oi, 0, sizeof(float) * dh);
-        float* och = diag == DiagKind::kPerHead ? oc + int64_t(h) * D : oc;
         for (int j = 0; j < n_ctx; ++j) {
           const int64_t slot = slot_of(kv, sq.blocks, j);
-          const float p = sc[j];
-          const float* vj = vpool + slot * W + h * dh;
-          for (int d = 0; d < dh; ++d) oi[d] += p * vj[d];
-          if (och) {
-            const float* cj = kv.c + slot * D;
-            for (int d = 0; d < D; ++d) och[d] += p * cj[d];
-          }
+          axpy(sc[j], vpool + slot * W + h * dh, oi, dh);
+          if (diag == DiagKind::kPerHead) axpy(sc[j], kv.c + slot * D, oc + int64_t(h) * D, D);
+          if (diag == DiagKind::kShared) wsum[j] += sc[j];
         }
       }
+      if (diag == DiagKind::kShared)
+        for (int j = 0; j < n_ctx; ++j) axpy(wsum[j], kv.c + slot_of(kv, sq.blocks, j) * D, oc, D);
     }
   }
 }

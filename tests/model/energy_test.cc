@@ -2,7 +2,6 @@
 // −∇ of the stated energy, checked by central finite differences on an energy written here
 // directly from the formulas (double precision, rotation by its definition).
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <vector>
@@ -77,8 +76,12 @@ double attn_energy(const AttnSetup& s, const std::vector<double>& y) {
 // u = W_Qᵀ concat_k(R_iᵀ Σ_j p κ_j) + ω, computed with the engine's ops as the model does.
 std::vector<float> attn_update(const AttnSetup& s, const std::vector<float>& y) {
   std::vector<float> rope_tab(NCTX * dh), keys(NCTX * Q), kpool(NCTX * Q), cpool(NCTX * D);
+  KvLayerView kv{kpool.data(), nullptr, s.diag == DiagKind::kNone ? nullptr : cpool.data(), NCTX, H, Q, D};
+  const int32_t block = 0;
+  AttnSeq all{0, NCTX, 0, &block};
+  AttnSeq one{0, 1, NCTX - 1, &block};
   ExecCtx ctx;
-  std::vector<float> scratch(2 * NCTX * omp_get_max_threads());
+  std::vector<float> scratch(paged_attention_scratch_floats(&one, 1, kv, s.diag));
   ctx.scratch = scratch.data();
   ctx.scratch_floats = int64_t(scratch.size());
   Tensor tab(rope_tab.data(), {NCTX, dh});
@@ -89,9 +92,6 @@ std::vector<float> attn_update(const AttnSetup& s, const std::vector<float>& y) 
   const Tensor wq(const_cast<float*>(s.wq.data()), {Q, D}), wk(const_cast<float*>(s.wk.data()), {Q, D});
   linear_forward(ctx, Tensor(keys.data(), {NCTX, Q}), ctx_t, wk);
   rope_forward(ctx, Tensor(keys.data(), {NCTX, Q}), Tensor(keys.data(), {NCTX, Q}), pos.data(), tab, false);
-  KvLayerView kv{kpool.data(), nullptr, s.diag == DiagKind::kNone ? nullptr : cpool.data(), NCTX, H, Q, D};
-  const int32_t block = 0;
-  AttnSeq all{0, NCTX, 0, &block};
   kv_write(ctx, kv, &all, 1, Tensor(keys.data(), {NCTX, Q}), Tensor{}, ctx_t);
   // One query row at the last position.
   std::vector<float> q(Q), a(Q), u(D), qd(H * D), oc(H * D);
@@ -102,7 +102,6 @@ std::vector<float> attn_update(const AttnSetup& s, const std::vector<float>& y) 
   const int64_t w = s.diag == DiagKind::kPerHead ? H * D : D;
   Tensor dt(const_cast<float*>(s.d.data()), {int64_t(s.d.size())});
   if (s.diag != DiagKind::kNone) diag_scale_forward(ctx, Tensor(qd.data(), {1, w}), yt, dt);
-  AttnSeq one{0, 1, NCTX - 1, &block};
   paged_attention_forward(ctx, at, s.diag == DiagKind::kNone ? Tensor{} : Tensor(oc.data(), {1, w}),
                           qt, s.diag == DiagKind::kNone ? Tensor{} : Tensor(qd.data(), {1, w}),
                           s.diag, kv, &one, 1, 1.0f / std::sqrt(float(dh)));

@@ -47,6 +47,7 @@ class CpuModel {
   void mlp_swiglu(int l, Rows& r);
   void mlp_cem(int l, Rows& r);
   float* buf(size_t i, int64_t n);
+  DiagKind diag_kind() const;
 
   ModelConfig cfg_;
   const Weights& w_;

@@ -38,9 +38,13 @@ void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_
 // out[N, H·d_h]  = Σ_j p_{k,ij} v_{k,j}          (v = κ when kv.v is null)
 // out_c          = shared: [N, D] Σ_k Σ_j p_{k,ij} c_j;  per-head: [N, H, D] Σ_j p_{k,ij} c_j; else empty
 // s_{k,ij} = scale·(q_{k,i}·κ_{k,j} + qd_{(k),i}·c_j), qd = [N, D] (shared) or [N, H, D] (per-head).
-// Scratch: 2·(max context length) floats per OpenMP thread.
+// Scratch: paged_attention_scratch_floats(...) floats in ctx.scratch. Sequences with many rows
+// (prefill chunks, training) take a gather + sgemm path; short ones (decode) a per-row path.
 void paged_attention_forward(const ExecCtx&, Tensor out, Tensor out_c, const Tensor& q,
                              const Tensor& qd, DiagKind diag, const KvLayerView& kv,
                              const AttnSeq* seqs, int n_seqs, float scale);
+
+int64_t paged_attention_scratch_floats(const AttnSeq* seqs, int n_seqs, const KvLayerView& kv,
+                                       DiagKind diag);
 
 }  // namespace cemlm

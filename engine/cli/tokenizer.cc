@@ -1,0 +1,128 @@
+// `cemlm tokenizer`: train a SentencePiece tokenizer on text files (train), and look at what one
+// does to a text (encode) or an id list (decode).
+#include "cemlm/engine/tokenizer.h"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/cli/flags.h"
+#include "cemlm/engine/utf8.h"
+
+namespace cemlm::cli {
+namespace {
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  return 1;
+}
+
+int train(int argc, char** argv) {
+  TokenizerTrainOptions opts;
+  Flags flags("cemlm tokenizer train --input FILE|DIR... --out FILE [--vocab-size N]",
+              "Train a byte-fallback BPE SentencePiece tokenizer (unk 0, bos 1, eos 2, pad 3)\n"
+              "on UTF-8 text, one sentence per line; any text then encodes without unk.");
+  flags.add_list("input", &opts.inputs,
+                 "text files or directories (walked recursively, sorted); .dat/.u8, binary and "
+                 "non-UTF-8 files are skipped",
+                 true);
+  flags.add("out", &opts.out_path, "the .model file to write (e.g. CKPT/tokenizer.model)", true);
+  flags.add("vocab-size", &opts.vocab_size, "number of pieces, at least 261");
+  flags.add_bool("verbose", &opts.verbose, "show SentencePiece's training log");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  std::string error;
+  TokenizerTrainStats stats;
+  if (!train_tokenizer(opts, &error, &stats)) return fail(error);
+  std::printf("wrote %s: %d pieces from %d text files (%.2f MB), %zu files skipped\n",
+              opts.out_path.c_str(), opts.vocab_size, stats.files, double(stats.bytes) / 1e6,
+              stats.skipped.size());
+  return 0;
+}
+
+int encode(int argc, char** argv) {
+  std::string model, text;
+  bool pieces = false;
+  Flags flags("cemlm tokenizer encode --model FILE --text STR [--pieces]",
+              "Print the ids of a text (no BOS/EOS), comma-separated for `decode --ids`.");
+  flags.add("model", &model, "the SentencePiece .model file", true);
+  flags.add("text", &text, "the UTF-8 text to encode", true);
+  flags.add_bool("pieces", &pieces, "print one 'id<TAB>piece' line per token instead");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  if (size_t valid = utf8_valid_prefix(text); valid != text.size())
+    return fail("--text is not valid UTF-8 (bad byte at offset " + std::to_string(valid) + ")");
+  std::string error;
+  auto tokenizer = Tokenizer::load(model, &error);
+  if (!tokenizer) return fail(error + " (--model)");
+  const auto ids = tokenizer->encode(text);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (pieces)
+      std::printf("%d\t%s\n", ids[i], tokenizer->id_to_piece(ids[i]).c_str());
+    else
+      std::printf("%s%d", i ? "," : "", ids[i]);
+  }
+  if (!pieces) std::printf("\n");
+  return 0;
+}
+
+int decode(int argc, char** argv) {
+  std::string model, id_text;
+  Flags flags("cemlm tokenizer decode --model FILE --ids 1,2,3",
+              "Print the text of a comma-separated id list.");
+  flags.add("model", &model, "the SentencePiece .model file", true);
+  flags.add("ids", &id_text, "comma-separated token ids", true);
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  std::vector<int> ids;
+  if (!parse_id_list(id_text, &ids))
+    return fail("--ids '" + id_text + "' is not a comma-separated list of integers like 1,2,3");
+  std::string error;
+  auto tokenizer = Tokenizer::load(model, &error);
+  if (!tokenizer) return fail(error + " (--model)");
+  for (int id : ids)
+    if (id < 0 || id >= tokenizer->vocab_size())
+      return fail("--ids: id " + std::to_string(id) + " is outside the tokenizer's range [0, " +
+                  std::to_string(tokenizer->vocab_size()) + ")");
+  const std::string text = tokenizer->decode(ids);
+  std::fwrite(text.data(), 1, text.size(), stdout);  // byte pieces may decode to a NUL
+  std::fputc('\n', stdout);
+  return 0;
+}
+
+struct Subcommand {
+  const char* name;
+  const char* summary;
+  int (*run)(int, char**);
+};
+
+const Subcommand kSubcommands[] = {
+    {"train", "train a SentencePiece tokenizer on text files", train},
+    {"encode", "print the ids of a text", encode},
+    {"decode", "print the text of an id list", decode},
+};
+
+void print_help(std::FILE* out) {
+  std::fprintf(out, "usage: cemlm tokenizer <subcommand> [options]\n\nsubcommands:\n");
+  for (const auto& s : kSubcommands) std::fprintf(out, "  %-8s %s\n", s.name, s.summary);
+  std::fprintf(out, "\nRun 'cemlm tokenizer <subcommand> --help' for its options.\n");
+}
+
+}  // namespace
+
+int cmd_tokenizer(int argc, char** argv) {
+  if (argc < 1) {
+    print_help(stderr);
+    return 2;
+  }
+  if (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h") ||
+      !std::strcmp(argv[0], "help")) {
+    print_help(stdout);
+    return 0;
+  }
+  for (const auto& s : kSubcommands)
+    if (!std::strcmp(argv[0], s.name)) return s.run(argc - 1, argv + 1);
+  std::fprintf(stderr, "error: unknown tokenizer subcommand '%s' (see cemlm tokenizer --help)\n",
+               argv[0]);
+  return 2;
+}
+
+}  // namespace cemlm::cli

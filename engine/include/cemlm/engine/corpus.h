@@ -1,0 +1,33 @@
+// Text corpus collection for tokenizer and model training: expands files and directories into a
+// deterministic list of UTF-8 text files and reads them. Abseil-free on purpose (tokenizer.cc,
+// which may not include abseil, uses it): failures return false and fill `*error`.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace cemlm {
+
+// Reads a whole file's bytes; false (error names the path) when it is missing or unreadable.
+bool read_file(const std::string& path, std::string* bytes, std::string* error);
+
+// Reads a whole file as UTF-8 text; false (error names the path) when it cannot be read or is
+// not UTF-8 text (a NUL byte or an invalid sequence, with its byte offset).
+bool read_text_file(const std::string& path, std::string* text, std::string* error);
+
+// Expands `paths` (files, or directories walked recursively in sorted order, hidden entries
+// skipped) into the text files to train on, in input order. Skips `.dat`/`.u8` files (the strfile
+// indexes and symlinked duplicates of Debian's fortunes) and binary or non-UTF-8 files, listing
+// them in `*skipped` when given. False (error names the path) when a path does not exist or
+// cannot be read.
+bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
+                        std::string* error, std::vector<std::string>* skipped = nullptr);
+
+struct TextFile {
+  std::string path, text;
+};
+
+// collect_text_files plus the contents, each file read once.
+bool read_corpus(const std::vector<std::string>& paths, std::vector<TextFile>* files,
+                 std::string* error, std::vector<std::string>* skipped = nullptr);
+
+}  // namespace cemlm

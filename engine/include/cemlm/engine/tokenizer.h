@@ -1,0 +1,91 @@
+// The SentencePiece tokenizer shared by the engine, the trainer and the server, its streaming
+// detokenizer, and tokenizer training. Only tokenizer.cc sees SentencePiece, whose header defines
+// its own absl::string_view, so this header includes no abseil either: failures return
+// false/null and fill a `std::string* error`, which callers wrap into an absl::Status.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace sentencepiece {
+class SentencePieceProcessor;
+}
+
+namespace cemlm {
+
+class Tokenizer {
+ public:
+  // Loads a SentencePiece model file; null when it cannot be read or is not a SentencePiece
+  // model (the error names the path).
+  static std::unique_ptr<Tokenizer> load(const std::string& path, std::string* error);
+  ~Tokenizer();
+  Tokenizer(const Tokenizer&) = delete;
+  Tokenizer& operator=(const Tokenizer&) = delete;
+
+  // Text to ids, no BOS/EOS added. Expects valid UTF-8 (see utf8.h).
+  std::vector<int> encode(std::string_view text) const;
+  // Ids to text. Control ids (BOS, EOS, pad) decode to nothing; ids outside [0, vocab_size())
+  // decode like unk_id() (" ⁇ "), so a model whose vocabulary is padded past the tokenizer's
+  // still produces text.
+  std::string decode(std::span<const int> ids) const;
+  // The piece of an id ("▁the", "<0x0A>", "</s>"); empty when out of range.
+  std::string id_to_piece(int id) const;
+
+  int vocab_size() const;
+  int bos_id() const;  // -1 when the model defines none
+  int eos_id() const;
+  int unk_id() const;
+  int pad_id() const;
+
+ private:
+  explicit Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> sp);
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+};
+
+// Streams the text of a growing id sequence: each call takes every id generated so far and
+// returns the text added since the previous call. Text is held back while it ends in an
+// unfinished UTF-8 character (byte-fallback pieces split characters), so pieces are always
+// valid UTF-8 and stop strings can be matched on them; the pieces of next() and finish()
+// concatenate to tokenizer.decode(ids). One per request; the tokenizer must outlive it.
+class IncrementalDetokenizer {
+ public:
+  explicit IncrementalDetokenizer(const Tokenizer& tokenizer) : tokenizer_(&tokenizer) {}
+  std::string next(std::span<const int> ids);
+  // The held-back rest at the end of the stream (an unfinished character becomes U+FFFD).
+  std::string finish(std::span<const int> ids);
+
+ private:
+  // Decodes a short window before the new ids too, so that decoding stays context-correct
+  // (models with a dummy prefix drop the space of a text-initial "▁") at a cost independent
+  // of the sequence length.
+  std::string emit(std::span<const int> ids, bool final);
+  const Tokenizer* tokenizer_;
+  size_t prefix_offset_ = 0;  // start of the context window
+  size_t read_offset_ = 0;    // ids before this have been emitted
+};
+
+struct TokenizerTrainOptions {
+  std::vector<std::string> inputs;  // files or directories, collected as by collect_text_files
+  int vocab_size = 4096;
+  std::string out_path;  // the .model file to write
+  bool verbose = false;  // SentencePiece's own progress log
+};
+
+struct TokenizerTrainStats {
+  int files = 0;                     // text files trained on
+  int64_t bytes = 0;                 // their total size
+  std::vector<std::string> skipped;  // files left out (.dat/.u8, binary, not UTF-8)
+};
+
+// Trains a byte-fallback BPE SentencePiece model (unk 0, bos 1, eos 2, pad 3; identity
+// normalization, so decode(encode(text)) == text for any UTF-8 text) on the text files of
+// `opts.inputs`, one sentence per line, and writes it to opts.out_path. Deterministic for the
+// same inputs. False with *error (naming the option or path) on failure. Not reentrant: the
+// SentencePiece trainer keeps global state (log level, random seed).
+bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
+                     TokenizerTrainStats* stats = nullptr);
+
+}  // namespace cemlm

@@ -1,0 +1,111 @@
+// UTF-8 validation and corpus collection: strict validity, the skip rules (.dat/.u8, binary,
+// non-UTF-8, hidden), sorted deterministic order, and errors that name the path.
+#include "cemlm/engine/corpus.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "cemlm/engine/utf8.h"
+#include "test_files.h"
+
+namespace cemlm {
+namespace {
+
+using testing_files::fresh_temp_dir;
+using testing_files::write_file;
+
+TEST(Utf8, AcceptsWellFormedText) {
+  for (const char* s : {"", "plain ascii", "café", "日本", "🎉", "\xEF\xBF\xBD",
+                        "\xF4\x8F\xBF\xBF" /* U+10FFFF */, "\xED\x9F\xBF" /* U+D7FF */})
+    EXPECT_TRUE(is_valid_utf8(s)) << s;
+}
+
+TEST(Utf8, RejectsMalformedBytes) {
+  for (const char* s :
+       {"\x80", "\xBF", "\xFF", "\xFE", "\xC0\xAF" /* overlong '/' */, "\xC1\xBF", "\xE0\x80\xAF",
+        "\xF0\x80\x80\xAF", "\xED\xA0\x80" /* surrogate */, "\xF4\x90\x80\x80" /* above U+10FFFF */,
+        "\xF5\x80\x80\x80", "\xE6\x97" /* truncated 日 */, "\xC3", "\xC3(", "\xE6\x97("})
+    EXPECT_FALSE(is_valid_utf8(s)) << testing::PrintToString(std::string(s));
+}
+
+TEST(Utf8, ValidPrefixPointsAtTheFirstBadByte) {
+  EXPECT_EQ(utf8_valid_prefix("ab\xE6\x97"), 2u);
+  EXPECT_EQ(utf8_valid_prefix("日x\x80y"), 4u);
+  EXPECT_EQ(utf8_valid_prefix("ok"), 2u);
+}
+
+class CorpusTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fresh_temp_dir();
+    write_file(dir_ + "/b.txt", "bee\n");
+    write_file(dir_ + "/a.txt", "ay\n");
+    write_file(dir_ + "/sub/c", "see\n");
+    write_file(dir_ + "/sub/c.dat", "index");
+    write_file(dir_ + "/sub/c.u8", "see\n");
+    write_file(dir_ + "/.hidden/d.txt", "hidden\n");
+    write_file(dir_ + "/binary", std::string("ab\0cd", 5));
+    write_file(dir_ + "/latin1", "caf\xE9\n");
+  }
+  std::string dir_;
+};
+
+TEST_F(CorpusTest, CollectsSortedTextFilesAndSkipsTheRest) {
+  std::vector<std::string> files, skipped;
+  std::string error;
+  ASSERT_TRUE(collect_text_files({dir_}, &files, &error, &skipped)) << error;
+  EXPECT_EQ(files, (std::vector<std::string>{dir_ + "/a.txt", dir_ + "/b.txt", dir_ + "/sub/c"}));
+  EXPECT_EQ(skipped, (std::vector<std::string>{dir_ + "/binary", dir_ + "/latin1",
+                                               dir_ + "/sub/c.dat", dir_ + "/sub/c.u8"}));
+}
+
+TEST_F(CorpusTest, KeepsTheOrderOfExplicitInputs) {
+  std::vector<std::string> files;
+  std::string error;
+  ASSERT_TRUE(collect_text_files(
+      {dir_ + "/b.txt", dir_ + "/sub", dir_ + "/a.txt", dir_ + "/sub/c.dat"}, &files, &error))
+      << error;
+  EXPECT_EQ(files, (std::vector<std::string>{dir_ + "/b.txt", dir_ + "/sub/c", dir_ + "/a.txt"}));
+}
+
+TEST_F(CorpusTest, ReadsTheTexts) {
+  std::vector<TextFile> files;
+  std::string error;
+  ASSERT_TRUE(read_corpus({dir_ + "/sub", dir_ + "/a.txt"}, &files, &error)) << error;
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(files[0].path, dir_ + "/sub/c");
+  EXPECT_EQ(files[0].text, "see\n");
+  EXPECT_EQ(files[1].text, "ay\n");
+}
+
+TEST_F(CorpusTest, ErrorsNameThePath) {
+  std::vector<std::string> files;
+  std::string error;
+  EXPECT_FALSE(collect_text_files({dir_ + "/a.txt", dir_ + "/missing"}, &files, &error));
+  EXPECT_NE(error.find(dir_ + "/missing"), std::string::npos) << error;
+  std::string text;
+  EXPECT_FALSE(read_text_file(dir_ + "/latin1", &text, &error));
+  EXPECT_NE(error.find(dir_ + "/latin1"), std::string::npos) << error;
+  EXPECT_NE(error.find("offset 3"), std::string::npos) << error;
+  EXPECT_FALSE(read_text_file(dir_ + "/binary", &text, &error));
+  EXPECT_NE(error.find("NUL byte at offset 2"), std::string::npos) << error;
+  EXPECT_FALSE(read_file(dir_ + "/sub", &text, &error));
+  EXPECT_NE(error.find(dir_ + "/sub"), std::string::npos) << error;
+}
+
+TEST(Corpus, FortunesDirectoryYieldsOnlyTextFiles) {
+  std::vector<std::string> files, skipped;
+  std::string error;
+  ASSERT_TRUE(collect_text_files({testing_files::kFortunes}, &files, &error, &skipped)) << error;
+  ASSERT_GE(files.size(), 10u) << "is the Debian fortunes package installed?";
+  EXPECT_TRUE(std::is_sorted(files.begin(), files.end()));
+  for (const auto& f : files) {
+    EXPECT_FALSE(f.ends_with(".dat")) << f;
+    EXPECT_FALSE(f.ends_with(".u8")) << f;
+  }
+  EXPECT_GE(skipped.size(), files.size());  // every text file has its .dat index and .u8 link
+}
+
+}  // namespace
+}  // namespace cemlm

@@ -1,0 +1,82 @@
+// `cemlm tokenizer`: the subcommand list, train → encode → decode through the command line, and
+// bad flags named in the error output with the right exit code.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "cemlm/cli/commands.h"
+#include "test_files.h"
+
+namespace cemlm {
+namespace {
+
+struct CliRun {
+  int rc;
+  std::string out, err;
+};
+
+CliRun run(std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  int rc = cli::cmd_tokenizer(int(argv.size()), argv.data());
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::string out = ::testing::internal::GetCapturedStdout();
+  return {rc, out, ::testing::internal::GetCapturedStderr()};
+}
+
+TEST(TokenizerCli, HelpListsSubcommands) {
+  CliRun r = run({"--help"});
+  EXPECT_EQ(r.rc, 0);
+  for (const char* sub : {"train", "encode", "decode"})
+    EXPECT_NE(r.out.find(sub), std::string::npos) << r.out;
+  CliRun train_help = run({"train", "--help"});
+  EXPECT_EQ(train_help.rc, 0);
+  EXPECT_NE(train_help.out.find("--vocab-size"), std::string::npos) << train_help.out;
+  EXPECT_EQ(run({}).rc, 2);
+  EXPECT_EQ(run({"bogus"}).rc, 2);
+}
+
+TEST(TokenizerCli, TrainEncodeDecode) {
+  const std::string dir = testing_files::fresh_temp_dir(), model = dir + "/tok.model";
+  const auto corpus = testing_files::small_corpus();
+  CliRun train =
+      run({"train", "--input", corpus[0], corpus[1], "--vocab-size", "400", "--out", model});
+  ASSERT_EQ(train.rc, 0) << train.err;
+  EXPECT_TRUE(std::filesystem::exists(model));
+  EXPECT_NE(train.out.find("2 text files"), std::string::npos) << train.out;
+
+  const std::string text = "Fortune favours the bold, café 日本";
+  CliRun enc = run({"encode", "--model", model, "--text", text});
+  ASSERT_EQ(enc.rc, 0) << enc.err;
+  ASSERT_TRUE(enc.out.ends_with("\n"));
+  CliRun dec = run({"decode", "--model", model, "--ids", enc.out.substr(0, enc.out.size() - 1)});
+  ASSERT_EQ(dec.rc, 0) << dec.err;
+  EXPECT_EQ(dec.out, text + "\n");
+
+  CliRun pieces = run({"encode", "--model", model, "--text", "a\n", "--pieces"});
+  EXPECT_NE(pieces.out.find("<0x0A>"), std::string::npos) << pieces.out;
+}
+
+TEST(TokenizerCli, ErrorsNameTheFlag) {
+  const std::string dir = testing_files::fresh_temp_dir(), model = dir + "/tok.model";
+  EXPECT_EQ(run({"train", "--input", testing_files::small_corpus()[0]}).rc, 2);  // no --out
+  CliRun small = run(
+      {"train", "--input", testing_files::small_corpus()[0], "--vocab-size", "10", "--out", model});
+  EXPECT_EQ(small.rc, 1);
+  EXPECT_NE(small.err.find("--vocab-size"), std::string::npos) << small.err;
+  CliRun missing = run({"decode", "--model", model, "--ids", "1,2"});
+  EXPECT_EQ(missing.rc, 1);
+  EXPECT_NE(missing.err.find(model), std::string::npos) << missing.err;
+  CliRun bad_ids = run({"decode", "--model", model, "--ids", "1,x"});
+  EXPECT_EQ(bad_ids.rc, 1);
+  EXPECT_NE(bad_ids.err.find("--ids"), std::string::npos) << bad_ids.err;
+  CliRun bad_text = run({"encode", "--model", model, "--text", "caf\xE9"});
+  EXPECT_EQ(bad_text.rc, 1);
+  EXPECT_NE(bad_text.err.find("--text"), std::string::npos) << bad_text.err;
+}
+
+}  // namespace
+}  // namespace cemlm

@@ -1,0 +1,197 @@
+// Tokenizer: training on a small fortunes corpus, exact round trips through byte fallback, the
+// special ids, the streaming detokenizer, and every load and training error naming its cause.
+#include "cemlm/engine/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <random>
+
+#include "cemlm/engine/corpus.h"
+#include "cemlm/engine/utf8.h"
+#include "test_files.h"
+
+namespace cemlm {
+namespace {
+
+using testing_files::fresh_temp_dir;
+using testing_files::small_corpus;
+using testing_files::write_file;
+
+constexpr int kVocab = 400;
+
+const std::vector<std::string> kTexts = {
+    "Hello, world! The quick brown fox.",
+    " leading space,  two spaces\n\ttab and CRLF\r\nend",
+    "café naïve résumé",
+    "日本語のテキスト",
+    "emoji 🎉🚀 mixed with text",
+    "\xEF\xBF\xBD replacement char, then bytes \x01\x7F",
+};
+
+class TokenizerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(fresh_temp_dir());
+    std::string error;
+    TokenizerTrainOptions opts{small_corpus(), kVocab, *dir_ + "/tok.model"};
+    ASSERT_TRUE(train_tokenizer(opts, &error)) << error;
+    tok_ = Tokenizer::load(opts.out_path, &error).release();
+    ASSERT_NE(tok_, nullptr) << error;
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    delete dir_;
+  }
+  static std::string* dir_;
+  static Tokenizer* tok_;
+};
+std::string* TokenizerTest::dir_ = nullptr;
+Tokenizer* TokenizerTest::tok_ = nullptr;
+
+TEST_F(TokenizerTest, SpecialIdsAndVocab) {
+  EXPECT_EQ(tok_->vocab_size(), kVocab);
+  EXPECT_EQ(tok_->unk_id(), 0);
+  EXPECT_EQ(tok_->bos_id(), 1);
+  EXPECT_EQ(tok_->eos_id(), 2);
+  EXPECT_EQ(tok_->pad_id(), 3);
+  EXPECT_EQ(tok_->id_to_piece(1), "<s>");
+  EXPECT_EQ(tok_->id_to_piece(2), "</s>");
+  EXPECT_EQ(tok_->id_to_piece(-1), "");
+  EXPECT_EQ(tok_->id_to_piece(kVocab), "");
+}
+
+TEST_F(TokenizerTest, RoundTripsExactlyWithoutUnknownsOrBos) {
+  EXPECT_TRUE(tok_->encode("").empty());
+  for (const auto& text : kTexts) {
+    const auto ids = tok_->encode(text);
+    ASSERT_FALSE(ids.empty()) << text;
+    EXPECT_NE(ids.front(), tok_->bos_id()) << text;
+    for (int id : ids) {
+      EXPECT_NE(id, tok_->unk_id()) << text;
+      EXPECT_GE(id, 0);
+      EXPECT_LT(id, kVocab);
+    }
+    EXPECT_EQ(tok_->decode(ids), text);
+  }
+}
+
+TEST_F(TokenizerTest, MergesCommonEnglish) {
+  // A trained BPE model needs fewer tokens than bytes on the text it was trained on.
+  const std::string text = "the people of the world";
+  EXPECT_LT(tok_->encode(text).size(), text.size());
+}
+
+TEST_F(TokenizerTest, DecodeDropsControlIdsAndMarksUnknownIds) {
+  auto ids = tok_->encode("abc");
+  std::vector<int> framed = {tok_->bos_id()};
+  framed.insert(framed.end(), ids.begin(), ids.end());
+  framed.push_back(tok_->eos_id());
+  EXPECT_EQ(tok_->decode(framed), "abc");
+  const std::string out_of_range = tok_->decode(std::vector<int>{kVocab + 5, -1});
+  EXPECT_NE(out_of_range.find("\xE2\x81\x87"), std::string::npos) << out_of_range;  // "⁇"
+}
+
+// Feeds ids one at a time; checks every piece is valid UTF-8 and that they add up to decode().
+std::string stream(const Tokenizer& tok, const std::vector<int>& ids, int* empty_pieces) {
+  IncrementalDetokenizer detok(tok);
+  std::string out;
+  for (size_t n = 1; n <= ids.size(); ++n) {
+    std::string piece = detok.next(std::span<const int>(ids.data(), n));
+    EXPECT_TRUE(is_valid_utf8(piece)) << "piece after " << n << " ids";
+    if (piece.empty()) ++*empty_pieces;
+    out += piece;
+  }
+  std::string rest = detok.finish(ids);
+  EXPECT_TRUE(is_valid_utf8(rest));
+  return out + rest;
+}
+
+TEST_F(TokenizerTest, IncrementalDetokenizerMatchesDecodeAndHoldsPartialCharacters) {
+  for (const auto& text : kTexts) {
+    int held = 0;
+    EXPECT_EQ(stream(*tok_, tok_->encode(text), &held), text);
+  }
+  // 日 and 本 are byte-fallback pieces here: 3 ids each, two of which must be held back.
+  int held = 0;
+  const auto ids = tok_->encode("日本");
+  ASSERT_EQ(ids.size(), 6u);
+  EXPECT_EQ(stream(*tok_, ids, &held), "日本");
+  EXPECT_EQ(held, 4);
+}
+
+TEST_F(TokenizerTest, IncrementalDetokenizerFlushesAnUnfinishedCharacterAtTheEnd) {
+  auto ids = tok_->encode("日");
+  ids.pop_back();
+  IncrementalDetokenizer detok(*tok_);
+  EXPECT_EQ(detok.next(std::span<const int>(ids.data(), 1)), "");
+  EXPECT_EQ(detok.next(ids), "");
+  EXPECT_EQ(detok.finish(ids), tok_->decode(ids));
+}
+
+TEST_F(TokenizerTest, IncrementalDetokenizerOnRandomIds) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> pick(0, kVocab - 1);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<int> ids(1 + trial % 17);
+    for (int& id : ids) id = pick(rng);
+    int held = 0;
+    EXPECT_EQ(stream(*tok_, ids, &held), tok_->decode(ids)) << "trial " << trial;
+  }
+}
+
+TEST_F(TokenizerTest, TrainingIsDeterministic) {
+  std::string error;
+  TokenizerTrainOptions opts{small_corpus(), kVocab, *dir_ + "/again.model"};
+  ASSERT_TRUE(train_tokenizer(opts, &error)) << error;
+  std::string a, b;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &a, &error)) << error;
+  ASSERT_TRUE(read_file(opts.out_path, &b, &error)) << error;
+  EXPECT_EQ(a, b);
+}
+
+std::string load_error(const std::string& path) {
+  std::string error;
+  EXPECT_EQ(Tokenizer::load(path, &error), nullptr) << path;
+  return error;
+}
+
+TEST(TokenizerLoad, ErrorsNameThePath) {
+  const std::string dir = fresh_temp_dir();
+  EXPECT_NE(load_error(dir + "/missing.model").find(dir + "/missing.model"), std::string::npos);
+  EXPECT_NE(load_error(dir).find(dir), std::string::npos);
+  for (const char* bytes : {"this is not a model\n", "\x08\x01"}) {
+    write_file(dir + "/garbage.model", bytes);
+    const std::string error = load_error(dir + "/garbage.model");
+    EXPECT_NE(error.find(dir + "/garbage.model"), std::string::npos) << error;
+    EXPECT_NE(error.find("not a SentencePiece model"), std::string::npos) << error;
+  }
+}
+
+std::string train_error(TokenizerTrainOptions opts) {
+  std::string error;
+  EXPECT_FALSE(train_tokenizer(opts, &error));
+  return error;
+}
+
+TEST(TokenizerTrain, ErrorsNameTheOption) {
+  const std::string dir = fresh_temp_dir();
+  const std::string out = dir + "/tok.model";
+  EXPECT_NE(train_error({{}, kVocab, out}).find("--input"), std::string::npos);
+  write_file(dir + "/only/x.dat", "index");
+  write_file(dir + "/only/y.bin", std::string("\0\1\2", 3));
+  const std::string nothing = train_error({{dir + "/only"}, kVocab, out});
+  EXPECT_NE(nothing.find("--input"), std::string::npos) << nothing;
+  EXPECT_NE(nothing.find("2 files skipped"), std::string::npos) << nothing;
+  EXPECT_NE(train_error({{dir + "/nope"}, kVocab, out}).find(dir + "/nope"), std::string::npos);
+  EXPECT_NE(train_error({small_corpus(), 100, out}).find("--vocab-size"), std::string::npos);
+  // Above the byte-fallback floor but below what the corpus's characters need.
+  const std::string few = train_error({small_corpus(), 280, out});
+  EXPECT_NE(few.find("--vocab-size 280"), std::string::npos) << few;
+  EXPECT_NE(few.find("Increase vocab_size"), std::string::npos) << few;
+  EXPECT_NE(train_error({small_corpus(), kVocab, ""}).find("--out"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+}  // namespace
+}  // namespace cemlm

@@ -1,7 +1,11 @@
 // config.json parsing (MODEL.md §7): defaults, and each kind of bad input named by key.
+#include "cemlm/engine/config.h"
+
 #include <gtest/gtest.h>
 
-#include "cemlm/engine/config.h"
+#include <algorithm>
+#include <functional>
+
 #include "cemlm/engine/params.h"
 #include "nlohmann/json.hpp"
 
@@ -56,6 +60,169 @@ TEST(Config, ErrorsNameTheKey) {
   auto j = base();
   j["bogus"] = 1;
   EXPECT_NE(error_of(j).find("bogus"), std::string::npos);
+}
+
+// One bad config: `edit` breaks base(); the error must contain `key` (quoted as in the message).
+struct BadConfig {
+  std::string key;
+  std::function<void(nlohmann::json&)> edit;
+};
+
+// "embedding.lev.digits" → JSON pointer "/embedding/lev/digits".
+nlohmann::json::json_pointer pointer(std::string dotted) {
+  std::replace(dotted.begin(), dotted.end(), '.', '/');
+  return nlohmann::json::json_pointer("/" + dotted);
+}
+void set_path(nlohmann::json& j, const std::string& dotted, const nlohmann::json& value) {
+  j[pointer(dotted)] = value;
+}
+void erase_path(nlohmann::json& j, const std::string& dotted) {
+  const auto dot = dotted.rfind('.');
+  nlohmann::json& parent = dot == std::string::npos ? j : j[pointer(dotted.substr(0, dot))];
+  parent.erase(dot == std::string::npos ? dotted : dotted.substr(dot + 1));
+}
+BadConfig missing(const std::string& key) {
+  return {key, [key](nlohmann::json& j) { erase_path(j, key); }};
+}
+BadConfig with(const std::string& key, nlohmann::json value) {
+  return {key, [key, value](nlohmann::json& j) { set_path(j, key, value); }};
+}
+BadConfig with_all(const std::string& key, std::vector<std::pair<std::string, nlohmann::json>> kv) {
+  return {key, [kv](nlohmann::json& j) {
+            for (const auto& [k, v] : kv) set_path(j, k, v);
+          }};
+}
+
+std::vector<BadConfig> bad_configs() {
+  std::vector<BadConfig> v;
+  for (const char* key : {"architecture",
+                          "format_version",
+                          "vocab_size",
+                          "d_model",
+                          "n_layers",
+                          "n_heads",
+                          "head_dim",
+                          "d_ff",
+                          "embedding",
+                          "embedding.type",
+                          "attention",
+                          "attention.type",
+                          "mlp",
+                          "mlp.type",
+                          "embedding.lev",
+                          "embedding.lev.digits",
+                          "embedding.lev.seed_dim",
+                          "embedding.lev.knots",
+                          "embedding.lev.rank",
+                          "embedding.lev.heads"})
+    v.push_back(missing(key));
+  // Wrong types.
+  v.push_back(with("architecture", 1));
+  v.push_back(with("format_version", "1"));
+  v.push_back(with("vocab_size", "4096"));
+  v.push_back(with("d_model", 256.5));
+  v.push_back(with("n_layers", true));
+  v.push_back(with("max_seq_len", nullptr));
+  v.push_back(with("norm_eps", "1e-5"));
+  v.push_back(with("rope_theta", nlohmann::json::array({1})));
+  v.push_back(with("embedding", "lev"));
+  v.push_back(with("embedding.type", 1));
+  v.push_back(with("embedding.tie_output", 0));
+  v.push_back(with("embedding.lev", nlohmann::json::array()));
+  v.push_back(with("embedding.lev.digits", 3.0));
+  v.push_back(with("attention", nlohmann::json::array()));
+  v.push_back(with("attention.diag", false));
+  v.push_back(with("attention.precond_rank", "8"));
+  v.push_back(with("mlp.type", nlohmann::json::object()));
+  v.push_back(with("recursion", 2));
+  v.push_back(with("recursion.default", 1.5));
+  v.push_back(with("recursion.step_size", 1));
+  v.push_back(with("bos_id", "1"));
+  // Out of range / not one of the choices.
+  v.push_back(with("architecture", "llama"));
+  v.push_back(with("format_version", 2));
+  v.push_back(with("vocab_size", 1));
+  v.push_back(with("d_model", 0));
+  v.push_back(with("n_layers", -1));
+  v.push_back(with("n_heads", 0));
+  v.push_back(with("head_dim", 0));
+  v.push_back(with("d_ff", 0));
+  v.push_back(with("max_seq_len", 0));
+  v.push_back(with("norm_eps", 0.0));
+  v.push_back(with("norm_eps", 2.0));
+  v.push_back(with("rope_theta", -1.0));
+  v.push_back(with("embedding.type", "onehot"));
+  v.push_back(with("embedding.lev.digits", 0));
+  v.push_back(with("embedding.lev.knots", 1));
+  v.push_back(with("embedding.lev.heads", 0));
+  v.push_back(with("attention.type", "linear"));
+  v.push_back(with("attention.diag", "full"));
+  v.push_back(with("attention.precond_rank", -1));
+  v.push_back(with("attention.precond_rank", 257));  // > d_model
+  v.push_back(with("mlp.type", "relu"));
+  v.push_back(with("mlp.precond_rank", 1000));
+  v.push_back(with("recursion.max", 0));
+  v.push_back(with("recursion.max", 65));
+  v.push_back(with("recursion.default", 0));
+  v.push_back(with("recursion.step_size", "sqrt_T"));
+  v.push_back(with("bos_id", 4096));  // == vocab_size
+  v.push_back(with("eos_id", -2));
+  // Unknown keys, top level and nested.
+  v.push_back(with("bogus", 1));
+  v.push_back(with("embedding.bogus", 1));
+  v.push_back(with("embedding.lev.bogus", 1));
+  v.push_back(with("attention.bogus", 1));
+  v.push_back(with("mlp.bogus", 1));
+  v.push_back(with("recursion.bogus", 1));
+  // Rules between keys.
+  v.push_back(with("head_dim", 63));
+  v.push_back(
+      with_all("attention.diag", {{"attention.type", "standard"}, {"attention.precond_rank", 0}}));
+  v.push_back(with_all("attention.precond_rank",
+                       {{"attention.type", "standard"}, {"attention.diag", "none"}}));
+  v.push_back(with_all("mlp.precond_rank", {{"mlp.type", "swiglu"}}));
+  v.push_back(with("embedding.tie_output", true));  // with lev
+  v.push_back(with_all("embedding.lev", {{"embedding.type", "table"}}));
+  v.push_back(with("recursion.default", 9));  // > recursion.max = 8
+  v.push_back(with_all("recursion.default", {{"recursion.max", 2}, {"recursion.default", 3}}));
+  return v;
+}
+
+TEST(Config, EveryBadConfigIsRefusedNamingTheKey) {
+  for (const BadConfig& b : bad_configs()) {
+    auto j = base();
+    b.edit(j);
+    const std::string err = error_of(j);
+    EXPECT_NE(err.find("'" + b.key + "'"), std::string::npos)
+        << "key " << b.key << " not named in: " << err << "\nconfig: " << j.dump();
+  }
+}
+
+TEST(Config, NotJsonIsRefused) {
+  for (const char* text : {"", "{", "{\"architecture\": }", "not json at all"}) {
+    auto c = parse_config(text);
+    ASSERT_FALSE(c.ok()) << text;
+    EXPECT_NE(c.status().message().find("JSON"), std::string::npos) << c.status().message();
+  }
+  auto c = parse_config("[1, 2]");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("top level"), std::string::npos) << c.status().message();
+}
+
+TEST(Config, CemOnlyKeysAtTheirDefaultsAreAllowedElsewhere) {
+  auto j = base();
+  j["attention"] = {{"type", "standard"}, {"diag", "none"}, {"precond_rank", 0}};
+  j["mlp"] = {{"type", "swiglu"}, {"precond_rank", 0}};
+  j["embedding"] = {{"type", "table"}, {"tie_output", true}};
+  auto c = parse_config(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->tie_output);
+}
+
+TEST(Config, LoadConfigNamesTheFile) {
+  auto c = load_config("/nonexistent/dir/config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("/nonexistent/dir/config.json"), std::string::npos);
 }
 
 }  // namespace

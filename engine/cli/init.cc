@@ -1,0 +1,68 @@
+// `cemlm init`: a randomly initialised checkpoint (MODEL.md's recommended init) for a config,
+// so that every variant can be served and tested without training.
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/cli/flags.h"
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/config.h"
+#include "cemlm/engine/params.h"
+#include "cemlm/engine/tokenizer.h"
+
+namespace cemlm::cli {
+namespace {
+
+// Ids the tokenizer can produce must have embeddings; a larger model vocabulary is fine (padding).
+bool check_tokenizer(const std::string& path, const ModelConfig& c) {
+  std::string error;
+  auto tok = Tokenizer::load(path, &error);
+  if (!tok) {
+    std::fprintf(stderr, "error: --tokenizer: %s\n", error.c_str());
+    return false;
+  }
+  if (tok->vocab_size() > c.vocab_size) {
+    std::fprintf(stderr,
+                 "error: --tokenizer '%s' has %d pieces but the config's vocab_size is %d; "
+                 "raise vocab_size or train a smaller tokenizer\n",
+                 path.c_str(), tok->vocab_size(), c.vocab_size);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int cmd_init(int argc, char** argv) {
+  std::string config_path, out_dir, tokenizer_path;
+  int64_t seed = 0;
+  Flags flags("cemlm init --config FILE --out DIR [--seed N] [--tokenizer FILE]",
+              "Write a checkpoint directory (config.json, model.safetensors[, tokenizer.model])\n"
+              "with random weights drawn from MODEL.md's recommended init.");
+  flags.add("config", &config_path, "model config.json to initialise", true);
+  flags.add("out", &out_dir, "checkpoint directory to write (an existing checkpoint is replaced)",
+            true);
+  flags.add("seed", &seed, "random seed; the same seed gives the same weights");
+  flags.add("tokenizer", &tokenizer_path, "SentencePiece model to copy in as tokenizer.model");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+
+  auto config = load_config(config_path);
+  if (!config.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(config.status().message()).c_str());
+    return 1;
+  }
+  if (!tokenizer_path.empty() && !check_tokenizer(tokenizer_path, *config)) return 1;
+  ParamStore params(*config);
+  params.init_random(uint64_t(seed));
+  if (auto st = save_checkpoint(out_dir, *config, params, tokenizer_path); !st.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(st.message()).c_str());
+    return 1;
+  }
+  std::printf("wrote %s: %s, %lld parameters, seed %lld%s\n", out_dir.c_str(),
+              config->variant_name().c_str(), static_cast<long long>(params.size()),
+              static_cast<long long>(seed), tokenizer_path.empty() ? ", no tokenizer" : "");
+  return 0;
+}
+
+}  // namespace cemlm::cli

@@ -1,0 +1,41 @@
+// Checkpoint directories (MODEL.md §8): config.json, model.safetensors, tokenizer.model.
+// Loading checks every tensor against the layout table (param_layout); saving builds the whole
+// directory beside the target and swaps it in, so a crash never leaves half a checkpoint.
+#pragma once
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cemlm/engine/config.h"
+#include "cemlm/engine/params.h"
+
+namespace cemlm {
+
+inline constexpr char kConfigFile[] = "config.json";
+inline constexpr char kWeightsFile[] = "model.safetensors";
+inline constexpr char kTokenizerFile[] = "tokenizer.model";
+
+struct Checkpoint {
+  ModelConfig config;
+  ParamStore params;
+  std::string tokenizer_path;  // <dir>/tokenizer.model, or empty when the directory has none
+};
+
+// Missing, extra or mis-shaped tensors, a truncated body and non-finite values are errors that
+// name the tensor. BF16/F16 weights are converted to F32.
+absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir);
+
+// Writes extra files (optimizer state, training progress) into the not-yet-published directory,
+// so they appear atomically with the model. An error aborts the save.
+using ExtraFilesWriter = std::function<absl::Status(const std::string& tmp_dir)>;
+
+// Writes config.json, model.safetensors (F32, layout order) and, when `tokenizer_path` is not
+// empty, a copy of it as tokenizer.model. An existing `dir` is replaced only once the new one is
+// complete, and only if it is a checkpoint (has config.json) or empty; a failed save leaves it
+// untouched and removes the temporary directory. Non-finite parameters are refused by name.
+absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
+                             const ParamStore& params, const std::string& tokenizer_path = "",
+                             const ExtraFilesWriter& write_extra = nullptr);
+
+}  // namespace cemlm

@@ -1,0 +1,84 @@
+// safetensors files: a memory-mapped reader (F32, BF16, F16 in the file; F32 out) and an F32
+// writer that replaces its target atomically. Format: 8-byte little-endian header length, a JSON
+// header {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}, the body.
+// Every malformed input is refused with a message naming the tensor (or "header").
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace cemlm {
+
+enum class DType { kF32, kF16, kBF16 };
+
+// One tensor to write: a view of numel(shape) floats owned by the caller.
+struct NamedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::span<const float> data;
+};
+
+// Creates `path` atomically: `fill` writes the content into a temporary sibling, which is synced
+// and renamed over `path` only when `fill` succeeds; on failure the temporary is removed and any
+// old `path` is left untouched. For small side files (JSON state) as well as tensors.
+absl::Status write_file_atomic(const std::string& path,
+                               const std::function<absl::Status(std::FILE*)>& fill);
+
+// Writes `tensors` as F32 in the given order. The file appears at `path` only once complete
+// (written to a temporary sibling, synced, then renamed), so readers never see half a file.
+absl::Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                               const std::map<std::string, std::string>& metadata = {});
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;  // byte offsets into the body
+  int64_t numel() const;
+};
+
+// An open, validated file. Opening checks the whole header against the file size; values are
+// converted (and checked finite) only when a tensor is read.
+class SafetensorsFile {
+ public:
+  static absl::StatusOr<SafetensorsFile> open(const std::string& path);
+  SafetensorsFile(SafetensorsFile&& other) noexcept;
+  SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+  ~SafetensorsFile();
+
+  const std::string& path() const { return path_; }
+  // In body order.
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  const TensorInfo* find(const std::string& name) const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+  // Converts one tensor to F32 into `out` (exactly numel floats); refuses non-finite values.
+  absl::Status read_f32(const TensorInfo& t, std::span<float> out) const;
+  absl::StatusOr<std::vector<float>> read_f32(const std::string& name) const;
+
+ private:
+  SafetensorsFile() = default;
+  void unmap();
+
+  std::string path_;
+  const uint8_t* map_ = nullptr;
+  size_t map_size_ = 0;
+  const uint8_t* body_ = nullptr;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, size_t> index_;  // name → position in tensors_
+  std::map<std::string, std::string> metadata_;
+};
+
+const char* dtype_name(DType d);
+std::string shape_string(const std::vector<int64_t>& shape);  // "[2, 3]"
+
+}  // namespace cemlm

@@ -1,0 +1,176 @@
+// Checkpoint load (layout-checked) and atomic save. Saving builds "<dir>.tmp-<pid>-<n>" and
+// swaps it with the old directory in one renameat2(RENAME_EXCHANGE), so readers see either the
+// old checkpoint or the new one, never a mix.
+#include "cemlm/engine/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <span>
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/engine/safetensors.h"
+#include "cemlm/engine/status.h"
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::span<const float> values_of(const ParamStore& params, const ParamSpec& s) {
+  return {params.flat().data() + s.offset, size_t(s.numel())};
+}
+
+absl::Status fs_error(const std::string& what, const fs::path& p, const std::error_code& ec) {
+  return absl::UnavailableError(
+      absl::StrCat("cannot ", what, " '", p.string(), "': ", ec.message()));
+}
+
+absl::Status load_tensors(const SafetensorsFile& file, ParamStore& params) {
+  for (const TensorInfo& t : file.tensors())
+    if (!params.find(t.name))
+      return absl::InvalidArgumentError(absl::StrCat(
+          file.path(), ": unexpected tensor '", t.name,
+          "' (config.json's model has no such parameter: check that config.json belongs to these "
+          "weights)"));
+  for (const ParamSpec& s : params.specs()) {
+    const TensorInfo* t = file.find(s.name);
+    if (!t)
+      return absl::InvalidArgumentError(absl::StrCat(
+          file.path(), ": missing tensor '", s.name, "' of shape ", shape_string(s.shape),
+          " (config.json's model needs it: check that config.json belongs to these weights)"));
+    if (t->shape != s.shape)
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.path(), ": tensor '", s.name, "' has shape ", shape_string(t->shape),
+                       ", config.json expects ", shape_string(s.shape)));
+    CEMLM_RETURN_IF_ERROR(file.read_f32(*t, {params.flat().data() + s.offset, size_t(s.numel())}));
+  }
+  return absl::OkStatus();
+}
+
+// The store must have been built for this config, else the file would contradict config.json.
+absl::Status check_params(const ModelConfig& config, const ParamStore& params) {
+  const std::vector<ParamSpec> layout = param_layout(config);
+  bool same = layout.size() == params.specs().size();
+  for (size_t i = 0; same && i < layout.size(); ++i)
+    same = layout[i].name == params.specs()[i].name && layout[i].shape == params.specs()[i].shape;
+  if (!same)
+    return absl::InvalidArgumentError(
+        "save_checkpoint: the parameters were not built for this config (layouts differ)");
+  for (const ParamSpec& s : params.specs())
+    for (float x : values_of(params, s))
+      if (!std::isfinite(x))
+        return absl::InvalidArgumentError(absl::StrCat(
+            "save_checkpoint: tensor '", s.name,
+            "' holds a non-finite value (training diverged?); refusing to overwrite a checkpoint"));
+  return absl::OkStatus();
+}
+
+absl::Status write_contents(const fs::path& tmp, const ModelConfig& config,
+                            const ParamStore& params, const std::string& tokenizer_path,
+                            const ExtraFilesWriter& write_extra) {
+  const std::string json = config_to_json(config);
+  CEMLM_RETURN_IF_ERROR(write_file_atomic((tmp / kConfigFile).string(), [&](std::FILE* f) {
+    return std::fwrite(json.data(), 1, json.size(), f) == json.size()
+               ? absl::OkStatus()
+               : absl::UnavailableError(absl::StrCat("cannot write ", kConfigFile));
+  }));
+  std::vector<NamedTensor> tensors;
+  for (const ParamSpec& s : params.specs())
+    tensors.push_back(NamedTensor{s.name, s.shape, values_of(params, s)});
+  CEMLM_RETURN_IF_ERROR(write_safetensors((tmp / kWeightsFile).string(), tensors,
+                                          {{"format", "pt"}, {"variant", config.variant_name()}}));
+  if (!tokenizer_path.empty()) {
+    std::error_code ec;
+    fs::copy_file(tokenizer_path, tmp / kTokenizerFile, ec);
+    if (ec) return fs_error("copy the tokenizer", tokenizer_path, ec);
+  }
+  return write_extra ? write_extra(tmp.string()) : absl::OkStatus();
+}
+
+// Replaces `target` with `tmp`; afterwards `tmp`, if it still exists, holds what is to delete.
+absl::Status publish(const fs::path& tmp, const fs::path& target, bool target_exists) {
+  if (!target_exists) {
+    if (std::rename(tmp.c_str(), target.c_str()) != 0)
+      return absl::UnavailableError(
+          absl::StrCat("cannot rename onto '", target.string(), "': ", std::strerror(errno)));
+    return absl::OkStatus();
+  }
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0)
+    return absl::OkStatus();
+  if (errno != EINVAL && errno != ENOSYS)
+    return absl::UnavailableError(
+        absl::StrCat("cannot swap in '", target.string(), "': ", std::strerror(errno)));
+  // The filesystem cannot exchange: move the old one aside first (a short window without it).
+  const fs::path old = fs::path(tmp.string() + ".old");
+  if (std::rename(target.c_str(), old.c_str()) != 0)
+    return absl::UnavailableError(
+        absl::StrCat("cannot move '", target.string(), "' aside: ", std::strerror(errno)));
+  if (std::rename(tmp.c_str(), target.c_str()) != 0) {
+    const int err = errno;
+    std::rename(old.c_str(), target.c_str());
+    return absl::UnavailableError(
+        absl::StrCat("cannot rename onto '", target.string(), "': ", std::strerror(err)));
+  }
+  std::error_code ec;
+  fs::remove_all(old, ec);
+  return absl::OkStatus();
+}
+
+void sync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace
+
+absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
+  const fs::path root(dir);
+  Checkpoint ck;
+  CEMLM_ASSIGN_OR_RETURN(ck.config, load_config((root / kConfigFile).string()));
+  CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file,
+                         SafetensorsFile::open((root / kWeightsFile).string()));
+  ck.params = ParamStore(ck.config);
+  CEMLM_RETURN_IF_ERROR(load_tensors(file, ck.params));
+  std::error_code ec;
+  if (fs::is_regular_file(root / kTokenizerFile, ec))
+    ck.tokenizer_path = (root / kTokenizerFile).string();
+  return ck;
+}
+
+absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
+                             const ParamStore& params, const std::string& tokenizer_path,
+                             const ExtraFilesWriter& write_extra) {
+  CEMLM_RETURN_IF_ERROR(check_params(config, params));
+  fs::path target = fs::path(dir).lexically_normal();
+  if (!target.has_filename()) target = target.parent_path();  // "out/" → "out"
+  std::error_code ec;
+  const bool exists = fs::exists(target, ec);
+  if (exists && (!fs::is_directory(target, ec) ||
+                 (!fs::exists(target / kConfigFile, ec) && !fs::is_empty(target, ec))))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "'", target.string(),
+        "' exists and is not a checkpoint directory (no config.json); refusing to replace it: "
+        "choose another output directory or remove it"));
+  if (target.has_parent_path() && !fs::create_directories(target.parent_path(), ec) && ec)
+    return fs_error("create", target.parent_path(), ec);
+  static std::atomic<uint64_t> counter{0};
+  const fs::path tmp = absl::StrCat(target.string(), ".tmp-", ::getpid(), "-", counter++);
+  if (!fs::create_directory(tmp, ec))
+    return fs_error("create", tmp, ec ? ec : std::make_error_code(std::errc::file_exists));
+  absl::Status st = write_contents(tmp, config, params, tokenizer_path, write_extra);
+  if (st.ok()) st = publish(tmp, target, exists);
+  fs::remove_all(tmp, ec);
+  if (st.ok()) sync_dir(target.parent_path());
+  return st;
+}
+
+}  // namespace cemlm

@@ -1,0 +1,295 @@
+// safetensors reader (mmap, header validation, F32/BF16/F16 → F32) and atomic F32 writer.
+// The header is checked whole at open so that a bad file fails before any tensor is used.
+#include "cemlm/engine/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "cemlm/engine/status.h"
+#include "nlohmann/json.hpp"
+
+namespace cemlm {
+
+static_assert(std::endian::native == std::endian::little,
+              "safetensors is little-endian; a big-endian host needs byte swapping");
+
+namespace {
+
+using nlohmann::json;
+
+constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the format's own limit
+
+size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(uint32_t(h) << 16); }
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (man << 13));  // inf / nan
+  if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112) << 23) | (man << 13));
+  const float sub = std::ldexp(float(man), -24);  // subnormal (or zero)
+  return sign ? -sub : sub;
+}
+
+absl::Status header_error(const std::string& path, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": header: ", what));
+}
+absl::Status tensor_error(const std::string& path, const std::string& name,
+                          const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "': ", what));
+}
+
+absl::StatusOr<DType> parse_dtype(const json& v) {
+  if (v.is_string()) {
+    const std::string s = v.get<std::string>();
+    if (s == "F32") return DType::kF32;
+    if (s == "F16") return DType::kF16;
+    if (s == "BF16") return DType::kBF16;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype ", v.dump(), " is not supported (convert the file to F32, BF16 or F16)"));
+}
+
+// numel × dtype size in bytes, or an error on negative dims or overflow.
+absl::StatusOr<uint64_t> parse_shape(const json& v, DType dtype, std::vector<int64_t>* shape) {
+  if (!v.is_array()) return absl::InvalidArgumentError("'shape' must be an array of integers");
+  uint64_t bytes = dtype_size(dtype);
+  for (const json& d : v) {
+    if (!d.is_number_unsigned())
+      return absl::InvalidArgumentError("'shape' must hold non-negative integers");
+    const uint64_t x = d.get<uint64_t>();
+    if (x > (uint64_t(1) << 40) || __builtin_mul_overflow(bytes, x, &bytes))
+      return absl::InvalidArgumentError(absl::StrCat("'shape' ", v.dump(), " is too large"));
+    shape->push_back(int64_t(x));
+  }
+  return bytes;
+}
+
+absl::Status parse_entry(const json& v, uint64_t body_size, TensorInfo* t) {
+  if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+    return absl::InvalidArgumentError("entry must be an object with dtype, shape, data_offsets");
+  CEMLM_ASSIGN_OR_RETURN(t->dtype, parse_dtype(v["dtype"]));
+  CEMLM_ASSIGN_OR_RETURN(uint64_t bytes, parse_shape(v["shape"], t->dtype, &t->shape));
+  const json& off = v["data_offsets"];
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+      !off[1].is_number_unsigned())
+    return absl::InvalidArgumentError("'data_offsets' must be [begin, end] with integers >= 0");
+  t->begin = off[0].get<uint64_t>();
+  t->end = off[1].get<uint64_t>();
+  if (t->begin > t->end)
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_offsets [", t->begin, ", ", t->end, "] end before they begin"));
+  if (t->end - t->begin != bytes)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data_offsets [", t->begin, ", ", t->end, "] hold ", t->end - t->begin, " bytes but shape ",
+        shape_string(t->shape), " of ", dtype_name(t->dtype), " needs ", bytes));
+  if (t->end > body_size)
+    return absl::InvalidArgumentError(absl::StrCat("data_offsets [", t->begin, ", ", t->end,
+                                                   "] reach past the end of the data (", body_size,
+                                                   " bytes): the file is truncated"));
+  return absl::OkStatus();
+}
+
+absl::Status parse_metadata(const json& v, std::map<std::string, std::string>* out) {
+  if (!v.is_object()) return absl::InvalidArgumentError("'__metadata__' must be an object");
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (!it.value().is_string())
+      return absl::InvalidArgumentError(
+          absl::StrCat("'__metadata__.", it.key(), "' must be a string"));
+    (*out)[it.key()] = it.value().get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status errno_error(const std::string& what, const std::string& path) {
+  return absl::UnavailableError(
+      absl::StrCat("cannot ", what, " '", path, "': ", std::strerror(errno)));
+}
+
+}  // namespace
+
+const char* dtype_name(DType d) {
+  return d == DType::kF32 ? "F32" : d == DType::kF16 ? "F16" : "BF16";
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+absl::Status write_file_atomic(const std::string& path,
+                               const std::function<absl::Status(std::FILE*)>& fill) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) return errno_error("create", tmp);
+  absl::Status st = fill(f);
+  if (st.ok() && (std::fflush(f) != 0 || ::fsync(fileno(f)) != 0)) st = errno_error("write", tmp);
+  if (std::fclose(f) != 0 && st.ok()) st = errno_error("write", tmp);
+  if (st.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) st = errno_error("rename onto", path);
+  if (!st.ok()) std::remove(tmp.c_str());
+  return st;
+}
+
+absl::Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                               const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header;
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  std::set<std::string> names;
+  for (const NamedTensor& t : tensors) {
+    int64_t numel = 1;
+    for (int64_t s : t.shape) numel *= s;
+    if (t.name == "__metadata__" || !names.insert(t.name).second)
+      return tensor_error(path, t.name, "name is reserved or used twice");
+    if (int64_t(t.data.size()) != numel)
+      return tensor_error(path, t.name,
+                          absl::StrCat("has ", t.data.size(), " values but shape ",
+                                       shape_string(t.shape), " needs ", numel));
+    const uint64_t bytes = uint64_t(numel) * 4;
+    header[t.name] = {
+        {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.empty() ? "{}" : header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // keeps the body 8-byte aligned for mmap users
+  return write_file_atomic(path, [&](std::FILE* f) -> absl::Status {
+    const uint64_t n = text.size();
+    bool ok = std::fwrite(&n, 8, 1, f) == 1 && std::fwrite(text.data(), 1, n, f) == n;
+    for (const NamedTensor& t : tensors)
+      ok = ok && std::fwrite(t.data.data(), 4, t.data.size(), f) == t.data.size();
+    return ok ? absl::OkStatus() : errno_error("write", path);
+  });
+}
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept { *this = std::move(o); }
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
+  if (this != &o) {
+    unmap();
+    path_ = std::move(o.path_);
+    map_ = std::exchange(o.map_, nullptr);
+    map_size_ = std::exchange(o.map_size_, 0);
+    body_ = std::exchange(o.body_, nullptr);
+    tensors_ = std::move(o.tensors_);
+    index_ = std::move(o.index_);
+    metadata_ = std::move(o.metadata_);
+  }
+  return *this;
+}
+
+SafetensorsFile::~SafetensorsFile() { unmap(); }
+
+void SafetensorsFile::unmap() {
+  if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+  map_ = nullptr;
+}
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
+  struct stat sb {};
+  const bool stat_ok = ::fstat(fd, &sb) == 0;
+  const uint64_t size = stat_ok ? uint64_t(sb.st_size) : 0;
+  if (stat_ok && size < 8) {
+    ::close(fd);
+    return header_error(path,
+                        absl::StrCat("file is ", size,
+                                     " bytes, too short for the 8-byte header length: truncated"));
+  }
+  void* m = stat_ok ? ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+  ::close(fd);
+  if (m == MAP_FAILED) return errno_error("map", path);
+  SafetensorsFile f;
+  f.path_ = path;
+  f.map_ = static_cast<const uint8_t*>(m);
+  f.map_size_ = size;
+  uint64_t n = 0;
+  std::memcpy(&n, f.map_, 8);
+  if (n > size - 8 || n > kMaxHeaderBytes)
+    return header_error(path, absl::StrCat("header length ", n, " is beyond the end of the file (",
+                                           size, " bytes): truncated or not a safetensors file"));
+  const json header = json::parse(f.map_ + 8, f.map_ + 8 + n, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object())
+    return header_error(path, "not a valid JSON object");
+  f.body_ = f.map_ + 8 + n;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (auto st = parse_metadata(it.value(), &f.metadata_); !st.ok())
+        return header_error(path, std::string(st.message()));
+      continue;
+    }
+    TensorInfo t;
+    t.name = it.key();
+    if (auto st = parse_entry(it.value(), size - 8 - n, &t); !st.ok())
+      return tensor_error(path, t.name, std::string(st.message()));
+    f.tensors_.push_back(std::move(t));
+  }
+  std::sort(f.tensors_.begin(), f.tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return a.begin < b.begin || (a.begin == b.begin && a.end < b.end);
+  });
+  for (size_t i = 0; i < f.tensors_.size(); ++i) {
+    if (i > 0 && f.tensors_[i].begin < f.tensors_[i - 1].end)
+      return tensor_error(path, f.tensors_[i].name,
+                          absl::StrCat("data overlaps tensor '", f.tensors_[i - 1].name, "'"));
+    f.index_[f.tensors_[i].name] = i;
+  }
+  return f;
+}
+
+const TensorInfo* SafetensorsFile::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+absl::Status SafetensorsFile::read_f32(const TensorInfo& t, std::span<float> out) const {
+  if (int64_t(out.size()) != t.numel())
+    return tensor_error(
+        path_, t.name,
+        absl::StrCat("caller's buffer holds ", out.size(), " floats, tensor has ", t.numel()));
+  const uint8_t* src = body_ + t.begin;
+  if (t.dtype == DType::kF32) {
+    std::memcpy(out.data(), src, out.size() * 4);
+  } else {
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * i, 2);
+      out[i] = t.dtype == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    }
+  }
+  for (size_t i = 0; i < out.size(); ++i)
+    if (!std::isfinite(out[i]))
+      return tensor_error(
+          path_, t.name,
+          absl::StrCat("element ", i, " is ", out[i], ": non-finite values are not allowed"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> SafetensorsFile::read_f32(const std::string& name) const {
+  const TensorInfo* t = find(name);
+  if (!t) return absl::NotFoundError(absl::StrCat(path_, ": no tensor named '", name, "'"));
+  std::vector<float> v(size_t(t->numel()));
+  CEMLM_RETURN_IF_ERROR(read_f32(*t, v));
+  return v;
+}
+
+}  // namespace cemlm

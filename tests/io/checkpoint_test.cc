@@ -1,0 +1,280 @@
+// Checkpoint directories: bit-exact round trip for every variant, BF16 weights, refusal of
+// missing/extra/mis-shaped/truncated/non-finite tensors by name, and atomic replacement.
+#include "cemlm/engine/checkpoint.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "cemlm/engine/safetensors.h"
+#include "io_test_util.h"
+#include "nlohmann/json.hpp"
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using testing_io::fresh_dir;
+using testing_io::list_dir;
+using testing_io::raw;
+using testing_io::read_bytes;
+using testing_io::safetensors_bytes;
+using testing_io::write_bytes;
+
+json small_config() {
+  return json::parse(R"({
+    "architecture": "cemlm", "format_version": 1,
+    "vocab_size": 50, "d_model": 8, "n_layers": 2, "n_heads": 2, "head_dim": 4, "d_ff": 12,
+    "embedding": { "type": "table" },
+    "attention": { "type": "standard" },
+    "mlp": { "type": "swiglu" } })");
+}
+
+ModelConfig config_of(const json& j) {
+  auto c = parse_config(j.dump());
+  EXPECT_TRUE(c.ok()) << c.status() << "\n" << j.dump();
+  return c.ok() ? *c : ModelConfig{};
+}
+
+// One config per variant axis value: embedding table/tied/lev, attention standard/cem × diag,
+// precond 0/r on both sub-layers, swiglu/cem.
+std::vector<json> variants() {
+  std::vector<json> v;
+  v.push_back(small_config());
+  json tied = small_config();
+  tied["embedding"]["tie_output"] = true;
+  v.push_back(tied);
+  for (const char* diag : {"none", "shared", "per_head"})
+    for (int r : {0, 3}) {
+      json j = small_config();
+      j["embedding"] = {
+          {"type", "lev"},
+          {"lev", {{"digits", 2}, {"seed_dim", 4}, {"knots", 3}, {"rank", 2}, {"heads", 2}}}};
+      j["attention"] = {{"type", "cem"}, {"diag", diag}, {"precond_rank", r}};
+      j["mlp"] = {{"type", "cem"}, {"precond_rank", 3 - r}};
+      v.push_back(j);
+    }
+  return v;
+}
+
+ParamStore random_params(const ModelConfig& c, uint64_t seed) {
+  ParamStore p(c);
+  p.init_random(seed);
+  return p;
+}
+
+TEST(Checkpoint, RoundTripIsBitExactForEveryVariant) {
+  const std::string dir = fresh_dir();
+  for (const json& j : variants()) {
+    const ModelConfig c = config_of(j);
+    const ParamStore p = random_params(c, 7);
+    const std::string ck = dir + "/ck";
+    ASSERT_TRUE(save_checkpoint(ck, c, p).ok()) << c.variant_name();
+    auto loaded = load_checkpoint(ck);
+    ASSERT_TRUE(loaded.ok()) << c.variant_name() << ": " << loaded.status();
+    EXPECT_EQ(config_to_json(loaded->config), config_to_json(c)) << c.variant_name();
+    ASSERT_EQ(loaded->params.size(), p.size()) << c.variant_name();
+    EXPECT_EQ(std::memcmp(loaded->params.flat().data(), p.flat().data(), p.size() * 4), 0)
+        << c.variant_name();
+    EXPECT_TRUE(loaded->tokenizer_path.empty());
+    // Tensors are stored in layout order.
+    auto file = SafetensorsFile::open(ck + "/model.safetensors");
+    ASSERT_TRUE(file.ok());
+    ASSERT_EQ(file->tensors().size(), p.specs().size());
+    for (size_t i = 0; i < p.specs().size(); ++i)
+      EXPECT_EQ(file->tensors()[i].name, p.specs()[i].name);
+  }
+  EXPECT_EQ(list_dir(dir), std::vector<std::string>{"ck"}) << "temporary directory left";
+}
+
+TEST(Checkpoint, TokenizerIsCopied) {
+  const std::string dir = fresh_dir();
+  write_bytes(dir + "/sp.model", "not really a sentencepiece model");
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(dir + "/ck/", c, random_params(c, 1), dir + "/sp.model").ok());
+  auto loaded = load_checkpoint(dir + "/ck");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->tokenizer_path, dir + "/ck/tokenizer.model");
+  EXPECT_EQ(read_bytes(loaded->tokenizer_path), "not really a sentencepiece model");
+}
+
+uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return uint16_t(u >> 16);
+}
+
+TEST(Checkpoint, Bf16WeightsLoadAsF32) {
+  const std::string ck = fresh_dir() + "/ck";
+  const ModelConfig c = config_of(small_config());
+  const ParamStore p = random_params(c, 3);
+  ASSERT_TRUE(save_checkpoint(ck, c, p).ok());
+  json header;
+  std::string body;
+  for (const ParamSpec& s : p.specs()) {
+    std::vector<uint16_t> h;
+    for (int64_t i = 0; i < s.numel(); ++i) h.push_back(to_bf16(p.flat()[s.offset + i]));
+    header[s.name] = {{"dtype", "BF16"},
+                      {"shape", s.shape},
+                      {"data_offsets", {body.size(), body.size() + 2 * h.size()}}};
+    body += raw(h);
+  }
+  write_bytes(ck + "/model.safetensors", safetensors_bytes(header.dump(), body));
+  auto loaded = load_checkpoint(ck);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  for (int64_t i = 0; i < p.size(); ++i) {
+    const uint32_t bits = uint32_t(to_bf16(p.flat()[i])) << 16;
+    float want;
+    std::memcpy(&want, &bits, 4);
+    ASSERT_EQ(loaded->params.flat()[i], want) << i;
+  }
+}
+
+// Rewrites model.safetensors from the saved tensors after `edit` changes the list.
+void rewrite_weights(const std::string& ck, const ParamStore& p,
+                     const std::function<void(std::vector<NamedTensor>&)>& edit) {
+  std::vector<NamedTensor> t;
+  for (const ParamSpec& s : p.specs())
+    t.push_back({s.name, s.shape, {p.flat().data() + s.offset, size_t(s.numel())}});
+  edit(t);
+  ASSERT_TRUE(write_safetensors(ck + "/model.safetensors", t).ok());
+}
+
+std::string load_error(const std::string& ck) {
+  auto loaded = load_checkpoint(ck);
+  EXPECT_FALSE(loaded.ok());
+  return loaded.ok() ? "" : std::string(loaded.status().message());
+}
+
+TEST(Checkpoint, BadWeightsAreRefusedByName) {
+  const std::string ck = fresh_dir() + "/ck";
+  const ModelConfig c = config_of(small_config());
+  const ParamStore p = random_params(c, 5);
+  ASSERT_TRUE(save_checkpoint(ck, c, p).ok());
+  const std::vector<float> nan_values(12 * 8, std::nanf(""));
+  const std::vector<float> extra = {1.0f};
+
+  rewrite_weights(ck, p, [](auto& t) { t.erase(t.begin() + 3); });
+  EXPECT_NE(load_error(ck).find("'" + p.specs()[3].name + "'"), std::string::npos);
+
+  rewrite_weights(ck, p, [&](auto& t) { t.push_back({"layers.0.attn.bogus", {1}, extra}); });
+  EXPECT_NE(load_error(ck).find("'layers.0.attn.bogus'"), std::string::npos);
+
+  rewrite_weights(ck, p, [](auto& t) {
+    for (auto& x : t)
+      if (x.name == "layers.1.mlp.w_up") x.shape = {8, 12};
+  });
+  const std::string shape_err = load_error(ck);
+  EXPECT_NE(shape_err.find("'layers.1.mlp.w_up'"), std::string::npos) << shape_err;
+  EXPECT_NE(shape_err.find("[8, 12]"), std::string::npos) << shape_err;
+  EXPECT_NE(shape_err.find("[12, 8]"), std::string::npos) << shape_err;
+
+  rewrite_weights(ck, p, [&](auto& t) {
+    for (auto& x : t)
+      if (x.name == "layers.0.mlp.w_gate") x.data = nan_values;
+  });
+  EXPECT_NE(load_error(ck).find("'layers.0.mlp.w_gate'"), std::string::npos);
+
+  rewrite_weights(ck, p, [](auto&) {});
+  const std::string full = read_bytes(ck + "/model.safetensors");
+  write_bytes(ck + "/model.safetensors", full.substr(0, full.size() - 4));
+  EXPECT_NE(load_error(ck).find("'" + p.specs().back().name + "'"), std::string::npos);
+
+  fs::remove(ck + "/model.safetensors");
+  EXPECT_NE(load_error(ck).find("model.safetensors"), std::string::npos);
+  fs::remove(ck + "/config.json");
+  EXPECT_NE(load_error(ck).find("config.json"), std::string::npos);
+}
+
+TEST(Checkpoint, ConfigThatDoesNotMatchTheWeightsIsRefusedByName) {
+  const std::string ck = fresh_dir() + "/ck";
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 5)).ok());
+  json tied = small_config();
+  tied["embedding"]["tie_output"] = true;
+  write_bytes(ck + "/config.json", tied.dump());
+  EXPECT_NE(load_error(ck).find("'lm_head.weight'"), std::string::npos);
+}
+
+TEST(Checkpoint, SaveReplacesAnOldCheckpointWholly) {
+  const std::string dir = fresh_dir(), ck = dir + "/ck";
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 1)).ok());
+  write_bytes(ck + "/stale.bin", "from an older save");
+  const ParamStore p2 = random_params(c, 2);
+  ASSERT_TRUE(save_checkpoint(ck, c, p2, "", [](const std::string& tmp) {
+                write_bytes(tmp + "/optimizer.safetensors", "state");
+                return absl::OkStatus();
+              }).ok());
+  auto loaded = load_checkpoint(ck);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->params.flat(), p2.flat());
+  EXPECT_EQ(list_dir(ck), (std::vector<std::string>{"config.json", "model.safetensors",
+                                                    "optimizer.safetensors"}));
+  EXPECT_EQ(list_dir(dir), std::vector<std::string>{"ck"});
+}
+
+TEST(Checkpoint, FailedSaveLeavesTheOldCheckpointIntact) {
+  const std::string dir = fresh_dir(), ck = dir + "/ck";
+  const ModelConfig c = config_of(small_config());
+  const ParamStore p1 = random_params(c, 1);
+  ASSERT_TRUE(save_checkpoint(ck, c, p1).ok());
+  const std::string old_weights = read_bytes(ck + "/model.safetensors");
+
+  ParamStore p2 = random_params(c, 2);
+  auto st = save_checkpoint(ck, c, p2, "", [](const std::string& tmp) {
+    write_bytes(tmp + "/optimizer.safetensors", "half");
+    return absl::InternalError("simulated crash while writing optimizer state");
+  });
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("simulated"), std::string::npos);
+
+  st = save_checkpoint(ck, c, p2, dir + "/no_such_tokenizer.model");
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("no_such_tokenizer.model"), std::string::npos) << st.message();
+
+  p2.flat()[p2.specs()[2].offset] = INFINITY;
+  st = save_checkpoint(ck, c, p2);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("'" + p2.specs()[2].name + "'"), std::string::npos) << st.message();
+
+  EXPECT_EQ(read_bytes(ck + "/model.safetensors"), old_weights);
+  EXPECT_EQ(list_dir(ck), (std::vector<std::string>{"config.json", "model.safetensors"}));
+  EXPECT_EQ(list_dir(dir), std::vector<std::string>{"ck"}) << "temporary directory left";
+  auto loaded = load_checkpoint(ck);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->params.flat(), p1.flat());
+}
+
+TEST(Checkpoint, SaveRefusesToReplaceSomethingElse) {
+  const std::string dir = fresh_dir();
+  const ModelConfig c = config_of(small_config());
+  fs::create_directories(dir + "/notes");
+  write_bytes(dir + "/notes/todo.txt", "keep me");
+  auto st = save_checkpoint(dir + "/notes", c, random_params(c, 1));
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("notes"), std::string::npos) << st.message();
+  EXPECT_EQ(read_bytes(dir + "/notes/todo.txt"), "keep me");
+  write_bytes(dir + "/file", "x");
+  EXPECT_FALSE(save_checkpoint(dir + "/file", c, random_params(c, 1)).ok());
+  EXPECT_EQ(read_bytes(dir + "/file"), "x");
+  // An empty directory is fine to fill.
+  fs::create_directories(dir + "/empty");
+  EXPECT_TRUE(save_checkpoint(dir + "/empty", c, random_params(c, 1)).ok());
+  EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"empty", "file", "notes"}));
+}
+
+TEST(Checkpoint, SaveRefusesParamsOfAnotherConfig) {
+  const std::string dir = fresh_dir();
+  const ModelConfig c = config_of(small_config());
+  json tied = small_config();
+  tied["embedding"]["tie_output"] = true;
+  EXPECT_FALSE(save_checkpoint(dir + "/ck", config_of(tied), random_params(c, 1)).ok());
+  EXPECT_TRUE(list_dir(dir).empty());
+}
+
+}  // namespace
+}  // namespace cemlm

@@ -1,0 +1,85 @@
+// `cemlm init` and `cemlm inspect` through their entry points: flags, exit codes, a loadable
+// and seed-deterministic checkpoint, and inspect's counts against count_params.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/cli/commands.h"
+#include "cemlm/engine/checkpoint.h"
+#include "io_test_util.h"
+
+namespace cemlm {
+namespace {
+
+using testing_io::fresh_dir;
+using testing_io::read_bytes;
+using testing_io::write_bytes;
+
+constexpr char kConfig[] = R"({
+  "architecture": "cemlm", "format_version": 1,
+  "vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "head_dim": 8, "d_ff": 24,
+  "embedding": { "type": "lev", "lev": { "digits": 2, "seed_dim": 4, "knots": 4, "rank": 2, "heads": 2 } },
+  "attention": { "type": "cem", "diag": "per_head", "precond_rank": 2 },
+  "mlp": { "type": "cem" } })";
+
+int run(int (*cmd)(int, char**), std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  return cmd(int(argv.size()), argv.data());
+}
+
+TEST(InitCommand, WritesALoadableSeedDeterministicCheckpoint) {
+  const std::string dir = fresh_dir(), cfg = dir + "/config.json";
+  write_bytes(cfg, kConfig);
+  ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", dir + "/a", "--seed", "5"}), 0);
+  ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", dir + "/b", "--seed", "5"}), 0);
+  ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", dir + "/c", "--seed", "6"}), 0);
+  auto a = load_checkpoint(dir + "/a");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->config.variant_name(), "cem-attn(per_head,r2)+cem-mlp(r0)+lev");
+  EXPECT_EQ(read_bytes(dir + "/a/model.safetensors"), read_bytes(dir + "/b/model.safetensors"));
+  EXPECT_NE(read_bytes(dir + "/a/model.safetensors"), read_bytes(dir + "/c/model.safetensors"));
+  // Recommended init: norm gains are one, diag starts at zero.
+  EXPECT_EQ(a->params.flat()[a->params.find("final_norm.weight")->offset], 1.0f);
+  EXPECT_EQ(a->params.flat()[a->params.find("layers.1.attn.diag")->offset], 0.0f);
+}
+
+TEST(InitCommand, BadInvocationsFail) {
+  const std::string dir = fresh_dir();
+  write_bytes(dir + "/bad.json", R"({"architecture": "cemlm"})");
+  EXPECT_EQ(run(cli::cmd_init, {"--out", dir + "/x"}), 2);  // --config missing
+  EXPECT_EQ(run(cli::cmd_init, {"--config", dir + "/bad.json", "--out", dir + "/x"}), 1);
+  write_bytes(dir + "/config.json", kConfig);
+  EXPECT_EQ(run(cli::cmd_init, {"--config", dir + "/config.json", "--out", dir + "/x",
+                                "--tokenizer", dir + "/missing.model"}),
+            1);
+  EXPECT_EQ(run(cli::cmd_init, {"--help"}), 0);
+}
+
+TEST(InspectCommand, PrintsCountsNextToTheBaseline) {
+  const std::string dir = fresh_dir(), cfg = dir + "/config.json";
+  write_bytes(cfg, kConfig);
+  ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", dir + "/ck"}), 0);
+  auto c = load_config(cfg);
+  ASSERT_TRUE(c.ok());
+  const ParamCounts pc = count_params(*c);
+  for (const std::string& path : {dir + "/ck", cfg}) {
+    ::testing::internal::CaptureStdout();
+    ASSERT_EQ(run(cli::cmd_inspect, {path}), 0);
+    const std::string out = ::testing::internal::GetCapturedStdout();
+    EXPECT_NE(out.find(c->variant_name()), std::string::npos) << out;
+    EXPECT_NE(out.find("std-attn+swiglu+table"), std::string::npos) << out;
+    // Small enough that no thousands separators appear.
+    ASSERT_LT(pc.embedding, 1000);
+    ASSERT_LT(c->kv_bytes_per_token(), 1000);
+    EXPECT_NE(out.find(absl::StrCat(" ", pc.embedding, " ")), std::string::npos) << out;
+    EXPECT_NE(out.find(absl::StrCat(" ", c->kv_bytes_per_token(), " ")), std::string::npos) << out;
+  }
+  EXPECT_EQ(run(cli::cmd_inspect, {dir + "/nothing"}), 1);
+  EXPECT_EQ(run(cli::cmd_inspect, {}), 2);
+}
+
+}  // namespace
+}  // namespace cemlm

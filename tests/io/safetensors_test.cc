@@ -1,0 +1,195 @@
+// safetensors: F32 round trip, BF16/F16 conversion against hand-written bytes, and every kind of
+// malformed file refused with a message naming the tensor (or "header").
+#include "cemlm/engine/safetensors.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "io_test_util.h"
+
+namespace cemlm {
+namespace {
+
+using testing_io::fresh_dir;
+using testing_io::list_dir;
+using testing_io::raw;
+using testing_io::read_bytes;
+using testing_io::safetensors_bytes;
+using testing_io::write_bytes;
+
+TEST(Safetensors, RoundTripIsBitExact) {
+  const std::string dir = fresh_dir(), path = dir + "/t.safetensors";
+  std::vector<float> a = {1.5f, -0.0f, 3e-39f, std::numeric_limits<float>::max(), 7.0f, -2.25f};
+  std::vector<float> b = {42.0f};
+  ASSERT_TRUE(write_safetensors(path, {{"a", {2, 3}, a}, {"b", {1}, b}, {"empty", {0, 4}, {}}},
+                                {{"note", "hello"}})
+                  .ok());
+  const std::string bytes = read_bytes(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  EXPECT_EQ(n % 8, 0u) << "body should start 8-byte aligned";
+
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ(f->tensors().size(), 3u);
+  EXPECT_EQ(f->tensors()[0].name, "a");  // body order = write order
+  EXPECT_EQ(f->find("a")->shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(f->find("a")->dtype, DType::kF32);
+  EXPECT_EQ(f->metadata().at("note"), "hello");
+  auto got = f->read_f32("a");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(std::memcmp(got->data(), a.data(), a.size() * 4), 0);
+  EXPECT_EQ(*f->read_f32("b"), b);
+  EXPECT_TRUE(f->read_f32("empty")->empty());
+  EXPECT_FALSE(f->read_f32("nope").ok());
+  EXPECT_EQ(list_dir(dir), std::vector<std::string>{"t.safetensors"}) << "temporary file left";
+}
+
+TEST(Safetensors, MovedFileStaysReadable) {
+  const std::string path = fresh_dir() + "/t.safetensors";
+  std::vector<float> a = {1, 2, 3};
+  ASSERT_TRUE(write_safetensors(path, {{"a", {3}, a}}).ok());
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok());
+  SafetensorsFile moved = std::move(*f);
+  EXPECT_EQ(*moved.read_f32("a"), a);
+}
+
+TEST(Safetensors, Bf16ConvertsExactly) {
+  const std::string path = fresh_dir() + "/t.safetensors";
+  std::vector<uint16_t> bits = {0x3F80, 0xC000, 0x3F00, 0x4049, 0x0000, 0x8000};
+  write_bytes(path,
+              safetensors_bytes(R"({"x":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]}})",
+                                raw(bits)));
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto v = f->read_f32("x");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, (std::vector<float>{1.0f, -2.0f, 0.5f, 3.140625f, 0.0f, -0.0f}));
+  EXPECT_TRUE(std::signbit((*v)[5]));
+}
+
+TEST(Safetensors, F16ConvertsExactly) {
+  const std::string path = fresh_dir() + "/t.safetensors";
+  // 1, -2, 0.5, max normal, smallest subnormal, smallest normal, -0, 1/3 rounded.
+  std::vector<uint16_t> bits = {0x3C00, 0xC000, 0x3800, 0x7BFF, 0x0001, 0x0400, 0x8000, 0x3555};
+  write_bytes(path, safetensors_bytes(R"({"x":{"dtype":"F16","shape":[8],"data_offsets":[0,16]}})",
+                                      raw(bits)));
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto v = f->read_f32("x");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, (std::vector<float>{1.0f, -2.0f, 0.5f, 65504.0f, std::ldexp(1.0f, -24),
+                                    std::ldexp(1.0f, -14), -0.0f, 0.333251953125f}));
+  EXPECT_TRUE(std::signbit((*v)[6]));
+}
+
+struct BadFile {
+  const char* what;
+  std::string bytes;
+  const char* expect;  // must appear in the error
+};
+
+std::string body(size_t n) { return std::string(n, '\0'); }
+std::string one(const std::string& entry, const std::string& data) {
+  return safetensors_bytes("{\"w\":" + entry + "}", data);
+}
+
+std::vector<BadFile> bad_files() {
+  std::string huge_len(8, '\0');
+  huge_len[0] = char(0xff);
+  huge_len[1] = char(0x7f);
+  return {
+      {"shorter than the length", "abc", "header"},
+      {"length beyond file", huge_len + "{}", "header"},
+      {"length beyond file by one", safetensors_bytes("{}", "").substr(0, 9), "header"},
+      {"not JSON", safetensors_bytes("{\"w\":", ""), "header"},
+      {"not an object", safetensors_bytes("[1,2]", ""), "header"},
+      {"metadata not strings", safetensors_bytes(R"({"__metadata__":{"k":1}})", ""),
+       "__metadata__"},
+      {"unknown dtype", one(R"({"dtype":"I64","shape":[1],"data_offsets":[0,8]})", body(8)), "'w'"},
+      {"entry not an object", one("[]", ""), "'w'"},
+      {"no data_offsets", one(R"({"dtype":"F32","shape":[1]})", body(4)), "'w'"},
+      {"negative dim", one(R"({"dtype":"F32","shape":[-1],"data_offsets":[0,4]})", body(4)), "'w'"},
+      {"shape not array", one(R"({"dtype":"F32","shape":2,"data_offsets":[0,8]})", body(8)), "'w'"},
+      {"offsets too short for shape",
+       one(R"({"dtype":"F32","shape":[2,2],"data_offsets":[0,12]})", body(12)), "'w'"},
+      {"offsets too long for dtype",
+       one(R"({"dtype":"BF16","shape":[2],"data_offsets":[0,8]})", body(8)), "'w'"},
+      {"offsets reversed", one(R"({"dtype":"F32","shape":[0],"data_offsets":[8,4]})", body(8)),
+       "'w'"},
+      {"offsets not a pair", one(R"({"dtype":"F32","shape":[1],"data_offsets":[0]})", body(4)),
+       "'w'"},
+      {"truncated body", one(R"({"dtype":"F32","shape":[4],"data_offsets":[0,16]})", body(12)),
+       "'w'"},
+      {"overlap",
+       safetensors_bytes(R"({"v":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                         R"("w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                         body(12)),
+       "'w'"},
+  };
+}
+
+TEST(Safetensors, MalformedFilesAreRefusedByName) {
+  const std::string dir = fresh_dir();
+  for (const BadFile& b : bad_files()) {
+    const std::string path = dir + "/bad.safetensors";
+    write_bytes(path, b.bytes);
+    auto f = SafetensorsFile::open(path);
+    ASSERT_FALSE(f.ok()) << b.what;
+    EXPECT_NE(f.status().message().find(b.expect), std::string::npos)
+        << b.what << ": " << f.status().message();
+  }
+}
+
+TEST(Safetensors, NonFiniteValuesAreRefusedByName) {
+  const std::string path = fresh_dir() + "/t.safetensors";
+  const std::vector<float> f32 = {1.0f, std::nanf("")};
+  const std::vector<uint16_t> f16_inf = {0x3C00, 0x7C00}, bf16_nan = {0x7FC0};
+  write_bytes(path, safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                      R"("b":{"dtype":"F16","shape":[2],"data_offsets":[8,12]},)"
+                                      R"("c":{"dtype":"BF16","shape":[1],"data_offsets":[12,14]}})",
+                                      raw(f32) + raw(f16_inf) + raw(bf16_nan)));
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  for (const char* name : {"a", "b", "c"}) {
+    auto v = f->read_f32(name);
+    ASSERT_FALSE(v.ok()) << name;
+    EXPECT_NE(v.status().message().find(std::string("'") + name + "'"), std::string::npos)
+        << v.status().message();
+  }
+}
+
+TEST(Safetensors, WriterRefusesBadTensorsByName) {
+  const std::string dir = fresh_dir(), path = dir + "/t.safetensors";
+  std::vector<float> three = {1, 2, 3};
+  auto st = write_safetensors(path, {{"short", {2, 2}, three}});
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("'short'"), std::string::npos) << st.message();
+  st = write_safetensors(path, {{"dup", {3}, three}, {"dup", {3}, three}});
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("'dup'"), std::string::npos) << st.message();
+  EXPECT_TRUE(list_dir(dir).empty());
+}
+
+TEST(Safetensors, FailedAtomicWriteKeepsTheOldFile) {
+  const std::string dir = fresh_dir(), path = dir + "/state.json";
+  write_bytes(path, "old");
+  auto st = write_file_atomic(path, [](std::FILE* f) {
+    std::fputs("half of the new", f);
+    return absl::InternalError("simulated failure");
+  });
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(read_bytes(path), "old");
+  EXPECT_EQ(list_dir(dir), std::vector<std::string>{"state.json"});
+  ASSERT_TRUE(write_file_atomic(path, [](std::FILE* f) {
+                std::fputs("new", f);
+                return absl::OkStatus();
+              }).ok());
+  EXPECT_EQ(read_bytes(path), "new");
+}
+
+}  // namespace
+}  // namespace cemlm

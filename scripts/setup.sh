@@ -12,7 +12,7 @@ PACKAGES=(
   libopenblas-openmp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   fortunes fortunes-min
-  python3 python3-yaml python3-grpcio python3-protobuf prometheus curl
+  python3 python3-yaml python3-grpcio python3-protobuf prometheus shellcheck curl
 )
 
 missing=()

@@ -1,0 +1,604 @@
+#!/usr/bin/python3
+"""Checks of deploy/ that need no Docker engine or cluster: `deploy_checks.py CHECK`, one ctest
+each (tests/deploy/CMakeLists.txt). Every check prints what is wrong, naming file and field, and
+exits 1; exit 77 means skipped (what it needs is not there)."""
+import json
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+import metric_names
+
+HERE = pathlib.Path(__file__).resolve().parent
+SOURCE = pathlib.Path(os.environ.get("CEMLM_SOURCE_DIR", HERE.parent.parent))
+DEPLOY = SOURCE / "deploy"
+SKIP = 77
+PROMTOOL = os.environ.get("PROMTOOL", "promtool")
+
+
+class Errors(list):
+    def expect(self, ok, message):
+        if not ok:
+            self.append(message)
+        return ok
+
+
+# --- shared facts -------------------------------------------------------------------------------
+
+def env_table_readme():
+    """{variable: flag} from the table in deploy/README.md: rows `| `CEMLM_X` | `--flag` | ...`."""
+    row = re.compile(r"^\|\s*`(CEMLM_\w+)`\s*\|\s*`(--[\w-]+)`\s*\|", re.MULTILINE)
+    return dict(row.findall((DEPLOY / "README.md").read_text()))
+
+
+def env_table_script():
+    """{variable: flag} from FLAG_TABLE in deploy/entrypoint.sh."""
+    text = (DEPLOY / "entrypoint.sh").read_text()
+    table = re.search(r"FLAG_TABLE='(.*?)'", text, re.DOTALL).group(1)
+    return dict(line.split() for line in table.strip().splitlines())
+
+
+def load_yaml_docs(path):
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def seconds(text):
+    """'40s', '1m30s', '45' or 45 -> seconds."""
+    if isinstance(text, (int, float)) or re.fullmatch(r"\d+(\.\d+)?", str(text)):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s|ms)", str(text))
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def compose_default(value):
+    """What Compose substitutes for '${VAR:-default}' when VAR is unset."""
+    m = re.fullmatch(r"\$\{\w+:-(.*)\}", str(value))
+    return m.group(1) if m else value
+
+
+def volume_target(spec):
+    """The container path of a Compose short volume spec SRC:DST[:MODE] (SRC may hold ':-')."""
+    parts = spec.rsplit(":", 2)
+    return parts[-2] if parts[-1] in ("ro", "rw") else parts[-1]
+
+
+def dockerfile_stages():
+    """[(FROM line, [instructions])] of deploy/Dockerfile, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    stages = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append((line, []))
+        elif stages:  # ARGs before the first FROM only parameterise the FROM lines
+            stages[-1][1].append(line)
+    return stages
+
+
+def image_env():
+    """The ENV defaults of the final image stage."""
+    env = {}
+    for line in dockerfile_stages()[-1][1]:
+        if line.upper().startswith("ENV "):
+            env.update(re.findall(r"(\w+)=(\S+)", line))
+    return env
+
+
+def run_promtool(*args, cwd=None):
+    if shutil.which(PROMTOOL) is None:
+        return 1, f"promtool not found (Debian package 'prometheus'; PROMTOOL={PROMTOOL})"
+    p = subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True)
+    return p.returncode, p.stdout + p.stderr
+
+
+# --- checks -------------------------------------------------------------------------------------
+
+def check_yaml(errors):
+    """Every YAML file of deploy/ and tests/deploy/ parses and holds something."""
+    files = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml"), *HERE.glob("*.yml")])
+    errors.expect(len(files) >= 10, f"only {len(files)} YAML files found under {DEPLOY}")
+    for f in files:
+        try:
+            errors.expect(load_yaml_docs(f), f"{f}: empty YAML")
+        except yaml.YAMLError as e:
+            errors.append(f"{f}: does not parse: {e}")
+
+
+def check_compose(errors):
+    path = DEPLOY / "compose.yaml"
+    compose = yaml.safe_load(path.read_text())
+    services = compose.get("services", {})
+    table, env = env_table_readme(), image_env()
+    for name in ("cemlm-gpu", "cemlm-cpu"):
+        s = services.get(name)
+        if not errors.expect(s, f"{path}: service '{name}' missing"):
+            continue
+        for var in s.get("environment", {}):
+            errors.expect(var in table,
+                          f"{path}: {name}.environment.{var} is not a documented variable")
+        errors.expect(any(volume_target(v) == env["CEMLM_MODEL"] for v in s.get("volumes", [])),
+                      f"{path}: {name}.volumes does not mount {env['CEMLM_MODEL']}")
+        ports = {p.split(":")[-1] for p in s.get("ports", [])}
+        errors.expect({env["CEMLM_PORT"], env["CEMLM_METRICS_PORT"]} <= ports,
+                      f"{path}: {name}.ports must publish the gRPC and metrics ports")
+        errors.expect("cemlm" in s.get("networks", {}).get("default", {}).get("aliases", []),
+                      f"{path}: {name} needs the network alias 'cemlm' (the scrape target)")
+        build = s.get("build", {})
+        dockerfile = path.parent / build.get("context", ".") / build.get("dockerfile", "")
+        errors.expect(dockerfile.is_file(), f"{path}: {name}.build names no existing Dockerfile")
+        timeout = s.get("environment", {}).get("CEMLM_SHUTDOWN_TIMEOUT", "")
+        shutdown = seconds(compose_default(timeout) or env["CEMLM_SHUTDOWN_TIMEOUT"])
+        errors.expect(seconds(s.get("stop_grace_period", 10)) > shutdown,
+                      f"{path}: {name}.stop_grace_period must exceed the shutdown timeout "
+                      f"({shutdown:g}s)")
+    devices = (services.get("cemlm-gpu", {}).get("deploy", {}).get("resources", {})
+               .get("reservations", {}).get("devices", []))
+    errors.expect(any("gpu" in d.get("capabilities", []) for d in devices),
+                  f"{path}: cemlm-gpu reserves no GPU")
+    for name, s in services.items():
+        for v in s.get("volumes", []):
+            src = v.split(":")[0]
+            if src.startswith("./"):
+                errors.expect((path.parent / src).exists(),
+                              f"{path}: {name} mounts missing {src}")
+
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = [t for job in prom["scrape_configs"] for sc in job.get("static_configs", [])
+               for t in sc["targets"]]
+    want = f"cemlm:{env['CEMLM_METRICS_PORT']}"
+    errors.expect(targets == [want], f"prometheus.yml: targets {targets}, expected {want}")
+    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    url = ds["datasources"][0]["url"]
+    errors.expect(url == "http://prometheus:9090" and "prometheus" in services,
+                  f"grafana datasource url {url} does not reach the 'prometheus' service")
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/cemlm.yaml").read_text())
+    dash_path = provider["providers"][0]["options"]["path"]
+    errors.expect(any(v == f"./grafana/dashboards:{dash_path}:ro"
+                      for v in services.get("grafana", {}).get("volumes", [])),
+                  f"grafana: dashboards provider path {dash_path} is not where "
+                  "./grafana/dashboards is mounted")
+
+
+def k8s_objects():
+    kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    objs = {}
+    for res in kust["resources"]:
+        for doc in load_yaml_docs(DEPLOY / "k8s" / res):
+            objs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objs
+
+
+def check_k8s(errors):
+    objs = k8s_objects()
+    table, image = env_table_readme(), image_env()
+    cm = objs[("ConfigMap", "cemlm-config")]["data"]
+    for var in cm:
+        errors.expect(var in table, f"configmap.yaml: {var} is not a documented variable")
+    dep = objs[("Deployment", "cemlm")]
+    pod = dep["spec"]["template"]
+    spec = pod["spec"]
+    c = spec["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    grpc_port = int(cm.get("CEMLM_PORT", image["CEMLM_PORT"]))
+    metrics_port = int(cm.get("CEMLM_METRICS_PORT", image["CEMLM_METRICS_PORT"]))
+    errors.expect(ports.get("grpc") == grpc_port,
+                  f"deployment.yaml: port 'grpc' is not CEMLM_PORT {grpc_port}")
+    errors.expect(ports.get("metrics") == metrics_port,
+                  f"deployment.yaml: port 'metrics' is not CEMLM_METRICS_PORT {metrics_port}")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        errors.expect(c.get(probe, {}).get("grpc", {}).get("port") == grpc_port,
+                      f"deployment.yaml: {probe} must be a grpc probe on port {grpc_port}")
+    errors.expect(str(c["resources"]["limits"].get("nvidia.com/gpu")) == "1",
+                  "deployment.yaml: resources.limits must request nvidia.com/gpu: 1")
+    errors.expect({"configMapRef": {"name": "cemlm-config"}} in c.get("envFrom", []),
+                  "deployment.yaml: envFrom must reference ConfigMap cemlm-config")
+    pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    sleep = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
+    shutdown = seconds(cm.get("CEMLM_SHUTDOWN_TIMEOUT", image["CEMLM_SHUTDOWN_TIMEOUT"]))
+    errors.expect(spec["terminationGracePeriodSeconds"] >= shutdown + sleep + 5,
+                  f"deployment.yaml: terminationGracePeriodSeconds must be >= preStop {sleep:g}s + "
+                  f"CEMLM_SHUTDOWN_TIMEOUT {shutdown:g}s + 5s margin")
+    user = re.search(r"^USER\s+(\d+)", "\n".join(dockerfile_stages()[-1][1]), re.MULTILINE)
+    errors.expect(spec["securityContext"].get("runAsNonRoot") is True and user and
+                  spec["securityContext"].get("runAsUser") == int(user.group(1)),
+                  "deployment.yaml: securityContext must run as non-root, as the image's USER")
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    model_dir = cm.get("CEMLM_MODEL", image["CEMLM_MODEL"])
+    vols = {v["name"]: v for v in spec["volumes"]}
+    claim = vols.get(mounts.get(model_dir), {}).get("persistentVolumeClaim", {}).get("claimName")
+    errors.expect(("PersistentVolumeClaim", claim) in objs,
+                  f"deployment.yaml: {model_dir} must be mounted from a PVC of the kustomization")
+    labels = pod["metadata"]["labels"]
+    errors.expect(dep["spec"]["selector"]["matchLabels"].items() <= labels.items(),
+                  "deployment.yaml: selector does not match the pod labels")
+    for name in ("cemlm", "cemlm-headless"):
+        svc = objs[("Service", name)]["spec"]
+        errors.expect(svc["selector"].items() <= labels.items(),
+                      f"service {name}: selector misses the pods")
+        for p in svc["ports"]:
+            errors.expect(p["targetPort"] in ports,
+                          f"service {name}: targetPort {p['targetPort']} is no container port")
+    errors.expect(objs[("Service", "cemlm-headless")]["spec"].get("clusterIP") == "None",
+                  "service cemlm-headless must be headless (clusterIP: None)")
+
+    hpa = objs[("HorizontalPodAutoscaler", "cemlm")]["spec"]
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "cemlm"}
+    errors.expect(hpa["scaleTargetRef"] == target,
+                  "hpa.yaml: scaleTargetRef must be Deployment cemlm")
+    adapter = yaml.safe_load((DEPLOY / "k8s" / "prometheus-adapter-values.yaml").read_text())
+    published = {r["name"]["as"] for r in adapter["rules"]["custom"]}
+    for m in hpa["metrics"]:
+        errors.expect(m["type"] == "Pods" and m["pods"]["metric"]["name"] in published,
+                      f"hpa.yaml: metric {m} is not published by prometheus-adapter-values.yaml")
+    k8s_prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
+    job = k8s_prom["scrape_configs"][0]
+    added = {r.get("target_label") for r in job["relabel_configs"]}
+    errors.expect(job["job_name"] == "cemlm" and {"namespace", "pod"} <= added,
+                  "prometheus-k8s.yml: job 'cemlm' must add the labels namespace and pod "
+                  "(the adapter rule needs them)")
+
+
+def check_dashboard(errors):
+    path = DEPLOY / "grafana" / "dashboards" / "cemlm.json"
+    try:
+        dash = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        errors.append(f"{path}: does not parse: {e}")
+        return
+    ids = [p["id"] for p in dash["panels"]]
+    errors.expect(len(ids) == len(set(ids)), f"{path}: panel ids repeat: {ids}")
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            errors.expect(t.get("datasource", {}).get("uid") == "${datasource}",
+                          f"{path}: panel '{p['title']}' {t['refId']} must use $datasource")
+    exprs = metric_names.dashboard_exprs(path)
+    families = metric_names.expected_families()
+    used = metric_names.names_of(exprs)
+    errors.extend(metric_names.not_allowed(used, families))
+    shown = {metric_names.family_of(n, families) for _, n in used}
+    for family in families:
+        errors.expect(family in shown, f"{path}: no panel shows {family}")
+    joined = "\n".join(e for _, e in exprs)
+    for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        p99 = rf"histogram_quantile\(0\.99,[^\n]*cemlm:{hist}_seconds_bucket"
+        errors.expect(re.search(p99, joined), f"{path}: no p99 (histogram_quantile) of {hist}")
+    errors.expect(any(p["type"] in ("heatmap", "bargauge")
+                      and "recursion_depth_bucket" in json.dumps(p) for p in dash["panels"]),
+                  f"{path}: no distribution panel of recursion depth T")
+    # promtool has no bare PromQL parser: wrap each panel query as a recording rule.
+    grafana_vars = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "1m",
+                    "$model": ".*", "$instance": ".*"}
+    rules = []
+    for i, (_, e) in enumerate(x for x in exprs if "label_values(" not in x[1]):
+        for var, value in grafana_vars.items():
+            e = e.replace(var, value)
+        rules.append({"record": f"dashboard:query_{i}", "expr": e})
+    with tempfile.TemporaryDirectory() as tmp:
+        f = pathlib.Path(tmp) / "dashboard_rules.yml"
+        f.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+        rc, out = run_promtool("check", "rules", str(f))
+        errors.expect(rc == 0, f"{path}: a panel query is not valid PromQL:\n{out}")
+
+
+def check_prometheus(errors):
+    prom = DEPLOY / "prometheus"
+    rc, out = run_promtool("check", "config", str(prom / "prometheus.yml"))
+    errors.expect(rc == 0 and "1 rule files found" in out, f"promtool check config:\n{out}")
+    rule_files = sorted((prom / "rules").glob("*.yml"))
+    rc, out = run_promtool("check", "rules", *map(str, rule_files))
+    errors.expect(rc == 0, f"promtool check rules:\n{out}")
+    rc, out = run_promtool("test", "rules", "alerts_test.yml", cwd=HERE)
+    errors.expect(rc == 0, f"promtool test rules alerts_test.yml:\n{out}")
+    alerts = {r["alert"] for f in rule_files for g in yaml.safe_load(f.read_text())["groups"]
+              for r in g["rules"]}
+    for need in ("ServerDown", "HighErrorRate", "QueueGrowing", "KvCacheSaturated"):
+        errors.expect(f"Cemlm{need}" in alerts, f"rules: alert Cemlm{need} missing")
+    exprs = [x for f in rule_files for x in metric_names.rule_exprs(f)]
+    exprs += metric_names.adapter_exprs(DEPLOY / "k8s" / "prometheus-adapter-values.yaml")
+    used = metric_names.names_of(exprs)
+    errors.extend(metric_names.not_allowed(used, metric_names.expected_families()))
+    for path in (prom / "prometheus.yml", prom / "prometheus-k8s.yml"):
+        jobs = [j["job_name"] for j in yaml.safe_load(path.read_text())["scrape_configs"]]
+        errors.expect(jobs == ["cemlm"],
+                      f"{path}: scrape job must be 'cemlm' (the rules select it), not {jobs}")
+
+
+def check_dockerfile(errors):
+    path = DEPLOY / "Dockerfile"
+    stages = dockerfile_stages()
+    errors.expect(len([s for s in stages if s[1]]) >= 2, f"{path}: not multi-stage")
+    final = stages[-1][1]
+
+    def keyword(k):
+        return [line for line in final if line.split()[0].upper() == k]
+
+    users = keyword("USER")
+    errors.expect(users and re.fullmatch(r"USER\s+[1-9]\d*(:[1-9]\d*)?", users[-1]),
+                  f"{path}: the final stage must end as a numeric non-root USER, got {users}")
+    health = keyword("HEALTHCHECK")
+    errors.expect(health and "health" in health[-1] and "cemlm-entrypoint" in health[-1],
+                  f"{path}: the final stage needs HEALTHCHECK running the entrypoint's health mode")
+    errors.expect(any("cemlm-entrypoint" in e for e in keyword("ENTRYPOINT")),
+                  f"{path}: ENTRYPOINT must be the entrypoint script")
+    errors.expect(any("/models/default" in v for v in keyword("VOLUME")),
+                  f"{path}: no VOLUME /models/default")
+    for line in keyword("RUN"):
+        errors.expect(not re.search(r"install\b.*\S+-dev\b", line),
+                      f"{path}: the final stage installs a -dev package: {line}")
+    env = image_env()
+    table = env_table_readme()
+    for var in env:
+        errors.expect(var in table or var == "CEMLM_BIN",
+                      f"{path}: ENV {var} is not a documented variable")
+    exposed = {p for line in keyword("EXPOSE") for p in line.split()[1:]}
+    errors.expect({env.get("CEMLM_PORT"), env.get("CEMLM_METRICS_PORT")} <= exposed,
+                  f"{path}: EXPOSE {exposed} must include CEMLM_PORT and CEMLM_METRICS_PORT")
+    build = "\n".join(line for _, body in stages[:-1] for line in body)
+    errors.expect("-DCEMLM_CUDA=" in build and "runtime-packages.sh" in build,
+                  f"{path}: the build stage must set CEMLM_CUDA and list runtime packages")
+    for src in re.findall(r"\b(deploy/[\w./-]+)", build):
+        errors.expect((SOURCE / src).exists(), f"{path}: refers to missing {src}")
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    errors.expect({".git", "build*/"} <= set(ignore),
+                  "Dockerfile.dockerignore must leave out .git and build*/")
+
+
+def run_entrypoint(tmp, args, env, rc=0):
+    """Runs deploy/entrypoint.sh with a stub cemlm that records its arguments."""
+    record = tmp / "args.json"
+    record.unlink(missing_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CEMLM_")}
+    base.update({"CEMLM_BIN": str(tmp / "cemlm"), "STUB_RECORD": str(record), "STUB_RC": str(rc)})
+    base.update(env)
+    p = subprocess.run(["bash", str(DEPLOY / "entrypoint.sh"), *args], env=base,
+                       capture_output=True, text=True)
+    argv = json.loads(record.read_text()) if record.exists() else None
+    return p.returncode, argv, p.stderr
+
+
+def check_entrypoint(errors):
+    readme, script = env_table_readme(), env_table_script()
+    errors.expect(readme == script, "README.md and entrypoint.sh list different variables/flags: "
+                  f"only README {sorted(readme.items() - script.items())}, "
+                  f"only script {sorted(script.items() - readme.items())}")
+    errors.expect(len(readme) >= 14, f"README.md documents only {len(readme)} variables")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = pathlib.Path(d)
+        stub = tmp / "cemlm"
+        stub.write_text("#!/usr/bin/python3\nimport json, os, sys\n"
+                        "open(os.environ['STUB_RECORD'], 'w').write(json.dumps(sys.argv[1:]))\n"
+                        "sys.exit(int(os.environ['STUB_RC']))\n")
+        stub.chmod(0o755)
+        values = {var: f"value of {var}" for var in readme}  # spaces must survive as one argument
+        rc, argv, err = run_entrypoint(tmp, [], values)
+        if errors.expect(rc == 0 and argv, f"entrypoint with all variables failed ({rc}): {err}"):
+            errors.expect(argv[0] == "serve", f"entrypoint did not run 'serve': {argv}")
+            pairs = dict(zip(argv[1::2], argv[2::2]))
+            for var, flag in readme.items():
+                errors.expect(pairs.get(flag) == values[var],
+                              f"{var} did not become {flag}: {argv}")
+            errors.expect(len(argv) == 1 + 2 * len(readme), f"unexpected extra arguments: {argv}")
+
+        rc, argv, _ = run_entrypoint(tmp, ["serve", "--max-waiting", "7"],
+                                     {"CEMLM_PORT": "", "CEMLM_THREADS": "3",
+                                      "CEMLM_EXTRA_ARGS": "--log-level debug"})
+        want = ["serve", "--threads", "3", "--log-level", "debug", "--max-waiting", "7"]
+        errors.expect(argv == want,
+                      f"empty variables, CEMLM_EXTRA_ARGS or extra flags mishandled: {argv}")
+        rc, argv, _ = run_entrypoint(tmp, ["--port", "9"], {})
+        errors.expect(argv == ["serve", "--port", "9"], f"leading flags must go to serve: {argv}")
+        rc, argv, _ = run_entrypoint(tmp, ["inspect", "--model", "m"], {})
+        errors.expect(argv == ["inspect", "--model", "m"],
+                      f"other commands must pass through: {argv}")
+
+        rc, argv, _ = run_entrypoint(tmp, ["health"], {})
+        errors.expect(argv == ["client", "health", "--addr", "127.0.0.1:50051"],
+                      f"health default: {argv}")
+        rc, argv, _ = run_entrypoint(tmp, ["health"],
+                                     {"CEMLM_HOST": "10.1.2.3", "CEMLM_PORT": "7000"})
+        errors.expect(argv == ["client", "health", "--addr", "10.1.2.3:7000"],
+                      f"health on a bound host: {argv}")
+        health_env = {"CEMLM_HEALTH_ADDR": "h:1", "CEMLM_HEALTH_ARGS": "--a b"}
+        rc, argv, _ = run_entrypoint(tmp, ["health"], health_env, rc=3)
+        errors.expect(rc == 3 and argv == ["client", "health", "--addr", "h:1", "--a", "b"],
+                      f"health must pass CEMLM_HEALTH_* and return the check's status "
+                      f"(rc {rc}): {argv}")
+
+        rc, argv, err = run_entrypoint(tmp, [], {"CEMLM_BIN": str(tmp / "missing")})
+        errors.expect(rc == 127 and argv is None and "CEMLM_BIN" in err,
+                      f"a missing program must fail naming CEMLM_BIN (rc {rc}): {err}")
+
+
+def check_runtime_packages(errors):
+    script = str(DEPLOY / "runtime-packages.sh")
+    if shutil.which("dpkg-query") is None:
+        print("skipped: dpkg-query not found (not a Debian/Ubuntu system)")
+        sys.exit(SKIP)
+    ls = shutil.which("ls")
+    p = subprocess.run(["bash", script, ls], capture_output=True, text=True)
+    packages = p.stdout.split()
+    errors.expect(p.returncode == 0 and "libc6" in packages and all(":" not in x for x in packages),
+                  f"runtime-packages.sh {ls}: rc {p.returncode}, packages {packages}, {p.stderr}")
+    libs = [line.split() for line in subprocess.run(["ldd", ls], capture_output=True, text=True)
+            .stdout.splitlines()]
+    lib = next((x for x in libs
+                if len(x) >= 3 and x[1] == "=>" and not x[0].startswith("libc.so")), None)
+    if lib:  # a copy outside every package must be reported, not silently left out
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copy(lib[2], tmp)
+            p = subprocess.run(["bash", script, ls], capture_output=True, text=True,
+                               env={**os.environ, "LD_LIBRARY_PATH": tmp})
+            errors.expect(p.returncode == 1 and lib[0] in p.stderr,
+                          f"runtime-packages.sh must fail naming {lib[0]}: "
+                          f"rc {p.returncode}, {p.stderr}")
+    p = subprocess.run(["bash", script, "/nonexistent"], capture_output=True, text=True)
+    errors.expect(p.returncode == 2 and "usage" in p.stderr,
+                  "runtime-packages.sh: bad argument not refused")
+
+
+def check_metric_names(errors):
+    """metric_names.py --check-exposition accepts a scrape with every family and names what a
+    scrape lacks (the live check and the lead's scrape comparison rely on it)."""
+    families = metric_names.expected_families()
+    lines = [f"# TYPE {name} {kind}" for name, kind in families.items()]
+    script = [sys.executable, str(HERE / "metric_names.py"), "--deploy-dir", str(DEPLOY)]
+
+    def check(scrape_lines):
+        return subprocess.run([*script, "--check-exposition", "-"], input="\n".join(scrape_lines),
+                              capture_output=True, text=True)
+
+    p = check(lines)
+    errors.expect(p.returncode == 0, f"a complete scrape was refused: {p.stderr}")
+    p = check(lines[1:])
+    missing = lines[0].split()[2]
+    errors.expect(p.returncode == 1 and missing in p.stderr,
+                  f"a scrape without {missing} was accepted")
+    p = check([x.replace("histogram", "summary") for x in lines])
+    errors.expect(p.returncode == 1 and "expected histogram" in p.stderr,
+                  "a wrong metric type was accepted")
+    p = subprocess.run([*script, "--families"], capture_output=True, text=True)
+    errors.expect(p.returncode == 0 and set(p.stdout.split()) == set(families) | {"up"},
+                  f"--families must print every family: {p.stdout}")
+
+
+def check_shellcheck(errors):
+    """The shell scripts of deploy/ pass shellcheck (skipped without the Debian package)."""
+    if shutil.which("shellcheck") is None:
+        print("skipped: shellcheck not found (Debian package shellcheck)")
+        sys.exit(SKIP)
+    scripts = sorted(map(str, DEPLOY.glob("*.sh")))
+    p = subprocess.run(["shellcheck", "--shell=bash", *scripts], capture_output=True, text=True)
+    errors.expect(p.returncode == 0, f"shellcheck {' '.join(scripts)}:\n{p.stdout}{p.stderr}")
+
+
+TINY_CONFIG = {
+    "architecture": "cemlm", "format_version": 1,
+    "vocab_size": 64, "d_model": 16, "n_layers": 1, "n_heads": 2, "head_dim": 8, "d_ff": 32,
+    "max_seq_len": 64, "norm_eps": 1e-5, "rope_theta": 10000.0,
+    "embedding": {"type": "table", "tie_output": False},
+    "attention": {"type": "cem", "diag": "shared", "precond_rank": 2},
+    "mlp": {"type": "cem", "precond_rank": 2},
+    "recursion": {"default": 2, "max": 4, "step_size": "inverse_T"},
+    "bos_id": 1, "eos_id": 2,
+}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving(binary):
+    """Exits as skipped unless CEMLM_BIN is built and has `serve`."""
+    if not os.access(binary, os.X_OK):
+        print(f"skipped: CEMLM_BIN='{binary}' is not built")
+        sys.exit(SKIP)
+    p = subprocess.run([binary, "serve", "--help"], capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"skipped: '{binary} serve --help' failed ({p.returncode}): {p.stderr.strip()}")
+        sys.exit(SKIP)
+    return p.stdout
+
+
+def wait_serving(entrypoint, env, server, deadline_s):
+    """Polls the entrypoint's health mode until SERVING; False when the server died or the
+    deadline passed (a bound, so a hung server cannot outlive the test)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline and server.poll() is None:
+        if subprocess.run([*entrypoint, "health"], env=env, capture_output=True).returncode == 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def check_live(errors):
+    """The entrypoint serves a random-init model outside Docker, passes its own health check,
+    exports every metric the dashboard and rules use, and drains on SIGTERM."""
+    binary = os.environ.get("CEMLM_BIN", "")
+    serving(binary)
+    entrypoint = ["bash", str(DEPLOY / "entrypoint.sh")]
+    with tempfile.TemporaryDirectory() as d:
+        tmp = pathlib.Path(d)
+        (tmp / "config.json").write_text(json.dumps(TINY_CONFIG))
+        p = subprocess.run([binary, "init", "--config", str(tmp / "config.json"),
+                            "--out", str(tmp / "model")], capture_output=True, text=True)
+        if not errors.expect(p.returncode == 0, f"cemlm init failed: {p.stderr}"):
+            return
+        port, metrics_port = free_port(), free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CEMLM_")}
+        env.update(CEMLM_BIN=binary, CEMLM_MODEL=str(tmp / "model"), CEMLM_DEVICE="cpu",
+                   CEMLM_HOST="127.0.0.1", CEMLM_PORT=str(port),
+                   CEMLM_METRICS_PORT=str(metrics_port), CEMLM_KV_CACHE_MEMORY="16M",
+                   CEMLM_THREADS="1", CEMLM_SHUTDOWN_TIMEOUT="10", CEMLM_LOG_LEVEL="warn")
+        log_path = tmp / "log"
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(entrypoint, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            if not errors.expect(wait_serving(entrypoint, env, server, 60),
+                                 f"server not SERVING: {log_path.read_text()}"):
+                return
+            generate = [binary, "client", "generate", "--addr", f"127.0.0.1:{port}",
+                        "--prompt-ids", "3,4,5", "--max-new-tokens", "3"]
+            p = subprocess.run(generate, capture_output=True, text=True)
+            errors.expect(p.returncode == 0, f"generate failed: {p.stderr}")
+            # Over the model's recursion max: INVALID_ARGUMENT, which fills errors by code.
+            p = subprocess.run([*generate, "--recursion", "99"], capture_output=True, text=True)
+            errors.expect(p.returncode != 0, "generate with --recursion 99 was not refused")
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as r:
+                scrape = r.read().decode()
+            errors.extend(metric_names.exposition_errors(
+                metric_names.used_names(DEPLOY), metric_names.expected_families(),
+                metric_names.parse_exposition(scrape)))
+            errors.expect('model_name="model"' in scrape, "metrics lack the label model_name")
+        finally:
+            server.terminate()  # SIGTERM: the entrypoint exec'd the server, so it drains
+            try:
+                rc = server.wait(timeout=30)
+                errors.expect(rc == 0, f"server exited {rc} after SIGTERM: {log_path.read_text()}")
+            except subprocess.TimeoutExpired:
+                server.kill()
+                errors.append("server did not exit within 30 s of SIGTERM")
+
+
+def check_serve_flags(errors):
+    """Every `cemlm serve` flag has a variable and every variable a flag (skipped until the server
+    is built)."""
+    help_text = serving(os.environ.get("CEMLM_BIN", ""))
+    flags = set(re.findall(r"^  (--[\w-]+)", help_text, re.MULTILINE)) - {"--help"}
+    table = set(env_table_readme().values())
+    errors.expect(flags <= table,
+                  f"serve flags without a CEMLM_* variable: {sorted(flags - table)}")
+    errors.expect(table <= flags, f"variables for flags serve lacks: {sorted(table - flags)}")
+
+
+CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
+
+
+def main():
+    if len(sys.argv) != 2 or sys.argv[1] not in CHECKS:
+        print(f"usage: deploy_checks.py {{{','.join(CHECKS)}}}", file=sys.stderr)
+        return 2
+    errors = Errors()
+    CHECKS[sys.argv[1]](errors)
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    print(f"deploy check '{sys.argv[1]}': {'FAILED' if errors else 'ok'} ({len(errors)} problems)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,6 +18,14 @@ const Command kCommands[] = {
     {"score", "log-probabilities and perplexity of a text or id sequence", cemlm::cli::cmd_score},
     {"inspect", "parameter counts and KV-cache size of a checkpoint", cemlm::cli::cmd_inspect},
     {"tokenizer", "train a SentencePiece tokenizer", cemlm::cli::cmd_tokenizer},
+    {"generate", "generate a continuation through the inference engine", cemlm::cli::cmd_generate},
+    {"train", "train a model on text files (checkpoints, resume, evaluation at several T)",
+     cemlm::cli::cmd_train},
+    {"grads", "loss and its gradient w.r.t. every parameter, as safetensors", cemlm::cli::cmd_grads},
+    {"serve", "serve a model over gRPC with Prometheus metrics", cemlm::cli::cmd_serve},
+    {"client", "talk to a running server (generate, score, tokenize, info, health)",
+     cemlm::cli::cmd_client},
+    {"bench-serve", "closed-loop load test of a running server", cemlm::cli::cmd_bench_serve},
 };
 
 void print_help() {

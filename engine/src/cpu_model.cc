@@ -88,17 +88,21 @@ CpuModel::CpuModel(const ModelConfig& c, const Weights& w) : cfg_(c), w_(w), buf
     lev_table_.resize(size_t(c.vocab_size) * c.d_model);
     std::vector<int32_t> all(c.vocab_size);
     for (int i = 0; i < c.vocab_size; ++i) all[i] = i;
-    LevWeights lw{w.lev_codebooks, w.lev_seed_proj, w.lev_ln_weight,
-                  w.lev_ln_bias,   w.lev_spline,    w.lev_out_proj};
-    lev_forward(ExecCtx{}, Tensor(lev_table_.data(), {c.vocab_size, c.d_model}), all.data(), lw);
+    lev_forward(ExecCtx{}, Tensor(lev_table_.data(), {c.vocab_size, c.d_model}), all.data(),
+                lev_weights(w));
   }
 }
 
-DiagKind CpuModel::diag_kind() const {
-  if (cfg_.attention != AttentionType::kCem) return DiagKind::kNone;
-  return cfg_.diag == DiagMode::kShared    ? DiagKind::kShared
-         : cfg_.diag == DiagMode::kPerHead ? DiagKind::kPerHead
-                                           : DiagKind::kNone;
+DiagKind diag_kind(const ModelConfig& c) {
+  if (c.attention != AttentionType::kCem) return DiagKind::kNone;
+  return c.diag == DiagMode::kShared    ? DiagKind::kShared
+         : c.diag == DiagMode::kPerHead ? DiagKind::kPerHead
+                                        : DiagKind::kNone;
+}
+
+LevWeights lev_weights(const Weights& w) {
+  return LevWeights{w.lev_codebooks, w.lev_seed_proj, w.lev_ln_weight,
+                    w.lev_ln_bias,   w.lev_spline,    w.lev_out_proj};
 }
 
 const float* CpuModel::embedding(int token) const {
@@ -133,7 +137,7 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
   r.Tmax = r.seq_T.front();
   const int64_t N = r.N;
   const int rank = std::max(cfg_.attn_precond_rank, cfg_.mlp_precond_rank);
-  const DiagKind kind = diag_kind();
+  const DiagKind kind = diag_kind(cfg_);
   const int64_t scratch = std::max<int64_t>(
       paged_attention_scratch_floats(r.seqs.data(), int(r.seqs.size()), kv.layer(0), kind),
       2 * N * std::max(rank, 1));
@@ -194,7 +198,7 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
   const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim(), H = cfg_.n_heads;
   const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
   const bool diag = cfg_.diag != DiagMode::kNone;
-  const DiagKind kind = diag_kind();
+  const DiagKind kind = diag_kind(cfg_);
   const int64_t qd_width = cfg_.diag == DiagMode::kPerHead ? H * D : D;
   Tensor c = view(buf(kC, 0), N, D), k = view(buf(kK, 0), N, Q);
   // The context and the keys come from the sub-layer input, once, whatever T is.

@@ -9,6 +9,9 @@
 #include "cemlm/engine/cpu_model.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/status.h"
+#ifdef CEMLM_HAVE_CUDA
+#include "cemlm/engine/cuda_runner.h"
+#endif
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -41,6 +44,9 @@ class CpuRunner final : public ModelRunner {
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
                                                                const RunnerOptions& opts) {
+#ifdef CEMLM_HAVE_CUDA
+  if (opts.device.rfind("cuda", 0) == 0) return make_cuda_model_runner(model_dir, opts);
+#endif
   if (opts.device != "cpu")
     return absl::InvalidArgumentError(absl::StrCat(
         "device \"", opts.device, "\" is not available in this build; use --device cpu "

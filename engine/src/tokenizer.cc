@@ -1,19 +1,20 @@
-// SentencePiece behind Tokenizer, the incremental detokenizer and tokenizer training (see
-// tokenizer.h). The only file that includes SentencePiece: its header defines its own
-// absl::string_view, so nothing here may include an abseil or gRPC header.
+// Tokenizer, the incremental detokenizer and tokenizer training (see tokenizer.h) over the
+// SentencePiece plugin (see spm_api.h), which is found and loaded here on first use.
 #include "cemlm/engine/tokenizer.h"
 
-#include <sentencepiece_processor.h>
-#include <sentencepiece_trainer.h>
+#include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 
 #include "cemlm/engine/corpus.h"
 #include "cemlm/kernels/tensor.h"  // CEMLM_CHECK
+#include "spm_api.h"
 
 namespace cemlm {
 namespace {
@@ -24,20 +25,57 @@ constexpr int kSpecialIds = 4;  // unk, bos, eos, pad
 constexpr int kByteIds = 256;   // byte fallback: one piece per byte value
 constexpr unsigned kTrainSeed = 20240229;
 constexpr char kReplacementChar[] = "\xEF\xBF\xBD";  // U+FFFD: what decode makes of partial bytes
+constexpr char kPluginName[] = "libcemlm_spm.so";
 
-// SentencePiece messages read "./src/x.cc(12) [condition] detail"; users need only the detail.
-std::string detail(const sentencepiece::util::Status& st) {
-  std::string msg = st.error_message();
-  if (size_t cut = msg.find("] "); msg.starts_with("./") && cut != std::string::npos)
-    msg = msg.substr(cut + 2);
-  return msg;
+// Where the plugin may be, in order: $CEMLM_SPM_PLUGIN, beside the program, ../lib of the
+// program, the build tree, then the library search path.
+std::vector<std::string> plugin_candidates() {
+  std::vector<std::string> out;
+  if (const char* env = std::getenv("CEMLM_SPM_PLUGIN"); env && *env) out.push_back(env);
+  std::error_code ec;
+  if (fs::path exe = fs::read_symlink("/proc/self/exe", ec); !ec) {
+    out.push_back((exe.parent_path() / kPluginName).string());
+    out.push_back((exe.parent_path().parent_path() / "lib" / kPluginName).string());
+  }
+  out.push_back(CEMLM_SPM_PLUGIN_BUILD_PATH);
+  out.push_back(kPluginName);
+  return out;
+}
+
+// The plugin's table, loaded once; null with *error when no candidate loads.
+const SpmApi* spm(std::string* error) {
+  static std::once_flag once;
+  static const SpmApi* api = nullptr;
+  static std::string failure;
+  std::call_once(once, [] {
+    for (const std::string& path : plugin_candidates()) {
+      if (path.find('/') != std::string::npos && !fs::exists(path)) continue;
+      void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+      auto entry =
+          lib ? reinterpret_cast<const SpmApi* (*)()>(dlsym(lib, "cemlm_spm_api")) : nullptr;
+      if (entry) {
+        api = entry();
+        return;
+      }
+      failure = dlerror();
+    }
+  });
+  if (!api && error)
+    *error = "cannot load the SentencePiece plugin " + std::string(kPluginName) +
+             " (install it beside the cemlm program or set CEMLM_SPM_PLUGIN): " + failure;
+  return api;
+}
+
+const SpmApi& loaded_spm() {
+  const SpmApi* api = spm(nullptr);
+  CEMLM_CHECK(api);  // a Tokenizer exists only once the plugin has loaded
+  return *api;
 }
 
 }  // namespace
 
-Tokenizer::Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> sp)
-    : sp_(std::move(sp)) {}
-Tokenizer::~Tokenizer() = default;
+Tokenizer::Tokenizer(void* sp) : sp_(sp) {}
+Tokenizer::~Tokenizer() { loaded_spm().destroy(sp_); }
 
 std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string* error) {
   std::string bytes;
@@ -45,21 +83,22 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
     *error = "cannot load tokenizer: " + *error;
     return nullptr;
   }
-  auto sp = std::make_unique<sentencepiece::SentencePieceProcessor>();
-  if (auto st = sp->LoadFromSerializedProto(bytes); !st.ok()) {
-    std::string why = detail(st);
+  const SpmApi* api = spm(error);
+  if (!api) return nullptr;
+  std::string why;
+  void* sp = api->load(bytes, &why);
+  if (!sp) {
     *error = "tokenizer '" + path + "' is not a SentencePiece model" +
              (why.empty() ? "" : " (" + why + ")") + "; pass a .model file written by " +
              "`cemlm tokenizer train` or spm_train";
     return nullptr;
   }
-  return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(sp)));
+  return std::unique_ptr<Tokenizer>(new Tokenizer(sp));
 }
 
 std::vector<int> Tokenizer::encode(std::string_view text) const {
   std::vector<int> ids;
-  const auto st = sp_->Encode(text, &ids);
-  CEMLM_CHECK(st.ok());  // only fails when no model is loaded
+  CEMLM_CHECK(loaded_spm().encode(sp_, text, &ids));  // only fails when no model is loaded
   return ids;
 }
 
@@ -68,21 +107,20 @@ std::string Tokenizer::decode(std::span<const int> ids) const {
   for (int& id : known)
     if (id < 0 || id >= vocab_size()) id = unk_id();
   std::string text;
-  const auto st = sp_->Decode(known, &text);
-  CEMLM_CHECK(st.ok());  // every id is in range now
+  CEMLM_CHECK(loaded_spm().decode(sp_, known, &text));  // every id is in range now
   return text;
 }
 
 std::string Tokenizer::id_to_piece(int id) const {
   // SentencePiece aborts on an out-of-range id instead of reporting it.
-  return id >= 0 && id < vocab_size() ? sp_->IdToPiece(id) : std::string();
+  return id >= 0 && id < vocab_size() ? loaded_spm().id_to_piece(sp_, id) : std::string();
 }
 
-int Tokenizer::vocab_size() const { return sp_->GetPieceSize(); }
-int Tokenizer::bos_id() const { return sp_->bos_id(); }
-int Tokenizer::eos_id() const { return sp_->eos_id(); }
-int Tokenizer::unk_id() const { return sp_->unk_id(); }
-int Tokenizer::pad_id() const { return sp_->pad_id(); }
+int Tokenizer::vocab_size() const { return loaded_spm().piece_size(sp_); }
+int Tokenizer::bos_id() const { return loaded_spm().bos_id(sp_); }
+int Tokenizer::eos_id() const { return loaded_spm().eos_id(sp_); }
+int Tokenizer::unk_id() const { return loaded_spm().unk_id(sp_); }
+int Tokenizer::pad_id() const { return loaded_spm().pad_id(sp_); }
 
 std::string IncrementalDetokenizer::next(std::span<const int> ids) { return emit(ids, false); }
 std::string IncrementalDetokenizer::finish(std::span<const int> ids) { return emit(ids, true); }
@@ -100,32 +138,6 @@ std::string IncrementalDetokenizer::emit(std::span<const int> ids, bool final) {
 }
 
 namespace {
-
-// Feeds the corpus to the trainer one non-empty line at a time, without copying it.
-class CorpusLines final : public sentencepiece::SentenceIterator {
- public:
-  explicit CorpusLines(const std::vector<TextFile>& files) : files_(files) { Next(); }
-  bool done() const override { return file_ >= files_.size(); }
-  const std::string& value() const override { return line_; }
-  sentencepiece::util::Status status() const override { return {}; }
-  void Next() override {
-    for (; file_ < files_.size(); ++file_, pos_ = 0) {
-      const std::string& text = files_[file_].text;
-      while (pos_ < text.size()) {
-        size_t end = std::min(text.find('\n', pos_), text.size());
-        line_.assign(text, pos_, end - pos_);
-        pos_ = end + 1;
-        if (line_.ends_with('\r')) line_.pop_back();
-        if (!line_.empty()) return;
-      }
-    }
-  }
-
- private:
-  const std::vector<TextFile>& files_;
-  size_t file_ = 0, pos_ = 0;
-  std::string line_;
-};
 
 std::unordered_map<std::string, std::string> trainer_args(const TokenizerTrainOptions& opts) {
   return {
@@ -201,13 +213,12 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
         std::to_string(st.skipped.size()) + " files skipped as .dat/.u8, binary or not UTF-8)";
     return false;
   }
-  sentencepiece::SetRandomGeneratorSeed(kTrainSeed);
-  CorpusLines lines(corpus);
-  std::string model;
-  if (auto s = sentencepiece::SentencePieceTrainer::Train(trainer_args(opts), &lines, &model);
-      !s.ok()) {
+  const SpmApi* api = spm(error);
+  if (!api) return false;
+  std::string model, why;
+  if (!api->train(trainer_args(opts), corpus, kTrainSeed, &model, &why)) {
     *error = "training the tokenizer (--vocab-size " + std::to_string(opts.vocab_size) +
-             ") failed: " + detail(s);
+             ") failed: " + why;
     return false;
   }
   return write_atomically(opts.out_path, model, error);

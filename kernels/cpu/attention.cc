@@ -137,7 +137,9 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
     gemm(false, true, R, n_ctx, D, 1.0f, qd.data + int64_t(s.row_begin) * D, D, cc, D, 0.0f, sd, n_ctx);
     std::fill(psum, psum + int64_t(R) * n_ctx, 0.0f);
   }
-#pragma omp parallel for schedule(static)
+  // Heads round-robin; the shared diagonal's sum over heads is added in head order (ordered),
+  // so the result does not depend on thread timing.
+#pragma omp parallel for schedule(static, 1) ordered
   for (int h = 0; h < H; ++h) {
     float* S = next + int64_t(omp_get_thread_num()) * R * n_ctx;
     if (diag == DiagKind::kShared) std::copy(sd, sd + int64_t(R) * n_ctx, S);
@@ -152,7 +154,7 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
       gemm(false, false, R, D, n_ctx, 1.0f, S, n_ctx, cc, D, 0.0f,
            out_c.data + (int64_t(s.row_begin) * H + h) * D, H * D);
     if (diag == DiagKind::kShared) {
-#pragma omp critical(cemlm_attention_psum)
+#pragma omp ordered
       for (int64_t e = 0; e < int64_t(R) * n_ctx; ++e) psum[e] += S[e];
     }
   }

@@ -30,8 +30,12 @@ inline void b2_with_slope(float x, float* v, float* dv) {
 struct LevDims {
   int k, b, s, nh, kn, r, D;
   explicit LevDims(const LevWeights& w)
-      : k(int(w.codebooks.dim(0))), b(int(w.codebooks.dim(1))), s(int(w.codebooks.dim(2))),
-        nh(int(w.seed_proj.dim(0))), kn(int(w.spline.dim(2))), r(int(w.spline.dim(3))),
+      : k(int(w.codebooks.dim(0))),
+        b(int(w.codebooks.dim(1))),
+        s(int(w.codebooks.dim(2))),
+        nh(int(w.seed_proj.dim(0))),
+        kn(int(w.spline.dim(2))),
+        r(int(w.spline.dim(3))),
         D(int(w.out_proj.dim(2))) {}
 };
 
@@ -41,10 +45,24 @@ struct LevThread {
   std::vector<int> dig;
   std::vector<double> g_code, g_seed, g_lnw, g_lnb, g_spline;
   explicit LevThread(const LevDims& d)
-      : z(d.s), dz(d.s), u(d.s), nrm(d.s), zeta(d.s), basis(d.s * d.kn), slope(d.s * d.kn),
-        phi(d.s * d.r), pre((d.s + 1) * d.r), suf(d.r), dphi(d.s * d.r), dn(d.s), dM(d.r), dig(d.k),
-        g_code(size_t(d.k) * d.b * d.s), g_seed(size_t(d.nh) * d.s * d.s),
-        g_lnw(size_t(d.nh) * d.s), g_lnb(size_t(d.nh) * d.s),
+      : z(d.s),
+        dz(d.s),
+        u(d.s),
+        nrm(d.s),
+        zeta(d.s),
+        basis(d.s * d.kn),
+        slope(d.s * d.kn),
+        phi(d.s * d.r),
+        pre((d.s + 1) * d.r),
+        suf(d.r),
+        dphi(d.s * d.r),
+        dn(d.s),
+        dM(d.r),
+        dig(d.k),
+        g_code(size_t(d.k) * d.b * d.s),
+        g_seed(size_t(d.nh) * d.s * d.s),
+        g_lnw(size_t(d.nh) * d.s),
+        g_lnb(size_t(d.nh) * d.s),
         g_spline(size_t(d.nh) * d.s * d.kn * d.r) {}
 };
 
@@ -153,7 +171,8 @@ void lev_backward(const ExecCtx& ctx, const LevWeights& g, const Tensor& dout, c
   CEMLM_CHECK(dout.dim(1) == d.D && ctx.scratch_floats >= N * nhr);
   float* m_all = ctx.scratch;  // [N, n_h·r] products M, for the output projection's gradient
   // Per-thread accumulators, summed in thread order afterwards so the result is deterministic.
-  std::vector<LevThread> threads(size_t(omp_get_max_threads()), LevThread(d));
+  const LevThread zero(d);
+  std::vector<LevThread> threads(size_t(omp_get_max_threads()), zero);
 #pragma omp parallel
   {
     LevThread& t = threads[size_t(omp_get_thread_num())];

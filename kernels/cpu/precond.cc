@@ -11,12 +11,10 @@ void precond_forward(const ExecCtx& ctx, Tensor out, const Tensor& u, const Tens
                      const Tensor& Pu, const Tensor& Pv) {
   const int N = int(u.dim(0)), D = int(u.dim(-1)), r = int(Pu.dim(1));
   CEMLM_CHECK(out.data != u.data && ctx.scratch_floats >= int64_t(2) * N * r);
-  for (int64_t i = 0; i < int64_t(N); ++i)
-    for (int d = 0; d < D; ++d) {
-      const float z = p.data[d];
-      const float sp = z > 20.0f ? z : std::log1p(std::exp(z));
-      out.data[i * D + d] = sp * u.data[i * D + d];
-    }
+  for (int d = 0; d < D; ++d) {  // softplus once per feature, not per element
+    const float sp = p.data[d] > 20.0f ? p.data[d] : std::log1p(std::exp(p.data[d]));
+    for (int64_t i = 0; i < int64_t(N); ++i) out.data[i * D + d] = sp * u.data[i * D + d];
+  }
   float* a = ctx.scratch;          // [N,r] = u · P_v
   float* b = ctx.scratch + N * r;  // [N,r] = u · P_u
   gemm(false, false, N, r, D, 1.0f, u.data, D, Pv.data, r, 0.0f, a, r);

@@ -62,7 +62,7 @@ TEST(Lev, PrecomputedTableEqualsPerToken) {
   testing_models::randomize(s, 4);
   Weights w = bind_weights(c, s);
   CpuModel m(c, w);
-  LevWeights lw{w.lev_codebooks, w.lev_seed_proj, w.lev_ln_weight, w.lev_ln_bias, w.lev_spline, w.lev_out_proj};
+  const LevWeights lw = lev_weights(w);
   bool differ = false;
   for (int32_t t : {0, 1, 17, 60}) {
     std::vector<float> one(c.d_model);

@@ -10,6 +10,7 @@
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/params.h"
 #include "cemlm/kernels/attention.h"
+#include "cemlm/kernels/lev.h"
 
 namespace cemlm {
 
@@ -47,7 +48,6 @@ class CpuModel {
   void mlp_swiglu(int l, Rows& r);
   void mlp_cem(int l, Rows& r);
   float* buf(size_t i, int64_t n);
-  DiagKind diag_kind() const;
 
   ModelConfig cfg_;
   const Weights& w_;
@@ -55,6 +55,11 @@ class CpuModel {
   std::vector<float> rope_;       // [max_seq_len, d_h]
   std::vector<std::vector<float>> bufs_;
 };
+
+// The attention kernels' view of the config's diagonal mode (kNone for standard attention).
+DiagKind diag_kind(const ModelConfig& c);
+// The LEV generator's weights out of a model's named views.
+LevWeights lev_weights(const Weights& w);
 
 // Logits [N, V] of a whole sequence at recursion T: the reference path used by `cemlm score`,
 // tests and the trainer's checks (one contiguous block holds the sequence).

@@ -17,6 +17,7 @@
 namespace cemlm {
 
 class Tokenizer;
+class ModelRunner;
 using Clock = std::chrono::steady_clock;
 using RequestId = uint64_t;
 
@@ -86,7 +87,7 @@ struct EngineStats {
   double kv_cache_usage = 0;     // 0–1
   int64_t kv_blocks_total = 0, kv_blocks_free = 0;
   int64_t preemptions_total = 0;
-  int64_t prefix_cache_hits_total = 0;
+  int64_t prefix_cache_hits_total = 0;  // prompt tokens served from the prefix cache
 };
 
 struct ModelInfo {
@@ -99,16 +100,27 @@ struct ModelInfo {
 
 class Engine {
  public:
+  // Loads the checkpoint's runner (make_model_runner) and its tokenizer.model when it has one.
   static absl::StatusOr<std::unique_ptr<Engine>> create(const EngineOptions& opts);
+  // Over an existing runner (tests inject a fake one); `tokenizer` may be null. The block size
+  // and the number of blocks come from the runner; opts.model_dir/device/threads are unused.
+  static absl::StatusOr<std::unique_ptr<Engine>> create(const EngineOptions& opts,
+                                                        std::unique_ptr<ModelRunner> runner,
+                                                        std::unique_ptr<Tokenizer> tokenizer);
+  // Shuts down (cancelling what still runs) if shutdown() was not called.
   virtual ~Engine() = default;
 
   // Validates (INVALID_ARGUMENT naming the field), then queues (RESOURCE_EXHAUSTED when the
   // queue is full, UNAVAILABLE after shutdown began). `on_event` is called from the engine thread
-  // and must not block; it is never called after the final event.
+  // and must not block; it may call submit() and cancel(), not score() or shutdown(). It is never
+  // called after the final event. Text: the events' texts concatenate to the decoded generated
+  // ids, cut before the first stop string; stop-token ids add none; cancelled, deadline and
+  // error endings drop text still held back (a possible stop-string prefix).
   virtual absl::StatusOr<RequestId> submit(GenerateRequest req, EventCallback on_event) = 0;
   // Idempotent; the request ends with kCancelled and its blocks are freed within one step.
   virtual void cancel(RequestId id) = 0;
-  // Blocking prefill-only scoring (runs on the caller's thread between engine steps).
+  // Blocking prefill-only scoring (runs on the caller's thread between engine steps, in chunks of
+  // max_batch_tokens; preempts running requests when the cache has no room for the ids).
   virtual absl::StatusOr<ScoreResult> score(const ScoreRequest& req) = 0;
   // Checks a request without submitting it.
   virtual absl::Status validate(const GenerateRequest& req) const = 0;

@@ -1,7 +1,7 @@
 // The SentencePiece tokenizer shared by the engine, the trainer and the server, its streaming
-// detokenizer, and tokenizer training. Only tokenizer.cc sees SentencePiece, whose header defines
-// its own absl::string_view, so this header includes no abseil either: failures return
-// false/null and fill a `std::string* error`, which callers wrap into an absl::Status.
+// detokenizer, and tokenizer training. SentencePiece itself lives in a plugin (src/spm_api.h);
+// this header includes no abseil either: failures return false/null and fill a
+// `std::string* error`, which callers wrap into an absl::Status.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -9,10 +9,6 @@
 #include <string>
 #include <string_view>
 #include <vector>
-
-namespace sentencepiece {
-class SentencePieceProcessor;
-}
 
 namespace cemlm {
 
@@ -41,8 +37,8 @@ class Tokenizer {
   int pad_id() const;
 
  private:
-  explicit Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> sp);
-  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  explicit Tokenizer(void* sp);
+  void* sp_;  // owned: the plugin's SentencePieceProcessor
 };
 
 // Streams the text of a growing id sequence: each call takes every id generated so far and

@@ -1,7 +1,7 @@
 // Backward of causal attention (attention.h: scores, softmax, value and context sums) for the
-// trainer, whose sequences are whole and contiguous (one block each). Probabilities are recomputed,
-// one sequence and head at a time, as sgemms over the full [L, L] score matrix (the causal mask
-// zeroes its upper triangle). CPU oracle: kernels/cpu/attention_backward.cc; test: tests/trainer_grad/.
+// trainer, whose sequences are whole and contiguous (one block each). Probabilities are recomputed
+// per sequence and head as sgemms over the full [L, L] score matrix (the causal mask zeroes its
+// upper triangle). CPU oracle: kernels/cpu/attention_backward.cc; test: tests/trainer_grad/.
 #pragma once
 #include <cstdint>
 
@@ -19,7 +19,8 @@ struct AttnTensors {
   Tensor c;   // [M, D] contexts; empty for kNone
 };
 
-// Floats of ctx.scratch that attention_backward needs.
+// Floats of ctx.scratch that attention_backward needs (6·seq_len² per OpenMP thread with the
+// shared diagonal, else 2·seq_len²).
 int64_t attention_backward_scratch(DiagKind diag, int seq_len);
 
 // Backward of paged_attention_forward over such sequences. dout [M, H·d_h], doc (the gradient of

@@ -19,7 +19,7 @@ void diag_scale_backward(const ExecCtx&, Tensor dy, Tensor dd, const Tensor& dqd
                          const Tensor& d);
 // Of diag_gather_forward (u += Σ_h d[h] ⊙ oc[h]): doc[N,H,D] = d[h] ⊙ du; dd[H,D] +=
 // Σ_i du[i] ⊙ oc[i,h]. Shared: d, dd [D], oc, doc [N,D].
-void diag_gather_backward(const ExecCtx&, Tensor doc, Tensor dd, const Tensor& du,
-                          const Tensor& oc, const Tensor& d);
+void diag_gather_backward(const ExecCtx&, Tensor doc, Tensor dd, const Tensor& du, const Tensor& oc,
+                          const Tensor& d);
 
 }  // namespace cemlm

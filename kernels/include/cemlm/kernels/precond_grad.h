@@ -1,5 +1,6 @@
 // Backward of the CEM preconditioner P(u) = softplus(p) ⊙ u + P_u (P_vᵀ u) + P_v (P_uᵀ u)
-// (precond.h, MODEL.md §4.3). CPU oracle: kernels/cpu/precond_backward.cc; test: tests/trainer_grad/.
+// (precond.h, MODEL.md §4.3). CPU oracle: kernels/cpu/precond_backward.cc; test:
+// tests/trainer_grad/.
 #pragma once
 #include "cemlm/kernels/tensor.h"
 

@@ -1,0 +1,131 @@
+// `cemlm generate`: one request through the Engine (paged KV cache, scheduler, sampler: the same
+// code path as the server). Streams the text to stdout, or prints one JSON object with --json.
+#include <charconv>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/cli/flags.h"
+#include "cemlm/engine/engine.h"
+#include "cemlm/engine/tokenizer.h"
+#include "cemlm/engine/utf8.h"
+#include "nlohmann/json.hpp"
+
+namespace cemlm::cli {
+namespace {
+
+int fail(const std::string& msg) {
+  std::fprintf(stderr, "error: %s\n", msg.c_str());
+  return 1;
+}
+
+// What the request streamed back, gathered on the engine thread.
+struct Outcome {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::vector<int> ids;
+  std::vector<float> logprobs;
+  std::string text;
+  FinishReason reason = FinishReason::kNone;
+  absl::Status error;
+};
+
+}  // namespace
+
+int cmd_generate(int argc, char** argv) {
+  std::string model, prompt, prompt_ids, seed_text, device = "cpu";
+  int T = 0, max_new = 64, top_k = 0;
+  float temperature = 1.0f, top_p = 1.0f;
+  bool json = false;
+  Flags f("cemlm generate --model DIR (--prompt STR | --prompt-ids 3,17) [--recursion T] "
+          "[--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] [--seed S] [--json]",
+          "Generate a continuation through the inference engine (paged KV cache, same code path\n"
+          "as the server). Streams the text to stdout; with --json prints\n"
+          "{\"ids\", \"text\", \"logprobs\", \"finish_reason\"}, where logprobs[i] is the log-probability\n"
+          "of ids[i] under the unmodified model distribution.");
+  f.add("model", &model, "checkpoint directory", true);
+  f.add("prompt", &prompt, "prompt text (needs the checkpoint's tokenizer.model)");
+  f.add("prompt-ids", &prompt_ids, "prompt as comma-separated token ids");
+  f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
+  f.add("max-new-tokens", &max_new, "tokens to generate at most");
+  f.add("temperature", &temperature, "sampling temperature (0: greedy)");
+  f.add("top-k", &top_k, "keep the K most likely tokens (0: off)");
+  f.add("top-p", &top_p, "nucleus sampling mass (1: off)");
+  f.add("seed", &seed_text, "sampling seed, an integer in [0, 2^64) (random when not given)");
+  f.add("device", &device, "cpu or cuda");
+  f.add_bool("json", &json, "print one JSON object instead of streaming text");
+  if (int rc = f.parse(argc, argv); rc >= 0) return rc;
+  if (f.given("prompt") == f.given("prompt-ids"))
+    return fail("give exactly one of --prompt and --prompt-ids (see --help)");
+
+  EngineOptions eo;
+  eo.model_dir = model;
+  eo.device = device;
+  auto engine = Engine::create(eo);
+  if (!engine.ok()) return fail(std::string(engine.status().message()));
+
+  GenerateRequest req;
+  if (f.given("prompt-ids")) {
+    if (!parse_id_list(prompt_ids, &req.prompt_ids))
+      return fail("--prompt-ids: expected comma-separated integers like 3,17,42");
+  } else {
+    const Tokenizer* tok = (*engine)->tokenizer();
+    if (!tok) return fail("--prompt: the checkpoint '" + model + "' has no tokenizer.model; use --prompt-ids");
+    if (!is_valid_utf8(prompt)) return fail("--prompt: not valid UTF-8");
+    req.prompt_ids = tok->encode(prompt);
+  }
+  req.recursion_depth = T;
+  req.sampling.max_new_tokens = max_new;
+  req.sampling.temperature = temperature;
+  req.sampling.top_k = top_k;
+  req.sampling.top_p = top_p;
+  if (f.given("seed")) {
+    uint64_t seed = 0;
+    const char* end = seed_text.data() + seed_text.size();
+    if (auto [p, ec] = std::from_chars(seed_text.data(), end, seed); ec != std::errc() || p != end)
+      return fail("--seed: expected an integer in [0, 2^64), got '" + seed_text + "'");
+    req.sampling.seed = seed;
+  }
+
+  Outcome out;
+  auto on_event = [&out, json](const StreamEvent& ev) {
+    if (!json) {
+      std::fputs(ev.text.c_str(), stdout);
+      std::fflush(stdout);
+    }
+    std::lock_guard<std::mutex> lock(out.mu);
+    out.ids.insert(out.ids.end(), ev.token_ids.begin(), ev.token_ids.end());
+    out.logprobs.insert(out.logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
+    out.text += ev.text;
+    if (ev.finish_reason == FinishReason::kNone) return;
+    out.reason = ev.finish_reason;
+    out.error = ev.error;
+    out.done = true;
+    out.cv.notify_all();
+  };
+  if (auto id = (*engine)->submit(std::move(req), on_event); !id.ok())
+    return fail(std::string(id.status().message()));
+  {
+    std::unique_lock<std::mutex> lock(out.mu);
+    out.cv.wait(lock, [&] { return out.done; });
+  }
+  (*engine)->shutdown(false);
+  if (out.reason == FinishReason::kError) return fail(std::string(out.error.message()));
+  if (!json) {
+    std::fputs("\n", stdout);
+    return 0;
+  }
+  nlohmann::json j;
+  j["ids"] = out.ids;
+  j["text"] = out.text;
+  j["logprobs"] = out.logprobs;
+  j["finish_reason"] = finish_reason_name(out.reason);
+  std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  return 0;
+}
+
+}  // namespace cemlm::cli

@@ -1,0 +1,699 @@
+// CudaRunner (see cuda_runner.h): CpuModel::forward's flat per-layer op lists over the
+// cemlm::cuda ops. Each step the host packs the row tables (token ids, positions, step sizes,
+// logits rows, per-row block-table pointers, block tables) into one pinned buffer and uploads it
+// with one copy; kernels read them from fixed device addresses, which is what lets a captured
+// decode step (a CUDA graph) replay with new contents.
+#include "cemlm/engine/cuda_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_model.h"
+#include "cemlm/engine/status.h"
+#include "cemlm/kernels/cuda/attention.h"
+#include "cemlm/kernels/cuda/buffer.h"
+#include "cemlm/kernels/cuda/linear.h"
+#include "cemlm/kernels/cuda/ops.h"
+#include "cemlm/kernels/rope.h"
+
+namespace cemlm {
+namespace {
+
+using cuda::DeviceBuffer;
+using cuda::DeviceWeight;
+
+constexpr size_t kCublasWorkspace = size_t(32) << 20;  // Hopper's recommended size
+constexpr size_t kMaxGraphs = 64;
+
+Tensor dview(float* p, int64_t rows, int64_t cols) {
+  return Tensor(p, {rows, cols}, Device::kCuda);
+}
+
+size_t align16(size_t x) { return (x + 15) / 16 * 16; }
+
+struct DevLayer {
+  Tensor attn_norm, diag, attn_p, attn_u, attn_v, mlp_norm, mlp_p, mlp_u, mlp_v;
+  DeviceWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+};
+
+// Host plan of one step, and where each table sits in the staged upload (byte offsets).
+struct Step {
+  int N = 0, M = 0, Tmax = 1;
+  bool decode = true;                           // every sequence feeds one token
+  std::vector<int> seq_rows, seq_T, seq_table;  // per sequence: rows, T, offset into tables
+  std::vector<int32_t> ids, pos, out_rows, tables;
+  std::vector<float> eta;
+  size_t off_pos = 0, off_eta = 0, off_out = 0, off_rows = 0, off_tables = 0, bytes = 0;
+
+  // Rows still updating at recursion step t: a prefix, as sequences come sorted by T.
+  int active(int t) const {
+    int n = 0;
+    for (size_t s = 0; s < seq_T.size() && seq_T[s] > t; ++s) n += seq_rows[s];
+    return n;
+  }
+  // Everything a captured step's launches depend on; the rest is read from the device.
+  std::vector<int> graph_key() const {
+    std::vector<int> k = {N, M, Tmax};
+    for (int t = 0; t < Tmax; ++t) k.push_back(active(t));
+    return k;
+  }
+};
+
+// Device addresses of a staged step's tables.
+struct StepDev {
+  const int32_t* ids;
+  const int32_t* pos;
+  const float* eta;
+  const int32_t* out_rows;
+  const cuda::AttnRow* rows;
+};
+
+enum Buf {
+  kH,
+  kC,
+  kY,
+  kQ,
+  kK,
+  kV,
+  kA,
+  kU,
+  kPU,
+  kQD,
+  kOC,
+  kG,
+  kZ,
+  kFinal,
+  kScratch,
+  kLogits,
+  kNumBufs
+};
+
+class CudaRunner final : public CudaModelRunner {
+ public:
+  CudaRunner(const ModelConfig& c, const CudaRunnerOptions& o) : cfg_(c), opts_(o) {}
+  ~CudaRunner() override;
+  absl::Status init(ParamStore& params);
+
+  const ModelConfig& config() const override { return cfg_; }
+  int block_size() const override { return opts_.block_size; }
+  int64_t num_blocks() const override { return n_blocks_; }
+  void forward(const Batch& batch, std::vector<float>* logits) override;
+  void forward_sample(const Batch& batch, std::span<const cuda::SampleRowSpec> rows,
+                      std::vector<cuda::SampledToken>* out) override;
+  void copy_block(int32_t src, int32_t dst) override;
+
+ private:
+  absl::Status alloc(DeviceBuffer& b, size_t bytes, const std::string& what);
+  absl::StatusOr<Tensor> put_f32(const Tensor& host, const std::string& what,
+                                 std::vector<DeviceBuffer>& owner);
+  absl::StatusOr<DeviceWeight> put_matrix(const Tensor& host, const std::string& what);
+  absl::Status upload_weights(ParamStore& params);
+  absl::Status upload_embedding(const Weights& w);
+  absl::Status alloc_kv();
+
+  int run(const Batch& batch);  // returns the number of logits rows left in bufs_[kLogits]
+  Step plan(const Batch& batch) const;
+  void ensure_buffers(const Step& st);
+  StepDev stage(const Step& st);
+  void run_graph(const Step& st, const StepDev& d);
+  void clear_graphs();
+  void run_layers(const Step& st, const StepDev& d);
+  void attention_standard(int l, const Step& st, const StepDev& d);
+  void attention_cem(int l, const Step& st, const StepDev& d);
+  void mlp_swiglu(int l, const Step& st);
+  void mlp_cem(int l, const Step& st, const StepDev& d);
+  KvLayerView kv_layer(int l) const;
+  float* buf(Buf b) const { return bufs_[b].as<float>(); }
+
+  ModelConfig cfg_;
+  CudaRunnerOptions opts_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  DeviceBuffer cublas_ws_;
+  ExecCtx ctx_;
+
+  std::vector<DeviceBuffer> weights_;  // owns every device tensor below
+  std::vector<DevLayer> layers_;
+  Tensor embed_, final_norm_, rope_;
+  DeviceWeight head_;
+
+  int64_t n_blocks_ = 0;
+  int kw_ = 0, vw_ = 0, cw_ = 0;  // floats per token per layer per pool
+  DeviceBuffer kv_k_, kv_v_, kv_c_;
+
+  DeviceBuffer bufs_[kNumBufs];
+  DeviceBuffer stage_dev_, sample_scratch_;
+  cuda::PinnedBuffer stage_host_;
+  std::map<std::vector<int>, cudaGraphExec_t> graphs_;
+  std::set<std::vector<int>> seen_;  // keys run once directly; captured on the second sighting
+};
+
+CudaRunner::~CudaRunner() {
+  (void)cudaSetDevice(opts_.device);
+  if (stream_) (void)cudaStreamSynchronize(stream_);
+  for (auto& [key, exec] : graphs_) (void)cudaGraphExecDestroy(exec);
+  if (cublas_) (void)cublasDestroy(cublas_);
+  if (stream_) (void)cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaRunner::alloc(DeviceBuffer& b, size_t bytes, const std::string& what) {
+  const cudaError_t e = b.try_alloc(bytes);
+  if (e == cudaSuccess) return absl::OkStatus();
+  size_t free_b = 0, total_b = 0;
+  (void)cudaMemGetInfo(&free_b, &total_b);
+  (void)cudaGetLastError();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "allocating ", bytes, " bytes on the GPU for ", what, " failed (", cudaGetErrorString(e),
+      "; ", free_b, " of ", total_b, " bytes free); use a smaller model or --kv-cache-memory"));
+}
+
+absl::StatusOr<Tensor> CudaRunner::put_f32(const Tensor& host, const std::string& what,
+                                           std::vector<DeviceBuffer>& owner) {
+  if (host.empty()) return Tensor{};
+  const size_t bytes = sizeof(float) * size_t(host.numel());
+  DeviceBuffer b;
+  CEMLM_RETURN_IF_ERROR(alloc(b, bytes, what));
+  CEMLM_CUDA_CHECK(cudaMemcpyAsync(b.as(), host.data, bytes, cudaMemcpyHostToDevice, stream_));
+  Tensor d = host;
+  d.data = b.as<float>();
+  d.device = Device::kCuda;
+  owner.push_back(std::move(b));
+  return d;
+}
+
+absl::StatusOr<DeviceWeight> CudaRunner::put_matrix(const Tensor& host, const std::string& what) {
+  CEMLM_CHECK(host.ndim == 2);
+  DeviceWeight w;
+  w.rows = host.dim(0);
+  w.cols = host.dim(1);
+  if (opts_.precision == CudaPrecision::kFp32) {
+    CEMLM_ASSIGN_OR_RETURN(Tensor t, put_f32(host, what, weights_));
+    w.f32 = t.data;
+    return w;
+  }
+  std::vector<DeviceBuffer> staging;
+  CEMLM_ASSIGN_OR_RETURN(Tensor t, put_f32(host, what + " (fp32 staging)", staging));
+  DeviceBuffer b;
+  CEMLM_RETURN_IF_ERROR(alloc(b, sizeof(uint16_t) * size_t(host.numel()), what));
+  cuda::to_bf16(ctx_, b.as<uint16_t>(), t.data, host.numel());
+  CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the staging copy is freed
+  w.bf16 = b.as<uint16_t>();
+  weights_.push_back(std::move(b));
+  return w;
+}
+
+absl::Status CudaRunner::upload_embedding(const Weights& w) {
+  if (cfg_.embedding == EmbeddingType::kTable) {
+    CEMLM_ASSIGN_OR_RETURN(embed_, put_f32(w.embed, "embed.weight", weights_));
+  } else {  // precompute the [V, D] table once, then drop the generator's weights
+    std::vector<DeviceBuffer> tmp;
+    LevWeights lw;
+    CEMLM_ASSIGN_OR_RETURN(lw.codebooks, put_f32(w.lev_codebooks, "lev.codebooks", tmp));
+    CEMLM_ASSIGN_OR_RETURN(lw.seed_proj, put_f32(w.lev_seed_proj, "lev.seed_proj", tmp));
+    CEMLM_ASSIGN_OR_RETURN(lw.ln_weight, put_f32(w.lev_ln_weight, "lev.ln_weight", tmp));
+    CEMLM_ASSIGN_OR_RETURN(lw.ln_bias, put_f32(w.lev_ln_bias, "lev.ln_bias", tmp));
+    CEMLM_ASSIGN_OR_RETURN(lw.spline, put_f32(w.lev_spline, "lev.spline", tmp));
+    CEMLM_ASSIGN_OR_RETURN(lw.out_proj, put_f32(w.lev_out_proj, "lev.out_proj", tmp));
+    std::vector<int32_t> all(size_t(cfg_.vocab_size));
+    for (int i = 0; i < cfg_.vocab_size; ++i) all[size_t(i)] = i;
+    DeviceBuffer ids;
+    CEMLM_RETURN_IF_ERROR(alloc(ids, sizeof(int32_t) * all.size(), "LEV token ids"));
+    CEMLM_CUDA_CHECK(cudaMemcpyAsync(ids.as(), all.data(), sizeof(int32_t) * all.size(),
+                                     cudaMemcpyHostToDevice, stream_));
+    DeviceBuffer table;
+    CEMLM_RETURN_IF_ERROR(alloc(table, sizeof(float) * size_t(cfg_.vocab_size) * cfg_.d_model,
+                                "the LEV embedding table"));
+    embed_ = dview(table.as<float>(), cfg_.vocab_size, cfg_.d_model);
+    cuda::lev_forward(ctx_, embed_, ids.as<int32_t>(), lw);
+    CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before tmp and ids are freed
+    weights_.push_back(std::move(table));
+  }
+  if (!cfg_.tie_output) {
+    CEMLM_ASSIGN_OR_RETURN(head_, put_matrix(w.lm_head, "lm_head.weight"));
+  } else if (opts_.precision == CudaPrecision::kFp32) {
+    head_ = DeviceWeight{embed_.data, nullptr, cfg_.vocab_size, cfg_.d_model};
+  } else {
+    CEMLM_ASSIGN_OR_RETURN(head_, put_matrix(w.embed, "embed.weight (as the output head)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaRunner::upload_weights(ParamStore& params) {
+  const Weights w = bind_weights(cfg_, params);
+  CEMLM_RETURN_IF_ERROR(upload_embedding(w));
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const LayerWeights& h = w.layers[size_t(l)];
+    const std::string p = absl::StrCat("layers.", l, ".");
+    DevLayer d;
+    for (auto [dst, src, name] : {std::tuple{&d.attn_norm, &h.attn_norm, "attn_norm.weight"},
+                                  std::tuple{&d.diag, &h.diag, "attn.diag"},
+                                  std::tuple{&d.attn_p, &h.attn_p, "attn.precond.p"},
+                                  std::tuple{&d.attn_u, &h.attn_u, "attn.precond.u"},
+                                  std::tuple{&d.attn_v, &h.attn_v, "attn.precond.v"},
+                                  std::tuple{&d.mlp_norm, &h.mlp_norm, "mlp_norm.weight"},
+                                  std::tuple{&d.mlp_p, &h.mlp_p, "mlp.precond.p"},
+                                  std::tuple{&d.mlp_u, &h.mlp_u, "mlp.precond.u"},
+                                  std::tuple{&d.mlp_v, &h.mlp_v, "mlp.precond.v"}}) {
+      CEMLM_ASSIGN_OR_RETURN(*dst, put_f32(*src, p + name, weights_));
+    }
+    for (auto [dst, src, name] :
+         {std::tuple{&d.wq, &h.wq, "attn.wq"}, std::tuple{&d.wk, &h.wk, "attn.wk"},
+          std::tuple{&d.wv, &h.wv, "attn.wv"}, std::tuple{&d.wo, &h.wo, "attn.wo"},
+          std::tuple{&d.w_gate, &h.w_gate, "mlp.w_gate"}, std::tuple{&d.w_up, &h.w_up, "mlp.w_up"},
+          std::tuple{&d.w_down, &h.w_down, "mlp.w_down"}}) {
+      if (src->empty()) continue;
+      CEMLM_ASSIGN_OR_RETURN(*dst, put_matrix(*src, p + name));
+    }
+    layers_.push_back(d);
+  }
+  CEMLM_ASSIGN_OR_RETURN(final_norm_, put_f32(w.final_norm, "final_norm.weight", weights_));
+  std::vector<float> rope(size_t(cfg_.max_seq_len) * cfg_.head_dim);
+  const Tensor rope_host(rope.data(), {cfg_.max_seq_len, cfg_.head_dim});
+  rope_table_init(rope_host, cfg_.rope_theta);
+  CEMLM_ASSIGN_OR_RETURN(rope_, put_f32(rope_host, "the RoPE table", weights_));
+  CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // host sources may go once we return
+  return absl::OkStatus();
+}
+
+absl::Status CudaRunner::alloc_kv() {
+  kw_ = cfg_.qk_dim();
+  vw_ = cfg_.attention == AttentionType::kStandard ? cfg_.qk_dim() : 0;
+  cw_ = cfg_.attention == AttentionType::kCem && cfg_.diag != DiagMode::kNone ? cfg_.d_model : 0;
+  int64_t budget = opts_.kv_cache_memory;
+  if (budget == 0) {
+    size_t free_b = 0, total_b = 0;
+    CEMLM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    budget = int64_t(double(free_b) * 0.9);
+  }
+  const int bs = opts_.block_size;
+  n_blocks_ = KvPool::blocks_for_budget(cfg_, bs, budget);
+  const int64_t needed = (cfg_.max_seq_len + bs - 1) / bs;
+  if (n_blocks_ < needed)
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_cache_memory ", budget, " bytes holds ", n_blocks_,
+                     " blocks but one max_seq_len sequence needs ", needed, " (",
+                     needed * bs * cfg_.kv_bytes_per_token(), " bytes); raise --kv-cache-memory"));
+  const size_t slots = size_t(cfg_.n_layers) * size_t(n_blocks_) * size_t(bs);
+  for (auto [b, w, name] : {std::tuple{&kv_k_, kw_, "the KV cache keys"},
+                            std::tuple{&kv_v_, vw_, "the KV cache values"},
+                            std::tuple{&kv_c_, cw_, "the KV cache contexts"}}) {
+    if (w == 0) continue;
+    CEMLM_RETURN_IF_ERROR(alloc(*b, sizeof(float) * slots * size_t(w), name));
+    CEMLM_CUDA_CHECK(cudaMemsetAsync(b->as(), 0, b->bytes(), stream_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaRunner::init(ParamStore& params) {
+  CEMLM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  // The attention kernel keeps a block's query, diagonal query and sums in shared memory.
+  int smem = 0;
+  CEMLM_CUDA_CHECK(
+      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, opts_.device));
+  const int64_t need = 4 * (2 * int64_t(cfg_.head_dim) + 32 +
+                            (diag_kind(cfg_) == DiagKind::kNone ? 0 : 2 * int64_t(cfg_.d_model)));
+  if (need > smem)
+    return absl::InvalidArgumentError(
+        absl::StrCat("d_model ", cfg_.d_model, " and head_dim ", cfg_.head_dim, " need ", need,
+                     " bytes of shared memory per attention block; this GPU has ", smem));
+  CEMLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (cublasCreate(&cublas_) != CUBLAS_STATUS_SUCCESS) {
+    cublas_ = nullptr;
+    return absl::InternalError("cuBLAS could not be initialised on the GPU; check the driver");
+  }
+  // Bind once, then give the workspace (binding resets it): captured products must not allocate.
+  CEMLM_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+  CEMLM_RETURN_IF_ERROR(alloc(cublas_ws_, kCublasWorkspace, "the cuBLAS workspace"));
+  CEMLM_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_ws_.as(), cublas_ws_.bytes()));
+  CEMLM_CUBLAS_CHECK(cublasSetMathMode(cublas_, opts_.precision == CudaPrecision::kFp32
+                                                    ? CUBLAS_PEDANTIC_MATH
+                                                    : CUBLAS_DEFAULT_MATH));
+  ctx_.device = Device::kCuda;
+  ctx_.cuda_stream = stream_;
+  ctx_.cublas = cublas_;
+  CEMLM_RETURN_IF_ERROR(upload_weights(params));
+  CEMLM_RETURN_IF_ERROR(alloc_kv());
+  CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+KvLayerView CudaRunner::kv_layer(int l) const {
+  const int64_t per = n_blocks_ * opts_.block_size;
+  KvLayerView v;
+  v.k = kv_k_.as<float>() + l * per * kw_;
+  v.v = vw_ ? kv_v_.as<float>() + l * per * vw_ : nullptr;
+  v.c = cw_ ? kv_c_.as<float>() + l * per * cw_ : nullptr;
+  v.block_size = opts_.block_size;
+  v.n_heads = cfg_.n_heads;
+  v.k_width = kw_;
+  v.c_width = cw_;
+  return v;
+}
+
+void CudaRunner::copy_block(int32_t src, int32_t dst) {
+  CEMLM_CHECK(src >= 0 && src < n_blocks_ && dst >= 0 && dst < n_blocks_);
+  CEMLM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const size_t bs = size_t(opts_.block_size), per = size_t(n_blocks_) * bs;
+  for (auto [b, w] : {std::pair{&kv_k_, kw_}, std::pair{&kv_v_, vw_}, std::pair{&kv_c_, cw_}}) {
+    if (!w) continue;
+    const size_t pitch = sizeof(float) * per * size_t(w), block = sizeof(float) * bs * size_t(w);
+    char* base = b->as<char>();  // one strided copy covers the block in every layer
+    CEMLM_CUDA_CHECK(cudaMemcpy2DAsync(base + block * size_t(dst), pitch,
+                                       base + block * size_t(src), pitch, block,
+                                       size_t(cfg_.n_layers), cudaMemcpyDeviceToDevice, stream_));
+  }
+}
+
+Step CudaRunner::plan(const Batch& batch) const {
+  const int V = cfg_.vocab_size, bs = opts_.block_size;
+  Step st;
+  for (const BatchSeq& s : batch.seqs) {
+    CEMLM_CHECK(s.recursion >= 1 && s.n_tokens >= 1 && s.pos_begin >= 0);
+    CEMLM_CHECK(st.seq_T.empty() || st.seq_T.back() >= s.recursion);
+    CEMLM_CHECK(int64_t(s.n_blocks) * bs >= s.pos_begin + s.n_tokens);
+    CEMLM_CHECK(s.pos_begin + s.n_tokens <= cfg_.max_seq_len);
+    CEMLM_CHECK(s.tokens != nullptr && s.block_table != nullptr);
+    const int used = (s.pos_begin + s.n_tokens + bs - 1) / bs;
+    st.seq_table.push_back(int(st.tables.size()));
+    for (int b = 0; b < used; ++b) {
+      CEMLM_CHECK(s.block_table[b] >= 0 && s.block_table[b] < n_blocks_);
+      st.tables.push_back(s.block_table[b]);
+    }
+    st.seq_rows.push_back(s.n_tokens);
+    st.seq_T.push_back(s.recursion);
+    st.decode = st.decode && s.n_tokens == 1;
+    for (int i = 0; i < s.n_tokens; ++i) {
+      CEMLM_CHECK(s.tokens[i] >= 0 && s.tokens[i] < V);
+      st.ids.push_back(s.tokens[i]);
+      st.pos.push_back(s.pos_begin + i);
+      st.eta.push_back(cfg_.step(s.recursion));
+    }
+    if (s.want_all_logits)
+      for (int i = 0; i < s.n_tokens; ++i) st.out_rows.push_back(st.N + i);
+    else if (s.want_logits)
+      st.out_rows.push_back(st.N + s.n_tokens - 1);
+    st.N += s.n_tokens;
+  }
+  st.M = int(st.out_rows.size());
+  if (!st.seq_T.empty()) st.Tmax = st.seq_T.front();
+  // Layout: ids, pos, eta, out_rows, rows (16-byte AttnRow), tables. The offsets of everything
+  // but the tables depend only on N and M, which the graph key holds.
+  const size_t n = size_t(st.N), m = size_t(st.M);
+  st.off_pos = align16(4 * n);
+  st.off_eta = align16(st.off_pos + 4 * n);
+  st.off_out = align16(st.off_eta + 4 * n);
+  st.off_rows = align16(st.off_out + 4 * m);
+  st.off_tables = align16(st.off_rows + sizeof(cuda::AttnRow) * n);
+  st.bytes = st.off_tables + 4 * st.tables.size();
+  return st;
+}
+
+// Grow-only device buffers sized for the step. When any moves, captured graphs would point at
+// freed memory: they are dropped first.
+void CudaRunner::ensure_buffers(const Step& st) {
+  const int64_t N = st.N, M = st.M, D = cfg_.d_model, Q = cfg_.qk_dim(), F = cfg_.d_ff,
+                H = cfg_.n_heads, V = cfg_.vocab_size;
+  const DiagKind kind = diag_kind(cfg_);
+  const int64_t oc = kind == DiagKind::kPerHead ? H * D : kind == DiagKind::kShared ? D : 0;
+  const int rank = std::max({cfg_.attn_precond_rank, cfg_.mlp_precond_rank, 1});
+  int64_t scratch =
+      std::max(cuda::paged_attention_rows_scratch_floats(st.N, kv_layer(0), kind), 2 * N * rank);
+  if (opts_.precision == CudaPrecision::kBf16)
+    scratch = std::max(scratch, cuda::linear_scratch_floats(N, std::max({D, Q, F})));
+  const int64_t floats[kNumBufs] = {N * D, N * D,  N * D,  N * Q, N * Q, N * Q, N * Q,   N * D,
+                                    N * D, N * oc, N * oc, N * F, N * F, M * D, scratch, M * V};
+  bool moved = false;
+  for (int b = 0; b < kNumBufs; ++b) {
+    const size_t bytes = sizeof(float) * size_t(std::max<int64_t>(floats[b], 1));
+    if (bufs_[b].bytes() >= bytes) continue;
+    if (!moved) clear_graphs();
+    moved = true;
+    CEMLM_CUDA_CHECK(bufs_[b].try_alloc(bytes));
+  }
+  ctx_.scratch = buf(kScratch);
+  ctx_.scratch_floats = int64_t(bufs_[kScratch].bytes() / sizeof(float));
+  if (stage_dev_.bytes() < st.bytes) {
+    if (!moved) clear_graphs();
+    moved = true;
+    CEMLM_CUDA_CHECK(stage_dev_.try_alloc(std::max(st.bytes, 2 * stage_dev_.bytes())));
+  }
+  stage_host_.reserve(stage_dev_.bytes());
+}
+
+StepDev CudaRunner::stage(const Step& st) {
+  char* h = stage_host_.data();
+  char* d = stage_dev_.as<char>();
+  const size_t n = size_t(st.N);
+  std::memcpy(h, st.ids.data(), 4 * n);
+  std::memcpy(h + st.off_pos, st.pos.data(), 4 * n);
+  std::memcpy(h + st.off_eta, st.eta.data(), 4 * n);
+  if (st.M > 0) std::memcpy(h + st.off_out, st.out_rows.data(), 4 * size_t(st.M));
+  auto* rows = reinterpret_cast<cuda::AttnRow*>(h + st.off_rows);
+  const auto* tables = reinterpret_cast<const int32_t*>(d + st.off_tables);
+  for (size_t s = 0, r = 0; s < st.seq_rows.size(); ++s)
+    for (int i = 0; i < st.seq_rows[s]; ++i, ++r)
+      rows[r] = cuda::AttnRow{tables + st.seq_table[s], st.pos[r], 0};
+  std::memcpy(h + st.off_tables, st.tables.data(), 4 * st.tables.size());
+  CEMLM_CUDA_CHECK(cudaMemcpyAsync(d, h, st.bytes, cudaMemcpyHostToDevice, stream_));
+  return StepDev{reinterpret_cast<const int32_t*>(d),
+                 reinterpret_cast<const int32_t*>(d + st.off_pos),
+                 reinterpret_cast<const float*>(d + st.off_eta),
+                 reinterpret_cast<const int32_t*>(d + st.off_out),
+                 reinterpret_cast<const cuda::AttnRow*>(d + st.off_rows)};
+}
+
+void CudaRunner::clear_graphs() {
+  for (auto& [key, exec] : graphs_) CEMLM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  graphs_.clear();
+  seen_.clear();
+}
+
+void CudaRunner::run_graph(const Step& st, const StepDev& d) {
+  const std::vector<int> key = st.graph_key();
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    if (seen_.insert(key).second) {  // first sighting: run directly (this also warms cuBLAS up)
+      run_layers(st, d);
+      return;
+    }
+    if (graphs_.size() >= kMaxGraphs) clear_graphs();
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CEMLM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+    run_layers(st, d);
+    CEMLM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    CEMLM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CEMLM_CUDA_CHECK(cudaGraphDestroy(graph));
+    it = graphs_.emplace(key, exec).first;
+  }
+  CEMLM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+}
+
+int CudaRunner::run(const Batch& batch) {
+  CEMLM_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const Step st = plan(batch);
+  if (st.N == 0) return 0;
+  ensure_buffers(st);
+  const StepDev d = stage(st);
+  if (opts_.cuda_graphs && st.decode)
+    run_graph(st, d);
+  else
+    run_layers(st, d);
+  return st.M;
+}
+
+void CudaRunner::forward(const Batch& batch, std::vector<float>* logits) {
+  const int M = run(batch);
+  logits->resize(size_t(M) * size_t(cfg_.vocab_size));
+  if (M > 0)
+    CEMLM_CUDA_CHECK(cudaMemcpyAsync(logits->data(), buf(kLogits), sizeof(float) * logits->size(),
+                                     cudaMemcpyDeviceToHost, stream_));
+  CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also frees the pinned staging for reuse
+}
+
+void CudaRunner::forward_sample(const Batch& batch, std::span<const cuda::SampleRowSpec> rows,
+                                std::vector<cuda::SampledToken>* out) {
+  const int M = run(batch);
+  CEMLM_CHECK(int(rows.size()) == M);
+  out->assign(size_t(M), cuda::SampledToken{});
+  if (M == 0) {
+    CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
+  const int V = cfg_.vocab_size;
+  const int64_t need = cuda::sample_rows_scratch_floats(rows.data(), M, V);
+  if (sample_scratch_.bytes() < sizeof(float) * size_t(need))
+    CEMLM_CUDA_CHECK(sample_scratch_.try_alloc(sizeof(float) * size_t(need)));
+  ExecCtx sc = ctx_;
+  sc.scratch = sample_scratch_.as<float>();
+  sc.scratch_floats = need;
+  cuda::sample_rows(sc, dview(buf(kLogits), M, V), rows.data(), M, out->data());
+}
+
+void CudaRunner::run_layers(const Step& st, const StepDev& d) {
+  const int64_t N = st.N, M = st.M, D = cfg_.d_model;
+  const Tensor h = dview(buf(kH), N, D);
+  cuda::gather_rows(ctx_, h, embed_, d.ids);
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    if (cfg_.attention == AttentionType::kCem)
+      attention_cem(l, st, d);
+    else
+      attention_standard(l, st, d);
+    if (cfg_.mlp == MlpType::kCem)
+      mlp_cem(l, st, d);
+    else
+      mlp_swiglu(l, st);
+  }
+  if (M == 0) return;
+  const Tensor fin = dview(buf(kFinal), M, D);
+  cuda::gather_rows(ctx_, fin, h, d.out_rows);
+  cuda::rmsnorm_forward(ctx_, fin, Tensor{}, fin, final_norm_, cfg_.norm_eps);
+  cuda::linear_forward(ctx_, dview(buf(kLogits), M, cfg_.vocab_size), fin, head_);
+}
+
+void CudaRunner::attention_standard(int l, const Step& st, const StepDev& d) {
+  const DevLayer& lw = layers_[size_t(l)];
+  const int64_t N = st.N, D = cfg_.d_model, Q = cfg_.qk_dim();
+  const Tensor h = dview(buf(kH), N, D), c = dview(buf(kC), N, D), q = dview(buf(kQ), N, Q),
+               k = dview(buf(kK), N, Q), v = dview(buf(kV), N, Q), a = dview(buf(kA), N, Q);
+  cuda::rmsnorm_forward(ctx_, c, Tensor{}, h, lw.attn_norm, cfg_.norm_eps);
+  cuda::linear_forward(ctx_, q, c, lw.wq);
+  cuda::linear_forward(ctx_, k, c, lw.wk);
+  cuda::linear_forward(ctx_, v, c, lw.wv);
+  cuda::rope_forward(ctx_, q, q, d.pos, rope_, false);
+  cuda::rope_forward(ctx_, k, k, d.pos, rope_, false);
+  const KvLayerView kv = kv_layer(l);
+  cuda::kv_write_rows(ctx_, kv, d.rows, st.N, k, v, Tensor{});
+  cuda::paged_attention_rows(ctx_, a, Tensor{}, q, Tensor{}, DiagKind::kNone, kv, d.rows, st.N,
+                             1.0f / std::sqrt(float(cfg_.head_dim)));
+  cuda::linear_forward(ctx_, h, a, lw.wo, 1.0f);
+}
+
+void CudaRunner::attention_cem(int l, const Step& st, const StepDev& d) {
+  const DevLayer& lw = layers_[size_t(l)];
+  const int64_t N = st.N, D = cfg_.d_model, Q = cfg_.qk_dim(), H = cfg_.n_heads;
+  const bool diag = cfg_.diag != DiagMode::kNone;
+  const DiagKind kind = diag_kind(cfg_);
+  const int64_t qd_width = cfg_.diag == DiagMode::kPerHead ? H * D : D;
+  const Tensor c = dview(buf(kC), N, D), k = dview(buf(kK), N, Q);
+  // The context and the keys come from the sub-layer input, once, whatever T is.
+  cuda::rmsnorm_forward(ctx_, c, Tensor{}, dview(buf(kH), N, D), lw.attn_norm, cfg_.norm_eps);
+  cuda::linear_forward(ctx_, k, c, lw.wk);
+  cuda::rope_forward(ctx_, k, k, d.pos, rope_, false);
+  const KvLayerView kv = kv_layer(l);
+  cuda::kv_write_rows(ctx_, kv, d.rows, st.N, k, Tensor{}, diag ? c : Tensor{});
+  const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
+  for (int t = 0; t < st.Tmax; ++t) {
+    const int64_t n = st.active(t);
+    const Tensor x = dview(buf(kH), n, D), y = dview(buf(kY), n, D), q = dview(buf(kQ), n, Q),
+                 a = dview(buf(kA), n, Q), u = dview(buf(kU), n, D), pu = dview(buf(kPU), n, D),
+                 qd = dview(buf(kQD), n, qd_width), oc = dview(buf(kOC), n, qd_width);
+    cuda::rmsnorm_forward(ctx_, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
+    cuda::linear_forward(ctx_, q, y, lw.wq);
+    cuda::rope_forward(ctx_, q, q, d.pos, rope_, false);
+    if (diag) cuda::diag_scale_forward(ctx_, qd, y, lw.diag);
+    cuda::paged_attention_rows(ctx_, a, diag ? oc : Tensor{}, q, diag ? qd : Tensor{}, kind, kv,
+                               d.rows, int(n), scale);
+    cuda::rope_forward(ctx_, a, a, d.pos, rope_, true);
+    cuda::linear_t_forward(ctx_, u, a, lw.wq);
+    if (diag) cuda::diag_gather_forward(ctx_, u, oc, lw.diag);
+    if (cfg_.attn_precond_rank > 0)
+      cuda::precond_forward(ctx_, pu, u, lw.attn_p, lw.attn_u, lw.attn_v);
+    cuda::axpy_rows_forward(ctx_, x, cfg_.attn_precond_rank > 0 ? pu : u, d.eta);
+  }
+}
+
+void CudaRunner::mlp_swiglu(int l, const Step& st) {
+  const DevLayer& lw = layers_[size_t(l)];
+  const int64_t N = st.N, D = cfg_.d_model, F = cfg_.d_ff;
+  const Tensor h = dview(buf(kH), N, D), c = dview(buf(kC), N, D), g = dview(buf(kG), N, F),
+               z = dview(buf(kZ), N, F);
+  cuda::rmsnorm_forward(ctx_, c, Tensor{}, h, lw.mlp_norm, cfg_.norm_eps);
+  cuda::linear_forward(ctx_, g, c, lw.w_gate);
+  cuda::linear_forward(ctx_, z, c, lw.w_up);
+  cuda::swiglu_forward(ctx_, z, g, z);
+  cuda::linear_forward(ctx_, h, z, lw.w_down, 1.0f);
+}
+
+void CudaRunner::mlp_cem(int l, const Step& st, const StepDev& d) {
+  const DevLayer& lw = layers_[size_t(l)];
+  const int64_t N = st.N, D = cfg_.d_model, F = cfg_.d_ff;
+  const Tensor c = dview(buf(kC), N, D), g = dview(buf(kG), N, F);
+  // The gate comes from the fixed sub-layer input, once.
+  cuda::rmsnorm_forward(ctx_, c, Tensor{}, dview(buf(kH), N, D), lw.mlp_norm, cfg_.norm_eps);
+  cuda::linear_forward(ctx_, g, c, lw.w_gate);
+  cuda::silu_forward(ctx_, g, g);
+  for (int t = 0; t < st.Tmax; ++t) {
+    const int64_t n = st.active(t);
+    const Tensor x = dview(buf(kH), n, D), y = dview(buf(kY), n, D), z = dview(buf(kZ), n, F),
+                 u = dview(buf(kU), n, D), pu = dview(buf(kPU), n, D);
+    cuda::rmsnorm_forward(ctx_, y, Tensor{}, x, lw.mlp_norm, cfg_.norm_eps);
+    cuda::linear_forward(ctx_, z, y, lw.w_up);
+    cuda::mul_forward(ctx_, z, z, dview(buf(kG), n, F));
+    cuda::linear_t_forward(ctx_, u, z, lw.w_up);
+    if (cfg_.mlp_precond_rank > 0) cuda::precond_forward(ctx_, pu, u, lw.mlp_p, lw.mlp_u, lw.mlp_v);
+    cuda::axpy_rows_forward(ctx_, x, cfg_.mlp_precond_rank > 0 ? pu : u, d.eta);
+  }
+}
+
+int64_t layout_floats(const ModelConfig& c) {
+  int64_t n = 0;
+  for (const ParamSpec& s : param_layout(c)) n += s.numel();
+  return n;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaModelRunner>> make_cuda_runner(const ModelConfig& config,
+                                                                  ParamStore& params,
+                                                                  const CudaRunnerOptions& opts) {
+  if (opts.block_size < 1 || opts.block_size > 1024)
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));
+  if (opts.kv_cache_memory < 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_cache_memory ", opts.kv_cache_memory,
+        " must be >= 0 bytes (0: 90% of the GPU memory free after loading the weights)"));
+  if (params.size() != layout_floats(config))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the parameters hold ", params.size(), " floats but the config's layout needs ",
+        layout_floats(config), "; load them with load_checkpoint for this config"));
+  int n_dev = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n_dev);
+  if (e != cudaSuccess || n_dev == 0) {
+    (void)cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no CUDA device is usable (", e == cudaSuccess ? "none found" : cudaGetErrorString(e),
+        "); run with --device cpu"));
+  }
+  if (opts.device < 0 || opts.device >= n_dev)
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device index ", opts.device, " is out of range: ", n_dev, " device(s)"));
+  auto runner = std::make_unique<CudaRunner>(config, opts);
+  CEMLM_RETURN_IF_ERROR(runner->init(params));
+  return std::unique_ptr<CudaModelRunner>(std::move(runner));
+}
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> make_cuda_model_runner(const std::string& model_dir,
+                                                                    const RunnerOptions& opts) {
+  CudaRunnerOptions co;
+  if (opts.device == "cuda" || opts.device == "cuda:bf16")
+    co.precision = CudaPrecision::kBf16;
+  else if (opts.device == "cuda:fp32")
+    co.precision = CudaPrecision::kFp32;
+  else
+    return absl::InvalidArgumentError(
+        absl::StrCat("device \"", opts.device, "\" is not one of cpu, cuda, cuda:bf16, cuda:fp32"));
+  co.kv_cache_memory = opts.kv_cache_memory;
+  co.block_size = opts.block_size;
+  CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
+  CEMLM_ASSIGN_OR_RETURN(auto runner, make_cuda_runner(ck.config, ck.params, co));
+  return std::unique_ptr<ModelRunner>(std::move(runner));
+}
+
+}  // namespace cemlm

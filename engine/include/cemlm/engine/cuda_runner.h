@@ -1,0 +1,49 @@
+// The CUDA model runner: the ModelRunner of cpu_model.h's forward pass on one GPU, with weights
+// uploaded once (bf16 matrices for serving, fp32 for parity), the paged KV cache in device
+// memory, CUDA graphs replaying repeated decode steps, and on-device sampling. Built only with
+// CEMLM_HAVE_CUDA; make_model_runner routes --device cuda[:bf16|:fp32] here.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cemlm/engine/model_runner.h"
+#include "cemlm/engine/params.h"
+#include "cemlm/kernels/cuda/sampling.h"
+
+namespace cemlm {
+
+enum class CudaPrecision {
+  kBf16,  // weight matrices and their inputs in bf16, fp32 accumulation and activations
+  kFp32,  // everything fp32 (no TF32): matches the CPU oracle to float rounding
+};
+
+struct CudaRunnerOptions {
+  CudaPrecision precision = CudaPrecision::kBf16;
+  int64_t kv_cache_memory = 256 << 20;  // bytes; 0: 90% of the memory free after loading
+  int block_size = 16;
+  bool cuda_graphs = true;  // capture decode steps (one token per sequence) and replay them
+  int device = 0;
+};
+
+class CudaModelRunner : public ModelRunner {
+ public:
+  // One forward step, then one token per logits row (the rows `forward` would return, in the
+  // same order) sampled on the device; `rows` holds one spec per such row.
+  virtual void forward_sample(const Batch& batch, std::span<const cuda::SampleRowSpec> rows,
+                              std::vector<cuda::SampledToken>* out) = 0;
+};
+
+// `params` is read during the call only. Errors name the option or resource at fault.
+absl::StatusOr<std::unique_ptr<CudaModelRunner>> make_cuda_runner(const ModelConfig& config,
+                                                                  ParamStore& params,
+                                                                  const CudaRunnerOptions& opts);
+
+// make_model_runner's CUDA branch: device "cuda" or "cuda:bf16" (bf16) or "cuda:fp32".
+absl::StatusOr<std::unique_ptr<ModelRunner>> make_cuda_model_runner(const std::string& model_dir,
+                                                                    const RunnerOptions& opts);
+
+}  // namespace cemlm

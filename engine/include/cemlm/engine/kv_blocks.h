@@ -1,0 +1,85 @@
+// Host-side bookkeeping of the paged KV cache: fixed-size blocks, a free list, per-sequence block
+// tables, reference counts and a prefix cache of FULL blocks keyed by a hash chained over
+// (parent hash, the block's token ids, T). Only full, already-computed blocks are ever shared and
+// nobody writes into a shared block, so no copy-on-write is needed.
+#pragma once
+#include <cstdint>
+#include <list>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+namespace cemlm {
+
+using SeqId = uint64_t;
+
+// The cached full blocks that start a token sequence (see BlockManager::match_prefix).
+struct PrefixMatch {
+  std::vector<int32_t> blocks;
+  std::vector<uint64_t> hashes;  // chained hash of each block
+};
+
+class BlockManager {
+ public:
+  BlockManager(int64_t num_blocks, int block_size, bool prefix_caching);
+
+  int block_size() const { return block_size_; }
+  int64_t num_blocks() const { return int64_t(blocks_.size()); }
+  // Blocks an allocation may take now: free ones plus unreferenced cached ones (evicted LRU first).
+  int64_t num_available() const { return int64_t(free_.size() + lru_.size()); }
+  // Fraction of blocks referenced by some sequence (the kv_cache_usage metric).
+  double usage() const;
+  int64_t blocks_for(int64_t n_positions) const {
+    return (n_positions + block_size_ - 1) / block_size_;
+  }
+
+  // The longest run of cached full blocks that begins `tokens` at recursion T. It never covers
+  // the last token, so a sequence always computes at least one token (whose logits it needs).
+  PrefixMatch match_prefix(std::span<const int> tokens, int T) const;
+  // Starts `seq` on the blocks of `match` (as returned by match_prefix with no state change in
+  // between) plus fresh blocks covering positions [0, n_positions). False, with nothing changed,
+  // when the fresh blocks do not fit.
+  bool start(SeqId seq, const PrefixMatch& match, int T, int n_positions);
+  // Extends `seq`'s table to cover positions [0, n_positions). False, nothing changed, if no room.
+  bool grow(SeqId seq, int n_positions);
+  // Blocks `grow(seq, n_positions)` would take from the pool.
+  int64_t blocks_needed(SeqId seq, int n_positions) const;
+  // Publishes the full blocks among `seq`'s first `n_computed` tokens in the prefix cache.
+  void mark_computed(SeqId seq, std::span<const int> tokens, int n_computed);
+  // Drops `seq`'s references; its cached blocks stay reusable until evicted.
+  void release(SeqId seq);
+
+  bool has(SeqId seq) const { return seqs_.count(seq) != 0; }
+  const std::vector<int32_t>& table(SeqId seq) const;
+
+ private:
+  struct Block {
+    int ref = 0;
+    bool cached = false;  // in index_ (its key below is valid)
+    uint64_t hash = 0, parent = 0;
+    int recursion = 0;
+    std::vector<int> tokens;
+    std::list<int32_t>::iterator lru_pos;  // valid while cached and unreferenced
+  };
+  struct SeqBlocks {
+    std::vector<int32_t> table;
+    std::vector<uint64_t> hashes;  // chained hashes of the leading cached/published blocks
+    int recursion = 1;
+  };
+
+  uint64_t chain_hash(uint64_t parent, std::span<const int> tokens, int T) const;
+  int32_t find_cached(uint64_t hash, uint64_t parent, std::span<const int> tokens, int T) const;
+  int32_t take_block();  // caller checked num_available() > 0
+  void add_ref(int32_t b);
+  void drop_ref(int32_t b);
+
+  int block_size_;
+  bool prefix_caching_;
+  std::vector<Block> blocks_;
+  std::vector<int32_t> free_;
+  std::list<int32_t> lru_;  // unreferenced cached blocks, least recently used first
+  std::unordered_map<uint64_t, int32_t> index_;
+  std::unordered_map<SeqId, SeqBlocks> seqs_;
+};
+
+}  // namespace cemlm

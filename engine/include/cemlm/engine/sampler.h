@@ -1,0 +1,75 @@
+// Per-request token sampler: penalties, temperature, top-k/top-p/min-p, a seeded RNG owned by the
+// request (so the same seed gives the same tokens alone, batched, or after a preemption), stop
+// tokens, and the chosen token's logprob under the UNMODIFIED model distribution. StopMatcher cuts
+// the detokenized text at stop strings that may span token boundaries.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cemlm/engine/params.h"
+#include "cemlm/engine/sampling.h"
+
+namespace cemlm {
+
+// log Σ exp(x); NaN or ±inf when a value is not finite (callers check with std::isfinite).
+float log_sum_exp(std::span<const float> x);
+
+struct SampleResult {
+  int token = -1;
+  float logprob = 0;             // log_softmax(raw logits)[token]
+  std::vector<TopLogprob> top;   // the params' top_logprobs best raw alternatives, best first
+};
+
+// Order of operations: repetition penalty (prompt + generated), presence and frequency
+// penalties (generated), then temperature 0 → argmax (lowest id on ties); otherwise divide by
+// the temperature, keep top-k, then the top-p nucleus, then tokens with p ≥ min_p · p_max, and
+// draw exactly one uniform u from the request's RNG: the token is where u · Σp falls in the
+// cumulative sum of the kept candidates, walked best first (probability desc, id asc) when a
+// filter is on and in id order otherwise.
+class Sampler {
+ public:
+  Sampler(const SamplingParams& params, int eos_id, uint64_t seed);
+
+  // `logits`: the raw row [V]; `tokens`: prompt then generated tokens, `n_prompt` of the former.
+  // FAILED_PRECONDITION when the model produced a non-finite logit.
+  absl::StatusOr<SampleResult> sample(std::span<const float> logits, std::span<const int> tokens,
+                                      int n_prompt);
+  // True for a stop token id, and for eos unless ignore_eos. Generation ends after it.
+  bool is_stop_token(int token) const;
+  const SamplingParams& params() const { return params_; }
+
+ private:
+  void apply_penalties(std::span<const int> tokens, int n_prompt);
+  int draw();  // from work_, already penalized and scaled by 1/temperature
+  void top_alternatives(std::span<const float> logits, float lse, std::vector<TopLogprob>* out);
+
+  SamplingParams params_;
+  int eos_id_;
+  Rng rng_;
+  std::vector<float> work_;
+  std::vector<int> counts_;                  // per token id; all zero between calls
+  std::vector<std::pair<float, int>> cand_;  // (scaled logit, id)
+};
+
+// Matches stop strings on a stream of text pieces. Text that could still grow into a stop string
+// is held back until it resolves; when one completes, the text before it is released and the
+// rest is dropped. Stop strings must be valid UTF-8, so held-back cuts fall on character bounds.
+class StopMatcher {
+ public:
+  explicit StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+  // Appends `piece`; returns the text now safe to emit. Sets *stopped when a stop string completed.
+  std::string push(std::string_view piece, bool* stopped);
+  // The held-back text, at the end of a stream that did not stop.
+  std::string flush();
+
+ private:
+  std::vector<std::string> stops_;
+  std::string held_;
+};
+
+}  // namespace cemlm

@@ -1,0 +1,127 @@
+// Iteration-level continuous batching over the paged KV cache: which sequences run in the next
+// engine step, with how many tokens each, and what gets preempted when blocks run out. Host-only;
+// the engine feeds the resulting Batch to the ModelRunner and reports back with complete()/append().
+//
+// Policy, each step, under a budget of max_batch_tokens fed tokens:
+//  1. decode rows (running sequences that need one token), in rank order;
+//  2. prefill chunks of running sequences still prefilling, in rank order, each as large as the
+//     budget left allows (chunked prefill);
+//  3. admission of waiting sequences, in rank order, while the budget, max_running and the cache
+//     allow; it stops at the first one that does not fit (no overtaking) and is skipped entirely
+//     in a step that preempted.
+// Rank = priority (higher first), then arrival (FCFS). When a running sequence needs a block and
+// none is available, the lowest-ranked (newest) running sequence ranked after it and not yet in
+// this step is preempted by recompute: its blocks are freed and it goes back to waiting with its
+// arrival unchanged (so ahead of later arrivals), to be prefilled again over prompt + generated
+// tokens. With no such victim a decode row preempts itself and a prefill chunk shrinks to the
+// blocks left or waits. The rows of a Batch are ordered by recursion T descending (the runner needs it).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "cemlm/engine/kv_blocks.h"
+#include "cemlm/engine/model_runner.h"
+
+namespace cemlm {
+
+struct SchedulerOptions {
+  int max_batch_tokens = 512;
+  int max_running = 256;
+  int max_waiting = 1024;
+};
+
+struct SeqSpec {
+  SeqId id = 0;
+  std::vector<int> prompt;
+  int recursion = 1;
+  int priority = 0;
+};
+
+struct Sequence {
+  SeqId id = 0;
+  std::vector<int> tokens;  // prompt, then generated tokens
+  int n_prompt = 0;
+  int n_computed = 0;       // leading tokens whose cache entries exist
+  int recursion = 1;
+  int priority = 0;
+  uint64_t arrival = 0;
+  bool running = false;
+  int generated() const { return int(tokens.size()) - n_prompt; }
+};
+
+struct ScheduledRow {
+  SeqId id = 0;
+  int pos_begin = 0, n_tokens = 0;
+  bool sample = false;  // the chunk ends the known tokens: its logits choose the next token
+};
+
+struct StepPlan {
+  Batch batch;                       // one BatchSeq per row, same order; points into scheduler state
+  std::vector<ScheduledRow> rows;    // ordered by recursion descending
+  std::vector<SeqId> preempted;
+  struct Admission {
+    SeqId id;
+    int cached_tokens;  // served from the prefix cache
+  };
+  std::vector<Admission> admitted;
+  bool empty() const { return rows.empty(); }
+};
+
+class Scheduler {
+ public:
+  Scheduler(const SchedulerOptions& opts, BlockManager* blocks);
+
+  // Thread-safe. RESOURCE_EXHAUSTED (naming max_waiting) when the waiting queue is full. The
+  // sequence joins the waiting queue at the next accept(), when its owner is ready for it.
+  absl::Status add(SeqSpec spec);
+  // The rest is for the engine's step thread (or a caller holding the engine's step lock).
+  void accept();
+  StepPlan schedule();
+  // After the runner ran `plan`: the fed tokens are in the cache; full blocks are published.
+  void complete(const StepPlan& plan);
+  void append(SeqId id, int token);
+  // Ends an accepted sequence wherever it is (waiting or running) and frees its blocks.
+  bool remove(SeqId id);
+  // Preempts running sequences, lowest rank first, until `n_blocks` are available.
+  bool make_room(int64_t n_blocks);
+
+  const Sequence* find(SeqId id) const;
+  bool has_work() const;  // anything running, waiting or not yet accepted
+  int num_running() const { return int(running_.size()); }
+  int num_waiting() const;  // thread-safe
+  int64_t preemptions_total() const { return preemptions_; }
+  int64_t prefix_hit_tokens_total() const { return prefix_hit_tokens_; }
+
+ private:
+  struct RankLess {
+    bool operator()(const Sequence* a, const Sequence* b) const;
+  };
+  void publish_waiting();
+  void preempt(Sequence* s, StepPlan* plan);
+  Sequence* victim_after(const Sequence* s, const std::set<SeqId>& scheduled) const;
+  // Allocates blocks for `n` tokens of running `s`, preempting or shrinking per the policy.
+  int reserve(Sequence* s, int n, const std::set<SeqId>& scheduled, StepPlan* plan);
+  void schedule_running(bool decode, int* budget, std::set<SeqId>* scheduled, StepPlan* plan);
+  void admit_waiting(int* budget, StepPlan* plan);
+  void add_row(Sequence* s, int n, StepPlan* plan);
+  void build_batch(StepPlan* plan) const;
+
+  SchedulerOptions opts_;
+  BlockManager* blocks_;
+  std::unordered_map<SeqId, std::unique_ptr<Sequence>> seqs_;
+  std::set<Sequence*, RankLess> waiting_;
+  std::vector<Sequence*> running_;  // sorted by rank
+  int64_t preemptions_ = 0, prefix_hit_tokens_ = 0;
+
+  mutable std::mutex intake_mu_;
+  std::vector<std::unique_ptr<Sequence>> intake_;
+  int waiting_published_ = 0;
+  uint64_t next_arrival_ = 0;
+};
+
+}  // namespace cemlm

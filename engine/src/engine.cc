@@ -1,0 +1,508 @@
+// Engine implementation: request validation, the step loop on its own thread (schedule → forward →
+// sample → stream events), cancellation, deadlines and shutdown, and prefill-only scoring that
+// interleaves with the loop through the step lock. Lock order: step_mu_, then mu_, then the
+// scheduler's intake lock.
+#include "cemlm/engine/engine.h"
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <filesystem>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/kv_blocks.h"
+#include "cemlm/engine/model_runner.h"
+#include "cemlm/engine/params.h"
+#include "cemlm/engine/sampler.h"
+#include "cemlm/engine/scheduler.h"
+#include "cemlm/engine/status.h"
+#include "cemlm/engine/tokenizer.h"
+#include "cemlm/kernels/tensor.h"
+
+namespace cemlm {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kDeadline: return "deadline";
+    case FinishReason::kError: return "error";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Scoring sequences share the block manager with the scheduler's, under ids with this bit set.
+constexpr SeqId kScoreSeqBit = SeqId(1) << 63;
+
+absl::Status check_options(const EngineOptions& o) {
+  auto at_least_one = [](int v, const char* name) {
+    return v >= 1 ? absl::OkStatus()
+                  : absl::InvalidArgumentError(absl::StrCat(name, " = ", v, " must be >= 1"));
+  };
+  CEMLM_RETURN_IF_ERROR(at_least_one(o.max_batch_tokens, "max_batch_tokens"));
+  CEMLM_RETURN_IF_ERROR(at_least_one(o.max_running, "max_running"));
+  return at_least_one(o.max_waiting, "max_waiting");
+}
+
+// The text side of one request: streaming detokenization of the generated ids (the project's
+// tokenizers add no dummy prefix, so a leading "▁" keeps its space), then stop strings.
+class TextStream {
+ public:
+  TextStream(const Tokenizer* tok, std::vector<std::string> stops) : stops_(std::move(stops)) {
+    if (tok) detok_.emplace(*tok);
+  }
+  // Text added by the last of the generated `ids`.
+  std::string next(std::span<const int> ids, bool* stopped) {
+    *stopped = false;
+    return detok_ ? stops_.push(detok_->next(ids), stopped) : std::string();
+  }
+  // The held-back rest when the stream ends after `ids`.
+  std::string finish(std::span<const int> ids, bool* stopped) {
+    *stopped = false;
+    if (!detok_) return {};
+    std::string out = stops_.push(detok_->finish(ids), stopped);
+    if (!*stopped) out += stops_.flush();
+    return out;
+  }
+
+ private:
+  std::optional<IncrementalDetokenizer> detok_;
+  StopMatcher stops_;
+};
+
+struct Request {
+  RequestId id;
+  int n_prompt, recursion, max_new_tokens, top_logprobs;
+  std::optional<Clock::time_point> deadline;
+  EventCallback on_event;
+  Sampler sampler;
+  TextStream text;
+  Usage usage;
+  RequestTimings timings;
+  bool scheduled = false;
+};
+
+class EngineImpl final : public Engine {
+ public:
+  EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> runner,
+             std::unique_ptr<Tokenizer> tokenizer);
+  ~EngineImpl() override { shutdown(true); }
+
+  absl::StatusOr<RequestId> submit(GenerateRequest req, EventCallback on_event) override;
+  void cancel(RequestId id) override;
+  absl::StatusOr<ScoreResult> score(const ScoreRequest& req) override;
+  absl::Status validate(const GenerateRequest& req) const override;
+  const ModelConfig& config() const override { return config_; }
+  const Tokenizer* tokenizer() const override { return tokenizer_.get(); }
+  ModelInfo info() const override;
+  EngineStats stats() const override;
+  void shutdown(bool cancel_running) override;
+
+ private:
+  absl::Status validate_ids(std::span<const int> ids, const char* field) const;
+  absl::Status validate_recursion(int depth) const;
+  int resolve_recursion(int depth) const { return depth ? depth : config_.recursion_default; }
+  std::unique_ptr<Request> make_request(RequestId id, const GenerateRequest& req,
+                                        EventCallback on_event) const;
+
+  void loop();
+  bool take_control();  // returns whether shutdown began
+  bool step();          // false when nothing could be scheduled
+  void sample_row(Request& q, std::span<const float> logits);
+  // Streams the text of the newest of the `generated` ids into `ev`; says whether the request
+  // ends with it (a stop token, a stop string, or max_new_tokens).
+  FinishReason add_text(Request& q, std::span<const int> generated, StreamEvent* ev);
+  void finish(Request& q, FinishReason why, StreamEvent ev, absl::Status error = {});
+  void publish_stats();
+  absl::Status score_chunks(SeqId seq, int T, ScoreResult* out);
+
+  const EngineOptions opts_;
+  const std::unique_ptr<ModelRunner> runner_;
+  const std::unique_ptr<Tokenizer> tokenizer_;
+  const ModelConfig config_;
+  const int eos_id_;
+  const int64_t cem_sublayers_;
+  const uint64_t seed_base_;
+  std::atomic<RequestId> next_id_{1};
+
+  std::mutex step_mu_;  // held by the loop for a step, by score() for a chunk
+  BlockManager blocks_;
+  Scheduler sched_;
+  std::unordered_map<RequestId, std::unique_ptr<Request>> live_;  // loop thread only
+  std::vector<float> logits_;
+
+  mutable std::mutex mu_;  // the hand-over between API callers and the loop
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Request>> incoming_;
+  std::vector<RequestId> cancels_;
+  bool stopping_ = false, cancel_all_ = false;
+  EngineStats stats_;
+
+  std::mutex join_mu_;
+  std::thread thread_;  // last: everything above exists before the loop starts
+};
+
+EngineImpl::EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> runner,
+                       std::unique_ptr<Tokenizer> tokenizer)
+    : opts_(opts),
+      runner_(std::move(runner)),
+      tokenizer_(std::move(tokenizer)),
+      config_(runner_->config()),
+      eos_id_(config_.eos_id >= 0 ? config_.eos_id : tokenizer_ ? tokenizer_->eos_id() : -1),
+      cem_sublayers_(int64_t(config_.n_layers) * ((config_.attention == AttentionType::kCem) +
+                                                  (config_.mlp == MlpType::kCem))),
+      seed_base_(std::random_device()()),
+      blocks_(runner_->num_blocks(), runner_->block_size(), opts.prefix_caching),
+      sched_({opts.max_batch_tokens, opts.max_running, opts.max_waiting}, &blocks_) {
+  publish_stats();
+  thread_ = std::thread([this] { loop(); });
+}
+
+// ---- requests ----
+
+absl::Status EngineImpl::validate_ids(std::span<const int> ids, const char* field) const {
+  if (ids.empty())
+    return absl::InvalidArgumentError(absl::StrCat(field, " is empty; give at least one token"));
+  if (int64_t(ids.size()) > config_.max_seq_len)
+    return absl::InvalidArgumentError(absl::StrCat(field, " has ", ids.size(),
+                                                   " tokens; the model's max_seq_len is ",
+                                                   config_.max_seq_len));
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= config_.vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] = ", ids[i],
+                                                     " is not a token id in [0, ",
+                                                     config_.vocab_size, ")"));
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::validate_recursion(int depth) const {
+  if (depth < 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "recursion_depth = ", depth, " must be >= 0 (0 = the model's default, ",
+        config_.recursion_default, ")"));
+  if (depth > config_.recursion_max)
+    return absl::InvalidArgumentError(absl::StrCat("recursion_depth = ", depth,
+                                                   " exceeds the model's recursion.max = ",
+                                                   config_.recursion_max));
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::validate(const GenerateRequest& req) const {
+  CEMLM_RETURN_IF_ERROR(validate_ids(req.prompt_ids, "prompt_ids"));
+  CEMLM_RETURN_IF_ERROR(validate_recursion(req.recursion_depth));
+  CEMLM_RETURN_IF_ERROR(validate_sampling(req.sampling, config_.vocab_size));
+  if (!req.sampling.stop.empty() && !tokenizer_)
+    return absl::InvalidArgumentError(
+        "sampling.stop needs a tokenizer and this model has none (no tokenizer.model); use "
+        "sampling.stop_token_ids");
+  const int64_t total = int64_t(req.prompt_ids.size()) + req.sampling.max_new_tokens;
+  if (total > config_.max_seq_len)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_ids (", req.prompt_ids.size(), " tokens) + sampling.max_new_tokens (",
+        req.sampling.max_new_tokens, ") = ", total, " exceeds the model's max_seq_len = ",
+        config_.max_seq_len));
+  if (blocks_.blocks_for(total) > blocks_.num_blocks())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_ids + sampling.max_new_tokens = ", total, " tokens need ",
+        blocks_.blocks_for(total), " KV blocks but the cache holds ", blocks_.num_blocks(),
+        "; lower sampling.max_new_tokens or raise kv_cache_memory"));
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Request> EngineImpl::make_request(RequestId id, const GenerateRequest& req,
+                                                  EventCallback on_event) const {
+  const SamplingParams& p = req.sampling;
+  const uint64_t seed = p.seed ? *p.seed : Rng(seed_base_ + id).next_u64();
+  return std::unique_ptr<Request>(new Request{
+      id, int(req.prompt_ids.size()), resolve_recursion(req.recursion_depth), p.max_new_tokens,
+      p.top_logprobs, req.deadline, std::move(on_event), Sampler(p, eos_id_, seed),
+      TextStream(tokenizer_.get(), p.stop), Usage{}, RequestTimings{}});
+}
+
+absl::StatusOr<RequestId> EngineImpl::submit(GenerateRequest req, EventCallback on_event) {
+  CEMLM_RETURN_IF_ERROR(validate(req));
+  if (!on_event) return absl::InvalidArgumentError("on_event is empty; pass a callback");
+  const RequestId id = next_id_++;
+  auto q = make_request(id, req, std::move(on_event));
+  q->timings.submitted = Clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_)
+    return absl::UnavailableError("the engine is shutting down; send the request elsewhere");
+  CEMLM_RETURN_IF_ERROR(
+      sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority}));
+  incoming_.push_back(std::move(q));
+  cv_.notify_one();
+  return id;
+}
+
+void EngineImpl::cancel(RequestId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancels_.push_back(id);
+  cv_.notify_one();
+}
+
+// ---- the step loop ----
+
+void EngineImpl::loop() {
+  bool progressed = true;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto news = [this] { return stopping_ || !incoming_.empty() || !cancels_.empty(); };
+      if (live_.empty()) {
+        cv_.wait(lock, news);
+      } else if (!progressed) {
+        // Nothing fit (scoring holds the cache): let it finish instead of spinning.
+        cv_.wait_for(lock, std::chrono::milliseconds(1), news);
+      }
+    }
+    std::lock_guard<std::mutex> step_lock(step_mu_);
+    const bool stopping = take_control();
+    progressed = live_.empty() || step();
+    publish_stats();
+    if (stopping && live_.empty()) return;
+  }
+}
+
+bool EngineImpl::take_control() {
+  std::vector<RequestId> cancels;
+  bool cancel_all, stopping;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& q : incoming_) live_[q->id] = std::move(q);
+    incoming_.clear();
+    sched_.accept();  // under mu_: the scheduler never holds a sequence live_ lacks
+    cancels.swap(cancels_);
+    cancel_all = cancel_all_;
+    stopping = stopping_;
+  }
+  if (cancel_all)
+    for (const auto& [id, q] : live_) cancels.push_back(id);
+  for (RequestId id : cancels)
+    if (auto it = live_.find(id); it != live_.end())
+      finish(*it->second, FinishReason::kCancelled, {});
+  const auto now = Clock::now();
+  std::vector<RequestId> expired;
+  for (const auto& [id, q] : live_)
+    if (q->deadline && *q->deadline <= now) expired.push_back(id);
+  for (RequestId id : expired) finish(*live_.at(id), FinishReason::kDeadline, {});
+  return stopping;
+}
+
+bool EngineImpl::step() {
+  const StepPlan plan = sched_.schedule();
+  const auto now = Clock::now();
+  for (const auto& a : plan.admitted) {
+    Request& q = *live_.at(a.id);
+    if (!q.scheduled) q.timings.scheduled = now;
+    q.scheduled = true;
+    q.usage.cached_prompt_tokens =
+        std::max(q.usage.cached_prompt_tokens, std::min(a.cached_tokens, q.n_prompt));
+  }
+  if (plan.empty()) return false;
+  runner_->forward(plan.batch, &logits_);
+  sched_.complete(plan);
+  const size_t V = size_t(config_.vocab_size);
+  size_t row = 0;
+  for (const ScheduledRow& r : plan.rows) {
+    Request& q = *live_.at(r.id);
+    q.usage.recursion_steps += int64_t(r.n_tokens) * q.recursion * cem_sublayers_;
+    if (!r.sample) continue;
+    CEMLM_CHECK(logits_.size() >= (row + 1) * V);
+    sample_row(q, std::span<const float>(logits_).subspan(row++ * V, V));
+  }
+  return true;
+}
+
+void EngineImpl::sample_row(Request& q, std::span<const float> logits) {
+  const Sequence& seq = *sched_.find(q.id);
+  auto res = q.sampler.sample(logits, seq.tokens, seq.n_prompt);
+  if (!res.ok()) return finish(q, FinishReason::kError, {}, res.status());
+  sched_.append(q.id, res->token);
+  StreamEvent ev;
+  ev.id = q.id;
+  ev.token_ids = {res->token};
+  ev.logprobs = {res->logprob};
+  if (q.top_logprobs) ev.top_logprobs = {std::move(res->top)};
+  if (++q.usage.generated_tokens == 1) q.timings.first_token = Clock::now();
+  const FinishReason why =
+      add_text(q, std::span<const int>(seq.tokens).subspan(size_t(seq.n_prompt)), &ev);
+  if (why != FinishReason::kNone) return finish(q, why, std::move(ev));
+  q.on_event(ev);
+}
+
+FinishReason EngineImpl::add_text(Request& q, std::span<const int> generated, StreamEvent* ev) {
+  bool stopped = false;
+  if (q.sampler.is_stop_token(generated.back())) {
+    // The stop token's own text is left out.
+    ev->text = q.text.finish(generated.first(generated.size() - 1), &stopped);
+    return FinishReason::kStop;
+  }
+  ev->text = q.text.next(generated, &stopped);
+  if (stopped) return FinishReason::kStop;
+  if (q.usage.generated_tokens < q.max_new_tokens) return FinishReason::kNone;
+  ev->text += q.text.finish(generated, &stopped);
+  return stopped ? FinishReason::kStop : FinishReason::kLength;
+}
+
+void EngineImpl::finish(Request& q, FinishReason why, StreamEvent ev, absl::Status error) {
+  sched_.remove(q.id);
+  ev.id = q.id;
+  ev.finish_reason = why;
+  ev.error = std::move(error);
+  q.usage.prompt_tokens = q.n_prompt;
+  ev.usage = q.usage;
+  q.timings.finished = Clock::now();
+  ev.timings = q.timings;
+  const EventCallback on_event = std::move(q.on_event);
+  live_.erase(q.id);  // q is gone from here on
+  on_event(ev);
+}
+
+void EngineImpl::publish_stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.running = sched_.num_running();
+  stats_.waiting = sched_.num_waiting();
+  stats_.kv_cache_usage = blocks_.usage();
+  stats_.kv_blocks_total = blocks_.num_blocks();
+  stats_.kv_blocks_free = blocks_.num_available();
+  stats_.preemptions_total = sched_.preemptions_total();
+  stats_.prefix_cache_hits_total = sched_.prefix_hit_tokens_total();
+}
+
+EngineStats EngineImpl::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+ModelInfo EngineImpl::info() const {
+  return {config_, config_.variant_name(), count_params(config_).total,
+          config_.kv_bytes_per_token(), opts_.device};
+}
+
+void EngineImpl::shutdown(bool cancel_running) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    cancel_all_ = cancel_all_ || cancel_running;
+    cv_.notify_one();
+  }
+  std::lock_guard<std::mutex> lock(join_mu_);
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+// ---- scoring ----
+
+absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
+  CEMLM_RETURN_IF_ERROR(validate_ids(req.ids, "ids"));
+  if (req.ids.size() < 2)
+    return absl::InvalidArgumentError(
+        "ids has 1 token; scoring needs at least 2 (the first has no logprob)");
+  CEMLM_RETURN_IF_ERROR(validate_recursion(req.recursion_depth));
+  const int n = int(req.ids.size()), T = resolve_recursion(req.recursion_depth);
+  const int64_t need = blocks_.blocks_for(n);
+  if (need > blocks_.num_blocks())
+    return absl::InvalidArgumentError(absl::StrCat("ids (", n, " tokens) need ", need,
+                                                   " KV blocks but the cache holds ",
+                                                   blocks_.num_blocks(), "; raise kv_cache_memory"));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("the engine is shutting down");
+  }
+  const SeqId seq = kScoreSeqBit | next_id_++;
+  {
+    std::lock_guard<std::mutex> step_lock(step_mu_);
+    if (!sched_.make_room(need))
+      return absl::ResourceExhaustedError(
+          "the KV cache is held by other scoring calls; retry later");
+    CEMLM_CHECK(blocks_.start(seq, {}, T, n));
+  }
+  ScoreResult out;
+  out.ids = req.ids;
+  out.recursion_depth = T;
+  out.logprobs.assign(size_t(n), std::numeric_limits<float>::quiet_NaN());
+  const absl::Status st = score_chunks(seq, T, &out);
+  {
+    std::lock_guard<std::mutex> step_lock(step_mu_);
+    blocks_.release(seq);
+  }
+  CEMLM_RETURN_IF_ERROR(st);
+  double sum = 0;
+  for (int i = 1; i < n; ++i) sum += out.logprobs[size_t(i)];
+  out.nll = -sum / (n - 1);
+  out.perplexity = std::exp(out.nll);
+  return out;
+}
+
+absl::Status EngineImpl::score_chunks(SeqId seq, int T, ScoreResult* out) {
+  const std::vector<int>& ids = out->ids;
+  const int n = int(ids.size());
+  const size_t V = size_t(config_.vocab_size);
+  std::vector<float> logits;  // one chunk [n_chunk, V], reduced to logprobs right away
+  for (int pos = 0; pos < n; pos += opts_.max_batch_tokens) {
+    const int len = std::min(opts_.max_batch_tokens, n - pos);
+    {
+      std::lock_guard<std::mutex> step_lock(step_mu_);
+      const std::vector<int32_t>& table = blocks_.table(seq);
+      BatchSeq s;
+      s.tokens = ids.data() + pos;
+      s.n_tokens = len;
+      s.pos_begin = pos;
+      s.recursion = T;
+      s.block_table = table.data();
+      s.n_blocks = int(table.size());
+      s.want_all_logits = true;
+      runner_->forward(Batch{{s}}, &logits);
+    }
+    CEMLM_CHECK(logits.size() >= size_t(len) * V);
+    for (int i = 0; i < len && pos + i + 1 < n; ++i) {
+      const std::span<const float> row = std::span<const float>(logits).subspan(size_t(i) * V, V);
+      const float lse = log_sum_exp(row);
+      if (!std::isfinite(lse))
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the model produced non-finite logits at position ", pos + i,
+            "; check the checkpoint"));
+      out->logprobs[size_t(pos + i + 1)] = row[size_t(ids[size_t(pos + i + 1)])] - lse;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---- construction ----
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts,
+                                                       std::unique_ptr<ModelRunner> runner,
+                                                       std::unique_ptr<Tokenizer> tokenizer) {
+  CEMLM_RETURN_IF_ERROR(check_options(opts));
+  if (!runner) return absl::InvalidArgumentError("runner is null");
+  return std::unique_ptr<Engine>(new EngineImpl(opts, std::move(runner), std::move(tokenizer)));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
+  CEMLM_RETURN_IF_ERROR(check_options(opts));
+  const RunnerOptions ro{opts.device, opts.kv_cache_memory, opts.block_size, opts.threads};
+  CEMLM_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, make_model_runner(opts.model_dir, ro));
+  std::unique_ptr<Tokenizer> tokenizer;
+  const std::string tok_path = (std::filesystem::path(opts.model_dir) / kTokenizerFile).string();
+  if (std::filesystem::exists(tok_path)) {
+    std::string error;
+    tokenizer = Tokenizer::load(tok_path, &error);
+    if (!tokenizer) return absl::InvalidArgumentError(error);
+  }
+  return create(opts, std::move(runner), std::move(tokenizer));
+}
+
+}  // namespace cemlm

@@ -1,0 +1,164 @@
+// BlockManager (see kv_blocks.h). Every mutating call plans first (counts what it needs against
+// what is available) and only then commits, so a failed allocation leaves the state untouched.
+#include "cemlm/engine/kv_blocks.h"
+
+#include <algorithm>
+
+#include "cemlm/kernels/tensor.h"
+
+namespace cemlm {
+namespace {
+
+uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+BlockManager::BlockManager(int64_t num_blocks, int block_size, bool prefix_caching)
+    : block_size_(block_size), prefix_caching_(prefix_caching), blocks_(size_t(num_blocks)) {
+  CEMLM_CHECK(num_blocks > 0 && block_size > 0);
+  free_.reserve(size_t(num_blocks));
+  // Lowest ids on top of the stack: allocation order is easy to follow in tests and logs.
+  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
+}
+
+double BlockManager::usage() const {
+  return double(num_blocks() - num_available()) / double(num_blocks());
+}
+
+uint64_t BlockManager::chain_hash(uint64_t parent, std::span<const int> tokens, int T) const {
+  uint64_t h = mix(parent + 0x9E3779B97F4A7C15ULL * uint64_t(T + 1));
+  for (int t : tokens) h = mix(h ^ (uint64_t(uint32_t(t)) + 0x632BE59BD9B4E019ULL));
+  return h;
+}
+
+int32_t BlockManager::find_cached(uint64_t hash, uint64_t parent, std::span<const int> tokens,
+                                  int T) const {
+  auto it = index_.find(hash);
+  if (it == index_.end()) return -1;
+  const Block& b = blocks_[size_t(it->second)];
+  // The hash only narrows the search: the full key decides, so a collision can never hit.
+  if (b.parent != parent || b.recursion != T ||
+      !std::equal(tokens.begin(), tokens.end(), b.tokens.begin(), b.tokens.end()))
+    return -1;
+  return it->second;
+}
+
+PrefixMatch BlockManager::match_prefix(std::span<const int> tokens, int T) const {
+  PrefixMatch m;
+  if (!prefix_caching_ || tokens.empty()) return m;
+  const size_t max_blocks = (tokens.size() - 1) / size_t(block_size_);
+  uint64_t parent = 0;
+  for (size_t i = 0; i < max_blocks; ++i) {
+    auto chunk = tokens.subspan(i * size_t(block_size_), size_t(block_size_));
+    const uint64_t h = chain_hash(parent, chunk, T);
+    const int32_t b = find_cached(h, parent, chunk, T);
+    if (b < 0) break;
+    m.blocks.push_back(b);
+    m.hashes.push_back(h);
+    parent = h;
+  }
+  return m;
+}
+
+bool BlockManager::start(SeqId seq, const PrefixMatch& match, int T, int n_positions) {
+  CEMLM_CHECK(!has(seq));
+  const int64_t total = blocks_for(n_positions);
+  CEMLM_CHECK(total >= int64_t(match.blocks.size()));
+  // Hit blocks nobody references sit in the LRU pool: taking them shrinks what is available.
+  int64_t idle_hits = 0;
+  for (int32_t b : match.blocks) idle_hits += blocks_[size_t(b)].ref == 0;
+  if (total - int64_t(match.blocks.size()) > num_available() - idle_hits) return false;
+
+  SeqBlocks& s = seqs_[seq];
+  s.recursion = T;
+  s.hashes = match.hashes;
+  for (int32_t b : match.blocks) {
+    add_ref(b);
+    s.table.push_back(b);
+  }
+  while (int64_t(s.table.size()) < total) s.table.push_back(take_block());
+  return true;
+}
+
+int64_t BlockManager::blocks_needed(SeqId seq, int n_positions) const {
+  return std::max<int64_t>(0, blocks_for(n_positions) - int64_t(table(seq).size()));
+}
+
+bool BlockManager::grow(SeqId seq, int n_positions) {
+  const int64_t need = blocks_needed(seq, n_positions);
+  if (need > num_available()) return false;
+  auto& table = seqs_.at(seq).table;
+  for (int64_t i = 0; i < need; ++i) table.push_back(take_block());
+  return true;
+}
+
+void BlockManager::mark_computed(SeqId seq, std::span<const int> tokens, int n_computed) {
+  if (!prefix_caching_) return;
+  SeqBlocks& s = seqs_.at(seq);
+  const size_t bs = size_t(block_size_);
+  for (size_t i = s.hashes.size(); (i + 1) * bs <= size_t(n_computed) && i < s.table.size(); ++i) {
+    const uint64_t parent = i ? s.hashes[i - 1] : 0;
+    auto chunk = tokens.subspan(i * bs, bs);
+    const uint64_t h = chain_hash(parent, chunk, s.recursion);
+    s.hashes.push_back(h);
+    // Another sequence may have published the same content first; ours then stays private.
+    if (index_.count(h)) continue;
+    Block& b = blocks_[size_t(s.table[i])];
+    b.cached = true;
+    b.hash = h;
+    b.parent = parent;
+    b.recursion = s.recursion;
+    b.tokens.assign(chunk.begin(), chunk.end());
+    index_[h] = s.table[i];
+  }
+}
+
+void BlockManager::release(SeqId seq) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return;
+  // Tail blocks first, so they are evicted before the prefix blocks their chain depends on.
+  for (auto b = it->second.table.rbegin(); b != it->second.table.rend(); ++b) drop_ref(*b);
+  seqs_.erase(it);
+}
+
+const std::vector<int32_t>& BlockManager::table(SeqId seq) const { return seqs_.at(seq).table; }
+
+int32_t BlockManager::take_block() {
+  int32_t id;
+  if (!free_.empty()) {
+    id = free_.back();
+    free_.pop_back();
+  } else {
+    CEMLM_CHECK(!lru_.empty());
+    id = lru_.front();
+    lru_.pop_front();
+    Block& b = blocks_[size_t(id)];
+    index_.erase(b.hash);
+    b.cached = false;
+    b.tokens.clear();
+  }
+  blocks_[size_t(id)].ref = 1;
+  return id;
+}
+
+void BlockManager::add_ref(int32_t id) {
+  Block& b = blocks_[size_t(id)];
+  if (b.ref++ == 0) lru_.erase(b.lru_pos);
+}
+
+void BlockManager::drop_ref(int32_t id) {
+  Block& b = blocks_[size_t(id)];
+  CEMLM_CHECK(b.ref > 0);
+  if (--b.ref > 0) return;
+  if (b.cached) {
+    b.lru_pos = lru_.insert(lru_.end(), id);
+  } else {
+    free_.push_back(id);
+  }
+}
+
+}  // namespace cemlm

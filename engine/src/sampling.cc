@@ -1,0 +1,60 @@
+// validate_sampling: range and finiteness checks of SamplingParams. Each message names the field
+// and the accepted range so a client can fix its request. Comparisons are written so that NaN fails.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/engine/sampling.h"
+#include "cemlm/engine/status.h"
+#include "cemlm/engine/utf8.h"
+
+namespace cemlm {
+namespace {
+
+absl::Status check(bool ok, const char* field, const std::string& range, double value) {
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("sampling.", field, " must be ", range, " (got ", value, ")"));
+}
+
+absl::Status check_stops(const SamplingParams& p, int vocab_size) {
+  if (p.stop.size() > size_t(kMaxStopStrings))
+    return absl::InvalidArgumentError(absl::StrCat("sampling.stop has ", p.stop.size(),
+                                                   " strings; at most ", kMaxStopStrings));
+  for (size_t i = 0; i < p.stop.size(); ++i) {
+    if (p.stop[i].empty())
+      return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is empty"));
+    if (!is_valid_utf8(p.stop[i]))
+      return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is not valid UTF-8"));
+  }
+  for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
+    const int id = p.stop_token_ids[i];
+    if (id < 0 || id >= vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat("sampling.stop_token_ids[", i, "] = ", id,
+                                                     " is not a token id in [0, ", vocab_size, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status validate_sampling(const SamplingParams& p, int vocab_size) {
+  CEMLM_RETURN_IF_ERROR(check(std::isfinite(p.temperature) && p.temperature >= 0, "temperature",
+                              "a finite number >= 0 (0 = greedy)", p.temperature));
+  CEMLM_RETURN_IF_ERROR(check(p.top_k >= 0, "top_k", ">= 0 (0 = off)", p.top_k));
+  CEMLM_RETURN_IF_ERROR(check(p.top_p > 0 && p.top_p <= 1, "top_p", "in (0, 1]", p.top_p));
+  CEMLM_RETURN_IF_ERROR(check(p.min_p >= 0 && p.min_p <= 1, "min_p", "in [0, 1]", p.min_p));
+  CEMLM_RETURN_IF_ERROR(check(std::isfinite(p.repetition_penalty) && p.repetition_penalty > 0,
+                              "repetition_penalty", "a finite number > 0 (1 = off)",
+                              p.repetition_penalty));
+  CEMLM_RETURN_IF_ERROR(check(p.presence_penalty >= -2 && p.presence_penalty <= 2,
+                              "presence_penalty", "in [-2, 2]", p.presence_penalty));
+  CEMLM_RETURN_IF_ERROR(check(p.frequency_penalty >= -2 && p.frequency_penalty <= 2,
+                              "frequency_penalty", "in [-2, 2]", p.frequency_penalty));
+  CEMLM_RETURN_IF_ERROR(check(p.max_new_tokens >= 1, "max_new_tokens", ">= 1", p.max_new_tokens));
+  CEMLM_RETURN_IF_ERROR(check(p.top_logprobs >= 0 && p.top_logprobs <= kMaxTopLogprobs,
+                              "top_logprobs", absl::StrCat("in [0, ", kMaxTopLogprobs, "]"),
+                              p.top_logprobs));
+  return check_stops(p, vocab_size);
+}
+
+}  // namespace cemlm

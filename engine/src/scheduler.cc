@@ -1,0 +1,211 @@
+// Scheduler (see scheduler.h for the policy). Only add() and num_waiting() take the intake lock;
+// everything else runs on the engine's step thread.
+#include "cemlm/engine/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/kernels/tensor.h"
+
+namespace cemlm {
+
+bool Scheduler::RankLess::operator()(const Sequence* a, const Sequence* b) const {
+  if (a->priority != b->priority) return a->priority > b->priority;
+  return a->arrival < b->arrival;
+}
+
+Scheduler::Scheduler(const SchedulerOptions& opts, BlockManager* blocks)
+    : opts_(opts), blocks_(blocks) {
+  CEMLM_CHECK(opts.max_batch_tokens > 0 && opts.max_running > 0 && opts.max_waiting > 0);
+}
+
+absl::Status Scheduler::add(SeqSpec spec) {
+  std::lock_guard<std::mutex> lock(intake_mu_);
+  if (int(intake_.size()) + waiting_published_ >= opts_.max_waiting)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the waiting queue is full (max_waiting = ", opts_.max_waiting,
+        " requests); retry later or raise max_waiting"));
+  auto s = std::make_unique<Sequence>();
+  s->id = spec.id;
+  s->n_prompt = int(spec.prompt.size());
+  s->tokens = std::move(spec.prompt);
+  s->recursion = spec.recursion;
+  s->priority = spec.priority;
+  s->arrival = next_arrival_++;
+  intake_.push_back(std::move(s));
+  return absl::OkStatus();
+}
+
+int Scheduler::num_waiting() const {
+  std::lock_guard<std::mutex> lock(intake_mu_);
+  return int(intake_.size()) + waiting_published_;
+}
+
+bool Scheduler::has_work() const { return !running_.empty() || num_waiting() > 0; }
+
+void Scheduler::accept() {
+  std::lock_guard<std::mutex> lock(intake_mu_);
+  for (auto& s : intake_) {
+    CEMLM_CHECK(!seqs_.count(s->id));
+    waiting_.insert(s.get());
+    seqs_[s->id] = std::move(s);
+  }
+  intake_.clear();
+  waiting_published_ = int(waiting_.size());
+}
+
+void Scheduler::publish_waiting() {
+  std::lock_guard<std::mutex> lock(intake_mu_);
+  waiting_published_ = int(waiting_.size());
+}
+
+const Sequence* Scheduler::find(SeqId id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : it->second.get();
+}
+
+StepPlan Scheduler::schedule() {
+  StepPlan plan;
+  int budget = opts_.max_batch_tokens;
+  std::set<SeqId> scheduled;
+  schedule_running(/*decode=*/true, &budget, &scheduled, &plan);
+  schedule_running(/*decode=*/false, &budget, &scheduled, &plan);
+  admit_waiting(&budget, &plan);
+  build_batch(&plan);
+  publish_waiting();
+  return plan;
+}
+
+void Scheduler::schedule_running(bool decode, int* budget, std::set<SeqId>* scheduled,
+                                 StepPlan* plan) {
+  const std::vector<Sequence*> order = running_;  // preemption edits running_ as we go
+  for (Sequence* s : order) {
+    if (*budget == 0) return;
+    if (!s->running || scheduled->count(s->id)) continue;
+    const int remaining = int(s->tokens.size()) - s->n_computed;
+    CEMLM_CHECK(remaining >= 1);
+    if ((remaining == 1) != decode) continue;
+    const int n = reserve(s, std::min(remaining, *budget), *scheduled, plan);
+    if (n == 0) continue;
+    scheduled->insert(s->id);
+    *budget -= n;
+    add_row(s, n, plan);
+  }
+}
+
+int Scheduler::reserve(Sequence* s, int n, const std::set<SeqId>& scheduled, StepPlan* plan) {
+  const bool decode = int(s->tokens.size()) - s->n_computed == 1;
+  for (;;) {
+    if (!decode) {
+      // A prefill chunk first shrinks to the room left; it preempts only when none is left.
+      const int64_t room =
+          (int64_t(blocks_->table(s->id).size()) + blocks_->num_available()) *
+              blocks_->block_size() - s->n_computed;
+      if (room > 0) n = int(std::min<int64_t>(n, room));
+    }
+    if (blocks_->grow(s->id, s->n_computed + n)) return n;
+    if (Sequence* v = victim_after(s, scheduled)) {
+      preempt(v, plan);
+      continue;
+    }
+    if (decode) preempt(s, plan);
+    return 0;
+  }
+}
+
+Sequence* Scheduler::victim_after(const Sequence* s, const std::set<SeqId>& scheduled) const {
+  for (auto it = running_.rbegin(); it != running_.rend() && *it != s; ++it)
+    if (!scheduled.count((*it)->id)) return *it;
+  return nullptr;
+}
+
+void Scheduler::preempt(Sequence* s, StepPlan* plan) {
+  blocks_->release(s->id);
+  s->n_computed = 0;
+  s->running = false;
+  running_.erase(std::find(running_.begin(), running_.end(), s));
+  waiting_.insert(s);
+  ++preemptions_;
+  if (plan) plan->preempted.push_back(s->id);
+}
+
+void Scheduler::admit_waiting(int* budget, StepPlan* plan) {
+  if (!plan->preempted.empty()) return;
+  const int bs = blocks_->block_size();
+  while (*budget > 0 && int(running_.size()) < opts_.max_running && !waiting_.empty()) {
+    Sequence* s = *waiting_.begin();
+    const PrefixMatch match = blocks_->match_prefix(s->tokens, s->recursion);
+    const int cached = int(match.blocks.size()) * bs;
+    const int n = std::min(int(s->tokens.size()) - cached, *budget);
+    if (!blocks_->start(s->id, match, s->recursion, cached + n)) return;
+    waiting_.erase(waiting_.begin());
+    s->n_computed = cached;
+    s->running = true;
+    running_.insert(std::upper_bound(running_.begin(), running_.end(), s, RankLess()), s);
+    prefix_hit_tokens_ += cached;
+    plan->admitted.push_back({s->id, cached});
+    *budget -= n;
+    add_row(s, n, plan);
+  }
+}
+
+void Scheduler::add_row(Sequence* s, int n, StepPlan* plan) {
+  plan->rows.push_back(
+      {s->id, s->n_computed, n, s->n_computed + n == int(s->tokens.size())});
+}
+
+void Scheduler::build_batch(StepPlan* plan) const {
+  auto recursion = [this](const ScheduledRow& r) { return seqs_.at(r.id)->recursion; };
+  std::stable_sort(plan->rows.begin(), plan->rows.end(),
+                   [&](const ScheduledRow& a, const ScheduledRow& b) {
+                     return recursion(a) > recursion(b);
+                   });
+  plan->batch.seqs.clear();
+  for (const ScheduledRow& r : plan->rows) {
+    const Sequence& s = *seqs_.at(r.id);
+    const std::vector<int32_t>& table = blocks_->table(r.id);
+    BatchSeq b;
+    b.tokens = s.tokens.data() + r.pos_begin;
+    b.n_tokens = r.n_tokens;
+    b.pos_begin = r.pos_begin;
+    b.recursion = s.recursion;
+    b.block_table = table.data();
+    b.n_blocks = int(table.size());
+    b.want_logits = r.sample;
+    plan->batch.seqs.push_back(b);
+  }
+}
+
+void Scheduler::complete(const StepPlan& plan) {
+  for (const ScheduledRow& r : plan.rows) {
+    Sequence& s = *seqs_.at(r.id);
+    CEMLM_CHECK(s.n_computed == r.pos_begin);
+    s.n_computed += r.n_tokens;
+    blocks_->mark_computed(r.id, s.tokens, s.n_computed);
+  }
+}
+
+void Scheduler::append(SeqId id, int token) { seqs_.at(id)->tokens.push_back(token); }
+
+bool Scheduler::remove(SeqId id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return false;
+  Sequence* s = it->second.get();
+  if (s->running) {
+    running_.erase(std::find(running_.begin(), running_.end(), s));
+  } else {
+    waiting_.erase(s);
+  }
+  blocks_->release(id);
+  seqs_.erase(it);
+  publish_waiting();
+  return true;
+}
+
+bool Scheduler::make_room(int64_t n_blocks) {
+  while (blocks_->num_available() < n_blocks && !running_.empty()) preempt(running_.back(), nullptr);
+  publish_waiting();
+  return blocks_->num_available() >= n_blocks;
+}
+
+}  // namespace cemlm

@@ -1,0 +1,89 @@
+#!/usr/bin/python3
+"""A small Python client of `cemlm serve`: model info, a streamed generation and a score.
+
+Needs Debian's python3-grpcio and python3-protobuf. The stubs are generated at run time from
+proto/cemlm/v1/inference.proto into a temporary directory, with protoc and grpc_python_plugin
+(Debian: protobuf-compiler, protobuf-compiler-grpc), or with grpc_tools when that is installed.
+
+    /usr/bin/python3 examples/python_client.py --addr localhost:50051 --prompt "Hello" --recursion 2
+"""
+import argparse
+import importlib
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+PROTO_ROOT = pathlib.Path(__file__).resolve().parent.parent / "proto"
+PROTO = "cemlm/v1/inference.proto"
+
+
+def generate_stubs(out_dir):
+    """Writes cemlm/v1/inference_pb2.py and inference_pb2_grpc.py under out_dir."""
+    args = [f"--proto_path={PROTO_ROOT}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}",
+            PROTO]
+    protoc, plugin = shutil.which("protoc"), shutil.which("grpc_python_plugin")
+    if protoc and plugin:
+        cmd = [protoc, f"--plugin=protoc-gen-grpc_python={plugin}"] + args
+        subprocess.run(cmd, check=True)
+        return
+    try:
+        from grpc_tools import protoc as grpc_protoc
+    except ImportError:
+        sys.exit("need protoc + grpc_python_plugin (apt install protobuf-compiler "
+                 "protobuf-compiler-grpc) or grpc_tools to generate the stubs")
+    if grpc_protoc.main(["protoc"] + args) != 0:
+        sys.exit("grpc_tools.protoc failed")
+
+
+def load_stubs():
+    out_dir = tempfile.mkdtemp(prefix="cemlm_stubs_")
+    generate_stubs(out_dir)
+    sys.path.insert(0, out_dir)
+    return (importlib.import_module("cemlm.v1.inference_pb2"),
+            importlib.import_module("cemlm.v1.inference_pb2_grpc"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--addr", default="localhost:50051")
+    ap.add_argument("--prompt", default="The answer is")
+    ap.add_argument("--recursion", type=int, default=0, help="recursion depth T; 0 = model default")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--api-key", help="sent as 'authorization: Bearer KEY'")
+    ap.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
+    args = ap.parse_args()
+
+    import grpc  # imported late so that --help works without python3-grpcio
+
+    pb, pb_grpc = load_stubs()
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(args.addr))
+
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=args.timeout)
+    print(f"model {info.model_name}: {info.variant}, {info.parameters} parameters, "
+          f"T default {info.default_recursion_depth} max {info.max_recursion_depth}")
+
+    request = pb.GenerateRequest(
+        prompt_text=args.prompt.encode(), recursion_depth=args.recursion, logprobs=True,
+        sampling=pb.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.8, seed=1))
+    try:
+        last = None
+        for msg in stub.Generate(request, metadata=metadata, timeout=args.timeout):
+            print(msg.text, end="", flush=True)
+            last = msg
+        print()
+        print(f"finish {pb.FinishReason.Name(last.finish_reason)}, "
+              f"{last.usage.generated_tokens} tokens, {last.usage.recursion_steps} recursion steps, "
+              f"engine {last.timing.e2e_seconds * 1e3:.1f} ms")
+    except grpc.RpcError as e:
+        sys.exit(f"Generate failed: {e.code().name}: {e.details()}")
+
+    score = stub.Score(pb.ScoreRequest(text=args.prompt.encode(), recursion_depth=args.recursion),
+                       metadata=metadata, timeout=args.timeout)
+    print(f"score of the prompt: nll {score.nll:.4f}, perplexity {score.perplexity:.2f}")
+
+
+if __name__ == "__main__":
+    main()

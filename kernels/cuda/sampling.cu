@@ -1,0 +1,302 @@
+// On-device sampling (cuda/sampling.h). Three passes per call: (1) per row, the raw log-sum-exp,
+// penalties from token counts, the greedy argmax and the temperature-scaled keys; (2) one
+// segmented radix sort (descending, stable: ties keep ascending ids) over the rows that need an
+// order (top-k, top-p, min-p); (3) per row, the cuts and the draw as block-wide prefix scans in
+// double, mirroring the sequential loops of the host Sampler (engine/src/sampler.cc).
+#include <climits>
+#include <cstring>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_segmented_radix_sort.cuh>
+#include <vector>
+
+#include "cemlm/kernels/cuda/sampling.h"
+#include "common.cuh"
+
+namespace cemlm::cuda {
+namespace {
+
+constexpr int kSampleThreads = 1024;
+
+struct DevRow {
+  double uniform;
+  float temperature, top_p, min_p, rep, pres, freq;
+  int top_k, hist_begin, n_hist, n_prompt, sorted;
+};
+
+struct RowStat {
+  float lse, mx;  // log Σ exp(raw); max of the scaled keys
+  int argmax;     // of the penalized logits, lowest id on ties
+  int pad;
+};
+
+bool needs_order(const SampleRowSpec& r, int V) {
+  return r.temperature > 0 && ((r.top_k > 0 && r.top_k < V) || r.top_p < 1 || r.min_p > 0);
+}
+bool has_penalty(const SampleRowSpec& r) {
+  return r.repetition_penalty != 1.0f || r.presence_penalty != 0 || r.frequency_penalty != 0;
+}
+
+// Byte offsets of each region in ctx.scratch (256-aligned).
+struct Layout {
+  size_t rows = 0, hist = 0, seg_begin = 0, seg_end = 0, cnt_all = 0, cnt_gen = 0, keys_in = 0,
+         keys_out = 0, ids_in = 0, ids_out = 0, stats = 0, results = 0, cub = 0, cub_bytes = 0,
+         total = 0;
+  bool penalties = false, sort = false;
+};
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+Layout layout_for(const SampleRowSpec* rows, int N, int V) {
+  Layout L;
+  size_t hist = 0;
+  for (int r = 0; r < N; ++r) {
+    hist += size_t(rows[r].n_tokens);
+    L.penalties = L.penalties || has_penalty(rows[r]);
+    L.sort = L.sort || needs_order(rows[r], V);
+  }
+  const size_t NV = size_t(N) * size_t(V);
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t here = at;
+    at = align256(at + bytes);
+    return here;
+  };
+  L.rows = take(sizeof(DevRow) * N);
+  L.hist = take(sizeof(int32_t) * hist);
+  L.seg_begin = take(sizeof(int) * N);
+  L.seg_end = take(sizeof(int) * N);
+  L.cnt_all = take(L.penalties ? sizeof(int) * NV : 0);
+  L.cnt_gen = take(L.penalties ? sizeof(int) * NV : 0);
+  L.keys_in = take(sizeof(float) * NV);
+  L.ids_in = take(sizeof(int32_t) * NV);
+  L.keys_out = take(L.sort ? sizeof(float) * NV : 0);
+  L.ids_out = take(L.sort ? sizeof(int32_t) * NV : 0);
+  L.stats = take(sizeof(RowStat) * N);
+  L.results = take(sizeof(SampledToken) * N);
+  if (L.sort)
+    CEMLM_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+        nullptr, L.cub_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
+        static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), int(NV), N,
+        static_cast<const int*>(nullptr), static_cast<const int*>(nullptr)));
+  L.cub = take(L.cub_bytes);
+  L.total = at;
+  return L;
+}
+
+template <typename T>
+T* at(const ExecCtx& ctx, size_t offset) {
+  return reinterpret_cast<T*>(reinterpret_cast<char*>(ctx.scratch) + offset);
+}
+
+// Is (v, i) ahead of (w, j) for the argmax: larger value, then lower id.
+__device__ bool ahead(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+__global__ void __launch_bounds__(kSampleThreads)
+    prepare_kernel(const float* logits, int V, const DevRow* rows, const int32_t* hist,
+                   int* cnt_all, int* cnt_gen, float* keys, int32_t* ids, RowStat* stats) {
+  __shared__ float redf[32];
+  __shared__ double redd[32];
+  __shared__ float best_v[32];
+  __shared__ int best_i[32];
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const DevRow R = rows[row];
+  const float* x = logits + int64_t(row) * V;
+  float mx = -INFINITY;
+  bool nan = false;
+  for (int v = tid; v < V; v += blockDim.x) {
+    nan = nan || isnan(x[v]);
+    mx = fmaxf(mx, x[v]);
+  }
+  mx = detail::block_max(mx, redf);
+  double s = 0;
+  for (int v = tid; v < V; v += blockDim.x) s += exp(double(x[v] - mx));
+  s = detail::block_sum(s, redd);
+  const int any_nan = __syncthreads_or(nan);
+  const float lse = any_nan ? NAN : mx + float(log(s));
+
+  const bool rep = R.rep != 1.0f, pf = R.pres != 0.0f || R.freq != 0.0f;
+  int* ca = cnt_all ? cnt_all + int64_t(row) * V : nullptr;
+  int* cg = cnt_gen ? cnt_gen + int64_t(row) * V : nullptr;
+  if (rep || pf) {
+    for (int t = tid; t < R.n_hist; t += blockDim.x) {
+      const int tok = hist[R.hist_begin + t];
+      if (rep) atomicAdd(&ca[tok], 1);
+      if (pf && t >= R.n_prompt) atomicAdd(&cg[tok], 1);
+    }
+    __syncthreads();
+  }
+  const float inv_t = R.temperature > 0 ? 1.0f / R.temperature : 1.0f;
+  float bv = -INFINITY;
+  int bi = INT_MAX;
+  for (int v = tid; v < V; v += blockDim.x) {
+    float w = x[v];
+    if (rep && ca[v] > 0) w = w > 0 ? w / R.rep : w * R.rep;
+    if (pf && cg[v] > 0) w -= R.pres + R.freq * float(cg[v]);
+    if (ahead(w, v, bv, bi)) bv = w, bi = v;
+    keys[int64_t(row) * V + v] = w * inv_t;
+    ids[int64_t(row) * V + v] = v;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ahead(ov, oi, bv, bi)) bv = ov, bi = oi;
+  }
+  const int lane = tid & 31, warp = tid >> 5;
+  if (lane == 0) best_v[warp] = bv, best_i[warp] = bi;
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < int(blockDim.x >> 5); ++w)
+      if (ahead(best_v[w], best_i[w], bv, bi)) bv = best_v[w], bi = best_i[w];
+    stats[row] = RowStat{lse, bv * inv_t, bi, 0};
+  }
+}
+
+using BlockScan = cub::BlockScan<double, kSampleThreads>;
+
+// Smallest i < n whose inclusive prefix Σ_{j≤i} e(j) reaches `target` (> when strict, ≥
+// otherwise); n when none does. Every thread of the block calls it and gets the answer.
+template <typename E>
+__device__ int first_reaching(E e, int n, double target, bool strict, BlockScan::TempStorage& temp,
+                              int* found) {
+  double carry = 0;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const double v = i < n ? double(e(i)) : 0.0;
+    double incl = 0, total = 0;
+    BlockScan(temp).InclusiveSum(v, incl, total);
+    incl += carry;
+    if (threadIdx.x == 0) *found = INT_MAX;
+    __syncthreads();
+    if (i < n && (strict ? incl > target : incl >= target)) atomicMin(found, i);
+    __syncthreads();
+    const int f = *found;
+    carry += total;
+    __syncthreads();  // `temp` and `found` are reused
+    if (f != INT_MAX) return f;
+  }
+  return n;
+}
+
+// Smallest i in [1, n) with e(i) < threshold; n when none.
+template <typename E>
+__device__ int first_below(E e, int n, float threshold, int* found) {
+  if (threadIdx.x == 0) *found = n;
+  __syncthreads();
+  for (int i = 1 + threadIdx.x; i < n; i += blockDim.x)
+    if (e(i) < threshold) atomicMin(found, i);
+  __syncthreads();
+  const int f = *found;
+  __syncthreads();
+  return f;
+}
+
+__global__ void __launch_bounds__(kSampleThreads)
+    draw_kernel(const float* logits, int V, const DevRow* rows, const RowStat* stats,
+                const float* keys_in, const float* keys_out, const int32_t* ids_out,
+                SampledToken* results) {
+  __shared__ BlockScan::TempStorage temp;
+  __shared__ double redd[32];
+  __shared__ int found;
+  const int row = blockIdx.x;
+  const DevRow R = rows[row];
+  const RowStat st = stats[row];
+  if (!isfinite(st.lse)) {
+    if (threadIdx.x == 0) results[row] = SampledToken{-1, NAN};
+    return;
+  }
+  int token = st.argmax;
+  if (R.temperature > 0) {
+    const float* key = (R.sorted ? keys_out : keys_in) + int64_t(row) * V;
+    const float mx = R.sorted ? key[0] : st.mx;
+    auto e = [key, mx](int i) { return expf(key[i] - mx); };
+    int n = V;
+    if (R.top_k > 0 && R.top_k < n) n = R.top_k;
+    if (R.top_p < 1.0f) {
+      double sum = 0;
+      for (int i = threadIdx.x; i < n; i += blockDim.x) sum += e(i);
+      sum = detail::block_sum(sum, redd);
+      const int f = first_reaching(e, n, double(R.top_p) * sum, false, temp, &found);
+      n = f < n ? f + 1 : n;
+    }
+    if (R.min_p > 0.0f) n = first_below(e, n, R.min_p * e(0), &found);
+    double sum = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sum += e(i);
+    sum = detail::block_sum(sum, redd);
+    const int pick = first_reaching(e, n - 1, R.uniform * sum, true, temp, &found);
+    token = R.sorted ? ids_out[int64_t(row) * V + pick] : pick;
+  }
+  if (threadIdx.x == 0)
+    results[row] = SampledToken{token, logits[int64_t(row) * V + token] - st.lse};
+}
+
+}  // namespace
+
+int64_t sample_rows_scratch_floats(const SampleRowSpec* rows, int n_rows, int vocab) {
+  return int64_t((layout_for(rows, n_rows, vocab).total + sizeof(float) - 1) / sizeof(float));
+}
+
+void sample_rows(const ExecCtx& ctx, const Tensor& logits, const SampleRowSpec* rows, int n_rows,
+                 SampledToken* out) {
+  if (n_rows == 0) return;
+  const int V = int(logits.dim(-1));
+  CEMLM_CHECK(V >= 1 && logits.dim(0) == n_rows);
+  CEMLM_CHECK(int64_t(n_rows) * V <= INT_MAX);  // cub's item count is an int
+  detail::require_device(logits, int64_t(n_rows) * V);
+  const Layout L = layout_for(rows, n_rows, V);
+  CEMLM_CHECK(ctx.scratch != nullptr &&
+              ctx.scratch_floats >= sample_rows_scratch_floats(rows, n_rows, V));
+  const cudaStream_t stream = detail::stream_of(ctx);
+
+  // Row parameters, token histories and sort segments: one upload.
+  std::vector<char> host(L.cnt_all);
+  auto* dr = reinterpret_cast<DevRow*>(host.data() + L.rows);
+  auto* hist = reinterpret_cast<int32_t*>(host.data() + L.hist);
+  auto* seg_begin = reinterpret_cast<int*>(host.data() + L.seg_begin);
+  auto* seg_end = reinterpret_cast<int*>(host.data() + L.seg_end);
+  int hb = 0;
+  for (int r = 0; r < n_rows; ++r) {
+    const SampleRowSpec& s = rows[r];
+    CEMLM_CHECK(s.temperature >= 0 && s.top_p > 0 && s.top_p <= 1 && s.min_p >= 0 && s.min_p <= 1 &&
+                s.top_k >= 0 && s.repetition_penalty > 0);
+    CEMLM_CHECK(s.n_tokens >= 0 && s.n_prompt >= 0 && s.n_prompt <= s.n_tokens);
+    CEMLM_CHECK(s.uniform >= 0 && s.uniform < 1);
+    CEMLM_CHECK(s.n_tokens == 0 || s.tokens != nullptr);
+    for (int t = 0; t < s.n_tokens; ++t) CEMLM_CHECK(s.tokens[t] >= 0 && s.tokens[t] < V);
+    if (s.n_tokens) std::memcpy(hist + hb, s.tokens, sizeof(int32_t) * size_t(s.n_tokens));
+    const bool sorted = needs_order(s, V);
+    dr[r] = DevRow{s.uniform,          s.temperature,       s.top_p, s.min_p, s.repetition_penalty,
+                   s.presence_penalty, s.frequency_penalty, s.top_k, hb,      s.n_tokens,
+                   s.n_prompt,         sorted ? 1 : 0};
+    seg_begin[r] = r * V;
+    seg_end[r] = sorted ? (r + 1) * V : r * V;  // empty segment: not sorted
+    hb += s.n_tokens;
+  }
+  CEMLM_CUDA_CHECK(
+      cudaMemcpyAsync(ctx.scratch, host.data(), host.size(), cudaMemcpyHostToDevice, stream));
+  int* cnt_all = L.penalties ? at<int>(ctx, L.cnt_all) : nullptr;
+  int* cnt_gen = L.penalties ? at<int>(ctx, L.cnt_gen) : nullptr;
+  if (L.penalties) CEMLM_CUDA_CHECK(cudaMemsetAsync(cnt_all, 0, L.keys_in - L.cnt_all, stream));
+  const auto* d_rows = at<DevRow>(ctx, L.rows);
+  prepare_kernel<<<unsigned(n_rows), kSampleThreads, 0, stream>>>(
+      logits.data, V, d_rows, at<int32_t>(ctx, L.hist), cnt_all, cnt_gen, at<float>(ctx, L.keys_in),
+      at<int32_t>(ctx, L.ids_in), at<RowStat>(ctx, L.stats));
+  CEMLM_CUDA_LAUNCH_CHECK();
+  if (L.sort) {
+    size_t bytes = L.cub_bytes;
+    CEMLM_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+        at<void>(ctx, L.cub), bytes, at<const float>(ctx, L.keys_in), at<float>(ctx, L.keys_out),
+        at<const int32_t>(ctx, L.ids_in), at<int32_t>(ctx, L.ids_out), n_rows * V, n_rows,
+        at<const int>(ctx, L.seg_begin), at<const int>(ctx, L.seg_end), 0, 32, stream));
+  }
+  draw_kernel<<<unsigned(n_rows), kSampleThreads, 0, stream>>>(
+      logits.data, V, d_rows, at<RowStat>(ctx, L.stats), at<float>(ctx, L.keys_in),
+      L.sort ? at<float>(ctx, L.keys_out) : nullptr, L.sort ? at<int32_t>(ctx, L.ids_out) : nullptr,
+      at<SampledToken>(ctx, L.results));
+  CEMLM_CUDA_LAUNCH_CHECK();
+  CEMLM_CUDA_CHECK(cudaMemcpyAsync(out, at<SampledToken>(ctx, L.results),
+                                   sizeof(SampledToken) * size_t(n_rows), cudaMemcpyDeviceToHost,
+                                   stream));
+  CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream));  // also keeps `host` alive for its upload
+}
+
+}  // namespace cemlm::cuda

@@ -1,0 +1,185 @@
+// `cemlm bench-serve`: closed-loop load against `cemlm serve` — N concurrent clients, each sending
+// its next request when the previous one ends — and a table of TTFT, inter-token latency,
+// end-to-end latency, the engine's share of it (server overhead = client e2e - engine e2e),
+// throughput and errors.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/server/status_map.h"
+#include "cemlm/v1/inference.grpc.pb.h"
+#include "channel.h"
+
+namespace cemlm::cli {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+struct BenchFlags {
+  int concurrency = 1, requests = 16, recursion = 0, max_new_tokens = 64, prompt_len = 32;
+  int64_t seed = 0;
+};
+
+// Milliseconds of everything measured, all requests together.
+struct Samples {
+  std::vector<double> ttft, itl, e2e, engine_e2e, overhead;
+  int64_t tokens = 0;
+  std::map<std::string, int> errors;  // by gRPC code name
+  void merge(const Samples& o) {
+    for (auto [dst, src] : {std::pair{&ttft, &o.ttft},
+                            {&itl, &o.itl},
+                            {&e2e, &o.e2e},
+                            {&engine_e2e, &o.engine_e2e},
+                            {&overhead, &o.overhead}})
+      dst->insert(dst->end(), src->begin(), src->end());
+    tokens += o.tokens;
+    for (const auto& [code, n] : o.errors) errors[code] += n;
+  }
+};
+
+double ms_since(SteadyClock::time_point t) {
+  return std::chrono::duration<double, std::milli>(SteadyClock::now() - t).count();
+}
+
+v1::GenerateRequest make_request(const BenchFlags& f, int vocab, int index) {
+  std::mt19937_64 rng(uint64_t(f.seed) * 1000003u + uint64_t(index));
+  // Ids from 4 up skip the usual special tokens (unk, bos, eos, pad).
+  std::uniform_int_distribution<int> token(std::min(4, vocab - 1), vocab - 1);
+  v1::GenerateRequest req;
+  for (int i = 0; i < f.prompt_len; ++i) req.add_prompt_ids(token(rng));
+  req.set_recursion_depth(f.recursion);
+  req.set_request_id("bench-" + std::to_string(index));
+  v1::SamplingParams* s = req.mutable_sampling();
+  s->set_max_new_tokens(f.max_new_tokens);
+  s->set_ignore_eos(true);  // every request generates the same number of tokens
+  s->set_seed(uint64_t(index));
+  return req;
+}
+
+void run_one(v1::Inference::Stub& stub, const ChannelFlags& c, const v1::GenerateRequest& req,
+             Samples* out) {
+  grpc::ClientContext context;
+  prepare_context(c, &context);
+  const auto start = SteadyClock::now();
+  auto reader = stub.Generate(&context, req);
+  v1::GenerateResponse msg;
+  double last = -1, engine_e2e = 0;
+  while (reader->Read(&msg)) {
+    if (msg.token_ids_size() > 0) {
+      const double now = ms_since(start);
+      const int n = msg.token_ids_size();
+      if (last < 0) {
+        out->ttft.push_back(now);
+      } else {
+        out->itl.insert(out->itl.end(), size_t(n), (now - last) / n);
+      }
+      last = now;
+      out->tokens += msg.token_ids_size();
+    }
+    if (msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED)
+      engine_e2e = msg.timing().e2e_seconds() * 1e3;
+  }
+  grpc::Status status = reader->Finish();
+  const double e2e = ms_since(start);
+  if (!status.ok()) {
+    ++out->errors[server::grpc_code_name(status.error_code())];
+    return;
+  }
+  out->e2e.push_back(e2e);
+  out->engine_e2e.push_back(engine_e2e);
+  out->overhead.push_back(e2e - engine_e2e);
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t rank = size_t(std::ceil(p / 100.0 * double(v.size())));
+  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
+}
+
+void print_row(const char* name, const std::vector<double>& v) {
+  double mean = 0;
+  for (double x : v) mean += x;
+  mean = v.empty() ? 0 : mean / double(v.size());
+  std::printf("%-20s %10.3f %10.3f %10.3f %10.3f %8zu\n", name, percentile(v, 50),
+              percentile(v, 90), percentile(v, 99), mean, v.size());
+}
+
+void print_report(const BenchFlags& f, const std::string& addr, const Samples& s, double wall_s) {
+  std::printf(
+      "cemlm bench-serve  addr %s  concurrency %d  requests %d  T %d  prompt %d  "
+      "new tokens %d\nclient machine: %u cores\n\n",
+      addr.c_str(), f.concurrency, f.requests, f.recursion, f.prompt_len, f.max_new_tokens,
+      std::thread::hardware_concurrency());
+  std::printf("%-20s %10s %10s %10s %10s %8s\n", "latency (ms)", "p50", "p90", "p99", "mean", "n");
+  print_row("ttft", s.ttft);
+  print_row("inter-token", s.itl);
+  print_row("e2e (client)", s.e2e);
+  print_row("e2e (engine)", s.engine_e2e);
+  print_row("server overhead", s.overhead);
+  int errors = 0;
+  for (const auto& [code, n] : s.errors) errors += n;
+  std::printf("\nok %zu  errors %d", s.e2e.size(), errors);
+  for (const auto& [code, n] : s.errors) std::printf("  %s=%d", code.c_str(), n);
+  std::printf("\nwall %.3f s  output tokens/s %.1f  requests/s %.2f\n", wall_s,
+              double(s.tokens) / wall_s, double(s.e2e.size()) / wall_s);
+}
+
+}  // namespace
+
+int cmd_bench_serve(int argc, char** argv) {
+  ChannelFlags c;
+  BenchFlags f;
+  Flags flags(
+      "cemlm bench-serve --addr HOST:PORT --concurrency N --requests M [--recursion T] "
+      "[--max-new-tokens N] [--prompt-len N]",
+      "Closed-loop load on a running `cemlm serve`: N clients, M requests in all, random\n"
+      "prompts, every request generating --max-new-tokens (EOS ignored). Prints TTFT,\n"
+      "inter-token and end-to-end latency (p50/p90/p99), the server overhead (client e2e\n"
+      "minus engine e2e), tokens/s and errors.");
+  add_channel_flags(&flags, &c);
+  flags.add("concurrency", &f.concurrency, "requests in flight at once");
+  flags.add("requests", &f.requests, "requests in all");
+  flags.add("recursion", &f.recursion, "recursion depth T; 0 = the model's default");
+  flags.add("max-new-tokens", &f.max_new_tokens, "tokens generated per request");
+  flags.add("prompt-len", &f.prompt_len, "prompt tokens per request");
+  flags.add("seed", &f.seed, "seed of the random prompts");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  if (f.concurrency < 1 || f.requests < 1 || f.prompt_len < 1) {
+    std::fprintf(stderr, "error: --concurrency, --requests and --prompt-len must be >= 1\n");
+    return 2;
+  }
+  auto channel = make_channel(c);
+  if (!channel) return 2;
+  auto stub = v1::Inference::NewStub(channel);
+  v1::ModelInfo info;
+  {
+    grpc::ClientContext context;
+    prepare_context(c, &context);
+    if (auto st = stub->GetModelInfo(&context, {}, &info); !st.ok()) return report_error(st);
+  }
+  std::atomic<int> next{0};
+  std::mutex mu;
+  Samples all;
+  const auto start = SteadyClock::now();
+  std::vector<std::thread> workers;
+  for (int w = 0; w < f.concurrency; ++w)
+    workers.emplace_back([&] {
+      Samples mine;
+      for (int i = next++; i < f.requests; i = next++)
+        run_one(*stub, c, make_request(f, info.vocab_size(), i), &mine);
+      std::lock_guard lock(mu);
+      all.merge(mine);
+    });
+  for (auto& t : workers) t.join();
+  print_report(f, c.addr, all, ms_since(start) / 1e3);
+  return all.errors.empty() ? 0 : 1;
+}
+
+}  // namespace cemlm::cli

@@ -1,0 +1,51 @@
+// Client connection helpers (see channel.h): plaintext or TLS channels, and the metadata and
+// deadline every call carries.
+#include "channel.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "cemlm/server/status_map.h"
+
+namespace cemlm::cli {
+
+void add_channel_flags(Flags* flags, ChannelFlags* f) {
+  flags->add("addr", &f->addr, "server address HOST:PORT");
+  flags->add("api-key", &f->api_key, "sent as 'authorization: Bearer KEY'");
+  flags->add("tls-ca", &f->tls_ca, "PEM root certificate(s): connect with TLS, trusting these");
+  flags->add("timeout", &f->timeout, "deadline of each call in seconds; 0 = none");
+}
+
+std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f) {
+  if (f.tls_ca.empty()) return grpc::CreateChannel(f.addr, grpc::InsecureChannelCredentials());
+  std::ifstream in(f.tls_ca);
+  if (!in) {
+    std::fprintf(stderr, "error: --tls-ca: cannot read '%s'\n", f.tls_ca.c_str());
+    return nullptr;
+  }
+  std::ostringstream pem;
+  pem << in.rdbuf();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = pem.str();
+  return grpc::CreateChannel(f.addr, grpc::SslCredentials(ssl));
+}
+
+void prepare_context(const ChannelFlags& f, grpc::ClientContext* context) {
+  if (!f.api_key.empty()) context->AddMetadata("authorization", "Bearer " + f.api_key);
+  if (f.timeout > 0)
+    context->set_deadline(std::chrono::system_clock::now() +
+                          std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                              std::chrono::duration<double>(f.timeout)));
+}
+
+int report_error(const grpc::Status& status) {
+  std::fprintf(stderr, "error: %s: %s\n", server::grpc_code_name(status.error_code()).c_str(),
+               status.error_message().c_str());
+  return 1;
+}
+
+}  // namespace cemlm::cli

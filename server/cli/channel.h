@@ -1,0 +1,29 @@
+// What `cemlm client` and `cemlm bench-serve` share: the connection flags (--addr, --api-key,
+// --tls-ca, --timeout), the channel they describe and the per-call context.
+#pragma once
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+
+#include <memory>
+#include <string>
+
+#include "cemlm/cli/flags.h"
+
+namespace cemlm::cli {
+
+struct ChannelFlags {
+  std::string addr = "localhost:50051";
+  std::string api_key;
+  std::string tls_ca;  // PEM root certificates: connect with TLS
+  double timeout = 0;  // seconds per call; 0 = none
+};
+
+void add_channel_flags(Flags* flags, ChannelFlags* f);
+// Null (with a message on stderr) when --tls-ca cannot be read.
+std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f);
+// Authorization metadata and deadline of one call.
+void prepare_context(const ChannelFlags& f, grpc::ClientContext* context);
+// "error: INVALID_ARGUMENT: message" on stderr; returns 1.
+int report_error(const grpc::Status& status);
+
+}  // namespace cemlm::cli

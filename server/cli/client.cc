@@ -1,0 +1,287 @@
+// `cemlm client generate|score|tokenize|detokenize|info|health`: a command-line gRPC client of
+// `cemlm serve`. Generate streams text to stdout as it arrives; --json prints one JSON object.
+#include <google/protobuf/util/json_util.h>
+
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/v1/inference.grpc.pb.h"
+#include "channel.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace cemlm::cli {
+namespace {
+
+using nlohmann::json;
+
+void print_json(const google::protobuf::Message& m) {
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.preserve_proto_field_names = true;
+  opts.always_print_primitive_fields = true;
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
+  std::printf("%s\n", out.c_str());
+}
+
+// --ids/--prompt-ids into a repeated field; false after printing the flag's error.
+bool set_ids(const std::string& text, const char* flag,
+             google::protobuf::RepeatedField<int32_t>* out) {
+  std::vector<int> ids;
+  if (!parse_id_list(text, &ids)) {
+    std::fprintf(stderr, "error: --%s: expected comma-separated ids like 3,17,42\n", flag);
+    return false;
+  }
+  out->Add(ids.begin(), ids.end());
+  return true;
+}
+
+struct GenerateFlags {
+  std::string prompt, prompt_ids, request_id;
+  int recursion = 0, max_new_tokens = 64, top_k = 0, top_logprobs = 0, priority = 0;
+  float temperature = 1, top_p = 1, min_p = 0;
+  int64_t seed = 0;
+  std::vector<std::string> stop;
+  bool logprobs = false, ignore_eos = false, json = false;
+};
+
+v1::GenerateRequest generate_request(const GenerateFlags& g, const Flags& flags) {
+  v1::GenerateRequest req;
+  req.set_prompt_text(g.prompt);
+  req.set_recursion_depth(g.recursion);
+  req.set_logprobs(g.logprobs || g.top_logprobs > 0);
+  req.set_priority(g.priority);
+  req.set_request_id(g.request_id);
+  v1::SamplingParams* s = req.mutable_sampling();
+  s->set_max_new_tokens(g.max_new_tokens);
+  if (flags.given("temperature")) s->set_temperature(g.temperature);
+  if (flags.given("top-k")) s->set_top_k(g.top_k);
+  if (flags.given("top-p")) s->set_top_p(g.top_p);
+  if (flags.given("min-p")) s->set_min_p(g.min_p);
+  if (flags.given("seed")) s->set_seed(uint64_t(g.seed));
+  for (const auto& stop : g.stop) s->add_stop(stop);
+  s->set_ignore_eos(g.ignore_eos);
+  s->set_top_logprobs(g.top_logprobs);
+  return req;
+}
+
+json final_json(const v1::GenerateResponse& last) {
+  const v1::Usage& u = last.usage();
+  const v1::EngineTiming& t = last.timing();
+  return {{"finish_reason", last.finish_reason() == v1::FINISH_REASON_LENGTH ? "length" : "stop"},
+          {"usage",
+           {{"prompt_tokens", u.prompt_tokens()},
+            {"generated_tokens", u.generated_tokens()},
+            {"recursion_steps", u.recursion_steps()},
+            {"cached_prompt_tokens", u.cached_prompt_tokens()}}},
+          {"timing",
+           {{"queue_seconds", t.queue_seconds()},
+            {"first_token_seconds", t.first_token_seconds()},
+            {"e2e_seconds", t.e2e_seconds()}}}};
+}
+
+int client_generate(int argc, char** argv) {
+  ChannelFlags c;
+  GenerateFlags g;
+  Flags flags("cemlm client generate --addr HOST:PORT (--prompt STR | --prompt-ids 3,17) [options]",
+              "Stream a generation to stdout as it arrives (--json: one JSON object at the end).");
+  add_channel_flags(&flags, &c);
+  flags.add("prompt", &g.prompt, "prompt text");
+  flags.add("prompt-ids", &g.prompt_ids, "prompt as comma-separated token ids");
+  flags.add("recursion", &g.recursion, "recursion depth T; 0 = the model's default");
+  flags.add("max-new-tokens", &g.max_new_tokens, "tokens to generate at most");
+  flags.add("temperature", &g.temperature, "0 = greedy");
+  flags.add("top-k", &g.top_k, "0 = off");
+  flags.add("top-p", &g.top_p, "1 = off");
+  flags.add("min-p", &g.min_p, "0 = off");
+  flags.add("seed", &g.seed, "sampling seed (same seed, same output)");
+  flags.add_list("stop", &g.stop, "stop strings");
+  flags.add_bool("ignore-eos", &g.ignore_eos, "keep generating after end-of-sequence");
+  flags.add_bool("logprobs", &g.logprobs, "report the logprob of each token (with --json)");
+  flags.add("top-logprobs", &g.top_logprobs, "alternatives per token (with --json)");
+  flags.add("priority", &g.priority, "larger runs first");
+  flags.add("request-id", &g.request_id, "your id for this request (in the server's log)");
+  flags.add_bool("json", &g.json,
+                 "print {\"ids\", \"text\", \"logprobs\", \"finish_reason\", ...}");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  v1::GenerateRequest req = generate_request(g, flags);
+  if (!g.prompt_ids.empty() && !set_ids(g.prompt_ids, "prompt-ids", req.mutable_prompt_ids()))
+    return 2;
+  auto channel = make_channel(c);
+  if (!channel) return 2;
+  auto stub = v1::Inference::NewStub(channel);
+  grpc::ClientContext context;
+  prepare_context(c, &context);
+  auto reader = stub->Generate(&context, req);
+  v1::GenerateResponse msg, last;
+  json ids = json::array(), logprobs = json::array();
+  std::string text;
+  while (reader->Read(&msg)) {
+    if (!g.json) {
+      std::fwrite(msg.text().data(), 1, msg.text().size(), stdout);
+      std::fflush(stdout);
+    }
+    text += msg.text();
+    for (int id : msg.token_ids()) ids.push_back(id);
+    for (float lp : msg.logprobs()) logprobs.push_back(lp);
+    last = msg;
+  }
+  grpc::Status status = reader->Finish();
+  if (!g.json) std::printf("\n");
+  if (!status.ok()) return report_error(status);
+  if (g.json) {
+    json out = final_json(last);
+    out["ids"] = ids;
+    out["text"] = text;
+    out["logprobs"] = logprobs;
+    std::printf("%s\n", out.dump().c_str());
+  }
+  return 0;
+}
+
+int client_score(int argc, char** argv) {
+  ChannelFlags c;
+  std::string text, ids;
+  int recursion = 0;
+  bool as_json = false;
+  Flags flags("cemlm client score --addr HOST:PORT (--text STR | --ids 3,17,42) [--recursion T]",
+              "Log-probability of every token given its prefix, NLL and perplexity.");
+  add_channel_flags(&flags, &c);
+  flags.add("text", &text, "text to score");
+  flags.add("ids", &ids, "token ids to score");
+  flags.add("recursion", &recursion, "recursion depth T; 0 = the model's default");
+  flags.add_bool("json", &as_json, "print the response as JSON");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  v1::ScoreRequest req;
+  req.set_text(text);
+  req.set_recursion_depth(recursion);
+  if (!ids.empty() && !set_ids(ids, "ids", req.mutable_ids())) return 2;
+  auto channel = make_channel(c);
+  if (!channel) return 2;
+  grpc::ClientContext context;
+  prepare_context(c, &context);
+  v1::ScoreResponse resp;
+  if (auto st = v1::Inference::NewStub(channel)->Score(&context, req, &resp); !st.ok())
+    return report_error(st);
+  if (as_json) {
+    print_json(resp);
+  } else {
+    std::printf("tokens %d  T %d  nll %.6f  perplexity %.4f\n", resp.token_ids_size(),
+                resp.recursion_depth(), resp.nll(), resp.perplexity());
+  }
+  return 0;
+}
+
+int client_tokenize(int argc, char** argv) {
+  ChannelFlags c;
+  std::string text;
+  bool add_bos = false, as_json = false;
+  Flags flags("cemlm client tokenize --addr HOST:PORT --text STR [--add-bos]",
+              "Token ids (and pieces) of a text under the served model's tokenizer.");
+  add_channel_flags(&flags, &c);
+  flags.add("text", &text, "text to tokenize", true);
+  flags.add_bool("add-bos", &add_bos, "prepend the beginning-of-sequence id");
+  flags.add_bool("json", &as_json, "print ids and pieces as JSON");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  v1::TokenizeRequest req;
+  req.set_text(text);
+  req.set_add_bos(add_bos);
+  auto channel = make_channel(c);
+  if (!channel) return 2;
+  grpc::ClientContext context;
+  prepare_context(c, &context);
+  v1::TokenizeResponse resp;
+  if (auto st = v1::Inference::NewStub(channel)->Tokenize(&context, req, &resp); !st.ok())
+    return report_error(st);
+  if (as_json) {
+    print_json(resp);
+    return 0;
+  }
+  for (int i = 0; i < resp.ids_size(); ++i) std::printf(i ? ",%d" : "%d", resp.ids(i));
+  std::printf("\n");
+  return 0;
+}
+
+int client_detokenize(int argc, char** argv) {
+  ChannelFlags c;
+  std::string ids;
+  Flags flags("cemlm client detokenize --addr HOST:PORT --ids 3,17,42",
+              "Text of token ids under the served model's tokenizer.");
+  add_channel_flags(&flags, &c);
+  flags.add("ids", &ids, "token ids", true);
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  v1::DetokenizeRequest req;
+  if (!set_ids(ids, "ids", req.mutable_ids())) return 2;
+  auto channel = make_channel(c);
+  if (!channel) return 2;
+  grpc::ClientContext context;
+  prepare_context(c, &context);
+  v1::DetokenizeResponse resp;
+  if (auto st = v1::Inference::NewStub(channel)->Detokenize(&context, req, &resp); !st.ok())
+    return report_error(st);
+  std::printf("%s\n", resp.text().c_str());
+  return 0;
+}
+
+int client_info(int argc, char** argv) {
+  ChannelFlags c;
+  Flags flags("cemlm client info --addr HOST:PORT", "The served model's metadata, as JSON.");
+  add_channel_flags(&flags, &c);
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  auto channel = make_channel(c);
+  if (!channel) return 2;
+  grpc::ClientContext context;
+  prepare_context(c, &context);
+  v1::ModelInfo resp;
+  if (auto st = v1::Inference::NewStub(channel)->GetModelInfo(&context, {}, &resp); !st.ok())
+    return report_error(st);
+  print_json(resp);
+  return 0;
+}
+
+int client_health(int argc, char** argv) {
+  ChannelFlags c;
+  std::string service;
+  Flags flags("cemlm client health --addr HOST:PORT [--service NAME]",
+              "grpc.health.v1 status: prints SERVING / NOT_SERVING; exit 0 only when SERVING.");
+  add_channel_flags(&flags, &c);
+  flags.add("service", &service, "service name; empty = the whole server");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  auto channel = make_channel(c);
+  if (!channel) return 2;
+  grpc::ClientContext context;
+  prepare_context(c, &context);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  if (auto st = grpc::health::v1::Health::NewStub(channel)->Check(&context, req, &resp); !st.ok())
+    return report_error(st);
+  std::printf("%s\n",
+              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str());
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
+struct Sub {
+  const char* name;
+  int (*run)(int, char**);
+};
+const Sub kSubs[] = {{"generate", client_generate}, {"score", client_score},
+                     {"tokenize", client_tokenize}, {"detokenize", client_detokenize},
+                     {"info", client_info},         {"health", client_health}};
+
+}  // namespace
+
+int cmd_client(int argc, char** argv) {
+  if (argc >= 1)
+    for (const Sub& s : kSubs)
+      if (!std::strcmp(argv[0], s.name)) return s.run(argc - 1, argv + 1);
+  const bool help = argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"));
+  std::fprintf(help ? stdout : stderr,
+               "usage: cemlm client <generate|score|tokenize|detokenize|info|health> "
+               "--addr HOST:PORT [options]\n\nA gRPC client of `cemlm serve`. Run "
+               "'cemlm client <command> --help' for the options of each.\n");
+  return help ? 0 : 2;
+}
+
+}  // namespace cemlm::cli

@@ -1,0 +1,195 @@
+// `cemlm serve`: loads a checkpoint into the engine and serves it over gRPC, with /metrics on a
+// second port. Lifecycle: listen (NOT_SERVING) -> load + warm up -> SERVING -> SIGTERM/SIGINT ->
+// drain up to --shutdown-timeout -> cancel the rest -> exit 0.
+#include <prometheus/exposer.h>
+#include <pthread.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <cctype>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/cli/flags.h"
+#include "cemlm/engine/status.h"
+#include "cemlm/server/inference_server.h"
+
+namespace cemlm::cli {
+namespace {
+
+struct ServeFlags {
+  std::string model, host = "0.0.0.0", device = "cpu", kv_cache_memory = "256M";
+  std::string api_key_file, tls_cert, tls_key, log_level = "info", model_name;
+  int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
+  double shutdown_timeout = 30;
+};
+
+// "4G", "512M", "64K" or plain bytes (powers of 1024); nullopt when it does not parse.
+std::optional<int64_t> parse_bytes(const std::string& s) {
+  size_t digits = 0;
+  while (digits < s.size() && std::isdigit(static_cast<unsigned char>(s[digits]))) ++digits;
+  if (digits == 0 || digits > 15) return std::nullopt;
+  int64_t v = std::stoll(s.substr(0, digits));
+  std::string unit = s.substr(digits);
+  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
+  if (unit.size() > 1) return std::nullopt;
+  const std::string units = "KMGT";
+  if (unit.empty()) return v;
+  size_t k = units.find(char(std::toupper(static_cast<unsigned char>(unit[0]))));
+  if (k == std::string::npos) return std::nullopt;
+  return v << (10 * (k + 1));
+}
+
+bool read_file(const std::string& path, const char* flag, std::string* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::fprintf(stderr, "error: %s: cannot read '%s'\n", flag, path.c_str());
+    return false;
+  }
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+// "models/tiny/" -> "tiny": the default model_name label.
+std::string dir_name(const std::string& dir) {
+  std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.filename().string();
+}
+
+int fail(const absl::Status& st) {
+  spdlog::error("{}", std::string(st.message()));
+  return 1;
+}
+
+// Loads the engine and runs one short scoring pass, so the first request pays no warm-up.
+absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t kv_bytes) {
+  EngineOptions opts;
+  opts.model_dir = f.model;
+  opts.device = f.device;
+  opts.kv_cache_memory = kv_bytes;
+  opts.max_batch_tokens = f.max_batch_tokens;
+  opts.max_waiting = f.max_waiting;
+  opts.threads = f.threads;
+  CEMLM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(opts));
+  ScoreRequest warmup;
+  warmup.ids = {0, 0};
+  if (auto r = engine->score(warmup); !r.ok())
+    return absl::InternalError(absl::StrCat("warm-up failed: ", r.status().message()));
+  return engine;
+}
+
+int serve(const ServeFlags& f, sigset_t* signals) {
+  std::optional<int64_t> kv_bytes = parse_bytes(f.kv_cache_memory);
+  if (!kv_bytes || *kv_bytes <= 0)
+    return fail(
+        absl::InvalidArgumentError("--kv-cache-memory: expected bytes like 4G, 512M or "
+                                   "1048576, got '" +
+                                   f.kv_cache_memory + "'"));
+  server::ServerOptions opts;
+  opts.host = f.host;
+  opts.port = f.port;
+  opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
+  if (!f.api_key_file.empty()) {
+    auto keys = server::ApiKeys::load(f.api_key_file);
+    if (!keys.ok()) return fail(keys.status());
+    opts.api_keys = *std::move(keys);
+  }
+  if (!f.tls_cert.empty() && !read_file(f.tls_cert, "--tls-cert", &opts.tls_cert_pem)) return 1;
+  if (!f.tls_key.empty() && !read_file(f.tls_key, "--tls-key", &opts.tls_key_pem)) return 1;
+
+  auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name);
+  std::unique_ptr<prometheus::Exposer> exposer;
+  try {  // civetweb reports a port it cannot bind by throwing
+    exposer = std::make_unique<prometheus::Exposer>(f.host + ":" + std::to_string(f.metrics_port));
+  } catch (const std::exception& e) {
+    return fail(absl::UnavailableError(
+        absl::StrCat("--metrics-port ", f.metrics_port, ": cannot listen (", e.what(), ")")));
+  }
+  exposer->RegisterCollectable(metrics);
+  auto server = server::InferenceServer::start(opts, metrics.get());
+  if (!server.ok()) return fail(server.status());
+  const int metrics_port = exposer->GetListeningPorts().at(0);
+  // One stable line on stdout, so scripts and tests can find the ports (--port 0 picks one).
+  std::printf("cemlm serve: grpc port %d, metrics port %d\n", (*server)->port(), metrics_port);
+  std::fflush(stdout);
+  spdlog::info("listening grpc={}:{} metrics=http://{}:{}/metrics model={} tls={} api_keys={}",
+               f.host, (*server)->port(), f.host, metrics_port, f.model, !opts.tls_cert_pem.empty(),
+               opts.api_keys.enabled());
+
+  auto engine = load_engine(f, *kv_bytes);
+  if (!engine.ok()) return fail(engine.status());
+  Engine* e = engine->get();
+  metrics->set_stats_source([e] { return e->stats(); });
+  (*server)->set_engine(e);
+  spdlog::info("serving model={} variant={} device={}", opts.model_name, e->config().variant_name(),
+               f.device);
+
+  int sig = 0;
+  sigwait(signals, &sig);
+  spdlog::info("signal {}: draining for up to {} s", sig, f.shutdown_timeout);
+  const auto timeout = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(f.shutdown_timeout));
+  if (!(*server)->drain(timeout)) spdlog::warn("shutdown timeout: cancelling what is left");
+  e->shutdown(/*cancel_running=*/true);
+  (*server)->shutdown();
+  metrics->set_stats_source(nullptr);
+  spdlog::info("stopped");
+  return 0;
+}
+
+}  // namespace
+
+int cmd_serve(int argc, char** argv) {
+  ServeFlags f;
+  Flags flags("cemlm serve --model DIR [--port 50051] [--metrics-port 9400] [options]",
+              "Serve a checkpoint over gRPC (cemlm.v1.Inference, grpc.health.v1.Health,\n"
+              "reflection) with Prometheus metrics at http://HOST:METRICS_PORT/metrics.\n"
+              "SIGTERM/SIGINT drain in-flight requests, then exit 0.");
+  flags.add("model", &f.model, "checkpoint directory (config.json, model.safetensors, ...)", true);
+  flags.add("host", &f.host, "address to listen on (gRPC and metrics)");
+  flags.add("port", &f.port, "gRPC port; 0 picks a free one (printed on stdout)");
+  flags.add("metrics-port", &f.metrics_port, "HTTP port of /metrics; 0 picks a free one");
+  flags.add("device", &f.device, "cpu | cuda");
+  flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");
+  flags.add("max-batch-tokens", &f.max_batch_tokens, "tokens per engine step (chunked prefill)");
+  flags.add("max-waiting", &f.max_waiting, "queued requests before RESOURCE_EXHAUSTED");
+  flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");
+  flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
+  flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");
+  flags.add("shutdown-timeout", &f.shutdown_timeout, "seconds to let requests finish on SIGTERM");
+  flags.add("threads", &f.threads, "CPU compute threads; 0 = all cores");
+  flags.add("log-level", &f.log_level, "trace | debug | info | warn | error | off");
+  flags.add("model-name", &f.model_name, "name in metrics and GetModelInfo (default: DIR's name)");
+  if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+
+  // Logs go to stderr: stdout carries the port line and nothing else.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("serve"));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+  const auto level = spdlog::level::from_str(f.log_level);
+  if (level == spdlog::level::off && f.log_level != "off") {
+    std::fprintf(stderr,
+                 "error: --log-level: '%s' is not one of trace, debug, info, warn, "
+                 "error, critical, off\n",
+                 f.log_level.c_str());
+    return 2;
+  }
+  spdlog::set_level(level);
+  // Block the signals before any thread starts, so that every thread inherits the mask and
+  // only sigwait() sees them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return serve(f, &signals);
+}
+
+}  // namespace cemlm::cli

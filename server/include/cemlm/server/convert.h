@@ -1,0 +1,41 @@
+// Protos <-> engine structs. Checks what only the server can (prompt presence, UTF-8, the
+// tokenizer); everything about values the engine validates itself, with messages that name the
+// same fields as the proto (sampling.top_p, recursion_depth, prompt_ids ...).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "cemlm/engine/engine.h"
+#include "cemlm/v1/inference.pb.h"
+
+namespace cemlm::server {
+
+// The model's BOS id (config.json first, then the tokenizer); -1 when it has none.
+int bos_id(const Engine& engine);
+
+// Ids of a UTF-8 text through the model's tokenizer, with BOS prepended when `add_bos` and the
+// model has one. `field` names the text in errors ("prompt_text").
+absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
+                                             absl::string_view field, bool add_bos);
+
+absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const Engine& engine);
+absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine);
+
+// Appends the tokens of `event` to `out` (several events can merge into one message while the
+// previous message is still being written). Logprobs only when the request asked for them.
+void append_event(const StreamEvent& event, bool logprobs, v1::GenerateResponse* out);
+// Finish reason, usage and engine timing of the final event.
+void set_final(const StreamEvent& event, const std::string& request_id, v1::GenerateResponse* out);
+
+v1::ScoreResponse to_proto(const ScoreResult& r);
+v1::ModelInfo model_info(const Engine& engine, const std::string& model_name);
+
+// Every id in [0, vocab_size); the error names field[i].
+absl::Status check_ids(const google::protobuf::RepeatedField<int32_t>& ids, int vocab_size,
+                       absl::string_view field);
+
+double seconds_between(Clock::time_point from, Clock::time_point to);
+
+}  // namespace cemlm::server

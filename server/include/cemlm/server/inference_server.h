@@ -1,0 +1,53 @@
+// The gRPC server of `cemlm serve`: cemlm.v1.Inference, grpc.health.v1.Health and reflection on
+// one port, optional TLS and API keys, and the lifecycle around the engine — NOT_SERVING until
+// the engine is ready, then SERVING, then draining on shutdown.
+#pragma once
+#include <grpcpp/server.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "cemlm/engine/engine.h"
+#include "cemlm/server/auth.h"
+#include "cemlm/server/metrics.h"
+
+namespace cemlm::server {
+
+class ServerState;
+class InferenceService;
+
+struct ServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 50051;  // 0: any free port (see InferenceServer::port)
+  ApiKeys api_keys;
+  std::string tls_cert_pem, tls_key_pem;  // both empty: plaintext
+  std::string model_name = "cemlm";
+};
+
+class InferenceServer {
+ public:
+  // Listens right away; every Inference call answers UNAVAILABLE until set_engine().
+  static absl::StatusOr<std::unique_ptr<InferenceServer>> start(const ServerOptions& opts,
+                                                                ServerMetrics* metrics);
+  ~InferenceServer();
+
+  int port() const { return port_; }
+  // The engine is loaded and warmed: serve it, report SERVING. It must outlive shutdown().
+  void set_engine(Engine* engine);
+  // Refuses new calls (UNAVAILABLE), reports NOT_SERVING, and waits up to `timeout` for the
+  // calls in flight. True when all of them finished.
+  bool drain(Clock::duration timeout);
+  // Ends the calls still open (after the engine ended their requests) and stops listening.
+  void shutdown();
+
+ private:
+  InferenceServer() = default;
+  std::unique_ptr<ServerState> state_;
+  std::unique_ptr<InferenceService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool stopped_ = false;
+};
+
+}  // namespace cemlm::server

@@ -1,0 +1,62 @@
+// Prometheus metrics of the server, with the names dashboards know (DESIGN.md): request counters
+// and latency histograms recorded by the handlers, and engine gauges refreshed from
+// Engine::stats() at every scrape. Every series carries the label model_name.
+#pragma once
+#include <grpcpp/support/status.h>
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cemlm/engine/engine.h"
+
+namespace cemlm::server {
+
+// What one finished generation (whatever its end) contributes to the metrics (times in seconds).
+struct FinishedGeneration {
+  const char* success_reason = nullptr;  // "stop" | "length"; null when it did not end normally
+  int recursion_depth = 0;
+  int prompt_tokens = 0, generated_tokens = 0;
+  double e2e = 0, queue = 0;
+};
+
+class ServerMetrics : public prometheus::Collectable {
+ public:
+  explicit ServerMetrics(const std::string& model_name);
+
+  // Where the gauges come from; unset (before the model is loaded) they read zero.
+  void set_stats_source(std::function<EngineStats()> source);
+
+  void observe_first_token(double seconds);
+  void observe_inter_token(double seconds);
+  void observe_finished(const FinishedGeneration& g);
+  void count_error(grpc::StatusCode code);  // any RPC that ends with a status other than OK
+
+  // Refreshes the engine gauges, then returns every family (called by the /metrics exposer).
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  void refresh_gauges() const;
+
+  std::string model_name_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Gauge *running_, *waiting_, *kv_usage_;
+  prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_;
+  prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_;
+  prometheus::Family<prometheus::Counter>* success_;
+  prometheus::Family<prometheus::Counter>* errors_;
+
+  mutable std::mutex stats_mu_;  // guards the source and the preemption high-water mark
+  std::function<EngineStats()> stats_source_;
+  mutable int64_t preemptions_seen_ = 0;
+};
+
+}  // namespace cemlm::server

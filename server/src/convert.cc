@@ -1,0 +1,169 @@
+// Proto <-> engine conversion (see convert.h): request fields into GenerateRequest/ScoreRequest,
+// engine events and results back into response messages.
+#include "cemlm/server/convert.h"
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/engine/status.h"
+#include "cemlm/engine/tokenizer.h"
+#include "cemlm/engine/utf8.h"
+
+namespace cemlm::server {
+namespace {
+
+absl::Status invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
+
+// Exactly one of a text and an id list; the ids of either.
+absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const std::string& text,
+                                           const google::protobuf::RepeatedField<int32_t>& ids,
+                                           absl::string_view text_field,
+                                           absl::string_view ids_field) {
+  if (!text.empty() && !ids.empty())
+    return invalid(absl::StrCat("set only one of ", text_field, " and ", ids_field));
+  if (text.empty() && ids.empty())
+    return invalid(
+        absl::StrCat(text_field, " or ", ids_field, " is required (the input is empty)"));
+  if (!ids.empty()) return std::vector<int>(ids.begin(), ids.end());
+  // No BOS, as `cemlm score --text` and training: the text is the whole input.
+  return encode_text(engine, text, text_field, /*add_bos=*/false);
+}
+
+SamplingParams to_engine(const v1::SamplingParams& p) {
+  SamplingParams s;
+  if (p.has_temperature()) s.temperature = p.temperature();
+  if (p.has_top_k()) s.top_k = p.top_k();
+  if (p.has_top_p()) s.top_p = p.top_p();
+  if (p.has_min_p()) s.min_p = p.min_p();
+  if (p.has_repetition_penalty()) s.repetition_penalty = p.repetition_penalty();
+  if (p.has_presence_penalty()) s.presence_penalty = p.presence_penalty();
+  if (p.has_frequency_penalty()) s.frequency_penalty = p.frequency_penalty();
+  if (p.has_seed()) s.seed = p.seed();
+  if (p.has_max_new_tokens()) s.max_new_tokens = p.max_new_tokens();
+  s.stop.assign(p.stop().begin(), p.stop().end());
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.ignore_eos = p.ignore_eos();
+  s.top_logprobs = p.top_logprobs();
+  return s;
+}
+
+v1::FinishReason to_proto(FinishReason r) {
+  return r == FinishReason::kLength ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_STOP;
+}
+
+}  // namespace
+
+int bos_id(const Engine& engine) {
+  if (engine.config().bos_id >= 0) return engine.config().bos_id;
+  return engine.tokenizer() ? engine.tokenizer()->bos_id() : -1;
+}
+
+absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
+                                             absl::string_view field, bool add_bos) {
+  if (size_t valid = utf8_valid_prefix(std::string_view(text.data(), text.size()));
+      valid != text.size())
+    return invalid(absl::StrCat(field, " is not valid UTF-8 (bad byte at offset ", valid, ")"));
+  const Tokenizer* tok = engine.tokenizer();
+  if (!tok)
+    return invalid(absl::StrCat(field, ": this model has no tokenizer; send token ids instead"));
+  std::vector<int> ids;
+  if (add_bos && bos_id(engine) >= 0) ids.push_back(bos_id(engine));
+  std::vector<int> body = tok->encode(std::string_view(text.data(), text.size()));
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
+}
+
+absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const Engine& engine) {
+  GenerateRequest out;
+  CEMLM_ASSIGN_OR_RETURN(out.prompt_ids, prompt_of(engine, req.prompt_text(), req.prompt_ids(),
+                                                   "prompt_text", "prompt_ids"));
+  out.recursion_depth = req.recursion_depth();
+  out.sampling = to_engine(req.sampling());
+  out.priority = req.priority();
+  out.client_request_id = req.request_id();
+  return out;
+}
+
+absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine) {
+  ScoreRequest out;
+  CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req.text(), req.ids(), "text", "ids"));
+  out.recursion_depth = req.recursion_depth();
+  return out;
+}
+
+void append_event(const StreamEvent& event, bool logprobs, v1::GenerateResponse* out) {
+  out->mutable_text()->append(event.text);
+  out->mutable_token_ids()->Add(event.token_ids.begin(), event.token_ids.end());
+  if (!logprobs) return;
+  out->mutable_logprobs()->Add(event.logprobs.begin(), event.logprobs.end());
+  for (const auto& alternatives : event.top_logprobs) {
+    v1::TokenLogprobs* t = out->add_top_logprobs();
+    for (const TopLogprob& a : alternatives) {
+      v1::TopLogprob* p = t->add_top();
+      p->set_token_id(a.token_id);
+      p->set_logprob(a.logprob);
+    }
+  }
+}
+
+void set_final(const StreamEvent& event, const std::string& request_id, v1::GenerateResponse* out) {
+  out->set_finish_reason(to_proto(event.finish_reason));
+  out->set_request_id(request_id);
+  v1::Usage* u = out->mutable_usage();
+  u->set_prompt_tokens(event.usage.prompt_tokens);
+  u->set_generated_tokens(event.usage.generated_tokens);
+  u->set_recursion_steps(event.usage.recursion_steps);
+  u->set_cached_prompt_tokens(event.usage.cached_prompt_tokens);
+  const RequestTimings& t = event.timings;
+  v1::EngineTiming* timing = out->mutable_timing();
+  timing->set_queue_seconds(seconds_between(t.submitted, t.scheduled));
+  timing->set_first_token_seconds(seconds_between(t.submitted, t.first_token));
+  timing->set_e2e_seconds(seconds_between(t.submitted, t.finished));
+}
+
+v1::ScoreResponse to_proto(const ScoreResult& r) {
+  v1::ScoreResponse out;
+  out.mutable_token_ids()->Add(r.ids.begin(), r.ids.end());
+  // The engine's logprobs[0] is a NaN placeholder (the first token has no prefix).
+  if (r.logprobs.size() > 1) out.mutable_logprobs()->Add(r.logprobs.begin() + 1, r.logprobs.end());
+  out.set_nll(r.nll);
+  out.set_perplexity(r.perplexity);
+  out.set_recursion_depth(r.recursion_depth);
+  return out;
+}
+
+v1::ModelInfo model_info(const Engine& engine, const std::string& model_name) {
+  const ModelInfo info = engine.info();
+  const ModelConfig& c = info.config;
+  v1::ModelInfo out;
+  out.set_model_name(model_name);
+  out.set_architecture("cemlm");
+  out.set_variant(info.variant);
+  out.set_vocab_size(c.vocab_size);
+  out.set_max_context(c.max_seq_len);
+  out.set_default_recursion_depth(c.recursion_default);
+  out.set_max_recursion_depth(c.recursion_max);
+  out.set_parameters(info.parameters);
+  out.set_kv_bytes_per_token(info.kv_bytes_per_token);
+  out.set_device(info.device);
+  out.set_d_model(c.d_model);
+  out.set_n_layers(c.n_layers);
+  out.set_bos_id(bos_id(engine));
+  out.set_eos_id(c.eos_id >= 0 || !engine.tokenizer() ? c.eos_id : engine.tokenizer()->eos_id());
+  out.set_has_tokenizer(engine.tokenizer() != nullptr);
+  return out;
+}
+
+absl::Status check_ids(const google::protobuf::RepeatedField<int32_t>& ids, int vocab_size,
+                       absl::string_view field) {
+  for (int i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= vocab_size)
+      return invalid(
+          absl::StrCat(field, "[", i, "] = ", ids[i], " is out of range [0, ", vocab_size, ")"));
+  return absl::OkStatus();
+}
+
+double seconds_between(Clock::time_point from, Clock::time_point to) {
+  if (from == Clock::time_point{} || to == Clock::time_point{} || to < from) return 0;
+  return std::chrono::duration<double>(to - from).count();
+}
+
+}  // namespace cemlm::server

@@ -1,0 +1,74 @@
+// Builds and runs the gRPC server (see inference_server.h): listening port and credentials,
+// the health status through the lifecycle, and the two-step shutdown.
+#include "cemlm/server/inference_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "inference_service.h"
+
+namespace cemlm::server {
+namespace {
+
+std::string listen_address(const std::string& host, int port) {
+  const bool ipv6 = host.find(':') != std::string::npos && host.front() != '[';
+  return ipv6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+}
+
+std::shared_ptr<grpc::ServerCredentials> credentials(const ServerOptions& opts) {
+  if (opts.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({opts.tls_key_pem, opts.tls_cert_pem});
+  return grpc::SslServerCredentials(ssl);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const ServerOptions& opts,
+                                                                        ServerMetrics* metrics) {
+  if (opts.tls_cert_pem.empty() != opts.tls_key_pem.empty())
+    return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
+  std::unique_ptr<InferenceServer> s(new InferenceServer());
+  s->state_ = std::make_unique<ServerState>(opts.api_keys, opts.model_name, metrics);
+  s->service_ = std::make_unique<InferenceService>(s->state_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const std::string address = listen_address(opts.host, opts.port);
+  builder.AddListeningPort(address, credentials(opts), &s->port_);
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || s->port_ == 0)
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address,
+                                               " (--host/--port: in use or not an address here?)"));
+  s->server_->GetHealthCheckService()->SetServingStatus(false);
+  return s;
+}
+
+InferenceServer::~InferenceServer() { shutdown(); }
+
+void InferenceServer::set_engine(Engine* engine) {
+  state_->set_engine(engine);
+  server_->GetHealthCheckService()->SetServingStatus(true);
+}
+
+bool InferenceServer::drain(Clock::duration timeout) {
+  // Shutdown() of the health service reports NOT_SERVING for good, whatever comes later.
+  server_->GetHealthCheckService()->Shutdown();
+  return state_->drain(timeout);
+}
+
+void InferenceServer::shutdown() {
+  if (stopped_ || !server_) return;
+  stopped_ = true;
+  state_->drain(Clock::duration::zero());
+  // Calls the engine has ended are finishing now; give them a moment, then cut the rest.
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  server_->Wait();
+}
+
+}  // namespace cemlm::server

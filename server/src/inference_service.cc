@@ -1,0 +1,356 @@
+// Handlers of cemlm.v1.Inference (see inference_service.h). The Generate reactor is the delicate
+// part: the engine thread hands it events, the writer thread starts the writes of an idle stream,
+// gRPC threads report write completions and cancellation, and exactly one of them performs each
+// write and the final Finish.
+#include "inference_service.h"
+
+#include <spdlog/spdlog.h>
+
+#include <optional>
+
+#include "cemlm/engine/status.h"
+#include "cemlm/engine/tokenizer.h"
+#include "cemlm/server/convert.h"
+#include "cemlm/server/status_map.h"
+
+namespace cemlm::server {
+
+grpc::Status ServerState::admit(const grpc::ServerContextBase& context) {
+  if (grpc::Status auth = keys_.check(context); !auth.ok()) return auth;
+  std::lock_guard lock(mu_);
+  if (draining_.load())
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+  if (!engine_.load())
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is still loading; retry later");
+  ++in_flight_;
+  return grpc::Status::OK;
+}
+
+void ServerState::release() {
+  std::lock_guard lock(mu_);
+  if (--in_flight_ == 0) idle_.notify_all();
+}
+
+bool ServerState::drain(Clock::duration timeout) {
+  std::unique_lock lock(mu_);
+  draining_.store(true);
+  return idle_.wait_for(lock, timeout, [&] { return in_flight_ == 0; });
+}
+
+WriterThread::WriterThread() : thread_([this] { loop(); }) {}
+
+WriterThread::~WriterThread() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_one();
+  thread_.join();
+}
+
+void WriterThread::post(IdleStream* stream) {
+  {
+    std::lock_guard lock(mu_);
+    queue_.push_back(stream);
+  }
+  wake_.notify_one();
+}
+
+void WriterThread::loop() {
+  std::vector<IdleStream*> batch;
+  for (;;) {
+    {
+      std::unique_lock lock(mu_);
+      wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      batch.swap(queue_);
+    }
+    for (IdleStream* s : batch) s->write_pending();
+    batch.clear();
+  }
+}
+
+namespace {
+
+using Response = v1::GenerateResponse;
+
+Clock::time_point steady_deadline(const grpc::ServerContextBase& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return Clock::time_point::max();
+  return Clock::now() + (deadline - std::chrono::system_clock::now());
+}
+
+class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public IdleStream {
+ public:
+  GenerateReactor(ServerState* state, WriterThread* writer, grpc::CallbackServerContext* context,
+                  const v1::GenerateRequest& request)
+      : state_(state),
+        writer_(writer),
+        context_(context),
+        arrival_(Clock::now()),
+        request_id_(request.request_id()) {
+    grpc::Status admitted = state_->admit(*context);
+    admitted_ = admitted.ok();
+    if (admitted_) {
+      start(request);
+    } else {
+      finish_early(admitted);
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::unique_lock lock(mu_);
+    writing_ = false;
+    if (!ok) broken_ = true;  // the client is gone; OnCancel follows and cancels the request
+    pump(lock);
+  }
+
+  void OnCancel() override {
+    std::unique_lock lock(mu_);
+    client_cancelled_ = true;
+    const std::optional<RequestId> id = id_;
+    lock.unlock();
+    if (id) state_->engine().cancel(*id);
+  }
+
+  void write_pending() override {
+    std::unique_lock lock(mu_);
+    queued_ = false;
+    pump(lock);
+  }
+
+  void OnDone() override {
+    log();
+    if (admitted_) state_->release();
+    delete this;
+  }
+
+ private:
+  void start(const v1::GenerateRequest& request) {
+    Engine& engine = state_->engine();
+    absl::StatusOr<GenerateRequest> req = to_engine(request, engine);
+    if (!req.ok()) return finish_early(to_grpc_status(req.status()));
+    if (Clock::time_point d = steady_deadline(*context_); d != Clock::time_point::max())
+      req->deadline = d;
+    logprobs_ = request.logprobs();
+    recursion_depth_ =
+        req->recursion_depth ? req->recursion_depth : engine.config().recursion_default;
+    absl::StatusOr<RequestId> id =
+        engine.submit(std::move(*req), [this](const StreamEvent& e) { on_event(e); });
+    if (!id.ok()) return finish_early(to_grpc_status(id.status()));
+    std::unique_lock lock(mu_);
+    id_ = *id;
+    // A cancellation that came while submitting found no id to cancel.
+    const bool cancelled = client_cancelled_;
+    lock.unlock();
+    if (cancelled) engine.cancel(*id);
+  }
+
+  // Before anything was submitted: no event will come, so finish right away.
+  void finish_early(const grpc::Status& status) {
+    final_status_ = status;
+    record_metrics();
+    Finish(status);
+  }
+
+  // Engine thread: only queues, never blocks beyond the reactor's own short critical section.
+  void on_event(const StreamEvent& event) {
+    std::unique_lock lock(mu_);
+    observe_tokens(event);
+    append_event(event, logprobs_, &pending_);
+    has_pending_ = has_pending_ || !event.token_ids.empty() || !event.text.empty();
+    if (event.finish_reason != FinishReason::kNone) {
+      finished_ = true;
+      finish_reason_ = event.finish_reason;
+      usage_ = event.usage;
+      queue_seconds_ = seconds_between(event.timings.submitted, event.timings.scheduled);
+      final_status_ = final_status(event);
+      if (final_status_.ok()) {
+        set_final(event, request_id_, &pending_);
+        has_pending_ = true;
+      }
+    }
+    // A write in flight takes the news when it completes; otherwise the writer thread starts
+    // one. Until it does, nothing can Finish, so `this` outlives the post.
+    const bool post = !writing_ && !queued_ && !done_;
+    queued_ = queued_ || post;
+    lock.unlock();
+    if (post) writer_->post(this);
+  }
+
+  void observe_tokens(const StreamEvent& event) {
+    if (event.token_ids.empty()) return;
+    const Clock::time_point now = Clock::now();
+    ServerMetrics& m = state_->metrics();
+    if (last_token_ == Clock::time_point{}) {
+      m.observe_first_token(seconds_between(arrival_, now));
+    } else {
+      const double gap = seconds_between(last_token_, now) / double(event.token_ids.size());
+      for (size_t i = 0; i < event.token_ids.size(); ++i) m.observe_inter_token(gap);
+    }
+    last_token_ = now;
+  }
+
+  grpc::Status final_status(const StreamEvent& event) const {
+    switch (event.finish_reason) {
+      case FinishReason::kStop:
+      case FinishReason::kLength:
+        return grpc::Status::OK;
+      case FinishReason::kDeadline:
+        return grpc::Status(
+            grpc::StatusCode::DEADLINE_EXCEEDED,
+            "deadline exceeded after " + std::to_string(event.usage.generated_tokens) + " tokens");
+      case FinishReason::kCancelled:
+        if (!client_cancelled_ && state_->draining())
+          return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                              "the server shut down before the request finished "
+                              "(--shutdown-timeout)");
+        if (context_->deadline() <= std::chrono::system_clock::now())
+          return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
+        return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+      default:
+        return event.error.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "engine error")
+                                : to_grpc_status(event.error);
+    }
+  }
+
+  // Starts the next write or the Finish if one is due and none is in flight. Decides under the
+  // lock, acts after releasing it: once Finish is called, OnDone may delete this at any time.
+  void pump(std::unique_lock<std::mutex>& lock) {
+    if (writing_ || done_) return;
+    if (has_pending_ && !broken_) {
+      in_flight_.Swap(&pending_);
+      pending_.Clear();
+      has_pending_ = false;
+      writing_ = true;
+      if (finished_ && final_status_.ok()) {
+        done_ = true;
+        record_metrics();
+        lock.unlock();
+        StartWriteAndFinish(&in_flight_, grpc::WriteOptions(), grpc::Status::OK);
+      } else {
+        lock.unlock();
+        StartWrite(&in_flight_);
+      }
+    } else if (finished_) {
+      done_ = true;
+      record_metrics();
+      const grpc::Status status = final_status_;
+      lock.unlock();
+      Finish(status);
+    }
+  }
+
+  // Just before Finish, so that a client that has its answer also sees it in /metrics.
+  void record_metrics() {
+    ServerMetrics& m = state_->metrics();
+    e2e_seconds_ = seconds_between(arrival_, Clock::now());
+    if (!final_status_.ok()) m.count_error(final_status_.error_code());
+    if (!id_) return;
+    m.observe_finished({final_status_.ok() ? finish_reason_name(finish_reason_) : nullptr,
+                        recursion_depth_, usage_.prompt_tokens, usage_.generated_tokens,
+                        e2e_seconds_, queue_seconds_});
+  }
+
+  // OnDone: the request's log line, off the engine thread.
+  void log() const {
+    if (!id_) {
+      spdlog::info("generate rejected client_id=\"{}\" peer={} status={} message=\"{}\"",
+                   request_id_, context_->peer(), grpc_code_name(final_status_.error_code()),
+                   final_status_.error_message());
+      return;
+    }
+    spdlog::info(
+        "generate id={} client_id=\"{}\" peer={} T={} prompt_tokens={} gen_tokens={} finish={} "
+        "status={} latency_ms={:.3f}",
+        *id_, request_id_, context_->peer(), recursion_depth_, usage_.prompt_tokens,
+        usage_.generated_tokens, finish_reason_name(finish_reason_),
+        grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3);
+  }
+
+  ServerState* const state_;
+  WriterThread* const writer_;
+  grpc::CallbackServerContext* const context_;
+  const Clock::time_point arrival_;
+  const std::string request_id_;
+  bool admitted_ = false;
+  bool logprobs_ = false;
+  int recursion_depth_ = 0;
+
+  std::mutex mu_;  // guards everything below
+  Clock::time_point last_token_{};
+  std::optional<RequestId> id_;
+  Response pending_, in_flight_;  // being filled / being written
+  bool has_pending_ = false, writing_ = false, queued_ = false, finished_ = false, done_ = false;
+  bool broken_ = false, client_cancelled_ = false;
+  FinishReason finish_reason_ = FinishReason::kNone;
+  Usage usage_;
+  double queue_seconds_ = 0, e2e_seconds_ = 0;
+  grpc::Status final_status_;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<Response>* InferenceService::Generate(grpc::CallbackServerContext* context,
+                                                               const v1::GenerateRequest* request) {
+  return new GenerateReactor(state_, &writer_, context, *request);
+}
+
+template <typename Body>
+grpc::Status InferenceService::unary(grpc::ServerContext* context, Body body) {
+  grpc::Status status = state_->admit(*context);
+  if (status.ok()) {
+    status = to_grpc_status(body(state_->engine()));
+    state_->release();
+  }
+  if (!status.ok()) state_->metrics().count_error(status.error_code());
+  return status;
+}
+
+grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::ScoreRequest* request,
+                                     v1::ScoreResponse* response) {
+  return unary(context, [&](Engine& engine) -> absl::Status {
+    CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, to_engine(*request, engine));
+    CEMLM_ASSIGN_OR_RETURN(ScoreResult result, engine.score(req));
+    *response = to_proto(result);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,
+                                        const v1::TokenizeRequest* request,
+                                        v1::TokenizeResponse* response) {
+  return unary(context, [&](Engine& engine) -> absl::Status {
+    CEMLM_ASSIGN_OR_RETURN(std::vector<int> ids,
+                           encode_text(engine, request->text(), "text", request->add_bos()));
+    for (int id : ids) {
+      response->add_ids(id);
+      response->add_pieces(engine.tokenizer()->id_to_piece(id));
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status InferenceService::Detokenize(grpc::ServerContext* context,
+                                          const v1::DetokenizeRequest* request,
+                                          v1::DetokenizeResponse* response) {
+  return unary(context, [&](Engine& engine) -> absl::Status {
+    if (!engine.tokenizer())
+      return absl::InvalidArgumentError("ids: this model has no tokenizer to decode them with");
+    CEMLM_RETURN_IF_ERROR(check_ids(request->ids(), engine.config().vocab_size, "ids"));
+    const std::vector<int> ids(request->ids().begin(), request->ids().end());
+    response->set_text(engine.tokenizer()->decode(ids));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status InferenceService::GetModelInfo(grpc::ServerContext* context,
+                                            const v1::GetModelInfoRequest*,
+                                            v1::ModelInfo* response) {
+  return unary(context, [&](Engine& engine) -> absl::Status {
+    *response = model_info(engine, state_->model_name());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace cemlm::server

@@ -1,0 +1,102 @@
+// cemlm.v1.Inference on top of the Engine. Generate uses the callback API: one reactor per stream,
+// fed by the engine thread without blocking, so thousands of streams need no thread each. The
+// unary RPCs use the synchronous API because Score blocks for a whole prefill.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cemlm/engine/engine.h"
+#include "cemlm/server/auth.h"
+#include "cemlm/server/metrics.h"
+#include "cemlm/v1/inference.grpc.pb.h"
+
+namespace cemlm::server {
+
+// What every handler shares: the engine (null while loading), admission and drain state.
+class ServerState {
+ public:
+  ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics)
+      : keys_(std::move(keys)), model_name_(std::move(model_name)), metrics_(metrics) {}
+
+  // OK admits the call (then release() once when it is over); otherwise the status to return:
+  // UNAUTHENTICATED, or UNAVAILABLE while loading or draining.
+  grpc::Status admit(const grpc::ServerContextBase& context);
+  void release();
+
+  void set_engine(Engine* engine) { engine_.store(engine); }
+  Engine& engine() const { return *engine_.load(); }
+  bool draining() const { return draining_.load(); }
+  // Refuses new calls from now on; true once no admitted call is left, false at the timeout.
+  bool drain(Clock::duration timeout);
+
+  const std::string& model_name() const { return model_name_; }
+  ServerMetrics& metrics() const { return *metrics_; }
+
+ private:
+  const ApiKeys keys_;
+  const std::string model_name_;
+  ServerMetrics* const metrics_;
+  std::atomic<Engine*> engine_{nullptr};
+  std::atomic<bool> draining_{false};
+  std::mutex mu_;
+  std::condition_variable idle_;
+  int in_flight_ = 0;  // guarded by mu_
+};
+
+// A stream with something to write while none of its writes is in flight.
+class IdleStream {
+ public:
+  virtual void write_pending() = 0;
+
+ protected:
+  ~IdleStream() = default;
+};
+
+// Starts the writes of idle streams on its own thread, so that the engine thread only queues
+// events: a gRPC write costs tens of microseconds, times every stream of an engine step. Later
+// writes of a stream start from its write completions, on gRPC's threads.
+class WriterThread {
+ public:
+  WriterThread();
+  ~WriterThread();  // after every stream has finished
+  void post(IdleStream* stream);
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::vector<IdleStream*> queue_;  // guarded by mu_
+  bool stop_ = false;               // guarded by mu_
+  std::thread thread_;
+};
+
+class InferenceService final
+    : public v1::Inference::WithCallbackMethod_Generate<v1::Inference::Service> {
+ public:
+  explicit InferenceService(ServerState* state) : state_(state) {}
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  grpc::Status Score(grpc::ServerContext* context, const v1::ScoreRequest* request,
+                     v1::ScoreResponse* response) override;
+  grpc::Status Tokenize(grpc::ServerContext* context, const v1::TokenizeRequest* request,
+                        v1::TokenizeResponse* response) override;
+  grpc::Status Detokenize(grpc::ServerContext* context, const v1::DetokenizeRequest* request,
+                          v1::DetokenizeResponse* response) override;
+  grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
+                            v1::ModelInfo* response) override;
+
+ private:
+  // Admission, the handler body, error counting and release around every unary RPC.
+  template <typename Body>
+  grpc::Status unary(grpc::ServerContext* context, Body body);
+
+  ServerState* state_;
+  WriterThread writer_;
+};
+
+}  // namespace cemlm::server

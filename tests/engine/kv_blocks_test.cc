@@ -1,0 +1,151 @@
+// BlockManager: allocation and release, all-or-nothing allocations, reference counts, prefix
+// caching keyed by (parent, tokens, T), and LRU eviction of unreferenced cached blocks.
+#include "cemlm/engine/kv_blocks.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+namespace cemlm {
+namespace {
+
+std::vector<int> iota_tokens(int n, int first = 0) {
+  std::vector<int> t(static_cast<size_t>(n));
+  std::iota(t.begin(), t.end(), first);
+  return t;
+}
+
+TEST(BlockManager, AllocatesCoveringBlocksAndFreesThemAll) {
+  BlockManager bm(10, 4, true);
+  EXPECT_EQ(bm.num_available(), 10);
+  ASSERT_TRUE(bm.start(1, {}, 1, 9));  // 9 positions → 3 blocks
+  EXPECT_EQ(bm.table(1).size(), 3u);
+  EXPECT_DOUBLE_EQ(bm.usage(), 0.3);
+  ASSERT_TRUE(bm.grow(1, 12));  // still 3 blocks
+  EXPECT_EQ(bm.table(1).size(), 3u);
+  ASSERT_TRUE(bm.grow(1, 13));
+  EXPECT_EQ(bm.table(1).size(), 4u);
+  bm.release(1);
+  EXPECT_FALSE(bm.has(1));
+  EXPECT_EQ(bm.num_available(), 10);
+  EXPECT_DOUBLE_EQ(bm.usage(), 0.0);
+}
+
+TEST(BlockManager, FailedAllocationLeavesStateUntouched) {
+  BlockManager bm(4, 4, true);
+  ASSERT_TRUE(bm.start(1, {}, 1, 12));  // 3 blocks
+  const auto table = bm.table(1);
+  EXPECT_FALSE(bm.start(2, {}, 1, 8));  // needs 2, 1 left
+  EXPECT_FALSE(bm.has(2));
+  EXPECT_EQ(bm.num_available(), 1);
+  EXPECT_FALSE(bm.grow(1, 20));  // needs 2 more
+  EXPECT_EQ(bm.table(1), table);
+  EXPECT_EQ(bm.num_available(), 1);
+  EXPECT_EQ(bm.blocks_needed(1, 20), 2);
+}
+
+TEST(BlockManager, PrefixHitsFullBlocksOnlyAndNeverTheLastToken) {
+  BlockManager bm(16, 4, true);
+  const auto tokens = iota_tokens(10);
+  ASSERT_TRUE(bm.start(1, {}, 2, 10));
+  bm.mark_computed(1, tokens, 10);  // publishes blocks [0,4) and [4,8)
+  const auto first_two = std::vector<int32_t>(bm.table(1).begin(), bm.table(1).begin() + 2);
+  bm.release(1);
+
+  PrefixMatch m = bm.match_prefix(tokens, 2);
+  EXPECT_EQ(m.blocks, first_two);
+  // 8 tokens: the second block holds the last token, which must be computed again.
+  EXPECT_EQ(bm.match_prefix(iota_tokens(8), 2).blocks.size(), 1u);
+  // A different token in the second block: only the first block matches.
+  auto other = tokens;
+  other[5] = 99;
+  EXPECT_EQ(bm.match_prefix(other, 2).blocks.size(), 1u);
+  // The same tokens computed with another T never hit.
+  EXPECT_TRUE(bm.match_prefix(tokens, 1).blocks.empty());
+  EXPECT_TRUE(bm.match_prefix(tokens, 3).blocks.empty());
+  // A different first block breaks the chain even when later blocks are equal.
+  other = tokens;
+  other[0] = 99;
+  EXPECT_TRUE(bm.match_prefix(other, 2).blocks.empty());
+}
+
+TEST(BlockManager, SharedBlocksAreReferenceCounted) {
+  BlockManager bm(8, 4, true);
+  const auto tokens = iota_tokens(9);
+  ASSERT_TRUE(bm.start(1, {}, 1, 9));
+  bm.mark_computed(1, tokens, 9);
+  const PrefixMatch m = bm.match_prefix(tokens, 1);
+  ASSERT_EQ(m.blocks.size(), 2u);
+  ASSERT_TRUE(bm.start(2, m, 1, 9));  // shares 2 blocks, adds 1
+  EXPECT_EQ(bm.table(2)[0], bm.table(1)[0]);
+  EXPECT_EQ(bm.table(2)[1], bm.table(1)[1]);
+  EXPECT_NE(bm.table(2)[2], bm.table(1)[2]);
+  EXPECT_EQ(bm.num_available(), 4);
+  bm.release(1);
+  EXPECT_EQ(bm.num_available(), 5);  // shared blocks still held by seq 2
+  bm.release(2);
+  EXPECT_EQ(bm.num_available(), 8);
+}
+
+TEST(BlockManager, IdleHitsCountAgainstTheRoomLeft) {
+  BlockManager bm(3, 4, true);
+  const auto tokens = iota_tokens(9);
+  ASSERT_TRUE(bm.start(1, {}, 1, 9));
+  bm.mark_computed(1, tokens, 9);
+  bm.release(1);  // 2 idle cached blocks + 1 free
+  const PrefixMatch m = bm.match_prefix(tokens, 1);
+  ASSERT_EQ(m.blocks.size(), 2u);
+  // Reusing the 2 idle blocks leaves 1 block: 13 positions (4 blocks) cannot fit.
+  EXPECT_FALSE(bm.start(2, m, 1, 13));
+  EXPECT_EQ(bm.num_available(), 3);
+  EXPECT_EQ(bm.match_prefix(tokens, 1).blocks.size(), 2u);  // nothing evicted by the failure
+  ASSERT_TRUE(bm.start(2, m, 1, 12));
+  EXPECT_EQ(bm.num_available(), 0);
+}
+
+TEST(BlockManager, EvictsLeastRecentlyUsedTailBlocksFirst) {
+  BlockManager bm(4, 2, true);
+  const auto a = iota_tokens(5, 0), b = iota_tokens(5, 100);
+  ASSERT_TRUE(bm.start(1, {}, 1, 4));
+  bm.mark_computed(1, a, 4);
+  bm.release(1);  // a's 2 blocks cached, idle
+  ASSERT_TRUE(bm.start(2, {}, 1, 4));  // takes the 2 free blocks
+  bm.mark_computed(2, b, 4);
+  bm.release(2);  // b's blocks are now the most recently used
+  // One new block: evicts a's TAIL block, so a's first block still hits.
+  ASSERT_TRUE(bm.start(3, {}, 1, 2));
+  EXPECT_EQ(bm.match_prefix(a, 1).blocks.size(), 1u);
+  EXPECT_EQ(bm.match_prefix(b, 1).blocks.size(), 2u);
+  ASSERT_TRUE(bm.grow(3, 6));  // two more: a's head, then b's tail
+  EXPECT_TRUE(bm.match_prefix(a, 1).blocks.empty());
+  EXPECT_EQ(bm.match_prefix(b, 1).blocks.size(), 1u);
+  bm.release(3);
+  EXPECT_EQ(bm.num_available(), 4);
+}
+
+TEST(BlockManager, SameContentPublishedTwiceKeepsOneEntry) {
+  BlockManager bm(8, 2, true);
+  const auto t = iota_tokens(3);
+  ASSERT_TRUE(bm.start(1, {}, 1, 3));
+  ASSERT_TRUE(bm.start(2, {}, 1, 3));
+  bm.mark_computed(1, t, 3);
+  bm.mark_computed(2, t, 3);
+  EXPECT_EQ(bm.match_prefix(t, 1).blocks[0], bm.table(1)[0]);
+  bm.release(1);
+  bm.release(2);
+  EXPECT_EQ(bm.num_available(), 8);
+  EXPECT_EQ(bm.match_prefix(t, 1).blocks.size(), 1u);
+}
+
+TEST(BlockManager, PrefixCachingOffNeverMatches) {
+  BlockManager bm(8, 2, false);
+  const auto t = iota_tokens(5);
+  ASSERT_TRUE(bm.start(1, {}, 1, 5));
+  bm.mark_computed(1, t, 5);
+  bm.release(1);
+  EXPECT_TRUE(bm.match_prefix(t, 1).blocks.empty());
+  EXPECT_EQ(bm.num_available(), 8);
+}
+
+}  // namespace
+}  // namespace cemlm

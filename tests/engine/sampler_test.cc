@@ -1,0 +1,236 @@
+// Sampler on crafted logits rows: each parameter's effect, seeded determinism, logprobs under the
+// unmodified distribution; StopMatcher across piece boundaries; validate_sampling names fields.
+#include "cemlm/engine/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <set>
+
+namespace cemlm {
+namespace {
+
+// Token 3 is the argmax; 1 is second; the rest are well below.
+const std::vector<float> kRow = {0.0f, 2.0f, -1.0f, 3.0f, 0.5f, -2.0f, 1.0f, 0.2f};
+
+SamplingParams greedy() {
+  SamplingParams p;
+  p.temperature = 0;
+  return p;
+}
+
+int pick(const SamplingParams& p, const std::vector<float>& row = kRow,
+         const std::vector<int>& tokens = {}, int n_prompt = 0, uint64_t seed = 1) {
+  Sampler s(p, -1, seed);
+  auto r = s.sample(row, tokens, n_prompt);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r->token;
+}
+
+// The set of tokens drawn over many seeds.
+std::set<int> support(const SamplingParams& p, int draws = 400) {
+  std::set<int> seen;
+  for (int i = 0; i < draws; ++i) seen.insert(pick(p, kRow, {}, 0, uint64_t(i)));
+  return seen;
+}
+
+TEST(Sampler, GreedyPicksTheArgmaxAndTopK1EqualsGreedy) {
+  EXPECT_EQ(pick(greedy()), 3);
+  SamplingParams p;
+  p.top_k = 1;
+  EXPECT_EQ(support(p), std::set<int>{3});
+}
+
+TEST(Sampler, GreedyBreaksTiesTowardTheLowestId) {
+  EXPECT_EQ(pick(greedy(), {1.0f, 5.0f, 5.0f, 0.0f}), 1);
+}
+
+TEST(Sampler, TemperatureToZeroApproachesGreedy) {
+  SamplingParams p;
+  p.temperature = 1e-4f;
+  EXPECT_EQ(support(p), std::set<int>{3});
+  p.temperature = 1.0f;
+  EXPECT_GT(support(p).size(), 4u);
+}
+
+TEST(Sampler, TopKKeepsTheKBest) {
+  SamplingParams p;
+  p.top_k = 3;
+  EXPECT_EQ(support(p), (std::set<int>{3, 1, 6}));
+}
+
+TEST(Sampler, TopPCutsTheTail) {
+  // Probabilities of kRow: token 3 ≈ 0.58, 1 ≈ 0.21, 6 ≈ 0.079: 0.7 needs tokens 3 and 1.
+  SamplingParams p;
+  p.top_p = 0.7f;
+  EXPECT_EQ(support(p), (std::set<int>{3, 1}));
+  p.top_p = 0.5f;
+  EXPECT_EQ(support(p), std::set<int>{3});
+}
+
+TEST(Sampler, MinPKeepsTokensNearTheBest) {
+  // p_i / p_max = exp(x_i - 3): token 1 is at e^-1 ≈ 0.37, token 6 at e^-2 ≈ 0.14.
+  SamplingParams p;
+  p.min_p = 0.3f;
+  EXPECT_EQ(support(p), (std::set<int>{3, 1}));
+  p.min_p = 0.1f;
+  EXPECT_EQ(support(p), (std::set<int>{3, 1, 6}));
+}
+
+TEST(Sampler, RepetitionPenaltyCoversPromptAndGenerated) {
+  SamplingParams p = greedy();
+  p.repetition_penalty = 2.0f;  // token 3: 3 → 1.5, below token 1's 2
+  EXPECT_EQ(pick(p, kRow, {3}, 1), 1);     // in the prompt
+  EXPECT_EQ(pick(p, kRow, {0, 3}, 1), 1);  // generated
+  EXPECT_EQ(pick(p, kRow, {3, 3, 3}, 3), 1);  // applied once per distinct token
+  // A negative logit is multiplied (pushed down), not divided: -0.6 → -1.2 < -1.
+  EXPECT_EQ(pick(p, {-0.6f, -1.0f}, {0}, 1), 1);
+}
+
+TEST(Sampler, PresenceAndFrequencyPenaltiesCountGeneratedTokensOnly) {
+  SamplingParams p = greedy();
+  p.presence_penalty = 1.5f;  // token 3: 3 → 1.5 < 2
+  EXPECT_EQ(pick(p, kRow, {3}, 1), 3);  // prompt tokens are not penalized
+  EXPECT_EQ(pick(p, kRow, {0, 3}, 1), 1);
+  p = greedy();
+  p.frequency_penalty = 0.6f;  // once: 2.4 > 2; twice: 1.8 < 2
+  EXPECT_EQ(pick(p, kRow, {0, 3}, 1), 3);
+  EXPECT_EQ(pick(p, kRow, {0, 3, 3}, 1), 1);
+  p.frequency_penalty = -1.0f;  // negative values encourage repeats
+  EXPECT_EQ(pick(p, kRow, {0, 5, 5, 5, 5, 5, 5}, 1), 5);
+}
+
+TEST(Sampler, SameSeedSameTokensAndTheRngIsPerSampler) {
+  SamplingParams p;
+  p.seed = 42;
+  Sampler a(p, -1, 42), b(p, -1, 42), c(p, -1, 43);
+  std::vector<int> ta, tb, tc;
+  for (int i = 0; i < 50; ++i) {
+    ta.push_back(a.sample(kRow, {}, 0)->token);
+    // Interleaving another sampler must not disturb b's sequence.
+    ASSERT_TRUE(c.sample(kRow, {}, 0).ok());
+    tb.push_back(b.sample(kRow, {}, 0)->token);
+  }
+  EXPECT_EQ(ta, tb);
+  Sampler d(p, -1, 43);
+  for (int i = 0; i < 50; ++i) tc.push_back(d.sample(kRow, {}, 0)->token);
+  EXPECT_NE(ta, tc);
+}
+
+TEST(Sampler, LogprobIsUnderTheUnmodifiedDistribution) {
+  SamplingParams p = greedy();
+  p.repetition_penalty = 10.0f;
+  p.top_logprobs = 3;
+  Sampler s(p, -1, 1);
+  auto r = s.sample(kRow, std::vector<int>{3}, 1);
+  ASSERT_TRUE(r.ok());
+  const float lse = log_sum_exp(kRow);
+  EXPECT_EQ(r->token, 1);
+  EXPECT_NEAR(r->logprob, 2.0f - lse, 1e-6);
+  ASSERT_EQ(r->top.size(), 3u);
+  EXPECT_EQ(r->top[0].token_id, 3);
+  EXPECT_NEAR(r->top[0].logprob, 3.0f - lse, 1e-6);
+  EXPECT_EQ(r->top[1].token_id, 1);
+  EXPECT_EQ(r->top[2].token_id, 6);
+  double total = 0;
+  for (float x : kRow) total += std::exp(x - lse);
+  EXPECT_NEAR(total, 1.0, 1e-5);
+}
+
+TEST(Sampler, NonFiniteLogitsAreAnError) {
+  Sampler s(greedy(), -1, 1);
+  auto r = s.sample(std::vector<float>{0.0f, NAN, 1.0f}, {}, 0);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  r = s.sample(std::vector<float>{0.0f, INFINITY}, {}, 0);
+  EXPECT_FALSE(r.ok());
+  // -inf marks an impossible token and is fine.
+  r = s.sample(std::vector<float>{-INFINITY, 1.0f}, {}, 0);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->token, 1);
+}
+
+TEST(Sampler, StopTokensAndEos) {
+  SamplingParams p;
+  p.stop_token_ids = {5, 6};
+  Sampler s(p, 2, 1);
+  EXPECT_TRUE(s.is_stop_token(2));
+  EXPECT_TRUE(s.is_stop_token(5));
+  EXPECT_FALSE(s.is_stop_token(3));
+  p.ignore_eos = true;
+  Sampler t(p, 2, 1);
+  EXPECT_FALSE(t.is_stop_token(2));
+  EXPECT_TRUE(t.is_stop_token(6));
+}
+
+TEST(StopMatcher, MatchesAcrossPiecesAndHoldsBackPossiblePrefixes) {
+  StopMatcher m({"END", "xyz"});
+  bool stopped = false;
+  EXPECT_EQ(m.push("hello E", &stopped), "hello ");  // "E" may start "END"
+  EXPECT_FALSE(stopped);
+  EXPECT_EQ(m.push("N", &stopped), "");
+  EXPECT_EQ(m.push("Dtail", &stopped), "");
+  EXPECT_TRUE(stopped);
+
+  StopMatcher n({"END"});
+  EXPECT_EQ(n.push("EN", &stopped), "");
+  EXPECT_EQ(n.push("x", &stopped), "ENx");  // resolved: not a stop string
+  EXPECT_EQ(n.push("ab EN", &stopped), "ab ");
+  EXPECT_EQ(n.flush(), "EN");
+}
+
+TEST(StopMatcher, CutsAtTheEarliestStopString) {
+  StopMatcher m({"bc", "a"});
+  bool stopped = false;
+  EXPECT_EQ(m.push("xbca", &stopped), "x");
+  EXPECT_TRUE(stopped);
+  StopMatcher none({});
+  EXPECT_EQ(none.push("anything", &stopped), "anything");
+  EXPECT_FALSE(stopped);
+}
+
+// ---- validate_sampling ----
+
+std::string error_of(const SamplingParams& p) {
+  const absl::Status st = validate_sampling(p, 100);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  return std::string(st.message());
+}
+
+TEST(ValidateSampling, DefaultsAreValid) { EXPECT_TRUE(validate_sampling({}, 100).ok()); }
+
+TEST(ValidateSampling, EveryBadFieldIsNamed) {
+  const std::vector<std::pair<std::string, std::function<void(SamplingParams&)>>> cases = {
+      {"sampling.temperature", [](SamplingParams& p) { p.temperature = -0.1f; }},
+      {"sampling.temperature", [](SamplingParams& p) { p.temperature = NAN; }},
+      {"sampling.temperature", [](SamplingParams& p) { p.temperature = INFINITY; }},
+      {"sampling.top_k", [](SamplingParams& p) { p.top_k = -1; }},
+      {"sampling.top_p must be in (0, 1]", [](SamplingParams& p) { p.top_p = 0; }},
+      {"sampling.top_p", [](SamplingParams& p) { p.top_p = 1.5f; }},
+      {"sampling.top_p", [](SamplingParams& p) { p.top_p = NAN; }},
+      {"sampling.min_p", [](SamplingParams& p) { p.min_p = -0.5f; }},
+      {"sampling.min_p", [](SamplingParams& p) { p.min_p = NAN; }},
+      {"sampling.repetition_penalty", [](SamplingParams& p) { p.repetition_penalty = 0; }},
+      {"sampling.repetition_penalty", [](SamplingParams& p) { p.repetition_penalty = INFINITY; }},
+      {"sampling.presence_penalty", [](SamplingParams& p) { p.presence_penalty = 2.5f; }},
+      {"sampling.presence_penalty", [](SamplingParams& p) { p.presence_penalty = NAN; }},
+      {"sampling.frequency_penalty", [](SamplingParams& p) { p.frequency_penalty = -3; }},
+      {"sampling.frequency_penalty", [](SamplingParams& p) { p.frequency_penalty = NAN; }},
+      {"sampling.max_new_tokens", [](SamplingParams& p) { p.max_new_tokens = 0; }},
+      {"sampling.top_logprobs", [](SamplingParams& p) { p.top_logprobs = 21; }},
+      {"sampling.top_logprobs", [](SamplingParams& p) { p.top_logprobs = -1; }},
+      {"sampling.stop has 17", [](SamplingParams& p) { p.stop.assign(17, "x"); }},
+      {"sampling.stop[1] is empty", [](SamplingParams& p) { p.stop = {"a", ""}; }},
+      {"sampling.stop[0] is not valid UTF-8", [](SamplingParams& p) { p.stop = {"\xff"}; }},
+      {"sampling.stop_token_ids[1] = 100", [](SamplingParams& p) { p.stop_token_ids = {1, 100}; }},
+      {"sampling.stop_token_ids[0] = -1", [](SamplingParams& p) { p.stop_token_ids = {-1}; }},
+  };
+  for (const auto& [want, edit] : cases) {
+    SamplingParams p;
+    edit(p);
+    EXPECT_NE(error_of(p).find(want), std::string::npos) << want << " vs " << error_of(p);
+  }
+}
+
+}  // namespace
+}  // namespace cemlm

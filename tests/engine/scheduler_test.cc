@@ -1,0 +1,219 @@
+// Scheduler policy without a model: chunked prefill under the token budget, decode rows first,
+// rank order (priority, then FCFS), the bounded queue, T-descending batches, and preemption of
+// the newest running sequence when blocks run out.
+#include "cemlm/engine/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+namespace cemlm {
+namespace {
+
+std::vector<int> prompt(int n) {
+  std::vector<int> t(static_cast<size_t>(n));
+  std::iota(t.begin(), t.end(), 1);
+  return t;
+}
+
+struct Harness {
+  explicit Harness(SchedulerOptions o, int64_t blocks = 64, int bs = 4, bool caching = false)
+      : bm(blocks, bs, caching), sched(o, &bm) {}
+  void add(SeqId id, int n, int T = 1, int priority = 0) {
+    ASSERT_TRUE(sched.add({id, prompt(n), T, priority}).ok());
+  }
+  // One step as the engine runs it: every sampling row gets token 7.
+  StepPlan step() {
+    sched.accept();
+    StepPlan plan = sched.schedule();
+    sched.complete(plan);
+    for (const auto& r : plan.rows)
+      if (r.sample) sched.append(r.id, 7);
+    return plan;
+  }
+  BlockManager bm;
+  Scheduler sched;
+};
+
+int row_tokens(const StepPlan& p, SeqId id) {
+  for (const auto& r : p.rows)
+    if (r.id == id) return r.n_tokens;
+  return 0;
+}
+
+TEST(Scheduler, ChunksPrefillUnderTheTokenBudget) {
+  Harness h({.max_batch_tokens = 4});
+  h.add(1, 10);
+  StepPlan p = h.step();
+  ASSERT_EQ(p.rows.size(), 1u);
+  EXPECT_EQ(p.rows[0].pos_begin, 0);
+  EXPECT_EQ(p.rows[0].n_tokens, 4);
+  EXPECT_FALSE(p.rows[0].sample);
+  EXPECT_FALSE(p.batch.seqs[0].want_logits);
+  p = h.step();
+  EXPECT_EQ(p.rows[0].pos_begin, 4);
+  EXPECT_EQ(p.rows[0].n_tokens, 4);
+  p = h.step();
+  EXPECT_EQ(p.rows[0].n_tokens, 2);
+  EXPECT_TRUE(p.rows[0].sample);
+  EXPECT_TRUE(p.batch.seqs[0].want_logits);
+  p = h.step();  // decode
+  EXPECT_EQ(p.rows[0].pos_begin, 10);
+  EXPECT_EQ(p.rows[0].n_tokens, 1);
+  EXPECT_EQ(h.sched.find(1)->tokens.size(), 12u);
+}
+
+TEST(Scheduler, DecodeRowsComeBeforePrefillChunks) {
+  Harness h({.max_batch_tokens = 3});
+  h.add(1, 2);
+  h.step();  // 1 prefilled, sampled
+  h.add(2, 10);
+  h.add(3, 10);
+  StepPlan p = h.step();
+  EXPECT_EQ(row_tokens(p, 1), 1);
+  EXPECT_EQ(row_tokens(p, 2), 2);
+  EXPECT_EQ(row_tokens(p, 3), 0);
+  p = h.step();  // 1 decodes, 2 continues before 3 is admitted
+  EXPECT_EQ(row_tokens(p, 1), 1);
+  EXPECT_EQ(row_tokens(p, 2), 2);
+  EXPECT_EQ(row_tokens(p, 3), 0);
+}
+
+TEST(Scheduler, AdmitsByPriorityThenArrival) {
+  Harness h({.max_batch_tokens = 2, .max_running = 1});
+  h.add(1, 2, 1, 0);
+  h.add(2, 2, 1, 5);
+  h.add(3, 2, 1, 5);
+  std::vector<SeqId> order;
+  for (int i = 0; i < 3; ++i) {
+    StepPlan p = h.step();
+    ASSERT_EQ(p.admitted.size(), 1u);
+    order.push_back(p.admitted[0].id);
+    h.sched.remove(p.admitted[0].id);
+  }
+  EXPECT_EQ(order, (std::vector<SeqId>{2, 3, 1}));
+}
+
+TEST(Scheduler, MaxRunningBoundsTheRunningSet) {
+  Harness h({.max_batch_tokens = 100, .max_running = 2});
+  for (SeqId id = 1; id <= 4; ++id) h.add(id, 3);
+  StepPlan p = h.step();
+  EXPECT_EQ(p.rows.size(), 2u);
+  EXPECT_EQ(h.sched.num_running(), 2);
+  EXPECT_EQ(h.sched.num_waiting(), 2);
+}
+
+TEST(Scheduler, FullQueueIsResourceExhaustedNamingTheLimit) {
+  Harness h({.max_waiting = 2});
+  h.add(1, 3);
+  h.add(2, 3);
+  const absl::Status st = h.sched.add({3, prompt(3), 1, 0});
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("max_waiting = 2"), std::string::npos) << st;
+  h.step();  // both admitted: room again
+  EXPECT_TRUE(h.sched.add({3, prompt(3), 1, 0}).ok());
+}
+
+TEST(Scheduler, BatchRowsAreOrderedByRecursionDescending) {
+  Harness h({.max_batch_tokens = 100});
+  h.add(1, 3, 1);
+  h.add(2, 3, 4);
+  h.add(3, 3, 2);
+  h.add(4, 3, 4);
+  const StepPlan p = h.step();
+  ASSERT_EQ(p.batch.seqs.size(), 4u);
+  std::vector<int> T;
+  for (const auto& s : p.batch.seqs) T.push_back(s.recursion);
+  EXPECT_EQ(T, (std::vector<int>{4, 4, 2, 1}));
+  EXPECT_EQ(p.rows[0].id, 2u);  // stable within one T
+  EXPECT_EQ(p.rows[1].id, 4u);
+}
+
+TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOut) {
+  // 4 blocks of 2: two sequences of 3 tokens take 2 blocks each; the next decode token of the
+  // older one needs a third block, so the newer one is preempted by recompute.
+  Harness h({.max_batch_tokens = 100}, 4, 2);
+  h.add(1, 3);
+  h.add(2, 3);
+  h.step();  // both prefilled (positions 0..2), each sampled a token
+  StepPlan p = h.step();  // both decode position 3: still inside block 2 of each
+  EXPECT_TRUE(p.preempted.empty());
+  p = h.step();  // position 4 needs a new block for each: 2 goes
+  ASSERT_EQ(p.preempted, std::vector<SeqId>{2});
+  EXPECT_EQ(row_tokens(p, 1), 1);
+  EXPECT_EQ(h.sched.preemptions_total(), 1);
+  const Sequence* s2 = h.sched.find(2);
+  EXPECT_FALSE(s2->running);
+  EXPECT_EQ(s2->n_computed, 0);
+  EXPECT_EQ(s2->tokens.size(), 5u);  // prompt + generated kept for the recompute
+  EXPECT_EQ(s2->generated(), 2);
+  EXPECT_EQ(h.bm.num_available(), 1);
+}
+
+TEST(Scheduler, PreemptedSequenceGoesAheadOfLaterArrivals) {
+  Harness h({.max_batch_tokens = 100}, 4, 2);
+  h.add(1, 3);
+  h.add(2, 3);
+  h.step();
+  h.step();
+  h.add(3, 1);
+  StepPlan p = h.step();  // 2 preempted; no admission in this step
+  ASSERT_EQ(p.preempted, std::vector<SeqId>{2});
+  EXPECT_TRUE(p.admitted.empty());
+  h.sched.remove(1);
+  p = h.step();
+  ASSERT_EQ(p.admitted.size(), 2u);
+  EXPECT_EQ(p.admitted[0].id, 2u);
+  EXPECT_EQ(row_tokens(p, 2), 5);  // recomputes prompt + generated, then samples
+  EXPECT_TRUE(p.rows[0].sample);
+}
+
+TEST(Scheduler, DecodeRowPreemptsItselfWhenNothingRanksBelowIt) {
+  // B (priority 0) decodes; A (priority 1, admitted later but ranked first) prefills in chunks
+  // and holds the rest of the cache. B's next block can only come from B itself.
+  Harness h({.max_batch_tokens = 3}, 4, 2);
+  const SeqId A = 1, B = 2;
+  h.add(B, 2, 1, 0);
+  h.step();            // B: positions 0-1, samples
+  h.add(A, 8, 1, 1);
+  h.step();            // B decodes position 2 (2nd block); A admitted with 2 tokens (1 block)
+  StepPlan p = h.step();  // B position 3; A positions 2-3 (its 2nd block): cache full
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_EQ(h.bm.num_available(), 0);
+  p = h.step();        // B needs a 3rd block: it yields it to A
+  EXPECT_EQ(p.preempted, std::vector<SeqId>{B});
+  EXPECT_EQ(row_tokens(p, B), 0);
+  EXPECT_EQ(row_tokens(p, A), 3);
+  EXPECT_TRUE(h.sched.find(A)->running);
+}
+
+TEST(Scheduler, MakeRoomPreemptsLowestRankFirst) {
+  Harness h({.max_batch_tokens = 100}, 6, 2);
+  h.add(1, 4, 1, 1);
+  h.add(2, 4, 1, 0);
+  h.add(3, 4, 1, 2);
+  h.step();  // 6 blocks used
+  EXPECT_EQ(h.bm.num_available(), 0);
+  EXPECT_TRUE(h.sched.make_room(2));
+  EXPECT_FALSE(h.sched.find(2)->running);
+  EXPECT_TRUE(h.sched.find(1)->running);
+  EXPECT_TRUE(h.sched.find(3)->running);
+  EXPECT_FALSE(h.sched.make_room(7));
+  EXPECT_EQ(h.sched.num_running(), 0);
+  EXPECT_EQ(h.sched.num_waiting(), 3);
+}
+
+TEST(Scheduler, RemoveFreesBlocksWhereverTheSequenceIs) {
+  Harness h({.max_batch_tokens = 4, .max_running = 1}, 16, 4, true);
+  h.add(1, 10);
+  h.add(2, 10);
+  h.step();
+  EXPECT_TRUE(h.sched.remove(2));  // waiting
+  EXPECT_TRUE(h.sched.remove(1));  // running, mid-prefill
+  EXPECT_FALSE(h.sched.remove(1));
+  EXPECT_EQ(h.bm.num_available(), 16);
+  EXPECT_FALSE(h.sched.has_work());
+}
+
+}  // namespace
+}  // namespace cemlm

@@ -1,0 +1,71 @@
+// gRPC client helpers shared by the server tests: a whole Generate stream collected, requests
+// built from ids, and the per-call API key and deadline.
+#pragma once
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cemlm/v1/inference.grpc.pb.h"
+
+namespace cemlm::testing_server {
+
+struct Stream {
+  std::vector<v1::GenerateResponse> messages;
+  grpc::Status status;
+  std::vector<int> ids() const {
+    std::vector<int> out;
+    for (const auto& m : messages)
+      out.insert(out.end(), m.token_ids().begin(), m.token_ids().end());
+    return out;
+  }
+  std::string text() const {
+    std::string out;
+    for (const auto& m : messages) out += m.text();
+    return out;
+  }
+};
+
+struct CallOptions {
+  std::string api_key;                       // sent as a Bearer token when not empty
+  std::chrono::milliseconds timeout{30000};  // the call's deadline
+};
+
+inline void prepare(grpc::ClientContext* context, const CallOptions& o) {
+  if (!o.api_key.empty()) context->AddMetadata("authorization", "Bearer " + o.api_key);
+  context->set_deadline(std::chrono::system_clock::now() + o.timeout);
+}
+
+// A request for `max_new` tokens after the given prompt ids (EOS ignored, so exactly max_new).
+inline v1::GenerateRequest ids_request(const std::vector<int>& ids, int max_new, int T = 0) {
+  v1::GenerateRequest req;
+  req.mutable_prompt_ids()->Add(ids.begin(), ids.end());
+  req.set_recursion_depth(T);
+  req.mutable_sampling()->set_max_new_tokens(max_new);
+  req.mutable_sampling()->set_ignore_eos(true);
+  return req;
+}
+
+inline Stream generate(const std::shared_ptr<grpc::Channel>& channel,
+                       const v1::GenerateRequest& req, const CallOptions& o = {}) {
+  grpc::ClientContext context;
+  prepare(&context, o);
+  auto reader = v1::Inference::NewStub(channel)->Generate(&context, req);
+  Stream s;
+  for (v1::GenerateResponse m; reader->Read(&m);) s.messages.push_back(m);
+  s.status = reader->Finish();
+  return s;
+}
+
+inline grpc::Status score(const std::shared_ptr<grpc::Channel>& channel,
+                          const v1::ScoreRequest& req, v1::ScoreResponse* resp,
+                          const CallOptions& o = {}) {
+  grpc::ClientContext context;
+  prepare(&context, o);
+  return v1::Inference::NewStub(channel)->Score(&context, req, resp);
+}
+
+}  // namespace cemlm::testing_server

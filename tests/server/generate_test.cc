@@ -1,0 +1,160 @@
+// Generate through a real `cemlm serve` process: streaming contents, 64 concurrent streams with
+// mixed T, cancellation and deadlines freeing the engine (seen in /metrics), and the bounded
+// queue answering RESOURCE_EXHAUSTED.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "client_util.h"
+#include "server_process.h"
+
+namespace cemlm::testing_server {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::vector<int> some_ids(int n, int salt = 0) {
+  std::vector<int> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(4 + (i * 37 + salt * 11) % 300);
+  return ids;
+}
+
+class ServerGenerate : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 2048});
+    server_ = ServerProcess::start(model_);
+    ASSERT_TRUE(server_);
+  }
+  std::string model_;
+  std::unique_ptr<ServerProcess> server_;
+};
+
+TEST_F(ServerGenerate, StreamsTokensLogprobsAndFinalUsage) {
+  v1::GenerateRequest req;
+  req.set_prompt_text("The cat sat on the mat.");
+  req.set_recursion_depth(3);
+  req.set_logprobs(true);
+  req.set_request_id("stream-1");
+  req.mutable_sampling()->set_max_new_tokens(12);
+  req.mutable_sampling()->set_ignore_eos(true);
+  req.mutable_sampling()->set_top_logprobs(3);
+  req.mutable_sampling()->set_seed(5);
+  const Stream s = generate(server_->channel(), req);
+  ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+  ASSERT_FALSE(s.messages.empty());
+  int logprobs = 0, tops = 0;
+  for (size_t i = 0; i < s.messages.size(); ++i) {
+    const auto& m = s.messages[i];
+    EXPECT_EQ(m.logprobs_size(), m.token_ids_size());
+    EXPECT_EQ(m.top_logprobs_size(), m.token_ids_size());
+    for (const auto& t : m.top_logprobs()) EXPECT_EQ(t.top_size(), 3);
+    for (float lp : m.logprobs()) EXPECT_LE(lp, 0.0f);
+    logprobs += m.logprobs_size();
+    tops += m.top_logprobs_size();
+    const bool last = i + 1 == s.messages.size();
+    EXPECT_EQ(m.finish_reason() != v1::FINISH_REASON_UNSPECIFIED, last);
+  }
+  EXPECT_EQ(s.ids().size(), 12u);
+  EXPECT_EQ(logprobs, 12);
+  EXPECT_EQ(tops, 12);
+  const v1::GenerateResponse& last = s.messages.back();
+  EXPECT_EQ(last.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(last.request_id(), "stream-1");
+  EXPECT_EQ(last.usage().generated_tokens(), 12);
+  EXPECT_GT(last.usage().prompt_tokens(), 0);
+  EXPECT_GT(last.usage().recursion_steps(), 0);
+  EXPECT_GT(last.timing().e2e_seconds(), 0);
+  EXPECT_GE(last.timing().e2e_seconds(), last.timing().first_token_seconds());
+
+  // The streamed text is the detokenized ids; the same seed gives the same tokens again.
+  grpc::ClientContext context;
+  v1::DetokenizeRequest dreq;
+  const std::vector<int> ids = s.ids();
+  dreq.mutable_ids()->Add(ids.begin(), ids.end());
+  v1::DetokenizeResponse dresp;
+  ASSERT_TRUE(v1::Inference::NewStub(server_->channel())->Detokenize(&context, dreq, &dresp).ok());
+  EXPECT_EQ(s.text(), dresp.text());
+  EXPECT_EQ(generate(server_->channel(), req).ids(), ids);
+}
+
+TEST_F(ServerGenerate, SixtyFourConcurrentStreamsWithMixedT) {
+  constexpr int kStreams = 64, kTokens = 6;
+  std::vector<Stream> results(kStreams);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kStreams; ++i)
+    clients.emplace_back([&, i] {
+      results[size_t(i)] =
+          generate(server_->channel(), ids_request(some_ids(5 + i % 7, i), kTokens, 1 + i % 4));
+    });
+  for (auto& t : clients) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    const Stream& s = results[size_t(i)];
+    ASSERT_TRUE(s.status.ok()) << i << ": " << s.status.error_message();
+    EXPECT_EQ(s.ids().size(), size_t(kTokens)) << i;
+    EXPECT_EQ(s.messages.back().usage().prompt_tokens(), 5 + i % 7);
+  }
+  // The metrics saw every request, with its own T.
+  const auto m = parse_metrics(server_->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:request_success_total", "finished_reason=\"length\""), kStreams);
+  EXPECT_EQ(metric(m, "cemlm:recursion_depth_count"), kStreams);
+  EXPECT_EQ(metric(m, "cemlm:recursion_depth_sum"), 16 * (1 + 2 + 3 + 4));
+  EXPECT_EQ(metric(m, "cemlm:generation_tokens_total"), kStreams * kTokens);
+}
+
+TEST_F(ServerGenerate, CancelMidStreamFreesTheBlocks) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto reader = v1::Inference::NewStub(server_->channel())
+                    ->Generate(&context, ids_request(some_ids(12), 2000, 8));
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));
+  context.TryCancel();
+  while (reader->Read(&m)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(wait_for_metrics(*server_, [](const auto& s) {
+    return metric(s, "cemlm:num_requests_running") == 0 &&
+           metric(s, "cemlm:kv_cache_usage_perc") == 0 &&
+           metric(s, "cemlm:request_errors_total", "code=\"CANCELLED\"") == 1;
+  })) << server_->metrics_text();
+}
+
+TEST_F(ServerGenerate, DeadlineEndsTheRequest) {
+  // 2000 tokens at T=8 take seconds; the deadline comes long before.
+  const Stream s = generate(server_->channel(), ids_request(some_ids(12), 2000, 8), {"", 200ms});
+  EXPECT_EQ(s.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(wait_for_metrics(*server_, [](const auto& m) {
+    return metric(m, "cemlm:num_requests_running") == 0 &&
+           metric(m, "cemlm:kv_cache_usage_perc") == 0 &&
+           metric(m, "cemlm:request_errors_total", "code=\"DEADLINE_EXCEEDED\"") == 1;
+  })) << server_->metrics_text();
+}
+
+TEST(ServerQueue, FullQueueAnswersResourceExhausted) {
+  const std::string model = make_tiny_model(fresh_temp_dir());
+  // One waiting slot, and prefills of 480 tokens in 16-token chunks keep it taken for a while.
+  auto server = ServerProcess::start(model, {"--max-waiting", "1", "--max-batch-tokens", "16"});
+  ASSERT_TRUE(server);
+  constexpr int kClients = 32;
+  std::vector<grpc::StatusCode> codes(kClients);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i)
+    clients.emplace_back([&, i] {
+      const Stream s = generate(server->channel(), ids_request(some_ids(480, i), 2));
+      codes[size_t(i)] = s.status.error_code();
+    });
+  for (auto& t : clients) t.join();
+  int exhausted = 0;
+  for (grpc::StatusCode c : codes) {
+    EXPECT_TRUE(c == grpc::StatusCode::OK || c == grpc::StatusCode::RESOURCE_EXHAUSTED) << c;
+    exhausted += c == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  }
+  EXPECT_GT(exhausted, 0);
+  EXPECT_LT(exhausted, kClients);
+  const auto m = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"RESOURCE_EXHAUSTED\""), exhausted);
+}
+
+}  // namespace
+}  // namespace cemlm::testing_server

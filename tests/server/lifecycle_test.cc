@@ -1,0 +1,250 @@
+// The server as a whole: SIGTERM drain (finish in flight, or cancel at --shutdown-timeout; exit
+// 0 either way), the metrics exposition and its counters, Score against `cemlm score`,
+// reflection, and the `cemlm client` / `cemlm bench-serve` / Python clients against it.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "client_util.h"
+#include "server_process.h"
+
+namespace cemlm::testing_server {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::vector<int> prompt(int n) {
+  std::vector<int> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(4 + (i * 53) % 300);
+  return ids;
+}
+
+bool wait_for_health(const ServerProcess& s, const std::string& want) {
+  for (auto end = std::chrono::steady_clock::now() + 10s; std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(5ms))
+    if (health(s.channel()) == want) return true;
+  return false;
+}
+
+// In both, a generation of 300 tokens at T=8 (a quarter of a second or more) is still running
+// while the test looks at the draining server.
+TEST(ServerDrain, SigtermFinishesWhatIsInFlightThenExitsZero) {
+  auto server =
+      ServerProcess::start(make_tiny_model(fresh_temp_dir()), {"--shutdown-timeout", "120"});
+  ASSERT_TRUE(server);
+  grpc::ClientContext context;
+  auto reader = v1::Inference::NewStub(server->channel())
+                    ->Generate(&context, ids_request(prompt(12), 300, 8));
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));
+  int tokens = m.token_ids_size();
+  server->signal(SIGTERM);
+  EXPECT_TRUE(wait_for_health(*server, "NOT_SERVING"));
+  const Stream late = generate(server->channel(), ids_request(prompt(4), 2));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  for (; reader->Read(&m);) tokens += m.token_ids_size();
+  const grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(tokens, 300);
+  EXPECT_EQ(m.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
+}
+
+TEST(ServerDrain, ShutdownTimeoutCancelsTheRestAndExitsZero) {
+  auto server =
+      ServerProcess::start(make_tiny_model(fresh_temp_dir()), {"--shutdown-timeout", "0.05"});
+  ASSERT_TRUE(server);
+  grpc::ClientContext context;
+  auto reader = v1::Inference::NewStub(server->channel())
+                    ->Generate(&context, ids_request(prompt(12), 300, 8));
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));
+  server->signal(SIGINT);
+  while (reader->Read(&m)) {
+  }
+  const grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
+}
+
+class ServerLifecycle : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = make_tiny_model(fresh_temp_dir());
+    server_ = ServerProcess::start(model_);
+    ASSERT_TRUE(server_);
+  }
+  std::string model_;
+  std::unique_ptr<ServerProcess> server_;
+};
+
+TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
+  const std::map<std::string, std::string> families = {
+      {"cemlm:num_requests_running", "gauge"},
+      {"cemlm:num_requests_waiting", "gauge"},
+      {"cemlm:kv_cache_usage_perc", "gauge"},
+      {"cemlm:num_preemptions_total", "counter"},
+      {"cemlm:prompt_tokens_total", "counter"},
+      {"cemlm:generation_tokens_total", "counter"},
+      {"cemlm:time_to_first_token_seconds", "histogram"},
+      {"cemlm:inter_token_latency_seconds", "histogram"},
+      {"cemlm:e2e_request_latency_seconds", "histogram"},
+      {"cemlm:request_queue_time_seconds", "histogram"},
+      {"cemlm:recursion_depth", "histogram"}};
+  const Stream s = generate(server_->channel(), ids_request(prompt(9), 7, 2));
+  ASSERT_TRUE(s.status.ok());
+  ASSERT_EQ(generate(server_->channel(), ids_request({}, 3)).status.error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  const std::string text = server_->metrics_text();
+  for (const auto& [name, type] : families)
+    EXPECT_NE(text.find("# TYPE " + name + " " + type + "\n"), std::string::npos) << name;
+  for (const char* name : {"cemlm:request_success_total", "cemlm:request_errors_total"})
+    EXPECT_NE(text.find(std::string("# TYPE ") + name + " counter\n"), std::string::npos);
+  const auto m = parse_metrics(text);
+  for (const auto& [series, value] : m) {
+    if (series.starts_with("cemlm:")) {
+      EXPECT_NE(series.find("model_name=\"model\""), std::string::npos) << series;
+    }
+  }
+  EXPECT_EQ(metric(m, "cemlm:prompt_tokens_total"), 9);
+  EXPECT_EQ(metric(m, "cemlm:generation_tokens_total"), 7);
+  EXPECT_EQ(metric(m, "cemlm:request_success_total", "finished_reason=\"length\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"INVALID_ARGUMENT\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:time_to_first_token_seconds_count"), 1);
+  EXPECT_EQ(metric(m, "cemlm:inter_token_latency_seconds_count"), 6);
+  EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_count"), 1);
+  EXPECT_EQ(metric(m, "cemlm:request_queue_time_seconds_count"), 1);
+  EXPECT_EQ(metric(m, "cemlm:recursion_depth_sum"), 2);
+  // The engine publishes its gauges after the step that finished the request.
+  EXPECT_TRUE(wait_for_metrics(*server_, [](const auto& now) {
+    return metric(now, "cemlm:num_requests_running") == 0 &&
+           metric(now, "cemlm:kv_cache_usage_perc") == 0;
+  }));
+  EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_bucket", "le=\"+Inf\""), 1);
+}
+
+void expect_same_scores(const v1::ScoreResponse& rpc, const std::string& cli_json) {
+  const auto cli = nlohmann::json::parse(cli_json);
+  ASSERT_EQ(cli["tokens"].size(), size_t(rpc.token_ids_size()));
+  for (int i = 0; i < rpc.token_ids_size(); ++i)
+    EXPECT_EQ(cli["tokens"][size_t(i)], rpc.token_ids(i));
+  ASSERT_EQ(cli["logprobs"].size(), size_t(rpc.logprobs_size()) + 1);
+  EXPECT_TRUE(cli["logprobs"][0].is_null());
+  for (int i = 0; i < rpc.logprobs_size(); ++i)
+    EXPECT_NEAR(rpc.logprobs(i), cli["logprobs"][size_t(i) + 1].get<double>(), 1e-4) << i;
+  EXPECT_NEAR(rpc.nll(), cli["nll"].get<double>(), 1e-5);
+  EXPECT_NEAR(rpc.perplexity(), cli["perplexity"].get<double>(), 1e-4 * rpc.perplexity());
+}
+
+TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
+  v1::ScoreRequest by_ids;
+  std::string ids;
+  for (int id : prompt(40)) {
+    by_ids.add_ids(id);
+    ids += (ids.empty() ? "" : ",") + std::to_string(id);
+  }
+  by_ids.set_recursion_depth(3);
+  v1::ScoreResponse rpc;
+  ASSERT_TRUE(score(server_->channel(), by_ids, &rpc).ok());
+  EXPECT_EQ(rpc.recursion_depth(), 3);
+  std::string out;
+  ASSERT_EQ(run_cemlm({"score", "--model", model_, "--ids", ids, "--recursion", "3"}, &out), 0);
+  expect_same_scores(rpc, out);
+
+  const std::string text = "Many a true word is spoken in jest.";
+  v1::ScoreRequest by_text;
+  by_text.set_text(text);
+  ASSERT_TRUE(score(server_->channel(), by_text, &rpc).ok());
+  ASSERT_EQ(run_cemlm({"score", "--model", model_, "--text", text}, &out), 0);
+  expect_same_scores(rpc, out);
+}
+
+// grpc.reflection.v1alpha list_services, spoken with a generic stub (no reflection client ships
+// with Debian's gRPC): the request is field 7 (list_services) = "*".
+TEST_F(ServerLifecycle, ReflectionListsTheService) {
+  grpc::GenericStub stub(server_->channel());
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 10s);
+  auto call = stub.PrepareCall(
+      &context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  auto step = [&](int tag) {
+    void* got = nullptr;
+    bool ok = false;
+    return cq.Next(&got, &ok) && got == reinterpret_cast<void*>(intptr_t(tag)) && ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(step(1));
+  const std::string request = "\x3a\x01*";
+  grpc::Slice slice(request);
+  grpc::ByteBuffer out(&slice, 1);
+  call->Write(out, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(step(2));
+  grpc::ByteBuffer in;
+  call->Read(&in, reinterpret_cast<void*>(3));
+  ASSERT_TRUE(step(3));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(in.Dump(&slices).ok());
+  std::string response;
+  for (const auto& s : slices) response.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_NE(response.find("cemlm.v1.Inference"), std::string::npos);
+  call->WritesDone(reinterpret_cast<void*>(4));
+  ASSERT_TRUE(step(4));
+  grpc::Status st;
+  call->Finish(&st, reinterpret_cast<void*>(5));
+  ASSERT_TRUE(step(5));
+  EXPECT_TRUE(st.ok()) << st.error_message();
+}
+
+TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
+  const std::string addr = server_->addr();
+  std::string out;
+  for (const char* sub : {"serve", "client", "bench-serve"}) {
+    EXPECT_EQ(run_cemlm({sub, "--help"}, &out), 0) << sub;
+    EXPECT_NE(out.find("usage"), std::string::npos) << sub << ": " << out;
+  }
+  ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5,6,7",
+                       "--max-new-tokens", "5", "--ignore-eos", "--logprobs", "--json"},
+                      &out),
+            0);
+  const auto gen = nlohmann::json::parse(out);
+  EXPECT_EQ(gen["ids"].size(), 5u);
+  EXPECT_EQ(gen["logprobs"].size(), 5u);
+  EXPECT_EQ(gen["finish_reason"], "length");
+  EXPECT_EQ(gen["usage"]["prompt_tokens"], 3);
+
+  ASSERT_EQ(run_cemlm({"client", "info", "--addr", addr}, &out), 0);
+  EXPECT_EQ(nlohmann::json::parse(out)["vocab_size"], 400);
+  ASSERT_EQ(run_cemlm({"client", "health", "--addr", addr}, &out), 0);
+  EXPECT_EQ(out, "SERVING\n");
+  ASSERT_EQ(run_cemlm({"client", "tokenize", "--addr", addr, "--text", "Hello"}, &out), 0);
+  std::string ids = out.substr(0, out.size() - 1);
+  ASSERT_EQ(run_cemlm({"client", "detokenize", "--addr", addr, "--ids", ids}, &out), 0);
+  EXPECT_EQ(out, "Hello\n");
+  EXPECT_EQ(run_cemlm({"client", "score", "--addr", addr, "--ids", "5"}, &out), 1);
+
+  ASSERT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "4", "--requests", "8",
+                       "--max-new-tokens", "4", "--prompt-len", "8", "--recursion", "2"},
+                      &out),
+            0);
+  for (const char* row : {"ttft", "inter-token", "e2e (client)", "e2e (engine)", "server overhead",
+                          "ok 8  errors 0", "output tokens/s"})
+    EXPECT_NE(out.find(row), std::string::npos) << row << " missing from\n" << out;
+}
+
+TEST_F(ServerLifecycle, PythonExampleClient) {
+  if (std::system("/usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null") != 0)
+    GTEST_SKIP() << "python3-grpcio / python3-protobuf are not installed";
+  const std::string cmd = "/usr/bin/python3 " + std::string(std::getenv("CEMLM_SOURCE_DIR")) +
+                          "/examples/python_client.py --addr " + server_->addr() +
+                          " --max-new-tokens 5 --recursion 2 > /dev/null";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+}
+
+}  // namespace
+}  // namespace cemlm::testing_server

@@ -1,0 +1,72 @@
+// Test harness of the server tests: a tiny random-init checkpoint written with `cemlm init`, a
+// real `cemlm serve` process on a free loopback port, its /metrics over plain HTTP, and a parser
+// of the Prometheus text format.
+#pragma once
+#include <grpcpp/channel.h>
+#include <grpcpp/security/credentials.h>
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cemlm::testing_server {
+
+// A fresh, empty directory for the running test.
+std::string fresh_temp_dir();
+
+// Runs `cemlm ARGS...`; returns the exit code, with stdout in *out when given.
+int run_cemlm(const std::vector<std::string>& args, std::string* out = nullptr);
+
+struct TinyModelOptions {
+  int max_seq_len = 512;
+  int d_model = 32, n_layers = 2, d_ff = 64;
+  bool tokenizer = true;  // trained on a Debian fortunes file (vocab 400)
+};
+// Writes config.json, trains the tokenizer and runs `cemlm init`; returns the checkpoint dir.
+// CEM attention (shared diag) + CEM MLP, recursion default 1, max 8; vocab 400.
+std::string make_tiny_model(const std::string& dir, const TinyModelOptions& opts = {});
+
+class ServerProcess {
+ public:
+  // Starts `cemlm serve --model DIR --host 127.0.0.1 --port 0 --metrics-port 0 EXTRA...` and
+  // waits until health reports SERVING. Fails the test (and returns null) when it does not.
+  // `creds` are those of channel() (plaintext by default).
+  static std::unique_ptr<ServerProcess> start(
+      const std::string& model_dir, const std::vector<std::string>& extra = {},
+      std::shared_ptr<grpc::ChannelCredentials> creds = nullptr);
+  ~ServerProcess();  // kills the server if it still runs
+
+  std::string addr() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  std::string metrics_text() const;  // GET /metrics; empty on failure
+  std::string log() const;           // what the server wrote on stderr so far
+
+  void signal(int sig) const;
+  // The exit code once the process ended, or -1 when it still runs after `timeout`.
+  int wait_exit(std::chrono::milliseconds timeout);
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0, metrics_port_ = 0;
+  std::string log_path_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+// grpc.health.v1 status name of the whole server ("SERVING", ...), or the call's error code name.
+std::string health(const std::shared_ptr<grpc::Channel>& channel);
+
+// Series of a text exposition: "name{labels}" -> value. Fails the test on a malformed line.
+std::map<std::string, double> parse_metrics(const std::string& text);
+// Sum of the values of every series called `name` whose labels contain `label_filter`.
+double metric(const std::map<std::string, double>& series, const std::string& name,
+              const std::string& label_filter = "");
+
+// Polls /metrics until `done(series)` holds (true) or 10 s pass (false).
+bool wait_for_metrics(const ServerProcess& server,
+                      const std::function<bool(const std::map<std::string, double>&)>& done);
+
+}  // namespace cemlm::testing_server

@@ -1,0 +1,255 @@
+// Every bad input gets INVALID_ARGUMENT with a message naming the field, counted in
+// cemlm:request_errors_total{code="INVALID_ARGUMENT"}; API keys on and off; TLS.
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <sstream>
+
+#include "client_util.h"
+#include "server_process.h"
+
+namespace cemlm::testing_server {
+namespace {
+
+using Mutate = std::function<void(v1::GenerateRequest*)>;
+
+struct BadGenerate {
+  const char* name;
+  Mutate mutate;
+  const char* expected;  // a substring of the error message
+};
+
+v1::GenerateRequest valid_request() {
+  v1::GenerateRequest req;
+  req.set_prompt_text("Hello there");
+  req.mutable_sampling()->set_max_new_tokens(4);
+  return req;
+}
+
+class ServerValidation : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = new std::string(make_tiny_model(fresh_temp_dir()));
+    server_ = ServerProcess::start(*model_).release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete model_;
+  }
+  void SetUp() override { ASSERT_TRUE(server_); }
+  static std::string* model_;
+  static ServerProcess* server_;
+};
+std::string* ServerValidation::model_ = nullptr;
+ServerProcess* ServerValidation::server_ = nullptr;
+
+TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<BadGenerate> cases = {
+      {"empty prompt", [](auto* r) { r->clear_prompt_text(); }, "prompt_text or prompt_ids"},
+      {"text and ids", [](auto* r) { r->add_prompt_ids(5); }, "prompt_text and prompt_ids"},
+      {"invalid UTF-8", [](auto* r) { r->set_prompt_text("ok \xC3\x28 no"); },
+       "prompt_text is not valid UTF-8"},
+      {"id out of range",
+       [](auto* r) {
+         r->clear_prompt_text();
+         r->add_prompt_ids(5);
+         r->add_prompt_ids(400);
+       },
+       "prompt_ids[1]"},
+      {"negative id",
+       [](auto* r) {
+         r->clear_prompt_text();
+         r->add_prompt_ids(-1);
+       },
+       "prompt_ids[0]"},
+      {"oversize prompt",
+       [](auto* r) {
+         r->clear_prompt_text();
+         for (int i = 0; i < 513; ++i) r->add_prompt_ids(7);
+       },
+       "prompt_ids has 513 tokens"},
+      {"T above max", [](auto* r) { r->set_recursion_depth(9); },
+       "recursion_depth = 9 exceeds the model's recursion.max = 8"},
+      {"negative T", [](auto* r) { r->set_recursion_depth(-1); }, "recursion_depth"},
+      {"NaN top_p", [&](auto* r) { r->mutable_sampling()->set_top_p(nan); }, "sampling.top_p"},
+      {"top_p above 1", [](auto* r) { r->mutable_sampling()->set_top_p(1.5f); }, "sampling.top_p"},
+      {"zero top_p", [](auto* r) { r->mutable_sampling()->set_top_p(0); }, "sampling.top_p"},
+      {"NaN temperature", [&](auto* r) { r->mutable_sampling()->set_temperature(nan); },
+       "sampling.temperature"},
+      {"negative temperature", [](auto* r) { r->mutable_sampling()->set_temperature(-1); },
+       "sampling.temperature"},
+      {"negative top_k", [](auto* r) { r->mutable_sampling()->set_top_k(-1); }, "sampling.top_k"},
+      {"min_p above 1", [](auto* r) { r->mutable_sampling()->set_min_p(2); }, "sampling.min_p"},
+      {"zero repetition penalty", [](auto* r) { r->mutable_sampling()->set_repetition_penalty(0); },
+       "sampling.repetition_penalty"},
+      {"max_new_tokens beyond the context",
+       [](auto* r) { r->mutable_sampling()->set_max_new_tokens(600); }, "sampling.max_new_tokens"},
+      {"negative max_new_tokens", [](auto* r) { r->mutable_sampling()->set_max_new_tokens(-3); },
+       "sampling.max_new_tokens"},
+      {"too many stop strings",
+       [](auto* r) {
+         for (int i = 0; i < 17; ++i) r->mutable_sampling()->add_stop("x" + std::to_string(i));
+       },
+       "sampling.stop"},
+      {"stop string not UTF-8", [](auto* r) { r->mutable_sampling()->add_stop("\xFF"); },
+       "sampling.stop[0]"},
+      {"stop id out of range", [](auto* r) { r->mutable_sampling()->add_stop_token_ids(999); },
+       "sampling.stop_token_ids[0]"},
+      {"too many top logprobs", [](auto* r) { r->mutable_sampling()->set_top_logprobs(21); },
+       "sampling.top_logprobs"},
+  };
+  for (const BadGenerate& c : cases) {
+    v1::GenerateRequest req = valid_request();
+    c.mutate(&req);
+    const Stream s = generate(server_->channel(), req);
+    EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_NE(s.status.error_message().find(c.expected), std::string::npos)
+        << c.name << ": '" << s.status.error_message() << "' does not name " << c.expected;
+    EXPECT_TRUE(s.messages.empty()) << c.name;
+  }
+  const auto m = parse_metrics(server_->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"INVALID_ARGUMENT\""),
+            double(cases.size()));
+  // The valid request itself goes through.
+  EXPECT_TRUE(generate(server_->channel(), valid_request()).status.ok());
+}
+
+TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
+  auto stub = v1::Inference::NewStub(server_->channel());
+  struct Case {
+    const char* name;
+    v1::ScoreRequest req;
+    const char* expected;
+  };
+  std::vector<Case> cases(4);
+  cases[0] = {"empty", {}, "text or ids"};
+  cases[1].name = "one token";
+  cases[1].req.add_ids(5);
+  cases[1].expected = "ids has 1 token";
+  cases[2].name = "bad UTF-8";
+  cases[2].req.set_text("\xE2\x82");
+  cases[2].expected = "text is not valid UTF-8";
+  cases[3].name = "T above max";
+  cases[3].req.set_text("Hello there");
+  cases[3].req.set_recursion_depth(12);
+  cases[3].expected = "recursion_depth = 12";
+  for (const Case& c : cases) {
+    v1::ScoreResponse resp;
+    const grpc::Status st = score(server_->channel(), c.req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_NE(st.error_message().find(c.expected), std::string::npos) << st.error_message();
+  }
+  {
+    grpc::ClientContext context;
+    v1::TokenizeRequest req;
+    req.set_text("\xC0\xAF");  // an overlong '/'
+    v1::TokenizeResponse resp;
+    const grpc::Status st = stub->Tokenize(&context, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("text is not valid UTF-8"), std::string::npos);
+  }
+  {
+    grpc::ClientContext context;
+    v1::DetokenizeRequest req;
+    req.add_ids(3);
+    req.add_ids(-4);
+    v1::DetokenizeResponse resp;
+    const grpc::Status st = stub->Detokenize(&context, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("ids[1] = -4"), std::string::npos) << st.error_message();
+  }
+}
+
+TEST_F(ServerValidation, TokenizeRoundTripsAndInfoDescribesTheModel) {
+  auto stub = v1::Inference::NewStub(server_->channel());
+  const std::string text = "Fortune favours the bold, café";
+  grpc::ClientContext c1, c2, c3;
+  v1::TokenizeRequest treq;
+  treq.set_text(text);
+  treq.set_add_bos(true);
+  v1::TokenizeResponse tresp;
+  ASSERT_TRUE(stub->Tokenize(&c1, treq, &tresp).ok());
+  ASSERT_GT(tresp.ids_size(), 1);
+  EXPECT_EQ(tresp.pieces_size(), tresp.ids_size());
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&c2, {}, &info).ok());
+  EXPECT_EQ(tresp.ids(0), info.bos_id());
+  v1::DetokenizeRequest dreq;
+  dreq.mutable_ids()->CopyFrom(tresp.ids());
+  v1::DetokenizeResponse dresp;
+  ASSERT_TRUE(stub->Detokenize(&c3, dreq, &dresp).ok());
+  EXPECT_EQ(dresp.text(), text);
+  EXPECT_EQ(info.model_name(), "model");
+  EXPECT_EQ(info.architecture(), "cemlm");
+  EXPECT_EQ(info.vocab_size(), 400);
+  EXPECT_EQ(info.max_context(), 512);
+  EXPECT_EQ(info.default_recursion_depth(), 1);
+  EXPECT_EQ(info.max_recursion_depth(), 8);
+  EXPECT_GT(info.parameters(), 0);
+  EXPECT_GT(info.kv_bytes_per_token(), 0);
+  EXPECT_EQ(info.device(), "cpu");
+  EXPECT_TRUE(info.has_tokenizer());
+  EXPECT_FALSE(info.variant().empty());
+}
+
+TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
+  const std::string dir = fresh_temp_dir();
+  const std::string model = make_tiny_model(dir), keys = dir + "/keys.txt";
+  std::ofstream(keys) << "# keys of the test\nalpha-key\n\n  beta-key  \n";
+  auto server = ServerProcess::start(model, {"--api-key-file", keys});
+  ASSERT_TRUE(server);
+  const v1::GenerateRequest req = valid_request();
+  for (const std::string bad : {"", "wrong", "alpha", "alpha-key2"}) {
+    const Stream s = generate(server->channel(), req, {bad});
+    EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "key '" << bad << "'";
+  }
+  v1::ScoreRequest sreq;
+  sreq.set_text("Hello there");
+  v1::ScoreResponse sresp;
+  EXPECT_EQ(score(server->channel(), sreq, &sresp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(generate(server->channel(), req, {"alpha-key"}).status.ok());
+  EXPECT_TRUE(generate(server->channel(), req, {"beta-key"}).status.ok());
+  EXPECT_TRUE(score(server->channel(), sreq, &sresp, {"beta-key"}).ok());
+  EXPECT_EQ(health(server->channel()), "SERVING");  // no key needed
+  const auto m = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 5);
+}
+
+TEST_F(ServerValidation, WithoutKeysAnyAuthorizationIsIgnored) {
+  EXPECT_TRUE(generate(server_->channel(), valid_request(), {"whatever"}).status.ok());
+  EXPECT_TRUE(generate(server_->channel(), valid_request()).status.ok());
+}
+
+TEST(ServerTls, ServesOverTls) {
+  const std::string dir = fresh_temp_dir();
+  const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
+  const std::string openssl =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
+      "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " +
+      key + " -out " + cert + " >/dev/null 2>&1";
+  if (std::system(openssl.c_str()) != 0) GTEST_SKIP() << "openssl is not available";
+  std::ifstream pem_in(cert);
+  std::stringstream pem;
+  pem << pem_in.rdbuf();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = pem.str();
+  auto server = ServerProcess::start(make_tiny_model(dir), {"--tls-cert", cert, "--tls-key", key},
+                                     grpc::SslCredentials(ssl));
+  ASSERT_TRUE(server);
+  EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
+  std::string out;
+  EXPECT_EQ(run_cemlm({"client", "health", "--addr", server->addr(), "--tls-ca", cert}, &out), 0);
+  EXPECT_EQ(out, "SERVING\n");
+  // A plaintext client gets nowhere.
+  auto plain = grpc::CreateChannel(server->addr(), grpc::InsecureChannelCredentials());
+  EXPECT_FALSE(generate(plain, valid_request(), {"", std::chrono::milliseconds(2000)}).status.ok());
+}
+
+}  // namespace
+}  // namespace cemlm::testing_server

@@ -1,0 +1,158 @@
+// The data pipeline: document encoding, the token cache (reused while the inputs and the
+// tokenizer are unchanged, rebuilt when either changes), the split, and window sampling.
+#include "cemlm/trainer/data.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <set>
+
+#include "trainer_test_util.h"
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_trainer::fresh_dir;
+using testing_trainer::write_file;
+
+class DataTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fresh_dir();
+    write_file(dir_ + "/text/a.txt", testing_trainer::corpus_text(200, 1));
+    write_file(dir_ + "/text/b.txt", testing_trainer::corpus_text(100, 2));
+    write_file(dir_ + "/text/a.dat", std::string("\0\1binary", 8));
+    std::string error;
+    ASSERT_TRUE(train_tokenizer({{dir_ + "/text"}, 300, dir_ + "/tok.model"}, &error)) << error;
+    tokenizer_ = Tokenizer::load(dir_ + "/tok.model", &error);
+    ASSERT_TRUE(tokenizer_) << error;
+  }
+  absl::StatusOr<TokenData> load(double val = 0.1) {
+    auto corpus = list_corpus({dir_ + "/text"});
+    if (!corpus.ok()) return corpus.status();
+    auto hash = hash_file(dir_ + "/tok.model");
+    if (!hash.ok()) return hash.status();
+    return load_token_data(*corpus, *tokenizer_, *hash, 1, 2, dir_ + "/cache/tokens.bin", val);
+  }
+  std::string dir_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+};
+
+TEST_F(DataTest, DocumentsAreSeparatedByPercentLines) {
+  const auto ids = encode_documents("one\n%\n\n%\ntwo\nlines\n%\n", *tokenizer_, 1, 2);
+  std::vector<int32_t> want = {1};
+  for (int id : tokenizer_->encode("one\n")) want.push_back(id);
+  want.push_back(2);
+  want.push_back(1);  // the blank document in between is dropped
+  for (int id : tokenizer_->encode("two\nlines\n")) want.push_back(id);
+  want.push_back(2);
+  EXPECT_EQ(ids, want);
+  // No separator: the whole text is one document; negative ids add no markers.
+  std::vector<int32_t> plain;
+  for (int id : tokenizer_->encode("no separators\n")) plain.push_back(id);
+  EXPECT_EQ(encode_documents("no separators\n", *tokenizer_, -1, -1), plain);
+}
+
+TEST_F(DataTest, CacheIsReusedUntilAnInputChanges) {
+  auto first = load();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->from_cache);
+  EXPECT_EQ(first->files, 2);  // a.dat skipped
+  auto second = load();
+  ASSERT_TRUE(second.ok());
+  EXPECT_TRUE(second->from_cache);
+  EXPECT_EQ(second->train, first->train);
+  EXPECT_EQ(second->val, first->val);
+
+  write_file(dir_ + "/text/b.txt", testing_trainer::corpus_text(120, 3));  // new size and text
+  auto third = load();
+  ASSERT_TRUE(third.ok());
+  EXPECT_FALSE(third->from_cache);
+  EXPECT_NE(third->train.size() + third->val.size(), first->train.size() + first->val.size());
+
+  write_file(dir_ + "/text/c.txt", "another file\n");  // a new file
+  auto fourth = load();
+  ASSERT_TRUE(fourth.ok());
+  EXPECT_FALSE(fourth->from_cache);
+  EXPECT_EQ(fourth->files, 3);
+}
+
+TEST_F(DataTest, CacheIsRebuiltForAnotherTokenizerOrATouchedFile) {
+  ASSERT_TRUE(load().ok());
+  auto corpus = list_corpus({dir_ + "/text"});
+  ASSERT_TRUE(corpus.ok());
+  auto other = load_token_data(*corpus, *tokenizer_, 12345, 1, 2, dir_ + "/cache/tokens.bin", 0.1);
+  ASSERT_TRUE(other.ok());
+  EXPECT_FALSE(other->from_cache);
+
+  const auto t = fs::last_write_time(dir_ + "/text/a.txt");
+  fs::last_write_time(dir_ + "/text/a.txt", t + std::chrono::seconds(5));
+  auto touched = list_corpus({dir_ + "/text"});
+  ASSERT_TRUE(touched.ok());
+  EXPECT_NE(touched->key, corpus->key);
+}
+
+TEST_F(DataTest, DamagedCacheIsRebuilt) {
+  ASSERT_TRUE(load().ok());
+  write_file(dir_ + "/cache/tokens.bin", "CEMLMTOK garbage");
+  auto again = load();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(again->from_cache);
+  EXPECT_TRUE(load()->from_cache);
+}
+
+TEST_F(DataTest, SplitTakesTheEndOfEveryFile) {
+  auto d = load(0.1);
+  ASSERT_TRUE(d.ok());
+  const size_t total = d->train.size() + d->val.size();
+  EXPECT_NEAR(double(d->val.size()) / double(total), 0.1, 0.01);
+  // Each file's tokens end with EOS (2): the last validation token is the last file's EOS.
+  EXPECT_EQ(d->val.back(), 2);
+  auto half = load(0.5);
+  ASSERT_TRUE(half.ok());
+  EXPECT_EQ(half->train.size() + half->val.size(), total);
+  EXPECT_TRUE(std::equal(half->train.begin(), half->train.begin() + 100, d->train.begin()));
+}
+
+TEST(Windows, SampledWindowsAreSlicesDrawnBySeed) {
+  std::vector<int32_t> tokens(100);
+  for (int i = 0; i < 100; ++i) tokens[i] = i;
+  Rng a(7), b(7);
+  std::vector<int> x(3 * 10), y(3 * 10);
+  sample_windows(tokens, 10, 3, a, x.data());
+  sample_windows(tokens, 10, 3, b, y.data());
+  EXPECT_EQ(x, y);
+  std::set<int> starts;
+  for (int r = 0; r < 3; ++r) {
+    for (int j = 1; j < 10; ++j) EXPECT_EQ(x[r * 10 + j], x[r * 10] + j);  // contiguous
+    EXPECT_LE(x[r * 10 + 9], 99);
+    starts.insert(x[r * 10]);
+  }
+  EXPECT_GT(starts.size(), 1u);
+  std::vector<int> whole(100);
+  sample_windows(tokens, 100, 1, a, whole.data());  // the only window
+  EXPECT_EQ(whole[0], 0);
+}
+
+TEST(Windows, EvalWindowsAreFixedAndSpreadOut) {
+  std::vector<int32_t> tokens(100);
+  for (int i = 0; i < 100; ++i) tokens[i] = i;
+  const auto w = eval_windows(tokens, 10, 4);
+  ASSERT_EQ(w.size(), 40u);
+  EXPECT_EQ(w[0], 0);
+  EXPECT_EQ(w[10], 25);
+  EXPECT_EQ(w[30], 75);
+  EXPECT_EQ(eval_windows(tokens, 10, 50).size(), 100u);  // at most 10 windows fit
+  EXPECT_TRUE(eval_windows(tokens, 101, 4).empty());
+}
+
+TEST(ListCorpus, MissingPathNamesTheFlag) {
+  auto c = list_corpus({"/nonexistent/cemlm-data"});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("--data"), std::string::npos) << c.status();
+}
+
+}  // namespace
+}  // namespace cemlm

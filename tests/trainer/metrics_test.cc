@@ -1,0 +1,63 @@
+// The metrics log's JSONL round trip (what --resume reads back) and the loss-curve SVG.
+#include "cemlm/trainer/metrics.h"
+
+#include <gtest/gtest.h>
+
+#include "cemlm/trainer/plot.h"
+
+namespace cemlm {
+namespace {
+
+MetricsLog sample_log() {
+  MetricsLog log;
+  for (int s = 1; s <= 4; ++s)
+    log.add(StepMetrics{s, 2, 5.0 - 0.1 * s, 1e-3, 0.5, 100 * s, 123.5, 0.25 * s, 0});
+  log.add(EvalMetrics{4, {{1, 4.75}, {2, 4.5}}});
+  return log;
+}
+
+TEST(MetricsLog, JsonlRoundTripsExactly) {
+  const MetricsLog log = sample_log();
+  const std::string text = log.jsonl();
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 5);
+  EXPECT_NE(text.find("\"val_ppl\""), std::string::npos);
+  auto back = MetricsLog::parse(text, "train.jsonl");
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_EQ(back->steps().size(), 4u);
+  EXPECT_EQ(back->steps()[2].loss, log.steps()[2].loss);  // doubles survive bit-exactly
+  EXPECT_EQ(back->steps()[3].tokens, 400);
+  ASSERT_EQ(back->evals().size(), 1u);
+  EXPECT_EQ(back->evals()[0].loss, log.evals()[0].loss);
+  EXPECT_EQ(back->jsonl(), text);
+}
+
+TEST(MetricsLog, DamagedLineIsNamed) {
+  auto bad = MetricsLog::parse(sample_log().jsonl() + "{\"step\": \"x\"}\n", "run/train.jsonl");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("run/train.jsonl:6"), std::string::npos) << bad.status();
+  EXPECT_FALSE(MetricsLog::parse("not json\n", "f").ok());
+}
+
+TEST(LossCurve, SvgHasEveryCurveAxesAndLabels) {
+  const std::string svg = sample_log().svg("my run");
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  EXPECT_NE(svg.find("my run"), std::string::npos);
+  EXPECT_NE(svg.find(">train<"), std::string::npos);
+  EXPECT_NE(svg.find("validation T=1"), std::string::npos);
+  EXPECT_NE(svg.find("validation T=2"), std::string::npos);
+  EXPECT_NE(svg.find(">step<"), std::string::npos);
+  EXPECT_NE(svg.find("loss (nats per token)"), std::string::npos);
+  EXPECT_EQ(std::count(svg.begin(), svg.end(), '\n') > 10, true);
+}
+
+TEST(LineChart, EscapesTextAndSurvivesEmptyAndFlatSeries) {
+  const std::string svg = line_chart_svg({{"a<b", {}, {}}, {"flat", {1, 2}, {3, 3}}}, "x & y", "s", "v");
+  EXPECT_NE(svg.find("a&lt;b"), std::string::npos);
+  EXPECT_NE(svg.find("x &amp; y"), std::string::npos);
+  EXPECT_EQ(svg.find("nan"), std::string::npos);
+  EXPECT_EQ(svg.find("inf"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace cemlm

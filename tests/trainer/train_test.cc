@@ -1,0 +1,291 @@
+// The training loop end to end on a tiny model: the loss falls, a stopped-and-resumed run
+// reproduces the uninterrupted one bit for bit, accumulation equals a bigger batch, checkpoints
+// are complete and atomic, and every bad flag is refused by name.
+#include "cemlm/trainer/train.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/corpus.h"
+#include "trainer_test_util.h"
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_trainer::fresh_dir;
+using testing_trainer::tiny_options;
+
+struct Recorded {
+  std::vector<StepMetrics> steps;
+  std::vector<EvalMetrics> evals;
+  TrainSummary summary;
+};
+
+// Trains with `o`, recording every step; stops (cleanly) after `stop_at` steps when > 0.
+Recorded record(const TrainOptions& o, int64_t stop_at = 0) {
+  Recorded r;
+  TrainCallbacks cb;
+  cb.on_step = [&](const StepMetrics& m) {
+    r.steps.push_back(m);
+    return stop_at == 0 || m.step < stop_at;
+  };
+  cb.on_eval = [&](const EvalMetrics& e) { r.evals.push_back(e); };
+  auto s = train(o, cb);
+  EXPECT_TRUE(s.ok()) << s.status();
+  if (s.ok()) r.summary = *s;
+  return r;
+}
+
+std::vector<float> weights_of(const std::string& dir) {
+  auto ck = load_checkpoint(dir);
+  EXPECT_TRUE(ck.ok()) << ck.status();
+  return ck.ok() ? ck->params.flat() : std::vector<float>{};
+}
+
+TEST(Train, LossFallsOnATinyCorpus) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.steps = 40;
+  o.eval_every = 40;
+  const Recorded r = record(o);
+  ASSERT_EQ(r.steps.size(), 40u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) first += r.steps[i].loss, last += r.steps[35 + i].loss;
+  EXPECT_LT(last, first - 5 * 0.5) << "mean loss of the first 5 steps " << first / 5
+                                   << ", of the last 5 " << last / 5;
+  ASSERT_EQ(r.evals.size(), 1u);
+  EXPECT_EQ(r.evals[0].loss.size(), 2u);  // T = 1 and 2
+  EXPECT_LT(r.evals[0].loss[0].second, std::log(300.0));
+  EXPECT_TRUE(r.summary.finished);
+}
+
+TEST(Train, StoppedAndResumedRunMatchesTheUninterruptedOneBitExactly) {
+  const std::string dir = fresh_dir();
+  TrainOptions straight = tiny_options(dir + "/a");
+  const Recorded full = record(straight);
+  ASSERT_EQ(full.steps.size(), 12u);
+
+  TrainOptions halves = tiny_options(dir + "/b");
+  const Recorded first = record(halves, 5);
+  ASSERT_EQ(first.steps.size(), 5u);
+  EXPECT_FALSE(first.summary.finished);
+  halves.resume = true;
+  const Recorded second = record(halves);
+  ASSERT_EQ(second.steps.size(), 7u);
+  EXPECT_TRUE(second.summary.finished);
+
+  std::vector<double> a, b;
+  for (const auto& m : full.steps) a.push_back(m.loss);
+  for (const auto* r : {&first, &second})
+    for (const auto& m : r->steps) b.push_back(m.loss);
+  EXPECT_EQ(a, b);  // exactly, not approximately
+  for (size_t i = 0; i < full.steps.size(); ++i) {
+    const StepMetrics& x = full.steps[i];
+    const StepMetrics& y = i < 5 ? first.steps[i] : second.steps[i - 5];
+    EXPECT_EQ(x.T, y.T) << "step " << i + 1;
+    EXPECT_EQ(x.grad_norm, y.grad_norm) << "step " << i + 1;
+    EXPECT_EQ(x.tokens, y.tokens);
+  }
+  EXPECT_EQ(weights_of(straight.out_dir), weights_of(halves.out_dir));
+  EXPECT_EQ(full.evals.back().loss, second.evals.back().loss);
+  // The resumed run's log continues the first half's: every step once.
+  std::string log, error;
+  ASSERT_TRUE(read_file(halves.out_dir + "/" + kMetricsFile, &log, &error)) << error;
+  auto parsed = MetricsLog::parse(log, "train.jsonl");
+  ASSERT_TRUE(parsed.ok());
+  ASSERT_EQ(parsed->steps().size(), 12u);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(parsed->steps()[i].loss, a[i]);
+}
+
+TEST(Train, AccumulatingTwoBatchesOfOneEqualsOneBatchOfTwo) {
+  const std::string dir = fresh_dir();
+  TrainOptions big = tiny_options(dir + "/big");
+  big.steps = 4;
+  big.batch_size = 2;
+  TrainOptions acc = tiny_options(dir + "/acc");
+  acc.steps = 4;
+  acc.batch_size = 1;
+  acc.accum = 2;
+  const Recorded x = record(big), y = record(acc);
+  ASSERT_EQ(x.steps.size(), 4u);
+  ASSERT_EQ(y.steps.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_NEAR(x.steps[i].loss, y.steps[i].loss, 1e-5) << "step " << i + 1;
+    EXPECT_NEAR(x.steps[i].grad_norm, y.steps[i].grad_norm, 1e-4 * x.steps[i].grad_norm);
+    EXPECT_EQ(x.steps[i].tokens, y.steps[i].tokens);
+  }
+  const auto wx = weights_of(big.out_dir), wy = weights_of(acc.out_dir);
+  ASSERT_EQ(wx.size(), wy.size());
+  for (size_t i = 0; i < wx.size(); ++i) ASSERT_NEAR(wx[i], wy[i], 1e-5) << "weight " << i;
+}
+
+TEST(Train, CheckpointHoldsModelOptimizerStateAndMetricsWithNoLeftovers) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.save_every = 5;
+  std::vector<int64_t> saves;
+  TrainCallbacks cb;
+  cb.on_save = [&](int64_t step, const std::string&) { saves.push_back(step); };
+  ASSERT_TRUE(train(o, cb).ok());
+  EXPECT_EQ(saves, (std::vector<int64_t>{5, 10, 12}));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(o.out_dir)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"config.json", "loss.svg", "model.safetensors",
+                                             "optimizer.safetensors", "tokenizer.model",
+                                             "train.jsonl", "trainer_state.json"}));
+  std::vector<std::string> siblings;
+  for (const auto& e : fs::directory_iterator(dir)) siblings.push_back(e.path().filename());
+  std::sort(siblings.begin(), siblings.end());
+  EXPECT_EQ(siblings, (std::vector<std::string>{"config.json", "run", "run.cache", "text"}));
+  auto ck = load_checkpoint(o.out_dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  EXPECT_FALSE(ck->tokenizer_path.empty());
+  auto saved = load_run_options(o.out_dir);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(options_to_json(*saved), options_to_json(o));
+}
+
+TEST(Train, LeftoverOfAnInterruptedSaveIsRemovedAndTheCheckpointStillLoads) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 3;
+  ASSERT_TRUE(train(o).ok());
+  // What a process killed inside save_checkpoint leaves: a half-written temporary directory.
+  testing_trainer::write_file(o.out_dir + ".tmp-99999-0/model.safetensors", "half");
+  EXPECT_TRUE(load_checkpoint(o.out_dir).ok());
+  o.resume = true;
+  o.steps = 5;
+  ASSERT_TRUE(train(o).ok());
+  EXPECT_FALSE(fs::exists(o.out_dir + ".tmp-99999-0"));
+  EXPECT_TRUE(load_checkpoint(o.out_dir).ok());
+}
+
+TEST(Train, FreshRunRefusesToOverwriteACheckpoint) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.steps = 2;
+  ASSERT_TRUE(train(o).ok());
+  auto again = train(o);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find("--out"), std::string::npos) << again.status();
+  EXPECT_NE(again.status().message().find("--resume"), std::string::npos);
+}
+
+// cmd_train with argv; returns its exit code and what it wrote to stderr.
+std::pair<int, std::string> cli(std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  ::testing::internal::CaptureStderr();
+  const int rc = cli::cmd_train(int(argv.size()), argv.data());
+  return {rc, ::testing::internal::GetCapturedStderr()};
+}
+
+TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  const std::vector<std::string> base = {
+      "--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--batch-size", "4",
+      "--seq-len", "24", "--eval-windows", "4", "--eval-recursion", "1", "--threads", "1",
+      "--lr", "0.005"};
+  auto args = base;
+  for (std::string a : {"--steps", "3"}) args.push_back(a);
+  ASSERT_EQ(cli(args).first, 0);
+  ASSERT_EQ(cli({"--out", o.out_dir, "--resume", "--steps", "5"}).first, 0);
+  auto saved = load_run_options(o.out_dir);
+  ASSERT_TRUE(saved.ok());
+  EXPECT_EQ(saved->steps, 5);
+  EXPECT_EQ(saved->lr, 0.005);
+  EXPECT_EQ(saved->seq_len, 24);
+  auto log = MetricsLog::parse([&] {
+    std::string s, e;
+    read_file(o.out_dir + "/" + kMetricsFile, &s, &e);
+    return s;
+  }(), "train.jsonl");
+  ASSERT_TRUE(log.ok());
+  EXPECT_EQ(log->steps().back().step, 5);
+}
+
+TEST(TrainCli, HelpListsEveryFlagWithItsDefault) {
+  ::testing::internal::CaptureStdout();
+  std::vector<std::string> args = {"--help"};
+  std::vector<char*> argv = {args[0].data()};
+  EXPECT_EQ(cli::cmd_train(1, argv.data()), 0);
+  const std::string help = ::testing::internal::GetCapturedStdout();
+  for (const char* flag :
+       {"--out", "--resume", "--config", "--init", "--tokenizer", "--vocab-size", "--data",
+        "--cache", "--val-fraction", "--steps", "--batch-size", "--seq-len", "--accum", "--lr",
+        "--min-lr", "--warmup", "--weight-decay", "--beta1", "--beta2", "--adam-eps", "--clip",
+        "--train-recursion", "--eval-recursion", "--eval-every", "--eval-windows",
+        "--save-every", "--threads", "--seed", "--max-minutes", "--log-every"})
+    EXPECT_TRUE(help.find(std::string(flag) + " ") != std::string::npos ||
+                help.find(std::string(flag) + "\n") != std::string::npos)
+        << flag;
+  const std::string recursion = recursion_range_text(TrainOptions{}.train_recursion);
+  EXPECT_NE(help.find("(default: \"" + recursion + "\")"), std::string::npos) << help;
+  EXPECT_NE(help.find(kDefaultData), std::string::npos);
+}
+
+TEST(TrainCli, BadFlagsAreRefusedByName) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  testing_trainer::write_file(dir + "/empty/blank.txt", "\n\n");
+  testing_trainer::write_file(dir + "/only_dat/x.dat", "x");
+  const std::vector<std::string> base = {"--config", o.config_path, "--out", dir + "/bad",
+                                         "--steps", "2", "--threads", "1", "--seq-len", "24"};
+  struct Case {
+    std::vector<std::string> args;
+    std::string flag;
+  };
+  const std::vector<Case> cases = {
+      {{"--lr", "-1"}, "--lr"},
+      {{"--lr", "0"}, "--lr"},
+      {{"--min-lr", "1"}, "--min-lr"},
+      {{"--train-recursion", "0-3"}, "--train-recursion"},
+      {{"--train-recursion", "4-1"}, "--train-recursion"},
+      {{"--train-recursion", "1-5"}, "--train-recursion"},  // the tiny model's recursion.max is 4
+      {{"--train-recursion", "x"}, "--train-recursion"},
+      {{"--eval-recursion", "1,0"}, "--eval-recursion"},
+      {{"--eval-recursion", "5,6"}, "--eval-recursion"},
+      {{"--steps", "0"}, "--steps"},
+      {{"--batch-size", "0"}, "--batch-size"},
+      {{"--seq-len", "1"}, "--seq-len"},
+      {{"--seq-len", "65"}, "--seq-len"},  // above max_seq_len
+      {{"--accum", "0"}, "--accum"},
+      {{"--warmup", "-1"}, "--warmup"},
+      {{"--weight-decay", "-0.1"}, "--weight-decay"},
+      {{"--clip", "-1"}, "--clip"},
+      {{"--beta2", "1"}, "--beta2"},
+      {{"--val-fraction", "0"}, "--val-fraction"},
+      {{"--eval-every", "0"}, "--eval-every"},
+      {{"--save-every", "0"}, "--save-every"},
+      {{"--max-minutes", "-1"}, "--max-minutes"},
+      {{"--threads", "-2"}, "--threads"},
+      {{"--log-every", "0"}, "--log-every"},
+      {{"--init", dir + "/nothing"}, "--config"},  // both given
+      {{"--steps", "many"}, "--steps"},
+      {{"--data", dir + "/missing"}, "--data"},
+      {{"--data", dir + "/empty"}, "--data"},
+      {{"--data", dir + "/only_dat"}, "--data"},
+      {{"--seq-len", "64", "--val-fraction", "0.001"}, "--seq-len"},  // no validation window
+  };
+  for (const Case& c : cases) {
+    auto args = base;
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    if (c.flag != "--data") args.insert(args.end(), {"--data", o.data[0]});
+    const auto [rc, err] = cli(args);
+    EXPECT_NE(rc, 0) << c.args[0] << " " << c.args[1];
+    EXPECT_NE(err.find(c.flag), std::string::npos)
+        << c.args[0] << " " << c.args[1] << ": " << err;
+    EXPECT_FALSE(fs::exists(dir + "/bad/config.json")) << c.args[0] << " " << c.args[1];
+  }
+  const auto [rc, err] = cli({"--out", dir + "/never-trained", "--resume"});
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("--resume"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace cemlm

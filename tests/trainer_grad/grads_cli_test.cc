@@ -1,0 +1,142 @@
+// `cemlm grads` end to end: the written file holds every parameter's gradient under its name and
+// `loss` [1], equal to forward_backward's; bad flags and inputs are refused with errors naming
+// them.
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "cemlm/cli/commands.h"
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/safetensors.h"
+#include "cemlm/trainer/backprop.h"
+#include "gtest/gtest.h"
+#include "tiny_models.h"
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+
+class GradsCli : public testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::path(testing::TempDir()) /
+           ("cemlm_grads_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    cfg_ = testing_models::make_config(testing_models::all_variants()[5]);
+    cfg_.recursion_default = 2;
+    cfg_.recursion_max = 4;
+    params_ = ParamStore(cfg_);
+    testing_models::randomize(params_, 3);
+    ASSERT_TRUE(save_checkpoint(model_dir(), cfg_, params_).ok());
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string model_dir() const { return (dir_ / "model").string(); }
+  std::string out_file() const { return (dir_ / "grads.safetensors").string(); }
+
+  // Runs `cemlm grads ARGS`; returns the exit code, stderr in *err.
+  int run(std::vector<std::string> args, std::string* err = nullptr) {
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    testing::internal::CaptureStderr();
+    testing::internal::CaptureStdout();
+    const int rc = cli::cmd_grads(int(argv.size()), argv.data());
+    const std::string e = testing::internal::GetCapturedStderr();
+    testing::internal::GetCapturedStdout();
+    if (err) *err = e;
+    return rc;
+  }
+
+  fs::path dir_;
+  ModelConfig cfg_;
+  ParamStore params_;
+};
+
+TEST_F(GradsCli, WritesEveryGradientAndTheLoss) {
+  ASSERT_EQ(run({"--model", model_dir(), "--ids", "3,17,42,5,9,60", "--recursion", "3", "--out",
+                 out_file()}),
+            0);
+  ParamStore expected(cfg_);
+  const std::vector<int> ids{3, 17, 42, 5, 9, 60};
+  const double loss =
+      forward_backward(cfg_, bind_weights(cfg_, params_), bind_weights(cfg_, expected), ids.data(),
+                       1, int(ids.size()), 3);
+  auto f = SafetensorsFile::open(out_file());
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->tensors().size(), expected.specs().size() + 1);
+  for (const ParamSpec& s : expected.specs()) {
+    const TensorInfo* t = f->find(s.name);
+    ASSERT_NE(t, nullptr) << s.name;
+    EXPECT_EQ(t->shape, s.shape) << s.name;
+    const std::vector<float> got = *f->read_f32(s.name);
+    const std::vector<float> want(expected.flat().begin() + s.offset,
+                                  expected.flat().begin() + s.offset + s.numel());
+    EXPECT_EQ(got, want) << s.name;
+  }
+  ASSERT_NE(f->find("loss"), nullptr);
+  EXPECT_EQ(f->find("loss")->shape, std::vector<int64_t>{1});
+  EXPECT_FLOAT_EQ((*f->read_f32("loss"))[0], float(loss));
+}
+
+TEST_F(GradsCli, DefaultRecursionIsTheModels) {
+  ASSERT_EQ(run({"--model", model_dir(), "--ids", "3,17,42", "--out", out_file()}), 0);
+  ParamStore expected(cfg_);
+  const std::vector<int> ids{3, 17, 42};
+  const double loss =
+      forward_backward(cfg_, bind_weights(cfg_, params_), bind_weights(cfg_, expected), ids.data(),
+                       1, 3, cfg_.recursion_default);
+  auto f = SafetensorsFile::open(out_file());
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_FLOAT_EQ((*f->read_f32("loss"))[0], float(loss));
+}
+
+TEST_F(GradsCli, HelpSucceeds) { EXPECT_EQ(run({"--help"}), 0); }
+
+struct BadCase {
+  std::vector<std::string> args;  // besides --model/--out, which are filled in unless absent
+  std::string names;              // the error must contain this
+};
+
+TEST_F(GradsCli, BadInputsAreRefusedByName) {
+  const std::vector<BadCase> cases = {
+      {{"--ids", "3,x,5"}, "--ids"},
+      {{"--ids", "3"}, "--ids"},
+      {{"--ids", "3,61"}, "--ids"},
+      {{"--ids", "3,-1"}, "--ids"},
+      {{"--ids", "3,4", "--recursion", "5"}, "--recursion"},
+      {{"--ids", "3,4", "--recursion", "-1"}, "--recursion"},
+  };
+  for (const BadCase& bc : cases) {
+    std::vector<std::string> args{"--model", model_dir(), "--out", out_file()};
+    args.insert(args.end(), bc.args.begin(), bc.args.end());
+    std::string err;
+    EXPECT_NE(run(args, &err), 0) << bc.args[1];
+    EXPECT_NE(err.find(bc.names), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(out_file()));
+  }
+}
+
+TEST_F(GradsCli, MissingFlagsAndModelAreNamed) {
+  std::string err;
+  EXPECT_NE(run({"--model", model_dir(), "--ids", "3,4"}, &err), 0);
+  EXPECT_NE(err.find("out"), std::string::npos) << err;
+  EXPECT_NE(run({"--ids", "3,4", "--out", out_file()}, &err), 0);
+  EXPECT_NE(err.find("model"), std::string::npos) << err;
+  const std::string missing = (dir_ / "no_such_model").string();
+  EXPECT_NE(run({"--model", missing, "--ids", "3,4", "--out", out_file()}, &err), 0);
+  EXPECT_NE(err.find("no_such_model"), std::string::npos) << err;
+}
+
+TEST_F(GradsCli, UnwritableOutputIsNamed) {
+  std::string err;
+  const std::string bad = (dir_ / "no_dir" / "g.safetensors").string();
+  EXPECT_NE(run({"--model", model_dir(), "--ids", "3,4", "--out", bad}, &err), 0);
+  EXPECT_NE(err.find("--out"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace cemlm

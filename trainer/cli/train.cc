@@ -1,0 +1,205 @@
+// `cemlm train`: flags → TrainOptions (with --resume, the run's saved options, overridden only
+// by the flags given again), then the training loop with a live progress line on a terminal,
+// plain lines otherwise, and a clean stop-and-save on Ctrl-C.
+#include <unistd.h>
+
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "cemlm/cli/commands.h"
+#include "cemlm/cli/flags.h"
+#include "cemlm/trainer/train.h"
+
+namespace cemlm::cli {
+namespace {
+
+volatile std::sig_atomic_t g_interrupted = 0;
+
+void on_sigint(int) {
+  g_interrupted = 1;
+  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends at once (checkpoints stay whole)
+}
+
+// Flag values that are not TrainOptions fields as they stand.
+struct FlagText {
+  std::vector<std::string> data;  // empty: keep TrainOptions::data
+  std::string train_recursion, eval_recursion;
+  int64_t seed = 0;
+  int log_every = 10;
+};
+
+std::string duration(double s) {
+  const int64_t t = int64_t(s + 0.5);
+  if (t >= 3600) return absl::StrCat(t / 3600, "h", (t / 60) % 60, "m");
+  return t >= 60 ? absl::StrCat(t / 60, "m", t % 60, "s") : absl::StrCat(t, "s");
+}
+
+// Declares every flag with `o`'s current values as defaults, then parses argv into o and t.
+int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
+  t.train_recursion = recursion_range_text(o.train_recursion);
+  t.eval_recursion = absl::StrJoin(o.eval_recursion, ",");
+  t.seed = int64_t(o.seed);
+  Flags f("cemlm train [--out DIR] [--config FILE | --init DIR] [--data PATH...] [options]",
+          "Train a CEM/Leviathan language model on UTF-8 text and write a checkpoint directory\n"
+          "(config.json, model.safetensors, tokenizer.model, optimizer and trainer state,\n"
+          "train.jsonl, loss.svg) every --save-every steps and at the end, atomically.\n"
+          "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).");
+  f.add("out", &o.out_dir, "checkpoint directory to write");
+  f.add_bool("resume", &o.resume,
+             "continue the run saved in --out (same options unless given again; bit-exact)");
+  f.add("config", &o.config_path, "model config.json (default: the built-in small CEM model)");
+  f.add("init", &o.init_dir, "start from this checkpoint's config, weights and tokenizer");
+  f.add("tokenizer", &o.tokenizer_path,
+        "SentencePiece model to use when the model has none (default: train one on --data)");
+  f.add("vocab-size", &o.vocab_size,
+        "vocabulary of a new model and of the tokenizer trained for it (0: the config's)");
+  f.add_list("data", &t.data,
+             std::string("UTF-8 text files or directories (walked recursively; .dat/.u8 skipped; "
+                         "a line '%' separates documents) (default: ") + kDefaultData + ")");
+  f.add("cache", &o.cache_dir, "token and tokenizer cache directory (default: <out>.cache)");
+  f.add("val-fraction", &o.val_fraction, "share of each file's tokens (its end) held out for validation");
+  f.add("steps", &o.steps, "optimizer updates in the whole run");
+  f.add("batch-size", &o.batch_size, "sequences per micro-batch");
+  f.add("seq-len", &o.seq_len, "tokens per sequence (at most the model's max_seq_len)");
+  f.add("accum", &o.accum, "micro-batches accumulated per update (update = batch-size × accum rows)");
+  f.add("lr", &o.lr, "peak learning rate, reached after --warmup steps");
+  f.add("min-lr", &o.min_lr, "learning rate at the end of the cosine decay");
+  f.add("warmup", &o.warmup, "linear warmup steps");
+  f.add("weight-decay", &o.adamw.weight_decay, "AdamW decoupled weight decay (matrices only)");
+  f.add("beta1", &o.adamw.beta1, "AdamW first-moment decay");
+  f.add("beta2", &o.adamw.beta2, "AdamW second-moment decay");
+  f.add("adam-eps", &o.adamw.eps, "AdamW epsilon");
+  f.add("clip", &o.clip, "clip the global gradient norm to this (0: no clipping)");
+  f.add("train-recursion", &t.train_recursion,
+        "recursion depth T in training: fixed (2) or drawn per step from a range (1-4)");
+  f.add("eval-recursion", &t.eval_recursion,
+        "depths T at which validation loss is measured (those above recursion.max are skipped)");
+  f.add("eval-every", &o.eval_every, "evaluate every N steps (and at the end)");
+  f.add("eval-windows", &o.eval_windows, "validation sequences per evaluation (at most)");
+  f.add("save-every", &o.save_every, "checkpoint every N steps (and at the end)");
+  f.add("threads", &o.threads, "CPU threads (0: all cores)");
+  f.add("seed", &t.seed, "seed of the initial weights, the data order and the drawn T");
+  f.add("max-minutes", &o.max_minutes,
+        "stop cleanly (evaluate, save) before this wall-clock budget is spent (0: none)");
+  f.add("log-every", &t.log_every, "print a progress line every N steps when not on a terminal");
+  if (int rc = f.parse(argc, argv); rc >= 0) return rc;
+  if (!t.data.empty()) o.data = t.data;
+  o.seed = uint64_t(t.seed);
+  return -1;
+}
+
+// TrainOptions from argv; with --resume, the saved run's options overridden by the flags given.
+int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
+  if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
+  if (o.resume) {
+    auto saved = load_run_options(o.out_dir);
+    if (!saved.ok()) {
+      std::fprintf(stderr, "error: %s\n", std::string(saved.status().message()).c_str());
+      return 1;
+    }
+    o = *saved;
+    t = FlagText{};
+    if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
+  }
+  auto range = parse_recursion_range(t.train_recursion);
+  if (!range.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(range.status().message()).c_str());
+    return 2;
+  }
+  o.train_recursion = *range;
+  auto eval = parse_recursion_list(t.eval_recursion);
+  if (!eval.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(eval.status().message()).c_str());
+    return 2;
+  }
+  o.eval_recursion = *eval;
+  if (t.log_every < 1) {
+    std::fprintf(stderr, "error: --log-every must be at least 1 (got %d)\n", t.log_every);
+    return 2;
+  }
+  return -1;
+}
+
+// Progress on stdout: one redrawn line on a terminal, a line every `log_every` steps otherwise.
+class Progress {
+ public:
+  Progress(int64_t steps, int log_every)
+      : steps_(steps), log_every_(log_every), tty_(::isatty(::fileno(stdout))) {}
+
+  void line(const std::string& text) {
+    std::printf("%s%s\n", drawn_ ? "\r\033[K" : "", text.c_str());
+    drawn_ = false;
+    std::fflush(stdout);
+  }
+  // Ends a redrawn line, so that what follows starts on its own line.
+  void finish() {
+    if (drawn_) std::printf("\n");
+    drawn_ = false;
+    std::fflush(stdout);
+  }
+  void step(const StepMetrics& m) {
+    const std::string text = absl::StrFormat(
+        "step %lld/%lld  loss %.4f  T %d  lr %.2e  |g| %.3f  %.0f tok/s  elapsed %s  ETA %s",
+        (long long)m.step, (long long)steps_, m.loss, m.T, m.lr, m.grad_norm, m.tokens_per_s,
+        duration(m.elapsed_s), duration(m.eta_s));
+    if (tty_) {
+      std::printf("\r\033[K%s", text.c_str());
+      drawn_ = true;
+      std::fflush(stdout);
+    } else if (m.step % log_every_ == 0 || m.step == steps_) {
+      line(text);
+    }
+  }
+
+ private:
+  int64_t steps_;
+  int log_every_;
+  bool tty_, drawn_ = false;
+};
+
+std::string eval_text(const EvalMetrics& e) {
+  std::string out = absl::StrCat("eval at step ", e.step, ": validation loss (perplexity)");
+  for (const auto& [T, nll] : e.loss)
+    absl::StrAppend(&out, absl::StrFormat("  T=%d %.4f (%.2f)", T, nll, std::exp(nll)));
+  return out;
+}
+
+}  // namespace
+
+int cmd_train(int argc, char** argv) {
+  TrainOptions opts;
+  FlagText text;
+  if (int rc = options_from_flags(argc, argv, opts, text); rc >= 0) return rc;
+  Progress progress(opts.steps, text.log_every);
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { progress.line(s); };
+  cb.on_step = [&](const StepMetrics& m) {
+    progress.step(m);
+    if (g_interrupted) progress.line(absl::StrCat("interrupted: saving at step ", m.step));
+    return !g_interrupted;
+  };
+  cb.on_eval = [&](const EvalMetrics& e) { progress.line(eval_text(e)); };
+  cb.on_save = [&](int64_t step, const std::string& dir) {
+    progress.line(absl::StrCat("saved ", dir, " at step ", step));
+  };
+  g_interrupted = 0;
+  std::signal(SIGINT, on_sigint);
+  auto summary = train(opts, cb);
+  std::signal(SIGINT, SIG_DFL);
+  progress.finish();
+  if (!summary.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(summary.status().message()).c_str());
+    return 1;
+  }
+  if (!summary->finished)
+    progress.line(absl::StrCat("stopped at step ", summary->step, " of ", opts.steps,
+                               ": continue with cemlm train --out ", opts.out_dir, " --resume"));
+  return 0;
+}
+
+}  // namespace cemlm::cli

@@ -1,0 +1,21 @@
+// Loss and gradient of the model over a batch of token sequences (MODEL.md §3): the training
+// forward (the engine's ops, activations kept) and its backward through every sub-layer and every
+// recursion step. trainer/src/backprop.cc says which activations are saved and which recomputed.
+#pragma once
+#include "cemlm/engine/config.h"
+#include "cemlm/engine/params.h"
+
+namespace cemlm {
+
+// ids: [batch, seq_len] row-major token ids (seq_len >= 2). Loss = mean over the batch of each
+// row's mean next-token NLL (MODEL.md §3: −(1/(N−1)) Σ_{i<N−1} log softmax(logits_i)[t_{i+1}]).
+// Adds loss_scale·∂loss/∂θ into `grads` (views of a ParamStore with the same layout as the
+// params, see bind_weights), returns the loss. Every row uses recursion depth T. The activations'
+// memory is kept per thread for the next call (a training loop allocates it once).
+double forward_backward(const ModelConfig& c, const Weights& w, const Weights& grads,
+                        const int* ids, int batch, int seq_len, int T, float loss_scale = 1.0f);
+// Loss only (no gradient), same definition, computed with the engine's forward (CpuModel).
+double forward_loss(const ModelConfig& c, const Weights& w, const int* ids, int batch, int seq_len,
+                    int T);
+
+}  // namespace cemlm

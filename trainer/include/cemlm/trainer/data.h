@@ -1,0 +1,54 @@
+// Training data: text files → documents → token ids, cached in one binary file keyed by the
+// inputs (paths, sizes, mtimes) and the tokenizer, split deterministically into train and
+// validation, and cut into windows: random ones for training, fixed ones for evaluation.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cemlm/engine/params.h"
+#include "cemlm/engine/tokenizer.h"
+
+namespace cemlm {
+
+// The text files of the inputs (collect_text_files) and a key that changes when any of them
+// is added, removed, resized or touched.
+struct CorpusFiles {
+  std::vector<std::string> paths;
+  std::vector<std::string> skipped;  // .dat/.u8, binary, not UTF-8
+  uint64_t key = 0;
+};
+absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs);
+
+// 64-bit FNV-1a, for cache keys (not for security).
+uint64_t hash_bytes(std::string_view bytes, uint64_t h = 0xcbf29ce484222325ULL);
+absl::StatusOr<uint64_t> hash_file(const std::string& path);
+
+// A file's text as documents: a line holding only "%" (the fortune-file format) separates
+// documents; each non-blank document becomes [bos] ids [eos] (bos/eos left out when < 0).
+std::vector<int32_t> encode_documents(std::string_view text, const Tokenizer& tokenizer, int bos,
+                                      int eos);
+
+struct TokenData {
+  std::vector<int32_t> train, val;
+  int files = 0;
+  bool from_cache = false;
+};
+
+// Token ids of `corpus`, read from `cache_path` when it was written for the same corpus key and
+// tokenizer hash, else encoded and cached there (atomically). Each file's last val_fraction of
+// tokens goes to validation, the rest to training, so that every file is in both.
+absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
+                                          uint64_t tokenizer_hash, int bos, int eos,
+                                          const std::string& cache_path, double val_fraction);
+
+// `batch` windows of `len` tokens from uniformly random offsets, written row-major into `ids`.
+void sample_windows(const std::vector<int32_t>& tokens, int len, int batch, Rng& rng, int* ids);
+
+// Up to `max_windows` non-overlapping windows of `len` tokens spread evenly over `tokens`,
+// row-major; the same every time, so that validation losses are comparable across steps.
+std::vector<int> eval_windows(const std::vector<int32_t>& tokens, int len, int max_windows);
+
+}  // namespace cemlm

@@ -1,0 +1,96 @@
+// The training loop behind `cemlm train`: options (one field per flag), the run itself with
+// evaluation, metrics and atomic checkpoints, and bit-exact resumption. The loop does no
+// terminal IO: it reports through TrainCallbacks, and the CLI draws progress.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cemlm/engine/config.h"
+#include "cemlm/trainer/metrics.h"
+#include "cemlm/trainer/optimizer.h"
+
+namespace cemlm {
+
+inline constexpr char kDefaultData[] = "/usr/share/games/fortunes";
+// Files the trainer adds to a checkpoint directory besides the model.
+inline constexpr char kOptimizerFile[] = "optimizer.safetensors";
+inline constexpr char kTrainerStateFile[] = "trainer_state.json";
+inline constexpr char kMetricsFile[] = "train.jsonl";
+inline constexpr char kLossCurveFile[] = "loss.svg";
+
+// Training recursion: T drawn uniformly from [min, max] each step (min == max: fixed T).
+struct RecursionRange {
+  int min = 2, max = 2;
+};
+// "2" or "1-4"; errors name --train-recursion.
+absl::StatusOr<RecursionRange> parse_recursion_range(const std::string& text);
+std::string recursion_range_text(const RecursionRange& r);
+// "1,2,4,8"; errors name --eval-recursion.
+absl::StatusOr<std::vector<int>> parse_recursion_list(const std::string& text);
+
+struct TrainOptions {
+  // Model: --init checkpoint, else --config file, else default_model_config().
+  std::string config_path, init_dir;
+  std::string tokenizer_path;  // used when the model has no tokenizer; else one is trained
+  int vocab_size = 0;          // for a trained tokenizer; 0: the config's vocab_size
+  // Data.
+  std::vector<std::string> data = {kDefaultData};
+  std::string cache_dir;  // "": <out_dir>.cache
+  double val_fraction = 0.05;
+  // Output.
+  std::string out_dir = "models/default";
+  bool resume = false;
+  int64_t save_every = 200;
+  // Optimisation.
+  int64_t steps = 600;
+  int batch_size = 16, seq_len = 128, accum = 1;
+  double lr = 3e-3, min_lr = 3e-4;
+  int64_t warmup = 50;
+  AdamWOptions adamw;
+  double clip = 1.0;
+  RecursionRange train_recursion;
+  // Evaluation.
+  std::vector<int> eval_recursion = {1, 2, 4, 8};
+  int64_t eval_every = 200;
+  int eval_windows = 64;
+  // Machine.
+  int threads = 0;  // 0: OpenMP's default (all cores)
+  uint64_t seed = 1;
+  double max_minutes = 0;  // 0: no wall-clock budget
+};
+
+// Checks the options that do not depend on the model; errors name the flag.
+absl::Status validate_options(const TrainOptions& opts);
+// Options as JSON (trainer_state.json's "options") and back.
+std::string options_to_json(const TrainOptions& opts);
+absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text);
+
+// The model `cemlm train` builds when given no --config or --init (see docs/TRAINING.md).
+ModelConfig default_model_config();
+
+// The options a run in `out_dir` was started with (its trainer_state.json), for --resume.
+absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir);
+
+struct TrainCallbacks {
+  std::function<void(const std::string&)> on_info;     // setup messages
+  std::function<bool(const StepMetrics&)> on_step;     // false: stop cleanly (and save)
+  std::function<void(const EvalMetrics&)> on_eval;
+  std::function<void(int64_t step, const std::string& dir)> on_save;
+};
+
+struct TrainSummary {
+  int64_t step = 0;  // updates done when the run ended
+  bool finished = false;  // reached opts.steps (else stopped by on_step or --max-minutes)
+  EvalMetrics last_eval;
+  int64_t parameters = 0;
+};
+
+// Trains per `opts`, saving to opts.out_dir every save_every steps and at the end. With
+// opts.resume, continues the run saved there: given the same options, the losses continue
+// exactly as if the run had never stopped. Errors name the flag or file at fault.
+absl::StatusOr<TrainSummary> train(const TrainOptions& opts, const TrainCallbacks& callbacks = {});
+
+}  // namespace cemlm

@@ -1,0 +1,189 @@
+// Corpus listing and keys, document encoding, the token cache file and window sampling.
+// Cache layout (little-endian): "CEMLMTOK", u32 version, u32 n_files, u64 corpus key, u64
+// tokenizer hash, u64 token count per file, then the int32 ids of all files in order.
+#include "cemlm/trainer/data.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "cemlm/engine/corpus.h"
+#include "cemlm/engine/safetensors.h"
+#include "cemlm/engine/status.h"
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kMagic[8] = {'C', 'E', 'M', 'L', 'M', 'T', 'O', 'K'};
+constexpr uint32_t kCacheVersion = 1;
+
+template <typename T>
+uint64_t hash_value(const T& v, uint64_t h) {
+  return hash_bytes({reinterpret_cast<const char*>(&v), sizeof(v)}, h);
+}
+
+struct CacheHeader {
+  char magic[8];
+  uint32_t version, n_files;
+  uint64_t corpus_key, tokenizer_hash;
+};
+
+// Per-file ids from a cache written for this corpus and tokenizer; empty when there is none.
+std::vector<std::vector<int32_t>> read_cache(const std::string& path, const CorpusFiles& corpus,
+                                             uint64_t tokenizer_hash) {
+  std::string bytes, error;
+  if (!read_file(path, &bytes, &error) || bytes.size() < sizeof(CacheHeader)) return {};
+  CacheHeader h;
+  std::memcpy(&h, bytes.data(), sizeof(h));
+  if (std::memcmp(h.magic, kMagic, 8) || h.version != kCacheVersion ||
+      h.n_files != corpus.paths.size() || h.corpus_key != corpus.key ||
+      h.tokenizer_hash != tokenizer_hash)
+    return {};
+  size_t pos = sizeof(h) + h.n_files * sizeof(uint64_t);
+  if (bytes.size() < pos) return {};
+  std::vector<uint64_t> counts(h.n_files);
+  std::memcpy(counts.data(), bytes.data() + sizeof(h), h.n_files * sizeof(uint64_t));
+  uint64_t total = 0;
+  for (uint64_t n : counts) total += n;
+  if (bytes.size() != pos + total * sizeof(int32_t)) return {};
+  std::vector<std::vector<int32_t>> files(h.n_files);
+  for (size_t i = 0; i < files.size(); ++i) {
+    files[i].resize(counts[i]);
+    std::memcpy(files[i].data(), bytes.data() + pos, counts[i] * sizeof(int32_t));
+    pos += counts[i] * sizeof(int32_t);
+  }
+  return files;
+}
+
+absl::Status write_cache(const std::string& path, const CorpusFiles& corpus,
+                         uint64_t tokenizer_hash, const std::vector<std::vector<int32_t>>& files) {
+  std::error_code ec;
+  if (fs::path parent = fs::path(path).parent_path(); !parent.empty())
+    fs::create_directories(parent, ec);
+  return write_file_atomic(path, [&](std::FILE* f) {
+    CacheHeader h;
+    std::memcpy(h.magic, kMagic, 8);
+    h.version = kCacheVersion;
+    h.n_files = uint32_t(files.size());
+    h.corpus_key = corpus.key;
+    h.tokenizer_hash = tokenizer_hash;
+    bool ok = std::fwrite(&h, sizeof(h), 1, f) == 1;
+    for (const auto& ids : files) {
+      const uint64_t n = ids.size();
+      ok = ok && std::fwrite(&n, sizeof(n), 1, f) == 1;
+    }
+    for (const auto& ids : files)
+      ok = ok && std::fwrite(ids.data(), sizeof(int32_t), ids.size(), f) == ids.size();
+    return ok ? absl::OkStatus()
+              : absl::UnavailableError(absl::StrCat("cannot write the token cache '", path, "'"));
+  });
+}
+
+bool is_separator(std::string_view line) { return line == "%" || line == "%\r"; }
+
+bool is_blank(std::string_view s) {
+  return std::all_of(s.begin(), s.end(), [](char ch) { return std::isspace((unsigned char)ch); });
+}
+
+void append_document(std::string_view doc, const Tokenizer& tokenizer, int bos, int eos,
+                     std::vector<int32_t>* out) {
+  if (is_blank(doc)) return;
+  if (bos >= 0) out->push_back(bos);
+  for (int id : tokenizer.encode(doc)) out->push_back(id);
+  if (eos >= 0) out->push_back(eos);
+}
+
+}  // namespace
+
+uint64_t hash_bytes(std::string_view bytes, uint64_t h) {
+  for (unsigned char ch : bytes) h = (h ^ ch) * 0x100000001b3ULL;
+  return h;
+}
+
+absl::StatusOr<uint64_t> hash_file(const std::string& path) {
+  std::string bytes, error;
+  if (!read_file(path, &bytes, &error)) return absl::NotFoundError(error);
+  return hash_bytes(bytes);
+}
+
+absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs) {
+  CorpusFiles c;
+  std::string error;
+  if (!collect_text_files(inputs, &c.paths, &error, &c.skipped))
+    return absl::NotFoundError(absl::StrCat("--data: ", error));
+  uint64_t h = hash_bytes("cemlm corpus v1");
+  for (const std::string& p : c.paths) {
+    std::error_code ec;
+    const uint64_t size = fs::file_size(p, ec);
+    const int64_t mtime = fs::last_write_time(p, ec).time_since_epoch().count();
+    if (ec) return absl::UnavailableError(absl::StrCat("--data: cannot stat '", p, "'"));
+    h = hash_value(mtime, hash_value(size, hash_bytes(p, hash_value(p.size(), h))));
+  }
+  c.key = h;
+  return c;
+}
+
+std::vector<int32_t> encode_documents(std::string_view text, const Tokenizer& tokenizer, int bos,
+                                      int eos) {
+  std::vector<int32_t> out;
+  size_t doc_begin = 0, pos = 0;
+  while (pos < text.size()) {
+    const size_t end = std::min(text.find('\n', pos), text.size());
+    if (is_separator(text.substr(pos, end - pos))) {
+      append_document(text.substr(doc_begin, pos - doc_begin), tokenizer, bos, eos, &out);
+      doc_begin = std::min(end + 1, text.size());
+    }
+    pos = end + 1;
+  }
+  append_document(text.substr(doc_begin), tokenizer, bos, eos, &out);
+  return out;
+}
+
+absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
+                                          uint64_t tokenizer_hash, int bos, int eos,
+                                          const std::string& cache_path, double val_fraction) {
+  TokenData data;
+  data.files = int(corpus.paths.size());
+  std::vector<std::vector<int32_t>> files = read_cache(cache_path, corpus, tokenizer_hash);
+  data.from_cache = !files.empty();
+  if (!data.from_cache) {
+    for (const std::string& p : corpus.paths) {
+      std::string text, error;
+      if (!read_text_file(p, &text, &error)) return absl::UnavailableError("--data: " + error);
+      files.push_back(encode_documents(text, tokenizer, bos, eos));
+    }
+    CEMLM_RETURN_IF_ERROR(write_cache(cache_path, corpus, tokenizer_hash, files));
+  }
+  for (const auto& ids : files) {
+    const size_t n_val = size_t(std::ceil(double(ids.size()) * val_fraction));
+    data.train.insert(data.train.end(), ids.begin(), ids.end() - n_val);
+    data.val.insert(data.val.end(), ids.end() - n_val, ids.end());
+  }
+  return data;
+}
+
+void sample_windows(const std::vector<int32_t>& tokens, int len, int batch, Rng& rng, int* ids) {
+  CEMLM_CHECK(tokens.size() >= size_t(len));
+  const uint64_t starts = tokens.size() - len + 1;
+  for (int b = 0; b < batch; ++b) {
+    const uint64_t start = rng.next_u64() % starts;
+    std::copy_n(tokens.begin() + start, len, ids + int64_t(b) * len);
+  }
+}
+
+std::vector<int> eval_windows(const std::vector<int32_t>& tokens, int len, int max_windows) {
+  const size_t count = std::min<size_t>(max_windows, tokens.size() / len);
+  std::vector<int> ids;
+  for (size_t k = 0; k < count; ++k) {
+    const size_t start = k * (tokens.size() / count);
+    ids.insert(ids.end(), tokens.begin() + start, tokens.begin() + start + len);
+  }
+  return ids;
+}
+
+}  // namespace cemlm

@@ -1,0 +1,396 @@
+// The training loop: model, tokenizer and data setup, the step (accumulated forward/backward,
+// clipping, AdamW), evaluation at several T, and checkpoints that carry everything a bit-exact
+// resume needs (optimizer moments, step, both RNG states, the metrics log).
+#include "cemlm/trainer/train.h"
+
+#include <omp.h>
+#include <cblas.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/corpus.h"
+#include "cemlm/engine/safetensors.h"
+#include "cemlm/engine/status.h"
+#include "cemlm/engine/tokenizer.h"
+#include "cemlm/trainer/backprop.h"
+#include "cemlm/trainer/data.h"
+#include "nlohmann/json.hpp"
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+// Independent RNG streams, so that the data order does not depend on how T is drawn.
+constexpr uint64_t kDataStream = 0x5851f42d4c957f2dULL;
+constexpr uint64_t kRecursionStream = 0x14057b7ef767814fULL;
+constexpr char kTokenCacheFile[] = "tokens.bin";
+constexpr char kTokenizerKeyFile[] = "tokenizer.key";
+
+absl::Status with_prefix(const std::string& prefix, const absl::Status& st) {
+  return st.ok() ? st : absl::Status(st.code(), absl::StrCat(prefix, st.message()));
+}
+
+absl::Status write_text(const std::string& path, const std::string& text) {
+  return write_file_atomic(path, [&](std::FILE* f) {
+    return std::fwrite(text.data(), 1, text.size(), f) == text.size()
+               ? absl::OkStatus()
+               : absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
+  });
+}
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+class Trainer {
+ public:
+  Trainer(const TrainOptions& o, const TrainCallbacks& cb)
+      : o_(o), cb_(cb), data_rng_(o.seed ^ kDataStream), t_rng_(o.seed ^ kRecursionStream) {}
+  absl::StatusOr<TrainSummary> run();
+
+ private:
+  void info(const std::string& s) const {
+    if (cb_.on_info) cb_.on_info(s);
+  }
+  std::string in_out(const char* file) const { return (fs::path(o_.out_dir) / file).string(); }
+  std::string in_cache(const char* file) const {
+    return (fs::path(o_.cache_dir.empty() ? o_.out_dir + ".cache" : o_.cache_dir) / file).string();
+  }
+  absl::Status load_model();
+  void remove_stale_saves() const;
+  absl::Status prepare_tokenizer(const CorpusFiles& corpus);
+  absl::Status prepare_params();
+  absl::Status check_against_model();
+  absl::Status load_data(const CorpusFiles& corpus);
+  absl::Status restore();
+  int draw_T();
+  StepMetrics step();
+  EvalMetrics evaluate();
+  absl::Status save();
+  absl::Status write_extra(const std::string& dir) const;
+
+  TrainOptions o_;
+  TrainCallbacks cb_;
+  ModelConfig cfg_;
+  bool fresh_ = true;  // a new model (not --init, not --resume)
+  ParamStore params_, grads_;
+  Weights w_, gw_;
+  std::unique_ptr<AdamW> opt_;
+  LrSchedule sched_;
+  Rng data_rng_, t_rng_;
+  std::string tokenizer_path_;
+  TokenData data_;
+  std::vector<int> eval_ids_, eval_T_, batch_ids_;
+  MetricsLog log_;
+  int64_t step_ = 0, tokens_ = 0;
+  double prior_elapsed_s_ = 0;  // before this invocation (resume)
+  Clock::time_point start_;
+  double train_s_ = 0;  // this invocation, inside steps
+  int64_t steps_run_ = 0;
+};
+
+absl::Status Trainer::load_model() {
+  std::error_code ec;
+  if (o_.resume || !o_.init_dir.empty()) {
+    const std::string& dir = o_.resume ? o_.out_dir : o_.init_dir;
+    auto ck = load_checkpoint(dir);
+    if (!ck.ok()) return with_prefix(o_.resume ? "--resume: " : "--init: ", ck.status());
+    cfg_ = ck->config;
+    params_ = std::move(ck->params);
+    tokenizer_path_ = ck->tokenizer_path;
+    fresh_ = false;
+  } else if (!o_.config_path.empty()) {
+    auto c = load_config(o_.config_path);
+    if (!c.ok()) return with_prefix("--config: ", c.status());
+    cfg_ = *c;
+  } else {
+    cfg_ = default_model_config();
+  }
+  if (!o_.resume && fs::exists(in_out(kConfigFile), ec))
+    return absl::AlreadyExistsError(absl::StrCat(
+        "--out '", o_.out_dir, "' already holds a checkpoint: pass --resume to continue its run, "
+        "--init to start from its weights, or choose another --out"));
+  if (fresh_ && o_.vocab_size > 0) {
+    cfg_.vocab_size = o_.vocab_size;
+    auto c = parse_config(config_to_json(cfg_));  // re-derives what depends on the vocabulary
+    if (!c.ok()) return with_prefix("--vocab-size: ", c.status());
+    cfg_ = *c;
+  }
+  return absl::OkStatus();
+}
+
+// A process killed while saving leaves its temporary "<out>.tmp-<pid>-<n>" directory behind
+// (the checkpoint itself stays whole); one run owns --out, so any such leftover is stale.
+void Trainer::remove_stale_saves() const {
+  fs::path out = fs::path(o_.out_dir).lexically_normal();
+  if (!out.has_filename()) out = out.parent_path();
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  const std::string prefix = out.filename().string() + ".tmp-";
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().filename().string().starts_with(prefix)) stale.push_back(it->path());
+  for (const fs::path& p : stale) {
+    info(absl::StrCat("removing ", p.string(), " (left by an interrupted save)"));
+    fs::remove_all(p, ec);
+  }
+}
+
+// The model's own tokenizer, else --tokenizer, else one trained on the data (and cached).
+absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
+  if (tokenizer_path_.empty() && !o_.tokenizer_path.empty()) tokenizer_path_ = o_.tokenizer_path;
+  if (tokenizer_path_.empty()) {
+    tokenizer_path_ = in_cache(kTokenizerFile);
+    const std::string key = absl::StrCat(absl::Hex(corpus.key), "-", cfg_.vocab_size);
+    std::string cached, error;
+    if (read_file(in_cache(kTokenizerKeyFile), &cached, &error) && cached == key &&
+        fs::exists(tokenizer_path_)) {
+      info(absl::StrCat("tokenizer: reusing ", tokenizer_path_));
+    } else {
+      info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ",
+                        corpus.paths.size(), " files"));
+      TokenizerTrainOptions t{o_.data, cfg_.vocab_size, tokenizer_path_};
+      if (!train_tokenizer(t, &error))
+        return absl::InvalidArgumentError(absl::StrCat("training the tokenizer on --data: ", error));
+      CEMLM_RETURN_IF_ERROR(write_text(in_cache(kTokenizerKeyFile), key));
+    }
+  }
+  std::string error;
+  auto tokenizer = Tokenizer::load(tokenizer_path_, &error);
+  if (!tokenizer) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
+  if (tokenizer->vocab_size() > cfg_.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the tokenizer '", tokenizer_path_, "' has ", tokenizer->vocab_size(),
+        " pieces but the model's vocab_size is ", cfg_.vocab_size,
+        ": raise --vocab-size (or the config's vocab_size) or use a smaller tokenizer"));
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::prepare_params() {
+  if (fresh_) {
+    params_ = ParamStore(cfg_);
+    params_.init_random(o_.seed);
+  }
+  grads_ = ParamStore(cfg_);
+  w_ = bind_weights(cfg_, params_);
+  gw_ = bind_weights(cfg_, grads_);
+  opt_ = std::make_unique<AdamW>(params_.specs(), o_.adamw);
+  sched_ = LrSchedule{o_.lr, o_.min_lr, o_.warmup, o_.steps};
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::check_against_model() {
+  if (o_.train_recursion.max > cfg_.recursion_max)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--train-recursion ", recursion_range_text(o_.train_recursion),
+        " goes above the model's recursion.max ", cfg_.recursion_max,
+        ": lower it or raise recursion.max in the config"));
+  if (o_.seq_len > cfg_.max_seq_len)
+    return absl::InvalidArgumentError(absl::StrCat("--seq-len ", o_.seq_len,
+                                                   " exceeds the model's max_seq_len ",
+                                                   cfg_.max_seq_len));
+  const bool uses_T = cfg_.attention == AttentionType::kCem || cfg_.mlp == MlpType::kCem;
+  eval_T_.clear();
+  for (int T : o_.eval_recursion)
+    if (T <= cfg_.recursion_max) eval_T_.push_back(T);
+  if (eval_T_.empty())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--eval-recursion: every depth is above the model's recursion.max ", cfg_.recursion_max));
+  if (eval_T_.size() < o_.eval_recursion.size())
+    info(absl::StrCat("evaluation: depths above recursion.max ", cfg_.recursion_max, " skipped"));
+  if (!uses_T) eval_T_ = {1};  // no CEM sub-layer: T changes nothing
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::load_data(const CorpusFiles& corpus) {
+  std::string error;
+  auto tokenizer = Tokenizer::load(tokenizer_path_, &error);
+  CEMLM_ASSIGN_OR_RETURN(const uint64_t tok_hash, hash_file(tokenizer_path_));
+  const int bos = cfg_.bos_id >= 0 ? cfg_.bos_id : tokenizer->bos_id();
+  const int eos = cfg_.eos_id >= 0 ? cfg_.eos_id : tokenizer->eos_id();
+  CEMLM_ASSIGN_OR_RETURN(data_, load_token_data(corpus, *tokenizer, tok_hash, bos, eos,
+                                                in_cache(kTokenCacheFile), o_.val_fraction));
+  info(absl::StrCat("data: ", data_.files, " files, ", data_.train.size(), " training and ",
+                    data_.val.size(), " validation tokens", data_.from_cache ? " (cached)" : ""));
+  if (data_.train.size() < size_t(o_.seq_len))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data holds ", data_.train.size(), " training tokens, fewer than --seq-len ", o_.seq_len,
+        ": give more text (or a shorter --seq-len)"));
+  eval_ids_ = eval_windows(data_.val, o_.seq_len, o_.eval_windows);
+  if (eval_ids_.empty())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data: the validation split has ", data_.val.size(), " tokens, fewer than --seq-len ",
+        o_.seq_len, ": give more text, raise --val-fraction or shorten --seq-len"));
+  batch_ids_.resize(size_t(o_.batch_size) * o_.seq_len);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::restore() {
+  CEMLM_RETURN_IF_ERROR(with_prefix("--resume: ", opt_->load(in_out(kOptimizerFile))));
+  std::string text, error;
+  if (!read_file(in_out(kTrainerStateFile), &text, &error))
+    return absl::NotFoundError("--resume: " + error);
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  try {
+    step_ = j.at("step").get<int64_t>();
+    tokens_ = j.at("tokens").get<int64_t>();
+    prior_elapsed_s_ = j.at("elapsed_s").get<double>();
+    data_rng_.set_state(j.at("data_rng").get<uint64_t>());
+    t_rng_.set_state(j.at("recursion_rng").get<uint64_t>());
+  } catch (const std::exception& e) {  // nlohmann reports missing keys and wrong types by throwing
+    return absl::InvalidArgumentError(
+        absl::StrCat("--resume: ", in_out(kTrainerStateFile), ": ", e.what()));
+  }
+  if (step_ != opt_->steps())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--resume: ", in_out(kTrainerStateFile), " is at step ", step_, " but ", kOptimizerFile,
+        " at step ", opt_->steps(), " (the checkpoint was not written by one save)"));
+  if (!read_file(in_out(kMetricsFile), &text, &error))
+    return absl::NotFoundError("--resume: " + error);
+  CEMLM_ASSIGN_OR_RETURN(log_, MetricsLog::parse(text, in_out(kMetricsFile)));
+  info(absl::StrCat("resuming at step ", step_, " of ", o_.steps));
+  return absl::OkStatus();
+}
+
+int Trainer::draw_T() {
+  const RecursionRange& r = o_.train_recursion;
+  if (r.min == r.max) return r.min;
+  return r.min + int(t_rng_.next_u64() % uint64_t(r.max - r.min + 1));
+}
+
+StepMetrics Trainer::step() {
+  StepMetrics m;
+  m.T = draw_T();
+  std::fill(grads_.flat().begin(), grads_.flat().end(), 0.0f);
+  for (int a = 0; a < o_.accum; ++a) {
+    sample_windows(data_.train, o_.seq_len, o_.batch_size, data_rng_, batch_ids_.data());
+    m.loss += forward_backward(cfg_, w_, gw_, batch_ids_.data(), o_.batch_size, o_.seq_len, m.T,
+                               1.0f / float(o_.accum));
+  }
+  m.loss /= o_.accum;
+  m.grad_norm = clip_grad_norm(grads_.flat(), o_.clip);
+  m.lr = sched_.at(step_);
+  opt_->step(params_.flat(), grads_.flat(), m.lr);
+  m.step = ++step_;
+  tokens_ += int64_t(o_.accum) * o_.batch_size * o_.seq_len;
+  m.tokens = tokens_;
+  return m;
+}
+
+EvalMetrics Trainer::evaluate() {
+  EvalMetrics e;
+  e.step = step_;
+  const int rows = int(eval_ids_.size() / size_t(o_.seq_len));
+  for (int T : eval_T_) {
+    double sum = 0;
+    for (int r = 0; r < rows; r += o_.batch_size) {
+      const int n = std::min(o_.batch_size, rows - r);
+      sum += n * forward_loss(cfg_, w_, eval_ids_.data() + int64_t(r) * o_.seq_len, n,
+                              o_.seq_len, T);
+    }
+    e.loss.emplace_back(T, sum / rows);
+  }
+  return e;
+}
+
+absl::Status Trainer::write_extra(const std::string& dir) const {
+  const fs::path d(dir);
+  CEMLM_RETURN_IF_ERROR(opt_->save((d / kOptimizerFile).string()));
+  const json state = {{"format_version", 1},
+                      {"step", step_},
+                      {"tokens", tokens_},
+                      {"elapsed_s", prior_elapsed_s_ + seconds_since(start_)},
+                      {"data_rng", data_rng_.state()},
+                      {"recursion_rng", t_rng_.state()},
+                      {"options", json::parse(options_to_json(o_))}};
+  CEMLM_RETURN_IF_ERROR(write_text((d / kTrainerStateFile).string(), state.dump(2) + "\n"));
+  CEMLM_RETURN_IF_ERROR(write_text((d / kMetricsFile).string(), log_.jsonl()));
+  return write_text((d / kLossCurveFile).string(),
+                    log_.svg(absl::StrCat("cemlm train: ", cfg_.variant_name())));
+}
+
+absl::Status Trainer::save() {
+  CEMLM_RETURN_IF_ERROR(save_checkpoint(o_.out_dir, cfg_, params_, tokenizer_path_,
+                                        [this](const std::string& dir) { return write_extra(dir); }));
+  if (cb_.on_save) cb_.on_save(step_, o_.out_dir);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TrainSummary> Trainer::run() {
+  CEMLM_RETURN_IF_ERROR(validate_options(o_));
+  if (o_.threads > 0) {
+    omp_set_num_threads(o_.threads);
+    openblas_set_num_threads(o_.threads);
+  }
+  CEMLM_RETURN_IF_ERROR(load_model());
+  CEMLM_RETURN_IF_ERROR(check_against_model());
+  remove_stale_saves();
+  CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus, list_corpus(o_.data));
+  if (corpus.paths.empty())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (",
+        corpus.skipped.size(), " files skipped as .dat/.u8, binary or not UTF-8)"));
+  CEMLM_RETURN_IF_ERROR(prepare_tokenizer(corpus));
+  CEMLM_RETURN_IF_ERROR(prepare_params());
+  CEMLM_RETURN_IF_ERROR(load_data(corpus));
+  if (o_.resume) CEMLM_RETURN_IF_ERROR(restore());
+  info(absl::StrCat("model: ", cfg_.variant_name(), ", ", params_.size(), " parameters; T ",
+                    recursion_range_text(o_.train_recursion), " in training, evaluated at T ",
+                    absl::StrJoin(eval_T_, ",")));
+
+  TrainSummary summary;
+  summary.parameters = params_.size();
+  start_ = Clock::now();
+  bool stop = false;
+  while (step_ < o_.steps && !stop) {
+    const Clock::time_point t0 = Clock::now();
+    StepMetrics m = step();
+    train_s_ += seconds_since(t0);
+    ++steps_run_;
+    if (!std::isfinite(m.loss))
+      return absl::InternalError(absl::StrCat(
+          "training diverged: the loss at step ", m.step,
+          " is not finite; lower --lr or --clip (the last checkpoint is kept)"));
+    const double step_s = train_s_ / double(steps_run_);
+    m.tokens_per_s = double(steps_run_) * o_.accum * o_.batch_size * o_.seq_len / train_s_;
+    m.elapsed_s = prior_elapsed_s_ + seconds_since(start_);
+    m.eta_s = double(o_.steps - step_) * step_s;
+    log_.add(m);
+    if (cb_.on_step && !cb_.on_step(m)) stop = true;
+    if (o_.max_minutes > 0 && seconds_since(start_) + step_s > o_.max_minutes * 60) {
+      info(absl::StrCat("--max-minutes ", o_.max_minutes, " reached at step ", step_));
+      stop = true;
+    }
+    const bool last = stop || step_ == o_.steps;
+    if (step_ % o_.eval_every == 0 || last) {
+      summary.last_eval = evaluate();
+      log_.add(summary.last_eval);
+      if (cb_.on_eval) cb_.on_eval(summary.last_eval);
+    }
+    if (step_ % o_.save_every == 0 || last) CEMLM_RETURN_IF_ERROR(save());
+  }
+  if (steps_run_ == 0)
+    info(absl::StrCat("the run in '", o_.out_dir, "' already did its ", step_,
+                      " steps: raise --steps to train further"));
+  summary.step = step_;
+  summary.finished = step_ >= o_.steps;
+  return summary;
+}
+
+}  // namespace
+
+absl::StatusOr<TrainSummary> train(const TrainOptions& opts, const TrainCallbacks& callbacks) {
+  Trainer trainer(opts, callbacks);
+  return trainer.run();
+}
+
+}  // namespace cemlm

@@ -1,0 +1,197 @@
+// Training options: the recursion flags' syntax, validation that names the flag, the JSON form
+// kept in trainer_state.json (so --resume knows how the run was started), and the default model.
+#include <cmath>
+#include <filesystem>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "cemlm/engine/corpus.h"
+#include "cemlm/engine/status.h"
+#include "cemlm/trainer/train.h"
+#include "nlohmann/json.hpp"
+
+namespace cemlm {
+namespace {
+
+using nlohmann::json;
+
+absl::Status flag_error(const std::string& flag, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", what));
+}
+
+template <typename T>
+absl::Status at_least(const std::string& flag, T value, T min) {
+  if (value >= min) return absl::OkStatus();
+  return flag_error(flag, absl::StrCat("must be at least ", min, " (got ", value, ")"));
+}
+
+absl::Status in_range(const std::string& flag, double value, double lo, double hi,
+                      bool lo_open, bool hi_open) {
+  const bool ok = std::isfinite(value) && (lo_open ? value > lo : value >= lo) &&
+                  (hi_open ? value < hi : value <= hi);
+  if (ok) return absl::OkStatus();
+  return flag_error(flag, absl::StrCat("must be in ", lo_open ? "(" : "[", lo, ", ", hi,
+                                       hi_open ? ")" : "]", " (got ", value, ")"));
+}
+
+}  // namespace
+
+absl::StatusOr<RecursionRange> parse_recursion_range(const std::string& text) {
+  const std::vector<std::string> parts = absl::StrSplit(text, '-');
+  RecursionRange r;
+  if (parts.size() > 2 || !absl::SimpleAtoi(parts[0], &r.min) ||
+      !absl::SimpleAtoi(parts.back(), &r.max))
+    return flag_error("train-recursion",
+                      absl::StrCat("'", text, "' is neither a depth T (like 2) nor a range (like 1-4)"));
+  if (r.min < 1)
+    return flag_error("train-recursion", absl::StrCat("'", text, "': T starts at 1"));
+  if (r.min > r.max)
+    return flag_error("train-recursion",
+                      absl::StrCat("'", text, "': the range's start is above its end"));
+  return r;
+}
+
+std::string recursion_range_text(const RecursionRange& r) {
+  return r.min == r.max ? std::to_string(r.min) : absl::StrCat(r.min, "-", r.max);
+}
+
+absl::StatusOr<std::vector<int>> parse_recursion_list(const std::string& text) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int T = 0;
+    if (!absl::SimpleAtoi(part, &T) || T < 1)
+      return flag_error("eval-recursion",
+                        absl::StrCat("'", text, "' is not a list of depths ≥ 1 like 1,2,4,8"));
+    out.push_back(T);
+  }
+  return out;
+}
+
+absl::Status validate_options(const TrainOptions& o) {
+  if (!o.config_path.empty() && !o.init_dir.empty())
+    return flag_error("config", "and --init both give the model: pass only one");
+  if (o.data.empty()) return flag_error("data", "needs at least one file or directory");
+  if (o.out_dir.empty()) return flag_error("out", "must name the checkpoint directory");
+  CEMLM_RETURN_IF_ERROR(at_least<int>("vocab-size", o.vocab_size, 0));
+  CEMLM_RETURN_IF_ERROR(in_range("val-fraction", o.val_fraction, 0, 0.5, true, false));
+  CEMLM_RETURN_IF_ERROR(at_least<int64_t>("save-every", o.save_every, 1));
+  CEMLM_RETURN_IF_ERROR(at_least<int64_t>("steps", o.steps, 1));
+  CEMLM_RETURN_IF_ERROR(at_least<int>("batch-size", o.batch_size, 1));
+  CEMLM_RETURN_IF_ERROR(at_least<int>("seq-len", o.seq_len, 2));
+  CEMLM_RETURN_IF_ERROR(at_least<int>("accum", o.accum, 1));
+  CEMLM_RETURN_IF_ERROR(in_range("lr", o.lr, 0, 1, true, false));
+  CEMLM_RETURN_IF_ERROR(in_range("min-lr", o.min_lr, 0, o.lr, false, false));
+  CEMLM_RETURN_IF_ERROR(at_least<int64_t>("warmup", o.warmup, 0));
+  CEMLM_RETURN_IF_ERROR(in_range("weight-decay", o.adamw.weight_decay, 0, 1, false, true));
+  CEMLM_RETURN_IF_ERROR(in_range("beta1", o.adamw.beta1, 0, 1, false, true));
+  CEMLM_RETURN_IF_ERROR(in_range("beta2", o.adamw.beta2, 0, 1, false, true));
+  CEMLM_RETURN_IF_ERROR(in_range("adam-eps", o.adamw.eps, 0, 1, true, false));
+  CEMLM_RETURN_IF_ERROR(in_range("clip", o.clip, 0, 1e9, false, false));
+  if (o.train_recursion.min < 1 || o.train_recursion.min > o.train_recursion.max)
+    return flag_error("train-recursion",
+                      absl::StrCat("'", recursion_range_text(o.train_recursion),
+                                   "' must be 1 ≤ min ≤ max"));
+  if (o.eval_recursion.empty()) return flag_error("eval-recursion", "needs at least one depth");
+  for (int T : o.eval_recursion) CEMLM_RETURN_IF_ERROR(at_least<int>("eval-recursion", T, 1));
+  CEMLM_RETURN_IF_ERROR(at_least<int64_t>("eval-every", o.eval_every, 1));
+  CEMLM_RETURN_IF_ERROR(at_least<int>("eval-windows", o.eval_windows, 1));
+  CEMLM_RETURN_IF_ERROR(at_least<int>("threads", o.threads, 0));
+  CEMLM_RETURN_IF_ERROR(in_range("max-minutes", o.max_minutes, 0, 1e9, false, false));
+  return absl::OkStatus();
+}
+
+std::string options_to_json(const TrainOptions& o) {
+  const json j = {
+      {"config", o.config_path},        {"init", o.init_dir},
+      {"tokenizer", o.tokenizer_path},  {"vocab_size", o.vocab_size},
+      {"data", o.data},                 {"cache", o.cache_dir},
+      {"val_fraction", o.val_fraction}, {"out", o.out_dir},
+      {"save_every", o.save_every},     {"steps", o.steps},
+      {"batch_size", o.batch_size},     {"seq_len", o.seq_len},
+      {"accum", o.accum},               {"lr", o.lr},
+      {"min_lr", o.min_lr},             {"warmup", o.warmup},
+      {"weight_decay", o.adamw.weight_decay}, {"beta1", o.adamw.beta1},
+      {"beta2", o.adamw.beta2},         {"adam_eps", o.adamw.eps},
+      {"clip", o.clip},                 {"train_recursion", recursion_range_text(o.train_recursion)},
+      {"eval_recursion", o.eval_recursion}, {"eval_every", o.eval_every},
+      {"eval_windows", o.eval_windows}, {"threads", o.threads},
+      {"seed", o.seed},                 {"max_minutes", o.max_minutes}};
+  return j.dump(2);
+}
+
+absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text) {
+  const json j = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  TrainOptions o;
+  std::string recursion;
+  try {
+    j.at("config").get_to(o.config_path);
+    j.at("init").get_to(o.init_dir);
+    j.at("tokenizer").get_to(o.tokenizer_path);
+    j.at("vocab_size").get_to(o.vocab_size);
+    j.at("data").get_to(o.data);
+    j.at("cache").get_to(o.cache_dir);
+    j.at("val_fraction").get_to(o.val_fraction);
+    j.at("out").get_to(o.out_dir);
+    j.at("save_every").get_to(o.save_every);
+    j.at("steps").get_to(o.steps);
+    j.at("batch_size").get_to(o.batch_size);
+    j.at("seq_len").get_to(o.seq_len);
+    j.at("accum").get_to(o.accum);
+    j.at("lr").get_to(o.lr);
+    j.at("min_lr").get_to(o.min_lr);
+    j.at("warmup").get_to(o.warmup);
+    j.at("weight_decay").get_to(o.adamw.weight_decay);
+    j.at("beta1").get_to(o.adamw.beta1);
+    j.at("beta2").get_to(o.adamw.beta2);
+    j.at("adam_eps").get_to(o.adamw.eps);
+    j.at("clip").get_to(o.clip);
+    j.at("train_recursion").get_to(recursion);
+    j.at("eval_recursion").get_to(o.eval_recursion);
+    j.at("eval_every").get_to(o.eval_every);
+    j.at("eval_windows").get_to(o.eval_windows);
+    j.at("threads").get_to(o.threads);
+    j.at("seed").get_to(o.seed);
+    j.at("max_minutes").get_to(o.max_minutes);
+  } catch (const std::exception& e) {  // nlohmann reports missing keys and wrong types by throwing
+    return absl::InvalidArgumentError(absl::StrCat("training options: ", e.what()));
+  }
+  CEMLM_ASSIGN_OR_RETURN(o.train_recursion, parse_recursion_range(recursion));
+  return o;
+}
+
+absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir) {
+  const std::string path = (std::filesystem::path(out_dir) / kTrainerStateFile).string();
+  std::string text, error;
+  if (!read_file(path, &text, &error))
+    return absl::NotFoundError(absl::StrCat(
+        "--resume: ", error, " (is --out the directory of a `cemlm train` run?)"));
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("options"))
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no \"options\" (the file is damaged)"));
+  auto opts = options_from_json(j["options"].dump());
+  if (!opts.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", opts.status().message()));
+  return opts;
+}
+
+ModelConfig default_model_config() {
+  ModelConfig c;
+  c.vocab_size = 4096;
+  c.d_model = 128;
+  c.n_layers = 4;
+  c.n_heads = 4;
+  c.head_dim = 32;
+  c.d_ff = 512;
+  c.max_seq_len = 512;
+  c.embedding = EmbeddingType::kTable;
+  c.attention = AttentionType::kCem;
+  c.diag = DiagMode::kShared;
+  c.attn_precond_rank = 8;
+  c.mlp = MlpType::kCem;
+  c.mlp_precond_rank = 8;
+  c.recursion_default = 2;
+  c.recursion_max = 8;
+  return c;
+}
+
+}  // namespace cemlm

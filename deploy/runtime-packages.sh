@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# deploy/runtime-packages.sh — prints the Debian/Ubuntu packages that hold the shared libraries a
-# binary links (one name a line), so the runtime image installs exactly those and no -dev package.
+# deploy/runtime-packages.sh — prints the Debian/Ubuntu packages that hold the shared libraries the
+# given binaries and plugins link (one name a line), so the runtime image installs exactly those
+# and no -dev package.
 # Run it in the build stage; the runtime stage must be the same distribution release.
 # The GPU driver library (libcuda, libnvidia-*) is skipped: the container runtime injects it.
 set -eu
 
-if [ $# -ne 1 ] || [ ! -x "$1" ]; then
-  echo "usage: runtime-packages.sh BINARY (an executable, dynamically linked)" >&2
+if [ $# -lt 1 ]; then
+  echo "usage: runtime-packages.sh FILE... (dynamically linked executables or shared objects)" >&2
   exit 2
 fi
+for f in "$@"; do
+  [ -f "$f" ] || { echo "runtime-packages.sh: no such file: $f (usage: FILE...)" >&2; exit 2; }
+done
 
 # dpkg records a library under the path its package installed, which may differ from what ldd
 # prints (merged /usr, alternatives symlinks, /usr/local/cuda -> cuda-X.Y): try each spelling.
@@ -23,7 +27,10 @@ owner() {
   echo "${found%%:*}"
 }
 
-libs="$(ldd "$1")" || { echo "runtime-packages.sh: ldd failed on $1" >&2; exit 1; }
+libs=""
+for f in "$@"; do
+  libs+="$(ldd "$f")"$'\n' || { echo "runtime-packages.sh: ldd failed on $f" >&2; exit 1; }
+done
 packages=""
 status=0
 while read -r soname arrow path _; do

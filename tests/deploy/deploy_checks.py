@@ -443,9 +443,12 @@ def check_runtime_packages(errors):
             errors.expect(p.returncode == 1 and lib[0] in p.stderr,
                           f"runtime-packages.sh must fail naming {lib[0]}: "
                           f"rc {p.returncode}, {p.stderr}")
-    p = subprocess.run(["bash", script, "/nonexistent"], capture_output=True, text=True)
-    errors.expect(p.returncode == 2 and "usage" in p.stderr,
+    p = subprocess.run(["bash", script, ls, "/nonexistent"], capture_output=True, text=True)
+    errors.expect(p.returncode == 2 and "/nonexistent" in p.stderr,
                   "runtime-packages.sh: bad argument not refused")
+    p = subprocess.run(["bash", script], capture_output=True, text=True)
+    errors.expect(p.returncode == 2 and "usage" in p.stderr,
+                  "runtime-packages.sh: missing argument not refused")
 
 
 def check_metric_names(errors):

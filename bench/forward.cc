@@ -37,20 +37,6 @@ double matmul_flops(const ModelConfig& c, int N, int T) {
   return per_layer * c.n_layers + 2 * n * D * V;
 }
 
-template <typename F>
-double seconds_per_call(F&& fn, double min_seconds = 1.0) {
-  fn();  // warm up
-  int reps = 0;
-  const auto t0 = Clock::now();
-  double el = 0;
-  do {
-    fn();
-    ++reps;
-    el = std::chrono::duration<double>(Clock::now() - t0).count();
-  } while (el < min_seconds);
-  return el / reps;
-}
-
 // sgemm rate on the model's own shapes, weighted like one standard forward.
 double sgemm_gflops(const ModelConfig& c, int N) {
   const int D = c.d_model, F = c.d_ff, V = c.vocab_size;
@@ -63,7 +49,7 @@ double sgemm_gflops(const ModelConfig& c, int N) {
     }
     gemm(false, true, N, V, D, 1, x.data(), D, w.data(), D, 0, y.data(), V);
   };
-  return matmul_flops(c, N, 1) / seconds_per_call(run) / 1e9;
+  return matmul_flops(c, N, 1) / bench::seconds_per_call(run) / 1e9;
 }
 
 }  // namespace
@@ -89,7 +75,7 @@ int main(int argc, char** argv) {
     Batch b;
     b.seqs.push_back(BatchSeq{ids.data(), N, 0, r.T, &block, 1, false, true});
     std::vector<float> logits;
-    const double s = seconds_per_call([&] { model.forward(b, kv, &logits); });
+    const double s = bench::seconds_per_call([&] { model.forward(b, kv, &logits); });
     const double gf = matmul_flops(c, N, r.T) / s / 1e9;
     std::printf("| %s | %d | %.0f | %.2f | %.1f | %.0f%% |\n", r.name, r.T, N / s, s * 1e3, gf,
                 100 * gf / ref);

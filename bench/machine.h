@@ -1,6 +1,7 @@
-// One line describing the machine a benchmark ran on (CPU model, cores, GPU if any), printed
-// above every benchmark table so recorded numbers carry their context.
+// Shared by the benchmark programs: one line describing the machine (CPU model, cores), printed
+// above every table so recorded numbers carry their context, and a repeat-until-timed helper.
 #pragma once
+#include <chrono>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -17,6 +18,22 @@ inline std::string machine_line() {
     }
   return "machine: " + model + ", " + std::to_string(std::thread::hardware_concurrency()) +
          " cores, no GPU used";
+}
+
+// Seconds per call of fn, after one warm-up call, repeating for at least min_seconds.
+template <typename F>
+double seconds_per_call(F&& fn, double min_seconds = 1.0) {
+  using Clock = std::chrono::steady_clock;
+  fn();
+  int reps = 0;
+  const auto t0 = Clock::now();
+  double el = 0;
+  do {
+    fn();
+    ++reps;
+    el = std::chrono::duration<double>(Clock::now() - t0).count();
+  } while (el < min_seconds);
+  return el / reps;
 }
 
 }  // namespace cemlm::bench

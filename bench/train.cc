@@ -1,7 +1,10 @@
 // bench/train: training throughput of `cemlm train`'s default model (and its standard baseline):
 // tokens/s of whole steps (forward, backward through every recursion step, clipping, AdamW) at
 // T = 1, 2, 4, and the achieved dense-matmul GFLOP/s as a fraction of OpenBLAS sgemm on the same
-// shapes (forward, dX and dW of every linear map), measured in the same run. See docs/BENCHMARKS.md.
+// shapes (forward, dX and dW of every linear map), measured in the same run. See
+// docs/BENCHMARKS.md.
+#include "cemlm/trainer/train.h"
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -10,7 +13,6 @@
 #include "cemlm/kernels/linear.h"
 #include "cemlm/trainer/backprop.h"
 #include "cemlm/trainer/optimizer.h"
-#include "cemlm/trainer/train.h"
 #include "machine.h"
 
 namespace {
@@ -56,27 +58,13 @@ double train_flops(const std::vector<Linear>& ls, int N) {
   return f;
 }
 
-template <typename F>
-double seconds_per_call(F&& fn, double min_seconds) {
-  fn();  // warm up
-  int reps = 0;
-  const auto t0 = Clock::now();
-  double el = 0;
-  do {
-    fn();
-    ++reps;
-    el = std::chrono::duration<double>(Clock::now() - t0).count();
-  } while (el < min_seconds);
-  return el / reps;
-}
-
 // sgemm GFLOP/s on the step's own shapes, each weighted by how often the step does it.
 double sgemm_gflops(const std::vector<Linear>& ls, int N) {
   double flops = 0, seconds = 0;
   for (const Linear& l : ls) {
     std::vector<float> x(size_t(N) * l.in, 0.5f), w(size_t(l.out) * l.in, 0.25f),
         y(size_t(N) * l.out, 0.125f), dw(w.size());
-    const double s = seconds_per_call(
+    const double s = bench::seconds_per_call(
         [&] {
           gemm(false, true, N, l.out, l.in, 1, x.data(), l.in, w.data(), l.in, 0, y.data(), l.out);
           gemm(false, false, N, l.in, l.out, 1, y.data(), l.out, w.data(), l.in, 0, x.data(), l.in);
@@ -98,7 +86,9 @@ int main(int argc, char** argv) {
   std::printf("%s\n", bench::machine_line().c_str());
   std::printf("one training step = forward + backward (batch %d × %d tokens) + clip + AdamW\n\n",
               batch, seq);
-  std::printf("| model | params | T | tokens/s | ms/step | matmul GFLOP/s | sgemm GFLOP/s | %% of sgemm |\n");
+  std::printf(
+      "| model | params | T | tokens/s | ms/step | matmul GFLOP/s | sgemm GFLOP/s | %% of sgemm "
+      "|\n");
   std::printf("|---|---|---|---|---|---|---|---|\n");
   const ModelConfig cem = default_model_config();
   struct Row {
@@ -112,7 +102,7 @@ int main(int argc, char** argv) {
     AdamW opt(params.specs(), AdamWOptions{});
     std::vector<int> ids(N);
     for (int i = 0; i < N; ++i) ids[i] = (i * 97 + 13) % r.c.vocab_size;
-    const double s = seconds_per_call(
+    const double s = bench::seconds_per_call(
         [&] {
           std::fill(grads.flat().begin(), grads.flat().end(), 0.0f);
           forward_backward(r.c, w, gw, ids.data(), batch, seq, r.T);

@@ -20,8 +20,9 @@ namespace {
 
 class CpuRunner final : public ModelRunner {
  public:
-  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks)
-      : ck_(std::move(ck)),
+  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks, int threads)
+      : threads_(threads),
+        ck_(std::move(ck)),
         weights_(bind_weights(ck_.config, ck_.params)),
         model_(ck_.config, weights_),
         kv_(ck_.config, block_size, n_blocks) {}
@@ -29,11 +30,14 @@ class CpuRunner final : public ModelRunner {
   int block_size() const override { return kv_.block_size(); }
   int64_t num_blocks() const override { return kv_.num_blocks(); }
   void forward(const Batch& batch, std::vector<float>* logits) override {
+    // OpenMP's thread count is a per-thread setting and the engine steps on its own thread.
+    if (threads_ > 0) omp_set_num_threads(threads_);
     model_.forward(batch, kv_, logits);
   }
   void copy_block(int32_t src, int32_t dst) override { kv_.copy_block(src, dst); }
 
  private:
+  int threads_;  // 0: OpenMP's default
   Checkpoint ck_;
   Weights weights_;
   CpuModel model_;
@@ -62,11 +66,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
         "kv_cache_memory ", opts.kv_cache_memory, " bytes holds ", blocks,
         " blocks but one max_seq_len sequence needs ", needed, " (",
         needed * opts.block_size * ck.config.kv_bytes_per_token(), " bytes); raise --kv-cache-memory"));
-  if (opts.threads > 0) {
-    omp_set_num_threads(opts.threads);
-    openblas_set_num_threads(opts.threads);
-  }
-  return std::unique_ptr<ModelRunner>(new CpuRunner(std::move(ck), opts.block_size, blocks));
+  if (opts.threads > 0) openblas_set_num_threads(opts.threads);
+  return std::unique_ptr<ModelRunner>(
+      new CpuRunner(std::move(ck), opts.block_size, blocks, opts.threads));
 }
 
 }  // namespace cemlm

@@ -1,0 +1,361 @@
+// bench/engine: serving speed of the CPU runner on a random-init model (D=256, L=4, H=4, d_h=64,
+// F=768, V=4096; full CEM with shared diagonal r=8 and CEM MLP r=8, and the standard baseline):
+// decode tokens/s at batch 1–128 and T = 1, 2, 4 over ~128 tokens of context, prefill tokens/s
+// and time to first token (through the Engine) for a 512-token prompt, KV bytes per token, and
+// the two targets as measured ratios. Not a ctest; `--quick` for a smoke run.
+#include <unistd.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/engine.h"
+#include "cemlm/engine/model_runner.h"
+#include "cemlm/engine/params.h"
+#include "machine.h"
+
+namespace {
+
+using namespace cemlm;
+using BenchClock = std::chrono::steady_clock;
+
+constexpr int kBlockSize = 16;
+constexpr int kContext = 128;     // cached tokens per sequence before the timed decode steps
+constexpr int kDecodeSpan = 16;   // decode steps cycle over positions [kContext, kContext + span)
+constexpr int kMaxBatch = 128;
+
+struct Settings {
+  std::vector<int> batches{1, 8, 32, 128};
+  int prompt = 512;
+  double min_seconds = 0.5;  // per decode cell and round
+  int rounds = 3;
+  int prefill_reps = 2;
+  int threads = 0;           // 0: all cores (the runner's default)
+};
+
+ModelConfig bench_config(bool cem, int layers) {
+  ModelConfig c;
+  c.vocab_size = 4096, c.d_model = 256, c.n_layers = layers, c.n_heads = 4, c.head_dim = 64;
+  c.d_ff = 768, c.max_seq_len = 1024;
+  if (cem) {
+    c.attention = AttentionType::kCem, c.diag = DiagMode::kShared, c.attn_precond_rank = 8;
+    c.mlp = MlpType::kCem, c.mlp_precond_rank = 8;
+  }
+  return c;
+}
+
+std::vector<int> some_ids(int n, int vocab, int salt) {
+  std::vector<int> ids(size_t(n), 0);
+  for (int i = 0; i < n; ++i) ids[size_t(i)] = (i * 97 + salt * 31 + 13) % vocab;
+  return ids;
+}
+
+// A checkpoint on disk, served both by a bare runner and by an Engine.
+struct Model {
+  std::string name;
+  ModelConfig cfg;
+  std::string dir;
+  std::unique_ptr<ModelRunner> runner;
+};
+
+// Room for kMaxBatch decoding sequences plus one prompt, all in disjoint blocks.
+int64_t blocks_per_decode_seq() { return (kContext + kDecodeSpan + kBlockSize - 1) / kBlockSize; }
+int64_t kv_budget(const ModelConfig& c, int prompt) {
+  const int64_t blocks = kMaxBatch * blocks_per_decode_seq() + (prompt + kBlockSize) / kBlockSize;
+  return std::max<int64_t>(blocks, c.max_seq_len / kBlockSize) * kBlockSize * c.kv_bytes_per_token();
+}
+
+Model load_model(const std::string& name, const ModelConfig& c, const std::string& root,
+                 const Settings& s) {
+  Model m{name, c, root + "/" + name, nullptr};
+  ParamStore store(c);
+  store.init_random(1);
+  if (absl::Status st = save_checkpoint(m.dir, c, store); !st.ok()) {
+    std::fprintf(stderr, "saving %s: %s\n", m.dir.c_str(), st.ToString().c_str());
+    std::exit(1);
+  }
+  auto r = make_model_runner(m.dir, RunnerOptions{"cpu", kv_budget(c, s.prompt), kBlockSize, s.threads});
+  if (!r.ok()) {
+    std::fprintf(stderr, "runner for %s: %s\n", name.c_str(), r.status().ToString().c_str());
+    std::exit(1);
+  }
+  m.runner = std::move(r).value();
+  return m;
+}
+
+double seconds_since(BenchClock::time_point t0) {
+  return std::chrono::duration<double>(BenchClock::now() - t0).count();
+}
+
+// Fastest of at least 3 calls of fn() spanning `min_seconds`, after one warm-up call: the minimum
+// rejects the slowdowns of a shared machine, which only ever add time.
+template <typename F>
+double seconds_per_call(F&& fn, double min_seconds) {
+  fn();
+  int reps = 0;
+  double best = 1e30;
+  const auto t0 = BenchClock::now();
+  do {
+    const auto t = BenchClock::now();
+    fn();
+    best = std::min(best, seconds_since(t));
+    ++reps;
+  } while (reps < 3 || seconds_since(t0) < min_seconds);
+  return best;
+}
+
+// Decode timing over per-sequence block tables: sequence i owns a contiguous run of blocks.
+class DecodeBench {
+ public:
+  DecodeBench(ModelRunner& r, int T) : r_(r), T_(T), nb_(blocks_per_decode_seq()) {
+    tables_.resize(size_t(kMaxBatch));
+    for (int i = 0; i < kMaxBatch; ++i)
+      for (int64_t b = 0; b < nb_; ++b) tables_[size_t(i)].push_back(int32_t(i * nb_ + b));
+    // One real prefill of the context at T; the other sequences get copies of its blocks.
+    const std::vector<int> ctx = some_ids(kContext, r.config().vocab_size, T);
+    BatchSeq s{ctx.data(), kContext, 0, T, tables_[0].data(), int(nb_), false, false};
+    std::vector<float> logits;
+    r_.forward(Batch{{s}}, &logits);
+    for (int i = 1; i < kMaxBatch; ++i)
+      for (int b = 0; b < kContext / kBlockSize; ++b)
+        r_.copy_block(tables_[0][size_t(b)], tables_[size_t(i)][size_t(b)]);
+  }
+  // Seconds per engine step decoding one token for each of B sequences.
+  double step_seconds(int B, double min_seconds) {
+    std::vector<int> tokens(static_cast<size_t>(B));
+    for (int i = 0; i < B; ++i) tokens[size_t(i)] = (i * 131 + 7) % r_.config().vocab_size;
+    int step = 0;
+    std::vector<float> logits;
+    return seconds_per_call([&] {
+      Batch batch;
+      const int pos = kContext + step++ % kDecodeSpan;
+      for (int i = 0; i < B; ++i)
+        batch.seqs.push_back(BatchSeq{&tokens[size_t(i)], 1, pos, T_, tables_[size_t(i)].data(),
+                                      int(nb_), true, false});
+      r_.forward(batch, &logits);
+    }, min_seconds);
+  }
+
+ private:
+  ModelRunner& r_;
+  int T_;
+  int64_t nb_;
+  std::vector<std::vector<int32_t>> tables_;
+};
+
+// Best-of-`reps` seconds for one chunk prefilling `n` prompt tokens (the engine's chunk size when
+// max_batch_tokens ≥ n), in the blocks after the decode sequences'.
+double prefill_seconds(ModelRunner& r, int n, int T, int reps) {
+  std::vector<int32_t> table;
+  const int64_t first = kMaxBatch * blocks_per_decode_seq();
+  for (int64_t b = 0; b < (n + kBlockSize - 1) / kBlockSize; ++b) table.push_back(int32_t(first + b));
+  const std::vector<int> ids = some_ids(n, r.config().vocab_size, 99);
+  std::vector<float> logits;
+  double best = 1e30;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = BenchClock::now();
+    r.forward(Batch{{BatchSeq{ids.data(), n, 0, T, table.data(), int(table.size()), true, false}}},
+              &logits);
+    best = std::min(best, seconds_since(t0));
+  }
+  return best;
+}
+
+// Time to first token of one request through an Engine.
+double first_token_seconds(Engine& e, GenerateRequest req) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<StreamEvent> final_event;
+  auto id = e.submit(std::move(req), [&](const StreamEvent& ev) {
+    if (ev.finish_reason == FinishReason::kNone) return;
+    std::lock_guard<std::mutex> lock(mu);
+    final_event = ev;
+    cv.notify_all();
+  });
+  if (!id.ok()) {
+    std::fprintf(stderr, "submit: %s\n", id.status().ToString().c_str());
+    std::exit(1);
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return final_event.has_value(); });
+  const RequestTimings& t = final_event->timings;
+  return std::chrono::duration<double>(t.first_token - t.submitted).count();
+}
+
+// Best-of-`reps` time to first token of an `n`-token prompt (queueing, prefill, sampling) on a
+// warmed-up Engine (a fresh one's first request also pays for first-touch allocations); prefix
+// caching is off so every prompt is prefilled in full.
+double engine_ttft_seconds(const Model& m, int n, int T, const Settings& s) {
+  EngineOptions o;
+  o.model_dir = m.dir;
+  o.threads = s.threads;
+  o.block_size = kBlockSize;
+  o.kv_cache_memory = int64_t(m.cfg.max_seq_len) * m.cfg.kv_bytes_per_token();
+  o.max_batch_tokens = std::max(512, n);
+  o.prefix_caching = false;
+  auto e = Engine::create(o);
+  if (!e.ok()) {
+    std::fprintf(stderr, "engine for %s: %s\n", m.name.c_str(), e.status().ToString().c_str());
+    std::exit(1);
+  }
+  GenerateRequest req;
+  req.prompt_ids = some_ids(n, m.cfg.vocab_size, 5);
+  req.recursion_depth = T;
+  req.sampling.temperature = 0;
+  req.sampling.max_new_tokens = 1;
+  first_token_seconds(**e, req);
+  double best = 1e30;
+  for (int i = 0; i < s.prefill_reps; ++i) best = std::min(best, first_token_seconds(**e, req));
+  return best;
+}
+
+struct Cell {
+  std::string model;
+  int T, B;
+};
+bool operator<(const Cell& a, const Cell& b) {
+  return std::tie(a.model, a.T, a.B) < std::tie(b.model, b.T, b.B);
+}
+
+// The 1-minute load average: other work on the machine inflates the times (multi-threaded steps
+// most, as every OpenMP barrier waits for a descheduled thread).
+std::string load_average() {
+  std::ifstream f("/proc/loadavg");
+  std::string first;
+  f >> first;
+  return first.empty() ? "unknown" : first;
+}
+
+void print_help() {
+  std::printf(
+      "usage: bench/engine [--quick] [--threads N]\n"
+      "  CPU-runner serving benchmark (decode, prefill, TTFT, KV bytes, targets).\n"
+      "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
+      "  --threads N  compute threads (default 0: all cores; 1 is steadier on a busy machine)\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) {
+      s.batches = {1, 8, 32}, s.prompt = 128, s.min_seconds = 0.05, s.prefill_reps = 1;
+      s.rounds = 1;
+    } else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) {
+      s.threads = std::atoi(argv[++i]);
+      if (s.threads < 0) {
+        std::fprintf(stderr, "--threads %s must be >= 0 (0: all cores)\n", argv[i]);
+        return 2;
+      }
+    } else if (!std::strcmp(argv[i], "--help")) {
+      print_help();
+      return 0;
+    } else {
+      std::fprintf(stderr, "unknown argument %s; see --help\n", argv[i]);
+      return 2;
+    }
+  }
+  const auto started = BenchClock::now();
+  const std::string root = (std::filesystem::temp_directory_path() /
+                            ("cemlm_bench_engine_" + std::to_string(getpid()))).string();
+  std::filesystem::create_directories(root);
+  // "cem-L2" has the same shape with half the layers: (cem − cem-L2)·2 is the time of all CEM
+  // sub-layers in a step, the base of the recursion-cost target.
+  std::vector<Model> models;
+  models.push_back(load_model("standard", bench_config(false, 4), root, s));
+  models.push_back(load_model("cem", bench_config(true, 4), root, s));
+  models.push_back(load_model("cem-L2", bench_config(true, 2), root, s));
+
+  std::printf("%s\n", bench::machine_line().c_str());
+  std::printf("threads: %d (OpenMP); load average %s; block size %d; context %d tokens per "
+              "decoding sequence; times are the fastest of repeated steps\n\n",
+              s.threads ? s.threads : omp_get_max_threads(), load_average().c_str(), kBlockSize,
+              kContext);
+
+  // Each cell keeps its best over rounds that sweep every cell, so a busy spell on the machine
+  // cannot skew the ratios between cells measured far apart in time.
+  std::map<Cell, double> step;  // seconds per decode step
+  for (int round = 0; round < s.rounds; ++round)
+    for (Model& m : models)
+      for (int T : {1, 2, 4}) {
+        const bool recursive = m.name == "cem";  // T changes nothing in standard layers
+        if (!recursive && T > 1) continue;
+        DecodeBench bench(*m.runner, T);
+        for (int B : s.batches) {
+          const double sec = bench.step_seconds(B, s.min_seconds);
+          auto [it, fresh] = step.try_emplace(Cell{m.name, T, B}, sec);
+          if (!fresh) it->second = std::min(it->second, sec);
+        }
+      }
+  std::printf("| model | T | batch | ms/step | decode tokens/s |\n|---|---|---|---|---|\n");
+  for (const Model& m : models)
+    for (int T : {1, 2, 4})
+      for (int B : s.batches)
+        if (auto it = step.find(Cell{m.name, T, B}); it != step.end())
+          std::printf("| %s | %d | %d | %.2f | %.0f |\n", m.name.c_str(), T, B, it->second * 1e3,
+                      B / it->second);
+  std::fflush(stdout);
+
+  std::printf("\n| model | T | prefill tokens/s (%d-token prompt) | TTFT ms (warm Engine) |\n|---|---|---|---|\n",
+              s.prompt);
+  for (Model& m : models) {
+    if (m.name == "cem-L2") continue;
+    for (int T : {1, 2, 4}) {
+      if (m.name == "standard" && T > 1) continue;
+      const double pf = prefill_seconds(*m.runner, s.prompt, T, s.prefill_reps);
+      const double ttft = engine_ttft_seconds(m, s.prompt, T, s);
+      std::printf("| %s | %d | %.0f | %.1f |\n", m.name.c_str(), T, s.prompt / pf, ttft * 1e3);
+      std::fflush(stdout);
+    }
+  }
+
+  const ModelConfig& cem = models[1].cfg;
+  const ModelConfig base = baseline_of(cem);
+  std::printf("\n| model | KV bytes/token (fp32) | vs baseline |\n|---|---|---|\n");
+  std::printf("| %s | %lld | %.2f× |\n", cem.variant_name().c_str(),
+              (long long)cem.kv_bytes_per_token(),
+              double(cem.kv_bytes_per_token()) / double(base.kv_bytes_per_token()));
+  std::printf("| %s (baseline) | %lld | 1.00× |\n", base.variant_name().c_str(),
+              (long long)base.kv_bytes_per_token());
+
+  std::printf("\ntarget 1: batch-32 decode tokens/s ÷ batch-1 (target ≥ 8×)\n");
+  for (const auto& [name, T] : std::vector<std::pair<std::string, int>>{
+           {"standard", 1}, {"cem", 1}, {"cem", 2}, {"cem", 4}}) {
+    const double ratio = 32 * step[{name, T, 1}] / step[{name, T, 32}];
+    std::printf("  %-8s T=%d: %.1f× %s\n", name.c_str(), T, ratio, ratio >= 8 ? "(met)" : "(MISSED)");
+  }
+  std::printf(
+      "\ntarget 2: one extra recursion step costs no more than the CEM sub-layers' share of a T=1\n"
+      "step. Share measured, not counted: every attention and MLP sub-layer of the full-CEM model\n"
+      "is a CEM one, so their time is the per-layer time (L=4 minus L=2 model, same shape) × 4;\n"
+      "the rest (embedding, final norm, LM head, host work) is what a T=1 step spends outside.\n");
+  std::printf("| batch | T=1 ms | CEM sub-layers ms (share) | T=2 − T=1 ms | (T=4 − T=1)/3 ms | extra ÷ sub-layers |\n"
+              "|---|---|---|---|---|---|\n");
+  for (int B : s.batches) {
+    const double t1 = step[{"cem", 1, B}], t2 = step[{"cem", 2, B}], t4 = step[{"cem", 4, B}];
+    const double sub = 2 * (t1 - step[{"cem-L2", 1, B}]);
+    const double extra = t2 - t1;
+    std::printf("| %d | %.2f | %.2f (%.0f%%) | %.2f | %.2f | %.2f %s |\n", B, t1 * 1e3, sub * 1e3,
+                100 * sub / t1, extra * 1e3, (t4 - t1) / 3 * 1e3, extra / sub,
+                extra <= sub ? "(met)" : "(MISSED)");
+  }
+  std::filesystem::remove_all(root);
+  std::printf("\nwall time: %.0f s\n", seconds_since(started));
+  return 0;
+}

@@ -1,0 +1,362 @@
+// The engine over the real CPU runner on random-init checkpoints of several variants, with 4-token
+// KV blocks so every request crosses block boundaries: outputs are the same alone, batched, under
+// preemption and with the prefix cache; greedy logprobs and score() match full_forward; and every
+// KV block is available again once the work is done.
+#include "cemlm/engine/engine.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_model.h"
+#include "cemlm/engine/sampler.h"
+#include "tiny_models.h"
+
+namespace cemlm {
+namespace testing_models {
+// Failure messages name the variant instead of dumping its bytes.
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
+}  // namespace testing_models
+namespace {
+
+using testing_models::Variant;
+
+constexpr int kBlockSize = 4;
+constexpr int kMaxSeqLen = 40;          // small, so a cache of a few requests' blocks is legal
+constexpr int kMaxBatchTokens = 16;     // prompts are prefilled in several chunks
+constexpr double kLogprobTol = 1e-5;    // batched vs alone (same kernels, other batch shapes)
+constexpr double kOracleTol = 1e-4;     // paged engine vs full_forward (other summation orders)
+
+// A standard model, a CEM one with per-head diagonals, and both full-CEM ones (LEV, unit step).
+std::vector<Variant> engine_variants() {
+  std::vector<Variant> out;
+  for (const Variant& v : testing_models::all_variants())
+    if (v.name == "llama_tied" || v.name == "cem_perhead" || v.name == "full_cem_lev" ||
+        v.name == "full_cem_unit")
+      out.push_back(v);
+  return out;
+}
+
+std::vector<int> random_ids(int n, int vocab, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int> ids(size_t(n), 0);
+  for (int& t : ids) t = int(rng.next_u64() % uint64_t(vocab));
+  return ids;
+}
+
+GenerateRequest request(std::vector<int> prompt, int max_new, int T,
+                        std::optional<uint64_t> seed = std::nullopt) {
+  GenerateRequest r;
+  r.prompt_ids = std::move(prompt);
+  r.recursion_depth = T;
+  r.sampling.max_new_tokens = max_new;
+  r.sampling.temperature = seed ? 0.8f : 0.0f;
+  r.sampling.top_p = seed ? 0.9f : 1.0f;
+  r.sampling.seed = seed;
+  return r;
+}
+
+struct Output {
+  std::vector<int> ids;
+  std::vector<float> logprobs;
+  FinishReason reason = FinishReason::kNone;
+  Usage usage;
+  RequestTimings timings;
+};
+
+// Gathers each request's events (called back from the engine thread).
+class Collector {
+ public:
+  EventCallback callback() {
+    return [this](const StreamEvent& ev) {
+      std::lock_guard<std::mutex> lock(mu_);
+      Output& o = out_[ev.id];
+      o.ids.insert(o.ids.end(), ev.token_ids.begin(), ev.token_ids.end());
+      o.logprobs.insert(o.logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
+      if (ev.finish_reason == FinishReason::kNone) return;
+      o.reason = ev.finish_reason;
+      o.usage = ev.usage;
+      o.timings = ev.timings;
+      ++finals_;
+      cv_.notify_all();
+    };
+  }
+  // Bounded, so a lost final event fails the test instead of hanging it.
+  bool wait_finals(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(120), [&] { return finals_ >= n; });
+  }
+  Output get(RequestId id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return out_[id];
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<RequestId, Output> out_;
+  int finals_ = 0;
+};
+
+// Submits `reqs` back to back and returns their outputs in order.
+std::vector<Output> run_all(Engine& e, const std::vector<GenerateRequest>& reqs) {
+  Collector c;
+  std::vector<RequestId> ids;
+  for (const GenerateRequest& r : reqs) {
+    auto id = e.submit(r, c.callback());
+    EXPECT_TRUE(id.ok()) << id.status();
+    if (id.ok()) ids.push_back(*id);
+  }
+  EXPECT_TRUE(c.wait_finals(int(ids.size())));
+  std::vector<Output> out;
+  for (RequestId id : ids) out.push_back(c.get(id));
+  return out;
+}
+
+void expect_same(const Output& got, const Output& want, const std::string& what) {
+  EXPECT_EQ(got.ids, want.ids) << what;
+  EXPECT_EQ(got.reason, want.reason) << what;
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+  for (size_t i = 0; i < got.logprobs.size(); ++i)
+    EXPECT_NEAR(got.logprobs[i], want.logprobs[i], kLogprobTol) << what << " token " << i;
+}
+
+// Stats are published after each engine step, so the last step's release shows up shortly after
+// the final event; poll (bounded) instead of reading once.
+void expect_all_blocks_available(const Engine& e) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  EngineStats s = e.stats();
+  while (s.kv_blocks_free != s.kv_blocks_total && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    s = e.stats();
+  }
+  EXPECT_EQ(s.kv_blocks_free, s.kv_blocks_total);
+  EXPECT_GT(s.kv_blocks_total, 0);
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.waiting, 0);
+  EXPECT_EQ(s.kv_cache_usage, 0.0);
+}
+
+// Mixed prompt lengths, T and sampling modes (seeded where sampled).
+std::vector<GenerateRequest> mixed_requests(int vocab) {
+  const int lens[] = {3, 9, 14, 5, 11, 7}, depths[] = {1, 2, 4, 1, 3, 2},
+            max_new[] = {10, 7, 12, 9, 6, 11};
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 6; ++i)
+    reqs.push_back(request(random_ids(lens[i], vocab, 100 + uint64_t(i)), max_new[i], depths[i],
+                           i % 2 ? std::optional<uint64_t>(40 + i) : std::nullopt));
+  return reqs;
+}
+
+class EngineRealTest : public ::testing::TestWithParam<Variant> {
+ protected:
+  void SetUp() override {
+    cfg_ = testing_models::make_config(GetParam());
+    cfg_.max_seq_len = kMaxSeqLen;
+    store_ = ParamStore(cfg_);
+    testing_models::randomize(store_, 11);
+    w_ = bind_weights(cfg_, store_);
+    dir_ = ::testing::TempDir() + "/engine_real_" + GetParam().name + "_" +
+           std::to_string(getpid());
+    const absl::Status st = save_checkpoint(dir_, cfg_, store_);
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::unique_ptr<Engine> engine(int64_t n_blocks = 256, bool prefix_caching = true) {
+    EngineOptions o;
+    o.model_dir = dir_;
+    o.block_size = kBlockSize;
+    o.kv_cache_memory = n_blocks * kBlockSize * cfg_.kv_bytes_per_token();
+    o.max_batch_tokens = kMaxBatchTokens;
+    o.prefix_caching = prefix_caching;
+    o.threads = 1;  // tiny models gain nothing from more, and ctest -j must not oversubscribe
+    auto e = Engine::create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return nullptr;
+    EXPECT_EQ(e.value()->stats().kv_blocks_total, n_blocks);
+    return std::move(e).value();
+  }
+
+  // log p(ids[i] | ids[<i]) for i ≥ 1 from the full-sequence forward ([0] unused).
+  std::vector<double> oracle_logprobs(const std::vector<int>& ids, int T) const {
+    const std::vector<float> logits = full_forward(cfg_, w_, ids, T);
+    const size_t V = size_t(cfg_.vocab_size);
+    std::vector<double> lp(ids.size(), 0.0);
+    for (size_t i = 1; i < ids.size(); ++i) {
+      const std::span<const float> row = std::span<const float>(logits).subspan((i - 1) * V, V);
+      lp[i] = double(row[size_t(ids[i])]) - log_sum_exp(row);
+    }
+    return lp;
+  }
+
+  ModelConfig cfg_;
+  ParamStore store_;
+  Weights w_;
+  std::string dir_;
+};
+
+TEST_P(EngineRealTest, OutputsAreTheSameAloneAndBatched) {
+  const auto reqs = mixed_requests(cfg_.vocab_size);
+  auto batched = engine();
+  ASSERT_NE(batched, nullptr);
+  const auto together = run_all(*batched, reqs);
+  // Every request was still running when the last one was scheduled: they shared steps.
+  Clock::time_point last_scheduled = together[0].timings.scheduled;
+  for (const Output& o : together) last_scheduled = std::max(last_scheduled, o.timings.scheduled);
+  for (const Output& o : together) EXPECT_TRUE(o.timings.finished > last_scheduled);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto alone = engine();
+    ASSERT_NE(alone, nullptr);
+    const Output want = run_all(*alone, {reqs[i]})[0];
+    EXPECT_EQ(int(want.ids.size()), reqs[i].sampling.max_new_tokens);
+    expect_same(together[i], want, "request " + std::to_string(i));
+    expect_all_blocks_available(*alone);
+  }
+  expect_all_blocks_available(*batched);
+}
+
+TEST_P(EngineRealTest, PreemptionKeepsOutputsIdentical) {
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 6; ++i)
+    reqs.push_back(request(random_ids(8 + i, cfg_.vocab_size, 200 + uint64_t(i)), 12, 1 + i % 3,
+                           i % 2 ? std::optional<uint64_t>(7 + i) : std::nullopt));
+  auto roomy = engine();
+  ASSERT_NE(roomy, nullptr);
+  const auto want = run_all(*roomy, reqs);
+  // The largest request needs 7 blocks; the runner's minimum is one max_seq_len sequence (10).
+  auto tiny = engine(kMaxSeqLen / kBlockSize + 1);
+  ASSERT_NE(tiny, nullptr);
+  const auto got = run_all(*tiny, reqs);
+  EXPECT_GT(tiny->stats().preemptions_total, 0);
+  EXPECT_EQ(roomy->stats().preemptions_total, 0);
+  for (size_t i = 0; i < reqs.size(); ++i) expect_same(got[i], want[i], "request " + std::to_string(i));
+  expect_all_blocks_available(*tiny);
+  expect_all_blocks_available(*roomy);
+}
+
+TEST_P(EngineRealTest, ScoringDuringGenerationOnATinyCacheChangesNothing) {
+  const auto reqs = mixed_requests(cfg_.vocab_size);
+  auto roomy = engine();
+  ASSERT_NE(roomy, nullptr);
+  const auto want = run_all(*roomy, reqs);
+  auto tiny = engine(kMaxSeqLen / kBlockSize + 1);
+  ASSERT_NE(tiny, nullptr);
+  Collector c;
+  std::vector<RequestId> ids;
+  for (const GenerateRequest& r : reqs) {
+    auto id = tiny->submit(r, c.callback());
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  // Scoring needs most of the cache, so it preempts whatever runs.
+  const std::vector<int> text = random_ids(kMaxSeqLen, cfg_.vocab_size, 5);
+  for (int T : {1, 2}) {
+    auto scored = tiny->score({text, T});
+    ASSERT_TRUE(scored.ok()) << scored.status();
+    const auto lp = oracle_logprobs(text, T);
+    for (size_t i = 1; i < text.size(); ++i)
+      EXPECT_NEAR(scored->logprobs[i], lp[i], kOracleTol) << "T=" << T << " position " << i;
+  }
+  ASSERT_TRUE(c.wait_finals(int(ids.size())));
+  for (size_t i = 0; i < reqs.size(); ++i)
+    expect_same(c.get(ids[i]), want[i], "request " + std::to_string(i));
+  expect_all_blocks_available(*tiny);
+}
+
+TEST_P(EngineRealTest, PrefixCacheServesSharedPromptsWithIdenticalOutput) {
+  const std::vector<int> prompt = random_ids(20, cfg_.vocab_size, 300);
+  std::vector<int> shared(prompt.begin(), prompt.begin() + 18);
+  for (int t : random_ids(3, cfg_.vocab_size, 301)) shared.push_back(t);
+  const GenerateRequest first = request(prompt, 8, 2);
+  const GenerateRequest same = request(prompt, 8, 2);
+  const GenerateRequest sharing = request(shared, 8, 2, 99);
+  const GenerateRequest other_t = request(shared, 8, 1, 99);
+
+  auto cold = engine(256, /*prefix_caching=*/false);
+  ASSERT_NE(cold, nullptr);
+  const auto want = run_all(*cold, {first, sharing, other_t});
+  EXPECT_EQ(cold->stats().prefix_cache_hits_total, 0);
+
+  auto warm = engine();
+  ASSERT_NE(warm, nullptr);
+  const Output a = run_all(*warm, {first})[0];
+  EXPECT_EQ(a.usage.cached_prompt_tokens, 0);
+  const Output b = run_all(*warm, {sharing})[0];
+  // The 18 shared tokens hold 4 full blocks.
+  EXPECT_EQ(b.usage.cached_prompt_tokens, 18 / kBlockSize * kBlockSize);
+  const Output a2 = run_all(*warm, {same})[0];
+  EXPECT_GT(a2.usage.cached_prompt_tokens, 0);
+  EXPECT_LT(a2.usage.cached_prompt_tokens, int(prompt.size()));
+  const Output c = run_all(*warm, {other_t})[0];
+  EXPECT_EQ(c.usage.cached_prompt_tokens, 0) << "cached blocks must not serve another T";
+  EXPECT_EQ(warm->stats().prefix_cache_hits_total,
+            b.usage.cached_prompt_tokens + a2.usage.cached_prompt_tokens);
+
+  expect_same(a, want[0], "first");
+  expect_same(b, want[1], "sharing a prefix");
+  expect_same(a2, want[0], "repeated prompt");
+  expect_same(c, want[2], "other T");
+  expect_all_blocks_available(*warm);
+  expect_all_blocks_available(*cold);
+}
+
+TEST_P(EngineRealTest, GreedyLogprobsMatchTheFullForward) {
+  auto e = engine();
+  ASSERT_NE(e, nullptr);
+  for (int T : {1, 2, 4}) {
+    const std::vector<int> prompt = random_ids(7, cfg_.vocab_size, 400 + uint64_t(T));
+    const Output o = run_all(*e, {request(prompt, 14, T)})[0];
+    ASSERT_EQ(o.ids.size(), 14u);
+    std::vector<int> seq = prompt;
+    seq.insert(seq.end(), o.ids.begin(), o.ids.end());
+    const std::vector<float> logits = full_forward(cfg_, w_, seq, T);
+    const auto lp = oracle_logprobs(seq, T);
+    const size_t V = size_t(cfg_.vocab_size);
+    for (size_t i = 0; i < o.ids.size(); ++i) {
+      const size_t pos = prompt.size() + i;  // the generated token's position in seq
+      EXPECT_NEAR(o.logprobs[i], lp[pos], kOracleTol) << "T=" << T << " token " << i;
+      const float* row = logits.data() + (pos - 1) * V;
+      EXPECT_GE(row[o.ids[i]], *std::max_element(row, row + V) - kOracleTol)
+          << "T=" << T << " token " << i << " is not the argmax";
+    }
+  }
+  expect_all_blocks_available(*e);
+}
+
+TEST_P(EngineRealTest, ScoreMatchesFullForwardNll) {
+  auto e = engine();
+  ASSERT_NE(e, nullptr);
+  const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 500);
+  for (int T : {1, 2, 4}) {
+    auto got = e->score({ids, T});
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->recursion_depth, T);
+    EXPECT_TRUE(std::isnan(got->logprobs[0]));
+    const auto lp = oracle_logprobs(ids, T);
+    double sum = 0;
+    for (size_t i = 1; i < ids.size(); ++i) {
+      EXPECT_NEAR(got->logprobs[i], lp[i], kOracleTol) << "T=" << T << " position " << i;
+      sum += lp[i];
+    }
+    const double nll = -sum / double(ids.size() - 1);
+    EXPECT_NEAR(got->nll, nll, kOracleTol) << "T=" << T;
+    EXPECT_NEAR(got->perplexity, std::exp(nll), kOracleTol * std::exp(nll)) << "T=" << T;
+  }
+  expect_all_blocks_available(*e);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, EngineRealTest, ::testing::ValuesIn(engine_variants()),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace cemlm

@@ -9,9 +9,7 @@
 #include "cemlm/engine/cpu_model.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/status.h"
-#ifdef CEMLM_HAVE_CUDA
-#include "cemlm/engine/cuda_runner.h"
-#endif
+#include "cemlm/engine/plugin.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -48,9 +46,17 @@ class CpuRunner final : public ModelRunner {
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
                                                                const RunnerOptions& opts) {
-#ifdef CEMLM_HAVE_CUDA
-  if (opts.device.rfind("cuda", 0) == 0) return make_cuda_model_runner(model_dir, opts);
-#endif
+  if (opts.device.rfind("cuda", 0) == 0) {
+    std::string why;
+    auto factory = reinterpret_cast<CudaRunnerFactory (*)()>(
+        load_plugin_entry("libcemlm_cuda.so", "CEMLM_CUDA_PLUGIN", CEMLM_CUDA_PLUGIN_BUILD_PATH,
+                          "cemlm_cuda_runner_factory", /*deep_bind=*/false, &why));
+    if (!factory)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "device \"", opts.device, "\": the CUDA backend plugin libcemlm_cuda.so cannot be loaded (",
+          why, "); build with -DCEMLM_CUDA=ON and install it beside cemlm, or use --device cpu"));
+    return factory()(model_dir, opts);
+  }
   if (opts.device != "cpu")
     return absl::InvalidArgumentError(absl::StrCat(
         "device \"", opts.device, "\" is not available in this build; use --device cpu "

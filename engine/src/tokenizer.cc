@@ -2,7 +2,6 @@
 // SentencePiece plugin (see spm_api.h), which is found and loaded here on first use.
 #include "cemlm/engine/tokenizer.h"
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +12,7 @@
 #include <unordered_map>
 
 #include "cemlm/engine/corpus.h"
+#include "cemlm/engine/plugin.h"
 #include "cemlm/kernels/tensor.h"  // CEMLM_CHECK
 #include "spm_api.h"
 
@@ -27,38 +27,16 @@ constexpr unsigned kTrainSeed = 20240229;
 constexpr char kReplacementChar[] = "\xEF\xBF\xBD";  // U+FFFD: what decode makes of partial bytes
 constexpr char kPluginName[] = "libcemlm_spm.so";
 
-// Where the plugin may be, in order: $CEMLM_SPM_PLUGIN, beside the program, ../lib of the
-// program, the build tree, then the library search path.
-std::vector<std::string> plugin_candidates() {
-  std::vector<std::string> out;
-  if (const char* env = std::getenv("CEMLM_SPM_PLUGIN"); env && *env) out.push_back(env);
-  std::error_code ec;
-  if (fs::path exe = fs::read_symlink("/proc/self/exe", ec); !ec) {
-    out.push_back((exe.parent_path() / kPluginName).string());
-    out.push_back((exe.parent_path().parent_path() / "lib" / kPluginName).string());
-  }
-  out.push_back(CEMLM_SPM_PLUGIN_BUILD_PATH);
-  out.push_back(kPluginName);
-  return out;
-}
-
 // The plugin's table, loaded once; null with *error when no candidate loads.
 const SpmApi* spm(std::string* error) {
   static std::once_flag once;
   static const SpmApi* api = nullptr;
   static std::string failure;
   std::call_once(once, [] {
-    for (const std::string& path : plugin_candidates()) {
-      if (path.find('/') != std::string::npos && !fs::exists(path)) continue;
-      void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
-      auto entry =
-          lib ? reinterpret_cast<const SpmApi* (*)()>(dlsym(lib, "cemlm_spm_api")) : nullptr;
-      if (entry) {
-        api = entry();
-        return;
-      }
-      failure = dlerror();
-    }
+    auto entry = reinterpret_cast<const SpmApi* (*)()>(
+        load_plugin_entry(kPluginName, "CEMLM_SPM_PLUGIN", CEMLM_SPM_PLUGIN_BUILD_PATH,
+                          "cemlm_spm_api", /*deep_bind=*/true, &failure));
+    if (entry) api = entry();
   });
   if (!api && error)
     *error = "cannot load the SentencePiece plugin " + std::string(kPluginName) +

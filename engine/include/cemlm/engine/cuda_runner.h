@@ -1,7 +1,7 @@
 // The CUDA model runner: the ModelRunner of cpu_model.h's forward pass on one GPU, with weights
 // uploaded once (bf16 matrices for serving, fp32 for parity), the paged KV cache in device
 // memory, CUDA graphs replaying repeated decode steps, and on-device sampling. Built only with
-// CEMLM_HAVE_CUDA; make_model_runner routes --device cuda[:bf16|:fp32] here.
+// CEMLM_HAVE_CUDA, wrapped in the libcemlm_cuda.so plugin that make_model_runner loads for --device cuda[:bf16|:fp32].
 #pragma once
 #include <cstdint>
 #include <memory>

@@ -47,7 +47,11 @@ struct RunnerOptions {
   int threads = 0;
 };
 
-// CPU (or CUDA when built and requested) runner over a loaded checkpoint.
+// The CUDA runner's factory, as exported by the libcemlm_cuda.so plugin.
+using CudaRunnerFactory = absl::StatusOr<std::unique_ptr<ModelRunner>> (*)(
+    const std::string& model_dir, const RunnerOptions& opts);
+
+// CPU runner over a loaded checkpoint; "cuda", "cuda:bf16", "cuda:fp32" load the CUDA plugin.
 absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
                                                                const RunnerOptions& opts);
 

@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import re
+import resource
 import shlex
 import struct
 import subprocess
@@ -21,8 +22,8 @@ FORTUNES = "/usr/share/games/fortunes"
 # Model shape and run budget per mode; every run of one invocation shares them.
 MODES = {
     "full": dict(vocab=2048, d_model=64, n_layers=2, n_heads=2, head_dim=32, d_ff=192,
-                 seq_len=64, batch=8, steps=200, warmup=20, eval_windows=32, rare_windows=24,
-                 decode_tokens=32, decode_repeats=2,
+                 seq_len=64, batch=8, steps=500, warmup=50, eval_windows=32, rare_windows=24,
+                 decode_tokens=240, decode_repeats=5,
                  data=[FORTUNES]),
     "quick": dict(vocab=512, d_model=16, n_layers=1, n_heads=1, head_dim=16, d_ff=32,
                   seq_len=32, batch=2, steps=6, warmup=2, eval_windows=4, rare_windows=4,
@@ -115,7 +116,7 @@ def model_config(v, m):
         embedding["lev"] = {"digits": 3, "seed_dim": 16, "knots": 8, "rank": 16, "heads": 4}
     return {"architecture": "cemlm", "format_version": 1, "vocab_size": m["vocab"],
             "d_model": m["d_model"], "n_layers": m["n_layers"], "n_heads": m["n_heads"],
-            "head_dim": m["head_dim"], "d_ff": m["d_ff"], "max_seq_len": 2 * m["seq_len"],
+            "head_dim": m["head_dim"], "d_ff": m["d_ff"], "max_seq_len": 4 * m["seq_len"],
             "embedding": embedding, "attention": attention, "mlp": mlp,
             "recursion": {"default": 2, "max": 8, "step_size": v["step"]}}
 
@@ -130,6 +131,7 @@ def train(v, args, m, ctx):
     run_dir = os.path.join(ctx["out"], "runs", v["name"])
     log = os.path.join(ctx["out"], "logs", v["name"] + ".log")
     jsonl = os.path.join(run_dir, "train.jsonl")
+    cpu_file = os.path.join(ctx["out"], "logs", v["name"] + ".cpu_s")
     done = os.path.exists(jsonl) and any("val_ppl" in r for r in read_jsonl(jsonl))
     if not done:
         cfg = os.path.join(ctx["out"], "configs", v["name"] + ".json")
@@ -146,7 +148,10 @@ def train(v, args, m, ctx):
                "--max-minutes", str(args.max_minutes), "--log-every", "20"]
         ctx["commands"].append(cmd)
         print(f"[paper] training {v['name']}", flush=True)
+        before = cpu_seconds()
         run(cmd, log)
+        with open(cpu_file, "w") as f:
+            f.write(f"{cpu_seconds() - before}\n")
     rows = read_jsonl(jsonl)
     steps_rows = [r for r in rows if "loss" in r]
     last_eval = [r for r in rows if "val_ppl" in r][-1]
@@ -156,6 +161,7 @@ def train(v, args, m, ctx):
     return dict(name=v["name"], label=v["label"], train_t=v["train_t"], step=v["step"],
                 steps=last["step"], tokens=last["tokens"], capped=last["step"] < m["steps"],
                 tokens_per_s=last["tokens"] / last["elapsed_s"], final_loss=last["loss"],
+                tokens_per_cpu_s=last["tokens"] / float(open(cpu_file).read()),
                 ppl=ppl, **params)
 
 
@@ -227,7 +233,8 @@ def rare_tokens(ctx, m, train_ids, val_ids):
 
 def decode_cost(ctx, m, val_ids):
     """Milliseconds per generated token at each T: (time of N tokens - time of 1) / (N - 1),
-    best of `decode_repeats`, so process start and model load cancel out."""
+    best of `decode_repeats`, so process start and model load cancel out. Both wall time and
+    the child's CPU time (user + sys, all threads), which a shared machine disturbs less."""
     model = os.path.join(ctx["out"], "runs", DECODE_MODEL)
     prompt = ",".join(map(str, val_ids[:8]))
 
@@ -235,20 +242,27 @@ def decode_cost(ctx, m, val_ids):
         cmd = [ctx["cemlm"], "generate", "--model", model, "--prompt-ids", prompt,
                "--recursion", str(t), "--max-new-tokens", str(n), "--temperature", "0",
                "--json"]
-        best = None
+        wall, cpu = [], []
         for _ in range(m["decode_repeats"]):
-            start = time.perf_counter()
+            before, start = cpu_seconds(), time.perf_counter()
             out = json.loads(run(cmd))
-            elapsed = time.perf_counter() - start
-            best = elapsed if best is None else min(best, elapsed)
-        return best, len(out["ids"])
+            wall.append(time.perf_counter() - start)
+            cpu.append(cpu_seconds() - before)
+        return min(wall), min(cpu), len(out["ids"])
 
     costs = {}
     for t in SCALING_T:
-        t1, n1 = timed(t, 1)
-        tn, nn = timed(t, m["decode_tokens"])
-        costs[t] = dict(ms_per_token=1000 * (tn - t1) / max(nn - n1, 1), tokens=nn)
+        w1, c1, n1 = timed(t, 1)
+        wn, cn, nn = timed(t, m["decode_tokens"])
+        extra = max(nn - n1, 1)
+        costs[t] = dict(ms_per_token=1000 * (wn - w1) / extra,
+                        cpu_ms_per_token=1000 * (cn - c1) / extra, tokens=nn)
     return costs
+
+
+def cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def machine():
@@ -349,13 +363,13 @@ def fmt_params(n):
 
 def variant_table(rows):
     out = ["| variant | train T | params total | params w/o emb+head | val ppl T=1 | T=2 | T=4 "
-           "| train tok/s | steps |", "|---|---|---|---|---|---|---|---|---|"]
+           "| train tok/s | tok/CPU-s | steps |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ppl = r["ppl"]
         cells = [f"{ppl[t]:.2f}" if t in ppl else f"{ppl[1]:.2f}†" for t in TABLE_T]
         out.append(f"| {r['label']} | {r['train_t']} | {fmt_params(r['params_total'])} | "
                    f"{fmt_params(r['params_non_embedding'])} | {' | '.join(cells)} | "
-                   f"{r['tokens_per_s']:.0f} | {r['steps']}{'*' if r['capped'] else ''} |")
+                   f"{r['tokens_per_s']:.0f} | {r['tokens_per_cpu_s']:.0f} | {r['steps']}{'*' if r['capped'] else ''} |")
     out.append("\n† no CEM sub-layer: T changes nothing, the T=1 value is repeated. "
                "* stopped early by --max-minutes.")
     return "\n".join(out)
@@ -374,8 +388,10 @@ def scaling_table(rows):
 def decode_table(costs):
     return "\n".join(["| T | " + " | ".join(str(t) for t in SCALING_T) + " |",
                       "|---|" + "---|" * len(SCALING_T),
-                      "| ms / token | " + " | ".join(f"{costs[t]['ms_per_token']:.2f}"
-                                                     for t in SCALING_T) + " |"])
+                      "| wall ms / token | " + " | ".join(f"{costs[t]['ms_per_token']:.2f}"
+                                                          for t in SCALING_T) + " |",
+                      "| CPU ms / token | " + " | ".join(f"{costs[t]['cpu_ms_per_token']:.2f}"
+                                                         for t in SCALING_T) + " |"])
 
 
 def bucket_name(b):
@@ -444,7 +460,8 @@ def write_plots(out, res):
                [(r["name"], [r["ppl"][t] for t in SCALING_T]) for r in res["scaling"]])
     line_chart(os.path.join(out, "decode.svg"), f"decode cost per token ({DECODE_MODEL})", "T",
                "ms / token", SCALING_T,
-               [(DECODE_MODEL, [res["decode"][t]["ms_per_token"] for t in SCALING_T])])
+               [(name, [res["decode"][t][key] for t in SCALING_T])
+                for name, key in (("wall", "ms_per_token"), ("CPU", "cpu_ms_per_token"))])
     for k, pair in enumerate(RARE_PAIRS):
         kept = [b for b in range(len(RARE_BUCKETS)) if res["rare"][pair[0]][b] is not None]
         line_chart(os.path.join(out, f"rare_{k}.svg"), "perplexity by train-set frequency",

@@ -1,10 +1,10 @@
 // Kills `cemlm train` (SIGKILL) at arbitrary moments of a run that saves every step: each time,
 // the checkpoint directory must still load and the run must resume; at the end no temporary
 // directory may be left. The binary's path comes from CMake (CEMLM_BINARY).
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
-#include <fcntl.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -39,10 +39,11 @@ pid_t spawn_quietly(std::vector<std::string> args) {
 TEST(TrainKill, KilledAtAnyMomentTheCheckpointLoadsAndResumes) {
   const std::string dir = testing_trainer::fresh_dir();
   TrainOptions o = testing_trainer::tiny_options(dir);
-  const std::vector<std::string> args = {
-      CEMLM_BINARY, "train", "--config", o.config_path, "--data", o.data[0], "--out", o.out_dir,
-      "--steps", "100000", "--save-every", "1", "--eval-every", "100000", "--batch-size", "2",
-      "--seq-len", "16", "--threads", "1"};
+  const std::vector<std::string> args = {CEMLM_BINARY,   "train",   "--config",     o.config_path,
+                                         "--data",       o.data[0], "--out",        o.out_dir,
+                                         "--steps",      "100000",  "--save-every", "1",
+                                         "--eval-every", "100000",  "--batch-size", "2",
+                                         "--seq-len",    "16",      "--threads",    "1"};
   int64_t last_step = 0;
   for (int delay_ms : {0, 37, 151, 290, 433}) {
     auto run_args = args;

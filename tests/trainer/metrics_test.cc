@@ -52,7 +52,8 @@ TEST(LossCurve, SvgHasEveryCurveAxesAndLabels) {
 }
 
 TEST(LineChart, EscapesTextAndSurvivesEmptyAndFlatSeries) {
-  const std::string svg = line_chart_svg({{"a<b", {}, {}}, {"flat", {1, 2}, {3, 3}}}, "x & y", "s", "v");
+  const std::string svg =
+      line_chart_svg({{"a<b", {}, {}}, {"flat", {1, 2}, {3, 3}}}, "x & y", "s", "v");
   EXPECT_NE(svg.find("a&lt;b"), std::string::npos);
   EXPECT_NE(svg.find("x &amp; y"), std::string::npos);
   EXPECT_EQ(svg.find("nan"), std::string::npos);

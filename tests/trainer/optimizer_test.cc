@@ -84,7 +84,8 @@ TEST(AdamW, LoadRefusesStateOfAnotherLayout) {
   std::vector<ParamSpec> other = {{"a", {3}, InitKind::kNormal, 0.02f, true, 0}};
   const absl::Status st = AdamW(other, AdamWOptions{}).load(dir + "/opt.safetensors");
   EXPECT_FALSE(st.ok());
-  other = {{"a", {1}, InitKind::kNormal, 0.02f, true, 0}, {"b", {2}, InitKind::kNormal, 0.02f, false, 1}};
+  other = {{"a", {1}, InitKind::kNormal, 0.02f, true, 0},
+           {"b", {2}, InitKind::kNormal, 0.02f, false, 1}};
   const absl::Status st2 = AdamW(other, AdamWOptions{}).load(dir + "/opt.safetensors");
   ASSERT_FALSE(st2.ok());
   EXPECT_NE(st2.message().find("adam_m.a"), std::string::npos) << st2.message();

@@ -55,8 +55,8 @@ TEST(Train, LossFallsOnATinyCorpus) {
   ASSERT_EQ(r.steps.size(), 40u);
   double first = 0, last = 0;
   for (int i = 0; i < 5; ++i) first += r.steps[i].loss, last += r.steps[35 + i].loss;
-  EXPECT_LT(last, first - 5 * 0.5) << "mean loss of the first 5 steps " << first / 5
-                                   << ", of the last 5 " << last / 5;
+  EXPECT_LT(last, first - 5 * 0.5)
+      << "mean loss of the first 5 steps " << first / 5 << ", of the last 5 " << last / 5;
   ASSERT_EQ(r.evals.size(), 1u);
   EXPECT_EQ(r.evals[0].loss.size(), 2u);  // T = 1 and 2
   EXPECT_LT(r.evals[0].loss[0].second, std::log(300.0));
@@ -126,6 +126,7 @@ TEST(Train, AccumulatingTwoBatchesOfOneEqualsOneBatchOfTwo) {
 TEST(Train, CheckpointHoldsModelOptimizerStateAndMetricsWithNoLeftovers) {
   const std::string dir = fresh_dir();
   TrainOptions o = tiny_options(dir);
+  o.out_dir += "/";  // the cache still goes beside the checkpoint, not into it
   o.save_every = 5;
   std::vector<int64_t> saves;
   TrainCallbacks cb;
@@ -188,9 +189,9 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   const std::string dir = fresh_dir();
   const TrainOptions o = tiny_options(dir);
   const std::vector<std::string> base = {
-      "--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--batch-size", "4",
-      "--seq-len", "24", "--eval-windows", "4", "--eval-recursion", "1", "--threads", "1",
-      "--lr", "0.005"};
+      "--config",         o.config_path, "--data",    o.data[0], "--out",          o.out_dir,
+      "--batch-size",     "4",           "--seq-len", "24",      "--eval-windows", "4",
+      "--eval-recursion", "1",           "--threads", "1",       "--lr",           "0.005"};
   auto args = base;
   for (std::string a : {"--steps", "3"}) args.push_back(a);
   ASSERT_EQ(cli(args).first, 0);
@@ -200,11 +201,13 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   EXPECT_EQ(saved->steps, 5);
   EXPECT_EQ(saved->lr, 0.005);
   EXPECT_EQ(saved->seq_len, 24);
-  auto log = MetricsLog::parse([&] {
-    std::string s, e;
-    read_file(o.out_dir + "/" + kMetricsFile, &s, &e);
-    return s;
-  }(), "train.jsonl");
+  auto log = MetricsLog::parse(
+      [&] {
+        std::string s, e;
+        read_file(o.out_dir + "/" + kMetricsFile, &s, &e);
+        return s;
+      }(),
+      "train.jsonl");
   ASSERT_TRUE(log.ok());
   EXPECT_EQ(log->steps().back().step, 5);
 }
@@ -215,12 +218,36 @@ TEST(TrainCli, HelpListsEveryFlagWithItsDefault) {
   std::vector<char*> argv = {args[0].data()};
   EXPECT_EQ(cli::cmd_train(1, argv.data()), 0);
   const std::string help = ::testing::internal::GetCapturedStdout();
-  for (const char* flag :
-       {"--out", "--resume", "--config", "--init", "--tokenizer", "--vocab-size", "--data",
-        "--cache", "--val-fraction", "--steps", "--batch-size", "--seq-len", "--accum", "--lr",
-        "--min-lr", "--warmup", "--weight-decay", "--beta1", "--beta2", "--adam-eps", "--clip",
-        "--train-recursion", "--eval-recursion", "--eval-every", "--eval-windows",
-        "--save-every", "--threads", "--seed", "--max-minutes", "--log-every"})
+  for (const char* flag : {"--out",
+                           "--resume",
+                           "--config",
+                           "--init",
+                           "--tokenizer",
+                           "--vocab-size",
+                           "--data",
+                           "--cache",
+                           "--val-fraction",
+                           "--steps",
+                           "--batch-size",
+                           "--seq-len",
+                           "--accum",
+                           "--lr",
+                           "--min-lr",
+                           "--warmup",
+                           "--weight-decay",
+                           "--beta1",
+                           "--beta2",
+                           "--adam-eps",
+                           "--clip",
+                           "--train-recursion",
+                           "--eval-recursion",
+                           "--eval-every",
+                           "--eval-windows",
+                           "--save-every",
+                           "--threads",
+                           "--seed",
+                           "--max-minutes",
+                           "--log-every"})
     EXPECT_TRUE(help.find(std::string(flag) + " ") != std::string::npos ||
                 help.find(std::string(flag) + "\n") != std::string::npos)
         << flag;
@@ -234,8 +261,9 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
   const TrainOptions o = tiny_options(dir);
   testing_trainer::write_file(dir + "/empty/blank.txt", "\n\n");
   testing_trainer::write_file(dir + "/only_dat/x.dat", "x");
-  const std::vector<std::string> base = {"--config", o.config_path, "--out", dir + "/bad",
-                                         "--steps", "2", "--threads", "1", "--seq-len", "24"};
+  const std::vector<std::string> base = {"--config",  o.config_path, "--out",     dir + "/bad",
+                                         "--steps",   "2",           "--threads", "1",
+                                         "--seq-len", "24"};
   struct Case {
     std::vector<std::string> args;
     std::string flag;
@@ -278,8 +306,7 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
     if (c.flag != "--data") args.insert(args.end(), {"--data", o.data[0]});
     const auto [rc, err] = cli(args);
     EXPECT_NE(rc, 0) << c.args[0] << " " << c.args[1];
-    EXPECT_NE(err.find(c.flag), std::string::npos)
-        << c.args[0] << " " << c.args[1] << ": " << err;
+    EXPECT_NE(err.find(c.flag), std::string::npos) << c.args[0] << " " << c.args[1] << ": " << err;
     EXPECT_FALSE(fs::exists(dir + "/bad/config.json")) << c.args[0] << " " << c.args[1];
   }
   const auto [rc, err] = cli({"--out", dir + "/never-trained", "--resume"});

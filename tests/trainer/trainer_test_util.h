@@ -32,8 +32,8 @@ inline void write_file(const std::string& path, const std::string& text) {
 // `n` short documents of simple, repetitive sentences: learnable by a tiny model in a few
 // dozen steps. Deterministic for a seed.
 inline std::string corpus_text(int n, uint64_t seed) {
-  const std::vector<std::string> subjects = {"the cat", "a dog", "my friend", "the old man",
-                                             "a small bird", "the teacher"};
+  const std::vector<std::string> subjects = {"the cat",     "a dog",        "my friend",
+                                             "the old man", "a small bird", "the teacher"};
   const std::vector<std::string> verbs = {"sees", "likes", "finds", "follows", "calls"};
   const std::vector<std::string> objects = {"the ball", "a red apple", "the quiet river",
                                             "a green hat", "the open door"};
@@ -55,7 +55,8 @@ inline std::string tiny_config_json(const std::string& extra = "") {
     "n_layers": 1, "n_heads": 2, "head_dim": 4, "d_ff": 24, "max_seq_len": 64,
     "embedding": {"type": "table"}, "attention": {"type": "cem", "diag": "shared",
     "precond_rank": 2}, "mlp": {"type": "cem", "precond_rank": 2},
-    "recursion": {"default": 2, "max": 4})" + extra + "}";
+    "recursion": {"default": 2, "max": 4})" +
+         extra + "}";
 }
 
 // A tiny model on a ~25 KB corpus under `dir`, evaluated rarely, on one thread.

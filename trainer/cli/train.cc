@@ -1,6 +1,8 @@
 // `cemlm train`: flags → TrainOptions (with --resume, the run's saved options, overridden only
 // by the flags given again), then the training loop with a live progress line on a terminal,
 // plain lines otherwise, and a clean stop-and-save on Ctrl-C.
+#include "cemlm/trainer/train.h"
+
 #include <unistd.h>
 
 #include <cmath>
@@ -13,7 +15,6 @@
 #include "absl/strings/str_join.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
-#include "cemlm/trainer/train.h"
 
 namespace cemlm::cli {
 namespace {
@@ -44,11 +45,12 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   t.train_recursion = recursion_range_text(o.train_recursion);
   t.eval_recursion = absl::StrJoin(o.eval_recursion, ",");
   t.seed = int64_t(o.seed);
-  Flags f("cemlm train [--out DIR] [--config FILE | --init DIR] [--data PATH...] [options]",
-          "Train a CEM/Leviathan language model on UTF-8 text and write a checkpoint directory\n"
-          "(config.json, model.safetensors, tokenizer.model, optimizer and trainer state,\n"
-          "train.jsonl, loss.svg) every --save-every steps and at the end, atomically.\n"
-          "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).");
+  Flags f(
+      "cemlm train [--out DIR] [--config FILE | --init DIR] [--data PATH...] [options]",
+      "Train a CEM/Leviathan language model on UTF-8 text and write a checkpoint directory\n"
+      "(config.json, model.safetensors, tokenizer.model, optimizer and trainer state,\n"
+      "train.jsonl, loss.svg) every --save-every steps and at the end, atomically.\n"
+      "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).");
   f.add("out", &o.out_dir, "checkpoint directory to write");
   f.add_bool("resume", &o.resume,
              "continue the run saved in --out (same options unless given again; bit-exact)");
@@ -60,13 +62,16 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
         "vocabulary of a new model and of the tokenizer trained for it (0: the config's)");
   f.add_list("data", &t.data,
              std::string("UTF-8 text files or directories (walked recursively; .dat/.u8 skipped; "
-                         "a line '%' separates documents) (default: ") + kDefaultData + ")");
+                         "a line '%' separates documents) (default: ") +
+                 kDefaultData + ")");
   f.add("cache", &o.cache_dir, "token and tokenizer cache directory (default: <out>.cache)");
-  f.add("val-fraction", &o.val_fraction, "share of each file's tokens (its end) held out for validation");
+  f.add("val-fraction", &o.val_fraction,
+        "share of each file's tokens (its end) held out for validation");
   f.add("steps", &o.steps, "optimizer updates in the whole run");
   f.add("batch-size", &o.batch_size, "sequences per micro-batch");
   f.add("seq-len", &o.seq_len, "tokens per sequence (at most the model's max_seq_len)");
-  f.add("accum", &o.accum, "micro-batches accumulated per update (update = batch-size × accum rows)");
+  f.add("accum", &o.accum,
+        "micro-batches accumulated per update (update = batch-size × accum rows)");
   f.add("lr", &o.lr, "peak learning rate, reached after --warmup steps");
   f.add("min-lr", &o.min_lr, "learning rate at the end of the cosine decay");
   f.add("warmup", &o.warmup, "linear warmup steps");

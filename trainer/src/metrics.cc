@@ -18,10 +18,14 @@ using nlohmann::ordered_json;
 constexpr size_t kMaxTrainPoints = 200;  // bucket averages keep the training curve readable
 
 ordered_json step_json(const StepMetrics& m) {
-  return {{"step", m.step},     {"T", m.T},
-          {"loss", m.loss},     {"lr", m.lr},
-          {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
-          {"tokens_per_s", m.tokens_per_s}, {"elapsed_s", m.elapsed_s}};
+  return {{"step", m.step},
+          {"T", m.T},
+          {"loss", m.loss},
+          {"lr", m.lr},
+          {"grad_norm", m.grad_norm},
+          {"tokens", m.tokens},
+          {"tokens_per_s", m.tokens_per_s},
+          {"elapsed_s", m.elapsed_s}};
 }
 
 ordered_json eval_json(const EvalMetrics& m) {
@@ -80,7 +84,8 @@ absl::StatusOr<MetricsLog> MetricsLog::parse(const std::string& jsonl, const std
   int line_no = 0;
   for (absl::string_view line : absl::StrSplit(jsonl, '\n', absl::SkipEmpty())) {
     ++line_no;
-    const ordered_json j = ordered_json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+    const ordered_json j =
+        ordered_json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
     bool ok = false;
     try {
       ok = parse_line(j, log);
@@ -97,7 +102,8 @@ absl::StatusOr<MetricsLog> MetricsLog::parse(const std::string& jsonl, const std
 std::string MetricsLog::svg(const std::string& title) const {
   std::vector<Series> series;
   Series train{"train"};
-  const size_t bucket = std::max<size_t>(1, (steps_.size() + kMaxTrainPoints - 1) / kMaxTrainPoints);
+  const size_t bucket =
+      std::max<size_t>(1, (steps_.size() + kMaxTrainPoints - 1) / kMaxTrainPoints);
   for (size_t b = 0; b < steps_.size(); b += bucket) {
     const size_t e = std::min(steps_.size(), b + bucket);
     double sum = 0;

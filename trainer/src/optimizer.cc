@@ -54,7 +54,8 @@ absl::Status AdamW::save(const std::string& path) const {
   for (const auto* moments : {&m_, &v_})
     for (const ParamSpec& s : specs_)
       tensors.push_back(NamedTensor{absl::StrCat(moments == &m_ ? kFirst : kSecond, s.name),
-                                    s.shape, {moments->data() + s.offset, size_t(s.numel())}});
+                                    s.shape,
+                                    {moments->data() + s.offset, size_t(s.numel())}});
   return write_safetensors(path, tensors, {{"step", std::to_string(steps_)}});
 }
 
@@ -70,8 +71,8 @@ absl::Status AdamW::load(const std::string& path) {
       const TensorInfo* t = file.find(name);
       if (!t || t->shape != s.shape)
         return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' is ",
-                                                       t ? "mis-shaped" : "missing",
-                                                       " (expected ", shape_string(s.shape), ")"));
+                                                       t ? "mis-shaped" : "missing", " (expected ",
+                                                       shape_string(s.shape), ")"));
       CEMLM_RETURN_IF_ERROR(file.read_f32(*t, {moments->data() + s.offset, size_t(s.numel())}));
     }
   auto it = file.metadata().find("step");

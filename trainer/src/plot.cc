@@ -42,10 +42,14 @@ double tick_range(Range& r) {
 std::string escape(const std::string& s) {
   std::string out;
   for (char ch : s) {
-    if (ch == '<') out += "&lt;";
-    else if (ch == '>') out += "&gt;";
-    else if (ch == '&') out += "&amp;";
-    else out += ch;
+    if (ch == '<')
+      out += "&lt;";
+    else if (ch == '>')
+      out += "&gt;";
+    else if (ch == '&')
+      out += "&amp;";
+    else
+      out += ch;
   }
   return out;
 }
@@ -71,9 +75,10 @@ std::string line_chart_svg(const std::vector<Series>& series, const std::string&
   auto px = [&](double x) { return kLeft + (x - xr.lo) / (xr.hi - xr.lo) * pw; };
   auto py = [&](double y) { return kTop + (yr.hi - y) / (yr.hi - yr.lo) * ph; };
 
-  std::string svg = fmt("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
-                        "font-family=\"sans-serif\" font-size=\"12\">\n",
-                        kWidth, kHeight);
+  std::string svg =
+      fmt("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
+          "font-family=\"sans-serif\" font-size=\"12\">\n",
+          kWidth, kHeight);
   svg += fmt("<rect width=\"%g\" height=\"%g\" fill=\"white\"/>\n", kWidth, kHeight);
   svg += fmt("<text x=\"%g\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">", kLeft + pw / 2) +
          escape(title) + "</text>\n";
@@ -89,8 +94,9 @@ std::string line_chart_svg(const std::vector<Series>& series, const std::string&
     svg += fmt("<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">", kLeft - 6, py(y) + 4) +
            tick_label(y) + "</text>\n";
   }
-  svg += fmt("<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"black\"/>\n",
-             kLeft, kTop, pw, ph);
+  svg +=
+      fmt("<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"black\"/>\n",
+          kLeft, kTop, pw, ph);
   svg += fmt("<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">", kLeft + pw / 2, kHeight - 15) +
          escape(x_label) + "</text>\n";
   svg += fmt("<text transform=\"translate(18,%g) rotate(-90)\" text-anchor=\"middle\">",

@@ -3,8 +3,8 @@
 // resume needs (optimizer moments, step, both RNG states, the metrics log).
 #include "cemlm/trainer/train.h"
 
-#include <omp.h>
 #include <cblas.h>
+#include <omp.h>
 
 #include <chrono>
 #include <cmath>
@@ -62,8 +62,15 @@ class Trainer {
     if (cb_.on_info) cb_.on_info(s);
   }
   std::string in_out(const char* file) const { return (fs::path(o_.out_dir) / file).string(); }
+  // --out without a trailing separator, so that siblings ("<out>.cache") are not inside it.
+  fs::path out_path() const {
+    const fs::path out = fs::path(o_.out_dir).lexically_normal();
+    return out.has_filename() ? out : out.parent_path();
+  }
   std::string in_cache(const char* file) const {
-    return (fs::path(o_.cache_dir.empty() ? o_.out_dir + ".cache" : o_.cache_dir) / file).string();
+    const fs::path cache =
+        o_.cache_dir.empty() ? fs::path(out_path().string() + ".cache") : fs::path(o_.cache_dir);
+    return (cache / file).string();
   }
   absl::Status load_model();
   void remove_stale_saves() const;
@@ -116,9 +123,10 @@ absl::Status Trainer::load_model() {
     cfg_ = default_model_config();
   }
   if (!o_.resume && fs::exists(in_out(kConfigFile), ec))
-    return absl::AlreadyExistsError(absl::StrCat(
-        "--out '", o_.out_dir, "' already holds a checkpoint: pass --resume to continue its run, "
-        "--init to start from its weights, or choose another --out"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("--out '", o_.out_dir,
+                     "' already holds a checkpoint: pass --resume to continue its run, "
+                     "--init to start from its weights, or choose another --out"));
   if (fresh_ && o_.vocab_size > 0) {
     cfg_.vocab_size = o_.vocab_size;
     auto c = parse_config(config_to_json(cfg_));  // re-derives what depends on the vocabulary
@@ -131,8 +139,7 @@ absl::Status Trainer::load_model() {
 // A process killed while saving leaves its temporary "<out>.tmp-<pid>-<n>" directory behind
 // (the checkpoint itself stays whole); one run owns --out, so any such leftover is stale.
 void Trainer::remove_stale_saves() const {
-  fs::path out = fs::path(o_.out_dir).lexically_normal();
-  if (!out.has_filename()) out = out.parent_path();
+  const fs::path out = out_path();
   const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
   const std::string prefix = out.filename().string() + ".tmp-";
   std::error_code ec;
@@ -156,11 +163,12 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
         fs::exists(tokenizer_path_)) {
       info(absl::StrCat("tokenizer: reusing ", tokenizer_path_));
     } else {
-      info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ",
-                        corpus.paths.size(), " files"));
+      info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ", corpus.paths.size(),
+                        " files"));
       TokenizerTrainOptions t{o_.data, cfg_.vocab_size, tokenizer_path_};
       if (!train_tokenizer(t, &error))
-        return absl::InvalidArgumentError(absl::StrCat("training the tokenizer on --data: ", error));
+        return absl::InvalidArgumentError(
+            absl::StrCat("training the tokenizer on --data: ", error));
       CEMLM_RETURN_IF_ERROR(write_text(in_cache(kTokenizerKeyFile), key));
     }
   }
@@ -190,14 +198,13 @@ absl::Status Trainer::prepare_params() {
 
 absl::Status Trainer::check_against_model() {
   if (o_.train_recursion.max > cfg_.recursion_max)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--train-recursion ", recursion_range_text(o_.train_recursion),
-        " goes above the model's recursion.max ", cfg_.recursion_max,
-        ": lower it or raise recursion.max in the config"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--train-recursion ", recursion_range_text(o_.train_recursion),
+                     " goes above the model's recursion.max ", cfg_.recursion_max,
+                     ": lower it or raise recursion.max in the config"));
   if (o_.seq_len > cfg_.max_seq_len)
-    return absl::InvalidArgumentError(absl::StrCat("--seq-len ", o_.seq_len,
-                                                   " exceeds the model's max_seq_len ",
-                                                   cfg_.max_seq_len));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--seq-len ", o_.seq_len, " exceeds the model's max_seq_len ", cfg_.max_seq_len));
   const bool uses_T = cfg_.attention == AttentionType::kCem || cfg_.mlp == MlpType::kCem;
   eval_T_.clear();
   for (int T : o_.eval_recursion)
@@ -214,6 +221,7 @@ absl::Status Trainer::check_against_model() {
 absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   std::string error;
   auto tokenizer = Tokenizer::load(tokenizer_path_, &error);
+  if (!tokenizer) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
   CEMLM_ASSIGN_OR_RETURN(const uint64_t tok_hash, hash_file(tokenizer_path_));
   const int bos = cfg_.bos_id >= 0 ? cfg_.bos_id : tokenizer->bos_id();
   const int eos = cfg_.eos_id >= 0 ? cfg_.eos_id : tokenizer->eos_id();
@@ -222,9 +230,9 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   info(absl::StrCat("data: ", data_.files, " files, ", data_.train.size(), " training and ",
                     data_.val.size(), " validation tokens", data_.from_cache ? " (cached)" : ""));
   if (data_.train.size() < size_t(o_.seq_len))
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--data holds ", data_.train.size(), " training tokens, fewer than --seq-len ", o_.seq_len,
-        ": give more text (or a shorter --seq-len)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data holds ", data_.train.size(), " training tokens, fewer than --seq-len ",
+                     o_.seq_len, ": give more text (or a shorter --seq-len)"));
   eval_ids_ = eval_windows(data_.val, o_.seq_len, o_.eval_windows);
   if (eval_ids_.empty())
     return absl::InvalidArgumentError(absl::StrCat(
@@ -294,8 +302,8 @@ EvalMetrics Trainer::evaluate() {
     double sum = 0;
     for (int r = 0; r < rows; r += o_.batch_size) {
       const int n = std::min(o_.batch_size, rows - r);
-      sum += n * forward_loss(cfg_, w_, eval_ids_.data() + int64_t(r) * o_.seq_len, n,
-                              o_.seq_len, T);
+      sum +=
+          n * forward_loss(cfg_, w_, eval_ids_.data() + int64_t(r) * o_.seq_len, n, o_.seq_len, T);
     }
     e.loss.emplace_back(T, sum / rows);
   }
@@ -319,8 +327,9 @@ absl::Status Trainer::write_extra(const std::string& dir) const {
 }
 
 absl::Status Trainer::save() {
-  CEMLM_RETURN_IF_ERROR(save_checkpoint(o_.out_dir, cfg_, params_, tokenizer_path_,
-                                        [this](const std::string& dir) { return write_extra(dir); }));
+  CEMLM_RETURN_IF_ERROR(
+      save_checkpoint(o_.out_dir, cfg_, params_, tokenizer_path_,
+                      [this](const std::string& dir) { return write_extra(dir); }));
   if (cb_.on_save) cb_.on_save(step_, o_.out_dir);
   return absl::OkStatus();
 }
@@ -336,9 +345,9 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   remove_stale_saves();
   CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus, list_corpus(o_.data));
   if (corpus.paths.empty())
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (",
-        corpus.skipped.size(), " files skipped as .dat/.u8, binary or not UTF-8)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (",
+                     corpus.skipped.size(), " files skipped as .dat/.u8, binary or not UTF-8)"));
   CEMLM_RETURN_IF_ERROR(prepare_tokenizer(corpus));
   CEMLM_RETURN_IF_ERROR(prepare_params());
   CEMLM_RETURN_IF_ERROR(load_data(corpus));
@@ -357,9 +366,9 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     train_s_ += seconds_since(t0);
     ++steps_run_;
     if (!std::isfinite(m.loss))
-      return absl::InternalError(absl::StrCat(
-          "training diverged: the loss at step ", m.step,
-          " is not finite; lower --lr or --clip (the last checkpoint is kept)"));
+      return absl::InternalError(
+          absl::StrCat("training diverged: the loss at step ", m.step,
+                       " is not finite; lower --lr or --clip (the last checkpoint is kept)"));
     const double step_s = train_s_ / double(steps_run_);
     m.tokens_per_s = double(steps_run_) * o_.accum * o_.batch_size * o_.seq_len / train_s_;
     m.elapsed_s = prior_elapsed_s_ + seconds_since(start_);

@@ -26,8 +26,8 @@ absl::Status at_least(const std::string& flag, T value, T min) {
   return flag_error(flag, absl::StrCat("must be at least ", min, " (got ", value, ")"));
 }
 
-absl::Status in_range(const std::string& flag, double value, double lo, double hi,
-                      bool lo_open, bool hi_open) {
+absl::Status in_range(const std::string& flag, double value, double lo, double hi, bool lo_open,
+                      bool hi_open) {
   const bool ok = std::isfinite(value) && (lo_open ? value > lo : value >= lo) &&
                   (hi_open ? value < hi : value <= hi);
   if (ok) return absl::OkStatus();
@@ -42,10 +42,10 @@ absl::StatusOr<RecursionRange> parse_recursion_range(const std::string& text) {
   RecursionRange r;
   if (parts.size() > 2 || !absl::SimpleAtoi(parts[0], &r.min) ||
       !absl::SimpleAtoi(parts.back(), &r.max))
-    return flag_error("train-recursion",
-                      absl::StrCat("'", text, "' is neither a depth T (like 2) nor a range (like 1-4)"));
-  if (r.min < 1)
-    return flag_error("train-recursion", absl::StrCat("'", text, "': T starts at 1"));
+    return flag_error(
+        "train-recursion",
+        absl::StrCat("'", text, "' is neither a depth T (like 2) nor a range (like 1-4)"));
+  if (r.min < 1) return flag_error("train-recursion", absl::StrCat("'", text, "': T starts at 1"));
   if (r.min > r.max)
     return flag_error("train-recursion",
                       absl::StrCat("'", text, "': the range's start is above its end"));
@@ -89,9 +89,8 @@ absl::Status validate_options(const TrainOptions& o) {
   CEMLM_RETURN_IF_ERROR(in_range("adam-eps", o.adamw.eps, 0, 1, true, false));
   CEMLM_RETURN_IF_ERROR(in_range("clip", o.clip, 0, 1e9, false, false));
   if (o.train_recursion.min < 1 || o.train_recursion.min > o.train_recursion.max)
-    return flag_error("train-recursion",
-                      absl::StrCat("'", recursion_range_text(o.train_recursion),
-                                   "' must be 1 ≤ min ≤ max"));
+    return flag_error("train-recursion", absl::StrCat("'", recursion_range_text(o.train_recursion),
+                                                      "' must be 1 ≤ min ≤ max"));
   if (o.eval_recursion.empty()) return flag_error("eval-recursion", "needs at least one depth");
   for (int T : o.eval_recursion) CEMLM_RETURN_IF_ERROR(at_least<int>("eval-recursion", T, 1));
   CEMLM_RETURN_IF_ERROR(at_least<int64_t>("eval-every", o.eval_every, 1));
@@ -102,21 +101,34 @@ absl::Status validate_options(const TrainOptions& o) {
 }
 
 std::string options_to_json(const TrainOptions& o) {
-  const json j = {
-      {"config", o.config_path},        {"init", o.init_dir},
-      {"tokenizer", o.tokenizer_path},  {"vocab_size", o.vocab_size},
-      {"data", o.data},                 {"cache", o.cache_dir},
-      {"val_fraction", o.val_fraction}, {"out", o.out_dir},
-      {"save_every", o.save_every},     {"steps", o.steps},
-      {"batch_size", o.batch_size},     {"seq_len", o.seq_len},
-      {"accum", o.accum},               {"lr", o.lr},
-      {"min_lr", o.min_lr},             {"warmup", o.warmup},
-      {"weight_decay", o.adamw.weight_decay}, {"beta1", o.adamw.beta1},
-      {"beta2", o.adamw.beta2},         {"adam_eps", o.adamw.eps},
-      {"clip", o.clip},                 {"train_recursion", recursion_range_text(o.train_recursion)},
-      {"eval_recursion", o.eval_recursion}, {"eval_every", o.eval_every},
-      {"eval_windows", o.eval_windows}, {"threads", o.threads},
-      {"seed", o.seed},                 {"max_minutes", o.max_minutes}};
+  const json j = {{"config", o.config_path},
+                  {"init", o.init_dir},
+                  {"tokenizer", o.tokenizer_path},
+                  {"vocab_size", o.vocab_size},
+                  {"data", o.data},
+                  {"cache", o.cache_dir},
+                  {"val_fraction", o.val_fraction},
+                  {"out", o.out_dir},
+                  {"save_every", o.save_every},
+                  {"steps", o.steps},
+                  {"batch_size", o.batch_size},
+                  {"seq_len", o.seq_len},
+                  {"accum", o.accum},
+                  {"lr", o.lr},
+                  {"min_lr", o.min_lr},
+                  {"warmup", o.warmup},
+                  {"weight_decay", o.adamw.weight_decay},
+                  {"beta1", o.adamw.beta1},
+                  {"beta2", o.adamw.beta2},
+                  {"adam_eps", o.adamw.eps},
+                  {"clip", o.clip},
+                  {"train_recursion", recursion_range_text(o.train_recursion)},
+                  {"eval_recursion", o.eval_recursion},
+                  {"eval_every", o.eval_every},
+                  {"eval_windows", o.eval_windows},
+                  {"threads", o.threads},
+                  {"seed", o.seed},
+                  {"max_minutes", o.max_minutes}};
   return j.dump(2);
 }
 
@@ -164,13 +176,14 @@ absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir) {
   const std::string path = (std::filesystem::path(out_dir) / kTrainerStateFile).string();
   std::string text, error;
   if (!read_file(path, &text, &error))
-    return absl::NotFoundError(absl::StrCat(
-        "--resume: ", error, " (is --out the directory of a `cemlm train` run?)"));
+    return absl::NotFoundError(
+        absl::StrCat("--resume: ", error, " (is --out the directory of a `cemlm train` run?)"));
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object() || !j.contains("options"))
     return absl::InvalidArgumentError(absl::StrCat(path, ": no \"options\" (the file is damaged)"));
   auto opts = options_from_json(j["options"].dump());
-  if (!opts.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", opts.status().message()));
+  if (!opts.ok())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", opts.status().message()));
   return opts;
 }
 

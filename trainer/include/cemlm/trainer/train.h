@@ -75,14 +75,14 @@ ModelConfig default_model_config();
 absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir);
 
 struct TrainCallbacks {
-  std::function<void(const std::string&)> on_info;     // setup messages
-  std::function<bool(const StepMetrics&)> on_step;     // false: stop cleanly (and save)
+  std::function<void(const std::string&)> on_info;  // setup messages
+  std::function<bool(const StepMetrics&)> on_step;  // false: stop cleanly (and save)
   std::function<void(const EvalMetrics&)> on_eval;
   std::function<void(int64_t step, const std::string& dir)> on_save;
 };
 
 struct TrainSummary {
-  int64_t step = 0;  // updates done when the run ended
+  int64_t step = 0;       // updates done when the run ended
   bool finished = false;  // reached opts.steps (else stopped by on_step or --max-minutes)
   EvalMetrics last_eval;
   int64_t parameters = 0;

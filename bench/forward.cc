@@ -26,18 +26,21 @@ ModelConfig bench_config(bool cem) {
   return c;
 }
 
-// Matmul FLOPs of one forward over N tokens (attention scores excluded: not a dense matmul).
+// FLOPs of the sgemm calls of one forward over N tokens: projections, head, and the attention
+// products (the gemm path computes the full N×N score block per head, masked afterwards).
 double matmul_flops(const ModelConfig& c, int N, int T) {
   const double D = c.d_model, Q = c.qk_dim(), F = c.d_ff, V = c.vocab_size, n = N;
+  const double attn = 4 * n * n * Q;  // Q·Kᵀ and P·V over all heads
+  const double diag = c.attention == AttentionType::kCem && c.diag != DiagMode::kNone ? 4 * n * n * D : 0;
   double per_layer;
-  if (c.attention == AttentionType::kStandard) per_layer = 2 * n * D * Q * 4;
-  else per_layer = 2 * n * D * Q * (1 + 2 * T) + 8.0 * n * D * c.attn_precond_rank * T;
+  if (c.attention == AttentionType::kStandard) per_layer = 2 * n * D * Q * 4 + attn;
+  else per_layer = 2 * n * D * Q * (1 + 2 * T) + (8.0 * n * D * c.attn_precond_rank + attn + diag) * T;
   if (c.mlp == MlpType::kSwiglu) per_layer += 2 * n * D * F * 3;
   else per_layer += 2 * n * D * F * (1 + 2 * T) + 8.0 * n * D * c.mlp_precond_rank * T;
   return per_layer * c.n_layers + 2 * n * D * V;
 }
 
-// sgemm rate on the model's own shapes, weighted like one standard forward.
+// sgemm rate on the model's projection and head shapes, weighted like one standard forward.
 double sgemm_gflops(const ModelConfig& c, int N) {
   const int D = c.d_model, F = c.d_ff, V = c.vocab_size;
   std::vector<float> x(size_t(N) * F, 0.5f), w(size_t(V) * D, 0.25f), y(size_t(N) * V);
@@ -49,7 +52,8 @@ double sgemm_gflops(const ModelConfig& c, int N) {
     }
     gemm(false, true, N, V, D, 1, x.data(), D, w.data(), D, 0, y.data(), V);
   };
-  return matmul_flops(c, N, 1) / bench::seconds_per_call(run) / 1e9;
+  const double flops = c.n_layers * (4.0 * 2 * N * D * D + 3.0 * 2 * N * D * F) + 2.0 * N * D * V;
+  return flops / bench::seconds_per_call(run) / 1e9;
 }
 
 }  // namespace

@@ -336,10 +336,10 @@ def line_chart(path, title, xlabel, ylabel, xs, series):
 
 def bar_chart(path, title, xlabel, labels, values):
     """Horizontal bars, one per label."""
-    row, left, right, top = 22, 300, 600, 40
+    row, left, right, top = 22, 340, 640, 40
     h = top + row * len(labels) + 40
     hi = max(values) * 1.1 or 1.0
-    parts = svg_frame(title, xlabel, "", 640, h)
+    parts = svg_frame(title, xlabel, "", 700, h)
     for i, (lab, v) in enumerate(zip(labels, values)):
         yy = top + row * i
         bw = v / hi * (right - left)
@@ -369,7 +369,8 @@ def variant_table(rows):
         cells = [f"{ppl[t]:.2f}" if t in ppl else f"{ppl[1]:.2f}†" for t in TABLE_T]
         out.append(f"| {r['label']} | {r['train_t']} | {fmt_params(r['params_total'])} | "
                    f"{fmt_params(r['params_non_embedding'])} | {' | '.join(cells)} | "
-                   f"{r['tokens_per_s']:.0f} | {r['tokens_per_cpu_s']:.0f} | {r['steps']}{'*' if r['capped'] else ''} |")
+                   f"{r['tokens_per_s']:.0f} | {r['tokens_per_cpu_s']:.0f} | "
+                   f"{r['steps']}{'*' if r['capped'] else ''} |")
     out.append("\n† no CEM sub-layer: T changes nothing, the T=1 value is repeated. "
                "* stopped early by --max-minutes.")
     return "\n".join(out)

@@ -1,7 +1,7 @@
 // bench/train: training throughput of `cemlm train`'s default model (and its standard baseline):
 // tokens/s of whole steps (forward, backward through every recursion step, clipping, AdamW) at
-// T = 1, 2, 4, and the achieved dense-matmul GFLOP/s as a fraction of OpenBLAS sgemm on the same
-// shapes (forward, dX and dW of every linear map), measured in the same run. See
+// T = 1, 2, 4, and the achieved matmul GFLOP/s as a fraction of OpenBLAS sgemm on the same shapes
+// (forward, dX and dW of every linear map; the attention products), measured in the same run. See
 // docs/BENCHMARKS.md.
 #include "cemlm/trainer/train.h"
 
@@ -20,61 +20,69 @@ namespace {
 using namespace cemlm;
 using Clock = std::chrono::steady_clock;
 
-// A linear map W [out, in] applied `uses` times per forward (W or Wᵀ: same three shapes).
-struct Linear {
-  int out, in;
-  double uses;
+// A product done as a triple of sgemms like a linear map's y = x·Wᵀ [n, out, in], dx = dy·W and
+// dW = dyᵀ·x, `triples` times per training step (forward + backward).
+struct Product {
+  int n, out, in;
+  double triples;
 };
 
-// The dense matmuls of one forward at depth T (attention scores excluded: not dense matmuls).
-std::vector<Linear> linears(const ModelConfig& c, int T) {
-  const int D = c.d_model, Q = c.qk_dim(), F = c.d_ff;
-  std::vector<Linear> v;
+// Every sgemm of one step at depth T over `batch` sequences of `seq` tokens: the linear maps
+// (N = batch·seq rows), and the attention products per sequence and head (the gemm path): the
+// forward's Q·Kᵀ and P·V, the backward's recomputed scores, dP, dq, dk and dv — seven sgemms of
+// 2·seq²·d_h FLOPs each; the CEM diagonal adds seven of 2·seq²·D per sequence (shared: once for
+// all heads; per-head: for each head).
+std::vector<Product> products(const ModelConfig& c, int T, int batch, int seq) {
+  const int D = c.d_model, Q = c.qk_dim(), F = c.d_ff, N = batch * seq, L = c.n_layers;
+  const bool cem = c.attention == AttentionType::kCem;
+  const double steps = cem ? T : 1;  // attention passes per layer
+  std::vector<Product> v;
   auto precond = [&](int r) {
-    if (r > 0) v.push_back({r, D, 2.0 * T * c.n_layers}), v.push_back({D, r, 2.0 * T * c.n_layers});
+    if (r > 0) v.push_back({N, r, D, 2.0 * T * L}), v.push_back({N, D, r, 2.0 * T * L});
   };
-  if (c.attention == AttentionType::kStandard) {
-    v.push_back({Q, D, 3.0 * c.n_layers});
-    v.push_back({D, Q, 1.0 * c.n_layers});
+  if (!cem) {
+    v.push_back({N, Q, D, 3.0 * L});
+    v.push_back({N, D, Q, 1.0 * L});
   } else {
-    v.push_back({Q, D, (1.0 + 2 * T) * c.n_layers});  // W_K once, W_Q and W_Qᵀ per step
+    v.push_back({N, Q, D, (1.0 + 2 * T) * L});  // W_K once, W_Q and W_Qᵀ per step
     precond(c.attn_precond_rank);
   }
   if (c.mlp == MlpType::kSwiglu) {
-    v.push_back({F, D, 2.0 * c.n_layers});
-    v.push_back({D, F, 1.0 * c.n_layers});
+    v.push_back({N, F, D, 2.0 * L});
+    v.push_back({N, D, F, 1.0 * L});
   } else {
-    v.push_back({F, D, (1.0 + 2 * T) * c.n_layers});  // W_gate once, W_up and W_upᵀ per step
+    v.push_back({N, F, D, (1.0 + 2 * T) * L});  // W_gate once, W_up and W_upᵀ per step
     precond(c.mlp_precond_rank);
   }
-  v.push_back({c.vocab_size, D, 1.0});
+  v.push_back({N, c.vocab_size, D, 1.0});
+  v.push_back({seq, seq, c.head_dim, 7.0 / 3 * c.n_heads * batch * L * steps});
+  if (cem && c.diag != DiagMode::kNone)
+    v.push_back({seq, seq, D, 7.0 / 3 * (c.diag == DiagMode::kPerHead ? c.n_heads : 1) * batch * L * steps});
   return v;
 }
 
-// Training does each forward matmul three times over: y = x·Wᵀ, dx = dy·W, dW = dyᵀ·x.
-double train_flops(const std::vector<Linear>& ls, int N) {
+double step_flops(const std::vector<Product>& ps) {
   double f = 0;
-  for (const Linear& l : ls) f += l.uses * 3 * 2.0 * N * l.out * l.in;
+  for (const Product& p : ps) f += p.triples * 3 * 2.0 * p.n * p.out * p.in;
   return f;
 }
 
 // sgemm GFLOP/s on the step's own shapes, each weighted by how often the step does it.
-double sgemm_gflops(const std::vector<Linear>& ls, int N) {
-  double flops = 0, seconds = 0;
-  for (const Linear& l : ls) {
-    std::vector<float> x(size_t(N) * l.in, 0.5f), w(size_t(l.out) * l.in, 0.25f),
-        y(size_t(N) * l.out, 0.125f), dw(w.size());
+double sgemm_gflops(const std::vector<Product>& ps) {
+  double seconds = 0;
+  for (const Product& p : ps) {
+    std::vector<float> x(size_t(p.n) * p.in, 0.5f), w(size_t(p.out) * p.in, 0.25f),
+        y(size_t(p.n) * p.out, 0.125f), dw(w.size());
     const double s = bench::seconds_per_call(
         [&] {
-          gemm(false, true, N, l.out, l.in, 1, x.data(), l.in, w.data(), l.in, 0, y.data(), l.out);
-          gemm(false, false, N, l.in, l.out, 1, y.data(), l.out, w.data(), l.in, 0, x.data(), l.in);
-          gemm(true, false, l.out, l.in, N, 1, y.data(), l.out, x.data(), l.in, 1, dw.data(), l.in);
+          gemm(false, true, p.n, p.out, p.in, 1, x.data(), p.in, w.data(), p.in, 0, y.data(), p.out);
+          gemm(false, false, p.n, p.in, p.out, 1, y.data(), p.out, w.data(), p.in, 0, x.data(), p.in);
+          gemm(true, false, p.out, p.in, p.n, 1, y.data(), p.out, x.data(), p.in, 1, dw.data(), p.in);
         },
         0.3);
-    flops += l.uses * 3 * 2.0 * N * l.out * l.in;
-    seconds += l.uses * s;
+    seconds += p.triples * s;
   }
-  return flops / seconds / 1e9;
+  return step_flops(ps) / seconds / 1e9;
 }
 
 }  // namespace
@@ -110,8 +118,8 @@ int main(int argc, char** argv) {
           opt.step(params.flat(), grads.flat(), 1e-4);
         },
         3.0);
-    const auto ls = linears(r.c, r.T);
-    const double gf = train_flops(ls, N) / s / 1e9, ref = sgemm_gflops(ls, N);
+    const auto ps = products(r.c, r.T, batch, seq);
+    const double gf = step_flops(ps) / s / 1e9, ref = sgemm_gflops(ps);
     std::printf("| %s | %.2fM | %d | %.0f | %.1f | %.1f | %.1f | %.0f%% |\n",
                 r.c.variant_name().c_str(), double(params.size()) / 1e6, r.T, N / s, s * 1e3, gf,
                 ref, 100 * gf / ref);

@@ -15,10 +15,32 @@
 namespace cemlm {
 namespace {
 
-inline float dot(const float* a, const float* b, int n) {
+// Eight floats as one SIMD register (AVX/AVX2 when the build targets it, two SSE halves
+// otherwise); `aligned(4)` makes loads through it unaligned-safe.
+typedef float f8 __attribute__((vector_size(32), aligned(4)));
+
+inline f8 load8(const float* p) { return *reinterpret_cast<const f8*>(p); }
+
+inline float hsum(f8 v) {
   float s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int l = 0; l < 8; ++l) s += v[l];
+  return s;
+}
+
+// a·b with two independent accumulators so the multiply-add latency chain does not bound it.
+inline float dot(const float* a, const float* b, int n) {
+  f8 s0 = {}, s1 = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 += load8(a + i) * load8(b + i);
+    s1 += load8(a + i + 8) * load8(b + i + 8);
+  }
+  if (i + 8 <= n) {
+    s0 += load8(a + i) * load8(b + i);
+    i += 8;
+  }
+  float s = hsum(s0 + s1);
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
@@ -79,7 +101,10 @@ constexpr int kGemmMinRows = 8;  // below this a sequence's rows take the per-ro
 
 inline bool use_gemm(const AttnSeq& s) { return s.n_rows >= kGemmMinRows; }
 
-int64_t row_path_floats(int max_ctx) { return int64_t(3) * max_ctx * omp_get_max_threads(); }
+// Per thread: every head's scores.
+int64_t row_path_floats(int max_ctx, int n_heads) {
+  return int64_t(n_heads) * max_ctx * omp_get_max_threads();
+}
 
 int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag) {
   const int64_t n_ctx = s.pos_begin + s.n_rows, R = s.n_rows;
@@ -163,6 +188,51 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
          out_c.data + int64_t(s.row_begin) * D, D);
 }
 
+// One query row against its sequence's first n_ctx cached tokens, read in place block by block:
+// each token's key row (all heads) and context are loaded once per pass. sc: H·n_ctx floats.
+// qd/oc: [D] (shared) or [H, D] (per-head); unused for kNone.
+void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                const float* q, const float* qd, float scale, float* sc, float* out, float* oc) {
+  const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H, bs = kv.block_size;
+  const float* vpool = kv.v ? kv.v : kv.k;
+  // Scores: sc[h·n_ctx + j].
+  for (int j0 = 0; j0 < n_ctx; j0 += bs) {
+    const int64_t slot0 = int64_t(blocks[j0 / bs]) * bs;
+    const int n = std::min(bs, n_ctx - j0);
+    for (int t = 0; t < n; ++t) {
+      const float* kj = kv.k + (slot0 + t) * W;
+      const float* cj = diag == DiagKind::kNone ? nullptr : kv.c + (slot0 + t) * D;
+      const float shared = diag == DiagKind::kShared ? dot(qd, cj, D) : 0.0f;  // once, all heads
+      for (int h = 0; h < H; ++h) {
+        float e = dot(q + h * dh, kj + h * dh, dh) + shared;
+        if (diag == DiagKind::kPerHead) e += dot(qd + int64_t(h) * D, cj, D);
+        sc[int64_t(h) * n_ctx + j0 + t] = scale * e;
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) softmax_inplace(sc + int64_t(h) * n_ctx, n_ctx);
+  // Weighted sums; the shared diagonal's weight of token j is the sum of its heads' weights.
+  std::memset(out, 0, sizeof(float) * W);
+  if (oc) std::memset(oc, 0, sizeof(float) * (diag == DiagKind::kPerHead ? int64_t(H) * D : D));
+  for (int j0 = 0; j0 < n_ctx; j0 += bs) {
+    const int64_t slot0 = int64_t(blocks[j0 / bs]) * bs;
+    const int n = std::min(bs, n_ctx - j0);
+    for (int t = 0; t < n; ++t) {
+      const int j = j0 + t;
+      const float* vj = vpool + (slot0 + t) * W;
+      const float* cj = diag == DiagKind::kNone ? nullptr : kv.c + (slot0 + t) * D;
+      float w = 0.0f;
+      for (int h = 0; h < H; ++h) {
+        const float p = sc[int64_t(h) * n_ctx + j];
+        axpy(p, vj + h * dh, out + h * dh, dh);
+        if (diag == DiagKind::kPerHead) axpy(p, cj, oc + int64_t(h) * D, D);
+        w += p;
+      }
+      if (diag == DiagKind::kShared) axpy(w, cj, oc, D);
+    }
+  }
+}
+
 }  // namespace
 
 int64_t paged_attention_scratch_floats(const AttnSeq* seqs, int n_seqs, const KvLayerView& kv,
@@ -173,13 +243,13 @@ int64_t paged_attention_scratch_floats(const AttnSeq* seqs, int n_seqs, const Kv
     max_ctx = std::max(max_ctx, seqs[i].pos_begin + seqs[i].n_rows);
     if (use_gemm(seqs[i])) need = std::max(need, gemm_path_floats(seqs[i], kv, diag));
   }
-  return std::max(need, row_path_floats(max_ctx));
+  return std::max(need, row_path_floats(max_ctx, kv.n_heads));
 }
 
 void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& q,
                              const Tensor& qd, DiagKind diag, const KvLayerView& kv,
                              const AttnSeq* seqs, int n_seqs, float scale) {
-  const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
+  const int W = kv.k_width, D = kv.c_width, H = kv.n_heads;
   CEMLM_CHECK(q.dim(-1) == W && out.dim(-1) == W);
   CEMLM_CHECK(diag == DiagKind::kNone || (kv.c && !qd.empty() && !out_c.empty()));
   CEMLM_CHECK(ctx.scratch_floats >= paged_attention_scratch_floats(seqs, n_seqs, kv, diag));
@@ -192,50 +262,18 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
     attention_gemm(ctx, out, out_c, q, qd, diag, kv, seqs[s], scale);
     for (int r = 0; r < seqs[s].n_rows; ++r) owner[seqs[s].row_begin + r] = -1;  // done
   }
-  const float* vpool = kv.v ? kv.v : kv.k;
   const int64_t oc_width = diag == DiagKind::kPerHead ? int64_t(H) * D : D;
 #pragma omp parallel
   {
-    float* sc = ctx.scratch + int64_t(3) * max_ctx * omp_get_thread_num();
-    float* dsc = sc + max_ctx;
-    float* wsum = dsc + max_ctx;
+    float* sc = ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num();
 #pragma omp for schedule(dynamic, 2)
     for (int i = 0; i < n_rows; ++i) {
       const int s = owner[i];
       if (s < 0) continue;
       const AttnSeq& sq = seqs[s];
-      const int n_ctx = sq.pos_begin + (i - sq.row_begin) + 1;
-      if (diag == DiagKind::kShared) {  // identical for every head: once per row
-        const float* qdi = qd.data + int64_t(i) * D;
-        for (int j = 0; j < n_ctx; ++j) {
-          dsc[j] = dot(qdi, kv.c + slot_of(kv, sq.blocks, j) * D, D);
-          wsum[j] = 0.0f;
-        }
-      }
-      float* oc = diag == DiagKind::kNone ? nullptr : out_c.data + i * oc_width;
-      if (oc) std::memset(oc, 0, sizeof(float) * oc_width);
-      for (int h = 0; h < H; ++h) {
-        const float* qi = q.data + int64_t(i) * W + h * dh;
-        const float* qdi = diag == DiagKind::kPerHead ? qd.data + (int64_t(i) * H + h) * D : nullptr;
-        for (int j = 0; j < n_ctx; ++j) {
-          const int64_t slot = slot_of(kv, sq.blocks, j);
-          float e = dot(qi, kv.k + slot * W + h * dh, dh);
-          if (diag == DiagKind::kShared) e += dsc[j];
-          if (qdi) e += dot(qdi, kv.c + slot * D, D);
-          sc[j] = scale * e;
-        }
-        softmax_inplace(sc, n_ctx);
-        float* oi = out.data + int64_t(i) * W + h * dh;
-        std::memset(oi, 0, sizeof(float) * dh);
-        for (int j = 0; j < n_ctx; ++j) {
-          const int64_t slot = slot_of(kv, sq.blocks, j);
-          axpy(sc[j], vpool + slot * W + h * dh, oi, dh);
-          if (diag == DiagKind::kPerHead) axpy(sc[j], kv.c + slot * D, oc + int64_t(h) * D, D);
-          if (diag == DiagKind::kShared) wsum[j] += sc[j];
-        }
-      }
-      if (diag == DiagKind::kShared)
-        for (int j = 0; j < n_ctx; ++j) axpy(wsum[j], kv.c + slot_of(kv, sq.blocks, j) * D, oc, D);
+      attend_row(kv, sq.blocks, sq.pos_begin + (i - sq.row_begin) + 1, diag, q.data + int64_t(i) * W,
+                 diag == DiagKind::kNone ? nullptr : qd.data + i * oc_width, scale, sc,
+                 out.data + int64_t(i) * W, diag == DiagKind::kNone ? nullptr : out_c.data + i * oc_width);
     }
   }
 }

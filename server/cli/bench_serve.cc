@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <map>
 #include <mutex>
 #include <random>
 #include <thread>
+
+#include <grpcpp/support/client_callback.h>
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/server/status_map.h"
@@ -62,39 +65,99 @@ v1::GenerateRequest make_request(const BenchFlags& f, int vocab, int index) {
   return req;
 }
 
-void run_one(v1::Inference::Stub& stub, const ChannelFlags& c, const v1::GenerateRequest& req,
-             Samples* out) {
-  grpc::ClientContext context;
-  prepare_context(c, &context);
-  const auto start = SteadyClock::now();
-  auto reader = stub.Generate(&context, req);
-  v1::GenerateResponse msg;
-  double last = -1, engine_e2e = 0;
-  while (reader->Read(&msg)) {
-    if (msg.token_ids_size() > 0) {
-      const double now = ms_since(start);
-      const int n = msg.token_ids_size();
-      if (last < 0) {
-        out->ttft.push_back(now);
-      } else {
-        out->itl.insert(out->itl.end(), size_t(n), (now - last) / n);
-      }
-      last = now;
-      out->tokens += msg.token_ids_size();
+// The closed loop without a thread per client: each stream is a reactor read on gRPC's own
+// threads, and the stream that ends starts the next request. (Blocking reads from one thread per
+// client would add a thread wake-up per message to every measured latency.)
+class Driver {
+ public:
+  Driver(v1::Inference::Stub& stub, const ChannelFlags& c, const BenchFlags& f, int vocab)
+      : stub_(stub), c_(c), f_(f), vocab_(vocab) {}
+
+  Samples run() {
+    for (int w = 0; w < f_.concurrency; ++w) start_next();
+    std::unique_lock lock(mu_);
+    idle_.wait(lock, [&] { return active_ == 0; });
+    return std::move(all_);
+  }
+
+ private:
+  class Stream final : public grpc::ClientReadReactor<v1::GenerateResponse> {
+   public:
+    Stream(Driver* d, v1::GenerateRequest req) : d_(d), req_(std::move(req)) {
+      prepare_context(d_->c_, &context_);
+      start_ = SteadyClock::now();
+      d_->stub_.async()->Generate(&context_, &req_, this);
+      StartRead(&msg_);
+      StartCall();
     }
-    if (msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED)
-      engine_e2e = msg.timing().e2e_seconds() * 1e3;
+    void OnReadDone(bool ok) override {
+      if (!ok) return;  // OnDone follows with the status
+      if (msg_.token_ids_size() > 0) {
+        const double now = ms_since(start_);
+        const int n = msg_.token_ids_size();
+        if (last_ < 0) mine_.ttft.push_back(now);
+        else mine_.itl.insert(mine_.itl.end(), size_t(n), (now - last_) / n);
+        last_ = now;
+        mine_.tokens += n;
+      }
+      if (msg_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED)
+        engine_e2e_ = msg_.timing().e2e_seconds() * 1e3;
+      StartRead(&msg_);
+    }
+    void OnDone(const grpc::Status& status) override {
+      const double e2e = ms_since(start_);
+      if (status.ok()) {
+        mine_.e2e.push_back(e2e);
+        mine_.engine_e2e.push_back(engine_e2e_);
+        mine_.overhead.push_back(e2e - engine_e2e_);
+      } else {
+        ++mine_.errors[server::grpc_code_name(status.error_code())];
+      }
+      Driver* d = d_;
+      Samples mine = std::move(mine_);
+      delete this;
+      d->finished(mine);
+    }
+
+   private:
+    Driver* const d_;
+    const v1::GenerateRequest req_;
+    grpc::ClientContext context_;
+    v1::GenerateResponse msg_;
+    SteadyClock::time_point start_;
+    double last_ = -1, engine_e2e_ = 0;
+    Samples mine_;
+  };
+
+  // Starts request `next_` if any is left; false when all have been started.
+  bool start_next() {
+    const int i = next_++;
+    if (i >= f_.requests) return false;
+    {
+      std::lock_guard lock(mu_);
+      ++active_;
+    }
+    new Stream(this, make_request(f_, vocab_, i));
+    return true;
   }
-  grpc::Status status = reader->Finish();
-  const double e2e = ms_since(start);
-  if (!status.ok()) {
-    ++out->errors[server::grpc_code_name(status.error_code())];
-    return;
+
+  void finished(const Samples& s) {
+    start_next();
+    std::lock_guard lock(mu_);
+    all_.merge(s);
+    if (--active_ == 0) idle_.notify_all();
   }
-  out->e2e.push_back(e2e);
-  out->engine_e2e.push_back(engine_e2e);
-  out->overhead.push_back(e2e - engine_e2e);
-}
+
+  v1::Inference::Stub& stub_;
+  const ChannelFlags& c_;
+  const BenchFlags& f_;
+  const int vocab_;
+  std::atomic<int> next_{0};
+  std::mutex mu_;
+  std::condition_variable idle_;
+  int active_ = 0;  // streams started and not yet finished
+  Samples all_;
+};
 
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
@@ -164,20 +227,8 @@ int cmd_bench_serve(int argc, char** argv) {
     prepare_context(c, &context);
     if (auto st = stub->GetModelInfo(&context, {}, &info); !st.ok()) return report_error(st);
   }
-  std::atomic<int> next{0};
-  std::mutex mu;
-  Samples all;
   const auto start = SteadyClock::now();
-  std::vector<std::thread> workers;
-  for (int w = 0; w < f.concurrency; ++w)
-    workers.emplace_back([&] {
-      Samples mine;
-      for (int i = next++; i < f.requests; i = next++)
-        run_one(*stub, c, make_request(f, info.vocab_size(), i), &mine);
-      std::lock_guard lock(mu);
-      all.merge(mine);
-    });
-  for (auto& t : workers) t.join();
+  const Samples all = Driver(*stub, c, f, info.vocab_size()).run();
   print_report(f, c.addr, all, ms_since(start) / 1e3);
   return all.errors.empty() ? 0 : 1;
 }

@@ -235,6 +235,12 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   for (const char* row : {"ttft", "inter-token", "e2e (client)", "e2e (engine)", "server overhead",
                           "ok 8  errors 0", "output tokens/s"})
     EXPECT_NE(out.find(row), std::string::npos) << row << " missing from\n" << out;
+  // Failed requests are counted by code (and the closed loop still runs them all).
+  EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "3", "--requests", "7",
+                       "--max-new-tokens", "4", "--recursion", "99"},
+                      &out),
+            1);
+  EXPECT_NE(out.find("ok 0  errors 7  INVALID_ARGUMENT=7"), std::string::npos) << out;
 }
 
 TEST_F(ServerLifecycle, PythonExampleClient) {

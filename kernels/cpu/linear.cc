@@ -1,4 +1,6 @@
-// CPU linear maps: thin wrappers that express each product as one row-major cblas_sgemm.
+// CPU linear maps: thin wrappers that express each product as one row-major cblas_sgemm, or as
+// an sgemv when it has a single row (a one-sequence decode step): sgemm packs the whole weight
+// matrix on every call, which for one row costs 2–5× the product itself.
 #include "cemlm/kernels/linear.h"
 
 #include <cblas.h>
@@ -8,6 +10,14 @@ namespace cemlm {
 void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc) {
   if (M == 0 || N == 0) return;
+  if (M == 1) {  // C[0, :] = alpha · op(B)ᵀ a + beta · C[0, :], a = op(A)[0, :]
+    const int inc_a = trans_a ? lda : 1;
+    if (trans_b)  // op(B)ᵀ = B [N, K]
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, N, K, alpha, B, ldb, A, inc_a, beta, C, 1);
+    else  // B [K, N]
+      cblas_sgemv(CblasRowMajor, CblasTrans, K, N, alpha, B, ldb, A, inc_a, beta, C, 1);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
               M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }

@@ -119,7 +119,7 @@ class EngineImpl final : public Engine {
   void loop();
   bool take_control();  // returns whether shutdown began
   bool step();          // false when nothing could be scheduled
-  void sample_row(Request& q, std::span<const float> logits);
+  void apply_sample(Request& q, absl::StatusOr<SampleResult> res);
   // Streams the text of the newest of the `generated` ids into `ev`; says whether the request
   // ends with it (a stop token, a stop string, or max_new_tokens).
   FinishReason add_text(Request& q, std::span<const int> generated, StreamEvent* ev);
@@ -314,20 +314,29 @@ bool EngineImpl::step() {
   runner_->forward(plan.batch, &logits_);
   sched_.complete(plan);
   const size_t V = size_t(config_.vocab_size);
-  size_t row = 0;
+  std::vector<Request*> sampled;
   for (const ScheduledRow& r : plan.rows) {
     Request& q = *live_.at(r.id);
     q.usage.recursion_steps += int64_t(r.n_tokens) * q.recursion * cem_sublayers_;
-    if (!r.sample) continue;
-    CEMLM_CHECK(logits_.size() >= (row + 1) * V);
-    sample_row(q, std::span<const float>(logits_).subspan(row++ * V, V));
+    if (r.sample) sampled.push_back(&q);
   }
+  CEMLM_CHECK(logits_.size() >= sampled.size() * V);
+  // Each request owns its sampler and RNG, so rows are drawn in parallel (a top-p draw over a
+  // real vocabulary costs as much as a small model's forward per row); tokens are then applied
+  // and streamed in row order.
+  std::vector<absl::StatusOr<SampleResult>> drawn(sampled.size());
+  std::vector<const Sequence*> seqs(sampled.size());
+  for (size_t i = 0; i < sampled.size(); ++i) seqs[i] = sched_.find(sampled[i]->id);
+#pragma omp parallel for schedule(dynamic, 1) if (sampled.size() >= 4)
+  for (size_t i = 0; i < sampled.size(); ++i)
+    drawn[i] = sampled[i]->sampler.sample(std::span<const float>(logits_).subspan(i * V, V),
+                                          seqs[i]->tokens, seqs[i]->n_prompt);
+  for (size_t i = 0; i < sampled.size(); ++i) apply_sample(*sampled[i], std::move(drawn[i]));
   return true;
 }
 
-void EngineImpl::sample_row(Request& q, std::span<const float> logits) {
+void EngineImpl::apply_sample(Request& q, absl::StatusOr<SampleResult> res) {
   const Sequence& seq = *sched_.find(q.id);
-  auto res = q.sampler.sample(logits, seq.tokens, seq.n_prompt);
   if (!res.ok()) return finish(q, FinishReason::kError, {}, res.status());
   sched_.append(q.id, res->token);
   StreamEvent ev;

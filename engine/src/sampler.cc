@@ -3,9 +3,11 @@
 #include "cemlm/engine/sampler.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 
+#include "cemlm/kernels/simd.h"
 
 namespace cemlm {
 namespace {
@@ -14,18 +16,45 @@ bool better(const std::pair<float, int>& a, const std::pair<float, int>& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
+// An upper bound, found in O(n) before sorting anything, on how many of the best candidates the
+// top-p and min-p filters keep: top-p from a histogram of the candidates' probabilities in octaves
+// (all of an octave's tokens rank above the next octave's), min-p by counting p ≥ min_p · p_max.
+// `prob` is normalized so that the best candidate has p = 1.
+size_t filter_reach(const std::vector<std::pair<float, int>>& cand, size_t n,
+                    const std::vector<float>& prob, double sum, float top_p, float min_p) {
+  constexpr int kOctaves = 64;
+  double mass[kOctaves] = {};
+  size_t count[kOctaves] = {}, above_min_p = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const float p = prob[size_t(cand[i].second)];
+    const int octave = std::min(kOctaves - 1, 127 - int(std::bit_cast<uint32_t>(p) >> 23));
+    mass[octave] += p;
+    ++count[octave];
+    above_min_p += p >= min_p;
+  }
+  size_t reach = min_p > 0 ? above_min_p : n;
+  if (top_p < 1) {
+    double cum = 0;
+    size_t k = 0;
+    for (int o = 0; o < kOctaves && cum < double(top_p) * sum; ++o) cum += mass[o], k += count[o];
+    reach = std::min(reach, k);
+  }
+  return std::max<size_t>(reach, 1);
+}
+
 }  // namespace
 
 float log_sum_exp(std::span<const float> x) {
   float mx = -std::numeric_limits<float>::infinity();
-  for (float v : x) {
-    if (std::isnan(v)) return v;
-    mx = std::max(mx, v);
+  int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+  for (size_t i = 0; i < x.size(); ++i) {
+    nan |= x[i] != x[i];
+    mx = std::max(mx, x[i]);
   }
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
   if (!std::isfinite(mx)) return mx;
-  double sum = 0;
-  for (float v : x) sum += std::exp(double(v - mx));
-  return mx + float(std::log(sum));
+  return mx + float(std::log(simd::sum_exp_shifted(x.data(), int(x.size()), mx)));
 }
 
 Sampler::Sampler(const SamplingParams& params, int eos_id, uint64_t seed)
@@ -76,40 +105,78 @@ void Sampler::apply_penalties(std::span<const int> tokens, int n_prompt) {
 }
 
 int Sampler::draw() {
-  if (params_.temperature == 0)
-    return int(std::max_element(work_.begin(), work_.end()) - work_.begin());
+  const size_t V = work_.size();
+  if (params_.temperature == 0) {  // the first (lowest id) of the largest
+    float best = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : best)
+    for (size_t i = 0; i < V; ++i) best = std::max(best, work_[i]);
+    return int(std::find(work_.begin(), work_.end(), best) - work_.begin());
+  }
   const float inv_t = 1.0f / params_.temperature;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (float& x : work_) mx = std::max(mx, x *= inv_t);
+  // prob_[id] = e^(scaled logit − max), unnormalized; the best token's is 1.
+  prob_.assign(work_.begin(), work_.end());
+  const double total = simd::exp_shifted(prob_.data(), int(V), mx);
+  const bool top_k = params_.top_k > 0 && size_t(params_.top_k) < V;
+  if (!top_k && params_.top_p >= 1 && params_.min_p <= 0) {  // no filter: walk in id order
+    double u = rng_.uniform() * total;
+    for (size_t i = 0; i + 1 < V; ++i) {
+      u -= prob_[i];
+      if (u < 0) return int(i);
+    }
+    return int(V - 1);
+  }
+  // Filtered: candidates best first. Only as long a prefix as the filters reach gets sorted
+  // (a nucleus is usually a few dozen tokens of thousands); a strict total order makes any
+  // prefix length give the same sequence.
   cand_.clear();
-  for (size_t i = 0; i < work_.size(); ++i) cand_.push_back({work_[i] * inv_t, int(i)});
-  size_t n = cand_.size();
-  if (params_.top_k > 0 && size_t(params_.top_k) < n) {
+  for (size_t i = 0; i < V; ++i) cand_.push_back({work_[i], int(i)});
+  size_t n = V, sorted = 0;
+  double sum = total;
+  auto ensure_sorted = [&](size_t want) {
+    if (want <= sorted) return;
+    const size_t upto = std::min(n, std::max({want, 2 * sorted, size_t(64)}));
+    std::partial_sort(cand_.begin() + long(sorted), cand_.begin() + long(upto),
+                      cand_.begin() + long(n), better);
+    sorted = upto;
+  };
+  if (top_k) {
     n = size_t(params_.top_k);
     std::nth_element(cand_.begin(), cand_.begin() + long(n - 1), cand_.end(), better);
+    ensure_sorted(n);
+    sum = 0;
+    for (size_t i = 0; i < n; ++i) sum += prob_[size_t(cand_[i].second)];
   }
-  // Filtered draws walk the kept candidates best first, so any implementation agrees on them.
-  if (n < cand_.size() || params_.top_p < 1 || params_.min_p > 0)
-    std::sort(cand_.begin(), cand_.begin() + long(n), better);
-  float mx = -std::numeric_limits<float>::infinity();
-  for (size_t i = 0; i < n; ++i) mx = std::max(mx, cand_[i].first);
-  double sum = 0;
-  for (size_t i = 0; i < n; ++i) sum += (cand_[i].first = std::exp(cand_[i].first - mx));
+  auto p = [&](size_t i) { return prob_[size_t(cand_[i].second)]; };
+  // One partial sort of the prefix the filters can reach; the walks below extend it only if the
+  // bound's rounding fell short.
+  ensure_sorted(filter_reach(cand_, n, prob_, sum, params_.top_p, params_.min_p));
   if (params_.top_p < 1) {
     double cum = 0;
     size_t k = 0;
-    while (k < n && cum < double(params_.top_p) * sum) cum += cand_[k++].first;
+    while (k < n && cum < double(params_.top_p) * sum) {
+      ensure_sorted(k + 1);
+      cum += p(k++);
+    }
     n = std::max<size_t>(k, 1);
   }
+  ensure_sorted(1);
   if (params_.min_p > 0) {
-    const float threshold = params_.min_p * cand_[0].first;  // sorted: [0] is the most likely
+    const float threshold = params_.min_p * p(0);
     size_t k = 1;
-    while (k < n && cand_[k].first >= threshold) ++k;
+    while (k < n) {
+      ensure_sorted(k + 1);
+      if (p(k) < threshold) break;
+      ++k;
+    }
     n = k;
   }
   sum = 0;
-  for (size_t i = 0; i < n; ++i) sum += cand_[i].first;
+  for (size_t i = 0; i < n; ++i) sum += p(i);
   double u = rng_.uniform() * sum;
   for (size_t i = 0; i + 1 < n; ++i) {
-    u -= cand_[i].first;
+    u -= p(i);
     if (u < 0) return cand_[i].second;
   }
   return cand_[n - 1].second;

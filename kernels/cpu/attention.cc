@@ -11,38 +11,12 @@
 #include <vector>
 
 #include "cemlm/kernels/linear.h"
+#include "cemlm/kernels/simd.h"
 
 namespace cemlm {
 namespace {
 
-// Eight floats as one SIMD register (AVX/AVX2 when the build targets it, two SSE halves
-// otherwise); `aligned(4)` makes loads through it unaligned-safe.
-typedef float f8 __attribute__((vector_size(32), aligned(4)));
-
-inline f8 load8(const float* p) { return *reinterpret_cast<const f8*>(p); }
-
-inline float hsum(f8 v) {
-  float s = 0;
-  for (int l = 0; l < 8; ++l) s += v[l];
-  return s;
-}
-
-// a·b with two independent accumulators so the multiply-add latency chain does not bound it.
-inline float dot(const float* a, const float* b, int n) {
-  f8 s0 = {}, s1 = {};
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 += load8(a + i) * load8(b + i);
-    s1 += load8(a + i + 8) * load8(b + i + 8);
-  }
-  if (i + 8 <= n) {
-    s0 += load8(a + i) * load8(b + i);
-    i += 8;
-  }
-  float s = hsum(s0 + s1);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+using simd::dot;
 
 inline void axpy(float a, const float* x, float* y, int n) {
 #pragma omp simd
@@ -68,12 +42,7 @@ std::vector<int> row_owner(const AttnSeq* seqs, int n_seqs, int* n_rows) {
 inline void softmax_inplace(float* s, int n) {
   float m = s[0];
   for (int j = 1; j < n; ++j) m = std::max(m, s[j]);
-  double z = 0;
-  for (int j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - m);
-    z += s[j];
-  }
-  const float inv = float(1.0 / z);
+  const float inv = float(1.0 / simd::exp_shifted(s, n, m));
   for (int j = 0; j < n; ++j) s[j] *= inv;
 }
 

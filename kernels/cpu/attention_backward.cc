@@ -9,6 +9,7 @@
 
 #include "cemlm/kernels/attention_grad.h"
 #include "cemlm/kernels/linear.h"
+#include "cemlm/kernels/simd.h"
 
 namespace cemlm {
 namespace {
@@ -39,12 +40,8 @@ void softmax_backward_rows(float* P, float* dS, int L, const SharedTerms& sh) {
     }
     float m = p[0];
     for (int j = 1; j < n; ++j) m = std::max(m, p[j]);
-    double z = 0;
-    for (int j = 0; j < n; ++j) {
-      p[j] = std::exp(p[j] - m);
-      z += p[j];
-    }
-    const float inv = float(1.0 / z);
+    // The exponential of the forward softmax (simd::exp), so both passes agree on P.
+    const float inv = float(1.0 / simd::exp_shifted(p, n, m));
     double pg = 0;
     for (int j = 0; j < n; ++j) {
       p[j] *= inv;

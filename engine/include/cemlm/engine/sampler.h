@@ -53,6 +53,7 @@ class Sampler {
   Rng rng_;
   std::vector<float> work_;
   std::vector<int> counts_;                  // per token id; all zero between calls
+  std::vector<float> prob_;                  // per token id: e^(scaled logit − max)
   std::vector<std::pair<float, int>> cand_;  // (scaled logit, id)
 };
 

@@ -41,8 +41,11 @@ std::vector<ParamSpec> param_layout(const ModelConfig& c) {
     add(v, "lev.ln_weight", {l.heads, l.seed_dim}, InitKind::kOnes);
     add(v, "lev.ln_bias", {l.heads, l.seed_dim}, InitKind::kZeros);
     add(v, "lev.spline", {l.heads, l.seed_dim, l.knots, l.rank}, InitKind::kOnePlusNormal, 0.1f);
+    // W_out ~ N(0, 1/(n_h·r)), not MODEL.md's recommended N(0, (0.02/√n_h)²): with the products
+    // M ≈ 1 at init this gives the embedding about unit RMS, and the recommended scale trains
+    // markedly worse (docs/TRAINING.md, "LEV init"). Init is the trainer's choice, not the model's.
     add(v, "lev.out_proj", {l.heads, l.rank, D}, InitKind::kNormal,
-        0.02f / std::sqrt(float(l.heads)), true);
+        1.0f / std::sqrt(float(l.heads * l.rank)), true);
   }
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = absl::StrCat("layers.", l);

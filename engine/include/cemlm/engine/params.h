@@ -45,7 +45,7 @@ class ParamStore {
   const ParamSpec* find(const std::string& name) const;
   Tensor get(const std::string& name);
   Tensor get(const ParamSpec& s);
-  // MODEL.md's recommended init, deterministic for a seed.
+  // MODEL.md's recommended init (except LEV's W_out: see param_layout), deterministic for a seed.
   void init_random(uint64_t seed);
 
  private:

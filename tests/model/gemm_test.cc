@@ -1,9 +1,12 @@
 // gemm (kernels/cpu/linear.cc) against a double-precision triple loop, for every transpose
-// combination, padded leading dimensions, alpha/beta, and the single-row shape that takes the
-// sgemv path (one-sequence decode).
+// combination, padded leading dimensions, alpha/beta, the single-row shape that takes the sgemv
+// path (one-sequence decode), and the few-row shapes of small_gemm on AVX-512 builds: every row
+// remainder of its 8-row tiles, whole and ragged 32-column panels, K off the 16 × 16 transpose
+// grid, the threaded split, and beta = 0 over a C full of NaN (which must not be read).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "cemlm/engine/params.h"
@@ -16,6 +19,7 @@ struct Case {
   int M, N, K;
   bool ta, tb;
   float alpha, beta;
+  bool nan_c = false;  // C starts as NaN (only with beta = 0)
 };
 
 class GemmTest : public ::testing::TestWithParam<Case> {};
@@ -30,7 +34,7 @@ TEST_P(GemmTest, MatchesTripleLoop) {
   std::vector<float> A(size_t(a_rows) * lda), B(size_t(b_rows) * ldb), C(size_t(c.M) * ldc);
   for (float& x : A) x = float(rng.normal());
   for (float& x : B) x = float(rng.normal());
-  for (float& x : C) x = float(rng.normal());
+  for (float& x : C) x = c.nan_c ? std::nanf("") : float(rng.normal());
   const std::vector<float> C0 = C;
   gemm(c.ta, c.tb, c.M, c.N, c.K, c.alpha, A.data(), lda, B.data(), ldb, c.beta, C.data(), ldc);
   for (int i = 0; i < c.M; ++i)
@@ -41,13 +45,14 @@ TEST_P(GemmTest, MatchesTripleLoop) {
         const double b = c.tb ? B[size_t(j) * ldb + k] : B[size_t(k) * ldb + j];
         s += a * b;
       }
-      const double want = c.alpha * s + c.beta * C0[size_t(i) * ldc + j];
+      const double want = c.alpha * s + (c.nan_c ? 0.0 : c.beta * C0[size_t(i) * ldc + j]);
       ASSERT_NEAR(C[size_t(i) * ldc + j], want, 1e-4 * (1 + std::abs(want)))
           << "row " << i << " col " << j;
     }
   // The padding between rows is never written.
   for (int i = 0; i < c.M; ++i)
-    for (int j = c.N; j < ldc; ++j) ASSERT_EQ(C[size_t(i) * ldc + j], C0[size_t(i) * ldc + j]);
+    for (int j = c.N; j < ldc; ++j)
+      ASSERT_TRUE(std::memcmp(&C[size_t(i) * ldc + j], &C0[size_t(i) * ldc + j], sizeof(float)) == 0);
 }
 
 std::vector<Case> cases() {
@@ -58,6 +63,20 @@ std::vector<Case> cases() {
         v.push_back({M, 29, 37, ta, tb, 1.0f, 0.0f});
         v.push_back({M, 5, 64, ta, tb, -0.5f, 1.0f});
       }
+  // Few-row products (small_gemm on AVX-512): rows 2..9 and 15, 40 cover every tile remainder;
+  // N = 71 is two whole panels and a ragged one, K = 37 two transposed 16-blocks and a tail.
+  for (int M : {2, 4, 5, 6, 7, 8, 9, 15, 40})
+    for (bool tb : {false, true}) {
+      v.push_back({M, 71, 37, false, tb, 1.0f, 0.0f});
+      v.push_back({M, 64, 48, false, tb, 0.75f, -1.5f});
+    }
+  for (bool tb : {false, true}) {
+    v.push_back({33, 100, 700, false, tb, 1.0f, 0.0f});    // above the threading threshold
+    v.push_back({256, 96, 20, false, tb, 1.0f, 1.0f});     // the largest small_gemm shape
+    v.push_back({257, 40, 20, false, tb, 1.0f, 0.0f});     // just past it: OpenBLAS
+    v.push_back({12, 50, 33, false, tb, 2.0f, 0.0f, true});  // beta = 0 never reads C
+    v.push_back({1, 50, 33, false, tb, 2.0f, 0.0f, true});
+  }
   return v;
 }
 

@@ -1,0 +1,180 @@
+// Row-major products with few rows — decode batches and short prefill chunks — on AVX-512:
+// OpenBLAS's Haswell (AVX2) kernels reach ~60 GFLOP/s per core there (they pack the whole
+// weight matrix on every call), this ~100–170 (bench numbers in docs/BENCHMARKS.md).
+//
+// C = beta·C + alpha·A·op(B), A [M, K] untransposed. op(B) is cut into panels of 32 columns; each
+// panel is streamed once per tile of 8 rows of A, with 8 × 2 vector accumulators held in
+// registers over the whole K loop. Panels of B [K, N] (op = identity) are read in place; panels
+// of B [N, K] (op = transpose, the usual weight layout) are first transposed 16 × 16 in registers
+// into a [K, 32] buffer, a cost shared by every row tile.
+#include "gemm_avx512.h"
+
+#if defined(__AVX512F__)
+
+#include <omp.h>
+
+// GCC 12's AVX-512 headers trip -Wuninitialized in their own casts and masked loads (GCC bug
+// 105593, fixed in 13); the warning is about the header, not this file.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace cemlm {
+namespace {
+
+constexpr int kPanel = 32;  // columns per panel: two vectors of 16 floats
+constexpr int kTileRows = 8;
+// Products smaller than this many flops run on the calling thread (a fork costs more).
+constexpr double kParallelFlops = 4e6;
+
+// dst[j·ldd + i] = src[i·lds + j] for a 16 × 16 tile.
+inline void transpose16(const float* src, size_t lds, float* dst, size_t ldd) {
+  __m512 r[16], t[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + size_t(i) * lds);
+  // Interleave pairs of rows, then pairs of pairs: lane L of r[4q + j] becomes column 4L + j of
+  // rows 4q..4q+3.
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  // Gather lane L of the four row groups: column 4L + j.
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m512 even01 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+    const __m512 odd01 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+    const __m512 even23 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512 odd23 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    t[j] = _mm512_shuffle_f32x4(even01, even23, 0x88);
+    t[8 + j] = _mm512_shuffle_f32x4(even01, even23, 0xdd);
+    t[4 + j] = _mm512_shuffle_f32x4(odd01, odd23, 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(odd01, odd23, 0xdd);
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + size_t(j) * ldd, t[j]);
+}
+
+// panel[k][j] = op(B)[k][n0 + j] for j < width, 0 beyond.
+void pack_panel(bool trans_b, const float* B, int ldb, int K, int n0, int width, float* panel) {
+  if (trans_b && width == kPanel) {
+    int k = 0;
+    for (; k + 16 <= K; k += 16)
+      for (int h = 0; h < 2; ++h)
+        transpose16(B + size_t(n0 + 16 * h) * size_t(ldb) + size_t(k), size_t(ldb),
+                    panel + size_t(k) * kPanel + 16 * h, kPanel);
+    for (; k < K; ++k)
+      for (int j = 0; j < kPanel; ++j) panel[size_t(k) * kPanel + j] = B[size_t(n0 + j) * ldb + k];
+    return;
+  }
+  std::memset(panel, 0, sizeof(float) * size_t(K) * kPanel);
+  if (trans_b) {
+    for (int j = 0; j < width; ++j) {
+      const float* col = B + size_t(n0 + j) * size_t(ldb);
+      for (int k = 0; k < K; ++k) panel[size_t(k) * kPanel + j] = col[k];
+    }
+  } else {
+    for (int k = 0; k < K; ++k)
+      std::memcpy(panel + size_t(k) * kPanel, B + size_t(k) * ldb + n0, sizeof(float) * size_t(width));
+  }
+}
+
+// C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P, where P's row k starts at
+// p + k·ps.
+template <int R>
+void tile(int K, const float* a, int lda, const float* p, size_t ps, float alpha, float beta,
+          float* c, int ldc, __mmask16 m0, __mmask16 m1) {
+  // The loops over R must be unrolled for acc to live in registers (-O2 does not unroll them).
+  __m512 acc[2 * R];
+#pragma GCC unroll 16
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    const float* row = p + size_t(k) * ps;
+    const __m512 y0 = _mm512_loadu_ps(row), y1 = _mm512_loadu_ps(row + 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 x = _mm512_set1_ps(a[size_t(i) * lda + k]);
+      acc[2 * i] = _mm512_fmadd_ps(x, y0, acc[2 * i]);
+      acc[2 * i + 1] = _mm512_fmadd_ps(x, y1, acc[2 * i + 1]);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    float* ci = c + size_t(i) * ldc;
+    __m512 r0 = _mm512_mul_ps(va, acc[2 * i]), r1 = _mm512_mul_ps(va, acc[2 * i + 1]);
+    if (beta != 0.0f) {  // beta = 0 never reads C, which may hold garbage
+      r0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, ci), r0);
+      r1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, ci + 16), r1);
+    }
+    _mm512_mask_storeu_ps(ci, m0, r0);
+    _mm512_mask_storeu_ps(ci + 16, m1, r1);
+  }
+}
+
+using TileFn = void (*)(int, const float*, int, const float*, size_t, float, float, float*, int,
+                        __mmask16, __mmask16);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>, &tile<4>,
+                                          &tile<5>, &tile<6>, &tile<7>, &tile<8>};
+
+__mmask16 lane_mask(int n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+}  // namespace
+
+bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+                const float* B, int ldb, float beta, float* C, int ldc) {
+  if (M < 2 || M > kSmallGemmMaxRows || K < 1) return false;
+  const int panels = (N + kPanel - 1) / kPanel;
+  const bool parallel = 2.0 * M * N * K >= kParallelFlops && panels > 1 && !omp_in_parallel();
+#pragma omp parallel if (parallel)
+  {
+    thread_local std::vector<float> buffer;  // kept between calls: no allocation per product
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+      const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
+      const float* panel = B + n0;  // op(B) = B with a whole panel: read in place
+      size_t stride = size_t(ldb);
+      if (trans_b || width < kPanel) {
+        buffer.resize(size_t(K) * kPanel);
+        pack_panel(trans_b, B, ldb, K, n0, width, buffer.data());
+        panel = buffer.data();
+        stride = kPanel;
+      }
+      const __mmask16 m0 = lane_mask(width), m1 = lane_mask(width - 16);
+      for (int m = 0; m < M; m += kTileRows)
+        kTiles[std::min(kTileRows, M - m)](K, A + size_t(m) * lda, lda, panel, stride, alpha, beta,
+                                           C + size_t(m) * ldc + n0, ldc, m0, m1);
+    }
+  }
+  return true;
+}
+
+}  // namespace cemlm
+
+#pragma GCC diagnostic pop
+
+#else  // no AVX-512 in this build: every product goes to OpenBLAS
+
+namespace cemlm {
+bool small_gemm(bool, int, int, int, float, const float*, int, const float*, int, float, float*,
+                int) {
+  return false;
+}
+}  // namespace cemlm
+
+#endif

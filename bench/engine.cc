@@ -47,6 +47,7 @@ struct Settings {
   int rounds = 3;
   int prefill_reps = 2;
   int threads = 0;           // 0: all cores (the runner's default)
+  std::string cell;          // "--cell MODEL:T:B": time only that decode cell (for profilers)
 };
 
 ModelConfig bench_config(bool cem, int layers) {
@@ -291,12 +292,35 @@ std::string load_average() {
   return first.empty() ? "unknown" : first;
 }
 
+// --cell: one decode cell in a loop for 10 s, then its fastest step.
+int profile_cell(std::vector<Model>& models, const Settings& s) {
+  char name[32] = {};
+  int T = 0, B = 0;
+  if (std::sscanf(s.cell.c_str(), "%31[^:]:%d:%d", name, &T, &B) != 3 || T < 1 || B < 1 ||
+      B > kMaxBatch) {
+    std::fprintf(stderr, "--cell %s: expected MODEL:T:B with T >= 1 and 1 <= B <= %d\n",
+                 s.cell.c_str(), kMaxBatch);
+    return 2;
+  }
+  for (Model& m : models)
+    if (m.name == name) {
+      DecodeBench bench(*m.runner, T);
+      const double sec = bench.step_seconds(B, 10.0);
+      std::printf("%s T=%d B=%d: %.3f ms/step, %.0f tokens/s\n", name, T, B, sec * 1e3, B / sec);
+      return 0;
+    }
+  std::fprintf(stderr, "--cell %s: no model named %s (standard, cem, cem-L2)\n", s.cell.c_str(), name);
+  return 2;
+}
+
 void print_help() {
   std::printf(
       "usage: bench/engine [--quick] [--threads N]\n"
       "  CPU-runner serving benchmark (decode, prefill, TTFT, KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
-      "  --threads N  compute threads (default 0: all cores; 1 is steadier on a busy machine)\n");
+      "  --threads N  compute threads (default 0: all cores; 1 is steadier on a busy machine)\n"
+      "  --cell M:T:B decode only model M (standard|cem|cem-L2) at depth T, batch B, for 10 s:\n"
+      "               a steady loop to run under a profiler (perf record)\n");
 }
 
 }  // namespace
@@ -313,6 +337,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--threads %s must be >= 0 (0: all cores)\n", argv[i]);
         return 2;
       }
+    } else if (!std::strcmp(argv[i], "--cell") && i + 1 < argc) {
+      s.cell = argv[++i];
     } else if (!std::strcmp(argv[i], "--help")) {
       print_help();
       return 0;
@@ -332,6 +358,7 @@ int main(int argc, char** argv) {
   models.push_back(load_model("cem", bench_config(true, 4), root, s));
   models.push_back(load_model("cem-L2", bench_config(true, 2), root, s));
 
+  if (!s.cell.empty()) return profile_cell(models, s);
   std::printf("%s\n", bench::machine_line().c_str());
   std::printf("threads: %d (OpenMP); load average %s; block size %d; context %d tokens per "
               "decoding sequence; times are the fastest of repeated steps\n\n",

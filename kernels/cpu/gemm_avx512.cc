@@ -134,6 +134,77 @@ __mmask16 lane_mask(int n) {
   return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
+// Lane t of the result = the sum of acc[t]'s 16 lanes: pairs, then quadruples within each
+// 128-bit lane, then across lanes (15 adds instead of 16 full horizontal reductions).
+inline __m512 reduce16(const __m512* acc) {
+  __m512 r1[8], r2[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x·, y·, x·, y·] of acc 2i, 2i+1
+    r1[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                          _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: element m holds acc 4i + m
+    const __m512d a = _mm512_castps_pd(r1[2 * i]), b = _mm512_castps_pd(r1[2 * i + 1]);
+    r2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 r30 = _mm512_add_ps(_mm512_shuffle_f32x4(r2[0], r2[1], 0x88),
+                                   _mm512_shuffle_f32x4(r2[0], r2[1], 0xdd));
+  const __m512 r31 = _mm512_add_ps(_mm512_shuffle_f32x4(r2[2], r2[3], 0x88),
+                                   _mm512_shuffle_f32x4(r2[2], r2[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r30, r31, 0x88), _mm512_shuffle_f32x4(r30, r31, 0xdd));
+}
+
+// c[n0, n0 + rows) ← beta·c + alpha·B[n]·a for rows ≤ 16 rows of B [N, K]: one accumulator per row,
+// the K tail masked, the 16 sums reduced together.
+void gemv_rows(int rows, int K, float alpha, const float* a, const float* B, int ldb, float beta,
+               float* c) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const float* row[16];
+  for (int i = 0; i < 16; ++i) row[i] = B + size_t(std::min(i, rows - 1)) * size_t(ldb);
+  for (int k = 0; k < K; k += 16) {
+    const __mmask16 m = lane_mask(K - k);
+    const __m512 x = _mm512_maskz_loadu_ps(m, a + k);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+      acc[i] = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, row[i] + k), acc[i]);
+  }
+  const __mmask16 out = lane_mask(rows);
+  __m512 r = _mm512_mul_ps(_mm512_set1_ps(alpha), reduce16(acc));
+  if (beta != 0.0f) r = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(out, c), r);
+  _mm512_mask_storeu_ps(c, out, r);
+}
+
+// c[n0, n0 + width) ← beta·c + alpha·Σ_k a[k]·B[k, n0 …] for width ≤ 256 columns of B [K, N]: the
+// columns' sums stay in registers while the rows stream by.
+void gemv_cols(int width, int K, float alpha, const float* a, const float* B, int ldb, float beta,
+               float* c) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const int vecs = (width + 15) / 16;
+  __mmask16 m[16];
+  for (int i = 0; i < 16; ++i) m[i] = lane_mask(width - 16 * i);
+  for (int k = 0; k < K; ++k) {
+    const __m512 x = _mm512_set1_ps(a[k]);
+    const float* row = B + size_t(k) * size_t(ldb);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+      if (i < vecs) acc[i] = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m[i], row + 16 * i), acc[i]);
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (int i = 0; i < vecs; ++i) {
+    __m512 r = _mm512_mul_ps(va, acc[i]);
+    if (beta != 0.0f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[i], c + 16 * i), r);
+    _mm512_mask_storeu_ps(c + 16 * i, m[i], r);
+  }
+}
+
+// Matrices below this many bytes are read by the calling thread alone (a fork costs more).
+constexpr double kParallelGemvBytes = 1 << 20;
+
 }  // namespace
 
 bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
@@ -164,6 +235,26 @@ bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, 
   return true;
 }
 
+bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const float* B, int ldb,
+                float beta, float* c) {
+  if (N < 1 || K < 1) return false;
+  const bool parallel = 4.0 * N * K >= kParallelGemvBytes && !omp_in_parallel();
+  if (trans_b) {  // one row of outputs per row of B [N, K]
+    const int groups = (N + 15) / 16;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int g = 0; g < groups; ++g)
+      gemv_rows(std::min(16, N - 16 * g), K, alpha, a, B + size_t(16 * g) * size_t(ldb), ldb, beta,
+                c + 16 * g);
+  } else {  // column groups of B [K, N]
+    constexpr int kCols = 256;
+    const int groups = (N + kCols - 1) / kCols;
+#pragma omp parallel for schedule(static) if (parallel && groups > 1)
+    for (int g = 0; g < groups; ++g)
+      gemv_cols(std::min(kCols, N - kCols * g), K, alpha, a, B + kCols * g, ldb, beta, c + kCols * g);
+  }
+  return true;
+}
+
 }  // namespace cemlm
 
 #pragma GCC diagnostic pop
@@ -173,6 +264,9 @@ bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, 
 namespace cemlm {
 bool small_gemm(bool, int, int, int, float, const float*, int, const float*, int, float, float*,
                 int) {
+  return false;
+}
+bool small_gemv(bool, int, int, float, const float*, const float*, int, float, float*) {
   return false;
 }
 }  // namespace cemlm

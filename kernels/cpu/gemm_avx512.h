@@ -12,4 +12,10 @@ constexpr int kSmallGemmMaxRows = 256;
 bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                 const float* B, int ldb, float beta, float* C, int ldc);
 
+// c[N] = beta·c + alpha·op(B)ᵀ·a, one row of A times op(B): B [N, K] (trans_b: c[n] = B[n]·a)
+// or B [K, N]. Returns false, touching nothing, on a build without AVX-512. Memory-bound: it
+// streams B once, from several rows at a time.
+bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const float* B, int ldb,
+                float beta, float* c);
+
 }  // namespace cemlm

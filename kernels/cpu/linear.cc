@@ -1,7 +1,9 @@
 // CPU linear maps: thin wrappers that express each product as one row-major cblas_sgemm, as an
-// sgemv when it has a single row (a one-sequence decode step: sgemm packs the whole weight matrix
-// on every call, which for one row costs 2–5× the product itself), or, up to a few hundred rows on
-// AVX-512 builds, as small_gemm (gemm_avx512.cc), 1.5–2× OpenBLAS's AVX2 kernels there.
+// matrix-vector product when it has a single row (a one-sequence decode step: sgemm packs the
+// whole weight matrix on every call, which for one row costs 2–5× the product itself), or, up to
+// a few hundred rows on AVX-512 builds, as small_gemm (gemm_avx512.cc), 1.5–2× OpenBLAS's AVX2
+// kernels there. On AVX-512 the one-row products are small_gemv too: OpenBLAS 0.3.21 does not know
+// recent Xeons (Sapphire/Emerald Rapids) and falls back to its SSE3 kernels on them.
 #include "cemlm/kernels/linear.h"
 
 #include <cblas.h>
@@ -15,6 +17,7 @@ void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const fl
   if (M == 0 || N == 0) return;
   if (M == 1) {  // C[0, :] = alpha · op(B)ᵀ a + beta · C[0, :], a = op(A)[0, :]
     const int inc_a = trans_a ? lda : 1;
+    if (inc_a == 1 && small_gemv(trans_b, N, K, alpha, A, B, ldb, beta, C)) return;
     if (trans_b)  // op(B)ᵀ = B [N, K]
       cblas_sgemv(CblasRowMajor, CblasNoTrans, N, K, alpha, B, ldb, A, inc_a, beta, C, 1);
     else  // B [K, N]

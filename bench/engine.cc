@@ -48,6 +48,7 @@ struct Settings {
   int prefill_reps = 2;
   int threads = 0;           // 0: all cores (the runner's default)
   std::string cell;          // "--cell MODEL:T:B": time only that decode cell (for profilers)
+  std::string kv_dtype = "fp32";
 };
 
 ModelConfig bench_config(bool cem, int layers) {
@@ -91,7 +92,8 @@ Model load_model(const std::string& name, const ModelConfig& c, const std::strin
     std::fprintf(stderr, "saving %s: %s\n", m.dir.c_str(), st.ToString().c_str());
     std::exit(1);
   }
-  auto r = make_model_runner(m.dir, RunnerOptions{"cpu", kv_budget(c, s.prompt), kBlockSize, s.threads});
+  auto r = make_model_runner(
+      m.dir, RunnerOptions{"cpu", kv_budget(c, s.prompt), kBlockSize, s.threads, s.kv_dtype});
   if (!r.ok()) {
     std::fprintf(stderr, "runner for %s: %s\n", name.c_str(), r.status().ToString().c_str());
     std::exit(1);
@@ -208,6 +210,7 @@ double engine_ttft_seconds(const Model& m, int n, int T, const Settings& s) {
   o.threads = s.threads;
   o.block_size = kBlockSize;
   o.kv_cache_memory = int64_t(m.cfg.max_seq_len) * m.cfg.kv_bytes_per_token();
+  o.kv_cache_dtype = s.kv_dtype;
   o.max_batch_tokens = std::max(512, n);
   o.prefix_caching = false;
   auto e = Engine::create(o);
@@ -236,6 +239,7 @@ double engine_decode_tokens_per_s(const Model& m, int B, const SamplingParams& s
   o.threads = s.threads;
   o.block_size = kBlockSize;
   o.kv_cache_memory = kv_budget(m.cfg, s.prompt);
+  o.kv_cache_dtype = s.kv_dtype;
   o.prefix_caching = false;
   auto e = Engine::create(o);
   if (!e.ok()) {
@@ -319,6 +323,7 @@ void print_help() {
       "  CPU-runner serving benchmark (decode, prefill, TTFT, KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
       "  --threads N  compute threads (default 0: all cores; 1 is steadier on a busy machine)\n"
+      "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
       "  --cell M:T:B decode only model M (standard|cem|cem-L2) at depth T, batch B, for 10 s:\n"
       "               a steady loop to run under a profiler (perf record)\n");
 }
@@ -337,6 +342,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--threads %s must be >= 0 (0: all cores)\n", argv[i]);
         return 2;
       }
+    } else if (!std::strcmp(argv[i], "--kv-cache-dtype") && i + 1 < argc) {
+      s.kv_dtype = argv[++i];
     } else if (!std::strcmp(argv[i], "--cell") && i + 1 < argc) {
       s.cell = argv[++i];
     } else if (!std::strcmp(argv[i], "--help")) {
@@ -360,10 +367,10 @@ int main(int argc, char** argv) {
 
   if (!s.cell.empty()) return profile_cell(models, s);
   std::printf("%s\n", bench::machine_line().c_str());
-  std::printf("threads: %d (OpenMP); load average %s; block size %d; context %d tokens per "
-              "decoding sequence; times are the fastest of repeated steps\n\n",
+  std::printf("threads: %d (OpenMP); load average %s; block size %d; KV cache %s; context %d "
+              "tokens per decoding sequence; times are the fastest of repeated steps\n\n",
               s.threads ? s.threads : omp_get_max_threads(), load_average().c_str(), kBlockSize,
-              kContext);
+              s.kv_dtype.c_str(), kContext);
 
   // Each cell keeps its best over rounds that sweep every cell, so a busy spell on the machine
   // cannot skew the ratios between cells measured far apart in time.
@@ -419,12 +426,15 @@ int main(int argc, char** argv) {
 
   const ModelConfig& cem = models[1].cfg;
   const ModelConfig base = baseline_of(cem);
-  std::printf("\n| model | KV bytes/token (fp32) | vs baseline |\n|---|---|---|\n");
+  const int bytes = s.kv_dtype == "bf16" ? 2 : 4;
+  std::printf("\n| model | KV bytes/token (%s) | vs baseline (fp32) |\n|---|---|---|\n",
+              s.kv_dtype.c_str());
   std::printf("| %s | %lld | %.2f× |\n", cem.variant_name().c_str(),
-              (long long)cem.kv_bytes_per_token(),
-              double(cem.kv_bytes_per_token()) / double(base.kv_bytes_per_token()));
-  std::printf("| %s (baseline) | %lld | 1.00× |\n", base.variant_name().c_str(),
-              (long long)base.kv_bytes_per_token());
+              (long long)cem.kv_bytes_per_token(bytes),
+              double(cem.kv_bytes_per_token(bytes)) / double(base.kv_bytes_per_token()));
+  std::printf("| %s (baseline) | %lld | %.2f× |\n", base.variant_name().c_str(),
+              (long long)base.kv_bytes_per_token(bytes),
+              double(base.kv_bytes_per_token(bytes)) / double(base.kv_bytes_per_token()));
 
   std::printf("\ntarget 1: batch-32 decode tokens/s ÷ batch-1 (target ≥ 8×)\n");
   for (const auto& [name, T] : std::vector<std::pair<std::string, int>>{

@@ -13,6 +13,7 @@ CEMLM_PORT              --port
 CEMLM_METRICS_PORT      --metrics-port
 CEMLM_DEVICE            --device
 CEMLM_KV_CACHE_MEMORY   --kv-cache-memory
+CEMLM_KV_CACHE_DTYPE    --kv-cache-dtype
 CEMLM_MAX_BATCH_TOKENS  --max-batch-tokens
 CEMLM_MAX_WAITING       --max-waiting
 CEMLM_API_KEY_FILE      --api-key-file

@@ -37,7 +37,7 @@ struct Outcome {
 }  // namespace
 
 int cmd_generate(int argc, char** argv) {
-  std::string model, prompt, prompt_ids, seed_text, device = "cpu";
+  std::string model, prompt, prompt_ids, seed_text, device = "cpu", kv_dtype = "fp32";
   int T = 0, max_new = 64, top_k = 0;
   float temperature = 1.0f, top_p = 1.0f;
   bool json = false;
@@ -57,6 +57,7 @@ int cmd_generate(int argc, char** argv) {
   f.add("top-p", &top_p, "nucleus sampling mass (1: off)");
   f.add("seed", &seed_text, "sampling seed, an integer in [0, 2^64) (random when not given)");
   f.add("device", &device, "cpu or cuda");
+  f.add("kv-cache-dtype", &kv_dtype, "fp32 | bf16 (CPU: half the cache bytes, keys rounded)");
   f.add_bool("json", &json, "print one JSON object instead of streaming text");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   if (f.given("prompt") == f.given("prompt-ids"))
@@ -65,6 +66,7 @@ int cmd_generate(int argc, char** argv) {
   EngineOptions eo;
   eo.model_dir = model;
   eo.device = device;
+  eo.kv_cache_dtype = kv_dtype;
   auto engine = Engine::create(eo);
   if (!engine.ok()) return fail(std::string(engine.status().message()));
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "cemlm/kernels/elementwise.h"
 #include "cemlm/kernels/lev.h"
@@ -15,30 +16,39 @@
 
 namespace cemlm {
 
-KvPool::KvPool(const ModelConfig& c, int block_size, int64_t n_blocks)
+KvPool::KvPool(const ModelConfig& c, int block_size, int64_t n_blocks, bool bf16)
     : block_size_(block_size),
       n_blocks_(n_blocks),
+      bf16_(bf16),
       n_layers_(c.n_layers),
       n_heads_(c.n_heads),
       kw_(c.qk_dim()),
       vw_(c.attention == AttentionType::kStandard ? c.qk_dim() : 0),
       cw_(c.attention == AttentionType::kCem && c.diag != DiagMode::kNone ? c.d_model : 0) {
   const int64_t per = int64_t(n_layers_) * n_blocks * block_size;
-  k_.assign(per * kw_, 0.0f);
-  v_.assign(per * vw_, 0.0f);
-  c_.assign(per * cw_, 0.0f);
+  if (bf16) {
+    k16_.assign(per * kw_, 0), v16_.assign(per * vw_, 0), c16_.assign(per * cw_, 0);
+  } else {
+    k_.assign(per * kw_, 0.0f), v_.assign(per * vw_, 0.0f), c_.assign(per * cw_, 0.0f);
+  }
 }
 
-int64_t KvPool::blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes) {
-  return bytes / (int64_t(block_size) * c.kv_bytes_per_token());
+int64_t KvPool::blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes, bool bf16) {
+  return bytes / (int64_t(block_size) * c.kv_bytes_per_token(bf16 ? 2 : 4));
 }
 
 KvLayerView KvPool::layer(int l) {
   const int64_t per = n_blocks_ * block_size_;
   KvLayerView v;
-  v.k = k_.data() + l * per * kw_;
-  v.v = vw_ ? v_.data() + l * per * vw_ : nullptr;
-  v.c = cw_ ? c_.data() + l * per * cw_ : nullptr;
+  if (bf16_) {
+    v.k16 = k16_.data() + l * per * kw_;
+    v.v16 = vw_ ? v16_.data() + l * per * vw_ : nullptr;
+    v.c16 = cw_ ? c16_.data() + l * per * cw_ : nullptr;
+  } else {
+    v.k = k_.data() + l * per * kw_;
+    v.v = vw_ ? v_.data() + l * per * vw_ : nullptr;
+    v.c = cw_ ? c_.data() + l * per * cw_ : nullptr;
+  }
   v.block_size = block_size_;
   v.n_heads = n_heads_;
   v.k_width = kw_;
@@ -46,15 +56,22 @@ KvLayerView KvPool::layer(int l) {
   return v;
 }
 
-void KvPool::copy_block(int32_t src, int32_t dst) {
+template <typename E>
+void KvPool::copy_block_in(std::vector<E>* pool, int width, int32_t src, int32_t dst) {
   const int64_t per = n_blocks_ * block_size_;
-  for (auto [pool, w] : {std::pair{&k_, kw_}, std::pair{&v_, vw_}, std::pair{&c_, cw_}}) {
+  for (int l = 0; l < n_layers_; ++l) {
+    E* base = pool->data() + l * per * width;
+    std::memcpy(base + int64_t(dst) * block_size_ * width, base + int64_t(src) * block_size_ * width,
+                sizeof(E) * block_size_ * width);
+  }
+}
+
+void KvPool::copy_block(int32_t src, int32_t dst) {
+  for (auto [pool, pool16, w] : {std::tuple{&k_, &k16_, kw_}, std::tuple{&v_, &v16_, vw_},
+                                 std::tuple{&c_, &c16_, cw_}}) {
     if (!w) continue;
-    for (int l = 0; l < n_layers_; ++l) {
-      float* base = pool->data() + l * per * w;
-      std::memcpy(base + int64_t(dst) * block_size_ * w, base + int64_t(src) * block_size_ * w,
-                  sizeof(float) * block_size_ * w);
-    }
+    if (bf16_) copy_block_in(pool16, w, src, dst);
+    else copy_block_in(pool, w, src, dst);
   }
 }
 

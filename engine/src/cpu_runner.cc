@@ -18,12 +18,12 @@ namespace {
 
 class CpuRunner final : public ModelRunner {
  public:
-  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks, int threads)
+  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks, int threads, bool bf16_kv)
       : threads_(threads),
         ck_(std::move(ck)),
         weights_(bind_weights(ck_.config, ck_.params)),
         model_(ck_.config, weights_),
-        kv_(ck_.config, block_size, n_blocks) {}
+        kv_(ck_.config, block_size, n_blocks, bf16_kv) {}
   const ModelConfig& config() const override { return ck_.config; }
   int block_size() const override { return kv_.block_size(); }
   int64_t num_blocks() const override { return kv_.num_blocks(); }
@@ -33,6 +33,9 @@ class CpuRunner final : public ModelRunner {
     model_.forward(batch, kv_, logits);
   }
   void copy_block(int32_t src, int32_t dst) override { kv_.copy_block(src, dst); }
+  int64_t kv_bytes_per_token() const override {
+    return ck_.config.kv_bytes_per_token(kv_.bf16() ? 2 : 4);
+  }
 
  private:
   int threads_;  // 0: OpenMP's default
@@ -64,17 +67,23 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
   if (opts.block_size < 1 || opts.block_size > 1024)
     return absl::InvalidArgumentError(
         absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));
+  if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
+  const bool bf16_kv = opts.kv_cache_dtype == "bf16";
   CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
-  const int64_t blocks = KvPool::blocks_for_budget(ck.config, opts.block_size, opts.kv_cache_memory);
+  const int64_t blocks =
+      KvPool::blocks_for_budget(ck.config, opts.block_size, opts.kv_cache_memory, bf16_kv);
   const int64_t needed = (ck.config.max_seq_len + opts.block_size - 1) / opts.block_size;
   if (blocks < needed)
     return absl::InvalidArgumentError(absl::StrCat(
         "kv_cache_memory ", opts.kv_cache_memory, " bytes holds ", blocks,
         " blocks but one max_seq_len sequence needs ", needed, " (",
-        needed * opts.block_size * ck.config.kv_bytes_per_token(), " bytes); raise --kv-cache-memory"));
+        needed * opts.block_size * ck.config.kv_bytes_per_token(bf16_kv ? 2 : 4),
+        " bytes); raise --kv-cache-memory"));
   if (opts.threads > 0) openblas_set_num_threads(opts.threads);
   return std::unique_ptr<ModelRunner>(
-      new CpuRunner(std::move(ck), opts.block_size, blocks, opts.threads));
+      new CpuRunner(std::move(ck), opts.block_size, blocks, opts.threads, bf16_kv));
 }
 
 }  // namespace cemlm

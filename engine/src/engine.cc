@@ -397,7 +397,7 @@ EngineStats EngineImpl::stats() const {
 
 ModelInfo EngineImpl::info() const {
   return {config_, config_.variant_name(), count_params(config_).total,
-          config_.kv_bytes_per_token(), opts_.device};
+          runner_->kv_bytes_per_token(), opts_.device};
 }
 
 void EngineImpl::shutdown(bool cancel_running) {
@@ -502,7 +502,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
   CEMLM_RETURN_IF_ERROR(check_options(opts));
-  const RunnerOptions ro{opts.device, opts.kv_cache_memory, opts.block_size, opts.threads};
+  const RunnerOptions ro{opts.device, opts.kv_cache_memory, opts.block_size, opts.threads,
+                         opts.kv_cache_dtype};
   CEMLM_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, make_model_runner(opts.model_dir, ro));
   std::unique_ptr<Tokenizer> tokenizer;
   const std::string tok_path = (std::filesystem::path(opts.model_dir) / kTokenizerFile).string();

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cemlm/engine/status.h"
+#include "cemlm/kernels/bf16.h"
 #include "nlohmann/json.hpp"
 
 namespace cemlm {
@@ -33,8 +34,6 @@ using nlohmann::json;
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the format's own limit
 
 size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
-
-float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(uint32_t(h) << 16); }
 
 float f16_to_f32(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_avx512.h"
+#include "cemlm/kernels/bf16.h"
 #include "cemlm/kernels/linear.h"
 #include "cemlm/kernels/simd.h"
 
@@ -48,6 +50,16 @@ inline void softmax_inplace(float* s, int n) {
 
 }  // namespace
 
+namespace {
+
+// One row of `width` numbers into slot `slot` of a pool, fp32 or rounded to bf16.
+void put_row(float* p32, uint16_t* p16, int64_t slot, int width, const float* row) {
+  if (p16) f32_to_bf16(row, p16 + slot * width, width);
+  else std::memcpy(p32 + slot * width, row, sizeof(float) * width);
+}
+
+}  // namespace
+
 void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_seqs,
               const Tensor& k, const Tensor& v, const Tensor& c) {
   for (int s = 0; s < n_seqs; ++s) {
@@ -55,11 +67,10 @@ void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_
     for (int r = 0; r < sq.n_rows; ++r) {
       const int64_t slot = slot_of(kv, sq.blocks, sq.pos_begin + r);
       const int64_t row = sq.row_begin + r;
-      std::memcpy(kv.k + slot * kv.k_width, k.data + row * kv.k_width, sizeof(float) * kv.k_width);
-      if (kv.v && !v.empty())
-        std::memcpy(kv.v + slot * kv.k_width, v.data + row * kv.k_width, sizeof(float) * kv.k_width);
-      if (kv.c && !c.empty())
-        std::memcpy(kv.c + slot * kv.c_width, c.data + row * kv.c_width, sizeof(float) * kv.c_width);
+      put_row(kv.k, kv.k16, slot, kv.k_width, k.data + row * kv.k_width);
+      if (kv.has_values() && !v.empty()) put_row(kv.v, kv.v16, slot, kv.k_width, v.data + row * kv.k_width);
+      if (kv.has_contexts() && !c.empty())
+        put_row(kv.c, kv.c16, slot, kv.c_width, c.data + row * kv.c_width);
     }
   }
 }
@@ -77,19 +88,21 @@ int64_t row_path_floats(int max_ctx, int n_heads) {
 
 int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag) {
   const int64_t n_ctx = s.pos_begin + s.n_rows, R = s.n_rows;
-  int64_t f = n_ctx * kv.k_width * (kv.v ? 2 : 1) + R * n_ctx * omp_get_max_threads();
+  int64_t f = n_ctx * kv.k_width * (kv.has_values() ? 2 : 1) + R * n_ctx * omp_get_max_threads();
   if (diag != DiagKind::kNone) f += n_ctx * kv.c_width;
   if (diag == DiagKind::kShared) f += 2 * R * n_ctx;
   return f;
 }
 
-// Copies a sequence's first n_ctx cached rows of one pool into contiguous [n_ctx, width].
-void gather(const float* pool, int width, const KvLayerView& kv, const int32_t* blocks, int n_ctx,
-            float* out) {
+// Copies a sequence's first n_ctx cached rows of one pool (fp32 p32, or bf16 p16 widened) into
+// contiguous fp32 [n_ctx, width].
+void gather(const float* p32, const uint16_t* p16, int width, const KvLayerView& kv,
+            const int32_t* blocks, int n_ctx, float* out) {
   for (int j = 0; j < n_ctx; j += kv.block_size) {
     const int n = std::min(kv.block_size, n_ctx - j);
-    std::memcpy(out + int64_t(j) * width, pool + slot_of(kv, blocks, j) * width,
-                sizeof(float) * n * width);
+    const int64_t at = slot_of(kv, blocks, j) * width;
+    if (p16) bf16_to_f32(p16 + at, out + int64_t(j) * width, int64_t(n) * width);
+    else std::memcpy(out + int64_t(j) * width, p32 + at, sizeof(float) * n * width);
   }
 }
 
@@ -110,17 +123,17 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
   const int R = s.n_rows, n_ctx = s.pos_begin + s.n_rows;
   float* kc = ctx.scratch;
-  float* vc = kv.v ? kc + int64_t(n_ctx) * W : kc;
-  float* next = kc + int64_t(n_ctx) * W * (kv.v ? 2 : 1);
+  float* vc = kv.has_values() ? kc + int64_t(n_ctx) * W : kc;
+  float* next = kc + int64_t(n_ctx) * W * (kv.has_values() ? 2 : 1);
   float* cc = nullptr;
   float* sd = nullptr;
   float* psum = nullptr;
-  gather(kv.k, W, kv, s.blocks, n_ctx, kc);
-  if (kv.v) gather(kv.v, W, kv, s.blocks, n_ctx, vc);
+  gather(kv.k, kv.k16, W, kv, s.blocks, n_ctx, kc);
+  if (kv.has_values()) gather(kv.v, kv.v16, W, kv, s.blocks, n_ctx, vc);
   if (diag != DiagKind::kNone) {
     cc = next;
     next += int64_t(n_ctx) * D;
-    gather(kv.c, D, kv, s.blocks, n_ctx, cc);
+    gather(kv.c, kv.c16, D, kv, s.blocks, n_ctx, cc);
   }
   const float* qs = q.data + int64_t(s.row_begin) * W;
   float* os = out.data + int64_t(s.row_begin) * W;
@@ -157,20 +170,33 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
          out_c.data + int64_t(s.row_begin) * D, D);
 }
 
-// One query row against its sequence's first n_ctx cached tokens, read in place block by block:
-// each token's key row (all heads) and context are loaded once per pass. sc: H·n_ctx floats.
-// qd/oc: [D] (shared) or [H, D] (per-head); unused for kNone.
-void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                const float* q, const float* qd, float scale, float* sc, float* out, float* oc) {
+// Row `slot` of a pool as fp32: in place, or widened from bf16 into `tmp` (width floats).
+const float* row_f32(const float* p32, const uint16_t* p16, int64_t slot, int width, float* tmp) {
+  if (!p16) return p32 + slot * width;
+  bf16_to_f32(p16 + slot * width, tmp, width);
+  return tmp;
+}
+
+// Per-thread room for one widened key (or value) row and one context row.
+float* row_buffers(const KvLayerView& kv) {
+  thread_local std::vector<float> buf;
+  buf.resize(size_t(kv.k_width + kv.c_width));
+  return buf.data();
+}
+
+// Portable scores of one row: sc[h·n_ctx + j], each token's key row (all heads) and context read
+// once. qd: [D] (shared) or [H, D] (per-head); unused for kNone.
+void row_scores(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                const float* q, const float* qd, float scale, float* sc) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H, bs = kv.block_size;
-  const float* vpool = kv.v ? kv.v : kv.k;
-  // Scores: sc[h·n_ctx + j].
+  float* tk = row_buffers(kv);
+  float* tc = tk + W;
   for (int j0 = 0; j0 < n_ctx; j0 += bs) {
     const int64_t slot0 = int64_t(blocks[j0 / bs]) * bs;
     const int n = std::min(bs, n_ctx - j0);
     for (int t = 0; t < n; ++t) {
-      const float* kj = kv.k + (slot0 + t) * W;
-      const float* cj = diag == DiagKind::kNone ? nullptr : kv.c + (slot0 + t) * D;
+      const float* kj = row_f32(kv.k, kv.k16, slot0 + t, W, tk);
+      const float* cj = diag == DiagKind::kNone ? nullptr : row_f32(kv.c, kv.c16, slot0 + t, D, tc);
       const float shared = diag == DiagKind::kShared ? dot(qd, cj, D) : 0.0f;  // once, all heads
       for (int h = 0; h < H; ++h) {
         float e = dot(q + h * dh, kj + h * dh, dh) + shared;
@@ -179,8 +205,17 @@ void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
       }
     }
   }
-  for (int h = 0; h < H; ++h) softmax_inplace(sc + int64_t(h) * n_ctx, n_ctx);
-  // Weighted sums; the shared diagonal's weight of token j is the sum of its heads' weights.
+}
+
+// Portable weighted sums of one row from the probabilities in sc; the shared diagonal's weight of
+// token j is the sum of its heads' weights. oc: [D] (shared) or [H, D] (per-head).
+void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+              const float* sc, float* out, float* oc) {
+  const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H, bs = kv.block_size;
+  const float* v32 = kv.has_values() ? kv.v : kv.k;
+  const uint16_t* v16 = kv.has_values() ? kv.v16 : kv.k16;
+  float* tv = row_buffers(kv);
+  float* tc = tv + W;
   std::memset(out, 0, sizeof(float) * W);
   if (oc) std::memset(oc, 0, sizeof(float) * (diag == DiagKind::kPerHead ? int64_t(H) * D : D));
   for (int j0 = 0; j0 < n_ctx; j0 += bs) {
@@ -188,8 +223,8 @@ void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
     const int n = std::min(bs, n_ctx - j0);
     for (int t = 0; t < n; ++t) {
       const int j = j0 + t;
-      const float* vj = vpool + (slot0 + t) * W;
-      const float* cj = diag == DiagKind::kNone ? nullptr : kv.c + (slot0 + t) * D;
+      const float* vj = row_f32(v32, v16, slot0 + t, W, tv);
+      const float* cj = diag == DiagKind::kNone ? nullptr : row_f32(kv.c, kv.c16, slot0 + t, D, tc);
       float w = 0.0f;
       for (int h = 0; h < H; ++h) {
         const float p = sc[int64_t(h) * n_ctx + j];
@@ -200,6 +235,17 @@ void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
       if (diag == DiagKind::kShared) axpy(w, cj, oc, D);
     }
   }
+}
+
+// One query row against its sequence's first n_ctx cached tokens, read in place block by block
+// (AVX-512 passes where the build and the diagonal kind allow). sc: H·n_ctx floats.
+void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                const float* q, const float* qd, float scale, float* sc, float* out, float* oc) {
+  if (!row_scores_avx512(kv, blocks, n_ctx, diag, q, qd, scale, sc))
+    row_scores(kv, blocks, n_ctx, diag, q, qd, scale, sc);
+  for (int h = 0; h < kv.n_heads; ++h) softmax_inplace(sc + int64_t(h) * n_ctx, n_ctx);
+  if (!row_sums_avx512(kv, blocks, n_ctx, diag, sc, out, oc))
+    row_sums(kv, blocks, n_ctx, diag, sc, out, oc);
 }
 
 }  // namespace
@@ -220,7 +266,7 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
                              const AttnSeq* seqs, int n_seqs, float scale) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads;
   CEMLM_CHECK(q.dim(-1) == W && out.dim(-1) == W);
-  CEMLM_CHECK(diag == DiagKind::kNone || (kv.c && !qd.empty() && !out_c.empty()));
+  CEMLM_CHECK(diag == DiagKind::kNone || (kv.has_contexts() && !qd.empty() && !out_c.empty()));
   CEMLM_CHECK(ctx.scratch_floats >= paged_attention_scratch_floats(seqs, n_seqs, kv, diag));
   int n_rows = 0;
   std::vector<int> owner = row_owner(seqs, n_seqs, &n_rows);

@@ -17,14 +17,20 @@
 // 105593, fixed in 13); the warning is about the header, not this file.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "avx512_util.h"
+
 namespace cemlm {
 namespace {
+
+using avx512::lane_mask;
+using avx512::reduce16;
 
 constexpr int kPanel = 32;  // columns per panel: two vectors of 16 floats
 constexpr int kTileRows = 8;
@@ -130,30 +136,6 @@ using TileFn = void (*)(int, const float*, int, const float*, size_t, float, flo
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>, &tile<4>,
                                           &tile<5>, &tile<6>, &tile<7>, &tile<8>};
 
-__mmask16 lane_mask(int n) {
-  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
-
-// Lane t of the result = the sum of acc[t]'s 16 lanes: pairs, then quadruples within each
-// 128-bit lane, then across lanes (15 adds instead of 16 full horizontal reductions).
-inline __m512 reduce16(const __m512* acc) {
-  __m512 r1[8], r2[4];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x·, y·, x·, y·] of acc 2i, 2i+1
-    r1[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
-                          _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: element m holds acc 4i + m
-    const __m512d a = _mm512_castps_pd(r1[2 * i]), b = _mm512_castps_pd(r1[2 * i + 1]);
-    r2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 r30 = _mm512_add_ps(_mm512_shuffle_f32x4(r2[0], r2[1], 0x88),
-                                   _mm512_shuffle_f32x4(r2[0], r2[1], 0xdd));
-  const __m512 r31 = _mm512_add_ps(_mm512_shuffle_f32x4(r2[2], r2[3], 0x88),
-                                   _mm512_shuffle_f32x4(r2[2], r2[3], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(r30, r31, 0x88), _mm512_shuffle_f32x4(r30, r31, 0xdd));
-}
 
 // c[n0, n0 + rows) ← beta·c + alpha·B[n]·a for rows ≤ 16 rows of B [N, K]: one accumulator per row,
 // the K tail masked, the 16 sums reduced together.

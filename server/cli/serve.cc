@@ -24,6 +24,7 @@ namespace {
 
 struct ServeFlags {
   std::string model, host = "0.0.0.0", device = "cpu", kv_cache_memory = "256M";
+  std::string kv_cache_dtype = "fp32";
   std::string api_key_file, tls_cert, tls_key, log_level = "info", model_name;
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
   double shutdown_timeout = 30;
@@ -78,6 +79,7 @@ absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t
   opts.max_batch_tokens = f.max_batch_tokens;
   opts.max_waiting = f.max_waiting;
   opts.threads = f.threads;
+  opts.kv_cache_dtype = f.kv_cache_dtype;
   CEMLM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(opts));
   ScoreRequest warmup;
   warmup.ids = {0, 0};
@@ -159,6 +161,9 @@ int cmd_serve(int argc, char** argv) {
   flags.add("metrics-port", &f.metrics_port, "HTTP port of /metrics; 0 picks a free one");
   flags.add("device", &f.device, "cpu | cuda");
   flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");
+  flags.add("kv-cache-dtype", &f.kv_cache_dtype,
+            "fp32 | bf16: bf16 (CPU) holds twice the tokens and reads half the bytes per decode "
+            "step; keys rounded to bf16 move logits by ~1e-2");
   flags.add("max-batch-tokens", &f.max_batch_tokens, "tokens per engine step (chunked prefill)");
   flags.add("max-waiting", &f.max_waiting, "queued requests before RESOURCE_EXHAUSTED");
   flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");

@@ -122,12 +122,13 @@ std::vector<Output> run_all(Engine& e, const std::vector<GenerateRequest>& reqs)
   return out;
 }
 
-void expect_same(const Output& got, const Output& want, const std::string& what) {
+void expect_same(const Output& got, const Output& want, const std::string& what,
+                 double tol = kLogprobTol) {
   EXPECT_EQ(got.ids, want.ids) << what;
   EXPECT_EQ(got.reason, want.reason) << what;
   ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
   for (size_t i = 0; i < got.logprobs.size(); ++i)
-    EXPECT_NEAR(got.logprobs[i], want.logprobs[i], kLogprobTol) << what << " token " << i;
+    EXPECT_NEAR(got.logprobs[i], want.logprobs[i], tol) << what << " token " << i;
 }
 
 // Stats are published after each engine step, so the last step's release shows up shortly after
@@ -172,18 +173,21 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
-  std::unique_ptr<Engine> engine(int64_t n_blocks = 256, bool prefix_caching = true) {
+  // An fp32 cache of n_blocks; a bf16 cache gets the same bytes, so twice the blocks.
+  std::unique_ptr<Engine> engine(int64_t n_blocks = 256, bool prefix_caching = true,
+                                 const std::string& kv_dtype = "fp32") {
     EngineOptions o;
     o.model_dir = dir_;
     o.block_size = kBlockSize;
     o.kv_cache_memory = n_blocks * kBlockSize * cfg_.kv_bytes_per_token();
+    o.kv_cache_dtype = kv_dtype;
     o.max_batch_tokens = kMaxBatchTokens;
     o.prefix_caching = prefix_caching;
     o.threads = 1;  // tiny models gain nothing from more, and ctest -j must not oversubscribe
     auto e = Engine::create(o);
     EXPECT_TRUE(e.ok()) << e.status();
     if (!e.ok()) return nullptr;
-    EXPECT_EQ(e.value()->stats().kv_blocks_total, n_blocks);
+    EXPECT_EQ(e.value()->stats().kv_blocks_total, kv_dtype == "bf16" ? 2 * n_blocks : n_blocks);
     return std::move(e).value();
   }
 
@@ -353,6 +357,46 @@ TEST_P(EngineRealTest, ScoreMatchesFullForwardNll) {
     EXPECT_NEAR(got->perplexity, std::exp(nll), kOracleTol * std::exp(nll)) << "T=" << T;
   }
   expect_all_blocks_available(*e);
+}
+
+// A bf16 cache (--kv-cache-dtype bf16): half the bytes per token, so twice the blocks for the same
+// budget; a request's tokens are the same alone and batched, its logprobs within 1e-3 (batching
+// changes the prefill chunks, whose fp32 rounding differences can tip a key's bf16 rounding);
+// and the keys' rounding moves the logprobs only slightly off the fp32 oracle (tolerance 3e-2).
+TEST_P(EngineRealTest, Bf16CacheHoldsTwiceTheTokensAndStaysClose) {
+  const auto reqs = mixed_requests(cfg_.vocab_size);
+  auto batched = engine(256, true, "bf16");
+  ASSERT_NE(batched, nullptr);
+  EXPECT_EQ(batched->info().kv_bytes_per_token, cfg_.kv_bytes_per_token() / 2);
+  const auto together = run_all(*batched, reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto alone = engine(256, true, "bf16");
+    ASSERT_NE(alone, nullptr);
+    expect_same(together[i], run_all(*alone, {reqs[i]})[0], "request " + std::to_string(i), 1e-3);
+  }
+  const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 501);
+  double worst = 0;
+  for (int T : {1, 2}) {
+    auto got = batched->score({ids, T});
+    ASSERT_TRUE(got.ok()) << got.status();
+    const auto lp = oracle_logprobs(ids, T);
+    for (size_t i = 1; i < ids.size(); ++i) worst = std::max(worst, std::fabs(got->logprobs[i] - lp[i]));
+  }
+  EXPECT_LT(worst, 3e-2);
+  EXPECT_GT(worst, 0.0) << "the bf16 cache changed nothing: is it used?";
+  expect_all_blocks_available(*batched);
+}
+
+TEST_P(EngineRealTest, UnknownKvCacheDtypeIsRefused) {
+  EngineOptions o;
+  o.model_dir = dir_;
+  o.kv_cache_dtype = "fp16";
+  auto e = Engine::create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16"),
+            std::string::npos)
+      << e.status();
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, EngineRealTest, ::testing::ValuesIn(engine_variants()),

@@ -7,6 +7,8 @@
 #include <signal.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -82,6 +84,34 @@ class ServerLifecycle : public ::testing::Test {
   std::string model_;
   std::unique_ptr<ServerProcess> server_;
 };
+
+v1::ModelInfo model_info(const ServerProcess& s) {
+  auto stub = v1::Inference::NewStub(s.channel());
+  grpc::ClientContext context;
+  v1::ModelInfo info;
+  EXPECT_TRUE(stub->GetModelInfo(&context, {}, &info).ok());
+  return info;
+}
+
+// --kv-cache-dtype bf16 serves with half the cache bytes per token; an unknown dtype is refused
+// at start (exit 1) with a message naming the flag.
+TEST_F(ServerLifecycle, KvCacheDtypeFlag) {
+  auto bf16 = ServerProcess::start(model_, {"--kv-cache-dtype", "bf16"});
+  ASSERT_TRUE(bf16);
+  const int64_t fp32_bytes = model_info(*server_).kv_bytes_per_token();
+  EXPECT_GT(fp32_bytes, 0);
+  EXPECT_EQ(model_info(*bf16).kv_bytes_per_token() * 2, fp32_bytes);
+  const Stream s = generate(bf16->channel(), ids_request(prompt(9), 5, 2));
+  EXPECT_TRUE(s.status.ok()) << s.status.error_message();
+  const std::string log = fresh_temp_dir() + "/serve.log";
+  const int rc = std::system(("'" CEMLM_BIN "' serve --model '" + model_ +
+                              "' --port 0 --metrics-port 0 --kv-cache-dtype fp16 2>'" + log + "'")
+                                 .c_str());
+  EXPECT_NE(rc, 0);
+  std::ifstream in(log);
+  const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(err.find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16"), std::string::npos) << err;
+}
 
 TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
   const std::map<std::string, std::string> families = {

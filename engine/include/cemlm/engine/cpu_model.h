@@ -14,21 +14,29 @@
 
 namespace cemlm {
 
-// Paged KV storage for all layers: [L][n_blocks, block_size, width] per kind (MODEL.md §9).
+// Paged KV storage for all layers: [L][n_blocks, block_size, width] per kind (MODEL.md §9), as
+// fp32 or (bf16 = true: half the bytes, entries rounded to bf16) as bf16.
 class KvPool {
  public:
-  KvPool(const ModelConfig& c, int block_size, int64_t n_blocks);
-  static int64_t blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes);
+  KvPool(const ModelConfig& c, int block_size, int64_t n_blocks, bool bf16 = false);
+  static int64_t blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes,
+                                   bool bf16 = false);
   KvLayerView layer(int l);
   int block_size() const { return block_size_; }
   int64_t num_blocks() const { return n_blocks_; }
+  bool bf16() const { return bf16_; }
   void copy_block(int32_t src, int32_t dst);
 
  private:
+  template <typename E>
+  void copy_block_in(std::vector<E>* pool, int width, int32_t src, int32_t dst);
+
   int block_size_;
   int64_t n_blocks_;
-  int n_layers_, n_heads_, kw_, vw_, cw_;  // floats per token per layer per kind
-  std::vector<float> k_, v_, c_;
+  bool bf16_;
+  int n_layers_, n_heads_, kw_, vw_, cw_;  // numbers per token per layer per kind
+  std::vector<float> k_, v_, c_;           // fp32 pools
+  std::vector<uint16_t> k16_, v16_, c16_;  // bf16 pools
 };
 
 class CpuModel {

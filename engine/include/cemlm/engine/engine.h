@@ -31,6 +31,7 @@ struct EngineOptions {
   int max_waiting = 1024;                // bounded queue; submit fails RESOURCE_EXHAUSTED beyond
   bool prefix_caching = true;
   int threads = 0;                       // CPU threads for compute; 0 = all cores
+  std::string kv_cache_dtype = "fp32";   // "fp32" | "bf16" (CPU only: entries rounded to bf16)
 };
 
 struct GenerateRequest {

@@ -38,6 +38,8 @@ class ModelRunner {
   virtual void forward(const Batch& batch, std::vector<float>* logits) = 0;
   // Copies cached entries of block `src` to block `dst` (copy-on-write for shared prefixes).
   virtual void copy_block(int32_t src, int32_t dst) = 0;
+  // Bytes the cache holds per token (all layers), as stored: fp32 unless the runner says otherwise.
+  virtual int64_t kv_bytes_per_token() const { return config().kv_bytes_per_token(); }
 };
 
 struct RunnerOptions {
@@ -45,6 +47,7 @@ struct RunnerOptions {
   int64_t kv_cache_memory = 256 << 20;
   int block_size = 16;
   int threads = 0;
+  std::string kv_cache_dtype = "fp32";  // "fp32" | "bf16" (CPU: half the bytes per token)
 };
 
 // The CUDA runner's factory, as exported by the libcemlm_cuda.so plugin.

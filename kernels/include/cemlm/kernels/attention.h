@@ -10,7 +10,8 @@
 namespace cemlm {
 
 // One layer's slice of the paged cache. Pools are [n_blocks, block_size, width]; block b of a
-// sequence's table holds its positions [b·block_size, (b+1)·block_size).
+// sequence's table holds its positions [b·block_size, (b+1)·block_size). The pools are fp32 (k, v,
+// c) or, for a bf16 cache (CPU only), bf16 bit patterns (k16, v16, c16): one of the two sets is set.
 struct KvLayerView {
   float* k = nullptr;  // [.., H·d_h] rotated keys
   float* v = nullptr;  // [.., H·d_h] values; null for CEM (values are the keys)
@@ -19,6 +20,13 @@ struct KvLayerView {
   int n_heads = 0;
   int k_width = 0;  // H·d_h
   int c_width = 0;  // D
+  uint16_t* k16 = nullptr;  // the same pools stored as bf16
+  uint16_t* v16 = nullptr;
+  uint16_t* c16 = nullptr;
+
+  bool bf16() const { return k16 != nullptr; }
+  bool has_values() const { return v != nullptr || v16 != nullptr; }
+  bool has_contexts() const { return c != nullptr || c16 != nullptr; }
 };
 
 // Rows [row_begin, row_begin + n_rows) of the batch belong to one sequence whose row r sits at
@@ -30,7 +38,8 @@ struct AttnSeq {
 
 enum class DiagKind { kNone, kShared, kPerHead };
 
-// Writes row r's entries (k[r], v[r], c[r]; v/c when the view has them) at its position.
+// Writes row r's entries (k[r], v[r], c[r]; v/c when the view has them) at its position, rounded
+// to the nearest bf16 for a bf16 cache.
 void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_seqs,
               const Tensor& k /*[N,H·d_h]*/, const Tensor& v /*[N,H·d_h] or empty*/,
               const Tensor& c /*[N,D] or empty*/);

@@ -1,0 +1,152 @@
+// paged_attention_forward (kernels/cpu/attention.cc) against a double-precision reference written
+// straight from MODEL.md §4: one decode row per sequence (the per-row path, AVX-512 where built)
+// and multi-row chunks (the gather + sgemm path), for standard attention (separate values) and
+// CEM keys with diag none / shared / per-head, heads narrower and wider than a 16-lane vector,
+// contexts wider than 256, token counts off the 16-token score groups, blocks of 3 and 16
+// scattered in the pool, and both cache dtypes: fp32, and bf16 (the reference reads the same
+// rounded entries, so both agree to fp32 rounding).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "cemlm/engine/params.h"
+#include "cemlm/kernels/attention.h"
+#include "cemlm/kernels/bf16.h"
+
+namespace cemlm {
+namespace {
+
+struct Case {
+  bool values;  // standard attention: a separate value pool
+  DiagKind diag;
+  int heads, dh, D, block, n_ctx, rows;  // `rows` query rows at the sequence's last positions
+  bool bf16;
+};
+
+std::string name_of(const Case& c) {
+  const char* d = c.diag == DiagKind::kNone ? "none" : c.diag == DiagKind::kShared ? "shared" : "perhead";
+  return std::string(c.values ? "std" : "cem") + "_" + d + "_h" + std::to_string(c.heads) + "x" +
+         std::to_string(c.dh) + "_D" + std::to_string(c.D) + "_bs" + std::to_string(c.block) +
+         "_ctx" + std::to_string(c.n_ctx) + "_r" + std::to_string(c.rows) + (c.bf16 ? "_bf16" : "_f32");
+}
+
+class AttentionTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionTest, MatchesReference) {
+  const Case c = GetParam();
+  const int W = c.heads * c.dh, D = c.D, bs = c.block;
+  const bool ctx = c.diag != DiagKind::kNone;
+  const int n_blocks = (c.n_ctx + bs - 1) / bs + 2;
+  Rng rng(uint64_t(W * 131 + D * 7 + c.n_ctx));
+  auto normal = [&](std::vector<float>& v) {
+    for (float& x : v) x = float(rng.normal());
+  };
+  // Token j's entries, as the cache will hold them (rounded through bf16 for a bf16 cache).
+  std::vector<float> K(size_t(c.n_ctx) * W), V(size_t(c.n_ctx) * W), C(size_t(c.n_ctx) * D);
+  normal(K), normal(V), normal(C);
+  if (c.bf16)
+    for (auto* v : {&K, &V, &C})
+      for (float& x : *v) x = bf16_to_f32(f32_to_bf16(x));
+  // Pools with the sequence's blocks scattered in reverse order.
+  const int64_t slots = int64_t(n_blocks) * bs;
+  std::vector<float> k32(slots * W), v32(slots * W), c32(slots * D);
+  std::vector<uint16_t> k16(slots * W), v16(slots * W), c16(slots * D);
+  std::vector<int32_t> table(static_cast<size_t>(n_blocks));
+  std::iota(table.rbegin(), table.rend(), 0);
+  KvLayerView kv;
+  kv.block_size = bs, kv.n_heads = c.heads, kv.k_width = W, kv.c_width = ctx ? D : 0;
+  if (c.bf16) {
+    kv.k16 = k16.data(), kv.v16 = c.values ? v16.data() : nullptr, kv.c16 = ctx ? c16.data() : nullptr;
+  } else {
+    kv.k = k32.data(), kv.v = c.values ? v32.data() : nullptr, kv.c = ctx ? c32.data() : nullptr;
+  }
+  AttnSeq all{0, c.n_ctx, 0, table.data()};
+  kv_write(ExecCtx{}, kv, &all, 1, Tensor(K.data(), {c.n_ctx, W}),
+           c.values ? Tensor(V.data(), {c.n_ctx, W}) : Tensor{},
+           ctx ? Tensor(C.data(), {c.n_ctx, D}) : Tensor{});
+  const std::vector<float>& vals = c.values ? V : K;
+
+  const int R = c.rows, qd_w = c.diag == DiagKind::kPerHead ? c.heads * D : D;
+  std::vector<float> q(size_t(R) * W), qd(size_t(R) * qd_w), out(size_t(R) * W, NAN),
+      oc(size_t(R) * qd_w, NAN);
+  normal(q), normal(qd);
+  const AttnSeq seq{0, R, c.n_ctx - R, table.data()};
+  const float scale = 1.0f / std::sqrt(float(c.dh));
+  ExecCtx ex;
+  std::vector<float> scratch(size_t(paged_attention_scratch_floats(&seq, 1, kv, c.diag)));
+  ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
+  paged_attention_forward(ex, Tensor(out.data(), {R, W}), ctx ? Tensor(oc.data(), {R, qd_w}) : Tensor{},
+                          Tensor(q.data(), {R, W}), ctx ? Tensor(qd.data(), {R, qd_w}) : Tensor{},
+                          c.diag, kv, &seq, 1, scale);
+
+  for (int r = 0; r < R; ++r) {
+    const int n = c.n_ctx - R + r + 1;  // causal: positions 0 … pos
+    std::vector<double> want(W, 0.0), want_c(qd_w, 0.0);
+    for (int h = 0; h < c.heads; ++h) {
+      std::vector<double> s(n);
+      for (int j = 0; j < n; ++j) {
+        double e = 0;
+        for (int i = 0; i < c.dh; ++i) e += double(q[r * W + h * c.dh + i]) * K[size_t(j) * W + h * c.dh + i];
+        const float* qdr = qd.data() + size_t(r) * qd_w + (c.diag == DiagKind::kPerHead ? h * D : 0);
+        for (int i = 0; ctx && i < D; ++i) e += double(qdr[i]) * C[size_t(j) * D + i];
+        s[j] = scale * e;
+      }
+      const double m = *std::max_element(s.begin(), s.end());
+      double z = 0;
+      for (double& x : s) z += (x = std::exp(x - m));
+      for (int j = 0; j < n; ++j) {
+        const double p = s[j] / z;
+        for (int i = 0; i < c.dh; ++i) want[h * c.dh + i] += p * vals[size_t(j) * W + h * c.dh + i];
+        double* wc = want_c.data() + (c.diag == DiagKind::kPerHead ? h * D : 0);
+        for (int i = 0; ctx && i < D; ++i) wc[i] += p * C[size_t(j) * D + i];
+      }
+    }
+    for (int i = 0; i < W; ++i)
+      ASSERT_NEAR(out[size_t(r) * W + i], want[i], 2e-5 * (1 + std::fabs(want[i]))) << "row " << r << " out " << i;
+    for (int i = 0; ctx && i < qd_w; ++i)
+      ASSERT_NEAR(oc[size_t(r) * qd_w + i], want_c[i], 2e-5 * (1 + std::fabs(want_c[i])))
+          << "row " << r << " context sum " << i;
+  }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (bool bf16 : {false, true}) {
+    for (int rows : {1, 9}) {  // the per-row path; the gather + sgemm path (≥ 8 rows)
+      v.push_back({true, DiagKind::kNone, 3, 6, 16, 3, 37, rows, bf16});
+      v.push_back({false, DiagKind::kNone, 2, 40, 16, 16, 50, rows, bf16});
+      v.push_back({false, DiagKind::kShared, 4, 16, 300, 16, 33, rows, bf16});
+      v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 17, rows, bf16});
+      v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 21, rows, bf16});
+    }
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, bf16});  // the bench's shape
+    v.push_back({false, DiagKind::kShared, 1, 6, 16, 16, 1, 1, bf16});      // a single token
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return name_of(info.param); });
+
+TEST(Bf16, RoundsToNearestEven) {
+  auto bits = [](uint32_t u) { return f32_to_bf16(std::bit_cast<float>(u)); };
+  EXPECT_EQ(f32_to_bf16(1.0f), 0x3F80);
+  EXPECT_EQ(bits(0x3F808000u), 0x3F80);  // halfway, even below: stays
+  EXPECT_EQ(bits(0x3F818000u), 0x3F82);  // halfway, odd below: up to even
+  EXPECT_EQ(bits(0x3F808001u), 0x3F81);  // past halfway: up
+  EXPECT_EQ(bits(0x3F807FFFu), 0x3F80);  // below halfway: down
+  EXPECT_EQ(bits(0xBF818000u), 0xBF82);  // the sign does not matter
+  EXPECT_EQ(bits(0x7F7FFFFFu), 0x7F80);  // the largest float rounds to infinity
+  EXPECT_EQ(bits(0x7F800000u), 0x7F80);  // infinity stays
+  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(std::nanf("")))));
+  EXPECT_TRUE(std::isnan(bf16_to_f32(bits(0x7F800001u))));  // a NaN whose payload sits low
+  EXPECT_EQ(bf16_to_f32(0x4049), 3.140625f);
+}
+
+}  // namespace
+}  // namespace cemlm

@@ -21,6 +21,7 @@ CEMLM_TLS_CERT          --tls-cert
 CEMLM_TLS_KEY           --tls-key
 CEMLM_SHUTDOWN_TIMEOUT  --shutdown-timeout
 CEMLM_THREADS           --threads
+CEMLM_ENGINE_NICE       --engine-nice
 CEMLM_LOG_LEVEL         --log-level
 CEMLM_MODEL_NAME        --model-name
 '

@@ -4,7 +4,13 @@
 // scheduler's intake lock.
 #include "cemlm/engine/engine.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <condition_variable>
 #include <filesystem>
@@ -52,6 +58,9 @@ absl::Status check_options(const EngineOptions& o) {
   };
   CEMLM_RETURN_IF_ERROR(at_least_one(o.max_batch_tokens, "max_batch_tokens"));
   CEMLM_RETURN_IF_ERROR(at_least_one(o.max_running, "max_running"));
+  if (o.step_thread_nice < 0 || o.step_thread_nice > 19)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step_thread_nice = ", o.step_thread_nice, " must be in [0, 19] (0: the process's priority)"));
   return at_least_one(o.max_waiting, "max_waiting");
 }
 
@@ -255,6 +264,14 @@ void EngineImpl::cancel(RequestId id) {
 // ---- the step loop ----
 
 void EngineImpl::loop() {
+  // Linux keeps a niceness per thread, and threads this one starts (OpenMP's) inherit it. Raising
+  // it needs no privilege; should it fail anyway, the engine runs at the process's priority.
+  if (opts_.step_thread_nice > 0) {
+    const id_t tid = id_t(syscall(SYS_gettid));
+    errno = 0;
+    const int now = getpriority(PRIO_PROCESS, tid);
+    if (errno == 0) (void)setpriority(PRIO_PROCESS, tid, std::min(19, now + opts_.step_thread_nice));
+  }
   bool progressed = true;
   for (;;) {
     {

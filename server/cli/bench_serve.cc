@@ -24,14 +24,17 @@ namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
+constexpr int kMaxConnections = 64;
+
 struct BenchFlags {
   int concurrency = 1, requests = 16, recursion = 0, max_new_tokens = 64, prompt_len = 32;
+  int connections = 0;  // 0: one per concurrent stream, up to kMaxConnections
   int64_t seed = 0;
 };
 
 // Milliseconds of everything measured, all requests together.
 struct Samples {
-  std::vector<double> ttft, itl, e2e, engine_e2e, overhead;
+  std::vector<double> ttft, itl, e2e, engine_e2e, overhead, first_overhead;
   int64_t tokens = 0;
   std::map<std::string, int> errors;  // by gRPC code name
   void merge(const Samples& o) {
@@ -39,7 +42,8 @@ struct Samples {
                             {&itl, &o.itl},
                             {&e2e, &o.e2e},
                             {&engine_e2e, &o.engine_e2e},
-                            {&overhead, &o.overhead}})
+                            {&overhead, &o.overhead},
+                            {&first_overhead, &o.first_overhead}})
       dst->insert(dst->end(), src->begin(), src->end());
     tokens += o.tokens;
     for (const auto& [code, n] : o.errors) errors[code] += n;
@@ -70,8 +74,9 @@ v1::GenerateRequest make_request(const BenchFlags& f, int vocab, int index) {
 // client would add a thread wake-up per message to every measured latency.)
 class Driver {
  public:
-  Driver(v1::Inference::Stub& stub, const ChannelFlags& c, const BenchFlags& f, int vocab)
-      : stub_(stub), c_(c), f_(f), vocab_(vocab) {}
+  Driver(std::vector<std::unique_ptr<v1::Inference::Stub>>& stubs, const ChannelFlags& c,
+         const BenchFlags& f, int vocab)
+      : stubs_(stubs), c_(c), f_(f), vocab_(vocab) {}
 
   Samples run() {
     for (int w = 0; w < f_.concurrency; ++w) start_next();
@@ -83,10 +88,10 @@ class Driver {
  private:
   class Stream final : public grpc::ClientReadReactor<v1::GenerateResponse> {
    public:
-    Stream(Driver* d, v1::GenerateRequest req) : d_(d), req_(std::move(req)) {
+    Stream(Driver* d, v1::Inference::Stub& stub, v1::GenerateRequest req) : d_(d), req_(std::move(req)) {
       prepare_context(d_->c_, &context_);
       start_ = SteadyClock::now();
-      d_->stub_.async()->Generate(&context_, &req_, this);
+      stub.async()->Generate(&context_, &req_, this);
       StartRead(&msg_);
       StartCall();
     }
@@ -100,8 +105,10 @@ class Driver {
         last_ = now;
         mine_.tokens += n;
       }
-      if (msg_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED)
+      if (msg_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
         engine_e2e_ = msg_.timing().e2e_seconds() * 1e3;
+        engine_ttft_ = msg_.timing().first_token_seconds() * 1e3;
+      }
       StartRead(&msg_);
     }
     void OnDone(const grpc::Status& status) override {
@@ -110,6 +117,7 @@ class Driver {
         mine_.e2e.push_back(e2e);
         mine_.engine_e2e.push_back(engine_e2e_);
         mine_.overhead.push_back(e2e - engine_e2e_);
+        if (!mine_.ttft.empty()) mine_.first_overhead.push_back(mine_.ttft.back() - engine_ttft_);
       } else {
         ++mine_.errors[server::grpc_code_name(status.error_code())];
       }
@@ -125,7 +133,7 @@ class Driver {
     grpc::ClientContext context_;
     v1::GenerateResponse msg_;
     SteadyClock::time_point start_;
-    double last_ = -1, engine_e2e_ = 0;
+    double last_ = -1, engine_e2e_ = 0, engine_ttft_ = 0;
     Samples mine_;
   };
 
@@ -137,7 +145,7 @@ class Driver {
       std::lock_guard lock(mu_);
       ++active_;
     }
-    new Stream(this, make_request(f_, vocab_, i));
+    new Stream(this, *stubs_[size_t(i) % stubs_.size()], make_request(f_, vocab_, i));
     return true;
   }
 
@@ -148,7 +156,7 @@ class Driver {
     if (--active_ == 0) idle_.notify_all();
   }
 
-  v1::Inference::Stub& stub_;
+  std::vector<std::unique_ptr<v1::Inference::Stub>>& stubs_;  // requests round-robin
   const ChannelFlags& c_;
   const BenchFlags& f_;
   const int vocab_;
@@ -174,18 +182,20 @@ void print_row(const char* name, const std::vector<double>& v) {
               percentile(v, 90), percentile(v, 99), mean, v.size());
 }
 
-void print_report(const BenchFlags& f, const std::string& addr, const Samples& s, double wall_s) {
+void print_report(const BenchFlags& f, const std::string& addr, int connections, const Samples& s,
+                  double wall_s) {
   std::printf(
-      "cemlm bench-serve  addr %s  concurrency %d  requests %d  T %d  prompt %d  "
+      "cemlm bench-serve  addr %s  concurrency %d  connections %d  requests %d  T %d  prompt %d  "
       "new tokens %d\nclient machine: %u cores\n\n",
-      addr.c_str(), f.concurrency, f.requests, f.recursion, f.prompt_len, f.max_new_tokens,
-      std::thread::hardware_concurrency());
+      addr.c_str(), f.concurrency, connections, f.requests, f.recursion, f.prompt_len,
+      f.max_new_tokens, std::thread::hardware_concurrency());
   std::printf("%-20s %10s %10s %10s %10s %8s\n", "latency (ms)", "p50", "p90", "p99", "mean", "n");
   print_row("ttft", s.ttft);
   print_row("inter-token", s.itl);
   print_row("e2e (client)", s.e2e);
   print_row("e2e (engine)", s.engine_e2e);
   print_row("server overhead", s.overhead);
+  print_row("  to 1st token", s.first_overhead);
   int errors = 0;
   for (const auto& [code, n] : s.errors) errors += n;
   std::printf("\nok %zu  errors %d", s.e2e.size(), errors);
@@ -213,23 +223,31 @@ int cmd_bench_serve(int argc, char** argv) {
   flags.add("max-new-tokens", &f.max_new_tokens, "tokens generated per request");
   flags.add("prompt-len", &f.prompt_len, "prompt tokens per request");
   flags.add("seed", &f.seed, "seed of the random prompts");
+  flags.add("connections", &f.connections,
+            "TCP connections the streams share round-robin; 0 = one per concurrent stream, up to " +
+                std::to_string(kMaxConnections) + " (many clients, as in production)");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
-  if (f.concurrency < 1 || f.requests < 1 || f.prompt_len < 1) {
-    std::fprintf(stderr, "error: --concurrency, --requests and --prompt-len must be >= 1\n");
+  if (f.concurrency < 1 || f.requests < 1 || f.prompt_len < 1 || f.connections < 0) {
+    std::fprintf(stderr,
+                 "error: --concurrency, --requests and --prompt-len must be >= 1, --connections >= 0\n");
     return 2;
   }
-  auto channel = make_channel(c);
-  if (!channel) return 2;
-  auto stub = v1::Inference::NewStub(channel);
+  const int n_conn = f.connections ? f.connections : std::min(f.concurrency, kMaxConnections);
+  std::vector<std::unique_ptr<v1::Inference::Stub>> stubs;
+  for (int i = 0; i < n_conn; ++i) {
+    auto channel = make_channel(c, /*own_connection=*/true);
+    if (!channel) return 2;
+    stubs.push_back(v1::Inference::NewStub(channel));
+  }
   v1::ModelInfo info;
-  {
+  for (auto& stub : stubs) {  // also opens every connection before the clock starts
     grpc::ClientContext context;
     prepare_context(c, &context);
     if (auto st = stub->GetModelInfo(&context, {}, &info); !st.ok()) return report_error(st);
   }
   const auto start = SteadyClock::now();
-  const Samples all = Driver(*stub, c, f, info.vocab_size()).run();
-  print_report(f, c.addr, all, ms_since(start) / 1e3);
+  const Samples all = Driver(stubs, c, f, info.vocab_size()).run();
+  print_report(f, c.addr, n_conn, all, ms_since(start) / 1e3);
   return all.errors.empty() ? 0 : 1;
 }
 

@@ -4,6 +4,7 @@
 
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
 
 #include <cstdio>
 #include <fstream>
@@ -20,8 +21,11 @@ void add_channel_flags(Flags* flags, ChannelFlags* f) {
   flags->add("timeout", &f->timeout, "deadline of each call in seconds; 0 = none");
 }
 
-std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f) {
-  if (f.tls_ca.empty()) return grpc::CreateChannel(f.addr, grpc::InsecureChannelCredentials());
+std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_connection) {
+  grpc::ChannelArguments args;
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (f.tls_ca.empty())
+    return grpc::CreateCustomChannel(f.addr, grpc::InsecureChannelCredentials(), args);
   std::ifstream in(f.tls_ca);
   if (!in) {
     std::fprintf(stderr, "error: --tls-ca: cannot read '%s'\n", f.tls_ca.c_str());
@@ -31,7 +35,7 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f) {
   pem << in.rdbuf();
   grpc::SslCredentialsOptions ssl;
   ssl.pem_root_certs = pem.str();
-  return grpc::CreateChannel(f.addr, grpc::SslCredentials(ssl));
+  return grpc::CreateCustomChannel(f.addr, grpc::SslCredentials(ssl), args);
 }
 
 void prepare_context(const ChannelFlags& f, grpc::ClientContext* context) {

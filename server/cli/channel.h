@@ -19,8 +19,10 @@ struct ChannelFlags {
 };
 
 void add_channel_flags(Flags* flags, ChannelFlags* f);
-// Null (with a message on stderr) when --tls-ca cannot be read.
-std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f);
+// Null (with a message on stderr) when --tls-ca cannot be read. With `own_connection` the channel
+// opens a TCP connection of its own instead of sharing one with the process's other channels to
+// the same address.
+std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_connection = false);
 // Authorization metadata and deadline of one call.
 void prepare_context(const ChannelFlags& f, grpc::ClientContext* context);
 // "error: INVALID_ARGUMENT: message" on stderr; returns 1.

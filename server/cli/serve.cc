@@ -27,6 +27,7 @@ struct ServeFlags {
   std::string kv_cache_dtype = "fp32";
   std::string api_key_file, tls_cert, tls_key, log_level = "info", model_name;
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
+  int engine_nice = 10;
   double shutdown_timeout = 30;
 };
 
@@ -80,6 +81,7 @@ absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t
   opts.max_waiting = f.max_waiting;
   opts.threads = f.threads;
   opts.kv_cache_dtype = f.kv_cache_dtype;
+  opts.step_thread_nice = f.engine_nice;
   CEMLM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(opts));
   ScoreRequest warmup;
   warmup.ids = {0, 0};
@@ -95,6 +97,9 @@ int serve(const ServeFlags& f, sigset_t* signals) {
         absl::InvalidArgumentError("--kv-cache-memory: expected bytes like 4G, 512M or "
                                    "1048576, got '" +
                                    f.kv_cache_memory + "'"));
+  if (f.engine_nice < 0 || f.engine_nice > 19)
+    return fail(absl::InvalidArgumentError("--engine-nice " + std::to_string(f.engine_nice) +
+                                           " must be in [0, 19] (0: the process's priority)"));
   server::ServerOptions opts;
   opts.host = f.host;
   opts.port = f.port;
@@ -171,6 +176,9 @@ int cmd_serve(int argc, char** argv) {
   flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");
   flags.add("shutdown-timeout", &f.shutdown_timeout, "seconds to let requests finish on SIGTERM");
   flags.add("threads", &f.threads, "CPU compute threads; 0 = all cores");
+  flags.add("engine-nice", &f.engine_nice,
+            "niceness (0..19) the engine's step and compute threads add to the process's, so "
+            "that gRPC's threads read requests and write tokens without waiting behind a step");
   flags.add("log-level", &f.log_level, "trace | debug | info | warn | error | off");
   flags.add("model-name", &f.model_name, "name in metrics and GetModelInfo (default: DIR's name)");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;

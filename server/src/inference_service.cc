@@ -1,5 +1,6 @@
 // Handlers of cemlm.v1.Inference (see inference_service.h). The Generate reactor is the delicate
-// part: the engine thread hands it events, the writer thread starts the writes of an idle stream,
+// part: the engine thread hands it events (and starts the first and the last write itself), the
+// writer thread starts the other writes of an idle stream,
 // gRPC threads report write completions and cancellation, and exactly one of them performs each
 // write and the final Finish.
 #include "inference_service.h"
@@ -170,6 +171,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
         has_pending_ = true;
       }
     }
+    // The first token and the end of the stream are the latency that clients see (TTFT, end to
+    // end): an idle stream starts their write from this thread at once. The tokens in between go
+    // through the writer thread, which keeps a step's many writes off the engine thread.
+    if (!writing_ && !queued_ && !done_ && (finished_ || !first_written_)) {
+      first_written_ = true;
+      pump(lock);
+      return;
+    }
     // A write in flight takes the news when it completes; otherwise the writer thread starts
     // one. Until it does, nothing can Finish, so `this` outlives the post.
     const bool post = !writing_ && !queued_ && !done_;
@@ -282,7 +291,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   std::optional<RequestId> id_;
   Response pending_, in_flight_;  // being filled / being written
   bool has_pending_ = false, writing_ = false, queued_ = false, finished_ = false, done_ = false;
-  bool broken_ = false, client_cancelled_ = false;
+  bool broken_ = false, client_cancelled_ = false, first_written_ = false;
   FinishReason finish_reason_ = FinishReason::kNone;
   Usage usage_;
   double queue_seconds_ = 0, e2e_seconds_ = 0;

@@ -5,6 +5,8 @@
 #include "cemlm/engine/engine.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -385,6 +387,41 @@ TEST_P(EngineRealTest, Bf16CacheHoldsTwiceTheTokensAndStaysClose) {
   EXPECT_LT(worst, 3e-2);
   EXPECT_GT(worst, 0.0) << "the bf16 cache changed nothing: is it used?";
   expect_all_blocks_available(*batched);
+}
+
+// The step thread (which runs the request callbacks) takes step_thread_nice on top of the
+// process's niceness; out-of-range values are refused.
+TEST_P(EngineRealTest, StepThreadRunsAtTheAddedNiceness) {
+  EngineOptions o;
+  o.model_dir = dir_;
+  o.threads = 1;
+  const int base = getpriority(PRIO_PROCESS, id_t(syscall(SYS_gettid)));
+  if (base > 12) GTEST_SKIP() << "the test process already runs at niceness " << base;
+  o.step_thread_nice = 7;
+  auto e = Engine::create(o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  std::mutex mu;
+  std::condition_variable cv;
+  int seen = -100;
+  auto id = (*e)->submit(request(random_ids(4, cfg_.vocab_size, 9), 2, 1, std::nullopt),
+                         [&](const StreamEvent& ev) {
+                           if (ev.finish_reason == FinishReason::kNone) return;
+                           std::lock_guard lock(mu);
+                           seen = getpriority(PRIO_PROCESS, id_t(syscall(SYS_gettid)));
+                           cv.notify_all();
+                         });
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::unique_lock lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return seen != -100; }));
+  EXPECT_EQ(seen, base + 7);
+  for (int bad : {-1, 20}) {
+    o.step_thread_nice = bad;
+    auto refused = Engine::create(o);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("step_thread_nice = " + std::to_string(bad)),
+              std::string::npos)
+        << refused.status();
+  }
 }
 
 TEST_P(EngineRealTest, UnknownKvCacheDtypeIsRefused) {

@@ -93,24 +93,31 @@ v1::ModelInfo model_info(const ServerProcess& s) {
   return info;
 }
 
-// --kv-cache-dtype bf16 serves with half the cache bytes per token; an unknown dtype is refused
-// at start (exit 1) with a message naming the flag.
-TEST_F(ServerLifecycle, KvCacheDtypeFlag) {
-  auto bf16 = ServerProcess::start(model_, {"--kv-cache-dtype", "bf16"});
+// `cemlm serve FLAGS` exits non-zero without serving; returns what it wrote on stderr.
+std::string refused_serve(const std::string& model, const std::string& flags) {
+  const std::string log = fresh_temp_dir() + "/serve.log";
+  const int rc = std::system(("'" CEMLM_BIN "' serve --model '" + model +
+                              "' --port 0 --metrics-port 0 " + flags + " 2>'" + log + "'")
+                                 .c_str());
+  EXPECT_NE(rc, 0) << flags;
+  std::ifstream in(log);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// --kv-cache-dtype bf16 serves with half the cache bytes per token; an unknown dtype, or an
+// --engine-nice out of range, is refused at start with a message naming the flag.
+TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
+  auto bf16 = ServerProcess::start(model_, {"--kv-cache-dtype", "bf16", "--engine-nice", "0"});
   ASSERT_TRUE(bf16);
   const int64_t fp32_bytes = model_info(*server_).kv_bytes_per_token();
   EXPECT_GT(fp32_bytes, 0);
   EXPECT_EQ(model_info(*bf16).kv_bytes_per_token() * 2, fp32_bytes);
   const Stream s = generate(bf16->channel(), ids_request(prompt(9), 5, 2));
   EXPECT_TRUE(s.status.ok()) << s.status.error_message();
-  const std::string log = fresh_temp_dir() + "/serve.log";
-  const int rc = std::system(("'" CEMLM_BIN "' serve --model '" + model_ +
-                              "' --port 0 --metrics-port 0 --kv-cache-dtype fp16 2>'" + log + "'")
-                                 .c_str());
-  EXPECT_NE(rc, 0);
-  std::ifstream in(log);
-  const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string err = refused_serve(model_, "--kv-cache-dtype fp16");
   EXPECT_NE(err.find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16"), std::string::npos) << err;
+  err = refused_serve(model_, "--engine-nice 20");
+  EXPECT_NE(err.find("--engine-nice 20 must be in [0, 19]"), std::string::npos) << err;
 }
 
 TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
@@ -263,8 +270,15 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
                       &out),
             0);
   for (const char* row : {"ttft", "inter-token", "e2e (client)", "e2e (engine)", "server overhead",
-                          "ok 8  errors 0", "output tokens/s"})
+                          "to 1st token", "connections 4", "ok 8  errors 0", "output tokens/s"})
     EXPECT_NE(out.find(row), std::string::npos) << row << " missing from\n" << out;
+  // Streams share the connections asked for.
+  ASSERT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "4", "--requests", "6",
+                       "--max-new-tokens", "3", "--connections", "2"},
+                      &out),
+            0);
+  EXPECT_NE(out.find("concurrency 4  connections 2"), std::string::npos) << out;
+  EXPECT_NE(out.find("ok 6  errors 0"), std::string::npos) << out;
   // Failed requests are counted by code (and the closed loop still runs them all).
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "3", "--requests", "7",
                        "--max-new-tokens", "4", "--recursion", "99"},

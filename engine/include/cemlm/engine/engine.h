@@ -32,6 +32,9 @@ struct EngineOptions {
   bool prefix_caching = true;
   int threads = 0;                       // CPU threads for compute; 0 = all cores
   std::string kv_cache_dtype = "fp32";   // "fp32" | "bf16" (CPU only: entries rounded to bf16)
+  // Added to the niceness of the step thread (and so of its compute threads, which it starts):
+  // a server gives its network threads precedence over a step's compute. 0..19.
+  int step_thread_nice = 0;
 };
 
 struct GenerateRequest {

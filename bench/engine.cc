@@ -331,6 +331,7 @@ void print_help() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cemlm::reexec_for_openblas_kernels(argv);
   Settings s;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) {

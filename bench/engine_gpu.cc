@@ -248,6 +248,7 @@ void bench_model(bool cem, const Setup& su, double bw, double rate) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cemlm::reexec_for_openblas_kernels(argv);
   Setup su;
   su.small = argc > 1 && std::strcmp(argv[1], "--small") == 0;
   if (su.small) su.prefill_seqs = 4, su.prefill_len = 256, su.decode_steps = 8;

@@ -59,6 +59,7 @@ double sgemm_gflops(const ModelConfig& c, int N) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cemlm::reexec_for_openblas_kernels(argv);
   const int N = argc > 1 ? std::atoi(argv[1]) : 256;
   std::printf("%s\n", bench::machine_line().c_str());
   const double ref = sgemm_gflops(bench_config(false), N);

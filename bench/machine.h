@@ -6,6 +6,8 @@
 #include <string>
 #include <thread>
 
+#include "cemlm/kernels/blas_select.h"
+
 namespace cemlm::bench {
 
 inline std::string machine_line() {
@@ -17,7 +19,7 @@ inline std::string machine_line() {
       break;
     }
   return "machine: " + model + ", " + std::to_string(std::thread::hardware_concurrency()) +
-         " cores, no GPU used";
+         " cores, no GPU used; " + blas_description();
 }
 
 // Seconds per call of fn, after one warm-up call, repeating for at least min_seconds.

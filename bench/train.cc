@@ -88,6 +88,7 @@ double sgemm_gflops(const std::vector<Product>& ps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cemlm::reexec_for_openblas_kernels(argv);
   const int batch = argc > 1 ? std::atoi(argv[1]) : TrainOptions{}.batch_size;
   const int seq = argc > 2 ? std::atoi(argv[2]) : TrainOptions{}.seq_len;
   const int N = batch * seq;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cemlm/cli/commands.h"
+#include "cemlm/kernels/blas_select.h"
 
 namespace {
 
@@ -38,6 +39,7 @@ void print_help() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cemlm::reexec_for_openblas_kernels(argv);
   if (argc < 2 || !std::strcmp(argv[1], "help") || !std::strcmp(argv[1], "--help") ||
       !std::strcmp(argv[1], "-h")) {
     print_help();

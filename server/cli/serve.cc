@@ -17,6 +17,7 @@
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/status.h"
+#include "cemlm/kernels/blas_select.h"
 #include "cemlm/server/inference_server.h"
 
 namespace cemlm::cli {
@@ -136,8 +137,8 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   Engine* e = engine->get();
   metrics->set_stats_source([e] { return e->stats(); });
   (*server)->set_engine(e);
-  spdlog::info("serving model={} variant={} device={}", opts.model_name, e->config().variant_name(),
-               f.device);
+  spdlog::info("serving model={} variant={} device={} kv_cache={} blas=\"{}\"", opts.model_name,
+               e->config().variant_name(), f.device, f.kv_cache_dtype, blas_description());
 
   int sig = 0;
   sigwait(signals, &sig);

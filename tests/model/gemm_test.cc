@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cemlm/engine/params.h"
+#include "cemlm/kernels/blas_select.h"
 #include "cemlm/kernels/linear.h"
 
 namespace cemlm {
@@ -87,6 +88,20 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest, ::testing::ValuesIn(cases()));
+
+// Only AVX-512 processors left with OpenBLAS's generic kernels get other ones.
+TEST(BlasSelect, BetterKernelsOnlyForAvx512LeftGeneric) {
+  EXPECT_EQ(better_openblas_core("Prescott", true, true), "Cooperlake");
+  EXPECT_EQ(better_openblas_core("prescott", true, false), "SkylakeX");
+  EXPECT_EQ(better_openblas_core("Core2", true, false), "SkylakeX");
+  EXPECT_EQ(better_openblas_core("Prescott", false, false), "");  // no AVX-512: generic is right
+  EXPECT_EQ(better_openblas_core("Haswell", true, true), "");     // a real match is kept
+  EXPECT_EQ(better_openblas_core("SkylakeX", true, true), "");
+  EXPECT_EQ(better_openblas_core("Zen", true, false), "");
+  const std::string d = blas_description();
+  EXPECT_EQ(d.rfind("OpenBLAS ", 0), 0u) << d;
+  EXPECT_NE(d.find(" kernels"), std::string::npos) << d;
+}
 
 }  // namespace
 }  // namespace cemlm

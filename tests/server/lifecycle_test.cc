@@ -12,8 +12,11 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "cemlm/kernels/blas_select.h"
 #include "client_util.h"
 #include "server_process.h"
+
+extern "C" char* openblas_get_corename(void);
 
 namespace cemlm::testing_server {
 namespace {
@@ -91,6 +94,20 @@ v1::ModelInfo model_info(const ServerProcess& s) {
   v1::ModelInfo info;
   EXPECT_TRUE(stub->GetModelInfo(&context, {}, &info).ok());
   return info;
+}
+
+// The server runs its products on the best OpenBLAS kernels for this machine: those this test
+// process loaded, unless they are the generic ones on an AVX-512 processor, which `cemlm` replaces
+// (OPENBLAS_CORETYPE and a re-exec) before it starts.
+TEST_F(ServerLifecycle, LogsTheBlasKernelsItChose) {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const std::string here = openblas_get_corename();
+  std::string want = better_openblas_core(here, avx512, __builtin_cpu_supports("avx512bf16"));
+  if (want.empty() || std::getenv("OPENBLAS_CORETYPE")) want = here;
+  const std::string log = server_->log();
+  EXPECT_NE(log.find(", " + want + " kernels\""), std::string::npos) << "want " << want << " in\n" << log;
 }
 
 // `cemlm serve FLAGS` exits non-zero without serving; returns what it wrote on stderr.

@@ -39,6 +39,22 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+// Σ x[i]² for i < n: two float accumulators of 8 lanes, their lanes and the tail summed in double
+// (a long row's partial sums stay within float's precision, and no dependency chain bounds it).
+inline double sum_squares(const float* x, int n) {
+  f8 s0 = {}, s1 = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f8 a = load(x + i), b = load(x + i + 8);
+    s0 += a * a;
+    s1 += b * b;
+  }
+  double s = 0;
+  for (int l = 0; l < 8; ++l) s += double(s0[l]) + double(s1[l]);
+  for (; i < n; ++i) s += double(x[i]) * x[i];
+  return s;
+}
+
 // e^x per lane, within 2 ulp of std::exp for x ≤ 88.3 (x = n·ln 2 + r, |r| ≤ ln2/2, e^r by a
 // degree-7 polynomial, 2^n written into the exponent bits); lanes below −87.3 (where e^x leaves
 // the normal range) give 0.

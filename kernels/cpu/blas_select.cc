@@ -1,0 +1,41 @@
+// OpenBLAS kernel selection (see blas_select.h).
+#include "cemlm/kernels/blas_select.h"
+
+#include <strings.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+extern "C" char* openblas_get_corename(void);
+extern "C" char* openblas_get_config(void);
+
+namespace cemlm {
+
+std::string better_openblas_core(const std::string& chosen, bool avx512, bool avx512_bf16) {
+  // The generic x86-64 kernels OpenBLAS falls back to for a processor it does not know.
+  const bool generic = !strcasecmp(chosen.c_str(), "prescott") || !strcasecmp(chosen.c_str(), "core2") ||
+                       !strcasecmp(chosen.c_str(), "katmai") || !strcasecmp(chosen.c_str(), "unknown");
+  if (!generic || !avx512) return "";
+  return avx512_bf16 ? "Cooperlake" : "SkylakeX";
+}
+
+void reexec_for_openblas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE")) return;  // the user's choice, or ours from the first run
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const std::string core =
+      better_openblas_core(openblas_get_corename(), avx512, __builtin_cpu_supports("avx512bf16"));
+  if (core.empty()) return;
+  setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+  execv("/proc/self/exe", argv);
+  unsetenv("OPENBLAS_CORETYPE");  // no exec: carry on with the kernels loaded
+}
+
+std::string blas_description() {
+  std::string config = openblas_get_config();  // "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY ..."
+  const size_t space = config.find(' ', config.find(' ') + 1);
+  return config.substr(0, space) + ", " + openblas_get_corename() + " kernels";
+}
+
+}  // namespace cemlm

@@ -1,0 +1,25 @@
+// OpenBLAS picks its kernels for the processor as it loads. Version 0.3.21 (Debian 12) predates
+// Sapphire Rapids and Emerald Rapids: it finds no match there and falls back to its SSE3
+// ("Prescott") kernels, 2–3× slower than its AVX-512 ones (measured on training steps and long
+// prefills, docs/BENCHMARKS.md). OPENBLAS_CORETYPE chooses the kernels, but only before the
+// library loads, so a program fixes it by executing itself again with the variable set.
+#pragma once
+#include <string>
+
+namespace cemlm {
+
+// The OPENBLAS_CORETYPE that fits this processor better than `chosen` (the kernels OpenBLAS
+// picked, as openblas_get_corename() names them), or "" to keep them: an AVX-512 processor
+// (F, BW, DQ, VL) left with generic x86-64 kernels gets Cooperlake's (with AVX512-BF16) or
+// SkylakeX's.
+std::string better_openblas_core(const std::string& chosen, bool avx512, bool avx512_bf16);
+
+// At the start of main(): when OPENBLAS_CORETYPE is unset and better_openblas_core() names other
+// kernels for this machine, sets the variable and executes /proc/self/exe with `argv` again.
+// Returns only when nothing needs doing or the exec failed (then nothing has changed).
+void reexec_for_openblas_kernels(char** argv);
+
+// "OpenBLAS 0.3.21, Cooperlake kernels": what products run on, for benchmark headers.
+std::string blas_description();
+
+}  // namespace cemlm

@@ -28,7 +28,7 @@ constexpr int kMaxConnections = 64;
 
 struct BenchFlags {
   int concurrency = 1, requests = 16, recursion = 0, max_new_tokens = 64, prompt_len = 32;
-  int connections = 0;  // 0: one per concurrent stream, up to kMaxConnections
+  int connections = 1;  // TCP connections the streams share
   int64_t seed = 0;
 };
 
@@ -105,18 +105,18 @@ class Driver {
         last_ = now;
         mine_.tokens += n;
       }
-      if (msg_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      if (msg_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {  // the answer is complete
+        e2e_ = ms_since(start_);
         engine_e2e_ = msg_.timing().e2e_seconds() * 1e3;
         engine_ttft_ = msg_.timing().first_token_seconds() * 1e3;
       }
       StartRead(&msg_);
     }
     void OnDone(const grpc::Status& status) override {
-      const double e2e = ms_since(start_);
       if (status.ok()) {
-        mine_.e2e.push_back(e2e);
+        mine_.e2e.push_back(e2e_);
         mine_.engine_e2e.push_back(engine_e2e_);
-        mine_.overhead.push_back(e2e - engine_e2e_);
+        mine_.overhead.push_back(e2e_ - engine_e2e_);
         if (!mine_.ttft.empty()) mine_.first_overhead.push_back(mine_.ttft.back() - engine_ttft_);
       } else {
         ++mine_.errors[server::grpc_code_name(status.error_code())];
@@ -133,7 +133,7 @@ class Driver {
     grpc::ClientContext context_;
     v1::GenerateResponse msg_;
     SteadyClock::time_point start_;
-    double last_ = -1, engine_e2e_ = 0, engine_ttft_ = 0;
+    double last_ = -1, e2e_ = 0, engine_e2e_ = 0, engine_ttft_ = 0;
     Samples mine_;
   };
 
@@ -224,15 +224,17 @@ int cmd_bench_serve(int argc, char** argv) {
   flags.add("prompt-len", &f.prompt_len, "prompt tokens per request");
   flags.add("seed", &f.seed, "seed of the random prompts");
   flags.add("connections", &f.connections,
-            "TCP connections the streams share round-robin; 0 = one per concurrent stream, up to " +
-                std::to_string(kMaxConnections) + " (many clients, as in production)");
+            "TCP connections the streams share round-robin (1 to " + std::to_string(kMaxConnections) +
+                "); each adds its own reads and writes on both sides");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
-  if (f.concurrency < 1 || f.requests < 1 || f.prompt_len < 1 || f.connections < 0) {
+  if (f.concurrency < 1 || f.requests < 1 || f.prompt_len < 1 || f.connections < 1 ||
+      f.connections > kMaxConnections) {
     std::fprintf(stderr,
-                 "error: --concurrency, --requests and --prompt-len must be >= 1, --connections >= 0\n");
+                 "error: --concurrency, --requests and --prompt-len must be >= 1, --connections in "
+                 "[1, %d]\n", kMaxConnections);
     return 2;
   }
-  const int n_conn = f.connections ? f.connections : std::min(f.concurrency, kMaxConnections);
+  const int n_conn = f.connections;
   std::vector<std::unique_ptr<v1::Inference::Stub>> stubs;
   for (int i = 0; i < n_conn; ++i) {
     auto channel = make_channel(c, /*own_connection=*/true);

@@ -287,7 +287,7 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
                       &out),
             0);
   for (const char* row : {"ttft", "inter-token", "e2e (client)", "e2e (engine)", "server overhead",
-                          "to 1st token", "connections 4", "ok 8  errors 0", "output tokens/s"})
+                          "to 1st token", "connections 1", "ok 8  errors 0", "output tokens/s"})
     EXPECT_NE(out.find(row), std::string::npos) << row << " missing from\n" << out;
   // Streams share the connections asked for.
   ASSERT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "4", "--requests", "6",
@@ -296,6 +296,7 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
             0);
   EXPECT_NE(out.find("concurrency 4  connections 2"), std::string::npos) << out;
   EXPECT_NE(out.find("ok 6  errors 0"), std::string::npos) << out;
+  EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--connections", "0"}, &out), 2);
   // Failed requests are counted by code (and the closed loop still runs them all).
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "3", "--requests", "7",
                        "--max-new-tokens", "4", "--recursion", "99"},

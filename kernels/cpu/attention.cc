@@ -25,10 +25,6 @@ inline void axpy(float a, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-inline int64_t slot_of(const KvLayerView& kv, const int32_t* blocks, int pos) {
-  return int64_t(blocks[pos / kv.block_size]) * kv.block_size + pos % kv.block_size;
-}
-
 // Row → its sequence, for all rows of the batch.
 std::vector<int> row_owner(const AttnSeq* seqs, int n_seqs, int* n_rows) {
   int n = 0;
@@ -65,7 +61,7 @@ void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_
   for (int s = 0; s < n_seqs; ++s) {
     const AttnSeq& sq = seqs[s];
     for (int r = 0; r < sq.n_rows; ++r) {
-      const int64_t slot = slot_of(kv, sq.blocks, sq.pos_begin + r);
+      const int64_t slot = kv.slot(sq.blocks, sq.pos_begin + r);
       const int64_t row = sq.row_begin + r;
       put_row(kv.k, kv.k16, slot, kv.k_width, k.data + row * kv.k_width);
       if (kv.has_values() && !v.empty()) put_row(kv.v, kv.v16, slot, kv.k_width, v.data + row * kv.k_width);
@@ -100,7 +96,7 @@ void gather(const float* p32, const uint16_t* p16, int width, const KvLayerView&
             const int32_t* blocks, int n_ctx, float* out) {
   for (int j = 0; j < n_ctx; j += kv.block_size) {
     const int n = std::min(kv.block_size, n_ctx - j);
-    const int64_t at = slot_of(kv, blocks, j) * width;
+    const int64_t at = kv.slot(blocks, j) * width;
     if (p16) bf16_to_f32(p16 + at, out + int64_t(j) * width, int64_t(n) * width);
     else std::memcpy(out + int64_t(j) * width, p32 + at, sizeof(float) * n * width);
   }

@@ -20,10 +20,6 @@ namespace {
 using avx512::lane_mask;
 using avx512::reduce16;
 
-inline int64_t slot_of(const KvLayerView& kv, const int32_t* blocks, int pos) {
-  return int64_t(blocks[pos / kv.block_size]) * kv.block_size + pos % kv.block_size;
-}
-
 // 16 lanes of a cache row (masked): fp32 as is, bf16 widened by a shift into the upper half.
 inline __m512 load_row(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load_row(__mmask16 m, const uint16_t* p) {
@@ -86,7 +82,7 @@ void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t
   for (int j0 = 0; j0 < n_ctx; j0 += 16) {
     const int n = std::min(16, n_ctx - j0);
     for (int t = 0; t < 16; ++t) {  // lanes past the end repeat the last token, then are dropped
-      const int64_t slot = slot_of(kv, blocks, j0 + std::min(t, n - 1));
+      const int64_t slot = kv.slot(blocks, j0 + std::min(t, n - 1));
       keys[t] = kpool + slot * W;
       ctx[t] = shared_diag ? cpool + slot * D : nullptr;
     }

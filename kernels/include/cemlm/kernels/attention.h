@@ -25,6 +25,10 @@ struct KvLayerView {
   uint16_t* c16 = nullptr;
 
   bool bf16() const { return k16 != nullptr; }
+  // The pool row of a sequence's position `pos`, through its block table.
+  int64_t slot(const int32_t* blocks, int pos) const {
+    return int64_t(blocks[pos / block_size]) * block_size + pos % block_size;
+  }
   bool has_values() const { return v != nullptr || v16 != nullptr; }
   bool has_contexts() const { return c != nullptr || c16 != nullptr; }
 };

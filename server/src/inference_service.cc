@@ -1,8 +1,7 @@
 // Handlers of cemlm.v1.Inference (see inference_service.h). The Generate reactor is the delicate
 // part: the engine thread hands it events (and starts the first and the last write itself), the
-// writer thread starts the other writes of an idle stream,
-// gRPC threads report write completions and cancellation, and exactly one of them performs each
-// write and the final Finish.
+// writer thread starts the other writes of an idle stream, gRPC threads report write completions
+// and cancellation, and exactly one of them performs each write and the final Finish.
 #include "inference_service.h"
 
 #include <spdlog/spdlog.h>

@@ -169,7 +169,7 @@ int cmd_serve(int argc, char** argv) {
   flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");
   flags.add("kv-cache-dtype", &f.kv_cache_dtype,
             "fp32 | bf16: bf16 (CPU) holds twice the tokens and reads half the bytes per decode "
-            "step; keys rounded to bf16 move logits by ~1e-2");
+            "step; entries are rounded to bf16 (logprobs move by ~1e-3)");
   flags.add("max-batch-tokens", &f.max_batch_tokens, "tokens per engine step (chunked prefill)");
   flags.add("max-waiting", &f.max_waiting, "queued requests before RESOURCE_EXHAUSTED");
   flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");

@@ -313,7 +313,8 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
       std::printf("%s T=%d B=%d: %.3f ms/step, %.0f tokens/s\n", name, T, B, sec * 1e3, B / sec);
       return 0;
     }
-  std::fprintf(stderr, "--cell %s: no model named %s (standard, cem, cem-L2)\n", s.cell.c_str(), name);
+  std::fprintf(stderr, "--cell %s: no model named %s (standard, cem, cem-L2)\n", s.cell.c_str(),
+               name);
   return 2;
 }
 
@@ -368,10 +369,11 @@ int main(int argc, char** argv) {
 
   if (!s.cell.empty()) return profile_cell(models, s);
   std::printf("%s\n", bench::machine_line().c_str());
-  std::printf("threads: %d (OpenMP); load average %s; block size %d; KV cache %s; context %d "
-              "tokens per decoding sequence; times are the fastest of repeated steps\n\n",
-              s.threads ? s.threads : omp_get_max_threads(), load_average().c_str(), kBlockSize,
-              s.kv_dtype.c_str(), kContext);
+  std::printf(
+      "threads: %d (OpenMP); load average %s; block size %d; KV cache %s; context %d "
+      "tokens per decoding sequence; times are the fastest of repeated steps\n\n",
+      s.threads ? s.threads : omp_get_max_threads(), load_average().c_str(), kBlockSize,
+      s.kv_dtype.c_str(), kContext);
 
   // Each cell keeps its best over rounds that sweep every cell, so a busy spell on the machine
   // cannot skew the ratios between cells measured far apart in time.

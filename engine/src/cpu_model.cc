@@ -61,17 +61,19 @@ void KvPool::copy_block_in(std::vector<E>* pool, int width, int32_t src, int32_t
   const int64_t per = n_blocks_ * block_size_;
   for (int l = 0; l < n_layers_; ++l) {
     E* base = pool->data() + l * per * width;
-    std::memcpy(base + int64_t(dst) * block_size_ * width, base + int64_t(src) * block_size_ * width,
-                sizeof(E) * block_size_ * width);
+    std::memcpy(base + int64_t(dst) * block_size_ * width,
+                base + int64_t(src) * block_size_ * width, sizeof(E) * block_size_ * width);
   }
 }
 
 void KvPool::copy_block(int32_t src, int32_t dst) {
-  for (auto [pool, pool16, w] : {std::tuple{&k_, &k16_, kw_}, std::tuple{&v_, &v16_, vw_},
-                                 std::tuple{&c_, &c16_, cw_}}) {
+  for (auto [pool, pool16, w] :
+       {std::tuple{&k_, &k16_, kw_}, std::tuple{&v_, &v16_, vw_}, std::tuple{&c_, &c16_, cw_}}) {
     if (!w) continue;
-    if (bf16_) copy_block_in(pool16, w, src, dst);
-    else copy_block_in(pool, w, src, dst);
+    if (bf16_)
+      copy_block_in(pool16, w, src, dst);
+    else
+      copy_block_in(pool, w, src, dst);
   }
 }
 

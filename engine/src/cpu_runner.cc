@@ -68,19 +68,19 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
     return absl::InvalidArgumentError(
         absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));
   if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
   const bool bf16_kv = opts.kv_cache_dtype == "bf16";
   CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
   const int64_t blocks =
       KvPool::blocks_for_budget(ck.config, opts.block_size, opts.kv_cache_memory, bf16_kv);
   const int64_t needed = (ck.config.max_seq_len + opts.block_size - 1) / opts.block_size;
   if (blocks < needed)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv_cache_memory ", opts.kv_cache_memory, " bytes holds ", blocks,
-        " blocks but one max_seq_len sequence needs ", needed, " (",
-        needed * opts.block_size * ck.config.kv_bytes_per_token(bf16_kv ? 2 : 4),
-        " bytes); raise --kv-cache-memory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_cache_memory ", opts.kv_cache_memory, " bytes holds ", blocks,
+                     " blocks but one max_seq_len sequence needs ", needed, " (",
+                     needed * opts.block_size * ck.config.kv_bytes_per_token(bf16_kv ? 2 : 4),
+                     " bytes); raise --kv-cache-memory"));
   if (opts.threads > 0) openblas_set_num_threads(opts.threads);
   return std::unique_ptr<ModelRunner>(
       new CpuRunner(std::move(ck), opts.block_size, blocks, opts.threads, bf16_kv));

@@ -59,8 +59,9 @@ absl::Status check_options(const EngineOptions& o) {
   CEMLM_RETURN_IF_ERROR(at_least_one(o.max_batch_tokens, "max_batch_tokens"));
   CEMLM_RETURN_IF_ERROR(at_least_one(o.max_running, "max_running"));
   if (o.step_thread_nice < 0 || o.step_thread_nice > 19)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "step_thread_nice = ", o.step_thread_nice, " must be in [0, 19] (0: the process's priority)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("step_thread_nice = ", o.step_thread_nice,
+                     " must be in [0, 19] (0: the process's priority)"));
   return at_least_one(o.max_waiting, "max_waiting");
 }
 
@@ -270,7 +271,8 @@ void EngineImpl::loop() {
     const id_t tid = id_t(syscall(SYS_gettid));
     errno = 0;
     const int now = getpriority(PRIO_PROCESS, tid);
-    if (errno == 0) (void)setpriority(PRIO_PROCESS, tid, std::min(19, now + opts_.step_thread_nice));
+    if (errno == 0)
+      (void)setpriority(PRIO_PROCESS, tid, std::min(19, now + opts_.step_thread_nice));
   }
   bool progressed = true;
   for (;;) {

@@ -44,14 +44,12 @@ inline void softmax_inplace(float* s, int n) {
   for (int j = 0; j < n; ++j) s[j] *= inv;
 }
 
-}  // namespace
-
-namespace {
-
 // One row of `width` numbers into slot `slot` of a pool, fp32 or rounded to bf16.
 void put_row(float* p32, uint16_t* p16, int64_t slot, int width, const float* row) {
-  if (p16) f32_to_bf16(row, p16 + slot * width, width);
-  else std::memcpy(p32 + slot * width, row, sizeof(float) * width);
+  if (p16)
+    f32_to_bf16(row, p16 + slot * width, width);
+  else
+    std::memcpy(p32 + slot * width, row, sizeof(float) * width);
 }
 
 }  // namespace
@@ -64,7 +62,8 @@ void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_
       const int64_t slot = kv.slot(sq.blocks, sq.pos_begin + r);
       const int64_t row = sq.row_begin + r;
       put_row(kv.k, kv.k16, slot, kv.k_width, k.data + row * kv.k_width);
-      if (kv.has_values() && !v.empty()) put_row(kv.v, kv.v16, slot, kv.k_width, v.data + row * kv.k_width);
+      if (kv.has_values() && !v.empty())
+        put_row(kv.v, kv.v16, slot, kv.k_width, v.data + row * kv.k_width);
       if (kv.has_contexts() && !c.empty())
         put_row(kv.c, kv.c16, slot, kv.c_width, c.data + row * kv.c_width);
     }
@@ -97,8 +96,10 @@ void gather(const float* p32, const uint16_t* p16, int width, const KvLayerView&
   for (int j = 0; j < n_ctx; j += kv.block_size) {
     const int n = std::min(kv.block_size, n_ctx - j);
     const int64_t at = kv.slot(blocks, j) * width;
-    if (p16) bf16_to_f32(p16 + at, out + int64_t(j) * width, int64_t(n) * width);
-    else std::memcpy(out + int64_t(j) * width, p32 + at, sizeof(float) * n * width);
+    if (p16)
+      bf16_to_f32(p16 + at, out + int64_t(j) * width, int64_t(n) * width);
+    else
+      std::memcpy(out + int64_t(j) * width, p32 + at, sizeof(float) * n * width);
   }
 }
 

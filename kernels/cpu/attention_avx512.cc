@@ -37,8 +37,7 @@ inline __m512 dots16(const float* x, const E* const* rows, int n) {
     const __mmask16 m = lane_mask(n - k);
     const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
 #pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t)
-      acc[t] = _mm512_fmadd_ps(xv, load_row(m, rows[t] + k), acc[t]);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(xv, load_row(m, rows[t] + k), acc[t]);
   }
   return reduce16(acc);
 }
@@ -73,8 +72,8 @@ void weighted_sum(const KvLayerView& kv, const int32_t* blocks, int n_ctx, const
 namespace {
 
 template <typename E>
-void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t* blocks,
-            int n_ctx, bool shared_diag, const float* q, const float* qd, float scale, float* sc) {
+void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t* blocks, int n_ctx,
+            bool shared_diag, const float* q, const float* qd, float scale, float* sc) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
   const __m512 vscale = _mm512_set1_ps(scale);
   const E* keys[16];
@@ -108,8 +107,9 @@ void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* 
   for (int h = 1; h < H; ++h)
     for (int j = 0; j < n_ctx; j += 16) {
       const __mmask16 m = lane_mask(n_ctx - j);
-      _mm512_mask_storeu_ps(sc + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sc + j),
-                                                     _mm512_maskz_loadu_ps(m, sc + int64_t(h) * n_ctx + j)));
+      _mm512_mask_storeu_ps(sc + j, m,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(m, sc + j),
+                                          _mm512_maskz_loadu_ps(m, sc + int64_t(h) * n_ctx + j)));
     }
   for (int c0 = 0; c0 < D; c0 += 256)
     weighted_sum(kv, blocks, n_ctx, sc, cpool, D, c0, std::min(256, D - c0), oc + c0);
@@ -121,8 +121,10 @@ bool row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, 
                        const float* q, const float* qd, float scale, float* sc) {
   if (diag == DiagKind::kPerHead) return false;
   const bool shared = diag == DiagKind::kShared;
-  if (kv.bf16()) scores(kv, kv.k16, kv.c16, blocks, n_ctx, shared, q, qd, scale, sc);
-  else scores(kv, kv.k, kv.c, blocks, n_ctx, shared, q, qd, scale, sc);
+  if (kv.bf16())
+    scores(kv, kv.k16, kv.c16, blocks, n_ctx, shared, q, qd, scale, sc);
+  else
+    scores(kv, kv.k, kv.c, blocks, n_ctx, shared, q, qd, scale, sc);
   return true;
 }
 

@@ -13,19 +13,24 @@ namespace cemlm {
 
 std::string better_openblas_core(const std::string& chosen, bool avx512, bool avx512_bf16) {
   // The generic x86-64 kernels OpenBLAS falls back to for a processor it does not know.
-  const bool generic = !strcasecmp(chosen.c_str(), "prescott") || !strcasecmp(chosen.c_str(), "core2") ||
-                       !strcasecmp(chosen.c_str(), "katmai") || !strcasecmp(chosen.c_str(), "unknown");
+  const bool generic =
+      !strcasecmp(chosen.c_str(), "prescott") || !strcasecmp(chosen.c_str(), "core2") ||
+      !strcasecmp(chosen.c_str(), "katmai") || !strcasecmp(chosen.c_str(), "unknown");
   if (!generic || !avx512) return "";
   return avx512_bf16 ? "Cooperlake" : "SkylakeX";
 }
 
-void reexec_for_openblas_kernels(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE")) return;  // the user's choice, or ours from the first run
+std::string better_openblas_core_here() {
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  const std::string core =
-      better_openblas_core(openblas_get_corename(), avx512, __builtin_cpu_supports("avx512bf16"));
+  return better_openblas_core(openblas_get_corename(), avx512,
+                              __builtin_cpu_supports("avx512bf16"));
+}
+
+void reexec_for_openblas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE")) return;  // the user's choice, or ours from the first run
+  const std::string core = better_openblas_core_here();
   if (core.empty()) return;
   setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
   execv("/proc/self/exe", argv);

@@ -136,7 +136,6 @@ using TileFn = void (*)(int, const float*, int, const float*, size_t, float, flo
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>, &tile<4>,
                                           &tile<5>, &tile<6>, &tile<7>, &tile<8>};
 
-
 // c[n0, n0 + rows) ← beta·c + alpha·B[n]·a for rows ≤ 16 rows of B [N, K]: one accumulator per row,
 // the K tail masked, the 16 sums reduced together.
 void gemv_rows(int rows, int K, float alpha, const float* a, const float* B, int ldb, float beta,
@@ -232,7 +231,8 @@ bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const f
     const int groups = (N + kCols - 1) / kCols;
 #pragma omp parallel for schedule(static) if (parallel && groups > 1)
     for (int g = 0; g < groups; ++g)
-      gemv_cols(std::min(kCols, N - kCols * g), K, alpha, a, B + kCols * g, ldb, beta, c + kCols * g);
+      gemv_cols(std::min(kCols, N - kCols * g), K, alpha, a, B + kCols * g, ldb, beta,
+                c + kCols * g);
   }
   return true;
 }

@@ -88,7 +88,8 @@ class Driver {
  private:
   class Stream final : public grpc::ClientReadReactor<v1::GenerateResponse> {
    public:
-    Stream(Driver* d, v1::Inference::Stub& stub, v1::GenerateRequest req) : d_(d), req_(std::move(req)) {
+    Stream(Driver* d, v1::Inference::Stub& stub, v1::GenerateRequest req)
+        : d_(d), req_(std::move(req)) {
       prepare_context(d_->c_, &context_);
       start_ = SteadyClock::now();
       stub.async()->Generate(&context_, &req_, this);
@@ -224,14 +225,16 @@ int cmd_bench_serve(int argc, char** argv) {
   flags.add("prompt-len", &f.prompt_len, "prompt tokens per request");
   flags.add("seed", &f.seed, "seed of the random prompts");
   flags.add("connections", &f.connections,
-            "TCP connections the streams share round-robin (1 to " + std::to_string(kMaxConnections) +
+            "TCP connections the streams share round-robin (1 to " +
+                std::to_string(kMaxConnections) +
                 "); each adds its own reads and writes on both sides");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   if (f.concurrency < 1 || f.requests < 1 || f.prompt_len < 1 || f.connections < 1 ||
       f.connections > kMaxConnections) {
     std::fprintf(stderr,
                  "error: --concurrency, --requests and --prompt-len must be >= 1, --connections in "
-                 "[1, %d]\n", kMaxConnections);
+                 "[1, %d]\n",
+                 kMaxConnections);
     return 2;
   }
   const int n_conn = f.connections;

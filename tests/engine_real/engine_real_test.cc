@@ -2,8 +2,6 @@
 // KV blocks so every request crosses block boundaries: outputs are the same alone, batched, under
 // preemption and with the prefix cache; greedy logprobs and score() match full_forward; and every
 // KV block is available again once the work is done.
-#include "cemlm/engine/engine.h"
-
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -20,6 +18,7 @@
 
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/cpu_model.h"
+#include "cemlm/engine/engine.h"
 #include "cemlm/engine/sampler.h"
 #include "tiny_models.h"
 
@@ -382,7 +381,8 @@ TEST_P(EngineRealTest, Bf16CacheHoldsTwiceTheTokensAndStaysClose) {
     auto got = batched->score({ids, T});
     ASSERT_TRUE(got.ok()) << got.status();
     const auto lp = oracle_logprobs(ids, T);
-    for (size_t i = 1; i < ids.size(); ++i) worst = std::max(worst, std::fabs(got->logprobs[i] - lp[i]));
+    for (size_t i = 1; i < ids.size(); ++i)
+      worst = std::max(worst, std::fabs(got->logprobs[i] - lp[i]));
   }
   EXPECT_LT(worst, 3e-2);
   EXPECT_GT(worst, 0.0) << "the bf16 cache changed nothing: is it used?";

@@ -42,7 +42,7 @@ class GenerateCli : public ::testing::Test {
 
   // Runs generate --json; the parsed object, or null JSON when it failed.
   nlohmann::json generate(const std::vector<std::string>& extra) {
-    std::vector<std::string> args = {"--model", dir_, "--prompt-ids", "3,9,4,20", "--json",
+    std::vector<std::string> args = {"--model",          dir_, "--prompt-ids", "3,9,4,20", "--json",
                                      "--max-new-tokens", "7"};
     args.insert(args.end(), extra.begin(), extra.end());
     ::testing::internal::CaptureStdout();
@@ -94,7 +94,8 @@ TEST_F(GenerateCli, JsonLogprobsAreTheModelsAtEachDepth) {
   EXPECT_EQ(a["ids"], b["ids"]);
   const std::vector<double> lp = a["logprobs"];
   const std::vector<double> want = oracle({3, 9, 4, 20}, a["ids"].get<std::vector<int>>(), 2);
-  for (size_t i = 0; i < lp.size(); ++i) EXPECT_NEAR(lp[i], want[i], 1e-4) << "default T, token " << i;
+  for (size_t i = 0; i < lp.size(); ++i)
+    EXPECT_NEAR(lp[i], want[i], 1e-4) << "default T, token " << i;
 }
 
 TEST_F(GenerateCli, Bf16CacheStaysCloseToTheModel) {

@@ -5,6 +5,8 @@
 // contexts wider than 256, token counts off the 16-token score groups, blocks of 3 and 16
 // scattered in the pool, and both cache dtypes: fp32, and bf16 (the reference reads the same
 // rounded entries, so both agree to fp32 rounding).
+#include "cemlm/kernels/attention.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,7 +17,6 @@
 #include <vector>
 
 #include "cemlm/engine/params.h"
-#include "cemlm/kernels/attention.h"
 #include "cemlm/kernels/bf16.h"
 
 namespace cemlm {
@@ -29,10 +30,13 @@ struct Case {
 };
 
 std::string name_of(const Case& c) {
-  const char* d = c.diag == DiagKind::kNone ? "none" : c.diag == DiagKind::kShared ? "shared" : "perhead";
+  const char* d = c.diag == DiagKind::kNone     ? "none"
+                  : c.diag == DiagKind::kShared ? "shared"
+                                                : "perhead";
   return std::string(c.values ? "std" : "cem") + "_" + d + "_h" + std::to_string(c.heads) + "x" +
          std::to_string(c.dh) + "_D" + std::to_string(c.D) + "_bs" + std::to_string(c.block) +
-         "_ctx" + std::to_string(c.n_ctx) + "_r" + std::to_string(c.rows) + (c.bf16 ? "_bf16" : "_f32");
+         "_ctx" + std::to_string(c.n_ctx) + "_r" + std::to_string(c.rows) +
+         (c.bf16 ? "_bf16" : "_f32");
 }
 
 class AttentionTest : public ::testing::TestWithParam<Case> {};
@@ -61,7 +65,8 @@ TEST_P(AttentionTest, MatchesReference) {
   KvLayerView kv;
   kv.block_size = bs, kv.n_heads = c.heads, kv.k_width = W, kv.c_width = ctx ? D : 0;
   if (c.bf16) {
-    kv.k16 = k16.data(), kv.v16 = c.values ? v16.data() : nullptr, kv.c16 = ctx ? c16.data() : nullptr;
+    kv.k16 = k16.data(), kv.v16 = c.values ? v16.data() : nullptr,
+    kv.c16 = ctx ? c16.data() : nullptr;
   } else {
     kv.k = k32.data(), kv.v = c.values ? v32.data() : nullptr, kv.c = ctx ? c32.data() : nullptr;
   }
@@ -80,9 +85,10 @@ TEST_P(AttentionTest, MatchesReference) {
   ExecCtx ex;
   std::vector<float> scratch(size_t(paged_attention_scratch_floats(&seq, 1, kv, c.diag)));
   ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
-  paged_attention_forward(ex, Tensor(out.data(), {R, W}), ctx ? Tensor(oc.data(), {R, qd_w}) : Tensor{},
-                          Tensor(q.data(), {R, W}), ctx ? Tensor(qd.data(), {R, qd_w}) : Tensor{},
-                          c.diag, kv, &seq, 1, scale);
+  paged_attention_forward(ex, Tensor(out.data(), {R, W}),
+                          ctx ? Tensor(oc.data(), {R, qd_w}) : Tensor{}, Tensor(q.data(), {R, W}),
+                          ctx ? Tensor(qd.data(), {R, qd_w}) : Tensor{}, c.diag, kv, &seq, 1,
+                          scale);
 
   for (int r = 0; r < R; ++r) {
     const int n = c.n_ctx - R + r + 1;  // causal: positions 0 … pos
@@ -91,8 +97,10 @@ TEST_P(AttentionTest, MatchesReference) {
       std::vector<double> s(n);
       for (int j = 0; j < n; ++j) {
         double e = 0;
-        for (int i = 0; i < c.dh; ++i) e += double(q[r * W + h * c.dh + i]) * K[size_t(j) * W + h * c.dh + i];
-        const float* qdr = qd.data() + size_t(r) * qd_w + (c.diag == DiagKind::kPerHead ? h * D : 0);
+        for (int i = 0; i < c.dh; ++i)
+          e += double(q[r * W + h * c.dh + i]) * K[size_t(j) * W + h * c.dh + i];
+        const float* qdr =
+            qd.data() + size_t(r) * qd_w + (c.diag == DiagKind::kPerHead ? h * D : 0);
         for (int i = 0; ctx && i < D; ++i) e += double(qdr[i]) * C[size_t(j) * D + i];
         s[j] = scale * e;
       }
@@ -107,7 +115,8 @@ TEST_P(AttentionTest, MatchesReference) {
       }
     }
     for (int i = 0; i < W; ++i)
-      ASSERT_NEAR(out[size_t(r) * W + i], want[i], 2e-5 * (1 + std::fabs(want[i]))) << "row " << r << " out " << i;
+      ASSERT_NEAR(out[size_t(r) * W + i], want[i], 2e-5 * (1 + std::fabs(want[i])))
+          << "row " << r << " out " << i;
     for (int i = 0; ctx && i < qd_w; ++i)
       ASSERT_NEAR(oc[size_t(r) * qd_w + i], want_c[i], 2e-5 * (1 + std::fabs(want_c[i])))
           << "row " << r << " context sum " << i;

@@ -100,14 +100,12 @@ v1::ModelInfo model_info(const ServerProcess& s) {
 // process loaded, unless they are the generic ones on an AVX-512 processor, which `cemlm` replaces
 // (OPENBLAS_CORETYPE and a re-exec) before it starts.
 TEST_F(ServerLifecycle, LogsTheBlasKernelsItChose) {
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   const std::string here = openblas_get_corename();
-  std::string want = better_openblas_core(here, avx512, __builtin_cpu_supports("avx512bf16"));
+  std::string want = better_openblas_core_here();
   if (want.empty() || std::getenv("OPENBLAS_CORETYPE")) want = here;
   const std::string log = server_->log();
-  EXPECT_NE(log.find(", " + want + " kernels\""), std::string::npos) << "want " << want << " in\n" << log;
+  EXPECT_NE(log.find(", " + want + " kernels\""), std::string::npos) << "want " << want << " in\n"
+                                                                     << log;
 }
 
 // `cemlm serve FLAGS` exits non-zero without serving; returns what it wrote on stderr.
@@ -132,7 +130,8 @@ TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
   const Stream s = generate(bf16->channel(), ids_request(prompt(9), 5, 2));
   EXPECT_TRUE(s.status.ok()) << s.status.error_message();
   std::string err = refused_serve(model_, "--kv-cache-dtype fp16");
-  EXPECT_NE(err.find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16"), std::string::npos) << err;
+  EXPECT_NE(err.find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16"), std::string::npos)
+      << err;
   err = refused_serve(model_, "--engine-nice 20");
   EXPECT_NE(err.find("--engine-nice 20 must be in [0, 19]"), std::string::npos) << err;
 }

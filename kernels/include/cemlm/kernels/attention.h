@@ -11,7 +11,8 @@ namespace cemlm {
 
 // One layer's slice of the paged cache. Pools are [n_blocks, block_size, width]; block b of a
 // sequence's table holds its positions [b·block_size, (b+1)·block_size). The pools are fp32 (k, v,
-// c) or, for a bf16 cache (CPU only), bf16 bit patterns (k16, v16, c16): one of the two sets is set.
+// c) or, for a bf16 cache (CPU only), bf16 bit patterns (k16, v16, c16): one of the two sets is
+// set.
 struct KvLayerView {
   float* k = nullptr;  // [.., H·d_h] rotated keys
   float* v = nullptr;  // [.., H·d_h] values; null for CEM (values are the keys)

@@ -14,6 +14,9 @@ namespace cemlm {
 // SkylakeX's.
 std::string better_openblas_core(const std::string& chosen, bool avx512, bool avx512_bf16);
 
+// better_openblas_core() for this processor and the kernels OpenBLAS loaded in this process.
+std::string better_openblas_core_here();
+
 // At the start of main(): when OPENBLAS_CORETYPE is unset and better_openblas_core() names other
 // kernels for this machine, sets the variable and executes /proc/self/exe with `argv` again.
 // Returns only when nothing needs doing or the exec failed (then nothing has changed).

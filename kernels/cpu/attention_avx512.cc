@@ -6,13 +6,9 @@
 
 #if defined(__AVX512F__)
 
-// GCC 12's AVX-512 headers trip -Wuninitialized in their own masked loads (GCC bug 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <algorithm>
+#include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 
-#include "avx512_util.h"
+#include <algorithm>
 
 namespace cemlm {
 namespace {
@@ -140,8 +136,6 @@ bool row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, Di
 }
 
 }  // namespace cemlm
-
-#pragma GCC diagnostic pop
 
 #else  // no AVX-512 in this build: attention.cc's portable loops do all of it
 

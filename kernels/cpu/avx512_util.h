@@ -1,7 +1,13 @@
 // AVX-512 helpers shared by the CPU kernels built for it (gemm_avx512.cc, attention_avx512.cc).
-// Include only inside `#if defined(__AVX512F__)`.
+// Include only inside `#if defined(__AVX512F__)`, before anything else that includes immintrin.h.
 #pragma once
+// GCC 12's AVX-512 headers trip -W(maybe-)uninitialized in their own casts and masked loads (GCC
+// bug 105593, fixed in 13); the warnings are located in the header, silenced here for it alone.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 
 namespace cemlm::avx512 {
 

@@ -11,20 +11,13 @@
 
 #if defined(__AVX512F__)
 
-#include <omp.h>
+#include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 
-// GCC 12's AVX-512 headers trip -Wuninitialized in their own casts and masked loads (GCC bug
-// 105593, fixed in 13); the warning is about the header, not this file.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
-
-#include "avx512_util.h"
 
 namespace cemlm {
 namespace {
@@ -238,8 +231,6 @@ bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const f
 }
 
 }  // namespace cemlm
-
-#pragma GCC diagnostic pop
 
 #else  // no AVX-512 in this build: every product goes to OpenBLAS
 

@@ -14,14 +14,9 @@ namespace cemlm {
 namespace {
 
 using avx512::lane_mask;
+using avx512::load_row;
 using avx512::reduce16;
-
-// 16 lanes of a cache row (masked): fp32 as is, bf16 widened by a shift into the upper half.
-inline __m512 load_row(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_row(__mmask16 m, const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+using avx512::RowSum;
 
 // Lane t = x[0, n) · rows[t][0, n).
 template <typename E>
@@ -42,25 +37,14 @@ inline __m512 dots16(const float* x, const E* const* rows, int n) {
 template <typename E>
 void weighted_sum(const KvLayerView& kv, const int32_t* blocks, int n_ctx, const float* w,
                   const E* pool, int stride, int col0, int width, float* dst) {
-  __m512 acc[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  const int vecs = (width + 15) / 16;
-  __mmask16 m[16];
-  for (int i = 0; i < 16; ++i) m[i] = lane_mask(width - 16 * i);
+  RowSum sum(width);
   const int bs = kv.block_size;
   for (int j0 = 0; j0 < n_ctx; j0 += bs) {
     const E* base = pool + int64_t(blocks[j0 / bs]) * bs * stride + col0;
     const int n = std::min(bs, n_ctx - j0);
-    for (int t = 0; t < n; ++t) {
-      const __m512 p = _mm512_set1_ps(w[j0 + t]);
-      const E* row = base + int64_t(t) * stride;
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        if (i < vecs) acc[i] = _mm512_fmadd_ps(p, load_row(m[i], row + 16 * i), acc[i]);
-    }
+    for (int t = 0; t < n; ++t) sum.add(w[j0 + t], base + int64_t(t) * stride);
   }
-  for (int i = 0; i < vecs; ++i) _mm512_mask_storeu_ps(dst + 16 * i, m[i], acc[i]);
+  sum.store(dst);
 }
 
 }  // namespace

@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include <cstdint>
+
 namespace cemlm::avx512 {
 
 // The first n of 16 lanes (none for n ≤ 0, all for n ≥ 16).
@@ -36,5 +38,42 @@ inline __m512 reduce16(const __m512* acc) {
                                    _mm512_shuffle_f32x4(r2[2], r2[3], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(r30, r31, 0x88), _mm512_shuffle_f32x4(r30, r31, 0xdd));
 }
+
+// 16 lanes of a row (masked): fp32 as is, bf16 bit patterns widened into the upper half.
+inline __m512 load_row(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_row(__mmask16 m, const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Σ_r w_r·row_r over up to 256 columns, held in 16 registers while the rows stream by.
+class RowSum {
+ public:
+  explicit RowSum(int width) : vecs_((width + 15) / 16) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc_[i] = _mm512_setzero_ps(), m_[i] = lane_mask(width - 16 * i);
+  }
+  template <typename E>
+  void add(float w, const E* row) {
+    const __m512 p = _mm512_set1_ps(w);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+      if (i < vecs_) acc_[i] = _mm512_fmadd_ps(p, load_row(m_[i], row + 16 * i), acc_[i]);
+  }
+  // dst[0, width) = alpha·sum + beta·dst (dst is not read when beta = 0).
+  void store(float* dst, float alpha = 1.0f, float beta = 0.0f) const {
+    const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+    for (int i = 0; i < vecs_; ++i) {
+      __m512 r = alpha == 1.0f ? acc_[i] : _mm512_mul_ps(va, acc_[i]);
+      if (beta != 0.0f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m_[i], dst + 16 * i), r);
+      _mm512_mask_storeu_ps(dst + 16 * i, m_[i], r);
+    }
+  }
+
+ private:
+  int vecs_;
+  __m512 acc_[16];
+  __mmask16 m_[16];
+};
 
 }  // namespace cemlm::avx512

@@ -155,25 +155,9 @@ void gemv_rows(int rows, int K, float alpha, const float* a, const float* B, int
 // columns' sums stay in registers while the rows stream by.
 void gemv_cols(int width, int K, float alpha, const float* a, const float* B, int ldb, float beta,
                float* c) {
-  __m512 acc[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  const int vecs = (width + 15) / 16;
-  __mmask16 m[16];
-  for (int i = 0; i < 16; ++i) m[i] = lane_mask(width - 16 * i);
-  for (int k = 0; k < K; ++k) {
-    const __m512 x = _mm512_set1_ps(a[k]);
-    const float* row = B + size_t(k) * size_t(ldb);
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i)
-      if (i < vecs) acc[i] = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m[i], row + 16 * i), acc[i]);
-  }
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-  for (int i = 0; i < vecs; ++i) {
-    __m512 r = _mm512_mul_ps(va, acc[i]);
-    if (beta != 0.0f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[i], c + 16 * i), r);
-    _mm512_mask_storeu_ps(c + 16 * i, m[i], r);
-  }
+  avx512::RowSum sum(width);
+  for (int k = 0; k < K; ++k) sum.add(a[k], B + size_t(k) * size_t(ldb));
+  sum.store(c, alpha, beta);
 }
 
 // Matrices below this many bytes are read by the calling thread alone (a fork costs more).

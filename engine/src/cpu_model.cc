@@ -230,10 +230,12 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
   for (int t = 0; t < r.Tmax; ++t) {
     int ns = 0;
     const int64_t n = r.active(t, &ns);
-    Tensor x = view(r.h, n, D), y = view(buf(kY, 0), n, D), q = view(buf(kQ, 0), n, Q),
-           a = view(buf(kA, 0), n, Q), u = view(buf(kU, 0), n, D), pu = view(buf(kPU, 0), n, D),
-           qd = view(buf(kQD, 0), n, qd_width), oc = view(buf(kOC, 0), n, qd_width);
-    rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
+    // x⁰ = h, so the first step's normalised query input is the context c itself.
+    Tensor x = view(r.h, n, D), y = view(t == 0 ? c.data : buf(kY, 0), n, D),
+           q = view(buf(kQ, 0), n, Q), a = view(buf(kA, 0), n, Q), u = view(buf(kU, 0), n, D),
+           pu = view(buf(kPU, 0), n, D), qd = view(buf(kQD, 0), n, qd_width),
+           oc = view(buf(kOC, 0), n, qd_width);
+    if (t > 0) rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
     linear_forward(r.ctx, q, y, lw.wq);
     rope_forward(r.ctx, q, q, r.pos.data(), rope, false);
     if (diag) diag_scale_forward(r.ctx, qd, y, lw.diag);
@@ -270,9 +272,10 @@ void CpuModel::mlp_cem(int l, Rows& r) {
   for (int t = 0; t < r.Tmax; ++t) {
     int ns = 0;
     const int64_t n = r.active(t, &ns);
-    Tensor x = view(r.h, n, D), y = view(buf(kY, 0), n, D), z = view(buf(kZ, 0), n, F),
-           u = view(buf(kU, 0), n, D), pu = view(buf(kPU, 0), n, D);
-    rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.mlp_norm, cfg_.norm_eps);
+    // x⁰ = h: the first step's y is the sub-layer's normalised input c.
+    Tensor x = view(r.h, n, D), y = view(t == 0 ? c.data : buf(kY, 0), n, D),
+           z = view(buf(kZ, 0), n, F), u = view(buf(kU, 0), n, D), pu = view(buf(kPU, 0), n, D);
+    if (t > 0) rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.mlp_norm, cfg_.norm_eps);
     linear_forward(r.ctx, z, y, lw.w_up);
     mul_forward(r.ctx, z, z, view(g.data, n, F));
     linear_t_forward(r.ctx, u, z, lw.w_up);

@@ -15,7 +15,7 @@ inline float silu(float z) { return z / (1.0f + std::exp(-z)); }
 // std::exp; e^(−z) saturates for z < −88, where SiLU is 0 to float precision anyway).
 void silu_times(float* out, const float* a, const float* b, int64_t n) {
   constexpr int64_t kChunk = 4096;  // per thread item
-#pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp parallel for schedule(static) if (n > 8192)
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t end = std::min(n, c + kChunk);
     int64_t i = c;
@@ -44,13 +44,13 @@ void swiglu_forward(const ExecCtx&, Tensor out, const Tensor& gate, const Tensor
 void mul_forward(const ExecCtx&, Tensor out, const Tensor& a, const Tensor& b) {
   const int64_t n = a.numel();
   CEMLM_CHECK(b.numel() == n && out.numel() == n);
-#pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp parallel for schedule(static) if (n > 8192)
   for (int64_t i = 0; i < n; ++i) out.data[i] = a.data[i] * b.data[i];
 }
 
 void axpy_rows_forward(const ExecCtx&, Tensor x, const Tensor& u, const float* eta) {
   const int64_t N = u.dim(0), D = u.dim(-1);
-#pragma omp parallel for schedule(static) if (N * D > 65536)
+#pragma omp parallel for schedule(static) if (N * D > 4096)
   for (int64_t i = 0; i < N; ++i)
     for (int64_t d = 0; d < D; ++d) x.data[i * D + d] += eta[i] * u.data[i * D + d];
 }

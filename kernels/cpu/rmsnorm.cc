@@ -11,7 +11,7 @@ void rmsnorm_forward(const ExecCtx&, Tensor out, Tensor rstd, const Tensor& x, c
                      float eps) {
   const int64_t N = x.dim(0), D = x.dim(-1);
   CEMLM_CHECK(gain.numel() == D && out.numel() == x.numel());
-#pragma omp parallel for schedule(static) if (N * D > 16384)
+#pragma omp parallel for schedule(static) if (N * D > 4096)
   for (int64_t i = 0; i < N; ++i) {
     const float* xi = x.data + i * D;
     float* oi = out.data + i * D;

@@ -20,7 +20,7 @@ void rope_forward(const ExecCtx&, Tensor out, const Tensor& x, const int32_t* po
   const int64_t N = x.dim(0), W = x.dim(-1), dh = table.dim(1), half = dh / 2, H = W / dh;
   CEMLM_CHECK(W % dh == 0 && out.numel() == x.numel());
   const float sign = inverse ? -1.0f : 1.0f;
-#pragma omp parallel for schedule(static) if (N * W > 16384)
+#pragma omp parallel for schedule(static) if (N * W > 4096)
   for (int64_t i = 0; i < N; ++i) {
     CEMLM_CHECK(pos[i] >= 0 && pos[i] < table.dim(0));
     const float* cs = table.data + int64_t(pos[i]) * dh;

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <tuple>
 
+#include <omp.h>
+
 #include "cemlm/kernels/elementwise.h"
 #include "cemlm/kernels/lev.h"
 #include "cemlm/kernels/linear.h"
@@ -77,6 +79,15 @@ void KvPool::copy_block(int32_t src, int32_t dst) {
   }
 }
 
+// Sequences [s0, s1) of a batch and their rows [r0, r1). `inner` ranges (one long chunk, or the
+// only range) run their recursion steps with every thread inside each op; the others run one
+// range per thread, concurrently.
+struct SeqRange {
+  int s0 = 0, s1 = 0;
+  int64_t r0 = 0, r1 = 0;
+  bool inner = true;
+};
+
 // Per-step row bookkeeping and the hidden-state buffer.
 struct CpuModel::Rows {
   int N = 0, Tmax = 1;
@@ -84,23 +95,73 @@ struct CpuModel::Rows {
   std::vector<float> eta;
   std::vector<AttnSeq> seqs;
   std::vector<int> seq_T;
+  std::vector<SeqRange> attn_ranges;  // the CEM attention sub-layers' recursion groups
   float* h = nullptr;
   ExecCtx ctx;
-  // Rows and sequences still updating at recursion step t (a prefix: seqs sorted by T desc).
-  int active(int t, int* n_seqs) const {
-    int ns = 0, n = 0;
-    while (ns < int(seqs.size()) && seq_T[ns] > t) n += seqs[ns++].n_rows;
-    *n_seqs = ns;
+  // Rows of range g still updating at recursion step t (a prefix: seqs sorted by T desc), and in
+  // *ns the number of its sequences they belong to.
+  int64_t active(const SeqRange& g, int t, int* ns) const {
+    int s = g.s0;
+    int64_t n = 0;
+    while (s < g.s1 && seq_T[s] > t) n += seqs[s++].n_rows;
+    *ns = s - g.s0;
     return n;
   }
+  SeqRange all() const { return SeqRange{0, int(seqs.size()), 0, N, true}; }
 };
 
 namespace {
-enum Buf { kH, kC, kY, kQ, kK, kV, kA, kU, kPU, kQD, kOC, kG, kZ, kScratch, kFinal, kNumBufs };
+
+// Short sequences (decode rows) are grouped for the CEM attention recursion so that a group's
+// cached keys and contexts stay in a core's L2 across the T steps, instead of all B sequences'
+// caches being re-read from memory at every step; a group's products keep to at most two 8-row
+// tiles, and there are at least as many groups as threads.
+constexpr int kShortRows = 8;                 // sequences with fewer rows are grouped
+constexpr int kGroupMaxRows = 16;
+constexpr int64_t kGroupCacheBytes = 1 << 20;  // half a 2 MiB L2: weights and activations share it
+
+std::vector<SeqRange> recursion_groups(const std::vector<AttnSeq>& seqs, int64_t cache_bytes_per_token,
+                                       int threads) {
+  int64_t short_rows = 0;
+  for (const AttnSeq& a : seqs) short_rows += a.n_rows < kShortRows ? a.n_rows : 0;
+  const int64_t cap = std::clamp<int64_t>((short_rows + threads - 1) / std::max(threads, 1), 1,
+                                          kGroupMaxRows);
+  std::vector<SeqRange> out;
+  int64_t bytes = 0;
+  for (int s = 0; s < int(seqs.size()); ++s) {
+    const AttnSeq& a = seqs[s];
+    const bool is_short = a.n_rows < kShortRows;
+    const int64_t b = int64_t(a.pos_begin + a.n_rows) * cache_bytes_per_token;
+    SeqRange* last = out.empty() ? nullptr : &out.back();
+    if (is_short && last && !last->inner && last->r1 - last->r0 + a.n_rows <= cap &&
+        bytes + b <= kGroupCacheBytes) {
+      last->s1 = s + 1, last->r1 += a.n_rows, bytes += b;
+      continue;
+    }
+    out.push_back(SeqRange{s, s + 1, a.row_begin, a.row_begin + a.n_rows, !is_short});
+    bytes = b;
+  }
+  // A single group gains nothing from running beside others: give it every thread instead.
+  if (std::count_if(out.begin(), out.end(), [](const SeqRange& g) { return !g.inner; }) == 1)
+    for (SeqRange& g : out) g.inner = true;
+  return out;
+}
+
+}  // namespace
+
+namespace {
+enum Buf {
+  kH, kC, kY, kQ, kK, kV, kA, kU, kPU, kQD, kOC, kG, kZ, kScratch, kGroupScratch, kFinal, kNumBufs
+};
 Tensor view(float* p, int64_t r, int64_t c) { return Tensor(p, {r, c}); }
 }  // namespace
 
-CpuModel::CpuModel(const ModelConfig& c, const Weights& w) : cfg_(c), w_(w), bufs_(kNumBufs) {
+CpuModel::CpuModel(const ModelConfig& c, const Weights& w)
+    : cfg_(c), w_(w), lm_head_(w.lm_head), bufs_(kNumBufs) {
+  for (const LayerWeights& lw : w.layers)
+    packed_.push_back(PackedLayer{PackedLinear(lw.wq), PackedLinear(lw.wk), PackedLinear(lw.wv),
+                                  PackedLinear(lw.wo), PackedLinear(lw.w_gate), PackedLinear(lw.w_up),
+                                  PackedLinear(lw.w_down)});
   rope_.resize(size_t(c.max_seq_len) * c.head_dim);
   rope_table_init(Tensor(rope_.data(), {c.max_seq_len, c.head_dim}), c.rope_theta);
   if (c.embedding == EmbeddingType::kLev) {
@@ -168,6 +229,11 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
   buf(kU, N * D), buf(kPU, N * D), buf(kQD, N * H * D), buf(kOC, N * H * D), buf(kG, N * F);
   buf(kZ, N * F);
   r.h = buf(kH, N * D);
+  if (cfg_.attention == AttentionType::kCem) {
+    const KvLayerView l0 = kv.layer(0);
+    r.attn_ranges = recursion_groups(r.seqs, int64_t(l0.k_width + l0.c_width) * (kv.bf16() ? 2 : 4),
+                                     omp_get_max_threads());
+  }
   for (int64_t i = 0; i < N; ++i) std::memcpy(r.h + i * D, embedding(r.ids[i]), sizeof(float) * D);
 
   for (int l = 0; l < cfg_.n_layers; ++l) {
@@ -190,93 +256,132 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
   for (int64_t i = 0; i < M; ++i) std::memcpy(fin + i * D, r.h + out_rows[i] * D, sizeof(float) * D);
   rmsnorm_forward(r.ctx, view(fin, M, D), Tensor{}, view(fin, M, D), w_.final_norm, cfg_.norm_eps);
   logits->resize(size_t(M) * V);
-  linear_forward(r.ctx, view(logits->data(), M, V), view(fin, M, D), w_.lm_head);
+  linear_forward(r.ctx, view(logits->data(), M, V), view(fin, M, D), lm_head_);
 }
 
 void CpuModel::attention_standard(int l, Rows& r, KvPool& kv) {
   const LayerWeights& lw = w_.layers[l];
+  const PackedLayer& pw = packed_[l];
   const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim();
   const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
   Tensor h = view(r.h, N, D), c = view(buf(kC, 0), N, D), q = view(buf(kQ, 0), N, Q),
          k = view(buf(kK, 0), N, Q), v = view(buf(kV, 0), N, Q), a = view(buf(kA, 0), N, Q);
   rmsnorm_forward(r.ctx, c, Tensor{}, h, lw.attn_norm, cfg_.norm_eps);
-  linear_forward(r.ctx, q, c, lw.wq);
-  linear_forward(r.ctx, k, c, lw.wk);
-  linear_forward(r.ctx, v, c, lw.wv);
+  linear_forward(r.ctx, q, c, pw.wq);
+  linear_forward(r.ctx, k, c, pw.wk);
+  linear_forward(r.ctx, v, c, pw.wv);
   rope_forward(r.ctx, q, q, r.pos.data(), rope, false);
   rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
   const KvLayerView view_l = kv.layer(l);
   kv_write(r.ctx, view_l, r.seqs.data(), int(r.seqs.size()), k, v, Tensor{});
   paged_attention_forward(r.ctx, a, Tensor{}, q, Tensor{}, DiagKind::kNone, view_l, r.seqs.data(),
                           int(r.seqs.size()), 1.0f / std::sqrt(float(cfg_.head_dim)));
-  linear_forward(r.ctx, h, a, lw.wo, 1.0f);
+  linear_forward(r.ctx, h, a, pw.wo, 1.0f);
 }
 
 void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
   const LayerWeights& lw = w_.layers[l];
-  const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim(), H = cfg_.n_heads;
+  const PackedLayer& pw = packed_[l];
+  const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim();
+  const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
+  const bool diag = cfg_.diag != DiagMode::kNone;
+  Tensor c = view(buf(kC, 0), N, D), k = view(buf(kK, 0), N, Q);
+  // The context and the keys come from the sub-layer input, once, whatever T is.
+  rmsnorm_forward(r.ctx, c, Tensor{}, view(r.h, N, D), lw.attn_norm, cfg_.norm_eps);
+  linear_forward(r.ctx, k, c, pw.wk);
+  rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
+  const KvLayerView view_l = kv.layer(l);
+  kv_write(r.ctx, view_l, r.seqs.data(), int(r.seqs.size()), k, Tensor{}, diag ? c : Tensor{});
+  // The recursion steps: rows are independent given the cache, so ranges run in any order.
+  std::vector<const SeqRange*> side;
+  for (const SeqRange& g : r.attn_ranges)
+    if (g.inner) attention_cem_steps(l, r, view_l, g, r.ctx);
+    else side.push_back(&g);
+  if (side.empty()) return;
+  int64_t per_thread = 0;  // scratch of one group's ops
+  for (const SeqRange* g : side)
+    per_thread = std::max(per_thread, std::max<int64_t>(
+        paged_attention_scratch_floats(r.seqs.data() + g->s0, g->s1 - g->s0, view_l, diag_kind(cfg_)),
+        2 * (g->r1 - g->r0) * std::max(cfg_.attn_precond_rank, 1)));
+  float* scratch = buf(kGroupScratch, per_thread * omp_get_max_threads());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t i = 0; i < side.size(); ++i) {
+    ExecCtx ctx = r.ctx;
+    ctx.scratch = scratch + per_thread * omp_get_thread_num();
+    ctx.scratch_floats = per_thread;
+    attention_cem_steps(l, r, view_l, *side[i], ctx);
+  }
+}
+
+void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view_l,
+                                   const SeqRange& g, const ExecCtx& ctx) {
+  const LayerWeights& lw = w_.layers[l];
+  const PackedLayer& pw = packed_[l];
+  const int64_t D = cfg_.d_model, Q = cfg_.qk_dim(), H = cfg_.n_heads, r0 = g.r0;
   const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
   const bool diag = cfg_.diag != DiagMode::kNone;
   const DiagKind kind = diag_kind(cfg_);
   const int64_t qd_width = cfg_.diag == DiagMode::kPerHead ? H * D : D;
-  Tensor c = view(buf(kC, 0), N, D), k = view(buf(kK, 0), N, Q);
-  // The context and the keys come from the sub-layer input, once, whatever T is.
-  rmsnorm_forward(r.ctx, c, Tensor{}, view(r.h, N, D), lw.attn_norm, cfg_.norm_eps);
-  linear_forward(r.ctx, k, c, lw.wk);
-  rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
-  const KvLayerView view_l = kv.layer(l);
-  kv_write(r.ctx, view_l, r.seqs.data(), int(r.seqs.size()), k, Tensor{}, diag ? c : Tensor{});
   const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
+  // The range's sequences with rows counted from r0, like the views below.
+  std::vector<AttnSeq> seqs(r.seqs.begin() + g.s0, r.seqs.begin() + g.s1);
+  for (AttnSeq& a : seqs) a.row_begin -= int(r0);
+  const int32_t* pos = r.pos.data() + r0;
+  auto rows = [&](Buf b, int64_t n, int64_t width) {
+    return view(bufs_[b].data() + r0 * width, n, width);
+  };
   for (int t = 0; t < r.Tmax; ++t) {
     int ns = 0;
-    const int64_t n = r.active(t, &ns);
+    const int64_t n = r.active(g, t, &ns);
+    if (n == 0) break;
     // x⁰ = h, so the first step's normalised query input is the context c itself.
-    Tensor x = view(r.h, n, D), y = view(t == 0 ? c.data : buf(kY, 0), n, D),
-           q = view(buf(kQ, 0), n, Q), a = view(buf(kA, 0), n, Q), u = view(buf(kU, 0), n, D),
-           pu = view(buf(kPU, 0), n, D), qd = view(buf(kQD, 0), n, qd_width),
-           oc = view(buf(kOC, 0), n, qd_width);
-    if (t > 0) rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
-    linear_forward(r.ctx, q, y, lw.wq);
-    rope_forward(r.ctx, q, q, r.pos.data(), rope, false);
-    if (diag) diag_scale_forward(r.ctx, qd, y, lw.diag);
-    paged_attention_forward(r.ctx, a, diag ? oc : Tensor{}, q, diag ? qd : Tensor{}, kind, view_l,
-                            r.seqs.data(), ns, scale);
-    rope_forward(r.ctx, a, a, r.pos.data(), rope, true);
-    linear_t_forward(r.ctx, u, a, lw.wq);
-    if (diag) diag_gather_forward(r.ctx, u, oc, lw.diag);
-    if (cfg_.attn_precond_rank > 0) precond_forward(r.ctx, pu, u, lw.attn_p, lw.attn_u, lw.attn_v);
-    axpy_rows_forward(r.ctx, x, cfg_.attn_precond_rank > 0 ? pu : u, r.eta.data());
+    Tensor x = view(r.h + r0 * D, n, D), y = rows(t == 0 ? kC : kY, n, D), q = rows(kQ, n, Q),
+           a = rows(kA, n, Q), u = rows(kU, n, D), pu = rows(kPU, n, D),
+           qd = rows(kQD, n, qd_width), oc = rows(kOC, n, qd_width);
+    if (t > 0) rmsnorm_forward(ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
+    linear_forward(ctx, q, y, pw.wq);
+    rope_forward(ctx, q, q, pos, rope, false);
+    if (diag) diag_scale_forward(ctx, qd, y, lw.diag);
+    paged_attention_forward(ctx, a, diag ? oc : Tensor{}, q, diag ? qd : Tensor{}, kind, view_l,
+                            seqs.data(), ns, scale);
+    rope_forward(ctx, a, a, pos, rope, true);
+    linear_t_forward(ctx, u, a, lw.wq);
+    if (diag) diag_gather_forward(ctx, u, oc, lw.diag);
+    if (cfg_.attn_precond_rank > 0) precond_forward(ctx, pu, u, lw.attn_p, lw.attn_u, lw.attn_v);
+    axpy_rows_forward(ctx, x, cfg_.attn_precond_rank > 0 ? pu : u, r.eta.data() + r0);
   }
 }
 
 void CpuModel::mlp_swiglu(int l, Rows& r) {
   const LayerWeights& lw = w_.layers[l];
+  const PackedLayer& pw = packed_[l];
   const int64_t N = r.N, D = cfg_.d_model, F = cfg_.d_ff;
   Tensor h = view(r.h, N, D), c = view(buf(kC, 0), N, D), g = view(buf(kG, 0), N, F),
          z = view(buf(kZ, 0), N, F);
   rmsnorm_forward(r.ctx, c, Tensor{}, h, lw.mlp_norm, cfg_.norm_eps);
-  linear_forward(r.ctx, g, c, lw.w_gate);
-  linear_forward(r.ctx, z, c, lw.w_up);
+  linear_forward(r.ctx, g, c, pw.w_gate);
+  linear_forward(r.ctx, z, c, pw.w_up);
   swiglu_forward(r.ctx, z, g, z);
-  linear_forward(r.ctx, h, z, lw.w_down, 1.0f);
+  linear_forward(r.ctx, h, z, pw.w_down, 1.0f);
 }
 
 void CpuModel::mlp_cem(int l, Rows& r) {
   const LayerWeights& lw = w_.layers[l];
+  const PackedLayer& pw = packed_[l];
   const int64_t N = r.N, D = cfg_.d_model, F = cfg_.d_ff;
   Tensor c = view(buf(kC, 0), N, D), g = view(buf(kG, 0), N, F);
   // The gate comes from the fixed sub-layer input, once.
   rmsnorm_forward(r.ctx, c, Tensor{}, view(r.h, N, D), lw.mlp_norm, cfg_.norm_eps);
-  linear_forward(r.ctx, g, c, lw.w_gate);
+  linear_forward(r.ctx, g, c, pw.w_gate);
   silu_forward(r.ctx, g, g);
   for (int t = 0; t < r.Tmax; ++t) {
     int ns = 0;
-    const int64_t n = r.active(t, &ns);
+    const int64_t n = r.active(r.all(), t, &ns);
     // x⁰ = h: the first step's y is the sub-layer's normalised input c.
     Tensor x = view(r.h, n, D), y = view(t == 0 ? c.data : buf(kY, 0), n, D),
            z = view(buf(kZ, 0), n, F), u = view(buf(kU, 0), n, D), pu = view(buf(kPU, 0), n, D);
     if (t > 0) rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.mlp_norm, cfg_.norm_eps);
-    linear_forward(r.ctx, z, y, lw.w_up);
+    linear_forward(r.ctx, z, y, pw.w_up);
     mul_forward(r.ctx, z, z, view(g.data, n, F));
     linear_t_forward(r.ctx, u, z, lw.w_up);
     if (cfg_.mlp_precond_rank > 0) precond_forward(r.ctx, pu, u, lw.mlp_p, lw.mlp_u, lw.mlp_v);

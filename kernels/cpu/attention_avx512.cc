@@ -9,6 +9,7 @@
 #include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 
 #include <algorithm>
+#include <utility>
 
 namespace cemlm {
 namespace {
@@ -18,33 +19,77 @@ using avx512::load_row;
 using avx512::reduce16;
 using avx512::RowSum;
 
-// Lane t = x[0, n) · rows[t][0, n).
-template <typename E>
-inline __m512 dots16(const float* x, const E* const* rows, int n) {
+// Lane t = x[0, n) · rows[t][col0, col0 + n) for n ≤ 16·V: token by token (one row pointer live
+// at a time, two FMA chains each, 16 tokens side by side), then reduced together.
+template <int V, typename E>
+__m512 dots16_v(const float* x, const E* const* rows, int col0, int n) {
+  const __mmask16 last = lane_mask(n - 16 * (V - 1));
   __m512 acc[16];
 #pragma GCC unroll 16
-  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-  for (int k = 0; k < n; k += 16) {
-    const __mmask16 m = lane_mask(n - k);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+  for (int t = 0; t < 16; ++t) {
+    const E* row = rows[t] + col0;
+    __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
 #pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(xv, load_row(m, rows[t] + k), acc[t]);
+    for (int i = 0; i < V; ++i) {
+      const __mmask16 m = i == V - 1 ? last : __mmask16(0xFFFF);
+      a[i % 2] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + 16 * i), load_row(m, row + 16 * i),
+                                 a[i % 2]);
+    }
+    acc[t] = _mm512_add_ps(a[0], a[1]);
   }
   return reduce16(acc);
 }
 
-// acc[0, width) (≤ 256 floats) = Σ_j w[j]·pool[slot(j)·stride + col0 …], written to dst.
+// dots16_v<V> for V = 1 … 16 (a struct: __m512's attributes do not survive std::array).
+template <typename E>
+struct DotsTable {
+  __m512 (*fn[16])(const float*, const E* const*, int, int);
+  auto operator[](int i) const { return fn[i]; }
+};
+
+template <typename E, int... I>
+constexpr DotsTable<E> dots_table(std::integer_sequence<int, I...>) {
+  return DotsTable<E>{{&dots16_v<I + 1, E>...}};
+}
+
+// Lane t = x[0, n) · rows[t][0, n), 256 columns at a time.
+template <typename E>
+inline __m512 dots16(const float* x, const E* const* rows, int n) {
+  static constexpr DotsTable<E> kDots = dots_table<E>(std::make_integer_sequence<int, 16>{});
+  __m512 s = _mm512_setzero_ps();
+  for (int c0 = 0; c0 < n; c0 += 256) {
+    const int w = std::min(256, n - c0);
+    s = _mm512_add_ps(s, kDots[(w + 15) / 16 - 1](x + c0, rows, c0, w));
+  }
+  return s;
+}
+
+// dst[0, width) (width ≤ 16·V) = Σ_j w[j]·pool[slot(j)·stride + col0 …], two tokens at a time.
+template <int V>
+struct WeightedSum {
+  template <typename E>
+  static void run(const KvLayerView& kv, const int32_t* blocks, int n_ctx, const float* w,
+                  const E* pool, int stride, int col0, int width, float* dst) {
+    RowSum<V> sum(width);
+    const int bs = kv.block_size;
+    for (int j0 = 0; j0 < n_ctx; j0 += bs) {
+      const E* base = pool + int64_t(blocks[j0 / bs]) * bs * stride + col0;
+      const float* wj = w + j0;
+      const int n = std::min(bs, n_ctx - j0);
+      int t = 0;
+      for (; t + 2 <= n; t += 2)
+        sum.add2(wj[t], base + int64_t(t) * stride, wj[t + 1], base + int64_t(t + 1) * stride);
+      if (t < n) sum.add(wj[t], base + int64_t(t) * stride);
+    }
+    sum.store(dst);
+  }
+};
+
 template <typename E>
 void weighted_sum(const KvLayerView& kv, const int32_t* blocks, int n_ctx, const float* w,
                   const E* pool, int stride, int col0, int width, float* dst) {
-  RowSum sum(width);
-  const int bs = kv.block_size;
-  for (int j0 = 0; j0 < n_ctx; j0 += bs) {
-    const E* base = pool + int64_t(blocks[j0 / bs]) * bs * stride + col0;
-    const int n = std::min(bs, n_ctx - j0);
-    for (int t = 0; t < n; ++t) sum.add(w[j0 + t], base + int64_t(t) * stride);
-  }
-  sum.store(dst);
+  avx512::for_vectors<WeightedSum>((width + 15) / 16, kv, blocks, n_ctx, w, pool, stride, col0,
+                                   width, dst);
 }
 
 }  // namespace
@@ -60,10 +105,12 @@ void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t
   const E* ctx[16];
   for (int j0 = 0; j0 < n_ctx; j0 += 16) {
     const int n = std::min(16, n_ctx - j0);
+    int b = j0 / kv.block_size, o = j0 % kv.block_size;  // walked, not divided, per token
     for (int t = 0; t < 16; ++t) {  // lanes past the end repeat the last token, then are dropped
-      const int64_t slot = kv.slot(blocks, j0 + std::min(t, n - 1));
+      const int64_t slot = int64_t(blocks[b]) * kv.block_size + o;
       keys[t] = kpool + slot * W;
       ctx[t] = shared_diag ? cpool + slot * D : nullptr;
+      if (t + 1 < n && ++o == kv.block_size) o = 0, ++b;
     }
     const __m512 shared = shared_diag ? dots16(qd, ctx, D) : _mm512_setzero_ps();
     const __mmask16 m = lane_mask(n);

@@ -10,6 +10,7 @@
 #pragma GCC diagnostic pop
 
 #include <cstdint>
+#include <utility>
 
 namespace cemlm::avx512 {
 
@@ -46,34 +47,62 @@ inline __m512 load_row(__mmask16 m, const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// Σ_r w_r·row_r over up to 256 columns, held in 16 registers while the rows stream by.
+// Σ_r w_r·row_r over the first `width` ≤ 16·V columns, held in registers while the rows stream
+// by. V is a compile-time count so that the accumulators are registers, not memory (see
+// for_vectors); with V ≤ 8 there are two sets of them, add2's two rows going one to each, so
+// that a short row still keeps 2V independent FMA chains in flight.
+template <int V>
 class RowSum {
  public:
-  explicit RowSum(int width) : vecs_((width + 15) / 16) {
+  static_assert(V >= 1 && V <= 16);
+  explicit RowSum(int width) : last_(lane_mask(width - 16 * (V - 1))) {
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) acc_[i] = _mm512_setzero_ps(), m_[i] = lane_mask(width - 16 * i);
+    for (int i = 0; i < V; ++i) {
+      acc_[0][i] = _mm512_setzero_ps();
+      acc_[kSets - 1][i] = _mm512_setzero_ps();
+    }
   }
   template <typename E>
   void add(float w, const E* row) {
-    const __m512 p = _mm512_set1_ps(w);
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i)
-      if (i < vecs_) acc_[i] = _mm512_fmadd_ps(p, load_row(m_[i], row + 16 * i), acc_[i]);
+    add_to<0>(w, row);
+  }
+  template <typename E>
+  void add2(float w0, const E* row0, float w1, const E* row1) {
+    add_to<0>(w0, row0);
+    add_to<kSets - 1>(w1, row1);
   }
   // dst[0, width) = alpha·sum + beta·dst (dst is not read when beta = 0).
   void store(float* dst, float alpha = 1.0f, float beta = 0.0f) const {
     const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-    for (int i = 0; i < vecs_; ++i) {
-      __m512 r = alpha == 1.0f ? acc_[i] : _mm512_mul_ps(va, acc_[i]);
-      if (beta != 0.0f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m_[i], dst + 16 * i), r);
-      _mm512_mask_storeu_ps(dst + 16 * i, m_[i], r);
+#pragma GCC unroll 16
+    for (int i = 0; i < V; ++i) {
+      __m512 r = kSets == 2 ? _mm512_add_ps(acc_[0][i], acc_[1][i]) : acc_[0][i];
+      if (alpha != 1.0f) r = _mm512_mul_ps(va, r);
+      if (beta != 0.0f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(mask(i), dst + 16 * i), r);
+      _mm512_mask_storeu_ps(dst + 16 * i, mask(i), r);
     }
   }
 
  private:
-  int vecs_;
-  __m512 acc_[16];
-  __mmask16 m_[16];
+  static constexpr int kSets = V <= 8 ? 2 : 1;
+  __mmask16 mask(int i) const { return i == V - 1 ? last_ : __mmask16(0xFFFF); }
+  template <int S, typename E>
+  void add_to(float w, const E* row) {
+    const __m512 p = _mm512_set1_ps(w);
+#pragma GCC unroll 16
+    for (int i = 0; i < V; ++i)
+      acc_[S][i] = _mm512_fmadd_ps(p, load_row(mask(i), row + 16 * i), acc_[S][i]);
+  }
+  __m512 acc_[kSets][V];
+  __mmask16 last_;
 };
+
+// Op<V>::run(args…) for V = v (1 ≤ v ≤ 16): a run-time vector count to a compile-time one.
+template <template <int> class Op, typename... Args>
+inline void for_vectors(int v, Args&&... args) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (void)((v == I + 1 ? (Op<I + 1>::run(args...), true) : false) || ...);
+  }(std::make_integer_sequence<int, 16>{});
+}
 
 }  // namespace cemlm::avx512

@@ -6,7 +6,8 @@
 // panel is streamed once per tile of 8 rows of A, with 8 × 2 vector accumulators held in
 // registers over the whole K loop. Panels of B [K, N] (op = identity) are read in place; panels
 // of B [N, K] (op = transpose, the usual weight layout) are first transposed 16 × 16 in registers
-// into a [K, 32] buffer, a cost shared by every row tile.
+// into a [K, 32] buffer, a cost shared by every row tile — or packed once ahead (pack_panels, for
+// weights: PackedLinear), then read in place by small_gemm_packed.
 #include "gemm_avx512.h"
 
 #if defined(__AVX512F__)
@@ -151,45 +152,79 @@ void gemv_rows(int rows, int K, float alpha, const float* a, const float* B, int
   _mm512_mask_storeu_ps(c, out, r);
 }
 
-// c[n0, n0 + width) ← beta·c + alpha·Σ_k a[k]·B[k, n0 …] for width ≤ 256 columns of B [K, N]: the
-// columns' sums stay in registers while the rows stream by.
-void gemv_cols(int width, int K, float alpha, const float* a, const float* B, int ldb, float beta,
-               float* c) {
-  avx512::RowSum sum(width);
-  for (int k = 0; k < K; ++k) sum.add(a[k], B + size_t(k) * size_t(ldb));
-  sum.store(c, alpha, beta);
-}
+// c[n0, n0 + width) ← beta·c + alpha·Σ_k a[k]·B[k, n0 …] for width ≤ 16·V columns of B [K, N]:
+// the columns' sums stay in registers while the rows stream by, two rows at a time.
+template <int V>
+struct GemvCols {
+  static void run(int width, int K, float alpha, const float* a, const float* B, int ldb,
+                  float beta, float* c) {
+    avx512::RowSum<V> sum(width);
+    int k = 0;
+    for (; k + 2 <= K; k += 2)
+      sum.add2(a[k], B + size_t(k) * size_t(ldb), a[k + 1], B + size_t(k + 1) * size_t(ldb));
+    if (k < K) sum.add(a[k], B + size_t(k) * size_t(ldb));
+    sum.store(c, alpha, beta);
+  }
+};
 
 // Matrices below this many bytes are read by the calling thread alone (a fork costs more).
 constexpr double kParallelGemvBytes = 1 << 20;
+
+// Drives the row tiles over every 32-column panel of op(B), panels split over threads when the
+// product is big enough; panel_of(p, &stride) gives panel p's first row and its row stride.
+template <typename PanelOf>
+void panel_products(int M, int N, int K, float alpha, const float* A, int lda, float beta, float* C,
+                    int ldc, PanelOf panel_of) {
+  const int panels = (N + kPanel - 1) / kPanel;
+  const bool parallel = 2.0 * M * N * K >= kParallelFlops && panels > 1 && !omp_in_parallel();
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int p = 0; p < panels; ++p) {
+    const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
+    size_t stride = kPanel;
+    const float* panel = panel_of(p, &stride);
+    const __mmask16 m0 = lane_mask(width), m1 = lane_mask(width - 16);
+    for (int m = 0; m < M; m += kTileRows)
+      kTiles[std::min(kTileRows, M - m)](K, A + size_t(m) * lda, lda, panel, stride, alpha, beta,
+                                         C + size_t(m) * ldc + n0, ldc, m0, m1);
+  }
+}
+
+inline bool small_gemm_applies(int M, int K) { return M >= 2 && M <= kSmallGemmMaxRows && K >= 1; }
 
 }  // namespace
 
 bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                 const float* B, int ldb, float beta, float* C, int ldc) {
-  if (M < 2 || M > kSmallGemmMaxRows || K < 1) return false;
-  const int panels = (N + kPanel - 1) / kPanel;
-  const bool parallel = 2.0 * M * N * K >= kParallelFlops && panels > 1 && !omp_in_parallel();
-#pragma omp parallel if (parallel)
-  {
-    thread_local std::vector<float> buffer;  // kept between calls: no allocation per product
-#pragma omp for schedule(static)
-    for (int p = 0; p < panels; ++p) {
-      const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
-      const float* panel = B + n0;  // op(B) = B with a whole panel: read in place
-      size_t stride = size_t(ldb);
-      if (trans_b || width < kPanel) {
-        buffer.resize(size_t(K) * kPanel);
-        pack_panel(trans_b, B, ldb, K, n0, width, buffer.data());
-        panel = buffer.data();
-        stride = kPanel;
-      }
-      const __mmask16 m0 = lane_mask(width), m1 = lane_mask(width - 16);
-      for (int m = 0; m < M; m += kTileRows)
-        kTiles[std::min(kTileRows, M - m)](K, A + size_t(m) * lda, lda, panel, stride, alpha, beta,
-                                           C + size_t(m) * ldc + n0, ldc, m0, m1);
+  if (!small_gemm_applies(M, K)) return false;
+  panel_products(M, N, K, alpha, A, lda, beta, C, ldc, [&](int p, size_t* stride) {
+    const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
+    if (!trans_b && width == kPanel) {  // op(B) = B with a whole panel: read in place
+      *stride = size_t(ldb);
+      return B + n0;
     }
-  }
+    thread_local std::vector<float> buffer;  // kept between calls: no allocation per product
+    buffer.resize(size_t(K) * kPanel);
+    pack_panel(trans_b, B, ldb, K, n0, width, buffer.data());
+    return static_cast<const float*>(buffer.data());
+  });
+  return true;
+}
+
+int64_t packed_panels_floats(int N, int K) {
+  return int64_t((N + kPanel - 1) / kPanel) * kPanel * K;
+}
+
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out) {
+  for (int n0 = 0; n0 < N; n0 += kPanel)
+    pack_panel(trans_b, B, ldb, K, n0, std::min(kPanel, N - n0), out + int64_t(n0) * K);
+  return true;
+}
+
+bool small_gemm_packed(int M, int N, int K, float alpha, const float* A, int lda,
+                       const float* panels, float beta, float* C, int ldc) {
+  if (!small_gemm_applies(M, K)) return false;
+  panel_products(M, N, K, alpha, A, lda, beta, C, ldc,
+                 [&](int p, size_t*) { return panels + int64_t(p) * kPanel * K; });
   return true;
 }
 
@@ -207,9 +242,11 @@ bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const f
     constexpr int kCols = 256;
     const int groups = (N + kCols - 1) / kCols;
 #pragma omp parallel for schedule(static) if (parallel && groups > 1)
-    for (int g = 0; g < groups; ++g)
-      gemv_cols(std::min(kCols, N - kCols * g), K, alpha, a, B + kCols * g, ldb, beta,
-                c + kCols * g);
+    for (int g = 0; g < groups; ++g) {
+      const int width = std::min(kCols, N - kCols * g);
+      avx512::for_vectors<GemvCols>((width + 15) / 16, width, K, alpha, a, B + kCols * g, ldb, beta,
+                                    c + kCols * g);
+    }
   }
   return true;
 }
@@ -224,6 +261,11 @@ bool small_gemm(bool, int, int, int, float, const float*, int, const float*, int
   return false;
 }
 bool small_gemv(bool, int, int, float, const float*, const float*, int, float, float*) {
+  return false;
+}
+int64_t packed_panels_floats(int, int) { return 0; }
+bool pack_panels(bool, const float*, int, int, int, float*) { return false; }
+bool small_gemm_packed(int, int, int, float, const float*, int, const float*, float, float*, int) {
   return false;
 }
 }  // namespace cemlm

@@ -1,5 +1,6 @@
 // The AVX-512 few-row product behind gemm() (kernels/cpu/linear.cc); see gemm_avx512.cc.
 #pragma once
+#include <cstdint>
 
 namespace cemlm {
 
@@ -11,6 +12,18 @@ constexpr int kSmallGemmMaxRows = 256;
 // AVX-512, or M outside [2, kSmallGemmMaxRows].
 bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                 const float* B, int ldb, float beta, float* C, int ldc);
+
+// Floats pack_panels writes for op(B) [K, N]: whole 32-column panels.
+int64_t packed_panels_floats(int N, int K);
+
+// Writes op(B) [K, N] (B [N, K] when trans_b, else B [K, N]) in small_gemm's panel layout: panel p
+// holds columns [32p, 32p + 32) (zeros past N) as K rows of 32 floats, panels one after another.
+// Returns false, writing nothing, on a build without AVX-512.
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out);
+
+// small_gemm with op(B) already in pack_panels' layout: no per-call transposes. Same rows limits.
+bool small_gemm_packed(int M, int N, int K, float alpha, const float* A, int lda,
+                       const float* panels, float beta, float* C, int ldc);
 
 // c[N] = beta·c + alpha·op(B)ᵀ·a, one row of A times op(B): B [N, K] (trans_b: c[n] = B[n]·a)
 // or B [K, N]. Returns false, touching nothing, on a build without AVX-512. Memory-bound: it

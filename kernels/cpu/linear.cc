@@ -35,6 +35,23 @@ void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, 
   gemm(false, true, N, out, in, 1.0f, x.data, in, W.data, in, beta, y.data, out);
 }
 
+PackedLinear::PackedLinear(const Tensor& W) : w_(W) {
+  if (W.empty()) return;
+  const int out = int(W.dim(0)), in = int(W.dim(1));
+  panels_.resize(size_t(packed_panels_floats(out, in)));
+  if (!pack_panels(true, W.data, in, out, in, panels_.data())) panels_ = {};
+}
+
+void linear_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,
+                    float beta) {
+  const int N = int(x.dim(0)), in = int(x.dim(-1)), out = int(W.w_.dim(0));
+  CEMLM_CHECK(W.w_.dim(1) == in && y.dim(-1) == out && y.dim(0) == N);
+  if (W.packed() &&
+      small_gemm_packed(N, out, in, 1.0f, x.data, in, W.panels_.data(), beta, y.data, out))
+    return;
+  linear_forward(ctx, y, x, W.w_, beta);
+}
+
 void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta) {
   const int N = int(x.dim(0)), out = int(W.dim(0)), in = int(W.dim(1));
   CEMLM_CHECK(x.dim(-1) == out && y.dim(-1) == in && y.dim(0) == N);

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <numeric>
 
+#include <omp.h>
+
 #include "cemlm/engine/cpu_model.h"
 #include "tiny_models.h"
 
@@ -123,6 +125,50 @@ TEST_P(ModelTest, MixedDepthBatchEqualsAlone) {
     EXPECT_LT(rel_err(logits.data() + off, s.ref.data(), s.ref.size()), 1e-4) << "T=" << s.T;
     off += s.ref.size();
   }
+}
+
+// A decode step of many sequences (every T from 4 down to 1, contexts across block boundaries)
+// with a 12-token prefill chunk and a 3-token chunk among them, at 1, 2 and 3 threads: the CEM
+// attention recursion then runs its short sequences in groups side by side and the long chunk
+// with every thread. Each sequence's logits equal its full forward (1e-4 relative).
+TEST_P(ModelTest, GroupedDecodeStepEqualsFullForward) {
+  const int V = cfg_.vocab_size, bs = 4;
+  struct S { int context, rows, T; std::vector<int> ids; std::vector<int32_t> blocks; };
+  std::vector<S> seqs;
+  for (int i = 0; i < 13; ++i) {
+    const int T = 4 - (i * 4) / 13;  // sorted by T descending, as the engine batches them
+    const int rows = i == 5 ? 12 : i == 9 ? 3 : 1, context = i == 5 ? 0 : 2 + (i * 7) % 17;
+    seqs.push_back({context, rows, T, random_ids(context + rows, V, 300 + i), {}});
+  }
+  int32_t next_block = 0;
+  for (S& s : seqs)
+    for (int j = 0; j < (s.context + s.rows + bs - 1) / bs; ++j) s.blocks.push_back(next_block++);
+  const int old_threads = omp_get_max_threads();
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    CpuModel model(cfg_, w_);
+    KvPool kv(cfg_, bs, next_block);
+    std::vector<float> logits;
+    for (const S& s : seqs) {  // each context prefilled alone
+      if (s.context == 0) continue;
+      Batch one;
+      one.seqs.push_back(BatchSeq{s.ids.data(), s.context, 0, s.T, s.blocks.data(),
+                                  int(s.blocks.size()), false, false});
+      model.forward(one, kv, &logits);
+    }
+    Batch b;
+    for (const S& s : seqs)
+      b.seqs.push_back(BatchSeq{s.ids.data() + s.context, s.rows, s.context, s.T, s.blocks.data(),
+                                int(s.blocks.size()), true, false});
+    model.forward(b, kv, &logits);
+    ASSERT_EQ(logits.size(), seqs.size() * size_t(V));
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const std::vector<float> ref = full_forward(cfg_, w_, seqs[i].ids, seqs[i].T);
+      EXPECT_LT(rel_err(logits.data() + i * V, ref.data() + ref.size() - V, V), 1e-4)
+          << "threads " << threads << " sequence " << i << " T=" << seqs[i].T;
+    }
+  }
+  omp_set_num_threads(old_threads);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, ModelTest, ::testing::ValuesIn(all_variants()),

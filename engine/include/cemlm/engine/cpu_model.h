@@ -11,6 +11,7 @@
 #include "cemlm/engine/params.h"
 #include "cemlm/kernels/attention.h"
 #include "cemlm/kernels/lev.h"
+#include "cemlm/kernels/linear.h"
 
 namespace cemlm {
 
@@ -39,9 +40,12 @@ class KvPool {
   std::vector<uint16_t> k16_, v16_, c16_;  // bf16 pools
 };
 
+struct SeqRange;  // a range of a batch's sequences (cpu_model.cc)
+
 class CpuModel {
  public:
-  // `w` must outlive the model. Precomputes the LEV table and the RoPE table.
+  // `w` must outlive the model. Precomputes the LEV table and the RoPE table, and packs the weights
+  // of W·x products for the few-row kernels (PackedLinear: a second copy of those weights).
   CpuModel(const ModelConfig& c, const Weights& w);
   const ModelConfig& config() const { return cfg_; }
   // See ModelRunner::forward.
@@ -53,12 +57,22 @@ class CpuModel {
   struct Rows;
   void attention_standard(int l, Rows& r, KvPool& kv);
   void attention_cem(int l, Rows& r, KvPool& kv);
+  // The T recursion steps of one CEM attention sub-layer for the rows of one range of sequences.
+  void attention_cem_steps(int l, const Rows& r, const KvLayerView& view_l,
+                           const SeqRange& g, const ExecCtx& ctx);
   void mlp_swiglu(int l, Rows& r);
   void mlp_cem(int l, Rows& r);
   float* buf(size_t i, int64_t n);
 
+  // The weights applied as W·x (their transposes, Wᵀ·x, read W itself).
+  struct PackedLayer {
+    PackedLinear wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+
   ModelConfig cfg_;
   const Weights& w_;
+  std::vector<PackedLayer> packed_;
+  PackedLinear lm_head_;
   std::vector<float> lev_table_;  // [V, D] when the embedding is LEV
   std::vector<float> rope_;       // [max_seq_len, d_h]
   std::vector<std::vector<float>> bufs_;

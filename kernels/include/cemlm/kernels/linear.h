@@ -1,12 +1,34 @@
-// Dense linear maps with weights stored [out, in] (MODEL.md §1). Every CPU matmul goes through
-// cblas_sgemm. CPU oracle: kernels/cpu/linear.cc; test: tests/kernels/.
+// Dense linear maps with weights stored [out, in] (MODEL.md §1). CPU products go through gemm():
+// OpenBLAS, or the AVX-512 few-row kernels (kernels/cpu/gemm_avx512.cc). CPU oracle:
+// kernels/cpu/linear.cc; tests: tests/model/gemm_test.cc, linear ops in tests/model/.
 #pragma once
+#include <vector>
+
 #include "cemlm/kernels/tensor.h"
 
 namespace cemlm {
 
 // y[N,out] = beta·y + x[N,in] · Wᵀ          (y = W x per row)
 void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta = 0.0f);
+// A weight W [out, in] for linear_forward plus, on AVX-512 builds, a copy of Wᵀ already in the
+// few-row kernel's panel layout, so that products of 2–256 rows (decode batches, grouped
+// recursion steps) stream it instead of transposing W on every call: a second copy of W's bytes.
+// Holds a view of W, which must outlive it; elsewhere (and for 1 or > 256 rows) W itself is used.
+class PackedLinear {
+ public:
+  PackedLinear() = default;
+  explicit PackedLinear(const Tensor& W);
+  const Tensor& weight() const { return w_; }
+  bool packed() const { return !panels_.empty(); }
+
+ private:
+  friend void linear_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
+  Tensor w_;
+  std::vector<float> panels_;
+};
+// Same result as linear_forward with W.weight(), bit for bit.
+void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const PackedLinear& W,
+                    float beta = 0.0f);
 // y[N,in] = beta·y + x[N,out] · W           (y = Wᵀ x per row: the tied transposes W_Qᵀ, W_upᵀ)
 void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta = 0.0f);
 // Backward of linear_forward: dx[N,in] (+= when accumulate), dW[out,in] +=. Either may be empty.

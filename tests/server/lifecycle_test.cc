@@ -36,15 +36,20 @@ bool wait_for_health(const ServerProcess& s, const std::string& want) {
   return false;
 }
 
-// In both, a generation of 300 tokens at T=8 (a quarter of a second or more) is still running
-// while the test looks at the draining server.
+// In both, a long generation at T=8 must still be running while the test looks at the draining
+// server: on a fast, idle machine the tiny model makes 300 tokens in ~20 ms, under the 50 ms
+// shutdown timeout (a flake seen in CI), so the first test asks for 1500 tokens and the second,
+// which cancels its request, for 4000 (a second or more; their contexts grow to 4k tokens).
+constexpr int kLongContext = 4096;
+
 TEST(ServerDrain, SigtermFinishesWhatIsInFlightThenExitsZero) {
-  auto server =
-      ServerProcess::start(make_tiny_model(fresh_temp_dir()), {"--shutdown-timeout", "120"});
+  auto server = ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongContext}),
+                                     {"--shutdown-timeout", "120"});
   ASSERT_TRUE(server);
+  constexpr int kTokens = 1500;
   grpc::ClientContext context;
   auto reader = v1::Inference::NewStub(server->channel())
-                    ->Generate(&context, ids_request(prompt(12), 300, 8));
+                    ->Generate(&context, ids_request(prompt(12), kTokens, 8));
   v1::GenerateResponse m;
   ASSERT_TRUE(reader->Read(&m));
   int tokens = m.token_ids_size();
@@ -55,18 +60,18 @@ TEST(ServerDrain, SigtermFinishesWhatIsInFlightThenExitsZero) {
   for (; reader->Read(&m);) tokens += m.token_ids_size();
   const grpc::Status st = reader->Finish();
   EXPECT_TRUE(st.ok()) << st.error_message();
-  EXPECT_EQ(tokens, 300);
+  EXPECT_EQ(tokens, kTokens);
   EXPECT_EQ(m.finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
 }
 
 TEST(ServerDrain, ShutdownTimeoutCancelsTheRestAndExitsZero) {
-  auto server =
-      ServerProcess::start(make_tiny_model(fresh_temp_dir()), {"--shutdown-timeout", "0.05"});
+  auto server = ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongContext}),
+                                     {"--shutdown-timeout", "0.05"});
   ASSERT_TRUE(server);
   grpc::ClientContext context;
   auto reader = v1::Inference::NewStub(server->channel())
-                    ->Generate(&context, ids_request(prompt(12), 300, 8));
+                    ->Generate(&context, ids_request(prompt(12), kLongContext - 96, 8));
   v1::GenerateResponse m;
   ASSERT_TRUE(reader->Read(&m));
   server->signal(SIGINT);

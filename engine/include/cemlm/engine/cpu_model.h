@@ -12,6 +12,7 @@
 #include "cemlm/kernels/attention.h"
 #include "cemlm/kernels/lev.h"
 #include "cemlm/kernels/linear.h"
+#include "cemlm/kernels/precond.h"
 
 namespace cemlm {
 
@@ -64,9 +65,11 @@ class CpuModel {
   void mlp_cem(int l, Rows& r);
   float* buf(size_t i, int64_t n);
 
-  // The weights applied as W·x (their transposes, Wᵀ·x, read W itself).
+  // The weights applied as W·x (their transposes, Wᵀ·x, read W itself), and the CEM sub-layers'
+  // preconditioners (when their rank is > 0).
   struct PackedLayer {
     PackedLinear wq, wk, wv, wo, w_gate, w_up, w_down;
+    PackedPrecond attn_precond, mlp_precond;
   };
 
   ModelConfig cfg_;

@@ -90,11 +90,11 @@ double decode_flops(const ModelConfig& c, int T, double n_ctx) {
     layer += 4 * 2 * D * Q + 2 * 2 * n_ctx * Q;
   } else {
     const double diag = c.diag == DiagMode::kNone ? 0 : c.diag == DiagMode::kShared ? D : c.n_heads * D;
-    const double step = 2 * 2 * D * Q + 2 * 2 * n_ctx * (Q + diag) + 4 * D * c.attn_precond_rank;
+    const double step = 2 * 2 * D * Q + 2 * 2 * n_ctx * (Q + diag) + 4 * 2 * D * c.attn_precond_rank;
     layer += 2 * D * Q + T * step;
   }
   if (c.mlp == MlpType::kSwiglu) layer += 3 * 2 * D * F;
-  else layer += 2 * D * F + T * (2 * 2 * D * F + 4 * D * c.mlp_precond_rank);
+  else layer += 2 * D * F + T * (2 * 2 * D * F + 4 * 2 * D * c.mlp_precond_rank);
   return c.n_layers * layer + 2 * D * V;
 }
 

@@ -167,8 +167,11 @@ struct GemvCols {
   }
 };
 
-// Matrices below this many bytes are read by the calling thread alone (a fork costs more).
-constexpr double kParallelGemvBytes = 1 << 20;
+// Matrices below this many bytes are read by the calling thread alone (a fork costs more), and a
+// product takes at most one thread per 128 KiB of matrix, so that many cores do not fork for a
+// small weight. At 256 KiB (a 256 × 256 fp32 weight) the split already pays: a batch-1 decode
+// step on two threads took 25–28% less than with 1 MiB (docs/BENCHMARKS.md, session 5).
+constexpr double kParallelGemvBytes = 1 << 18;
 
 // Drives the row tiles over every 32-column panel of op(B), panels split over threads when the
 // product is big enough; panel_of(p, &stride) gives panel p's first row and its row stride.
@@ -231,17 +234,20 @@ bool small_gemm_packed(int M, int N, int K, float alpha, const float* A, int lda
 bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const float* B, int ldb,
                 float beta, float* c) {
   if (N < 1 || K < 1) return false;
-  const bool parallel = 4.0 * N * K >= kParallelGemvBytes && !omp_in_parallel();
+  const double bytes = 4.0 * N * K;
+  const bool parallel = bytes >= kParallelGemvBytes && !omp_in_parallel();
+  const int threads =
+      int(std::min<double>(omp_get_max_threads(), std::max(1.0, 2 * bytes / kParallelGemvBytes)));
   if (trans_b) {  // one row of outputs per row of B [N, K]
     const int groups = (N + 15) / 16;
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) if (parallel) num_threads(threads)
     for (int g = 0; g < groups; ++g)
       gemv_rows(std::min(16, N - 16 * g), K, alpha, a, B + size_t(16 * g) * size_t(ldb), ldb, beta,
                 c + 16 * g);
-  } else {  // column groups of B [K, N]
-    constexpr int kCols = 256;
+  } else {  // column groups of B [K, N]: 128 wide, so that a 256-wide product splits in two
+    constexpr int kCols = 128;
     const int groups = (N + kCols - 1) / kCols;
-#pragma omp parallel for schedule(static) if (parallel && groups > 1)
+#pragma omp parallel for schedule(static) if (parallel && groups > 1) num_threads(threads)
     for (int g = 0; g < groups; ++g) {
       const int width = std::min(kCols, N - kCols * g);
       avx512::for_vectors<GemvCols>((width + 15) / 16, width, K, alpha, a, B + kCols * g, ldb, beta,

@@ -3,7 +3,7 @@
 // path (one-sequence decode), and the few-row shapes of small_gemm on AVX-512 builds: every row
 // remainder of its 8-row tiles, whole and ragged 32-column panels, K off the 16 × 16 transpose
 // grid, the threaded split, and beta = 0 over a C full of NaN (which must not be read); and the
-// one-row groups of small_gemv (ragged 16-row and 256-column groups, K tails, the threaded split).
+// one-row groups of small_gemv (ragged 16-row and 128-column groups, K tails, the threaded split).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -80,7 +80,7 @@ std::vector<Case> cases() {
     v.push_back({12, 50, 33, false, tb, 2.0f, 0.0f, true});  // beta = 0 never reads C
     v.push_back({1, 50, 33, false, tb, 2.0f, 0.0f, true});
     // One-row products (small_gemv on AVX-512): 16-row groups with a ragged last one and K
-    // tails; more than one 256-column group with a ragged one; above the 1 MiB threading size.
+    // tails; more than one 128-column group with a ragged one; above the 256 KiB threading size.
     v.push_back({1, 35, 17, false, tb, 1.0f, 0.5f});
     v.push_back({1, 600, 9, false, tb, -1.0f, 1.0f});
     v.push_back({1, 700, 400, false, tb, 1.0f, 0.0f});

@@ -1,6 +1,7 @@
 // CPU paged attention. Long sequences (prefill, training): gather the cached rows, then sgemm per
 // head with heads in parallel. Short ones (decode): one query row per work item, keys read in
-// place from their blocks. Either way the shared diagonal's scores are computed once per row.
+// place from their blocks; when there are fewer such rows than threads, a long context is split
+// over the threads instead. Either way the shared diagonal's scores are computed once per row.
 #include "cemlm/kernels/attention.h"
 
 #include <omp.h>
@@ -234,15 +235,82 @@ void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
   }
 }
 
-// One query row against its sequence's first n_ctx cached tokens, read in place block by block
-// (AVX-512 passes where the build and the diagonal kind allow). sc: H·n_ctx floats.
-void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                const float* q, const float* qd, float scale, float* sc, float* out, float* oc) {
+// A row's two passes over n_ctx cached tokens from `blocks`, read in place block by block
+// (AVX-512 where the build and the diagonal kind allow). sc: H·n_ctx floats.
+void score_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                const float* q, const float* qd, float scale, float* sc) {
   if (!row_scores_avx512(kv, blocks, n_ctx, diag, q, qd, scale, sc))
     row_scores(kv, blocks, n_ctx, diag, q, qd, scale, sc);
-  for (int h = 0; h < kv.n_heads; ++h) softmax_inplace(sc + int64_t(h) * n_ctx, n_ctx);
+}
+void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag, float* sc,
+              float* out, float* oc) {
   if (!row_sums_avx512(kv, blocks, n_ctx, diag, sc, out, oc))
     row_sums(kv, blocks, n_ctx, diag, sc, out, oc);
+}
+
+// One query row against its sequence's first n_ctx cached tokens.
+void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                const float* q, const float* qd, float scale, float* sc, float* out, float* oc) {
+  score_pass(kv, blocks, n_ctx, diag, q, qd, scale, sc);
+  for (int h = 0; h < kv.n_heads; ++h) softmax_inplace(sc + int64_t(h) * n_ctx, n_ctx);
+  sum_pass(kv, blocks, n_ctx, diag, sc, out, oc);
+}
+
+// Tokens per thread from which a row's context is split over threads (below, the barriers cost
+// more than the halved passes save).
+constexpr int kSplitTokens = 256;
+
+// Floats attend_row_split's `part` holds for a team of P.
+int64_t split_part_floats(int P, const KvLayerView& kv, int64_t oc_width) {
+  return int64_t(P) * (kv.k_width + oc_width + 2 * kv.n_heads);
+}
+
+// attend_row with the context split over the calling parallel region's threads, block-aligned
+// (a batch-1 decode step would otherwise read a long cache on one thread): each thread scores its
+// share, the softmax is made global from every thread's per-head maximum and sum, each sums its
+// share with the global probabilities, and the partial outputs are added up, columns split over
+// the threads. sc: this thread's H·n_ctx floats; part: split_part_floats; oc_width: oc's floats.
+void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                      const float* q, const float* qd, float scale, float* sc, float* part,
+                      float* out, float* oc, int64_t oc_width) {
+  const int P = omp_get_num_threads(), t = omp_get_thread_num();
+  const int W = kv.k_width, H = kv.n_heads, bs = kv.block_size;
+  const int n_blocks = (n_ctx + bs - 1) / bs;
+  const int b0 = int(int64_t(n_blocks) * t / P), b1 = int(int64_t(n_blocks) * (t + 1) / P);
+  const int n = std::max(0, std::min(b1 * bs, n_ctx) - b0 * bs);
+  const int64_t stride = W + oc_width;
+  float* mine = part + int64_t(t) * stride;
+  float* maxima = part + int64_t(P) * stride;  // [P][H]
+  float* sums = maxima + int64_t(P) * H;      // [P][H]: Σ exp(s − own maximum)
+  if (n > 0) score_pass(kv, blocks + b0, n, diag, q, qd, scale, sc);
+  for (int h = 0; h < H; ++h) {
+    float* s = sc + int64_t(h) * n;
+    float m = -INFINITY;
+    for (int j = 0; j < n; ++j) m = std::max(m, s[j]);
+    maxima[t * H + h] = m;
+    sums[t * H + h] = n > 0 ? float(simd::exp_shifted(s, n, m)) : 0.0f;
+  }
+#pragma omp barrier
+  for (int h = 0; n > 0 && h < H; ++h) {
+    float M = -INFINITY;
+    for (int u = 0; u < P; ++u) M = std::max(M, maxima[u * H + h]);
+    double L = 0;
+    for (int u = 0; u < P; ++u)
+      if (sums[u * H + h] > 0) L += double(sums[u * H + h]) * std::exp(double(maxima[u * H + h] - M));
+    const float f = float(std::exp(double(maxima[t * H + h] - M)) / L);
+    float* s = sc + int64_t(h) * n;
+    for (int j = 0; j < n; ++j) s[j] *= f;
+  }
+  if (n > 0)
+    sum_pass(kv, blocks + b0, n, diag, sc, mine, oc_width ? mine + W : nullptr);
+  else
+    std::fill(mine, mine + stride, 0.0f);
+#pragma omp barrier
+  for (int64_t c = stride * t / P; c < stride * (t + 1) / P; ++c) {
+    float v = 0;
+    for (int u = 0; u < P; ++u) v += part[u * stride + c];
+    (c < W ? out[c] : oc[c - W]) = v;
+  }
 }
 
 }  // namespace
@@ -274,7 +342,30 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
     attention_gemm(ctx, out, out_c, q, qd, diag, kv, seqs[s], scale);
     for (int r = 0; r < seqs[s].n_rows; ++r) owner[seqs[s].row_begin + r] = -1;  // done
   }
-  const int64_t oc_width = diag == DiagKind::kPerHead ? int64_t(H) * D : D;
+  const int64_t oc_width = diag == DiagKind::kNone      ? 0
+                           : diag == DiagKind::kPerHead ? int64_t(H) * D
+                                                        : D;
+  // Rows too few to occupy every thread, with long contexts, split their tokens over threads.
+  const int threads = omp_get_max_threads();
+  const int pending = int(std::count_if(owner.begin(), owner.end(), [](int s) { return s >= 0; }));
+  if (threads > 1 && pending < threads && !omp_in_parallel())
+    for (int i = 0; i < n_rows; ++i) {
+      const int s = owner[i];
+      if (s < 0) continue;
+      const int n_ctx = seqs[s].pos_begin + (i - seqs[s].row_begin) + 1;
+      const int P = std::min(threads, n_ctx / kSplitTokens);
+      if (P < 2) continue;
+      thread_local std::vector<float> part;
+      part.resize(size_t(split_part_floats(P, kv, oc_width)));
+      float* part_data = part.data();
+#pragma omp parallel num_threads(P)
+      attend_row_split(kv, seqs[s].blocks, n_ctx, diag, q.data + int64_t(i) * W,
+                       oc_width ? qd.data + i * oc_width : nullptr, scale,
+                       ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num(), part_data,
+                       out.data + int64_t(i) * W, oc_width ? out_c.data + i * oc_width : nullptr,
+                       oc_width);
+      owner[i] = -1;
+    }
 #pragma omp parallel
   {
     float* sc = ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num();

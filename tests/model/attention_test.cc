@@ -8,6 +8,7 @@
 #include "cemlm/kernels/attention.h"
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <bit>
@@ -27,6 +28,7 @@ struct Case {
   DiagKind diag;
   int heads, dh, D, block, n_ctx, rows;  // `rows` query rows at the sequence's last positions
   bool bf16;
+  int threads = 0;  // OpenMP threads for the call (0: as set)
 };
 
 std::string name_of(const Case& c) {
@@ -36,7 +38,7 @@ std::string name_of(const Case& c) {
   return std::string(c.values ? "std" : "cem") + "_" + d + "_h" + std::to_string(c.heads) + "x" +
          std::to_string(c.dh) + "_D" + std::to_string(c.D) + "_bs" + std::to_string(c.block) +
          "_ctx" + std::to_string(c.n_ctx) + "_r" + std::to_string(c.rows) +
-         (c.bf16 ? "_bf16" : "_f32");
+         (c.bf16 ? "_bf16" : "_f32") + (c.threads ? "_t" + std::to_string(c.threads) : "");
 }
 
 class AttentionTest : public ::testing::TestWithParam<Case> {};
@@ -83,12 +85,15 @@ TEST_P(AttentionTest, MatchesReference) {
   const AttnSeq seq{0, R, c.n_ctx - R, table.data()};
   const float scale = 1.0f / std::sqrt(float(c.dh));
   ExecCtx ex;
+  const int threads_before = omp_get_max_threads();
+  if (c.threads) omp_set_num_threads(c.threads);
   std::vector<float> scratch(size_t(paged_attention_scratch_floats(&seq, 1, kv, c.diag)));
   ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
   paged_attention_forward(ex, Tensor(out.data(), {R, W}),
                           ctx ? Tensor(oc.data(), {R, qd_w}) : Tensor{}, Tensor(q.data(), {R, W}),
                           ctx ? Tensor(qd.data(), {R, qd_w}) : Tensor{}, c.diag, kv, &seq, 1,
                           scale);
+  omp_set_num_threads(threads_before);
 
   for (int r = 0; r < R; ++r) {
     const int n = c.n_ctx - R + r + 1;  // causal: positions 0 … pos
@@ -135,6 +140,12 @@ std::vector<Case> cases() {
     }
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, bf16});  // the bench's shape
     v.push_back({false, DiagKind::kShared, 1, 6, 16, 16, 1, 1, bf16});      // a single token
+    // Long contexts with fewer rows than threads: split over 2, 3 (uneven shares) and 4 threads
+    // (with 512-token blocks, 3 blocks over 4 threads: one share is empty).
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 700, 1, bf16, 2});
+    v.push_back({false, DiagKind::kShared, 2, 40, 48, 16, 1000, 2, bf16, 3});
+    v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 800, 1, bf16, 3});
+    v.push_back({true, DiagKind::kNone, 3, 6, 16, 512, 1100, 1, bf16, 4});
   }
   return v;
 }

@@ -1,9 +1,10 @@
 // bench/engine: serving speed of the CPU runner on a random-init model (D=256, L=4, H=4, d_h=64,
 // F=768, V=4096; full CEM with shared diagonal r=8 and CEM MLP r=8, and the standard baseline):
-// decode tokens/s at batch 1–128 and T = 1, 2, 4 over ~128 tokens of context, prefill tokens/s
-// and time to first token (through the Engine) for a 512-token prompt, KV bytes per token, and
-// the two targets as measured ratios; and whole-Engine decode tokens/s (scheduling and sampling
-// included) for greedy and nucleus sampling. Not a ctest; `--quick` for a smoke run.
+// decode tokens/s at batch 1–128 and T = 1, 2, 4 over ~128 tokens of context (and batch 1 over
+// 128–1000), prefill tokens/s and time to first token (through the Engine) for a 512-token
+// prompt, KV bytes per token, and the two targets as measured ratios; and whole-Engine decode
+// tokens/s (scheduling and sampling included) for greedy and nucleus sampling. Not a ctest;
+// `--quick` for a smoke run.
 #include <unistd.h>
 
 #include <omp.h>
@@ -40,6 +41,7 @@ constexpr int kBlockSize = 16;
 constexpr int kContext = 128;     // cached tokens per sequence before the timed decode steps
 constexpr int kDecodeSpan = 16;   // decode steps cycle over positions [kContext, kContext + span)
 constexpr int kMaxBatch = 128;
+constexpr int kLongContext = 1000;  // batch-1 decode at long context (max_seq_len is 1024)
 
 struct Settings {
   std::vector<int> batches{1, 8, 32, 128};
@@ -78,7 +80,9 @@ struct Model {
 };
 
 // Room for kMaxBatch decoding sequences plus one prompt, all in disjoint blocks.
-int64_t blocks_per_decode_seq() { return (kContext + kDecodeSpan + kBlockSize - 1) / kBlockSize; }
+int64_t blocks_per_decode_seq(int context = kContext) {
+  return (context + kDecodeSpan + kBlockSize - 1) / kBlockSize;
+}
 
 // Floating-point operations of one decode token at depth T over n_ctx cached tokens, counted
 // from the shapes (2 per multiply-add of every product, attention pass and preconditioner;
@@ -156,20 +160,22 @@ double seconds_per_call(F&& fn, double min_seconds) {
   return best;
 }
 
-// Decode timing over per-sequence block tables: sequence i owns a contiguous run of blocks.
+// Decode timing over per-sequence block tables: sequence i owns a contiguous run of blocks, each
+// holding `context` cached tokens (up to n_seqs sequences: kMaxBatch fit the KV budget at kContext).
 class DecodeBench {
  public:
-  DecodeBench(ModelRunner& r, int T) : r_(r), T_(T), nb_(blocks_per_decode_seq()) {
-    tables_.resize(size_t(kMaxBatch));
-    for (int i = 0; i < kMaxBatch; ++i)
+  DecodeBench(ModelRunner& r, int T, int context = kContext, int n_seqs = kMaxBatch)
+      : r_(r), T_(T), context_(context), nb_(blocks_per_decode_seq(context)) {
+    tables_.resize(size_t(n_seqs));
+    for (int i = 0; i < n_seqs; ++i)
       for (int64_t b = 0; b < nb_; ++b) tables_[size_t(i)].push_back(int32_t(i * nb_ + b));
     // One real prefill of the context at T; the other sequences get copies of its blocks.
-    const std::vector<int> ctx = some_ids(kContext, r.config().vocab_size, T);
-    BatchSeq s{ctx.data(), kContext, 0, T, tables_[0].data(), int(nb_), false, false};
+    const std::vector<int> ctx = some_ids(context, r.config().vocab_size, T);
+    BatchSeq s{ctx.data(), context, 0, T, tables_[0].data(), int(nb_), false, false};
     std::vector<float> logits;
     r_.forward(Batch{{s}}, &logits);
-    for (int i = 1; i < kMaxBatch; ++i)
-      for (int b = 0; b < kContext / kBlockSize; ++b)
+    for (int i = 1; i < n_seqs; ++i)
+      for (int b = 0; b < context / kBlockSize; ++b)
         r_.copy_block(tables_[0][size_t(b)], tables_[size_t(i)][size_t(b)]);
   }
   // Seconds per engine step decoding one token for each of B sequences.
@@ -180,7 +186,7 @@ class DecodeBench {
     std::vector<float> logits;
     return seconds_per_call([&] {
       Batch batch;
-      const int pos = kContext + step++ % kDecodeSpan;
+      const int pos = context_ + step++ % kDecodeSpan;
       for (int i = 0; i < B; ++i)
         batch.seqs.push_back(BatchSeq{&tokens[size_t(i)], 1, pos, T_, tables_[size_t(i)].data(),
                                       int(nb_), true, false});
@@ -190,7 +196,7 @@ class DecodeBench {
 
  private:
   ModelRunner& r_;
-  int T_;
+  int T_, context_;
   int64_t nb_;
   std::vector<std::vector<int32_t>> tables_;
 };
@@ -354,7 +360,8 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
 void print_help() {
   std::printf(
       "usage: bench/engine [--quick] [--threads N]\n"
-      "  CPU-runner serving benchmark (decode, prefill, TTFT, KV bytes, targets).\n"
+      "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
+      "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
       "  --threads N  compute threads (default 0: all cores; 1 is steadier on a busy machine)\n"
       "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
@@ -437,6 +444,21 @@ int main(int argc, char** argv) {
                       it->second * 1e3, B / it->second, gflops(m, T, B));
   std::fflush(stdout);
   const double peak = product_peak_flops() / 1e9;
+
+  // Batch 1 over longer contexts: a lone sequence's attention passes split over the threads.
+  std::printf("\n| model | T | context | batch-1 ms/step | decode tokens/s |\n|---|---|---|---|---|\n");
+  for (Model& m : models) {
+    if (m.name == "cem-L2") continue;
+    for (int T : {1, 4}) {
+      if (m.name == "standard" && T > 1) continue;
+      for (int context : {kContext, 512, kLongContext}) {
+        DecodeBench bench(*m.runner, T, context, 1);
+        const double sec = bench.step_seconds(1, s.min_seconds);
+        std::printf("| %s | %d | %d | %.2f | %.0f |\n", m.name.c_str(), T, context, sec * 1e3, 1 / sec);
+      }
+    }
+  }
+  std::fflush(stdout);
 
   std::printf("\n| model | T | prefill tokens/s (%d-token prompt) | TTFT ms (warm Engine) |\n|---|---|---|---|\n",
               s.prompt);

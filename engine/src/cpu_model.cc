@@ -155,10 +155,13 @@ Tensor view(float* p, int64_t r, int64_t c) { return Tensor(p, {r, c}); }
 CpuModel::CpuModel(const ModelConfig& c, const Weights& w)
     : cfg_(c), w_(w), lm_head_(w.lm_head), bufs_(kNumBufs) {
   for (const LayerWeights& lw : w.layers) {
-    PackedLayer& pl = packed_.emplace_back(
-        PackedLayer{PackedLinear(lw.wq), PackedLinear(lw.wk), PackedLinear(lw.wv),
-                    PackedLinear(lw.wo), PackedLinear(lw.w_gate), PackedLinear(lw.w_up),
-                    PackedLinear(lw.w_down), PackedPrecond(), PackedPrecond()});
+    constexpr auto kT = PackedLinear::Use::kTransposed;
+    const bool cem_attn = c.attention == AttentionType::kCem, cem_mlp = c.mlp == MlpType::kCem;
+    PackedLayer& pl = packed_.emplace_back(PackedLayer{
+        PackedLinear(lw.wq), PackedLinear(lw.wk), PackedLinear(lw.wv), PackedLinear(lw.wo),
+        PackedLinear(lw.w_gate), PackedLinear(lw.w_up), PackedLinear(lw.w_down),
+        cem_attn ? PackedLinear(lw.wq, kT) : PackedLinear(),
+        cem_mlp ? PackedLinear(lw.w_up, kT) : PackedLinear(), PackedPrecond(), PackedPrecond()});
     if (c.attn_precond_rank > 0) pl.attn_precond = PackedPrecond(lw.attn_p, lw.attn_u, lw.attn_v);
     if (c.mlp_precond_rank > 0) pl.mlp_precond = PackedPrecond(lw.mlp_p, lw.mlp_u, lw.mlp_v);
   }
@@ -342,7 +345,7 @@ void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view
     paged_attention_forward(ctx, a, diag ? oc : Tensor{}, q, diag ? qd : Tensor{}, kind, view_l,
                             seqs.data(), ns, scale);
     rope_forward(ctx, a, a, pos, rope, true);
-    linear_t_forward(ctx, u, a, lw.wq);
+    linear_t_forward(ctx, u, a, pw.wq_t);
     if (diag) diag_gather_forward(ctx, u, oc, lw.diag);
     if (cfg_.attn_precond_rank > 0) precond_forward(ctx, pu, u, pw.attn_precond);
     axpy_rows_forward(ctx, x, cfg_.attn_precond_rank > 0 ? pu : u, r.eta.data() + r0);
@@ -380,7 +383,7 @@ void CpuModel::mlp_cem(int l, Rows& r) {
     if (t > 0) rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.mlp_norm, cfg_.norm_eps);
     linear_forward(r.ctx, z, y, pw.w_up);
     mul_forward(r.ctx, z, z, view(g.data, n, F));
-    linear_t_forward(r.ctx, u, z, lw.w_up);
+    linear_t_forward(r.ctx, u, z, pw.w_up_t);
     if (cfg_.mlp_precond_rank > 0) precond_forward(r.ctx, pu, u, pw.mlp_precond);
     axpy_rows_forward(r.ctx, x, cfg_.mlp_precond_rank > 0 ? pu : u, r.eta.data());
   }

@@ -8,6 +8,11 @@
 // of B [N, K] (op = transpose, the usual weight layout) are first transposed 16 × 16 in registers
 // into a [K, 32] buffer, a cost shared by every row tile — or packed once ahead (pack_panels, for
 // weights: PackedLinear), then read in place by small_gemm_packed.
+//
+// A panel's first row tile also prefetches the thread's next panel into L2: without it, a weight
+// beyond the caches arrives only while the first tile asks for it — faster than memory delivers, so
+// that tile waits — and then the other tiles compute with memory idle. Measured on cold weights
+// (two threads, 32 × [2816, 1024]): 107 → 142 GFLOP/s packed; unchanged on hot ones.
 #include "gemm_avx512.h"
 
 #if defined(__AVX512F__)
@@ -92,17 +97,28 @@ void pack_panel(bool trans_b, const float* B, int ldb, int K, int n0, int width,
   }
 }
 
-// C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P, where P's row k starts at
-// p + k·ps.
-template <int R>
-void tile(int K, const float* a, int lda, const float* p, size_t ps, float alpha, float beta,
-          float* c, int ldc, __mmask16 m0, __mmask16 m1) {
+// A panel: row k's 32 floats start at p + k·stride.
+struct Panel {
+  const float* p;
+  size_t stride;
+};
+
+// C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P; with kPrefetch, also pulls
+// panel `next` into L2, one row per row of P.
+template <int R, bool kPrefetch>
+void tile(int K, const float* a, int lda, Panel P, Panel next, float alpha, float beta, float* c,
+          int ldc, __mmask16 m0, __mmask16 m1) {
   // The loops over R must be unrolled for acc to live in registers (-O2 does not unroll them).
   __m512 acc[2 * R];
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
   for (int k = 0; k < K; ++k) {
-    const float* row = p + size_t(k) * ps;
+    const float* row = P.p + size_t(k) * P.stride;
+    if constexpr (kPrefetch) {
+      const char* ahead = reinterpret_cast<const char*>(next.p + size_t(k) * next.stride);
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      _mm_prefetch(ahead + 64, _MM_HINT_T1);
+    }
     const __m512 y0 = _mm512_loadu_ps(row), y1 = _mm512_loadu_ps(row + 16);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
@@ -125,10 +141,14 @@ void tile(int K, const float* a, int lda, const float* p, size_t ps, float alpha
   }
 }
 
-using TileFn = void (*)(int, const float*, int, const float*, size_t, float, float, float*, int,
-                        __mmask16, __mmask16);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>, &tile<4>,
-                                          &tile<5>, &tile<6>, &tile<7>, &tile<8>};
+using TileFn = void (*)(int, const float*, int, Panel, Panel, float, float, float*, int, __mmask16,
+                        __mmask16);
+// kTiles[prefetch][rows]
+constexpr TileFn kTiles[2][kTileRows + 1] = {
+    {nullptr, &tile<1, false>, &tile<2, false>, &tile<3, false>, &tile<4, false>, &tile<5, false>,
+     &tile<6, false>, &tile<7, false>, &tile<8, false>},
+    {nullptr, &tile<1, true>, &tile<2, true>, &tile<3, true>, &tile<4, true>, &tile<5, true>,
+     &tile<6, true>, &tile<7, true>, &tile<8, true>}};
 
 // c[n0, n0 + rows) ← beta·c + alpha·B[n]·a for rows ≤ 16 rows of B [N, K]: one accumulator per row,
 // the K tail masked, the 16 sums reduced together.
@@ -174,21 +194,23 @@ struct GemvCols {
 constexpr double kParallelGemvBytes = 1 << 18;
 
 // Drives the row tiles over every 32-column panel of op(B), panels split over threads when the
-// product is big enough; panel_of(p, &stride) gives panel p's first row and its row stride.
-template <typename PanelOf>
+// product is big enough. panel_of(p) gives panel p (packing it if need be); stored(p) gives it
+// only where it is already in memory as it will be read ({nullptr, 0} otherwise), for the prefetch.
+template <typename PanelOf, typename Stored>
 void panel_products(int M, int N, int K, float alpha, const float* A, int lda, float beta, float* C,
-                    int ldc, PanelOf panel_of) {
+                    int ldc, PanelOf panel_of, Stored stored) {
   const int panels = (N + kPanel - 1) / kPanel;
   const bool parallel = 2.0 * M * N * K >= kParallelFlops && panels > 1 && !omp_in_parallel();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int p = 0; p < panels; ++p) {
     const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
-    size_t stride = kPanel;
-    const float* panel = panel_of(p, &stride);
+    const Panel panel = panel_of(p);
+    const Panel next = p + 1 < panels ? stored(p + 1) : Panel{nullptr, 0};
     const __mmask16 m0 = lane_mask(width), m1 = lane_mask(width - 16);
     for (int m = 0; m < M; m += kTileRows)
-      kTiles[std::min(kTileRows, M - m)](K, A + size_t(m) * lda, lda, panel, stride, alpha, beta,
-                                         C + size_t(m) * ldc + n0, ldc, m0, m1);
+      kTiles[m == 0 && next.p][std::min(kTileRows, M - m)](
+          K, A + size_t(m) * lda, lda, panel, next, alpha, beta, C + size_t(m) * ldc + n0, ldc, m0,
+          m1);
   }
 }
 
@@ -199,17 +221,19 @@ inline bool small_gemm_applies(int M, int K) { return M >= 2 && M <= kSmallGemmM
 bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                 const float* B, int ldb, float beta, float* C, int ldc) {
   if (!small_gemm_applies(M, K)) return false;
-  panel_products(M, N, K, alpha, A, lda, beta, C, ldc, [&](int p, size_t* stride) {
-    const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
-    if (!trans_b && width == kPanel) {  // op(B) = B with a whole panel: read in place
-      *stride = size_t(ldb);
-      return B + n0;
-    }
+  // op(B) = B with a whole panel: read in place.
+  auto in_place = [&](int p) {
+    const int n0 = p * kPanel;
+    return !trans_b && N - n0 >= kPanel ? Panel{B + n0, size_t(ldb)} : Panel{nullptr, 0};
+  };
+  panel_products(M, N, K, alpha, A, lda, beta, C, ldc, [&](int p) {
+    if (const Panel in = in_place(p); in.p) return in;
     thread_local std::vector<float> buffer;  // kept between calls: no allocation per product
     buffer.resize(size_t(K) * kPanel);
-    pack_panel(trans_b, B, ldb, K, n0, width, buffer.data());
-    return static_cast<const float*>(buffer.data());
-  });
+    const int n0 = p * kPanel;
+    pack_panel(trans_b, B, ldb, K, n0, std::min(kPanel, N - n0), buffer.data());
+    return Panel{buffer.data(), size_t(kPanel)};
+  }, in_place);
   return true;
 }
 
@@ -226,8 +250,8 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out
 bool small_gemm_packed(int M, int N, int K, float alpha, const float* A, int lda,
                        const float* panels, float beta, float* C, int ldc) {
   if (!small_gemm_applies(M, K)) return false;
-  panel_products(M, N, K, alpha, A, lda, beta, C, ldc,
-                 [&](int p, size_t*) { return panels + int64_t(p) * kPanel * K; });
+  auto panel = [&](int p) { return Panel{panels + int64_t(p) * kPanel * K, size_t(kPanel)}; };
+  panel_products(M, N, K, alpha, A, lda, beta, C, ldc, panel, panel);
   return true;
 }
 

@@ -35,27 +35,42 @@ void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, 
   gemm(false, true, N, out, in, 1.0f, x.data, in, W.data, in, beta, y.data, out);
 }
 
-PackedLinear::PackedLinear(const Tensor& W) : w_(W) {
+void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta) {
+  const int N = int(x.dim(0)), out = int(W.dim(0)), in = int(W.dim(1));
+  CEMLM_CHECK(x.dim(-1) == out && y.dim(-1) == in && y.dim(0) == N);
+  gemm(false, false, N, in, out, 1.0f, x.data, out, W.data, in, beta, y.data, in);
+}
+
+PackedLinear::PackedLinear(const Tensor& W, Use use) : w_(W), use_(use) {
   if (W.empty()) return;
   const int out = int(W.dim(0)), in = int(W.dim(1));
-  panels_.resize(size_t(packed_panels_floats(out, in)));
-  if (!pack_panels(true, W.data, in, out, in, panels_.data())) panels_ = {};
+  // op(B) is Wᵀ [in, out] for W·x and W [out, in] for Wᵀ·x.
+  const bool forward = use == Use::kForward;
+  panels_.resize(size_t(forward ? packed_panels_floats(out, in) : packed_panels_floats(in, out)));
+  if (!pack_panels(forward, W.data, in, forward ? out : in, forward ? in : out, panels_.data()))
+    panels_ = {};
 }
 
 void linear_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,
                     float beta) {
   const int N = int(x.dim(0)), in = int(x.dim(-1)), out = int(W.w_.dim(0));
-  CEMLM_CHECK(W.w_.dim(1) == in && y.dim(-1) == out && y.dim(0) == N);
+  CEMLM_CHECK(W.use_ == PackedLinear::Use::kForward && W.w_.dim(1) == in && y.dim(-1) == out &&
+              y.dim(0) == N);
   if (W.packed() &&
       small_gemm_packed(N, out, in, 1.0f, x.data, in, W.panels_.data(), beta, y.data, out))
     return;
   linear_forward(ctx, y, x, W.w_, beta);
 }
 
-void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta) {
-  const int N = int(x.dim(0)), out = int(W.dim(0)), in = int(W.dim(1));
-  CEMLM_CHECK(x.dim(-1) == out && y.dim(-1) == in && y.dim(0) == N);
-  gemm(false, false, N, in, out, 1.0f, x.data, out, W.data, in, beta, y.data, in);
+void linear_t_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,
+                      float beta) {
+  const int N = int(x.dim(0)), out = int(x.dim(-1)), in = int(W.w_.dim(1));
+  CEMLM_CHECK(W.use_ == PackedLinear::Use::kTransposed && W.w_.dim(0) == out && y.dim(-1) == in &&
+              y.dim(0) == N);
+  if (W.packed() &&
+      small_gemm_packed(N, in, out, 1.0f, x.data, out, W.panels_.data(), beta, y.data, in))
+    return;
+  linear_t_forward(ctx, y, x, W.w_, beta);
 }
 
 void linear_backward(const ExecCtx&, Tensor dx, Tensor dW, const Tensor& dy, const Tensor& x,

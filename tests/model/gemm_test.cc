@@ -90,33 +90,47 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest, ::testing::ValuesIn(cases()));
 
-// A PackedLinear gives linear_forward's result bit for bit, for every row count (1 and > 256 use
-// W itself, 2–256 the packed panels), whole and ragged panels, K off the transpose grid, beta ≠ 0,
-// and matches a double-precision loop.
+// A PackedLinear gives linear_forward's (Use::kForward) or linear_t_forward's (Use::kTransposed)
+// result bit for bit, for every row count (1 and > 256 use W itself, 2–256 the packed panels),
+// whole and ragged panels, K off the transpose grid, beta ≠ 0, and matches a double-precision loop.
 TEST(PackedLinear, SameBitsAsTheUnpackedWeight) {
-  for (auto [M, out, in] : {std::tuple{1, 64, 32}, {2, 71, 37}, {8, 64, 48}, {9, 100, 700},
-                            {33, 256, 256}, {256, 40, 20}, {257, 40, 20}}) {
-    Rng rng(uint64_t(M * 7 + out));
-    std::vector<float> W(size_t(out) * in), x(size_t(M) * in), y0(size_t(M) * out);
-    for (float& v : W) v = float(rng.normal());
-    for (float& v : x) v = float(rng.normal());
-    for (float& v : y0) v = float(rng.normal());
-    const Tensor Wt(W.data(), {out, in}), xt(x.data(), {M, in});
-    const PackedLinear packed(Wt);
-    for (float beta : {0.0f, 1.0f}) {
-      std::vector<float> want = y0, got = y0;
-      linear_forward(ExecCtx{}, Tensor(want.data(), {M, out}), xt, Wt, beta);
-      linear_forward(ExecCtx{}, Tensor(got.data(), {M, out}), xt, packed, beta);
-      ASSERT_EQ(std::memcmp(want.data(), got.data(), sizeof(float) * want.size()), 0)
-          << "M=" << M << " out=" << out << " in=" << in << " beta=" << beta;
-      for (int i = 0; i < M; i += 7)
-        for (int j = 0; j < out; ++j) {
-          double s = beta * y0[size_t(i) * out + j];
-          for (int k = 0; k < in; ++k) s += double(x[size_t(i) * in + k]) * W[size_t(j) * in + k];
-          ASSERT_NEAR(got[size_t(i) * out + j], s, 1e-4 * (1 + std::abs(s)));
+  for (const bool transposed : {false, true})
+    for (auto [M, out, in] : {std::tuple{1, 64, 32}, {2, 71, 37}, {8, 64, 48}, {9, 100, 700},
+                              {33, 256, 256}, {32, 96, 200}, {256, 40, 20}, {257, 40, 20}}) {
+      Rng rng(uint64_t(M * 7 + out));
+      // x · op(W) with x [M, xw] and a result [M, yw].
+      const int xw = transposed ? out : in, yw = transposed ? in : out;
+      std::vector<float> W(size_t(out) * in), x(size_t(M) * xw), y0(size_t(M) * yw);
+      for (float& v : W) v = float(rng.normal());
+      for (float& v : x) v = float(rng.normal());
+      for (float& v : y0) v = float(rng.normal());
+      const Tensor Wt(W.data(), {out, in}), xt(x.data(), {M, xw});
+      const PackedLinear packed(
+          Wt, transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward);
+      for (float beta : {0.0f, 1.0f}) {
+        std::vector<float> want = y0, got = y0;
+        const Tensor wt(want.data(), {M, yw}), gt(got.data(), {M, yw});
+        if (transposed) {
+          linear_t_forward(ExecCtx{}, wt, xt, Wt, beta);
+          linear_t_forward(ExecCtx{}, gt, xt, packed, beta);
+        } else {
+          linear_forward(ExecCtx{}, wt, xt, Wt, beta);
+          linear_forward(ExecCtx{}, gt, xt, packed, beta);
         }
+        ASSERT_EQ(std::memcmp(want.data(), got.data(), sizeof(float) * want.size()), 0)
+            << "transposed=" << transposed << " M=" << M << " out=" << out << " in=" << in
+            << " beta=" << beta;
+        for (int i = 0; i < M; i += 7)
+          for (int j = 0; j < yw; ++j) {
+            double s = beta * y0[size_t(i) * yw + j];
+            for (int k = 0; k < xw; ++k)
+              s += double(x[size_t(i) * xw + k]) *
+                   (transposed ? W[size_t(k) * in + j] : W[size_t(j) * in + k]);
+            ASSERT_NEAR(got[size_t(i) * yw + j], s, 1e-4 * (1 + std::abs(s)))
+                << "transposed=" << transposed << " M=" << M;
+          }
+      }
     }
-  }
 }
 
 // Only AVX-512 processors left with OpenBLAS's generic kernels get other ones.

@@ -46,7 +46,8 @@ struct SeqRange;  // a range of a batch's sequences (cpu_model.cc)
 class CpuModel {
  public:
   // `w` must outlive the model. Precomputes the LEV table and the RoPE table, and packs the weights
-  // of W·x products for the few-row kernels (PackedLinear: a second copy of those weights).
+  // for the few-row kernels (PackedLinear: a second copy of each weight, a third of the tied W_Q
+  // and W_up of CEM sub-layers, which serve both as W·x and as Wᵀ·x).
   CpuModel(const ModelConfig& c, const Weights& w);
   const ModelConfig& config() const { return cfg_; }
   // See ModelRunner::forward.
@@ -65,10 +66,10 @@ class CpuModel {
   void mlp_cem(int l, Rows& r);
   float* buf(size_t i, int64_t n);
 
-  // The weights applied as W·x (their transposes, Wᵀ·x, read W itself), and the CEM sub-layers'
-  // preconditioners (when their rank is > 0).
+  // The weights applied as W·x, the tied ones applied as Wᵀ·x (wq_t, w_up_t: CEM sub-layers only),
+  // and the CEM sub-layers' preconditioners (when their rank is > 0).
   struct PackedLayer {
-    PackedLinear wq, wk, wv, wo, w_gate, w_up, w_down;
+    PackedLinear wq, wk, wv, wo, w_gate, w_up, w_down, wq_t, w_up_t;
     PackedPrecond attn_precond, mlp_precond;
   };
 

@@ -10,27 +10,36 @@ namespace cemlm {
 
 // y[N,out] = beta·y + x[N,in] · Wᵀ          (y = W x per row)
 void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta = 0.0f);
-// A weight W [out, in] for linear_forward plus, on AVX-512 builds, a copy of Wᵀ already in the
-// few-row kernel's panel layout, so that products of 2–256 rows (decode batches, grouped
-// recursion steps) stream it instead of transposing W on every call: a second copy of W's bytes.
-// Holds a view of W, which must outlive it; elsewhere (and for 1 or > 256 rows) W itself is used.
+// y[N,in] = beta·y + x[N,out] · W           (y = Wᵀ x per row: the tied transposes W_Qᵀ, W_upᵀ)
+void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta = 0.0f);
+
+// A weight W [out, in] plus, on AVX-512 builds, a copy of it already in the few-row kernel's panel
+// layout for one use — W·x (linear_forward: panels of Wᵀ) or Wᵀ·x (linear_t_forward: panels of W)
+// — so that products of 2–256 rows (decode batches, grouped recursion steps) stream contiguous
+// panels instead of transposing W on every call (W·x) or reading 128 bytes per row of W (Wᵀ·x,
+// which on weights beyond the caches runs at a third of the packed rate): a second copy of W's
+// bytes. Holds a view of W, which must outlive it; elsewhere (and for 1 or > 256 rows) W is used.
 class PackedLinear {
  public:
+  enum class Use { kForward, kTransposed };
   PackedLinear() = default;
-  explicit PackedLinear(const Tensor& W);
+  explicit PackedLinear(const Tensor& W, Use use = Use::kForward);
   const Tensor& weight() const { return w_; }
   bool packed() const { return !panels_.empty(); }
 
  private:
   friend void linear_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
+  friend void linear_t_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
   Tensor w_;
+  Use use_ = Use::kForward;
   std::vector<float> panels_;
 };
-// Same result as linear_forward with W.weight(), bit for bit.
+// Same results as linear_forward / linear_t_forward with W.weight(), bit for bit; W must have been
+// packed for that use (Use::kForward / Use::kTransposed).
 void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const PackedLinear& W,
                     float beta = 0.0f);
-// y[N,in] = beta·y + x[N,out] · W           (y = Wᵀ x per row: the tied transposes W_Qᵀ, W_upᵀ)
-void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W, float beta = 0.0f);
+void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const PackedLinear& W,
+                      float beta = 0.0f);
 // Backward of linear_forward: dx[N,in] (+= when accumulate), dW[out,in] +=. Either may be empty.
 void linear_backward(const ExecCtx&, Tensor dx, Tensor dW, const Tensor& dy, const Tensor& x,
                      const Tensor& W, bool accumulate_dx = false);

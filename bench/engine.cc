@@ -1,5 +1,8 @@
-// bench/engine: serving speed of the CPU runner on a random-init model (D=256, L=4, H=4, d_h=64,
-// F=768, V=4096; full CEM with shared diagonal r=8 and CEM MLP r=8, and the standard baseline):
+// bench/engine: serving speed of the CPU runner on a random-init model (`--shape small`, the
+// default: D=256, L=4, H=4, d_h=64, F=768, V=4096, 16 MB of fp32 weights for CEM, which a server
+// CPU's last-level cache holds; `--shape base`: D=1024, L=12, H=16, d_h=64, F=2816, V=32000,
+// 127M parameters for CEM, 218M for standard, beyond it; full CEM with shared diagonal r=8 and
+// CEM MLP r=8, and the standard baseline):
 // decode tokens/s at batch 1–128 and T = 1, 2, 4 over ~128 tokens of context (and batch 1 over
 // 128–1000), prefill tokens/s and time to first token (through the Engine) for a 512-token
 // prompt, KV bytes per token, and the two targets as measured ratios; and whole-Engine decode
@@ -52,12 +55,18 @@ struct Settings {
   int threads = 0;           // 0: all cores (the runner's default)
   std::string cell;          // "--cell MODEL:T:B": time only that decode cell (for profilers)
   std::string kv_dtype = "fp32";
+  std::string shape = "small";
 };
 
-ModelConfig bench_config(bool cem, int layers) {
+struct Shape {
+  int vocab, d_model, layers, heads, d_ff;
+};
+const Shape kSmall{4096, 256, 4, 4, 768}, kBase{32000, 1024, 12, 16, 2816};
+
+ModelConfig bench_config(const Shape& shape, bool cem, int layers) {
   ModelConfig c;
-  c.vocab_size = 4096, c.d_model = 256, c.n_layers = layers, c.n_heads = 4, c.head_dim = 64;
-  c.d_ff = 768, c.max_seq_len = 1024;
+  c.vocab_size = shape.vocab, c.d_model = shape.d_model, c.n_layers = layers;
+  c.n_heads = shape.heads, c.head_dim = 64, c.d_ff = shape.d_ff, c.max_seq_len = 1024;
   if (cem) {
     c.attention = AttentionType::kCem, c.diag = DiagMode::kShared, c.attn_precond_rank = 8;
     c.mlp = MlpType::kCem, c.mlp_precond_rank = 8;
@@ -352,21 +361,24 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
       std::printf("%s T=%d B=%d: %.3f ms/step, %.0f tokens/s\n", name, T, B, sec * 1e3, B / sec);
       return 0;
     }
-  std::fprintf(stderr, "--cell %s: no model named %s (standard, cem, cem-L2)\n", s.cell.c_str(),
-               name);
+  std::fprintf(stderr, "--cell %s: no model named %s (standard, cem, %s)\n", s.cell.c_str(), name,
+               models.back().name.c_str());
   return 2;
 }
 
 void print_help() {
   std::printf(
-      "usage: bench/engine [--quick] [--threads N]\n"
+      "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape small|base]\n"
+      "                    [--cell M:T:B]\n"
       "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
       "  --threads N  compute threads (default 0: all cores; 1 is steadier on a busy machine)\n"
       "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
-      "  --cell M:T:B decode only model M (standard|cem|cem-L2) at depth T, batch B, for 10 s:\n"
-      "               a steady loop to run under a profiler (perf record)\n");
+      "  --shape small|base  the models' size: small (default) D=256 L=4 V=4096, weights in\n"
+      "               cache; base D=1024 L=12 V=32000, 127M/218M parameters, weights in memory\n"
+      "  --cell M:T:B decode only model M (standard|cem|cem-L<half the layers>) at depth T,\n"
+      "               batch B, for 10 s: a steady loop to run under a profiler (perf record)\n");
 }
 
 }  // namespace
@@ -386,6 +398,12 @@ int main(int argc, char** argv) {
       }
     } else if (!std::strcmp(argv[i], "--kv-cache-dtype") && i + 1 < argc) {
       s.kv_dtype = argv[++i];
+    } else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) {
+      s.shape = argv[++i];
+      if (s.shape != "small" && s.shape != "base") {
+        std::fprintf(stderr, "--shape %s: expected small or base\n", argv[i]);
+        return 2;
+      }
     } else if (!std::strcmp(argv[i], "--cell") && i + 1 < argc) {
       s.cell = argv[++i];
     } else if (!std::strcmp(argv[i], "--help")) {
@@ -400,15 +418,19 @@ int main(int argc, char** argv) {
   const std::string root = (std::filesystem::temp_directory_path() /
                             ("cemlm_bench_engine_" + std::to_string(getpid()))).string();
   std::filesystem::create_directories(root);
-  // "cem-L2" has the same shape with half the layers: (cem − cem-L2)·2 is the time of all CEM
+  // "cem-L<n/2>" has the same shape with half the layers: (cem − it)·2 is the time of all CEM
   // sub-layers in a step, the base of the recursion-cost target.
   std::vector<Model> models;
-  models.push_back(load_model("standard", bench_config(false, 4), root, s));
-  models.push_back(load_model("cem", bench_config(true, 4), root, s));
-  models.push_back(load_model("cem-L2", bench_config(true, 2), root, s));
+  const Shape& shape = s.shape == "base" ? kBase : kSmall;
+  const std::string half = "cem-L" + std::to_string(shape.layers / 2);
+  models.push_back(load_model("standard", bench_config(shape, false, shape.layers), root, s));
+  models.push_back(load_model("cem", bench_config(shape, true, shape.layers), root, s));
+  models.push_back(load_model(half, bench_config(shape, true, shape.layers / 2), root, s));
 
   if (!s.cell.empty()) return profile_cell(models, s);
   std::printf("%s\n", bench::machine_line().c_str());
+  std::printf("models: --shape %s (D=%d, L=%d, H=%d, F=%d, V=%d)\n", s.shape.c_str(), shape.d_model,
+              shape.layers, shape.heads, shape.d_ff, shape.vocab);
   std::printf(
       "threads: %d (OpenMP); load average %s; block size %d; KV cache %s; context %d "
       "tokens per decoding sequence; times are the fastest of repeated steps\n\n",
@@ -448,7 +470,7 @@ int main(int argc, char** argv) {
   // Batch 1 over longer contexts: a lone sequence's attention passes split over the threads.
   std::printf("\n| model | T | context | batch-1 ms/step | decode tokens/s |\n|---|---|---|---|---|\n");
   for (Model& m : models) {
-    if (m.name == "cem-L2") continue;
+    if (m.name == half) continue;
     for (int T : {1, 4}) {
       if (m.name == "standard" && T > 1) continue;
       for (int context : {kContext, 512, kLongContext}) {
@@ -463,7 +485,7 @@ int main(int argc, char** argv) {
   std::printf("\n| model | T | prefill tokens/s (%d-token prompt) | TTFT ms (warm Engine) |\n|---|---|---|---|\n",
               s.prompt);
   for (Model& m : models) {
-    if (m.name == "cem-L2") continue;
+    if (m.name == half) continue;
     for (int T : {1, 2, 4}) {
       if (m.name == "standard" && T > 1) continue;
       const double pf = prefill_seconds(*m.runner, s.prompt, T, s.prefill_reps);
@@ -473,7 +495,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  // Whole-engine decode: the sampler's cost per row is part of serving (top-p over V = 4096).
+  // Whole-engine decode: the sampler's cost per row is part of serving (top-p over the vocabulary).
   SamplingParams greedy, nucleus;
   greedy.temperature = 0;
   nucleus.temperature = 0.8f, nucleus.top_p = 0.95f;
@@ -520,13 +542,14 @@ int main(int argc, char** argv) {
   std::printf(
       "\ntarget 2: one extra recursion step costs no more than the CEM sub-layers' share of a T=1\n"
       "step. Share measured, not counted: every attention and MLP sub-layer of the full-CEM model\n"
-      "is a CEM one, so their time is the per-layer time (L=4 minus L=2 model, same shape) × 4;\n"
-      "the rest (embedding, final norm, LM head, host work) is what a T=1 step spends outside.\n");
+      "is a CEM one, so their time is the per-layer time (L=%d minus L=%d model, same shape) × %d;\n"
+      "the rest (embedding, final norm, LM head, host work) is what a T=1 step spends outside.\n",
+      shape.layers, shape.layers / 2, shape.layers);
   std::printf("| batch | T=1 ms | CEM sub-layers ms (share) | T=2 − T=1 ms | (T=4 − T=1)/3 ms | extra ÷ sub-layers |\n"
               "|---|---|---|---|---|---|\n");
   for (int B : s.batches) {
     const double t1 = step[{"cem", 1, B}], t2 = step[{"cem", 2, B}], t4 = step[{"cem", 4, B}];
-    const double sub = 2 * (t1 - step[{"cem-L2", 1, B}]);
+    const double sub = 2 * (t1 - step[{half, 1, B}]);
     const double extra = t2 - t1;
     std::printf("| %d | %.2f | %.2f (%.0f%%) | %.2f | %.2f | %.2f %s |\n", B, t1 * 1e3, sub * 1e3,
                 100 * sub / t1, extra * 1e3, (t4 - t1) / 3 * 1e3, extra / sub,

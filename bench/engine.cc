@@ -427,7 +427,11 @@ int main(int argc, char** argv) {
   models.push_back(load_model("cem", bench_config(shape, true, shape.layers), root, s));
   models.push_back(load_model(half, bench_config(shape, true, shape.layers / 2), root, s));
 
-  if (!s.cell.empty()) return profile_cell(models, s);
+  if (!s.cell.empty()) {
+    const int rc = profile_cell(models, s);
+    std::filesystem::remove_all(root);
+    return rc;
+  }
   std::printf("%s\n", bench::machine_line().c_str());
   std::printf("models: --shape %s (D=%d, L=%d, H=%d, F=%d, V=%d)\n", s.shape.c_str(), shape.d_model,
               shape.layers, shape.heads, shape.d_ff, shape.vocab);

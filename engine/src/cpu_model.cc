@@ -59,7 +59,7 @@ KvLayerView KvPool::layer(int l) {
 }
 
 template <typename E>
-void KvPool::copy_block_in(std::vector<E>* pool, int width, int32_t src, int32_t dst) {
+void KvPool::copy_block_in(HugePageVector<E>* pool, int width, int32_t src, int32_t dst) {
   const int64_t per = n_blocks_ * block_size_;
   for (int l = 0; l < n_layers_; ++l) {
     E* base = pool->data() + l * per * width;

@@ -44,7 +44,8 @@ Recorded record(const TrainOptions& o, int64_t stop_at = 0) {
 std::vector<float> weights_of(const std::string& dir) {
   auto ck = load_checkpoint(dir);
   EXPECT_TRUE(ck.ok()) << ck.status();
-  return ck.ok() ? ck->params.flat() : std::vector<float>{};
+  if (!ck.ok()) return {};
+  return std::vector<float>(ck->params.flat().begin(), ck->params.flat().end());
 }
 
 TEST(Train, LossFallsOnATinyCorpus) {

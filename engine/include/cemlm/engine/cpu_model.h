@@ -10,6 +10,7 @@
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/params.h"
 #include "cemlm/kernels/attention.h"
+#include "cemlm/kernels/huge_pages.h"
 #include "cemlm/kernels/lev.h"
 #include "cemlm/kernels/linear.h"
 #include "cemlm/kernels/precond.h"
@@ -31,14 +32,14 @@ class KvPool {
 
  private:
   template <typename E>
-  void copy_block_in(std::vector<E>* pool, int width, int32_t src, int32_t dst);
+  void copy_block_in(HugePageVector<E>* pool, int width, int32_t src, int32_t dst);
 
   int block_size_;
   int64_t n_blocks_;
   bool bf16_;
   int n_layers_, n_heads_, kw_, vw_, cw_;  // numbers per token per layer per kind
-  std::vector<float> k_, v_, c_;           // fp32 pools
-  std::vector<uint16_t> k16_, v16_, c16_;  // bf16 pools
+  HugePageVector<float> k_, v_, c_;           // fp32 pools
+  HugePageVector<uint16_t> k16_, v16_, c16_;  // bf16 pools
 };
 
 struct SeqRange;  // a range of a batch's sequences (cpu_model.cc)

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cemlm/engine/config.h"
+#include "cemlm/kernels/huge_pages.h"
 #include "cemlm/kernels/tensor.h"
 
 namespace cemlm {
@@ -39,8 +40,9 @@ class ParamStore {
   explicit ParamStore(const ModelConfig& c);  // zero-filled
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
-  std::vector<float>& flat() { return data_; }
-  const std::vector<float>& flat() const { return data_; }
+  // All parameters in one buffer, on huge pages when large (kernels/huge_pages.h).
+  HugePageVector<float>& flat() { return data_; }
+  const HugePageVector<float>& flat() const { return data_; }
   int64_t size() const { return int64_t(data_.size()); }
   const ParamSpec* find(const std::string& name) const;
   Tensor get(const std::string& name);
@@ -51,7 +53,7 @@ class ParamStore {
  private:
   std::vector<ParamSpec> specs_;
   std::map<std::string, size_t> index_;
-  std::vector<float> data_;
+  HugePageVector<float> data_;
 };
 
 // Named views of one model's parameters (or of their gradients: same layout).

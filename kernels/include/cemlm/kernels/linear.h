@@ -4,6 +4,7 @@
 #pragma once
 #include <vector>
 
+#include "cemlm/kernels/huge_pages.h"
 #include "cemlm/kernels/tensor.h"
 
 namespace cemlm {
@@ -32,7 +33,7 @@ class PackedLinear {
   friend void linear_t_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
   Tensor w_;
   Use use_ = Use::kForward;
-  std::vector<float> panels_;
+  HugePageVector<float> panels_;
 };
 // Same results as linear_forward / linear_t_forward with W.weight(), bit for bit; W must have been
 // packed for that use (Use::kForward / Use::kTransposed).

@@ -51,26 +51,22 @@ PackedLinear::PackedLinear(const Tensor& W, Use use) : w_(W), use_(use) {
     panels_ = {};
 }
 
+bool PackedLinear::apply(Use use, Tensor y, const Tensor& x, float beta) const {
+  const bool forward = use == Use::kForward;
+  const int N = int(x.dim(0)), inner = int(w_.dim(forward ? 1 : 0)), cols = int(w_.dim(forward ? 0 : 1));
+  CEMLM_CHECK(use_ == use && x.dim(-1) == inner && y.dim(-1) == cols && y.dim(0) == N);
+  return packed() &&
+         small_gemm_packed(N, cols, inner, 1.0f, x.data, inner, panels_.data(), beta, y.data, cols);
+}
+
 void linear_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,
                     float beta) {
-  const int N = int(x.dim(0)), in = int(x.dim(-1)), out = int(W.w_.dim(0));
-  CEMLM_CHECK(W.use_ == PackedLinear::Use::kForward && W.w_.dim(1) == in && y.dim(-1) == out &&
-              y.dim(0) == N);
-  if (W.packed() &&
-      small_gemm_packed(N, out, in, 1.0f, x.data, in, W.panels_.data(), beta, y.data, out))
-    return;
-  linear_forward(ctx, y, x, W.w_, beta);
+  if (!W.apply(PackedLinear::Use::kForward, y, x, beta)) linear_forward(ctx, y, x, W.w_, beta);
 }
 
 void linear_t_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,
                       float beta) {
-  const int N = int(x.dim(0)), out = int(x.dim(-1)), in = int(W.w_.dim(1));
-  CEMLM_CHECK(W.use_ == PackedLinear::Use::kTransposed && W.w_.dim(0) == out && y.dim(-1) == in &&
-              y.dim(0) == N);
-  if (W.packed() &&
-      small_gemm_packed(N, in, out, 1.0f, x.data, out, W.panels_.data(), beta, y.data, in))
-    return;
-  linear_t_forward(ctx, y, x, W.w_, beta);
+  if (!W.apply(PackedLinear::Use::kTransposed, y, x, beta)) linear_t_forward(ctx, y, x, W.w_, beta);
 }
 
 void linear_backward(const ExecCtx&, Tensor dx, Tensor dW, const Tensor& dy, const Tensor& x,

@@ -31,6 +31,9 @@ class PackedLinear {
  private:
   friend void linear_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
   friend void linear_t_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
+  // y = beta·y + x·op(W) from the panels (checking that W was packed for `use`); false where they
+  // do not apply (no panels, or a row count outside the few-row kernel's).
+  bool apply(Use use, Tensor y, const Tensor& x, float beta) const;
   Tensor w_;
   Use use_ = Use::kForward;
   HugePageVector<float> panels_;

@@ -4,7 +4,9 @@
 #include <strings.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <iterator>
 
 extern "C" char* openblas_get_corename(void);
 extern "C" char* openblas_get_config(void);
@@ -12,11 +14,13 @@ extern "C" char* openblas_get_config(void);
 namespace cemlm {
 
 std::string better_openblas_core(const std::string& chosen, bool avx512, bool avx512_bf16) {
-  // The generic x86-64 kernels OpenBLAS falls back to for a processor it does not know.
-  const bool generic =
-      !strcasecmp(chosen.c_str(), "prescott") || !strcasecmp(chosen.c_str(), "core2") ||
-      !strcasecmp(chosen.c_str(), "katmai") || !strcasecmp(chosen.c_str(), "unknown");
-  if (!generic || !avx512) return "";
+  // The generic x86-64 kernels OpenBLAS falls back to for a processor it does not know, and the
+  // AVX2 ones it gives AMD's AVX-512 processors it knows (Zen 4 is a "Zen" to 0.3.21).
+  static constexpr const char* kBelowAvx512[] = {"prescott", "core2",   "katmai",
+                                                 "unknown",  "haswell", "zen"};
+  const bool below = std::any_of(std::begin(kBelowAvx512), std::end(kBelowAvx512),
+                                 [&](const char* n) { return !strcasecmp(chosen.c_str(), n); });
+  if (!below || !avx512) return "";
   return avx512_bf16 ? "Cooperlake" : "SkylakeX";
 }
 

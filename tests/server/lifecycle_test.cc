@@ -102,8 +102,8 @@ v1::ModelInfo model_info(const ServerProcess& s) {
 }
 
 // The server runs its products on the best OpenBLAS kernels for this machine: those this test
-// process loaded, unless they are the generic ones on an AVX-512 processor, which `cemlm` replaces
-// (OPENBLAS_CORETYPE and a re-exec) before it starts.
+// process loaded, unless they are generic or AVX2 ones on an AVX-512 processor, which `cemlm`
+// replaces (OPENBLAS_CORETYPE and a re-exec) before it starts.
 TEST_F(ServerLifecycle, LogsTheBlasKernelsItChose) {
   const std::string here = openblas_get_corename();
   std::string want = better_openblas_core_here();

@@ -1,8 +1,11 @@
 // OpenBLAS picks its kernels for the processor as it loads. Version 0.3.21 (Debian 12) predates
 // Sapphire Rapids and Emerald Rapids: it finds no match there and falls back to its SSE3
 // ("Prescott") kernels, 2–3× slower than its AVX-512 ones (measured on training steps and long
-// prefills, docs/BENCHMARKS.md). OPENBLAS_CORETYPE chooses the kernels, but only before the
-// library loads, so a program fixes it by executing itself again with the variable set.
+// prefills, docs/BENCHMARKS.md), and the same on AMD's Zen 5. AMD's Zen 4 it takes for a Zen and
+// gives its AVX2 ("Haswell") kernels, which on a Zen 5 ran a 512-token prefill 1.5× slower than
+// its AVX-512 ones (docs/BENCHMARKS.md, session 7). OPENBLAS_CORETYPE chooses the kernels, but
+// only before the library loads, so a program fixes it by executing itself again with the
+// variable set; one the user set is left alone.
 #pragma once
 #include <string>
 
@@ -10,8 +13,8 @@ namespace cemlm {
 
 // The OPENBLAS_CORETYPE that fits this processor better than `chosen` (the kernels OpenBLAS
 // picked, as openblas_get_corename() names them), or "" to keep them: an AVX-512 processor
-// (F, BW, DQ, VL) left with generic x86-64 kernels gets Cooperlake's (with AVX512-BF16) or
-// SkylakeX's.
+// (F, BW, DQ, VL) left with generic x86-64 or AVX2 kernels gets Cooperlake's (with AVX512-BF16)
+// or SkylakeX's.
 std::string better_openblas_core(const std::string& chosen, bool avx512, bool avx512_bf16);
 
 // better_openblas_core() for this processor and the kernels OpenBLAS loaded in this process.

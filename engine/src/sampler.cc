@@ -16,30 +16,39 @@ bool better(const std::pair<float, int>& a, const std::pair<float, int>& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// An upper bound, found in O(n) before sorting anything, on how many of the best candidates the
-// top-p and min-p filters keep: top-p from a histogram of the candidates' probabilities in octaves
-// (all of an octave's tokens rank above the next octave's), min-p by counting p ≥ min_p · p_max.
-// `prob` is normalized so that the best candidate has p = 1.
-size_t filter_reach(const std::vector<std::pair<float, int>>& cand, size_t n,
-                    const std::vector<float>& prob, double sum, float top_p, float min_p) {
-  constexpr int kOctaves = 64;
-  double mass[kOctaves] = {};
-  size_t count[kOctaves] = {}, above_min_p = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const float p = prob[size_t(cand[i].second)];
-    const int octave = std::min(kOctaves - 1, 127 - int(std::bit_cast<uint32_t>(p) >> 23));
-    mass[octave] += p;
-    ++count[octave];
-    above_min_p += p >= min_p;
+// Reorders cand[0, n) so that its first k entries are, in some order, the k best by `better`,
+// for the smallest k whose probability mass reaches `target` (n when none does), and returns k:
+// a quickselect on mass, O(n) on average, where sorting a nucleus of most of a flat row cost
+// O(n log n) (a random-init model's row, or a high temperature).
+size_t select_mass(std::vector<std::pair<float, int>>& cand, size_t n,
+                   const std::vector<float>& prob, double target) {
+  auto p = [&](size_t i) { return double(prob[size_t(cand[i].second)]); };
+  size_t lo = 0, hi = n;  // [0, lo) is kept with mass < target; the answer k lies in (lo, hi]
+  double need = target;
+  while (hi - lo > 1) {
+    // Median of three as the pivot, moved to hi − 1 while the rest is partitioned.
+    size_t a = lo, b = lo + (hi - lo) / 2, c = hi - 1;
+    if (better(cand[b], cand[a])) std::swap(a, b);
+    if (better(cand[c], cand[b])) std::swap(b, c);
+    if (better(cand[b], cand[a])) std::swap(a, b);
+    std::swap(cand[b], cand[hi - 1]);
+    const std::pair<float, int> pivot = cand[hi - 1];
+    const size_t mid = size_t(
+        std::partition(cand.begin() + long(lo), cand.begin() + long(hi - 1),
+                       [&](const std::pair<float, int>& x) { return better(x, pivot); }) -
+        cand.begin());
+    std::swap(cand[mid], cand[hi - 1]);  // the pivot right after everything better
+    double mass = 0;
+    for (size_t i = lo; i < mid; ++i) mass += p(i);
+    if (mass >= need) {
+      hi = mid;  // mass > 0, so mid > lo
+      continue;
+    }
+    if (mass + p(mid) >= need) return mid + 1;
+    need -= mass + p(mid);
+    lo = mid + 1;
   }
-  size_t reach = min_p > 0 ? above_min_p : n;
-  if (top_p < 1) {
-    double cum = 0;
-    size_t k = 0;
-    for (int o = 0; o < kOctaves && cum < double(top_p) * sum; ++o) cum += mass[o], k += count[o];
-    reach = std::min(reach, k);
-  }
-  return std::max<size_t>(reach, 1);
+  return std::max<size_t>(hi, 1);
 }
 
 }  // namespace
@@ -119,67 +128,38 @@ int Sampler::draw() {
   prob_.assign(work_.begin(), work_.end());
   const double total = simd::exp_shifted(prob_.data(), int(V), mx);
   const bool top_k = params_.top_k > 0 && size_t(params_.top_k) < V;
-  if (!top_k && params_.top_p >= 1 && params_.min_p <= 0) {  // no filter: walk in id order
-    double u = rng_.uniform() * total;
-    for (size_t i = 0; i + 1 < V; ++i) {
-      u -= prob_[i];
-      if (u < 0) return int(i);
-    }
-    return int(V - 1);
-  }
-  // Filtered: candidates best first. Only as long a prefix as the filters reach gets sorted
-  // (a nucleus is usually a few dozen tokens of thousands); a strict total order makes any
-  // prefix length give the same sequence.
-  cand_.clear();
-  for (size_t i = 0; i < V; ++i) cand_.push_back({work_[i], int(i)});
-  size_t n = V, sorted = 0;
+  const bool filtered = top_k || params_.top_p < 1 || params_.min_p > 0;
   double sum = total;
-  auto ensure_sorted = [&](size_t want) {
-    if (want <= sorted) return;
-    const size_t upto = std::min(n, std::max({want, 2 * sorted, size_t(64)}));
-    std::partial_sort(cand_.begin() + long(sorted), cand_.begin() + long(upto),
-                      cand_.begin() + long(n), better);
-    sorted = upto;
-  };
-  if (top_k) {
-    n = size_t(params_.top_k);
-    std::nth_element(cand_.begin(), cand_.begin() + long(n - 1), cand_.end(), better);
-    ensure_sorted(n);
+  size_t last = V - 1;  // the last kept id
+  if (filtered) {
+    // The kept candidates as a set, never sorted: top-k, then the smallest best-first prefix
+    // whose mass reaches top_p, then those with p ≥ min_p · p_max.
+    cand_.clear();
+    for (size_t i = 0; i < V; ++i) cand_.push_back({work_[i], int(i)});
+    size_t n = V;
+    if (top_k) {
+      n = size_t(params_.top_k);
+      std::nth_element(cand_.begin(), cand_.begin() + long(n - 1), cand_.end(), better);
+      sum = 0;
+      for (size_t i = 0; i < n; ++i) sum += prob_[size_t(cand_[i].second)];
+    }
+    if (params_.top_p < 1) n = select_mass(cand_, n, prob_, double(params_.top_p) * sum);
+    float p_max = 0;
+    for (size_t i = 0; i < n; ++i) p_max = std::max(p_max, prob_[size_t(cand_[i].second)]);
+    const float threshold = params_.min_p * p_max;  // min_p = 0 keeps all n
+    keep_.assign(V, 0);
+    for (size_t i = 0; i < n; ++i) {
+      const size_t id = size_t(cand_[i].second);
+      keep_[id] = prob_[id] >= threshold;
+    }
     sum = 0;
-    for (size_t i = 0; i < n; ++i) sum += prob_[size_t(cand_[i].second)];
+    for (size_t i = 0; i < V; ++i)
+      if (keep_[i]) sum += prob_[i], last = i;
   }
-  auto p = [&](size_t i) { return prob_[size_t(cand_[i].second)]; };
-  // One partial sort of the prefix the filters can reach; the walks below extend it only if the
-  // bound's rounding fell short.
-  ensure_sorted(filter_reach(cand_, n, prob_, sum, params_.top_p, params_.min_p));
-  if (params_.top_p < 1) {
-    double cum = 0;
-    size_t k = 0;
-    while (k < n && cum < double(params_.top_p) * sum) {
-      ensure_sorted(k + 1);
-      cum += p(k++);
-    }
-    n = std::max<size_t>(k, 1);
-  }
-  ensure_sorted(1);
-  if (params_.min_p > 0) {
-    const float threshold = params_.min_p * p(0);
-    size_t k = 1;
-    while (k < n) {
-      ensure_sorted(k + 1);
-      if (p(k) < threshold) break;
-      ++k;
-    }
-    n = k;
-  }
-  sum = 0;
-  for (size_t i = 0; i < n; ++i) sum += p(i);
   double u = rng_.uniform() * sum;
-  for (size_t i = 0; i + 1 < n; ++i) {
-    u -= p(i);
-    if (u < 0) return cand_[i].second;
-  }
-  return cand_[n - 1].second;
+  for (size_t i = 0; i < last; ++i)
+    if ((!filtered || keep_[i]) && (u -= prob_[i]) < 0) return int(i);
+  return int(last);
 }
 
 void Sampler::top_alternatives(std::span<const float> logits, float lse,

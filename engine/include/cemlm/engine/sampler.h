@@ -29,8 +29,8 @@ struct SampleResult {
 // penalties (generated), then temperature 0 → argmax (lowest id on ties); otherwise divide by
 // the temperature, keep top-k, then the top-p nucleus, then tokens with p ≥ min_p · p_max, and
 // draw exactly one uniform u from the request's RNG: the token is where u · Σp falls in the
-// cumulative sum of the kept candidates, walked best first (probability desc, id asc) when a
-// filter is on and in id order otherwise.
+// cumulative sum of the kept candidates, walked in id order. "Best" orders candidates by scaled
+// logit desc, then id asc, so the kept set never depends on how ties are sorted.
 class Sampler {
  public:
   Sampler(const SamplingParams& params, int eos_id, uint64_t seed);
@@ -55,6 +55,7 @@ class Sampler {
   std::vector<int> counts_;                  // per token id; all zero between calls
   std::vector<float> prob_;                  // per token id: e^(scaled logit − max)
   std::vector<std::pair<float, int>> cand_;  // (scaled logit, id)
+  std::vector<uint8_t> keep_;                // per token id: kept by the filters
 };
 
 // Matches stop strings on a stream of text pieces. Text that could still grow into a stop string

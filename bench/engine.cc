@@ -25,6 +25,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -146,6 +147,18 @@ Model load_model(const std::string& name, const ModelConfig& c, const std::strin
   }
   m.runner = std::move(r).value();
   return m;
+}
+
+// Runs fn() on a thread of its own and returns what it returns. Everything that runs a runner
+// directly goes through here: libgomp keeps an OpenMP team for each thread that starts parallel
+// regions, and a team left on the main thread beside an Engine's step thread (more threads than
+// cores) stops libgomp spinning at the Engine's barriers, which made its decode steps 5–8× slower.
+// A thread's team ends with it.
+template <typename F>
+auto on_own_thread(F&& fn) {
+  decltype(fn()) out{};
+  std::thread([&] { out = fn(); }).join();
+  return out;
 }
 
 double seconds_since(BenchClock::time_point t0) {
@@ -356,8 +369,7 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
   }
   for (Model& m : models)
     if (m.name == name) {
-      DecodeBench bench(*m.runner, T);
-      const double sec = bench.step_seconds(B, 10.0);
+      const double sec = on_own_thread([&] { return DecodeBench(*m.runner, T).step_seconds(B, 10.0); });
       std::printf("%s T=%d B=%d: %.3f ms/step, %.0f tokens/s\n", name, T, B, sec * 1e3, B / sec);
       return 0;
     }
@@ -443,23 +455,26 @@ int main(int argc, char** argv) {
 
   // Each cell keeps its best over rounds that sweep every cell, so a busy spell on the machine
   // cannot skew the ratios between cells measured far apart in time.
-  std::map<Cell, double> step;  // seconds per decode step
-  for (int round = 0; round < s.rounds; ++round)
-    for (Model& m : models)
-      for (int T : {1, 2, 4}) {
-        const bool recursive = m.name == "cem";  // T changes nothing in standard layers
-        if (!recursive && T > 1) continue;
-        DecodeBench bench(*m.runner, T);
-        for (int B : s.batches) {
-          const double sec = bench.step_seconds(B, s.min_seconds);
-          auto [it, fresh] = step.try_emplace(Cell{m.name, T, B}, sec);
-          if (!fresh) it->second = std::min(it->second, sec);
+  const std::map<Cell, double> step = on_own_thread([&] {
+    std::map<Cell, double> best;  // seconds per decode step
+    for (int round = 0; round < s.rounds; ++round)
+      for (Model& m : models)
+        for (int T : {1, 2, 4}) {
+          const bool recursive = m.name == "cem";  // T changes nothing in standard layers
+          if (!recursive && T > 1) continue;
+          DecodeBench bench(*m.runner, T);
+          for (int B : s.batches) {
+            const double sec = bench.step_seconds(B, s.min_seconds);
+            auto [it, fresh] = best.try_emplace(Cell{m.name, T, B}, sec);
+            if (!fresh) it->second = std::min(it->second, sec);
+          }
         }
-      }
+    return best;
+  });
   // Counted at the middle of the decode span's contexts.
   const double n_ctx = kContext + (kDecodeSpan - 1) / 2.0 + 1;
   auto gflops = [&](const Model& m, int T, int B) {
-    return decode_flops(m.cfg, T, n_ctx) * B / step[{m.name, T, B}] / 1e9;
+    return decode_flops(m.cfg, T, n_ctx) * B / step.at({m.name, T, B}) / 1e9;
   };
   std::printf("| model | T | batch | ms/step | decode tokens/s | GFLOP/s |\n|---|---|---|---|---|---|\n");
   for (const Model& m : models)
@@ -469,7 +484,7 @@ int main(int argc, char** argv) {
           std::printf("| %s | %d | %d | %.2f | %.0f | %.0f |\n", m.name.c_str(), T, B,
                       it->second * 1e3, B / it->second, gflops(m, T, B));
   std::fflush(stdout);
-  const double peak = product_peak_flops() / 1e9;
+  const double peak = on_own_thread(product_peak_flops) / 1e9;
 
   // Batch 1 over longer contexts: a lone sequence's attention passes split over the threads.
   std::printf("\n| model | T | context | batch-1 ms/step | decode tokens/s |\n|---|---|---|---|---|\n");
@@ -478,8 +493,8 @@ int main(int argc, char** argv) {
     for (int T : {1, 4}) {
       if (m.name == "standard" && T > 1) continue;
       for (int context : {kContext, 512, kLongContext}) {
-        DecodeBench bench(*m.runner, T, context, 1);
-        const double sec = bench.step_seconds(1, s.min_seconds);
+        const double sec = on_own_thread(
+            [&] { return DecodeBench(*m.runner, T, context, 1).step_seconds(1, s.min_seconds); });
         std::printf("| %s | %d | %d | %.2f | %.0f |\n", m.name.c_str(), T, context, sec * 1e3, 1 / sec);
       }
     }
@@ -492,7 +507,8 @@ int main(int argc, char** argv) {
     if (m.name == half) continue;
     for (int T : {1, 2, 4}) {
       if (m.name == "standard" && T > 1) continue;
-      const double pf = prefill_seconds(*m.runner, s.prompt, T, s.prefill_reps);
+      const double pf =
+          on_own_thread([&] { return prefill_seconds(*m.runner, s.prompt, T, s.prefill_reps); });
       const double ttft = engine_ttft_seconds(m, s.prompt, T, s);
       std::printf("| %s | %d | %.0f | %.1f |\n", m.name.c_str(), T, s.prompt / pf, ttft * 1e3);
       std::fflush(stdout);
@@ -536,7 +552,7 @@ int main(int argc, char** argv) {
            {"standard", 1}, {"cem", 1}, {"cem", 2}, {"cem", 4}}) {
     const Model& m = *std::find_if(models.begin(), models.end(),
                                    [&](const Model& x) { return x.name == name; });
-    const double ratio = 32 * step[{name, T, 1}] / step[{name, T, 32}];
+    const double ratio = 32 * step.at({name, T, 1}) / step.at({name, T, 32});
     std::printf("  %-8s T=%d: %.1f× %s; batch 1 at %.0f GFLOP/s, so 8× needs %.0f (%.0f%% of the "
                 "product peak), batch 32 runs at %.0f (%.0f%%)\n",
                 name.c_str(), T, ratio, ratio >= 8 ? "(met)" : "(MISSED)", gflops(m, T, 1),
@@ -552,8 +568,8 @@ int main(int argc, char** argv) {
   std::printf("| batch | T=1 ms | CEM sub-layers ms (share) | T=2 − T=1 ms | (T=4 − T=1)/3 ms | extra ÷ sub-layers |\n"
               "|---|---|---|---|---|---|\n");
   for (int B : s.batches) {
-    const double t1 = step[{"cem", 1, B}], t2 = step[{"cem", 2, B}], t4 = step[{"cem", 4, B}];
-    const double sub = 2 * (t1 - step[{half, 1, B}]);
+    const double t1 = step.at({"cem", 1, B}), t2 = step.at({"cem", 2, B}), t4 = step.at({"cem", 4, B});
+    const double sub = 2 * (t1 - step.at({half, 1, B}));
     const double extra = t2 - t1;
     std::printf("| %d | %.2f | %.2f (%.0f%%) | %.2f | %.2f | %.2f %s |\n", B, t1 * 1e3, sub * 1e3,
                 100 * sub / t1, extra * 1e3, (t4 - t1) / 3 * 1e3, extra / sub,

@@ -1,7 +1,10 @@
 // Engine implementation: request validation, the step loop on its own thread (schedule → forward →
-// sample → stream events), cancellation, deadlines and shutdown, and prefill-only scoring that
-// interleaves with the loop through the step lock. Lock order: step_mu_, then mu_, then the
-// scheduler's intake lock.
+// sample → stream events), cancellation, deadlines and shutdown, and prefill-only scoring whose
+// chunks the loop runs between steps. Every model forward and OpenMP region runs on the loop
+// thread, the model's loading included: libgomp gives each thread that starts a parallel region a
+// team of its own, and once it manages more threads than there are cores its barriers stop
+// spinning and sleep instead, which made a batch-1 decode step 5–8× slower after the first score
+// call (docs/BENCHMARKS.md, session 7). Lock order: mu_, then the scheduler's intake lock.
 #include "cemlm/engine/engine.h"
 
 #include <sys/resource.h>
@@ -14,6 +17,8 @@
 #include <cmath>
 #include <condition_variable>
 #include <filesystem>
+#include <functional>
+#include <future>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -103,10 +108,15 @@ struct Request {
   bool scheduled = false;
 };
 
+using RunnerFactory = std::function<absl::StatusOr<std::unique_ptr<ModelRunner>>()>;
+
 class EngineImpl final : public Engine {
  public:
-  EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> runner,
-             std::unique_ptr<Tokenizer> tokenizer);
+  // Starts the loop thread, which makes the runner (so that the model loads there too), then
+  // steps; returns the engine, or the runner's error once the thread has ended.
+  static absl::StatusOr<std::unique_ptr<Engine>> start(const EngineOptions& opts,
+                                                       RunnerFactory make_runner,
+                                                       std::unique_ptr<Tokenizer> tokenizer);
   ~EngineImpl() override { shutdown(true); }
 
   absl::StatusOr<RequestId> submit(GenerateRequest req, EventCallback on_event) override;
@@ -126,7 +136,12 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Request> make_request(RequestId id, const GenerateRequest& req,
                                         EventCallback on_event) const;
 
+  EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> runner,
+             std::unique_ptr<Tokenizer> tokenizer, std::thread loop_thread);
   void loop();
+  // Runs `fn` on the loop thread between steps and returns when it is done.
+  void on_loop(std::function<void()> fn);
+  void run_jobs();      // the queued on_loop jobs, on the loop thread
   bool take_control();  // returns whether shutdown began
   bool step();          // false when nothing could be scheduled
   void apply_sample(Request& q, absl::StatusOr<SampleResult> res);
@@ -146,8 +161,7 @@ class EngineImpl final : public Engine {
   const uint64_t seed_base_;
   std::atomic<RequestId> next_id_{1};
 
-  std::mutex step_mu_;  // held by the loop for a step, by score() for a chunk
-  BlockManager blocks_;
+  BlockManager blocks_;  // loop thread only, like the scheduler and the runner
   Scheduler sched_;
   std::unordered_map<RequestId, std::unique_ptr<Request>> live_;  // loop thread only
   std::vector<float> logits_;
@@ -156,6 +170,8 @@ class EngineImpl final : public Engine {
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Request>> incoming_;
   std::vector<RequestId> cancels_;
+  std::vector<std::packaged_task<void()>> jobs_;  // on_loop's
+  int scoring_ = 0;                               // score() calls under way: the loop outlives them
   bool stopping_ = false, cancel_all_ = false;
   EngineStats stats_;
 
@@ -164,19 +180,54 @@ class EngineImpl final : public Engine {
 };
 
 EngineImpl::EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> runner,
-                       std::unique_ptr<Tokenizer> tokenizer)
+                       std::unique_ptr<Tokenizer> tokenizer, std::thread loop_thread)
     : opts_(opts),
       runner_(std::move(runner)),
       tokenizer_(std::move(tokenizer)),
       config_(runner_->config()),
-      eos_id_(config_.eos_id >= 0 ? config_.eos_id : tokenizer_ ? tokenizer_->eos_id() : -1),
-      cem_sublayers_(int64_t(config_.n_layers) * ((config_.attention == AttentionType::kCem) +
-                                                  (config_.mlp == MlpType::kCem))),
+      eos_id_(config_.eos_id >= 0 ? config_.eos_id
+              : tokenizer_        ? tokenizer_->eos_id()
+                                  : -1),
+      cem_sublayers_(int64_t(config_.n_layers) *
+                     ((config_.attention == AttentionType::kCem) + (config_.mlp == MlpType::kCem))),
       seed_base_(std::random_device()()),
       blocks_(runner_->num_blocks(), runner_->block_size(), opts.prefix_caching),
-      sched_({opts.max_batch_tokens, opts.max_running, opts.max_waiting}, &blocks_) {
+      sched_({opts.max_batch_tokens, opts.max_running, opts.max_waiting}, &blocks_),
+      thread_(std::move(loop_thread)) {
   publish_stats();
-  thread_ = std::thread([this] { loop(); });
+}
+
+// Linux keeps a niceness per thread, and threads this one starts (OpenMP's) inherit it. Raising
+// it needs no privilege; should it fail anyway, the engine runs at the process's priority.
+void add_niceness(int nice) {
+  if (nice <= 0) return;
+  const id_t tid = id_t(syscall(SYS_gettid));
+  errno = 0;
+  const int now = getpriority(PRIO_PROCESS, tid);
+  if (errno == 0) (void)setpriority(PRIO_PROCESS, tid, std::min(19, now + nice));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> EngineImpl::start(const EngineOptions& opts,
+                                                          RunnerFactory make_runner,
+                                                          std::unique_ptr<Tokenizer> tokenizer) {
+  std::promise<absl::StatusOr<std::unique_ptr<ModelRunner>>> made;
+  std::future<absl::StatusOr<std::unique_ptr<ModelRunner>>> runner = made.get_future();
+  std::promise<EngineImpl*> adopted;  // null: the runner failed, the thread just ends
+  std::thread thread([made = std::move(made), engine = adopted.get_future(),
+                      make = std::move(make_runner), nice = opts.step_thread_nice]() mutable {
+    add_niceness(nice);  // before the runner starts OpenMP's threads, which inherit it
+    made.set_value(make());
+    if (EngineImpl* e = engine.get()) e->loop();
+  });
+  absl::StatusOr<std::unique_ptr<ModelRunner>> r = runner.get();
+  if (!r.ok()) {
+    adopted.set_value(nullptr);
+    thread.join();
+    return r.status();
+  }
+  auto* e = new EngineImpl(opts, std::move(*r), std::move(tokenizer), std::move(thread));
+  adopted.set_value(e);
+  return std::unique_ptr<Engine>(e);
 }
 
 // ---- requests ----
@@ -185,26 +236,24 @@ absl::Status EngineImpl::validate_ids(std::span<const int> ids, const char* fiel
   if (ids.empty())
     return absl::InvalidArgumentError(absl::StrCat(field, " is empty; give at least one token"));
   if (int64_t(ids.size()) > config_.max_seq_len)
-    return absl::InvalidArgumentError(absl::StrCat(field, " has ", ids.size(),
-                                                   " tokens; the model's max_seq_len is ",
-                                                   config_.max_seq_len));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " has ", ids.size(), " tokens; the model's max_seq_len is ", config_.max_seq_len));
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= config_.vocab_size)
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] = ", ids[i],
-                                                     " is not a token id in [0, ",
-                                                     config_.vocab_size, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "] = ", ids[i], " is not a token id in [0, ", config_.vocab_size, ")"));
   return absl::OkStatus();
 }
 
 absl::Status EngineImpl::validate_recursion(int depth) const {
   if (depth < 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "recursion_depth = ", depth, " must be >= 0 (0 = the model's default, ",
-        config_.recursion_default, ")"));
-  if (depth > config_.recursion_max)
     return absl::InvalidArgumentError(absl::StrCat("recursion_depth = ", depth,
-                                                   " exceeds the model's recursion.max = ",
-                                                   config_.recursion_max));
+                                                   " must be >= 0 (0 = the model's default, ",
+                                                   config_.recursion_default, ")"));
+  if (depth > config_.recursion_max)
+    return absl::InvalidArgumentError(
+        absl::StrCat("recursion_depth = ", depth,
+                     " exceeds the model's recursion.max = ", config_.recursion_max));
   return absl::OkStatus();
 }
 
@@ -218,10 +267,10 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
         "sampling.stop_token_ids");
   const int64_t total = int64_t(req.prompt_ids.size()) + req.sampling.max_new_tokens;
   if (total > config_.max_seq_len)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_ids (", req.prompt_ids.size(), " tokens) + sampling.max_new_tokens (",
-        req.sampling.max_new_tokens, ") = ", total, " exceeds the model's max_seq_len = ",
-        config_.max_seq_len));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_ids (", req.prompt_ids.size(), " tokens) + sampling.max_new_tokens (",
+                     req.sampling.max_new_tokens, ") = ", total,
+                     " exceeds the model's max_seq_len = ", config_.max_seq_len));
   if (blocks_.blocks_for(total) > blocks_.num_blocks())
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt_ids + sampling.max_new_tokens = ", total, " tokens need ",
@@ -249,8 +298,7 @@ absl::StatusOr<RequestId> EngineImpl::submit(GenerateRequest req, EventCallback 
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_)
     return absl::UnavailableError("the engine is shutting down; send the request elsewhere");
-  CEMLM_RETURN_IF_ERROR(
-      sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority}));
+  CEMLM_RETURN_IF_ERROR(sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority}));
   incoming_.push_back(std::move(q));
   cv_.notify_one();
   return id;
@@ -265,20 +313,14 @@ void EngineImpl::cancel(RequestId id) {
 // ---- the step loop ----
 
 void EngineImpl::loop() {
-  // Linux keeps a niceness per thread, and threads this one starts (OpenMP's) inherit it. Raising
-  // it needs no privilege; should it fail anyway, the engine runs at the process's priority.
-  if (opts_.step_thread_nice > 0) {
-    const id_t tid = id_t(syscall(SYS_gettid));
-    errno = 0;
-    const int now = getpriority(PRIO_PROCESS, tid);
-    if (errno == 0)
-      (void)setpriority(PRIO_PROCESS, tid, std::min(19, now + opts_.step_thread_nice));
-  }
   bool progressed = true;
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      auto news = [this] { return stopping_ || !incoming_.empty() || !cancels_.empty(); };
+      auto news = [this] {
+        return (stopping_ && scoring_ == 0) || !incoming_.empty() || !cancels_.empty() ||
+               !jobs_.empty();
+      };
       if (live_.empty()) {
         cv_.wait(lock, news);
       } else if (!progressed) {
@@ -286,12 +328,35 @@ void EngineImpl::loop() {
         cv_.wait_for(lock, std::chrono::milliseconds(1), news);
       }
     }
-    std::lock_guard<std::mutex> step_lock(step_mu_);
+    run_jobs();
     const bool stopping = take_control();
     progressed = live_.empty() || step();
     publish_stats();
-    if (stopping && live_.empty()) return;
+    if (stopping && live_.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (scoring_ == 0) return;
+    }
   }
+}
+
+void EngineImpl::on_loop(std::function<void()> fn) {
+  std::packaged_task<void()> task(std::move(fn));
+  std::future<void> done = task.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(task));
+    cv_.notify_one();
+  }
+  done.get();
+}
+
+void EngineImpl::run_jobs() {
+  std::vector<std::packaged_task<void()>> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs.swap(jobs_);
+  }
+  for (auto& job : jobs) job();
 }
 
 bool EngineImpl::take_control() {
@@ -441,30 +506,38 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
   const int n = int(req.ids.size()), T = resolve_recursion(req.recursion_depth);
   const int64_t need = blocks_.blocks_for(n);
   if (need > blocks_.num_blocks())
-    return absl::InvalidArgumentError(absl::StrCat("ids (", n, " tokens) need ", need,
-                                                   " KV blocks but the cache holds ",
-                                                   blocks_.num_blocks(), "; raise kv_cache_memory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ids (", n, " tokens) need ", need, " KV blocks but the cache holds ",
+                     blocks_.num_blocks(), "; raise kv_cache_memory"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the engine is shutting down");
+    ++scoring_;  // the loop now runs until this call is done
   }
+  struct Done {
+    EngineImpl* e;
+    ~Done() {
+      std::lock_guard<std::mutex> lock(e->mu_);
+      --e->scoring_;
+      e->cv_.notify_one();
+    }
+  } done{this};
   const SeqId seq = kScoreSeqBit | next_id_++;
-  {
-    std::lock_guard<std::mutex> step_lock(step_mu_);
-    if (!sched_.make_room(need))
-      return absl::ResourceExhaustedError(
-          "the KV cache is held by other scoring calls; retry later");
-    CEMLM_CHECK(blocks_.start(seq, {}, T, n));
-  }
+  bool room = false;
+  on_loop([&] {
+    room = sched_.make_room(need);
+    if (room) {
+      CEMLM_CHECK(blocks_.start(seq, {}, T, n));
+    }
+  });
+  if (!room)
+    return absl::ResourceExhaustedError("the KV cache is held by other scoring calls; retry later");
   ScoreResult out;
   out.ids = req.ids;
   out.recursion_depth = T;
   out.logprobs.assign(size_t(n), std::numeric_limits<float>::quiet_NaN());
   const absl::Status st = score_chunks(seq, T, &out);
-  {
-    std::lock_guard<std::mutex> step_lock(step_mu_);
-    blocks_.release(seq);
-  }
+  on_loop([&] { blocks_.release(seq); });
   CEMLM_RETURN_IF_ERROR(st);
   double sum = 0;
   for (int i = 1; i < n; ++i) sum += out.logprobs[size_t(i)];
@@ -480,8 +553,7 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, ScoreResult* out) {
   std::vector<float> logits;  // one chunk [n_chunk, V], reduced to logprobs right away
   for (int pos = 0; pos < n; pos += opts_.max_batch_tokens) {
     const int len = std::min(opts_.max_batch_tokens, n - pos);
-    {
-      std::lock_guard<std::mutex> step_lock(step_mu_);
+    on_loop([&] {
       const std::vector<int32_t>& table = blocks_.table(seq);
       BatchSeq s;
       s.tokens = ids.data() + pos;
@@ -492,15 +564,15 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, ScoreResult* out) {
       s.n_blocks = int(table.size());
       s.want_all_logits = true;
       runner_->forward(Batch{{s}}, &logits);
-    }
+    });
     CEMLM_CHECK(logits.size() >= size_t(len) * V);
     for (int i = 0; i < len && pos + i + 1 < n; ++i) {
       const std::span<const float> row = std::span<const float>(logits).subspan(size_t(i) * V, V);
       const float lse = log_sum_exp(row);
       if (!std::isfinite(lse))
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the model produced non-finite logits at position ", pos + i,
-            "; check the checkpoint"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("the model produced non-finite logits at position ", pos + i,
+                         "; check the checkpoint"));
       out->logprobs[size_t(pos + i + 1)] = row[size_t(ids[size_t(pos + i + 1)])] - lse;
     }
   }
@@ -516,14 +588,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts
                                                        std::unique_ptr<Tokenizer> tokenizer) {
   CEMLM_RETURN_IF_ERROR(check_options(opts));
   if (!runner) return absl::InvalidArgumentError("runner is null");
-  return std::unique_ptr<Engine>(new EngineImpl(opts, std::move(runner), std::move(tokenizer)));
+  auto given = std::make_shared<std::unique_ptr<ModelRunner>>(std::move(runner));
+  return EngineImpl::start(
+      opts, [given] { return absl::StatusOr<std::unique_ptr<ModelRunner>>(std::move(*given)); },
+      std::move(tokenizer));
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
   CEMLM_RETURN_IF_ERROR(check_options(opts));
-  const RunnerOptions ro{opts.device, opts.kv_cache_memory, opts.block_size, opts.threads,
-                         opts.kv_cache_dtype};
-  CEMLM_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, make_model_runner(opts.model_dir, ro));
   std::unique_ptr<Tokenizer> tokenizer;
   const std::string tok_path = (std::filesystem::path(opts.model_dir) / kTokenizerFile).string();
   if (std::filesystem::exists(tok_path)) {
@@ -531,7 +603,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts
     tokenizer = Tokenizer::load(tok_path, &error);
     if (!tokenizer) return absl::InvalidArgumentError(error);
   }
-  return create(opts, std::move(runner), std::move(tokenizer));
+  const RunnerOptions ro{opts.device, opts.kv_cache_memory, opts.block_size, opts.threads,
+                         opts.kv_cache_dtype};
+  return EngineImpl::start(
+      opts, [dir = opts.model_dir, ro] { return make_model_runner(dir, ro); },
+      std::move(tokenizer));
 }
 
 }  // namespace cemlm

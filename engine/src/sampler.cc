@@ -3,7 +3,6 @@
 #include "cemlm/engine/sampler.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <limits>
 
@@ -33,10 +32,10 @@ size_t select_mass(std::vector<std::pair<float, int>>& cand, size_t n,
     if (better(cand[b], cand[a])) std::swap(a, b);
     std::swap(cand[b], cand[hi - 1]);
     const std::pair<float, int> pivot = cand[hi - 1];
-    const size_t mid = size_t(
-        std::partition(cand.begin() + long(lo), cand.begin() + long(hi - 1),
-                       [&](const std::pair<float, int>& x) { return better(x, pivot); }) -
-        cand.begin());
+    const size_t mid =
+        size_t(std::partition(cand.begin() + long(lo), cand.begin() + long(hi - 1),
+                              [&](const std::pair<float, int>& x) { return better(x, pivot); }) -
+               cand.begin());
     std::swap(cand[mid], cand[hi - 1]);  // the pivot right after everything better
     double mass = 0;
     for (size_t i = lo; i < mid; ++i) mass += p(i);

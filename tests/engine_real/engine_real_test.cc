@@ -32,10 +32,10 @@ namespace {
 using testing_models::Variant;
 
 constexpr int kBlockSize = 4;
-constexpr int kMaxSeqLen = 40;          // small, so a cache of a few requests' blocks is legal
-constexpr int kMaxBatchTokens = 16;     // prompts are prefilled in several chunks
-constexpr double kLogprobTol = 1e-5;    // batched vs alone (same kernels, other batch shapes)
-constexpr double kOracleTol = 1e-4;     // paged engine vs full_forward (other summation orders)
+constexpr int kMaxSeqLen = 40;        // small, so a cache of a few requests' blocks is legal
+constexpr int kMaxBatchTokens = 16;   // prompts are prefilled in several chunks
+constexpr double kLogprobTol = 1e-5;  // batched vs alone (same kernels, other batch shapes)
+constexpr double kOracleTol = 1e-4;   // paged engine vs full_forward (other summation orders)
 
 // A standard model, a CEM one with per-head diagonals, and both full-CEM ones (LEV, unit step).
 std::vector<Variant> engine_variants() {
@@ -74,12 +74,15 @@ struct Output {
   RequestTimings timings;
 };
 
-// Gathers each request's events (called back from the engine thread).
+// Gathers each request's events (called back from the engine thread). Until hold_off() is
+// released, the first event waits (bounded): requests submitted back to back then share steps
+// however the threads are scheduled, instead of the first finishing before the last arrives.
 class Collector {
  public:
   EventCallback callback() {
     return [this](const StreamEvent& ev) {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::seconds(120), [&] { return released_; });
       Output& o = out_[ev.id];
       o.ids.insert(o.ids.end(), ev.token_ids.begin(), ev.token_ids.end());
       o.logprobs.insert(o.logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
@@ -90,6 +93,11 @@ class Collector {
       ++finals_;
       cv_.notify_all();
     };
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
   }
   // Bounded, so a lost final event fails the test instead of hanging it.
   bool wait_finals(int n) {
@@ -106,6 +114,7 @@ class Collector {
   std::condition_variable cv_;
   std::map<RequestId, Output> out_;
   int finals_ = 0;
+  bool released_ = false;
 };
 
 // Submits `reqs` back to back and returns their outputs in order.
@@ -117,6 +126,7 @@ std::vector<Output> run_all(Engine& e, const std::vector<GenerateRequest>& reqs)
     EXPECT_TRUE(id.ok()) << id.status();
     if (id.ok()) ids.push_back(*id);
   }
+  c.release();
   EXPECT_TRUE(c.wait_finals(int(ids.size())));
   std::vector<Output> out;
   for (RequestId id : ids) out.push_back(c.get(id));
@@ -167,8 +177,8 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
     store_ = ParamStore(cfg_);
     testing_models::randomize(store_, 11);
     w_ = bind_weights(cfg_, store_);
-    dir_ = ::testing::TempDir() + "/engine_real_" + GetParam().name + "_" +
-           std::to_string(getpid());
+    dir_ =
+        ::testing::TempDir() + "/engine_real_" + GetParam().name + "_" + std::to_string(getpid());
     const absl::Status st = save_checkpoint(dir_, cfg_, store_);
     ASSERT_TRUE(st.ok()) << st;
   }
@@ -244,7 +254,8 @@ TEST_P(EngineRealTest, PreemptionKeepsOutputsIdentical) {
   const auto got = run_all(*tiny, reqs);
   EXPECT_GT(tiny->stats().preemptions_total, 0);
   EXPECT_EQ(roomy->stats().preemptions_total, 0);
-  for (size_t i = 0; i < reqs.size(); ++i) expect_same(got[i], want[i], "request " + std::to_string(i));
+  for (size_t i = 0; i < reqs.size(); ++i)
+    expect_same(got[i], want[i], "request " + std::to_string(i));
   expect_all_blocks_available(*tiny);
   expect_all_blocks_available(*roomy);
 }
@@ -263,6 +274,7 @@ TEST_P(EngineRealTest, ScoringDuringGenerationOnATinyCacheChangesNothing) {
     ASSERT_TRUE(id.ok()) << id.status();
     ids.push_back(*id);
   }
+  c.release();
   // Scoring needs most of the cache, so it preempts whatever runs.
   const std::vector<int> text = random_ids(kMaxSeqLen, cfg_.vocab_size, 5);
   for (int T : {1, 2}) {
@@ -422,6 +434,48 @@ TEST_P(EngineRealTest, StepThreadRunsAtTheAddedNiceness) {
               std::string::npos)
         << refused.status();
   }
+}
+
+int thread_count() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& task : std::filesystem::directory_iterator("/proc/self/task"))
+    ++n;
+  return n;
+}
+
+// Every forward and OpenMP region of an engine runs on its step thread, the model's loading and
+// scoring included, so the threads that call it never get an OpenMP team of their own and no
+// thread outlives the engine. (libgomp stops spinning at its barriers once it manages more threads
+// than cores: a team left on the caller's thread made batch-1 decode 5–8× slower.) Checked in a
+// fresh process, whose main thread has started no OpenMP team.
+TEST_P(EngineRealTest, NoThreadOutlivesTheEngine) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        const int before = thread_count();
+        int rc = 0;
+        {
+          EngineOptions o;
+          o.model_dir = dir_;
+          o.block_size = kBlockSize;
+          o.max_batch_tokens = kMaxBatchTokens;
+          o.threads = 2;  // a team, whatever the machine
+          auto e = Engine::create(o);
+          if (!e.ok()) rc = 2;
+          if (rc == 0 && !(*e)->score({random_ids(12, cfg_.vocab_size, 3), 2}).ok()) rc = 3;
+          if (rc == 0 &&
+              run_all(**e, {request(random_ids(5, cfg_.vocab_size, 4), 4, 2)})[0].reason !=
+                  FinishReason::kLength)
+            rc = 4;
+        }
+        // The engine joins its thread as it goes; that thread's OpenMP workers end right after.
+        for (int i = 0; i < 2000 && rc == 0 && thread_count() > before; ++i)
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        if (rc == 0 && thread_count() != before) rc = 1;
+        std::filesystem::remove_all(dir_);  // TearDown does not run in this child
+        std::_Exit(rc);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST_P(EngineRealTest, UnknownKvCacheDtypeIsRefused) {

@@ -104,7 +104,8 @@ struct ModelInfo {
 
 class Engine {
  public:
-  // Loads the checkpoint's runner (make_model_runner) and its tokenizer.model when it has one.
+  // Loads the checkpoint's runner (make_model_runner, on the engine thread: every forward and
+  // OpenMP region of an engine runs there) and its tokenizer.model when it has one.
   static absl::StatusOr<std::unique_ptr<Engine>> create(const EngineOptions& opts);
   // Over an existing runner (tests inject a fake one); `tokenizer` may be null. The block size
   // and the number of blocks come from the runner; opts.model_dir/device/threads are unused.
@@ -123,7 +124,7 @@ class Engine {
   virtual absl::StatusOr<RequestId> submit(GenerateRequest req, EventCallback on_event) = 0;
   // Idempotent; the request ends with kCancelled and its blocks are freed within one step.
   virtual void cancel(RequestId id) = 0;
-  // Blocking prefill-only scoring (runs on the caller's thread between engine steps, in chunks of
+  // Blocking prefill-only scoring (the engine thread runs it between steps, in chunks of
   // max_batch_tokens; preempts running requests when the cache has no room for the ids).
   virtual absl::StatusOr<ScoreResult> score(const ScoreRequest& req) = 0;
   // Checks a request without submitting it.

@@ -79,7 +79,7 @@ class Scheduler {
   // Thread-safe. RESOURCE_EXHAUSTED (naming max_waiting) when the waiting queue is full. The
   // sequence joins the waiting queue at the next accept(), when its owner is ready for it.
   absl::Status add(SeqSpec spec);
-  // The rest is for the engine's step thread (or a caller holding the engine's step lock).
+  // The rest is for the engine's step thread only.
   void accept();
   StepPlan schedule();
   // After the runner ran `plan`: the fed tokens are in the cache; full blocks are published.

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <mutex>
 #include <random>
@@ -472,6 +473,52 @@ TEST(Engine, ScoreMatchesGenerationLogprobsChunkByChunk) {
   EXPECT_NE(b.engine->score({all, 1})->logprobs[3], s->logprobs[3]);  // T matters
   b.engine->shutdown(false);
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+}
+
+// Score chunks run on the engine thread; a shutdown that begins while a score call is under way
+// lets it finish (same logprobs as an undisturbed call), then stops. The runner holds the call's
+// first chunk until shutdown() has begun, so the two surely overlap.
+TEST(Engine, ScoreUnderWayWhenShutdownBeginsFinishes) {
+  EngineOptions eo;
+  eo.max_batch_tokens = 3;  // many chunks after the held one
+  const auto ids = tokens(20, 8);
+  Built ref = build({}, eo);
+  const auto want = ref.engine->score({ids, 2});
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool held = false, go = false;
+  FakeOptions fo;
+  fo.favorite = [&](int) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!held) {
+      held = true;
+      cv.notify_all();
+      cv.wait_for(lock, std::chrono::seconds(60), [&] { return go; });
+    }
+    return -1;
+  };
+  Built b = build(fo, eo);
+  auto scored = std::async(std::launch::async, [&] { return b.engine->score({ids, 2}); });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return held; }));
+  }
+  auto stopped = std::async(std::launch::async, [&] { b.engine->shutdown(false); });
+  // shutdown() waits for the score call, which waits for the held chunk.
+  EXPECT_EQ(stopped.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    go = true;
+  }
+  cv.notify_all();
+  ASSERT_EQ(scored.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  const auto got = scored.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 1; i < ids.size(); ++i) EXPECT_EQ(got->logprobs[i], want->logprobs[i]) << i;
+  ASSERT_EQ(stopped.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  EXPECT_EQ(b.engine->score({ids, 2}).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(Engine, ScorePreemptsRunningRequestsForRoomAndTheyStillFinishTheSame) {

@@ -21,6 +21,8 @@
 #include <future>
 #include <limits>
 #include <mutex>
+#include <exception>
+#include <new>
 #include <optional>
 #include <random>
 #include <thread>
@@ -216,7 +218,14 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineImpl::start(const EngineOptions& o
   std::thread thread([made = std::move(made), engine = adopted.get_future(),
                       make = std::move(make_runner), nice = opts.step_thread_nice]() mutable {
     add_niceness(nice);  // before the runner starts OpenMP's threads, which inherit it
-    made.set_value(make());
+    try {
+      made.set_value(make());
+    } catch (const std::bad_alloc&) {
+      made.set_value(absl::ResourceExhaustedError(
+          "out of memory loading the model; lower --kv-cache-memory or use a larger machine"));
+    } catch (const std::exception& e) {
+      made.set_value(absl::InternalError(absl::StrCat("loading the model: ", e.what())));
+    }
     if (EngineImpl* e = engine.get()) e->loop();
   });
   absl::StatusOr<std::unique_ptr<ModelRunner>> r = runner.get();

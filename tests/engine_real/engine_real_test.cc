@@ -478,6 +478,19 @@ TEST_P(EngineRealTest, NoThreadOutlivesTheEngine) {
       ::testing::ExitedWithCode(0), "");
 }
 
+// A KV budget far beyond the machine's memory is an error status naming the flag, not a crash
+// (the model loads on the engine thread, where an escaping exception would end the process).
+TEST_P(EngineRealTest, KvBudgetBeyondMemoryIsRefusedNotACrash) {
+  EngineOptions o;
+  o.model_dir = dir_;
+  o.block_size = kBlockSize;
+  o.kv_cache_memory = int64_t(1) << 52;  // 4 PiB
+  auto e = Engine::create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted) << e.status();
+  EXPECT_NE(e.status().message().find("--kv-cache-memory"), std::string::npos) << e.status();
+}
+
 TEST_P(EngineRealTest, UnknownKvCacheDtypeIsRefused) {
   EngineOptions o;
   o.model_dir = dir_;

@@ -37,14 +37,23 @@ void reexec_for_openblas_kernels(char** argv) {
   const std::string core = better_openblas_core_here();
   if (core.empty()) return;
   setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+  setenv(kOpenblasCoretypeChosenEnv, "1", 1);
   execv("/proc/self/exe", argv);
   unsetenv("OPENBLAS_CORETYPE");  // no exec: carry on with the kernels loaded
+  unsetenv(kOpenblasCoretypeChosenEnv);
 }
 
 std::string blas_description() {
   std::string config = openblas_get_config();  // "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY ..."
   const size_t space = config.find(' ', config.find(' ') + 1);
-  return config.substr(0, space) + ", " + openblas_get_corename() + " kernels";
+  std::string out = config.substr(0, space) + ", " + openblas_get_corename() + " kernels";
+  if (std::getenv("OPENBLAS_CORETYPE") && !std::getenv(kOpenblasCoretypeChosenEnv)) {
+    out += " (OPENBLAS_CORETYPE from the environment";
+    if (const std::string better = better_openblas_core_here(); !better.empty())
+      out += "; unset it for " + better + "'s, faster here";
+    out += ")";
+  }
+  return out;
 }
 
 }  // namespace cemlm

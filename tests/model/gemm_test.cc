@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -139,7 +140,7 @@ TEST(BlasSelect, BetterKernelsOnlyForAvx512LeftBelowIt) {
   EXPECT_EQ(better_openblas_core("prescott", true, false), "SkylakeX");
   EXPECT_EQ(better_openblas_core("Core2", true, false), "SkylakeX");
   EXPECT_EQ(better_openblas_core("Prescott", false, false), "");  // no AVX-512: generic is right
-  // AVX2 kernels on an AVX-512 processor (AMD Zen 4/5 under 0.3.21) are replaced ...
+  // AVX2 kernels on an AVX-512 processor (AMD Zen 4 under 0.3.21) are replaced ...
   EXPECT_EQ(better_openblas_core("Haswell", true, true), "Cooperlake");
   EXPECT_EQ(better_openblas_core("Zen", true, false), "SkylakeX");
   // ... but kept where the processor has no AVX-512, and an AVX-512 match is kept.
@@ -150,6 +151,27 @@ TEST(BlasSelect, BetterKernelsOnlyForAvx512LeftBelowIt) {
   const std::string d = blas_description();
   EXPECT_EQ(d.rfind("OpenBLAS ", 0), 0u) << d;
   EXPECT_NE(d.find(" kernels"), std::string::npos) << d;
+}
+
+// The description says when OPENBLAS_CORETYPE came from the environment, not from cemlm's re-exec
+// (which marks its own choice).
+TEST(BlasSelect, DescriptionNamesACoretypeFromTheEnvironment) {
+  auto saved = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v ? std::optional<std::string>(v) : std::nullopt;
+  };
+  const auto core = saved("OPENBLAS_CORETYPE"), mark = saved(kOpenblasCoretypeChosenEnv);
+  const std::string note = "(OPENBLAS_CORETYPE from the environment";
+  setenv("OPENBLAS_CORETYPE", "Haswell", 1);
+  unsetenv(kOpenblasCoretypeChosenEnv);
+  EXPECT_NE(blas_description().find(note), std::string::npos) << blas_description();
+  setenv(kOpenblasCoretypeChosenEnv, "1", 1);
+  EXPECT_EQ(blas_description().find(note), std::string::npos) << blas_description();
+  unsetenv("OPENBLAS_CORETYPE");
+  unsetenv(kOpenblasCoretypeChosenEnv);
+  EXPECT_EQ(blas_description().find(note), std::string::npos) << blas_description();
+  if (core) setenv("OPENBLAS_CORETYPE", core->c_str(), 1);
+  if (mark) setenv(kOpenblasCoretypeChosenEnv, mark->c_str(), 1);
 }
 
 }  // namespace

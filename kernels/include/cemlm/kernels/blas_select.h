@@ -11,6 +11,10 @@
 
 namespace cemlm {
 
+// Set beside OPENBLAS_CORETYPE by reexec_for_openblas_kernels(), so that a choice from the
+// environment can be told apart from cemlm's.
+inline constexpr char kOpenblasCoretypeChosenEnv[] = "CEMLM_OPENBLAS_CORETYPE_CHOSEN";
+
 // The OPENBLAS_CORETYPE that fits this processor better than `chosen` (the kernels OpenBLAS
 // picked, as openblas_get_corename() names them), or "" to keep them: an AVX-512 processor
 // (F, BW, DQ, VL) left with generic x86-64 or AVX2 kernels gets Cooperlake's (with AVX512-BF16)
@@ -25,7 +29,9 @@ std::string better_openblas_core_here();
 // Returns only when nothing needs doing or the exec failed (then nothing has changed).
 void reexec_for_openblas_kernels(char** argv);
 
-// "OpenBLAS 0.3.21, Cooperlake kernels": what products run on, for benchmark headers.
+// "OpenBLAS 0.3.21, Cooperlake kernels": what products run on, for benchmark headers and the
+// server's start-up log; it adds when OPENBLAS_CORETYPE came from the environment (and which
+// kernels would be faster, if any).
 std::string blas_description();
 
 }  // namespace cemlm

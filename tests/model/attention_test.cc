@@ -1,9 +1,9 @@
 // paged_attention_forward (kernels/cpu/attention.cc) against a double-precision reference written
 // straight from MODEL.md §4: one decode row per sequence (the per-row path, AVX-512 where built)
 // and multi-row chunks (the gather + sgemm path), for standard attention (separate values) and
-// CEM keys with diag none / shared / per-head, heads narrower and wider than a 16-lane vector,
-// contexts wider than 256, token counts off the 16-token score groups, blocks of 3 and 16
-// scattered in the pool, and both cache dtypes: fp32, and bf16 (the reference reads the same
+// CEM keys with diag none / shared / per-head, heads narrower and wider than a 16-lane vector
+// (and wider than 256), more than 16 heads, contexts wider than 256, token counts off the
+// 16-token score groups, blocks of 3 and 16 scattered in the pool, and both cache dtypes: fp32, and bf16 (the reference reads the same
 // rounded entries, so both agree to fp32 rounding).
 #include "cemlm/kernels/attention.h"
 
@@ -140,6 +140,11 @@ std::vector<Case> cases() {
     }
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, bf16});  // the bench's shape
     v.push_back({false, DiagKind::kShared, 1, 6, 16, 16, 1, 1, bf16});      // a single token
+    v.push_back({false, DiagKind::kShared, 16, 64, 1024, 16, 136, 1, bf16});  // bench --shape base
+    // 20 heads of 16 columns, 7 of 48, and one wider than the 256-column register sums.
+    v.push_back({true, DiagKind::kNone, 20, 16, 32, 16, 45, 1, bf16});
+    v.push_back({false, DiagKind::kNone, 7, 48, 32, 16, 40, 1, bf16});
+    v.push_back({false, DiagKind::kShared, 1, 272, 24, 16, 20, 1, bf16});
     // Long contexts with fewer rows than threads: split over 2, 3 (uneven shares) and 4 threads
     // (with 512-token blocks, 3 blocks over 4 threads: one share is empty).
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 700, 1, bf16, 2});

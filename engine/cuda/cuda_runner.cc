@@ -361,11 +361,14 @@ void CudaRunner::copy_block(int32_t src, int32_t dst) {
   const size_t bs = size_t(opts_.block_size), per = size_t(n_blocks_) * bs;
   for (auto [b, w] : {std::pair{&kv_k_, kw_}, std::pair{&kv_v_, vw_}, std::pair{&kv_c_, cw_}}) {
     if (!w) continue;
-    const size_t pitch = sizeof(float) * per * size_t(w), block = sizeof(float) * bs * size_t(w);
-    char* base = b->as<char>();  // one strided copy covers the block in every layer
-    CEMLM_CUDA_CHECK(cudaMemcpy2DAsync(base + block * size_t(dst), pitch,
-                                       base + block * size_t(src), pitch, block,
-                                       size_t(cfg_.n_layers), cudaMemcpyDeviceToDevice, stream_));
+    const size_t layer = sizeof(float) * per * size_t(w), block = sizeof(float) * bs * size_t(w);
+    // A copy per layer: one strided cudaMemcpy2D would need the layer's pool (the pitch) under
+    // the device's memPitch, 2 GiB, which a large cache passes.
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      char* base = b->as<char>() + layer * size_t(l);
+      CEMLM_CUDA_CHECK(cudaMemcpyAsync(base + block * size_t(dst), base + block * size_t(src),
+                                       block, cudaMemcpyDeviceToDevice, stream_));
+    }
   }
 }
 

@@ -173,8 +173,9 @@ absl::Status write_safetensors(const std::string& path, const std::vector<NamedT
   return write_file_atomic(path, [&](std::FILE* f) -> absl::Status {
     const uint64_t n = text.size();
     bool ok = std::fwrite(&n, 8, 1, f) == 1 && std::fwrite(text.data(), 1, n, f) == n;
-    for (const NamedTensor& t : tensors)
-      ok = ok && std::fwrite(t.data.data(), 4, t.data.size(), f) == t.data.size();
+    for (const NamedTensor& t : tensors)  // an empty tensor's data() may be null: no fwrite
+      ok = ok &&
+           (t.data.empty() || std::fwrite(t.data.data(), 4, t.data.size(), f) == t.data.size());
     return ok ? absl::OkStatus() : errno_error("write", path);
   });
 }

@@ -1,8 +1,9 @@
 // On-device sampling (cuda/sampling.h). Three passes per call: (1) per row, the raw log-sum-exp,
 // penalties from token counts, the greedy argmax and the temperature-scaled keys; (2) one
 // segmented radix sort (descending, stable: ties keep ascending ids) over the rows that need an
-// order (top-k, top-p, min-p); (3) per row, the cuts and the draw as block-wide prefix scans in
-// double, mirroring the sequential loops of the host Sampler (engine/src/sampler.cc).
+// order (top-k, top-p, min-p); (3) per row, the cuts on the sorted order, then the draw over the
+// kept tokens in id order, as block-wide prefix scans in double, mirroring the host Sampler
+// (engine/src/sampler.cc).
 #include <climits>
 #include <cstring>
 #include <cub/block/block_scan.cuh>
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     if (rep && ca[v] > 0) w = w > 0 ? w / R.rep : w * R.rep;
     if (pf && cg[v] > 0) w -= R.pres + R.freq * float(cg[v]);
     if (ahead(w, v, bv, bi)) bv = w, bi = v;
-    keys[int64_t(row) * V + v] = w * inv_t;
+    keys[int64_t(row) * V + v] = w * inv_t + 0.0f;  // −0 as +0: the radix sort tells them apart
     ids[int64_t(row) * V + v] = v;
   }
   for (int o = 16; o > 0; o >>= 1) {
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kSampleThreads)
                 SampledToken* results) {
   __shared__ BlockScan::TempStorage temp;
   __shared__ double redd[32];
-  __shared__ int found;
+  __shared__ int found, last_kept;
   const int row = blockIdx.x;
   const DevRow R = rows[row];
   const RowStat st = stats[row];
@@ -206,24 +207,41 @@ __global__ void __launch_bounds__(kSampleThreads)
   }
   int token = st.argmax;
   if (R.temperature > 0) {
-    const float* key = (R.sorted ? keys_out : keys_in) + int64_t(row) * V;
-    const float mx = R.sorted ? key[0] : st.mx;
-    auto e = [key, mx](int i) { return expf(key[i] - mx); };
-    int n = V;
-    if (R.top_k > 0 && R.top_k < n) n = R.top_k;
-    if (R.top_p < 1.0f) {
-      double sum = 0;
-      for (int i = threadIdx.x; i < n; i += blockDim.x) sum += e(i);
-      sum = detail::block_sum(sum, redd);
-      const int f = first_reaching(e, n, double(R.top_p) * sum, false, temp, &found);
-      n = f < n ? f + 1 : n;
+    const float* key = keys_in + int64_t(row) * V;
+    const float mx = st.mx;
+    // The kept set: the first n of the sorted order (top-k, the top-p prefix, the min-p cut), or
+    // every token. Sorted order is (key desc, id asc), so token i is kept exactly when it is not
+    // behind the n-th candidate (kc, ic).
+    float kc = -INFINITY;
+    int ic = V - 1;
+    if (R.sorted) {
+      const float* sk = keys_out + int64_t(row) * V;
+      auto es = [sk, mx](int i) { return expf(sk[i] - mx); };
+      int n = V;
+      if (R.top_k > 0 && R.top_k < n) n = R.top_k;
+      if (R.top_p < 1.0f) {
+        double sum = 0;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) sum += es(i);
+        sum = detail::block_sum(sum, redd);
+        const int f = first_reaching(es, n, double(R.top_p) * sum, false, temp, &found);
+        n = f < n ? f + 1 : n;
+      }
+      if (R.min_p > 0.0f) n = first_below(es, n, R.min_p * es(0), &found);
+      kc = sk[n - 1];
+      ic = ids_out[int64_t(row) * V + n - 1];
     }
-    if (R.min_p > 0.0f) n = first_below(e, n, R.min_p * e(0), &found);
+    auto kept = [key, kc, ic](int i) { return key[i] > kc || (key[i] == kc && i <= ic); };
+    auto e = [key, mx, kept](int i) { return kept(i) ? expf(key[i] - mx) : 0.0f; };
+    // As the host Sampler draws: the kept candidates walked in id order.
+    if (threadIdx.x == 0) last_kept = -1;
     double sum = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) sum += e(i);
-    sum = detail::block_sum(sum, redd);
-    const int pick = first_reaching(e, n - 1, R.uniform * sum, true, temp, &found);
-    token = R.sorted ? ids_out[int64_t(row) * V + pick] : pick;
+    int last = -1;
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+      if (kept(i)) sum += e(i), last = i;
+    __syncthreads();
+    atomicMax(&last_kept, last);
+    sum = detail::block_sum(sum, redd);  // synchronizes the block: last_kept is final
+    token = first_reaching(e, last_kept, R.uniform * sum, true, temp, &found);
   }
   if (threadIdx.x == 0)
     results[row] = SampledToken{token, logits[int64_t(row) * V + token] - st.lse};

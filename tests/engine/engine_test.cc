@@ -117,8 +117,10 @@ std::vector<int> tokens(int n, int first, int vocab = 64) {
   return t;
 }
 
-// Runs `reqs` submitted together and returns their results in order.
-std::vector<Result> run_all(Engine& e, const std::vector<GenerateRequest>& reqs) {
+// Runs `reqs` submitted together and returns their results in order; `submitted` runs once all
+// are in.
+std::vector<Result> run_all(Engine& e, const std::vector<GenerateRequest>& reqs,
+                            const std::function<void()>& submitted = {}) {
   Collector c;
   std::vector<RequestId> ids;
   for (const auto& r : reqs) {
@@ -126,6 +128,7 @@ std::vector<Result> run_all(Engine& e, const std::vector<GenerateRequest>& reqs)
     EXPECT_TRUE(id.ok()) << id.status();
     ids.push_back(*id);
   }
+  if (submitted) submitted();
   EXPECT_TRUE(c.wait_finals(int(ids.size())));
   std::vector<Result> out;
   for (RequestId id : ids) out.push_back(c.get(id));
@@ -183,8 +186,11 @@ struct Gate {
 
 TEST(Engine, OutputsAreTheSameAloneAndBatched) {
   const auto reqs = mixed_requests();
-  Built batched = build({});
-  const auto together = run_all(*batched.engine, reqs);
+  // The first step waits at the gate until every request is in, so the later steps batch them
+  // (without it the loop could finish the first request before the next was submitted).
+  Gate gate;
+  Built batched = build({.favorite = [&](int) { gate.enter(); return -1; }});
+  const auto together = run_all(*batched.engine, reqs, [&] { gate.release(); });
   EXPECT_GT(batched.runner->max_rows(), 1);
   std::vector<Result> alone;
   for (const auto& r : reqs) {

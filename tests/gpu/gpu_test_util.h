@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cemlm/engine/params.h"
@@ -20,6 +22,21 @@ inline bool have_gpu() {
   (void)cudaGetLastError();
   return ok;
 }
+
+// CEMLM_REQUIRE_GPU=1 (set by tests/gpu/run_device_checks.sh) makes a missing device a failure:
+// on a lent GPU machine a driver mismatch must not pass as a run of skipped tests.
+inline bool gpu_required() {
+  const char* v = std::getenv("CEMLM_REQUIRE_GPU");
+  return v != nullptr && std::string(v) == "1";
+}
+#define CEMLM_SKIP_WITHOUT_GPU()                                                            \
+  do {                                                                                      \
+    if (!::cemlm::gpu_test::have_gpu()) {                                                   \
+      if (::cemlm::gpu_test::gpu_required())                                                \
+        FAIL() << "CEMLM_REQUIRE_GPU=1 but no CUDA device is visible (cudaGetDeviceCount)"; \
+      GTEST_SKIP() << "no CUDA device visible (cudaGetDeviceCount)";                        \
+    }                                                                                       \
+  } while (0)
 
 inline std::vector<float> random_vec(size_t n, uint64_t seed, float scale = 1.0f) {
   Rng rng(seed);
@@ -49,7 +66,7 @@ template <typename Base = ::testing::Test>
 class GpuFixture : public Base {
  protected:
   void SetUp() override {
-    if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible (cudaGetDeviceCount)";
+    CEMLM_SKIP_WITHOUT_GPU();
     CEMLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CEMLM_CUBLAS_CHECK(cublasCreate(&cublas_));
     CEMLM_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));

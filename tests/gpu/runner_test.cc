@@ -25,7 +25,7 @@ int argmax(const float* row, int V) { return int(std::max_element(row, row + V) 
 class RunnerTest : public ::testing::TestWithParam<testing_models::Variant> {
  protected:
   void SetUp() override {
-    if (!gpu_test::have_gpu()) GTEST_SKIP() << "no CUDA device visible (cudaGetDeviceCount)";
+    CEMLM_SKIP_WITHOUT_GPU();
     cfg_ = make_config(GetParam());
     cfg_.max_seq_len = 128;  // room for a prompt and 64 generated tokens
     store_ = ParamStore(cfg_);
@@ -192,15 +192,23 @@ TEST(CudaRunnerOptions, ErrorsNameTheOption) {
   r = make_cuda_runner(cfg, wrong, o);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("parameters"), std::string::npos) << r.status();
+  // The plugin's own entry point (make_model_runner would stop earlier when the plugin library
+  // is not beside the test): the device string and the KV dtype are checked before any loading.
   RunnerOptions ro;
   ro.device = "cuda:fp16";
-  auto mr = make_model_runner("/nonexistent", ro);
+  auto mr = make_cuda_model_runner("/nonexistent", ro);
   ASSERT_FALSE(mr.ok());
-  EXPECT_NE(mr.status().message().find("cuda:fp16"), std::string::npos) << mr.status();
+  EXPECT_NE(mr.status().message().find("\"cuda:fp16\" is not one of"), std::string::npos)
+      << mr.status();
+  ro.device = "cuda";
+  ro.kv_cache_dtype = "bf16";
+  mr = make_cuda_model_runner("/nonexistent", ro);
+  ASSERT_FALSE(mr.ok());
+  EXPECT_NE(mr.status().message().find("--kv-cache-dtype"), std::string::npos) << mr.status();
 }
 
 TEST(CudaRunnerOptions, TooSmallKvCacheNamesTheFlag) {
-  if (!gpu_test::have_gpu()) GTEST_SKIP() << "no CUDA device visible (cudaGetDeviceCount)";
+  CEMLM_SKIP_WITHOUT_GPU();
   const ModelConfig cfg = make_config(testing_models::all_variants()[0]);
   ParamStore store(cfg);
   CudaRunnerOptions o;

@@ -1,10 +1,11 @@
 // On-device sampling against the host Sampler (engine/sampler.h) given the same per-request
 // uniform draw: greedy, penalties, temperature, top-k, top-p and min-p pick the same token with
-// the same logprob.
+// the same logprob, on random rows and on rows of whole numbers (ties cut by the filters).
 #include "cemlm/kernels/cuda/sampling.h"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <span>
 
 #include "cemlm/engine/sampler.h"
@@ -45,19 +46,22 @@ SamplingParams params(float temperature, int top_k, float top_p, float min_p, fl
   return p;
 }
 
-class SamplingTest : public gpu_test::GpuFixture<> {};
+class SamplingTest : public gpu_test::GpuFixture<> {
+ protected:
+  // Every case below on the rows `logits` [N, V], each row with its own seed, against the host.
+  void expect_matches_host(const std::vector<float>& logits, int N, int V, const char* rows_name);
+};
 
-TEST_F(SamplingTest, MatchesHostSampler) {
-  const int N = 9, V = 4099;  // V spans several 1024-thread scan chunks
-  auto logits = random_vec(size_t(N) * V, 40, 2.0f);
+void SamplingTest::expect_matches_host(const std::vector<float>& logits, int N, int V,
+                                       const char* rows_name) {
   // The history repeats tokens so counts above one matter; prompt first, then generated.
-  const std::vector<int> hist = {7, 3, 3, 4098, 0, 12, 7, 7, 5, 3};
+  const std::vector<int> hist = {7, 3, 3, V - 1, 0, 12, 7, 7, 5, 3};
   const int n_prompt = 5;
-  // top-k alone is left out: the host's nth_element leaves its candidates in an unspecified order.
   const std::vector<std::pair<const char*, SamplingParams>> cases = {
       {"greedy", params(0, 0, 1, 0)},
       {"greedy_penalties", params(0, 0, 1, 0, 1.3f, 0.5f, 0.2f)},
       {"temperature", params(0.8f, 0, 1, 0)},
+      {"top_k", params(1.0f, 40, 1, 0)},
       {"top_k_top_p", params(0.7f, 20, 0.9f, 0)},
       {"top_p", params(1.0f, 0, 0.5f, 0)},
       {"min_p", params(1.0f, 0, 1, 0.05f)},
@@ -77,10 +81,25 @@ TEST_F(SamplingTest, MatchesHostSampler) {
       auto want = host_sampler.sample(std::span<const float>(logits.data() + size_t(r) * V, V),
                                       hist, n_prompt);
       ASSERT_TRUE(want.ok()) << want.status();
-      EXPECT_EQ(got[r].token, want->token) << cases[c].first << " row " << r;
-      EXPECT_NEAR(got[r].logprob, want->logprob, 1e-4) << cases[c].first << " row " << r;
+      EXPECT_EQ(got[r].token, want->token) << rows_name << " " << cases[c].first << " row " << r;
+      EXPECT_NEAR(got[r].logprob, want->logprob, 1e-4)
+          << rows_name << " " << cases[c].first << " row " << r;
     }
   }
+}
+
+TEST_F(SamplingTest, MatchesHostSampler) {
+  const int N = 9, V = 4099;  // V spans several 1024-thread scan chunks
+  expect_matches_host(random_vec(size_t(N) * V, 40, 2.0f), N, V, "random");
+}
+
+TEST_F(SamplingTest, TiesAtTheFilterBoundaryMatchTheHost) {
+  // Whole-number logits in [-4, 4]: hundreds of tokens share each value, so top-k, the top-p
+  // prefix and the min-p cut all end inside a run of ties, which the lower ids win.
+  const int N = 6, V = 2053;
+  auto logits = random_vec(size_t(N) * V, 42, 2.0f);
+  for (float& x : logits) x = std::round(x);
+  expect_matches_host(logits, N, V, "ties");
 }
 
 TEST_F(SamplingTest, NonFiniteRowGivesNoToken) {

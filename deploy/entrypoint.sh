@@ -20,6 +20,7 @@ CEMLM_API_KEY_FILE      --api-key-file
 CEMLM_TLS_CERT          --tls-cert
 CEMLM_TLS_KEY           --tls-key
 CEMLM_SHUTDOWN_TIMEOUT  --shutdown-timeout
+CEMLM_MAX_CONNECTION_AGE --max-connection-age
 CEMLM_THREADS           --threads
 CEMLM_ENGINE_NICE       --engine-nice
 CEMLM_LOG_LEVEL         --log-level

@@ -132,7 +132,7 @@ class EngineImpl final : public Engine {
   void shutdown(bool cancel_running) override;
 
  private:
-  absl::Status validate_ids(std::span<const int> ids, const char* field) const;
+  absl::Status validate_ids(std::span<const int> ids, const std::string& field) const;
   absl::Status validate_recursion(int depth) const;
   int resolve_recursion(int depth) const { return depth ? depth : config_.recursion_default; }
   std::unique_ptr<Request> make_request(RequestId id, const GenerateRequest& req,
@@ -152,7 +152,7 @@ class EngineImpl final : public Engine {
   FinishReason add_text(Request& q, std::span<const int> generated, StreamEvent* ev);
   void finish(Request& q, FinishReason why, StreamEvent ev, absl::Status error = {});
   void publish_stats();
-  absl::Status score_chunks(SeqId seq, int T, ScoreResult* out);
+  absl::Status score_chunks(SeqId seq, int T, const ScoreRequest& req, ScoreResult* out);
 
   const EngineOptions opts_;
   const std::unique_ptr<ModelRunner> runner_;
@@ -241,7 +241,7 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineImpl::start(const EngineOptions& o
 
 // ---- requests ----
 
-absl::Status EngineImpl::validate_ids(std::span<const int> ids, const char* field) const {
+absl::Status EngineImpl::validate_ids(std::span<const int> ids, const std::string& field) const {
   if (ids.empty())
     return absl::InvalidArgumentError(absl::StrCat(field, " is empty; give at least one token"));
   if (int64_t(ids.size()) > config_.max_seq_len)
@@ -267,7 +267,8 @@ absl::Status EngineImpl::validate_recursion(int depth) const {
 }
 
 absl::Status EngineImpl::validate(const GenerateRequest& req) const {
-  CEMLM_RETURN_IF_ERROR(validate_ids(req.prompt_ids, "prompt_ids"));
+  const std::string& field = req.prompt_field;
+  CEMLM_RETURN_IF_ERROR(validate_ids(req.prompt_ids, field));
   CEMLM_RETURN_IF_ERROR(validate_recursion(req.recursion_depth));
   CEMLM_RETURN_IF_ERROR(validate_sampling(req.sampling, config_.vocab_size));
   if (!req.sampling.stop.empty() && !tokenizer_)
@@ -277,12 +278,12 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
   const int64_t total = int64_t(req.prompt_ids.size()) + req.sampling.max_new_tokens;
   if (total > config_.max_seq_len)
     return absl::InvalidArgumentError(
-        absl::StrCat("prompt_ids (", req.prompt_ids.size(), " tokens) + sampling.max_new_tokens (",
+        absl::StrCat(field, " (", req.prompt_ids.size(), " tokens) + sampling.max_new_tokens (",
                      req.sampling.max_new_tokens, ") = ", total,
                      " exceeds the model's max_seq_len = ", config_.max_seq_len));
   if (blocks_.blocks_for(total) > blocks_.num_blocks())
     return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_ids + sampling.max_new_tokens = ", total, " tokens need ",
+        field, " + sampling.max_new_tokens = ", total, " tokens need ",
         blocks_.blocks_for(total), " KV blocks but the cache holds ", blocks_.num_blocks(),
         "; lower sampling.max_new_tokens or raise kv_cache_memory"));
   return absl::OkStatus();
@@ -507,16 +508,16 @@ void EngineImpl::shutdown(bool cancel_running) {
 // ---- scoring ----
 
 absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
-  CEMLM_RETURN_IF_ERROR(validate_ids(req.ids, "ids"));
+  CEMLM_RETURN_IF_ERROR(validate_ids(req.ids, req.ids_field));
   if (req.ids.size() < 2)
-    return absl::InvalidArgumentError(
-        "ids has 1 token; scoring needs at least 2 (the first has no logprob)");
+    return absl::InvalidArgumentError(absl::StrCat(
+        req.ids_field, " has 1 token; scoring needs at least 2 (the first has no logprob)"));
   CEMLM_RETURN_IF_ERROR(validate_recursion(req.recursion_depth));
   const int n = int(req.ids.size()), T = resolve_recursion(req.recursion_depth);
   const int64_t need = blocks_.blocks_for(n);
   if (need > blocks_.num_blocks())
     return absl::InvalidArgumentError(
-        absl::StrCat("ids (", n, " tokens) need ", need, " KV blocks but the cache holds ",
+        absl::StrCat(req.ids_field, " (", n, " tokens) need ", need, " KV blocks but the cache holds ",
                      blocks_.num_blocks(), "; raise kv_cache_memory"));
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -545,8 +546,11 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
   out.ids = req.ids;
   out.recursion_depth = T;
   out.logprobs.assign(size_t(n), std::numeric_limits<float>::quiet_NaN());
-  const absl::Status st = score_chunks(seq, T, &out);
-  on_loop([&] { blocks_.release(seq); });
+  const absl::Status st = score_chunks(seq, T, req, &out);
+  on_loop([&] {  // published at once: the call returns with its blocks seen free in stats()
+    blocks_.release(seq);
+    publish_stats();
+  });
   CEMLM_RETURN_IF_ERROR(st);
   double sum = 0;
   for (int i = 1; i < n; ++i) sum += out.logprobs[size_t(i)];
@@ -555,12 +559,18 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
   return out;
 }
 
-absl::Status EngineImpl::score_chunks(SeqId seq, int T, ScoreResult* out) {
+absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
+                                      ScoreResult* out) {
   const std::vector<int>& ids = out->ids;
   const int n = int(ids.size());
   const size_t V = size_t(config_.vocab_size);
   std::vector<float> logits;  // one chunk [n_chunk, V], reduced to logprobs right away
   for (int pos = 0; pos < n; pos += opts_.max_batch_tokens) {
+    if (req.deadline && Clock::now() >= *req.deadline)
+      return absl::DeadlineExceededError(
+          absl::StrCat("deadline exceeded after scoring ", pos, " of ", n, " tokens"));
+    if (req.cancelled && req.cancelled())
+      return absl::CancelledError(absl::StrCat("cancelled after scoring ", pos, " of ", n, " tokens"));
     const int len = std::min(opts_.max_batch_tokens, n - pos);
     on_loop([&] {
       const std::vector<int32_t>& table = blocks_.table(seq);
@@ -579,7 +589,7 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, ScoreResult* out) {
       const std::span<const float> row = std::span<const float>(logits).subspan(size_t(i) * V, V);
       const float lse = log_sum_exp(row);
       if (!std::isfinite(lse))
-        return absl::FailedPreconditionError(
+        return absl::InternalError(
             absl::StrCat("the model produced non-finite logits at position ", pos + i,
                          "; check the checkpoint"));
       out->logprobs[size_t(pos + i + 1)] = row[size_t(ids[size_t(pos + i + 1)])] - lse;

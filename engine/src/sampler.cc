@@ -78,7 +78,7 @@ absl::StatusOr<SampleResult> Sampler::sample(std::span<const float> logits,
                                              std::span<const int> tokens, int n_prompt) {
   const float lse = log_sum_exp(logits);
   if (!std::isfinite(lse))
-    return absl::FailedPreconditionError(
+    return absl::InternalError(
         "the model produced non-finite logits; check the checkpoint (cemlm score)");
   SampleResult r;
   top_alternatives(logits, lse, &r.top);

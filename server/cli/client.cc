@@ -103,7 +103,7 @@ int client_generate(int argc, char** argv) {
   flags.add("priority", &g.priority, "larger runs first");
   flags.add("request-id", &g.request_id, "your id for this request (in the server's log)");
   flags.add_bool("json", &g.json,
-                 "print {\"ids\", \"text\", \"logprobs\", \"finish_reason\", ...}");
+                 "print {\"ids\", \"text\", \"logprobs\", \"top_logprobs\", \"finish_reason\", ...}");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   v1::GenerateRequest req = generate_request(g, flags);
   if (!g.prompt_ids.empty() && !set_ids(g.prompt_ids, "prompt-ids", req.mutable_prompt_ids()))
@@ -115,7 +115,7 @@ int client_generate(int argc, char** argv) {
   prepare_context(c, &context);
   auto reader = stub->Generate(&context, req);
   v1::GenerateResponse msg, last;
-  json ids = json::array(), logprobs = json::array();
+  json ids = json::array(), logprobs = json::array(), tops = json::array();
   std::string text;
   while (reader->Read(&msg)) {
     if (!g.json) {
@@ -125,6 +125,12 @@ int client_generate(int argc, char** argv) {
     text += msg.text();
     for (int id : msg.token_ids()) ids.push_back(id);
     for (float lp : msg.logprobs()) logprobs.push_back(lp);
+    for (const v1::TokenLogprobs& t : msg.top_logprobs()) {
+      json alts = json::array();
+      for (const v1::TopLogprob& a : t.top())
+        alts.push_back({{"id", a.token_id()}, {"logprob", a.logprob()}});
+      tops.push_back(alts);
+    }
     last = msg;
   }
   grpc::Status status = reader->Finish();
@@ -135,6 +141,7 @@ int client_generate(int argc, char** argv) {
     out["ids"] = ids;
     out["text"] = text;
     out["logprobs"] = logprobs;
+    if (g.top_logprobs > 0) out["top_logprobs"] = tops;  // per token: [{"id", "logprob"}, ...]
     std::printf("%s\n", out.dump().c_str());
   }
   return 0;

@@ -30,6 +30,7 @@ struct ServeFlags {
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
   int engine_nice = 10;
   double shutdown_timeout = 30;
+  double max_connection_age = 0;
 };
 
 // "4G", "512M", "64K" or plain bytes (powers of 1024); nullopt when it does not parse.
@@ -67,6 +68,18 @@ std::string dir_name(const std::string& dir) {
   return p.filename().string();
 }
 
+// Where /metrics listens for --host: the same address, except that Debian 12's civetweb (the HTTP
+// server under prometheus-cpp) is built without IPv6, so the IPv6 wildcard and loopback map to
+// their IPv4 counterparts, and another IPv6 address is refused.
+absl::StatusOr<std::string> metrics_host(const std::string& host) {
+  if (host.find(':') == std::string::npos) return host;
+  if (host == "::" || host == "[::]") return std::string("0.0.0.0");
+  if (host == "::1" || host == "[::1]") return std::string("127.0.0.1");
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--host ", host, ": /metrics cannot listen on an IPv6 address (this build's HTTP server has no "
+      "IPv6); use an IPv4 address, :: (metrics on 0.0.0.0) or ::1 (metrics on 127.0.0.1)"));
+}
+
 int fail(const absl::Status& st) {
   spdlog::error("{}", std::string(st.message()));
   return 1;
@@ -101,9 +114,14 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   if (f.engine_nice < 0 || f.engine_nice > 19)
     return fail(absl::InvalidArgumentError("--engine-nice " + std::to_string(f.engine_nice) +
                                            " must be in [0, 19] (0: the process's priority)"));
+  if (!(f.max_connection_age >= 0))
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--max-connection-age ", f.max_connection_age, " must be >= 0 seconds (0: no limit)")));
   server::ServerOptions opts;
   opts.host = f.host;
   opts.port = f.port;
+  opts.max_connection_age_s = f.max_connection_age;
+  opts.max_connection_age_grace_s = f.shutdown_timeout;
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
   if (!f.api_key_file.empty()) {
     auto keys = server::ApiKeys::load(f.api_key_file);
@@ -113,10 +131,12 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   if (!f.tls_cert.empty() && !read_file(f.tls_cert, "--tls-cert", &opts.tls_cert_pem)) return 1;
   if (!f.tls_key.empty() && !read_file(f.tls_key, "--tls-key", &opts.tls_key_pem)) return 1;
 
+  const absl::StatusOr<std::string> mhost = metrics_host(f.host);
+  if (!mhost.ok()) return fail(mhost.status());
   auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name);
   std::unique_ptr<prometheus::Exposer> exposer;
   try {  // civetweb reports a port it cannot bind by throwing
-    exposer = std::make_unique<prometheus::Exposer>(f.host + ":" + std::to_string(f.metrics_port));
+    exposer = std::make_unique<prometheus::Exposer>(*mhost + ":" + std::to_string(f.metrics_port));
   } catch (const std::exception& e) {
     return fail(absl::UnavailableError(
         absl::StrCat("--metrics-port ", f.metrics_port, ": cannot listen (", e.what(), ")")));
@@ -128,9 +148,9 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // One stable line on stdout, so scripts and tests can find the ports (--port 0 picks one).
   std::printf("cemlm serve: grpc port %d, metrics port %d\n", (*server)->port(), metrics_port);
   std::fflush(stdout);
-  spdlog::info("listening grpc={}:{} metrics=http://{}:{}/metrics model={} tls={} api_keys={}",
-               f.host, (*server)->port(), f.host, metrics_port, f.model, !opts.tls_cert_pem.empty(),
-               opts.api_keys.enabled());
+  spdlog::info("listening grpc={} metrics=http://{}/metrics model={} tls={} api_keys={}",
+               server::host_port(f.host, (*server)->port()), server::host_port(*mhost, metrics_port),
+               f.model, !opts.tls_cert_pem.empty(), opts.api_keys.enabled());
 
   auto engine = load_engine(f, *kv_bytes);
   if (!engine.ok()) return fail(engine.status());
@@ -162,7 +182,9 @@ int cmd_serve(int argc, char** argv) {
               "reflection) with Prometheus metrics at http://HOST:METRICS_PORT/metrics.\n"
               "SIGTERM/SIGINT drain in-flight requests, then exit 0.");
   flags.add("model", &f.model, "checkpoint directory (config.json, model.safetensors, ...)", true);
-  flags.add("host", &f.host, "address to listen on (gRPC and metrics)");
+  flags.add("host", &f.host,
+            "address to listen on (gRPC and metrics; with :: or ::1, metrics on 0.0.0.0 or "
+            "127.0.0.1)");
   flags.add("port", &f.port, "gRPC port; 0 picks a free one (printed on stdout)");
   flags.add("metrics-port", &f.metrics_port, "HTTP port of /metrics; 0 picks a free one");
   flags.add("device", &f.device, "cpu | cuda");
@@ -176,6 +198,10 @@ int cmd_serve(int argc, char** argv) {
   flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
   flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");
   flags.add("shutdown-timeout", &f.shutdown_timeout, "seconds to let requests finish on SIGTERM");
+  flags.add("max-connection-age", &f.max_connection_age,
+            "seconds after which a client connection is closed (±10%), its calls given "
+            "--shutdown-timeout to finish: clients reconnect and spread over new replicas; 0 = "
+            "never");
   flags.add("threads", &f.threads, "CPU compute threads; 0 = all cores");
   flags.add("engine-nice", &f.engine_nice,
             "niceness (0..19) the engine's step and compute threads add to the process's, so "

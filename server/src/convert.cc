@@ -75,6 +75,7 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
   GenerateRequest out;
   CEMLM_ASSIGN_OR_RETURN(out.prompt_ids, prompt_of(engine, req.prompt_text(), req.prompt_ids(),
                                                    "prompt_text", "prompt_ids"));
+  if (!req.prompt_text().empty()) out.prompt_field = "prompt_text";
   out.recursion_depth = req.recursion_depth();
   out.sampling = to_engine(req.sampling());
   out.priority = req.priority();
@@ -85,6 +86,7 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
 absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine) {
   ScoreRequest out;
   CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req.text(), req.ids(), "text", "ids"));
+  if (!req.text().empty()) out.ids_field = "text";
   out.recursion_depth = req.recursion_depth();
   return out;
 }
@@ -114,7 +116,7 @@ void set_final(const StreamEvent& event, const std::string& request_id, v1::Gene
   u->set_cached_prompt_tokens(event.usage.cached_prompt_tokens);
   const RequestTimings& t = event.timings;
   v1::EngineTiming* timing = out->mutable_timing();
-  timing->set_queue_seconds(seconds_between(t.submitted, t.scheduled));
+  timing->set_queue_seconds(queue_seconds(t));
   timing->set_first_token_seconds(seconds_between(t.submitted, t.first_token));
   timing->set_e2e_seconds(seconds_between(t.submitted, t.finished));
 }
@@ -164,6 +166,10 @@ absl::Status check_ids(const google::protobuf::RepeatedField<int32_t>& ids, int 
 double seconds_between(Clock::time_point from, Clock::time_point to) {
   if (from == Clock::time_point{} || to == Clock::time_point{} || to < from) return 0;
   return std::chrono::duration<double>(to - from).count();
+}
+
+double queue_seconds(const RequestTimings& t) {
+  return seconds_between(t.submitted, t.scheduled != Clock::time_point{} ? t.scheduled : t.finished);
 }
 
 }  // namespace cemlm::server

@@ -7,16 +7,14 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <algorithm>
+#include <climits>
+
 #include "absl/strings/str_cat.h"
 #include "inference_service.h"
 
 namespace cemlm::server {
 namespace {
-
-std::string listen_address(const std::string& host, int port) {
-  const bool ipv6 = host.find(':') != std::string::npos && host.front() != '[';
-  return ipv6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
-}
 
 std::shared_ptr<grpc::ServerCredentials> credentials(const ServerOptions& opts) {
   if (opts.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
@@ -38,15 +36,29 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const std::string address = listen_address(opts.host, opts.port);
+  const std::string address = host_port(opts.host, opts.port);
   builder.AddListeningPort(address, credentials(opts), &s->port_);
+  if (opts.max_connection_age_s > 0) {
+    auto ms = [](double s) { return int(std::min(s * 1e3, double(INT_MAX))); };
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, ms(opts.max_connection_age_s));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               ms(opts.max_connection_age_grace_s));
+  }
   builder.RegisterService(s->service_.get());
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0)
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address,
                                                " (--host/--port: in use or not an address here?)"));
+  // The service's own name too (load balancers and meshes ask for it); the bool overloads below
+  // then set it along with the whole server's.
+  s->server_->GetHealthCheckService()->SetServingStatus(v1::Inference::service_full_name(), false);
   s->server_->GetHealthCheckService()->SetServingStatus(false);
   return s;
+}
+
+std::string host_port(const std::string& host, int port) {
+  const bool ipv6 = host.find(':') != std::string::npos && host.front() != '[';
+  return ipv6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
 }
 
 InferenceServer::~InferenceServer() { shutdown(); }

@@ -6,8 +6,11 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <optional>
+#include <string_view>
 
+#include "absl/strings/escaping.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/tokenizer.h"
 #include "cemlm/server/convert.h"
@@ -74,6 +77,15 @@ namespace {
 
 using Response = v1::GenerateResponse;
 
+// A client's string as one log field: C escapes (quotes, backslashes, control bytes), at most 256
+// bytes of it.
+std::string log_escaped(std::string_view s) {
+  constexpr size_t kMax = 256;
+  std::string out = absl::CEscape(absl::string_view(s.data(), std::min(s.size(), kMax)));
+  if (s.size() > kMax) out += "...";
+  return out;
+}
+
 // A cancellation this close to a call's deadline is taken for the deadline's.
 constexpr auto kDeadlineSlack = std::chrono::milliseconds(20);
 
@@ -138,6 +150,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
     logprobs_ = request.logprobs();
     recursion_depth_ =
         req->recursion_depth ? req->recursion_depth : engine.config().recursion_default;
+    prompt_tokens_ = int(req->prompt_ids.size());
     absl::StatusOr<RequestId> id =
         engine.submit(std::move(*req), [this](const StreamEvent& e) { on_event(e); });
     if (!id.ok()) return finish_early(to_grpc_status(id.status()));
@@ -159,6 +172,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   // Engine thread: only queues, never blocks beyond the reactor's own short critical section.
   void on_event(const StreamEvent& event) {
     std::unique_lock lock(mu_);
+    submitted_ = true;  // (id_ may not be set yet: the engine can end a request inside submit())
     observe_tokens(event);
     append_event(event, logprobs_, &pending_);
     has_pending_ = has_pending_ || !event.token_ids.empty() || !event.text.empty();
@@ -166,7 +180,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
       finished_ = true;
       finish_reason_ = event.finish_reason;
       usage_ = event.usage;
-      queue_seconds_ = seconds_between(event.timings.submitted, event.timings.scheduled);
+      queue_seconds_ = queue_seconds(event.timings);
       final_status_ = final_status(event);
       if (final_status_.ok()) {
         set_final(event, request_id_, &pending_);
@@ -194,11 +208,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
     const Clock::time_point now = Clock::now();
     ServerMetrics& m = state_->metrics();
     if (last_token_ == Clock::time_point{}) {
-      m.observe_first_token(seconds_between(arrival_, now));
+      m.observe_first_token(seconds_between(arrival_, now), prompt_tokens_);
     } else {
       const double gap = seconds_between(last_token_, now) / double(event.token_ids.size());
       for (size_t i = 0; i < event.token_ids.size(); ++i) m.observe_inter_token(gap);
     }
+    m.count_generated(int(event.token_ids.size()));
     last_token_ = now;
   }
 
@@ -260,24 +275,25 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
     ServerMetrics& m = state_->metrics();
     e2e_seconds_ = seconds_between(arrival_, Clock::now());
     if (!final_status_.ok()) m.count_error(final_status_.error_code());
-    if (!id_) return;
+    if (!submitted_) return;
     m.observe_finished({final_status_.ok() ? finish_reason_name(finish_reason_) : nullptr,
-                        recursion_depth_, usage_.prompt_tokens, usage_.generated_tokens,
-                        e2e_seconds_, queue_seconds_});
+                        recursion_depth_, e2e_seconds_, queue_seconds_});
   }
 
-  // OnDone: the request's log line, off the engine thread.
+  // OnDone: the request's log line, off the engine thread. The client's id and the message (which
+  // may quote its input) are escaped: a client must not be able to write lines of its own.
   void log() const {
     if (!id_) {
       spdlog::info("generate rejected client_id=\"{}\" peer={} status={} message=\"{}\"",
-                   request_id_, context_->peer(), grpc_code_name(final_status_.error_code()),
-                   final_status_.error_message());
+                   log_escaped(request_id_), context_->peer(),
+                   grpc_code_name(final_status_.error_code()),
+                   log_escaped(final_status_.error_message()));
       return;
     }
     spdlog::info(
         "generate id={} client_id=\"{}\" peer={} T={} prompt_tokens={} gen_tokens={} finish={} "
         "status={} latency_ms={:.3f}",
-        *id_, request_id_, context_->peer(), recursion_depth_, usage_.prompt_tokens,
+        *id_, log_escaped(request_id_), context_->peer(), recursion_depth_, usage_.prompt_tokens,
         usage_.generated_tokens, finish_reason_name(finish_reason_),
         grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3);
   }
@@ -289,11 +305,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   const std::string request_id_;
   bool admitted_ = false;
   bool logprobs_ = false;
-  int recursion_depth_ = 0;
+  int recursion_depth_ = 0, prompt_tokens_ = 0;
 
   std::mutex mu_;  // guards everything below
   Clock::time_point last_token_{};
   std::optional<RequestId> id_;
+  bool submitted_ = false;  // the engine accepted the request (an event of it arrived)
   Response pending_, in_flight_;  // being filled / being written
   bool has_pending_ = false, writing_ = false, queued_ = false, finished_ = false, done_ = false;
   bool broken_ = false, client_cancelled_ = false, first_written_ = false;
@@ -325,6 +342,11 @@ grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::Sco
                                      v1::ScoreResponse* response) {
   return unary(context, [&](Engine& engine) -> absl::Status {
     CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, to_engine(*request, engine));
+    // A long text is scored in chunks; a client that gave up (or ran out of time) stops it
+    // between two, freeing the cache blocks it held.
+    if (Clock::time_point d = steady_deadline(*context); d != Clock::time_point::max())
+      req.deadline = d;
+    req.cancelled = [context] { return context->IsCancelled(); };
     CEMLM_ASSIGN_OR_RETURN(ScoreResult result, engine.score(req));
     *response = to_proto(result);
     return absl::OkStatus();

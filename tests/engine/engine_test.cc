@@ -481,6 +481,36 @@ TEST(Engine, ScoreMatchesGenerationLogprobsChunkByChunk) {
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
+// A score call stops between chunks once its deadline has passed or its caller gave up, with
+// the status that says which, and frees the blocks it held; a live call is not disturbed.
+TEST(Engine, ScoreStopsAtItsDeadlineOrCancellation) {
+  EngineOptions eo;
+  eo.max_batch_tokens = 4;  // 40 tokens: 10 chunks
+  Built b = build({}, eo);
+  const std::vector<int> ids = tokens(40, 3);
+  ScoreRequest late{ids, 1};
+  late.deadline = Clock::now() - std::chrono::milliseconds(1);
+  auto s = b.engine->score(late);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded) << s.status();
+  EXPECT_NE(s.status().message().find("after scoring 0 of 40 tokens"), std::string::npos);
+  ScoreRequest gives_up{ids, 1};
+  int checks = 0;
+  gives_up.cancelled = [&] { return ++checks > 3; };  // gone before the fourth chunk
+  s = b.engine->score(gives_up);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kCancelled) << s.status();
+  EXPECT_NE(s.status().message().find("after scoring 12 of 40 tokens"), std::string::npos)
+      << s.status();
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+  ScoreRequest in_time{ids, 1};
+  in_time.deadline = Clock::now() + std::chrono::hours(1);
+  in_time.cancelled = [] { return false; };
+  s = b.engine->score(in_time);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const auto plain = b.engine->score({ids, 1});
+  for (size_t i = 1; i < ids.size(); ++i) EXPECT_EQ(s->logprobs[i], plain->logprobs[i]) << i;
+  b.engine->shutdown(false);
+}
+
 // Score chunks run on the engine thread; a shutdown that begins while a score call is under way
 // lets it finish (same logprobs as an undisturbed call), then stops. The runner holds the call's
 // first chunk until shutdown() has begun, so the two surely overlap.

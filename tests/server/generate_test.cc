@@ -120,6 +120,41 @@ TEST_F(ServerGenerate, CancelMidStreamFreesTheBlocks) {
   })) << server_->metrics_text();
 }
 
+// The token counters move as tokens stream, not when the request ends (a dashboard's tokens/s
+// would otherwise lag by a whole generation).
+TEST_F(ServerGenerate, TokenCountersMoveWhileStreaming) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto reader = v1::Inference::NewStub(server_->channel())
+                    ->Generate(&context, ids_request(some_ids(12), 2000, 8));
+  int streamed = 0;
+  for (v1::GenerateResponse m; streamed < 5 && reader->Read(&m);) streamed += m.token_ids_size();
+  ASSERT_GE(streamed, 5);
+  // Counted on the engine thread before the tokens were written to us.
+  const auto m = parse_metrics(server_->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:prompt_tokens_total"), 12);
+  EXPECT_GE(metric(m, "cemlm:generation_tokens_total"), streamed);
+  EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_count"), 0);  // still running
+  context.TryCancel();
+  for (v1::GenerateResponse m; reader->Read(&m);) {
+  }
+  reader->Finish();
+}
+
+// A client's request_id goes into the server's log escaped: it cannot forge log lines.
+TEST_F(ServerGenerate, RequestIdCannotForgeLogLines) {
+  v1::GenerateRequest req = ids_request(some_ids(4), 2);
+  req.set_request_id("evil\" status=OK\nforged line");
+  ASSERT_TRUE(generate(server_->channel(), req).status.ok());
+  std::string log;
+  for (auto end = std::chrono::steady_clock::now() + 10s;
+       log.find("client_id=") == std::string::npos && std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(10ms))
+    log = server_->log();  // the line is written when the call is done
+  EXPECT_NE(log.find(R"(client_id="evil\" status=OK\nforged line")"), std::string::npos) << log;
+  EXPECT_EQ(log.find("\nforged line"), std::string::npos) << log;
+}
+
 TEST_F(ServerGenerate, DeadlineEndsTheRequest) {
   // 2000 tokens at T=8 take ~0.4 s on a 2-core machine (more under load): the deadline comes first.
   const Stream s = generate(server_->channel(), ids_request(some_ids(12), 2000, 8), {"", 50ms});

@@ -55,6 +55,7 @@ TEST(ServerDrain, SigtermFinishesWhatIsInFlightThenExitsZero) {
   int tokens = m.token_ids_size();
   server->signal(SIGTERM);
   EXPECT_TRUE(wait_for_health(*server, "NOT_SERVING"));
+  EXPECT_EQ(health(server->channel(), "cemlm.v1.Inference"), "NOT_SERVING");
   const Stream late = generate(server->channel(), ids_request(prompt(4), 2));
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   for (; reader->Read(&m);) tokens += m.token_ids_size();
@@ -139,6 +140,51 @@ TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
       << err;
   err = refused_serve(model_, "--engine-nice 20");
   EXPECT_NE(err.find("--engine-nice 20 must be in [0, 19]"), std::string::npos) << err;
+}
+
+// Load balancers and meshes check the service by name as well as the whole server.
+TEST_F(ServerLifecycle, HealthAnswersForTheServiceName) {
+  EXPECT_EQ(health(server_->channel(), "cemlm.v1.Inference"), "SERVING");
+  EXPECT_EQ(health(server_->channel(), "no.such.Service"), "error 5");  // NOT_FOUND
+}
+
+// --host ::1 serves gRPC on the IPv6 loopback and /metrics on 127.0.0.1 (the metrics listener once
+// got ":::PORT" and the server did not start); another IPv6 address is refused, naming --host.
+TEST_F(ServerLifecycle, ServesOnAnIpv6Host) {
+  auto v6 = ServerProcess::start(model_, {"--host", "::1"});
+  ASSERT_TRUE(v6);
+  EXPECT_EQ(v6->addr().rfind("[::1]:", 0), 0u) << v6->addr();
+  const Stream s = generate(v6->channel(), ids_request(prompt(4), 3));
+  EXPECT_TRUE(s.status.ok()) << s.status.error_message();
+  EXPECT_NE(v6->metrics_text().find("cemlm:generation_tokens_total"), std::string::npos);
+  const std::string err = refused_serve(model_, "--host fe80::1");
+  EXPECT_NE(err.find("--host fe80::1: /metrics cannot listen on an IPv6 address"),
+            std::string::npos)
+      << err;
+}
+
+// --max-connection-age closes a client's connection once it is that old (GOAWAY), so the channel
+// goes idle and its next call reconnects (to whichever replica DNS gives); without the flag the
+// connection stays up. A negative age is refused, naming the flag.
+TEST_F(ServerLifecycle, MaxConnectionAgeMakesClientsReconnect) {
+  auto aged = ServerProcess::start(model_, {"--max-connection-age", "0.5"});
+  ASSERT_TRUE(aged);
+  // Waiting on the channel (not polling GetState) drives its I/O, so a GOAWAY is read at once
+  // rather than by gRPC's 5 s backup poller.
+  auto state_within = [](const std::shared_ptr<grpc::Channel>& ch, grpc_connectivity_state want,
+                         std::chrono::milliseconds limit) {
+    const auto end = std::chrono::system_clock::now() + limit;
+    for (grpc_connectivity_state s = ch->GetState(false); s != want; s = ch->GetState(false))
+      if (!ch->WaitForStateChange(s, end)) return false;
+    return true;
+  };
+  ASSERT_TRUE(generate(aged->channel(), ids_request(prompt(4), 2)).status.ok());
+  ASSERT_TRUE(generate(server_->channel(), ids_request(prompt(4), 2)).status.ok());
+  EXPECT_TRUE(state_within(aged->channel(), GRPC_CHANNEL_IDLE, 5s));
+  EXPECT_FALSE(state_within(server_->channel(), GRPC_CHANNEL_IDLE, 1500ms));
+  EXPECT_TRUE(generate(aged->channel(), ids_request(prompt(4), 2)).status.ok());
+  const std::string err = refused_serve(model_, "--max-connection-age -1");
+  EXPECT_NE(err.find("--max-connection-age -1 must be >= 0 seconds"), std::string::npos) << err;
 }
 
 TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
@@ -267,12 +313,18 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
     EXPECT_NE(out.find("usage"), std::string::npos) << sub << ": " << out;
   }
   ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5,6,7",
-                       "--max-new-tokens", "5", "--ignore-eos", "--logprobs", "--json"},
+                       "--max-new-tokens", "5", "--ignore-eos", "--top-logprobs", "3", "--json"},
                       &out),
             0);
   const auto gen = nlohmann::json::parse(out);
   EXPECT_EQ(gen["ids"].size(), 5u);
   EXPECT_EQ(gen["logprobs"].size(), 5u);
+  ASSERT_EQ(gen["top_logprobs"].size(), 5u);  // per token, its 3 best alternatives
+  for (const auto& alts : gen["top_logprobs"]) {
+    ASSERT_EQ(alts.size(), 3u);
+    EXPECT_GE(alts[0]["logprob"].get<double>(), alts[2]["logprob"].get<double>());
+    EXPECT_TRUE(alts[0]["id"].is_number_integer());
+  }
   EXPECT_EQ(gen["finish_reason"], "length");
   EXPECT_EQ(gen["usage"]["prompt_tokens"], 3);
 

@@ -74,14 +74,27 @@ bool read_line(int fd, std::string* line, std::chrono::milliseconds timeout) {
   }
 }
 
-std::string http_get(int port, const std::string& path) {
-  const int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(uint16_t(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+// GET http://HOST:PORT/PATH (HOST a numeric IPv4 or IPv6 address); the body, or "" on failure.
+std::string http_get(const std::string& host, int port, const std::string& path) {
+  const bool v6 = host.find(':') != std::string::npos;
+  sockaddr_storage storage{};
+  socklen_t len = 0;
+  if (v6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&storage);
+    a->sin6_family = AF_INET6;
+    a->sin6_port = htons(uint16_t(port));
+    inet_pton(AF_INET6, host.c_str(), &a->sin6_addr);
+    len = sizeof *a;
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&storage);
+    a->sin_family = AF_INET;
+    a->sin_port = htons(uint16_t(port));
+    inet_pton(AF_INET, host.c_str(), &a->sin_addr);
+    len = sizeof *a;
+  }
+  const int s = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
   std::string response;
-  if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+  if (connect(s, reinterpret_cast<sockaddr*>(&storage), len) == 0) {
     const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
     if (write(s, req.data(), req.size()) == ssize_t(req.size())) {
       char buf[4096];
@@ -156,6 +169,8 @@ std::unique_ptr<ServerProcess> ServerProcess::start(
       "serve",          "--model", model_dir,   "--host", "127.0.0.1",         "--port", "0",
       "--metrics-port", "0",       "--threads", "1",      "--kv-cache-memory", "32M"};
   args.insert(args.end(), extra.begin(), extra.end());
+  for (size_t i = 0; i + 1 < extra.size(); ++i)
+    if (extra[i] == "--host") s->host_ = extra[i + 1];
   int fd = -1;
   s->pid_ = spawn_cemlm(args, &fd, s->log_path_);
   if (s->pid_ < 0) {
@@ -191,7 +206,15 @@ ServerProcess::~ServerProcess() {
   }
 }
 
-std::string ServerProcess::metrics_text() const { return http_get(metrics_port_, "/metrics"); }
+std::string ServerProcess::addr() const {
+  const bool v6 = host_.find(':') != std::string::npos;
+  return (v6 ? "[" + host_ + "]" : host_) + ":" + std::to_string(port_);
+}
+
+std::string ServerProcess::metrics_text() const {
+  // /metrics has no IPv6 listener (serve --help): --host ::1 puts it on 127.0.0.1.
+  return http_get(host_ == "::1" ? "127.0.0.1" : host_, metrics_port_, "/metrics");
+}
 std::string ServerProcess::log() const { return read_file(log_path_); }
 void ServerProcess::signal(int sig) const { kill(pid_, sig); }
 
@@ -209,11 +232,13 @@ int ServerProcess::wait_exit(std::chrono::milliseconds timeout) {
   }
 }
 
-std::string health(const std::shared_ptr<grpc::Channel>& channel) {
+std::string health(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + 2s);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
-  const grpc::Status st = grpc::health::v1::Health::NewStub(channel)->Check(&context, {}, &resp);
+  const grpc::Status st = grpc::health::v1::Health::NewStub(channel)->Check(&context, req, &resp);
   if (!st.ok()) return "error " + std::to_string(int(st.error_code()));
   return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
 }

@@ -32,7 +32,8 @@ std::string make_tiny_model(const std::string& dir, const TinyModelOptions& opts
 
 class ServerProcess {
  public:
-  // Starts `cemlm serve --model DIR --host 127.0.0.1 --port 0 --metrics-port 0 EXTRA...` and
+  // Starts `cemlm serve --model DIR --host 127.0.0.1 --port 0 --metrics-port 0 EXTRA...` (a
+  // --host in EXTRA, such as ::1, is where the test then connects) and
   // waits until health reports SERVING. Fails the test (and returns null) when it does not.
   // `creds` are those of channel() (plaintext by default).
   static std::unique_ptr<ServerProcess> start(
@@ -40,7 +41,7 @@ class ServerProcess {
       std::shared_ptr<grpc::ChannelCredentials> creds = nullptr);
   ~ServerProcess();  // kills the server if it still runs
 
-  std::string addr() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::string addr() const;  // host:port, an IPv6 host in brackets
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
   std::string metrics_text() const;  // GET /metrics; empty on failure
   std::string log() const;           // what the server wrote on stderr so far
@@ -51,13 +52,15 @@ class ServerProcess {
 
  private:
   pid_t pid_ = -1;
+  std::string host_ = "127.0.0.1";
   int port_ = 0, metrics_port_ = 0;
   std::string log_path_;
   std::shared_ptr<grpc::Channel> channel_;
 };
 
-// grpc.health.v1 status name of the whole server ("SERVING", ...), or the call's error code name.
-std::string health(const std::shared_ptr<grpc::Channel>& channel);
+// grpc.health.v1 status name ("SERVING", ...) of `service` ("": the whole server), or "error N"
+// with the call's error code.
+std::string health(const std::shared_ptr<grpc::Channel>& channel, const std::string& service = "");
 
 // Series of a text exposition: "name{labels}" -> value. Fails the test on a malformed line.
 std::map<std::string, double> parse_metrics(const std::string& text);

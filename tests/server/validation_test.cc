@@ -74,6 +74,13 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
          for (int i = 0; i < 513; ++i) r->add_prompt_ids(7);
        },
        "prompt_ids has 513 tokens"},
+      {"oversize prompt text",  // named as the client sent it, not as the ids it became
+       [](auto* r) {
+         std::string text;
+         for (int i = 0; i < 600; ++i) text += "word" + std::to_string(i) + " ";
+         r->set_prompt_text(text);
+       },
+       "prompt_text has "},
       {"T above max", [](auto* r) { r->set_recursion_depth(9); },
        "recursion_depth = 9 exceeds the model's recursion.max = 8"},
       {"negative T", [](auto* r) { r->set_recursion_depth(-1); }, "recursion_depth"},
@@ -127,7 +134,7 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
     v1::ScoreRequest req;
     const char* expected;
   };
-  std::vector<Case> cases(4);
+  std::vector<Case> cases(5);
   cases[0] = {"empty", {}, "text or ids"};
   cases[1].name = "one token";
   cases[1].req.add_ids(5);
@@ -139,6 +146,9 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
   cases[3].req.set_text("Hello there");
   cases[3].req.set_recursion_depth(12);
   cases[3].expected = "recursion_depth = 12";
+  cases[4].name = "text beyond the context";
+  for (int i = 0; i < 600; ++i) cases[4].req.mutable_text()->append("word" + std::to_string(i) + " ");
+  cases[4].expected = "text has ";
   for (const Case& c : cases) {
     v1::ScoreResponse resp;
     const grpc::Status st = score(server_->channel(), c.req, &resp);

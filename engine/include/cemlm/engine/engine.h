@@ -44,6 +44,7 @@ struct GenerateRequest {
   int priority = 0;                      // larger runs first; FCFS within a priority
   std::optional<Clock::time_point> deadline;
   std::string client_request_id;         // echoed in logs only
+  std::string prompt_field = "prompt_ids";  // the client's field, as validation errors name it
 };
 
 enum class FinishReason { kNone, kStop, kLength, kCancelled, kDeadline, kError };
@@ -78,6 +79,12 @@ using EventCallback = std::function<void(const StreamEvent&)>;
 struct ScoreRequest {
   std::vector<int> ids;
   int recursion_depth = 0;
+  std::string ids_field = "ids";  // the client's field, as validation errors name it
+  // Checked before each chunk: past the deadline the call ends DEADLINE_EXCEEDED, and once
+  // `cancelled` returns true (called on the scoring caller's thread) it ends CANCELLED; either
+  // way its cache blocks are freed.
+  std::optional<Clock::time_point> deadline;
+  std::function<bool()> cancelled;
 };
 struct ScoreResult {
   std::vector<int> ids;

@@ -36,7 +36,7 @@ class Sampler {
   Sampler(const SamplingParams& params, int eos_id, uint64_t seed);
 
   // `logits`: the raw row [V]; `tokens`: prompt then generated tokens, `n_prompt` of the former.
-  // FAILED_PRECONDITION when the model produced a non-finite logit.
+  // INTERNAL when the model produced a non-finite logit (a fault of the server, not the request).
   absl::StatusOr<SampleResult> sample(std::span<const float> logits, std::span<const int> tokens,
                                       int n_prompt);
   // True for a stop token id, and for eos unless ignore_eos. Generation ends after it.

@@ -17,12 +17,17 @@ namespace cemlm::server {
 class ServerState;
 class InferenceService;
 
+// "host:port" for a listener, an IPv6 host in brackets ("[::]:9400").
+std::string host_port(const std::string& host, int port);
+
 struct ServerOptions {
   std::string host = "0.0.0.0";
   int port = 50051;  // 0: any free port (see InferenceServer::port)
   ApiKeys api_keys;
   std::string tls_cert_pem, tls_key_pem;  // both empty: plaintext
   std::string model_name = "cemlm";
+  // GOAWAY to a connection this old (0: never); its calls in flight get the grace to finish.
+  double max_connection_age_s = 0, max_connection_age_grace_s = 30;
 };
 
 class InferenceServer {

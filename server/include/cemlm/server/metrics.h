@@ -24,7 +24,6 @@ namespace cemlm::server {
 struct FinishedGeneration {
   const char* success_reason = nullptr;  // "stop" | "length"; null when it did not end normally
   int recursion_depth = 0;
-  int prompt_tokens = 0, generated_tokens = 0;
   double e2e = 0, queue = 0;
 };
 
@@ -35,8 +34,10 @@ class ServerMetrics : public prometheus::Collectable {
   // Where the gauges come from; unset (before the model is loaded) they read zero.
   void set_stats_source(std::function<EngineStats()> source);
 
-  void observe_first_token(double seconds);
+  // A generation's first tokens: its prompt is through prefill. Then `n` tokens of it streamed.
+  void observe_first_token(double seconds, int prompt_tokens);
   void observe_inter_token(double seconds);
+  void count_generated(int n);
   void observe_finished(const FinishedGeneration& g);
   void count_error(grpc::StatusCode code);  // any RPC that ends with a status other than OK
 

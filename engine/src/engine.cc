@@ -399,10 +399,10 @@ bool EngineImpl::step() {
   const auto now = Clock::now();
   for (const auto& a : plan.admitted) {
     Request& q = *live_.at(a.id);
-    if (!q.scheduled) q.timings.scheduled = now;
+    if (q.scheduled) continue;  // readmitted after a preemption: its own blocks, not the cache's
+    q.timings.scheduled = now;
     q.scheduled = true;
-    q.usage.cached_prompt_tokens =
-        std::max(q.usage.cached_prompt_tokens, std::min(a.cached_tokens, q.n_prompt));
+    q.usage.cached_prompt_tokens = std::min(a.cached_tokens, q.n_prompt);
   }
   if (plan.empty()) return false;
   runner_->forward(plan.batch, &logits_);

@@ -15,10 +15,19 @@ uint64_t mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+uint64_t default_hash(uint64_t parent, std::span<const int> tokens, int T) {
+  uint64_t h = mix(parent + 0x9E3779B97F4A7C15ULL * uint64_t(T + 1));
+  for (int t : tokens) h = mix(h ^ (uint64_t(uint32_t(t)) + 0x632BE59BD9B4E019ULL));
+  return h;
+}
+
 }  // namespace
 
-BlockManager::BlockManager(int64_t num_blocks, int block_size, bool prefix_caching)
-    : block_size_(block_size), prefix_caching_(prefix_caching), blocks_(size_t(num_blocks)) {
+BlockManager::BlockManager(int64_t num_blocks, int block_size, bool prefix_caching, KeyHash hash)
+    : block_size_(block_size),
+      prefix_caching_(prefix_caching),
+      hash_(hash ? hash : default_hash),
+      blocks_(size_t(num_blocks)) {
   CEMLM_CHECK(num_blocks > 0 && block_size > 0);
   free_.reserve(size_t(num_blocks));
   // Lowest ids on top of the stack: allocation order is easy to follow in tests and logs.
@@ -29,22 +38,15 @@ double BlockManager::usage() const {
   return double(num_blocks() - num_available()) / double(num_blocks());
 }
 
-uint64_t BlockManager::chain_hash(uint64_t parent, std::span<const int> tokens, int T) const {
-  uint64_t h = mix(parent + 0x9E3779B97F4A7C15ULL * uint64_t(T + 1));
-  for (int t : tokens) h = mix(h ^ (uint64_t(uint32_t(t)) + 0x632BE59BD9B4E019ULL));
-  return h;
-}
-
-int32_t BlockManager::find_cached(uint64_t hash, uint64_t parent, std::span<const int> tokens,
-                                  int T) const {
-  auto it = index_.find(hash);
-  if (it == index_.end()) return -1;
-  const Block& b = blocks_[size_t(it->second)];
-  // The hash only narrows the search: the full key decides, so a collision can never hit.
-  if (b.parent != parent || b.recursion != T ||
-      !std::equal(tokens.begin(), tokens.end(), b.tokens.begin(), b.tokens.end()))
-    return -1;
-  return it->second;
+int32_t BlockManager::find_cached(uint64_t parent, std::span<const int> tokens, int T) const {
+  auto [it, end] = index_.equal_range(hash_(parent, tokens, T));
+  for (; it != end; ++it) {
+    const Block& b = blocks_[size_t(it->second)];
+    if (b.parent == parent && b.recursion == T &&
+        std::equal(tokens.begin(), tokens.end(), b.tokens.begin(), b.tokens.end()))
+      return it->second;
+  }
+  return -1;
 }
 
 PrefixMatch BlockManager::match_prefix(std::span<const int> tokens, int T) const {
@@ -53,13 +55,11 @@ PrefixMatch BlockManager::match_prefix(std::span<const int> tokens, int T) const
   const size_t max_blocks = (tokens.size() - 1) / size_t(block_size_);
   uint64_t parent = 0;
   for (size_t i = 0; i < max_blocks; ++i) {
-    auto chunk = tokens.subspan(i * size_t(block_size_), size_t(block_size_));
-    const uint64_t h = chain_hash(parent, chunk, T);
-    const int32_t b = find_cached(h, parent, chunk, T);
+    const int32_t b =
+        find_cached(parent, tokens.subspan(i * size_t(block_size_), size_t(block_size_)), T);
     if (b < 0) break;
     m.blocks.push_back(b);
-    m.hashes.push_back(h);
-    parent = h;
+    parent = blocks_[size_t(b)].instance;
   }
   return m;
 }
@@ -75,10 +75,10 @@ bool BlockManager::start(SeqId seq, const PrefixMatch& match, int T, int n_posit
 
   SeqBlocks& s = seqs_[seq];
   s.recursion = T;
-  s.hashes = match.hashes;
   for (int32_t b : match.blocks) {
     add_ref(b);
     s.table.push_back(b);
+    s.chain.push_back(blocks_[size_t(b)].instance);
   }
   while (int64_t(s.table.size()) < total) s.table.push_back(take_block());
   return true;
@@ -100,20 +100,25 @@ void BlockManager::mark_computed(SeqId seq, std::span<const int> tokens, int n_c
   if (!prefix_caching_) return;
   SeqBlocks& s = seqs_.at(seq);
   const size_t bs = size_t(block_size_);
-  for (size_t i = s.hashes.size(); (i + 1) * bs <= size_t(n_computed) && i < s.table.size(); ++i) {
-    const uint64_t parent = i ? s.hashes[i - 1] : 0;
+  for (size_t i = s.chain.size(); (i + 1) * bs <= size_t(n_computed) && i < s.table.size(); ++i) {
+    const uint64_t parent = i ? s.chain[i - 1] : 0;
     auto chunk = tokens.subspan(i * bs, bs);
-    const uint64_t h = chain_hash(parent, chunk, s.recursion);
-    s.hashes.push_back(h);
-    // Another sequence may have published the same content first; ours then stays private.
-    if (index_.count(h)) continue;
-    Block& b = blocks_[size_t(s.table[i])];
+    // Another sequence may have published the same content first: ours stays private, and the
+    // chain goes on from theirs (equal keys, equal contents).
+    if (const int32_t same = find_cached(parent, chunk, s.recursion); same >= 0) {
+      s.chain.push_back(blocks_[size_t(same)].instance);
+      continue;
+    }
+    const int32_t id = s.table[i];
+    Block& b = blocks_[size_t(id)];
     b.cached = true;
-    b.hash = h;
+    b.instance = next_instance_++;
     b.parent = parent;
     b.recursion = s.recursion;
     b.tokens.assign(chunk.begin(), chunk.end());
-    index_[h] = s.table[i];
+    b.hash = hash_(parent, chunk, s.recursion);
+    index_.emplace(b.hash, id);
+    s.chain.push_back(b.instance);
   }
 }
 
@@ -123,6 +128,15 @@ void BlockManager::release(SeqId seq) {
   // Tail blocks first, so they are evicted before the prefix blocks their chain depends on.
   for (auto b = it->second.table.rbegin(); b != it->second.table.rend(); ++b) drop_ref(*b);
   seqs_.erase(it);
+}
+
+int64_t BlockManager::reclaimable(std::span<const SeqId> seqs) const {
+  std::unordered_map<int32_t, int> held;  // block -> references among `seqs`
+  for (SeqId s : seqs)
+    for (int32_t b : table(s)) ++held[b];
+  int64_t n = num_available();
+  for (const auto& [b, refs] : held) n += refs == blocks_[size_t(b)].ref;
+  return n;
 }
 
 const std::vector<int32_t>& BlockManager::table(SeqId seq) const { return seqs_.at(seq).table; }
@@ -137,7 +151,11 @@ int32_t BlockManager::take_block() {
     id = lru_.front();
     lru_.pop_front();
     Block& b = blocks_[size_t(id)];
-    index_.erase(b.hash);
+    for (auto [it, end] = index_.equal_range(b.hash); it != end; ++it)
+      if (it->second == id) {
+        index_.erase(it);
+        break;
+      }
     b.cached = false;
     b.tokens.clear();
   }

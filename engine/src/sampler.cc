@@ -114,7 +114,7 @@ void Sampler::apply_penalties(std::span<const int> tokens, int n_prompt) {
 
 int Sampler::draw() {
   const size_t V = work_.size();
-  if (params_.temperature == 0) {  // the first (lowest id) of the largest
+  if (samples_greedily(params_)) {  // the first (lowest id) of the largest
     float best = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : best)
     for (size_t i = 0; i < V; ++i) best = std::max(best, work_[i]);
@@ -174,8 +174,13 @@ void Sampler::top_alternatives(std::span<const float> logits, float lse,
 std::string StopMatcher::push(std::string_view piece, bool* stopped) {
   *stopped = false;
   held_.append(piece);
-  size_t cut = std::string::npos;
-  for (const std::string& s : stops_) cut = std::min(cut, held_.find(s));
+  // The stop string that completes first in the text wins (the longer one when two end together),
+  // wherever the pieces split it: the earliest *start* would depend on whether a longer stop
+  // string that began sooner had already arrived when a shorter one inside it completed.
+  size_t cut = std::string::npos, end = std::string::npos;
+  for (const std::string& s : stops_)
+    if (const size_t at = held_.find(s); at != std::string::npos)
+      if (at + s.size() < end || (at + s.size() == end && at < cut)) cut = at, end = at + s.size();
   if (cut != std::string::npos) {
     *stopped = true;
     std::string out = held_.substr(0, cut);

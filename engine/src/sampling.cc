@@ -39,12 +39,14 @@ absl::Status check_stops(const SamplingParams& p, int vocab_size) {
 
 absl::Status validate_sampling(const SamplingParams& p, int vocab_size) {
   CEMLM_RETURN_IF_ERROR(check(std::isfinite(p.temperature) && p.temperature >= 0, "temperature",
-                              "a finite number >= 0 (0 = greedy)", p.temperature));
+                              "a finite number >= 0 (0 = greedy, as is anything below 1e-5)",
+                              p.temperature));
   CEMLM_RETURN_IF_ERROR(check(p.top_k >= 0, "top_k", ">= 0 (0 = off)", p.top_k));
   CEMLM_RETURN_IF_ERROR(check(p.top_p > 0 && p.top_p <= 1, "top_p", "in (0, 1]", p.top_p));
   CEMLM_RETURN_IF_ERROR(check(p.min_p >= 0 && p.min_p <= 1, "min_p", "in [0, 1]", p.min_p));
-  CEMLM_RETURN_IF_ERROR(check(std::isfinite(p.repetition_penalty) && p.repetition_penalty > 0,
-                              "repetition_penalty", "a finite number > 0 (1 = off)",
+  // (Below 0.01 a logit divided by it can overflow fp32; nothing useful lies beyond 100.)
+  CEMLM_RETURN_IF_ERROR(check(p.repetition_penalty >= 0.01f && p.repetition_penalty <= 100,
+                              "repetition_penalty", "in [0.01, 100] (1 = off)",
                               p.repetition_penalty));
   CEMLM_RETURN_IF_ERROR(check(p.presence_penalty >= -2 && p.presence_penalty <= 2,
                               "presence_penalty", "in [-2, 2]", p.presence_penalty));

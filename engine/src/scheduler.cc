@@ -142,7 +142,9 @@ void Scheduler::admit_waiting(int* budget, StepPlan* plan) {
     s->n_computed = cached;
     s->running = true;
     running_.insert(std::upper_bound(running_.begin(), running_.end(), s, RankLess()), s);
-    prefix_hit_tokens_ += cached;
+    // Prompt tokens the cache spared: once per sequence (a readmitted one finds its own blocks).
+    if (!s->admitted_before) prefix_hit_tokens_ += std::min(cached, s->n_prompt);
+    s->admitted_before = true;
     plan->admitted.push_back({s->id, cached});
     *budget -= n;
     add_row(s, n, plan);
@@ -203,6 +205,11 @@ bool Scheduler::remove(SeqId id) {
 }
 
 bool Scheduler::make_room(int64_t n_blocks) {
+  // Preempt only when preempting every running sequence would make the room: otherwise their
+  // work would be thrown away for a call that fails anyway.
+  std::vector<SeqId> running;
+  for (const Sequence* s : running_) running.push_back(s->id);
+  if (blocks_->num_available() < n_blocks && blocks_->reclaimable(running) < n_blocks) return false;
   while (blocks_->num_available() < n_blocks && !running_.empty()) preempt(running_.back(), nullptr);
   publish_waiting();
   return blocks_->num_available() >= n_blocks;

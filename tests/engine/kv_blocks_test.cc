@@ -1,5 +1,6 @@
 // BlockManager: allocation and release, all-or-nothing allocations, reference counts, prefix
-// caching keyed by (parent, tokens, T), and LRU eviction of unreferenced cached blocks.
+// caching keyed exactly by (parent block, tokens, T) whatever the hashes, and LRU eviction of
+// unreferenced cached blocks.
 #include "cemlm/engine/kv_blocks.h"
 
 #include <gtest/gtest.h>
@@ -135,6 +136,25 @@ TEST(BlockManager, SameContentPublishedTwiceKeepsOneEntry) {
   bm.release(2);
   EXPECT_EQ(bm.num_available(), 8);
   EXPECT_EQ(bm.match_prefix(t, 1).blocks.size(), 1u);
+}
+
+// Every key hashes alike here, as a crafted collision would: a block is found by its exact key,
+// so the attacker's second block (computed after a different first block) never serves a prompt
+// whose first block is the victim's, while each chain still finds itself.
+TEST(BlockManager, CollidingKeysNeverHit) {
+  BlockManager bm(16, 2, true, [](uint64_t, std::span<const int>, int) -> uint64_t { return 7; });
+  const std::vector<int> victim = {1, 2, 7, 7, 0}, attacker = {9, 9, 3, 4, 0};
+  for (auto [seq, tokens] : {std::pair{1, victim}, std::pair{2, attacker}}) {
+    ASSERT_TRUE(bm.start(SeqId(seq), {}, 1, 5));
+    bm.mark_computed(SeqId(seq), tokens, 5);
+    bm.release(SeqId(seq));
+  }
+  EXPECT_EQ(bm.match_prefix(std::vector<int>{1, 2, 3, 4, 0}, 1).blocks.size(), 1u);
+  EXPECT_EQ(bm.match_prefix(victim, 1).blocks.size(), 2u);
+  EXPECT_EQ(bm.match_prefix(attacker, 1).blocks.size(), 2u);
+  EXPECT_TRUE(bm.match_prefix(std::vector<int>{9, 9, 7, 7, 0}, 1).blocks.size() == 1u);
+  EXPECT_TRUE(bm.match_prefix(victim, 2).blocks.empty());  // T is part of the key
+  EXPECT_EQ(bm.num_available(), 16);
 }
 
 TEST(BlockManager, PrefixCachingOffNeverMatches) {

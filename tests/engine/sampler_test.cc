@@ -55,6 +55,16 @@ TEST(Sampler, TemperatureToZeroApproachesGreedy) {
   EXPECT_GT(support(p).size(), 4u);
 }
 
+// Temperatures so small that logits / T overflow fp32 sample greedily: they once made every
+// probability NaN, and the draw fell through to the last token id.
+TEST(Sampler, TinyTemperaturesAreGreedyNotTheLastId) {
+  for (float t : {1e-6f, 1e-20f, 1e-39f, 1.4e-45f}) {
+    SamplingParams p;
+    p.temperature = t;
+    EXPECT_EQ(support(p), std::set<int>{3}) << t;
+  }
+}
+
 TEST(Sampler, TopKKeepsTheKBest) {
   SamplingParams p;
   p.top_k = 3;
@@ -252,6 +262,18 @@ TEST(StopMatcher, CutsAtTheEarliestStopString) {
   bool stopped = false;
   EXPECT_EQ(m.push("xbca", &stopped), "x");
   EXPECT_TRUE(stopped);
+  // "bc" completes inside "abcd": it wins however the text arrives.
+  for (const std::vector<std::string>& pieces :
+       {std::vector<std::string>{"abcd"}, {"ab", "c", "d"}, {"a", "bcd"}, {"abc", "d"}}) {
+    StopMatcher both({"abcd", "bc"});
+    std::string out;
+    for (const std::string& piece : pieces) {
+      out += both.push(piece, &stopped);
+      if (stopped) break;
+    }
+    EXPECT_TRUE(stopped);
+    EXPECT_EQ(out, "a") << pieces.size() << " pieces";
+  }
   StopMatcher none({});
   EXPECT_EQ(none.push("anything", &stopped), "anything");
   EXPECT_FALSE(stopped);
@@ -279,6 +301,8 @@ TEST(ValidateSampling, EveryBadFieldIsNamed) {
       {"sampling.min_p", [](SamplingParams& p) { p.min_p = -0.5f; }},
       {"sampling.min_p", [](SamplingParams& p) { p.min_p = NAN; }},
       {"sampling.repetition_penalty", [](SamplingParams& p) { p.repetition_penalty = 0; }},
+      {"sampling.repetition_penalty must be in [0.01, 100]",
+       [](SamplingParams& p) { p.repetition_penalty = 1e-30f; }},
       {"sampling.repetition_penalty", [](SamplingParams& p) { p.repetition_penalty = INFINITY; }},
       {"sampling.presence_penalty", [](SamplingParams& p) { p.presence_penalty = 2.5f; }},
       {"sampling.presence_penalty", [](SamplingParams& p) { p.presence_penalty = NAN; }},

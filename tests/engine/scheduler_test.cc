@@ -168,6 +168,27 @@ TEST(Scheduler, PreemptedSequenceGoesAheadOfLaterArrivals) {
   EXPECT_TRUE(p.rows[0].sample);
 }
 
+// The prefix-cache hit counter counts prompt tokens other requests computed, once per request: a
+// preempted sequence that finds its own blocks again when readmitted adds nothing.
+TEST(Scheduler, ReadmissionAfterPreemptionIsNotAPrefixHit) {
+  Harness h({.max_batch_tokens = 100}, 6, 2, /*caching=*/true);
+  h.add(1, 4);
+  h.step();  // prompt [1, 4] computed; block [1, 2] published
+  h.add(2, 5);
+  StepPlan p = h.step();  // hits [1, 2] (2 prompt tokens) and [3, 4] (2 more)
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].cached_tokens, 4);
+  EXPECT_EQ(h.sched.prefix_hit_tokens_total(), 4);
+  for (int i = 0; i < 20 && h.sched.preemptions_total() == 0; ++i) h.step();  // blocks fill up
+  ASSERT_EQ(h.sched.preemptions_total(), 1);
+  ASSERT_FALSE(h.sched.find(2)->running);  // the newer one went
+  h.sched.remove(1);
+  p = h.step();  // 2 is readmitted and finds its own blocks
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_GT(p.admitted[0].cached_tokens, 0);
+  EXPECT_EQ(h.sched.prefix_hit_tokens_total(), 4);
+}
+
 TEST(Scheduler, DecodeRowPreemptsItselfWhenNothingRanksBelowIt) {
   // B (priority 0) decodes; A (priority 1, admitted later but ranked first) prefills in chunks
   // and holds the rest of the cache. B's next block can only come from B itself.
@@ -198,9 +219,33 @@ TEST(Scheduler, MakeRoomPreemptsLowestRankFirst) {
   EXPECT_FALSE(h.sched.find(2)->running);
   EXPECT_TRUE(h.sched.find(1)->running);
   EXPECT_TRUE(h.sched.find(3)->running);
+  // 7 of 6 blocks can never be made: nobody is preempted for nothing.
   EXPECT_FALSE(h.sched.make_room(7));
+  EXPECT_EQ(h.sched.num_running(), 2);
+  EXPECT_EQ(h.sched.num_waiting(), 1);
+  EXPECT_TRUE(h.sched.make_room(6));
   EXPECT_EQ(h.sched.num_running(), 0);
   EXPECT_EQ(h.sched.num_waiting(), 3);
+}
+
+// Blocks another holder keeps (a scoring call's) cannot be made room from: when the running
+// sequences' own blocks are not enough, none of them is preempted. Blocks two running sequences
+// share (a prefix-cache hit) count once and are freed with the second.
+TEST(Scheduler, MakeRoomCountsOnlyWhatPreemptingWouldFree) {
+  Harness h({.max_batch_tokens = 100}, 8, 2, /*caching=*/true);
+  h.add(1, 5);
+  h.step();  // 3 blocks; the first two published
+  h.add(2, 5);
+  h.step();  // shares those two, adds 1
+  ASSERT_EQ(h.bm.num_available(), 4);
+  const SeqId other = 999;  // not a scheduler sequence: a scoring call, say
+  ASSERT_TRUE(h.bm.start(other, {}, 1, 4));  // 2 blocks
+  EXPECT_EQ(h.bm.num_available(), 2);
+  EXPECT_FALSE(h.sched.make_room(7));  // 2 free + 4 of the running = 6
+  EXPECT_EQ(h.sched.num_running(), 2);
+  EXPECT_TRUE(h.sched.make_room(6));
+  EXPECT_EQ(h.sched.num_running(), 0);
+  h.bm.release(other);
 }
 
 TEST(Scheduler, RemoveFreesBlocksWhereverTheSequenceIs) {

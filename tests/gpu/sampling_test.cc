@@ -19,7 +19,7 @@ using gpu_test::random_vec;
 cuda::SampleRowSpec spec_of(const SamplingParams& p, uint64_t seed, const std::vector<int>& hist,
                             int n_prompt) {
   cuda::SampleRowSpec s;
-  s.temperature = p.temperature;
+  s.temperature = samples_greedily(p) ? 0.0f : p.temperature;
   s.top_k = p.top_k;
   s.top_p = p.top_p;
   s.min_p = p.min_p;

@@ -1,7 +1,9 @@
 // Host-side bookkeeping of the paged KV cache: fixed-size blocks, a free list, per-sequence block
-// tables, reference counts and a prefix cache of FULL blocks keyed by a hash chained over
-// (parent hash, the block's token ids, T). Only full, already-computed blocks are ever shared and
-// nobody writes into a shared block, so no copy-on-write is needed.
+// tables, reference counts and a prefix cache of FULL blocks. A cached block is known by its exact
+// key: (the cached block before it, as an instance that eviction retires, the block's token ids,
+// T). A hash of the key only finds candidates; equal hashes never make a hit, so a crafted
+// collision cannot serve one client's cache to another. Only full, already-computed blocks are
+// ever shared and nobody writes into a shared block, so no copy-on-write is needed.
 #pragma once
 #include <cstdint>
 #include <list>
@@ -16,12 +18,13 @@ using SeqId = uint64_t;
 // The cached full blocks that start a token sequence (see BlockManager::match_prefix).
 struct PrefixMatch {
   std::vector<int32_t> blocks;
-  std::vector<uint64_t> hashes;  // chained hash of each block
 };
 
 class BlockManager {
  public:
-  BlockManager(int64_t num_blocks, int block_size, bool prefix_caching);
+  // The hash of a cached block's key: only where to look (a test passes a colliding one).
+  using KeyHash = uint64_t (*)(uint64_t parent_instance, std::span<const int> tokens, int T);
+  BlockManager(int64_t num_blocks, int block_size, bool prefix_caching, KeyHash hash = nullptr);
 
   int block_size() const { return block_size_; }
   int64_t num_blocks() const { return int64_t(blocks_.size()); }
@@ -48,6 +51,9 @@ class BlockManager {
   void mark_computed(SeqId seq, std::span<const int> tokens, int n_computed);
   // Drops `seq`'s references; its cached blocks stay reusable until evicted.
   void release(SeqId seq);
+  // Blocks available once every sequence of `seqs` is released: those available now plus those
+  // nobody else references.
+  int64_t reclaimable(std::span<const SeqId> seqs) const;
 
   bool has(SeqId seq) const { return seqs_.count(seq) != 0; }
   const std::vector<int32_t>& table(SeqId seq) const;
@@ -55,30 +61,36 @@ class BlockManager {
  private:
   struct Block {
     int ref = 0;
-    bool cached = false;  // in index_ (its key below is valid)
-    uint64_t hash = 0, parent = 0;
+    bool cached = false;  // in index_ (the key below is valid)
+    // The key: which published block instance precedes this one (0: none, the sequence's start),
+    // the tokens and T. `instance` names this publication; it is never reused, so a block that
+    // was evicted and published again is a different parent for whatever follows.
+    uint64_t instance = 0, parent = 0, hash = 0;
     int recursion = 0;
     std::vector<int> tokens;
     std::list<int32_t>::iterator lru_pos;  // valid while cached and unreferenced
   };
   struct SeqBlocks {
     std::vector<int32_t> table;
-    std::vector<uint64_t> hashes;  // chained hashes of the leading cached/published blocks
+    // For the leading full blocks whose content is cached (by this sequence or another): the
+    // instance that holds that content, the parent of the next block.
+    std::vector<uint64_t> chain;
     int recursion = 1;
   };
 
-  uint64_t chain_hash(uint64_t parent, std::span<const int> tokens, int T) const;
-  int32_t find_cached(uint64_t hash, uint64_t parent, std::span<const int> tokens, int T) const;
+  int32_t find_cached(uint64_t parent, std::span<const int> tokens, int T) const;
   int32_t take_block();  // caller checked num_available() > 0
   void add_ref(int32_t b);
   void drop_ref(int32_t b);
 
   int block_size_;
   bool prefix_caching_;
+  KeyHash hash_;
+  uint64_t next_instance_ = 1;
   std::vector<Block> blocks_;
   std::vector<int32_t> free_;
   std::list<int32_t> lru_;  // unreferenced cached blocks, least recently used first
-  std::unordered_map<uint64_t, int32_t> index_;
+  std::unordered_multimap<uint64_t, int32_t> index_;  // key hash -> cached blocks
   std::unordered_map<SeqId, SeqBlocks> seqs_;
 };
 

@@ -60,7 +60,9 @@ class Sampler {
 
 // Matches stop strings on a stream of text pieces. Text that could still grow into a stop string
 // is held back until it resolves; when one completes, the text before it is released and the
-// rest is dropped. Stop strings must be valid UTF-8, so held-back cuts fall on character bounds.
+// rest is dropped. Of several, the one whose end comes first in the text wins, so the output does
+// not depend on how the text splits into pieces. Stop strings must be valid UTF-8, so held-back
+// cuts fall on character bounds.
 class StopMatcher {
  public:
   explicit StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}

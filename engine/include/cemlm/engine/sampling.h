@@ -10,7 +10,7 @@
 namespace cemlm {
 
 struct SamplingParams {
-  float temperature = 1.0f;        // 0: greedy
+  float temperature = 1.0f;        // 0 (or below kGreedyBelowTemperature): greedy
   int top_k = 0;                   // 0: off
   float top_p = 1.0f;              // 1: off
   float min_p = 0.0f;              // 0: off
@@ -30,6 +30,13 @@ struct TopLogprob {
   int token_id;
   float logprob;
 };
+
+// Temperatures below this sample greedily: dividing the logits by a smaller one overflows fp32
+// (every probability NaN), and a distribution that sharp is the argmax in practice (vLLM's rule).
+inline constexpr float kGreedyBelowTemperature = 1e-5f;
+inline bool samples_greedily(const SamplingParams& p) {
+  return p.temperature < kGreedyBelowTemperature;
+}
 
 inline constexpr int kMaxStopStrings = 16;
 inline constexpr int kMaxTopLogprobs = 20;

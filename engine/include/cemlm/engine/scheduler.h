@@ -51,6 +51,7 @@ struct Sequence {
   int priority = 0;
   uint64_t arrival = 0;
   bool running = false;
+  bool admitted_before = false;  // admitted once already (now readmitted after a preemption)
   int generated() const { return int(tokens.size()) - n_prompt; }
 };
 
@@ -87,7 +88,8 @@ class Scheduler {
   void append(SeqId id, int token);
   // Ends an accepted sequence wherever it is (waiting or running) and frees its blocks.
   bool remove(SeqId id);
-  // Preempts running sequences, lowest rank first, until `n_blocks` are available.
+  // Preempts running sequences, lowest rank first, until `n_blocks` are available; false, with
+  // none preempted, when even all of them would not free enough.
   bool make_room(int64_t n_blocks);
 
   const Sequence* find(SeqId id) const;

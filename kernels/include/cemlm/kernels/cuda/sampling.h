@@ -12,7 +12,7 @@ namespace cemlm::cuda {
 
 // One row's request, on the host. Same meaning and defaults as SamplingParams.
 struct SampleRowSpec {
-  float temperature = 1.0f;  // 0: greedy
+  float temperature = 1.0f;  // 0: greedy (pass 0 where SamplingParams samples greedily)
   int top_k = 0;
   float top_p = 1.0f;
   float min_p = 0.0f;

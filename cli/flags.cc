@@ -141,12 +141,23 @@ int Flags::parse(int argc, char** argv) {
     }
     f->given = true;
     if (f->is_bool) {
+      if (has_value) {  // "--json=false" must not turn JSON on
+        std::fprintf(stderr, "error: option '--%s' takes no value (got '%s'); leave it out to "
+                     "keep it off\n", name.c_str(), value.c_str());
+        return 2;
+      }
       f->set("");
       continue;
     }
     if (f->is_list) {
+      const int before = i;
       if (has_value) f->set(value);
       while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) f->set(argv[++i]);
+      if (!has_value && i == before) {  // "--data $EMPTY" must not fall back to the default
+        std::fprintf(stderr, "error: option '--%s' needs at least one value (see --help)\n",
+                     name.c_str());
+        return 2;
+      }
       continue;
     }
     if (!has_value) {

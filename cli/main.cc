@@ -1,6 +1,7 @@
 // `cemlm`: one program, many subcommands. This file only dispatches; see commands.h.
 #include <cstdio>
 #include <cstring>
+#include <new>
 #include <string>
 
 #include "cemlm/cli/commands.h"
@@ -46,7 +47,18 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   for (const auto& c : kCommands)
-    if (!std::strcmp(argv[1], c.name)) return c.run(argc - 2, argv + 2);
+    if (!std::strcmp(argv[1], c.name)) {
+      try {
+        return c.run(argc - 2, argv + 2);
+      } catch (const std::bad_alloc&) {  // a config or batch beyond this machine's memory
+        std::fprintf(stderr,
+                     "cemlm %s: out of memory: the model or the batch does not fit in this "
+                     "machine's memory; use a smaller config (cemlm inspect shows its size) or "
+                     "smaller batch flags\n",
+                     c.name);
+        return 1;
+      }
+    }
   std::fprintf(stderr, "cemlm: unknown command '%s' (run 'cemlm help')\n", argv[1]);
   return 2;
 }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <span>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "cemlm/engine/safetensors.h"
@@ -32,14 +33,18 @@ absl::Status fs_error(const std::string& what, const fs::path& p, const std::err
       absl::StrCat("cannot ", what, " '", p.string(), "': ", ec.message()));
 }
 
-absl::Status load_tensors(const SafetensorsFile& file, ParamStore& params) {
+// The file holds exactly the tensors of `layout`, with its shapes. Checked before the parameters
+// are allocated, so a config far larger than its weights is refused, not an out-of-memory abort.
+absl::Status check_tensors(const SafetensorsFile& file, const std::vector<ParamSpec>& layout) {
+  std::unordered_set<std::string> names;
+  for (const ParamSpec& s : layout) names.insert(s.name);
   for (const TensorInfo& t : file.tensors())
-    if (!params.find(t.name))
+    if (!names.count(t.name))
       return absl::InvalidArgumentError(absl::StrCat(
           file.path(), ": unexpected tensor '", t.name,
           "' (config.json's model has no such parameter: check that config.json belongs to these "
           "weights)"));
-  for (const ParamSpec& s : params.specs()) {
+  for (const ParamSpec& s : layout) {
     const TensorInfo* t = file.find(s.name);
     if (!t)
       return absl::InvalidArgumentError(absl::StrCat(
@@ -49,8 +54,14 @@ absl::Status load_tensors(const SafetensorsFile& file, ParamStore& params) {
       return absl::InvalidArgumentError(
           absl::StrCat(file.path(), ": tensor '", s.name, "' has shape ", shape_string(t->shape),
                        ", config.json expects ", shape_string(s.shape)));
-    CEMLM_RETURN_IF_ERROR(file.read_f32(*t, {params.flat().data() + s.offset, size_t(s.numel())}));
   }
+  return absl::OkStatus();
+}
+
+absl::Status load_tensors(const SafetensorsFile& file, ParamStore& params) {
+  for (const ParamSpec& s : params.specs())
+    CEMLM_RETURN_IF_ERROR(
+        file.read_f32(*file.find(s.name), {params.flat().data() + s.offset, size_t(s.numel())}));
   return absl::OkStatus();
 }
 
@@ -138,6 +149,7 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   CEMLM_ASSIGN_OR_RETURN(ck.config, load_config((root / kConfigFile).string()));
   CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file,
                          SafetensorsFile::open((root / kWeightsFile).string()));
+  CEMLM_RETURN_IF_ERROR(check_tensors(file, param_layout(ck.config)));
   ck.params = ParamStore(ck.config);
   CEMLM_RETURN_IF_ERROR(load_tensors(file, ck.params));
   std::error_code ec;
@@ -146,22 +158,43 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   return ck;
 }
 
-absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
-                             const ParamStore& params, const std::string& tokenizer_path,
-                             const ExtraFilesWriter& write_extra) {
-  CEMLM_RETURN_IF_ERROR(check_params(config, params));
+namespace {
+fs::path target_path(const std::string& dir) {
   fs::path target = fs::path(dir).lexically_normal();
   if (!target.has_filename()) target = target.parent_path();  // "out/" → "out"
+  return target;
+}
+}  // namespace
+
+absl::Status check_checkpoint_target(const std::string& dir) {
+  const fs::path target = target_path(dir);
+  if (target.empty() || target == "." || target == "..")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", dir, "' cannot hold a checkpoint: name a directory of its own, like models/run1"));
   std::error_code ec;
-  const bool exists = fs::exists(target, ec);
-  if (exists && (!fs::is_directory(target, ec) ||
-                 (!fs::exists(target / kConfigFile, ec) && !fs::is_empty(target, ec))))
+  if (fs::exists(target, ec) && (!fs::is_directory(target, ec) ||
+                                 (!fs::exists(target / kConfigFile, ec) && !fs::is_empty(target, ec))))
     return absl::FailedPreconditionError(absl::StrCat(
         "'", target.string(),
         "' exists and is not a checkpoint directory (no config.json); refusing to replace it: "
         "choose another output directory or remove it"));
   if (target.has_parent_path() && !fs::create_directories(target.parent_path(), ec) && ec)
     return fs_error("create", target.parent_path(), ec);
+  const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  if (::access(parent.c_str(), W_OK) != 0)
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot write a checkpoint into '", parent.string(), "': ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
+                             const ParamStore& params, const std::string& tokenizer_path,
+                             const ExtraFilesWriter& write_extra) {
+  CEMLM_RETURN_IF_ERROR(check_params(config, params));
+  CEMLM_RETURN_IF_ERROR(check_checkpoint_target(dir));
+  const fs::path target = target_path(dir);
+  std::error_code ec;
+  const bool exists = fs::exists(target, ec);
   static std::atomic<uint64_t> counter{0};
   const fs::path tmp = absl::StrCat(target.string(), ".tmp-", ::getpid(), "-", counter++);
   if (!fs::create_directory(tmp, ec))

@@ -28,6 +28,11 @@ class Reader {
     const json& v = obj_[key];
     if (!v.is_number_integer())
       return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be an integer"));
+    // An unsigned value beyond int64 (2^64 - 1) would read as a negative one: say it as given.
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(hi))
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' = ",
+                                                     v.get<uint64_t>(), " is out of range [", lo,
+                                                     ", ", hi, "]"));
     int64_t x = v.get<int64_t>();
     if (x < lo || x > hi)
       return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' = ", x,
@@ -45,6 +50,10 @@ class Reader {
     if (!(x > lo && x <= hi))
       return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' = ", x,
                                                      " is out of range (", lo, ", ", hi, "]"));
+    if (!(float(x) > float(lo)))  // 1e-50 passes the check above and is 0 as a float
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: '", path(key), "' = ", x, " is too small for a 32-bit float (", lo, " after "
+          "rounding); the smallest is about 1e-38"));
     *out = float(x);
     return absl::OkStatus();
   }

@@ -6,13 +6,13 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
 
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/plugin.h"
+#include "cemlm/engine/safetensors.h"  // write_file_atomic
 #include "cemlm/kernels/tensor.h"  // CEMLM_CHECK
 #include "spm_api.h"
 
@@ -141,21 +141,19 @@ std::unordered_map<std::string, std::string> trainer_args(const TokenizerTrainOp
   };
 }
 
+// The model file appears whole or not at all (synced temporary, renamed); a failure leaves no
+// temporary behind.
 bool write_atomically(const std::string& path, const std::string& bytes, std::string* error) {
   std::error_code ec;
   if (fs::path parent = fs::path(path).parent_path(); !parent.empty())
     fs::create_directories(parent, ec);
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out.write(bytes.data(), std::streamsize(bytes.size())) || !out.flush()) {
-      *error = "cannot write tokenizer to '" + path + "' (--out)";
-      return false;
-    }
-  }
-  fs::rename(tmp, path, ec);
-  if (ec) *error = "cannot write tokenizer to '" + path + "' (--out): " + ec.message();
-  return !ec;
+  const absl::Status st = write_file_atomic(path, [&](std::FILE* f) {
+    return std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size()
+               ? absl::OkStatus()
+               : absl::UnavailableError("short write");
+  });
+  if (!st.ok()) *error = "cannot write tokenizer to '" + path + "' (--out): " + std::string(st.message());
+  return st.ok();
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 
 #include "cemlm/engine/params.h"
 #include "nlohmann/json.hpp"
@@ -186,6 +187,24 @@ std::vector<BadConfig> bad_configs() {
   v.push_back(with("recursion.default", 9));  // > recursion.max = 8
   v.push_back(with_all("recursion.default", {{"recursion.max", 2}, {"recursion.default", 3}}));
   return v;
+}
+
+// Values JSON holds but the model's types cannot: a positive float that rounds to 0 in fp32, and
+// an integer beyond int64 (which once read as -1).
+TEST(Config, ValuesBeyondTheTypesAreRefusedAsGiven) {
+  auto j = base();
+  j["norm_eps"] = 1e-50;
+  EXPECT_NE(error_of(j).find("'norm_eps' = 1e-50 is too small for a 32-bit float"),
+            std::string::npos)
+      << error_of(j);
+  j = base();
+  j["rope_theta"] = 1e-50;
+  EXPECT_NE(error_of(j).find("'rope_theta'"), std::string::npos);
+  j = base();
+  j["vocab_size"] = std::numeric_limits<uint64_t>::max();
+  EXPECT_NE(error_of(j).find("'vocab_size' = 18446744073709551615 is out of range"),
+            std::string::npos)
+      << error_of(j);
 }
 
 TEST(Config, EveryBadConfigIsRefusedNamingTheKey) {

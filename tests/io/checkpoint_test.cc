@@ -199,6 +199,23 @@ TEST(Checkpoint, ConfigThatDoesNotMatchTheWeightsIsRefusedByName) {
   EXPECT_NE(load_error(ck).find("'lm_head.weight'"), std::string::npos);
 }
 
+// A config.json far larger than its weights (here ~100 GB of parameters beside a few KB) is
+// refused naming the tensor whose shape differs, before the parameters are allocated: it once
+// allocated them first and died of out-of-memory.
+TEST(Checkpoint, ConfigFarLargerThanTheWeightsIsRefusedBeforeAllocating) {
+  const std::string ck = fresh_dir() + "/ck";
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 5)).ok());
+  json huge = small_config();
+  huge["vocab_size"] = 200000;
+  huge["d_model"] = 65536;
+  write_bytes(ck + "/config.json", huge.dump());
+  const std::string err = load_error(ck);
+  EXPECT_NE(err.find("tensor 'embed.weight' has shape [50, 8], config.json expects [200000, 65536]"),
+            std::string::npos)
+      << err;
+}
+
 TEST(Checkpoint, SaveReplacesAnOldCheckpointWholly) {
   const std::string dir = fresh_dir(), ck = dir + "/ck";
   const ModelConfig c = config_of(small_config());

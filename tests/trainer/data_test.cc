@@ -86,6 +86,13 @@ TEST_F(DataTest, CacheIsRebuiltForAnotherTokenizerOrATouchedFile) {
   auto other = load_token_data(*corpus, *tokenizer_, 12345, 1, 2, dir_ + "/cache/tokens.bin", 0.1);
   ASSERT_TRUE(other.ok());
   EXPECT_FALSE(other->from_cache);
+  // Other document markers (a config's bos_id / eos_id) make other ids: not the cached ones.
+  auto hash = hash_file(dir_ + "/tok.model");
+  ASSERT_TRUE(load().ok());
+  auto marked = load_token_data(*corpus, *tokenizer_, *hash, 5, 2, dir_ + "/cache/tokens.bin", 0.1);
+  ASSERT_TRUE(marked.ok());
+  EXPECT_FALSE(marked->from_cache);
+  EXPECT_EQ(marked->train.front(), 5);
 
   const auto t = fs::last_write_time(dir_ + "/text/a.txt");
   fs::last_write_time(dir_ + "/text/a.txt", t + std::chrono::seconds(5));
@@ -146,6 +153,22 @@ TEST(Windows, EvalWindowsAreFixedAndSpreadOut) {
   EXPECT_EQ(w[30], 75);
   EXPECT_EQ(eval_windows(tokens, 10, 50).size(), 100u);  // at most 10 windows fit
   EXPECT_TRUE(eval_windows(tokens, 101, 4).empty());
+}
+
+// A run's own output and cache (and a save's temporary copy of the output) are never its data,
+// even when --data names the folder that holds them.
+TEST(ListCorpus, LeavesOutTheExcludedDirectories) {
+  const std::string dir = fresh_dir();
+  write_file(dir + "/a.txt", "some text\n");
+  write_file(dir + "/run/train.jsonl", "{\"step\": 1}\n");
+  write_file(dir + "/run.tmp-12-0/config.json", "{}\n");
+  write_file(dir + "/run.cache/notes.txt", "cached\n");
+  write_file(dir + "/runner/b.txt", "more text\n");  // a name that merely starts like it
+  auto c = list_corpus({dir}, {dir + "/run/", dir + "/run.cache"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::set<std::string> names;
+  for (const std::string& p : c->paths) names.insert(fs::path(p).filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{"a.txt", "b.txt"}));
 }
 
 TEST(ListCorpus, MissingPathNamesTheFlag) {

@@ -313,6 +313,32 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
   const auto [rc, err] = cli({"--out", dir + "/never-trained", "--resume"});
   EXPECT_NE(rc, 0);
   EXPECT_NE(err.find("--resume"), std::string::npos) << err;
+  // "--data $EMPTY" is refused, not read as the default corpus; a boolean takes no value.
+  auto args = base;
+  args.push_back("--data");
+  auto [rc2, err2] = cli(args);
+  EXPECT_NE(rc2, 0);
+  EXPECT_NE(err2.find("option '--data' needs at least one value"), std::string::npos) << err2;
+  args.insert(args.end(), {o.data[0], "--resume=no"});
+  std::tie(rc2, err2) = cli(args);
+  EXPECT_NE(rc2, 0);
+  EXPECT_NE(err2.find("option '--resume' takes no value"), std::string::npos) << err2;
+}
+
+// An --out that exists but is no checkpoint (nor empty) is refused before any training, not at
+// the first save after all of it.
+TEST(TrainCli, OutThatIsNoCheckpointIsRefusedBeforeTraining) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  testing_trainer::write_file(dir + "/notes/todo.txt", "not a model\n");
+  const auto [rc, err] = cli({"--config", o.config_path, "--out", dir + "/notes", "--data",
+                              o.data[0], "--steps", "2", "--threads", "1", "--seq-len", "24"});
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("--out: '" + dir + "/notes' exists and is not a checkpoint directory"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("tokenizer: training"), std::string::npos) << err;  // nothing was done
+  EXPECT_TRUE(fs::exists(dir + "/notes/todo.txt"));
 }
 
 }  // namespace

@@ -30,19 +30,19 @@ uint64_t hash_value(const T& v, uint64_t h) {
 struct CacheHeader {
   char magic[8];
   uint32_t version, n_files;
-  uint64_t corpus_key, tokenizer_hash;
+  uint64_t corpus_key, encoding;  // the tokenizer and the bos/eos ids
 };
 
 // Per-file ids from a cache written for this corpus and tokenizer; empty when there is none.
 std::vector<std::vector<int32_t>> read_cache(const std::string& path, const CorpusFiles& corpus,
-                                             uint64_t tokenizer_hash) {
+                                             uint64_t encoding) {
   std::string bytes, error;
   if (!read_file(path, &bytes, &error) || bytes.size() < sizeof(CacheHeader)) return {};
   CacheHeader h;
   std::memcpy(&h, bytes.data(), sizeof(h));
   if (std::memcmp(h.magic, kMagic, 8) || h.version != kCacheVersion ||
       h.n_files != corpus.paths.size() || h.corpus_key != corpus.key ||
-      h.tokenizer_hash != tokenizer_hash)
+      h.encoding != encoding)
     return {};
   size_t pos = sizeof(h) + h.n_files * sizeof(uint64_t);
   if (bytes.size() < pos) return {};
@@ -61,7 +61,7 @@ std::vector<std::vector<int32_t>> read_cache(const std::string& path, const Corp
 }
 
 absl::Status write_cache(const std::string& path, const CorpusFiles& corpus,
-                         uint64_t tokenizer_hash, const std::vector<std::vector<int32_t>>& files) {
+                         uint64_t encoding, const std::vector<std::vector<int32_t>>& files) {
   std::error_code ec;
   if (fs::path parent = fs::path(path).parent_path(); !parent.empty())
     fs::create_directories(parent, ec);
@@ -71,7 +71,7 @@ absl::Status write_cache(const std::string& path, const CorpusFiles& corpus,
     h.version = kCacheVersion;
     h.n_files = uint32_t(files.size());
     h.corpus_key = corpus.key;
-    h.tokenizer_hash = tokenizer_hash;
+    h.encoding = encoding;
     bool ok = std::fwrite(&h, sizeof(h), 1, f) == 1;
     for (const auto& ids : files) {
       const uint64_t n = ids.size();
@@ -111,11 +111,33 @@ absl::StatusOr<uint64_t> hash_file(const std::string& path) {
   return hash_bytes(bytes);
 }
 
-absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs) {
+namespace {
+// Whether `file` lies inside `dir` or inside a "<dir>.tmp-*" sibling (both made absolute).
+bool inside(const fs::path& file, const fs::path& dir) {
+  const std::string f = file.string(), d = dir.string();
+  return f.rfind(d + "/", 0) == 0 || f.rfind(d + ".tmp-", 0) == 0;
+}
+}  // namespace
+
+absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
+                                        const std::vector<std::string>& exclude) {
   CorpusFiles c;
   std::string error;
-  if (!collect_text_files(inputs, &c.paths, &error, &c.skipped))
+  std::vector<std::string> found;
+  if (!collect_text_files(inputs, &found, &error, &c.skipped))
     return absl::NotFoundError(absl::StrCat("--data: ", error));
+  std::vector<fs::path> excluded;
+  for (const std::string& d : exclude) {
+    fs::path p = fs::weakly_canonical(fs::absolute(d));
+    if (!p.has_filename()) p = p.parent_path();
+    excluded.push_back(p);
+  }
+  for (std::string& p : found) {
+    const fs::path abs = fs::weakly_canonical(fs::absolute(p));
+    const bool skip = std::any_of(excluded.begin(), excluded.end(),
+                                  [&](const fs::path& d) { return inside(abs, d); });
+    (skip ? c.skipped : c.paths).push_back(std::move(p));
+  }
   uint64_t h = hash_bytes("cemlm corpus v1");
   for (const std::string& p : c.paths) {
     std::error_code ec;
@@ -149,7 +171,9 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
                                           const std::string& cache_path, double val_fraction) {
   TokenData data;
   data.files = int(corpus.paths.size());
-  std::vector<std::vector<int32_t>> files = read_cache(cache_path, corpus, tokenizer_hash);
+  // The ids depend on the document markers too: a config with other bos/eos ids re-encodes.
+  const uint64_t encoding = hash_value(eos, hash_value(bos, tokenizer_hash));
+  std::vector<std::vector<int32_t>> files = read_cache(cache_path, corpus, encoding);
   data.from_cache = !files.empty();
   if (!data.from_cache) {
     for (const std::string& p : corpus.paths) {
@@ -157,7 +181,7 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
       if (!read_text_file(p, &text, &error)) return absl::UnavailableError("--data: " + error);
       files.push_back(encode_documents(text, tokenizer, bos, eos));
     }
-    CEMLM_RETURN_IF_ERROR(write_cache(cache_path, corpus, tokenizer_hash, files));
+    CEMLM_RETURN_IF_ERROR(write_cache(cache_path, corpus, encoding, files));
   }
   for (const auto& ids : files) {
     const size_t n_val = size_t(std::ceil(double(ids.size()) * val_fraction));

@@ -67,11 +67,10 @@ class Trainer {
     const fs::path out = fs::path(o_.out_dir).lexically_normal();
     return out.has_filename() ? out : out.parent_path();
   }
-  std::string in_cache(const char* file) const {
-    const fs::path cache =
-        o_.cache_dir.empty() ? fs::path(out_path().string() + ".cache") : fs::path(o_.cache_dir);
-    return (cache / file).string();
+  fs::path cache_path() const {
+    return o_.cache_dir.empty() ? fs::path(out_path().string() + ".cache") : fs::path(o_.cache_dir);
   }
+  std::string in_cache(const char* file) const { return (cache_path() / file).string(); }
   absl::Status load_model();
   void remove_stale_saves() const;
   absl::Status prepare_tokenizer(const CorpusFiles& corpus);
@@ -127,6 +126,8 @@ absl::Status Trainer::load_model() {
         absl::StrCat("--out '", o_.out_dir,
                      "' already holds a checkpoint: pass --resume to continue its run, "
                      "--init to start from its weights, or choose another --out"));
+  if (!o_.resume)  // before any training, not at the first save
+    CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", check_checkpoint_target(o_.out_dir)));
   if (fresh_ && o_.vocab_size > 0) {
     cfg_.vocab_size = o_.vocab_size;
     auto c = parse_config(config_to_json(cfg_));  // re-derives what depends on the vocabulary
@@ -343,11 +344,13 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   CEMLM_RETURN_IF_ERROR(load_model());
   CEMLM_RETURN_IF_ERROR(check_against_model());
   remove_stale_saves();
-  CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus, list_corpus(o_.data));
+  CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus,
+                         list_corpus(o_.data, {out_path().string(), cache_path().string()}));
   if (corpus.paths.empty())
     return absl::InvalidArgumentError(
         absl::StrCat("--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (",
-                     corpus.skipped.size(), " files skipped as .dat/.u8, binary or not UTF-8)"));
+                     corpus.skipped.size(),
+                     " files skipped as .dat/.u8, binary, not UTF-8 or this run's own output)"));
   CEMLM_RETURN_IF_ERROR(prepare_tokenizer(corpus));
   CEMLM_RETURN_IF_ERROR(prepare_params());
   CEMLM_RETURN_IF_ERROR(load_data(corpus));

@@ -30,6 +30,11 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir);
 // so they appear atomically with the model. An error aborts the save.
 using ExtraFilesWriter = std::function<absl::Status(const std::string& tmp_dir)>;
 
+// Whether save_checkpoint may write `dir`: absent (its parent is created), empty, or a
+// checkpoint directory, with a writable parent. A trainer asks before training, so a bad --out
+// fails at once rather than at the first save.
+absl::Status check_checkpoint_target(const std::string& dir);
+
 // Writes config.json, model.safetensors (F32, layout order) and, when `tokenizer_path` is not
 // empty, a copy of it as tokenizer.model. An existing `dir` is replaced only once the new one is
 // complete, and only if it is a checkpoint (has config.json) or empty; a failed save leaves it

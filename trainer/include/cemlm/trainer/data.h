@@ -17,10 +17,13 @@ namespace cemlm {
 // is added, removed, resized or touched.
 struct CorpusFiles {
   std::vector<std::string> paths;
-  std::vector<std::string> skipped;  // .dat/.u8, binary, not UTF-8
+  std::vector<std::string> skipped;  // .dat/.u8, binary, not UTF-8, or in an excluded directory
   uint64_t key = 0;
 };
-absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs);
+// The text files under `inputs`, leaving out any inside one of the `exclude` directories or in a
+// save's temporary sibling of one ("<dir>.tmp-*"): a run's own output and cache are not its data.
+absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
+                                        const std::vector<std::string>& exclude = {});
 
 // 64-bit FNV-1a, for cache keys (not for security).
 uint64_t hash_bytes(std::string_view bytes, uint64_t h = 0xcbf29ce484222325ULL);

@@ -1,0 +1,35 @@
+// The `cemlm` program as a whole, beyond one subcommand: what its dispatcher does with a command
+// that runs out of memory.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <sys/wait.h>
+
+#include "server_process.h"
+
+namespace cemlm::testing_server {
+namespace {
+
+// A config of ~10^15 bytes of parameters: no machine holds it. The command ends with a message and exit
+// code 1, not std::bad_alloc's abort (exit 134).
+TEST(CemlmProgram, OutOfMemoryIsAnErrorNotAnAbort) {
+  const std::string dir = fresh_temp_dir();
+  std::ofstream(dir + "/huge.json") << R"({"architecture": "cemlm", "format_version": 1,
+    "vocab_size": 16777216, "d_model": 65536, "n_layers": 1, "n_heads": 1, "head_dim": 2,
+    "d_ff": 2, "embedding": {"type": "table"}, "attention": {"type": "standard"},
+    "mlp": {"type": "swiglu"}})";
+  const int status = std::system(("'" CEMLM_BIN "' init --config '" + dir + "/huge.json' --out '" +
+                                  dir + "/ck' 2>'" + dir + "/err.txt'")
+                                     .c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  std::ifstream in(dir + "/err.txt");
+  const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(err.find("cemlm init: out of memory"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace cemlm::testing_server

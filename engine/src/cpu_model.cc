@@ -299,10 +299,12 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
     else side.push_back(&g);
   if (side.empty()) return;
   int64_t per_thread = 0;  // scratch of one group's ops
-  for (const SeqRange* g : side)
-    per_thread = std::max(per_thread, std::max<int64_t>(
-        paged_attention_scratch_floats(r.seqs.data() + g->s0, g->s1 - g->s0, view_l, diag_kind(cfg_)),
-        2 * (g->r1 - g->r0) * std::max(cfg_.attn_precond_rank, 1)));
+  for (const SeqRange* g : side)  // each group's ops run inside the region below, on one thread
+    per_thread = std::max(per_thread,
+                          std::max<int64_t>(paged_attention_scratch_floats(
+                                                r.seqs.data() + g->s0, g->s1 - g->s0, view_l,
+                                                diag_kind(cfg_), /*in_region=*/true),
+                                            2 * (g->r1 - g->r0) * std::max(cfg_.attn_precond_rank, 1)));
   float* scratch = buf(kGroupScratch, per_thread * omp_get_max_threads());
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t i = 0; i < side.size(); ++i) {

@@ -77,14 +77,22 @@ constexpr int kGemmMinRows = 8;  // below this a sequence's rows take the per-ro
 
 inline bool use_gemm(const AttnSeq& s) { return s.n_rows >= kGemmMinRows; }
 
+// Whether the op runs inside a parallel region, active or not (a recursion group's thread, or a
+// team of one). Its own regions then do not fork, whatever the nesting settings (OMP_NUM_THREADS
+// "2,4" would give an inner region 4 threads, and a team of one's region the 4 too).
+bool in_region() { return omp_get_level() > 0; }
+
+// The threads this op's parallel regions use.
+int team(bool inside) { return inside ? 1 : omp_get_max_threads(); }
+
 // Per thread: every head's scores.
-int64_t row_path_floats(int max_ctx, int n_heads) {
-  return int64_t(n_heads) * max_ctx * omp_get_max_threads();
+int64_t row_path_floats(int max_ctx, int n_heads, int threads) {
+  return int64_t(n_heads) * max_ctx * threads;
 }
 
-int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag) {
+int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag, int threads) {
   const int64_t n_ctx = s.pos_begin + s.n_rows, R = s.n_rows;
-  int64_t f = n_ctx * kv.k_width * (kv.has_values() ? 2 : 1) + R * n_ctx * omp_get_max_threads();
+  int64_t f = n_ctx * kv.k_width * (kv.has_values() ? 2 : 1) + R * n_ctx * threads;
   if (diag != DiagKind::kNone) f += n_ctx * kv.c_width;
   if (diag == DiagKind::kShared) f += 2 * R * n_ctx;
   return f;
@@ -144,7 +152,7 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
   }
   // Heads round-robin; the shared diagonal's sum over heads is added in head order (ordered),
   // so the result does not depend on thread timing.
-#pragma omp parallel for schedule(static, 1) ordered
+#pragma omp parallel for schedule(static, 1) ordered if (!in_region())
   for (int h = 0; h < H; ++h) {
     float* S = next + int64_t(omp_get_thread_num()) * R * n_ctx;
     if (diag == DiagKind::kShared) std::copy(sd, sd + int64_t(R) * n_ctx, S);
@@ -316,14 +324,15 @@ void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, D
 }  // namespace
 
 int64_t paged_attention_scratch_floats(const AttnSeq* seqs, int n_seqs, const KvLayerView& kv,
-                                       DiagKind diag) {
+                                       DiagKind diag, bool inside) {
+  const int threads = team(inside);
   int max_ctx = 0;
   int64_t need = 0;
   for (int i = 0; i < n_seqs; ++i) {
     max_ctx = std::max(max_ctx, seqs[i].pos_begin + seqs[i].n_rows);
-    if (use_gemm(seqs[i])) need = std::max(need, gemm_path_floats(seqs[i], kv, diag));
+    if (use_gemm(seqs[i])) need = std::max(need, gemm_path_floats(seqs[i], kv, diag, threads));
   }
-  return std::max(need, row_path_floats(max_ctx, kv.n_heads));
+  return std::max(need, row_path_floats(max_ctx, kv.n_heads, threads));
 }
 
 void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& q,
@@ -332,7 +341,8 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads;
   CEMLM_CHECK(q.dim(-1) == W && out.dim(-1) == W);
   CEMLM_CHECK(diag == DiagKind::kNone || (kv.has_contexts() && !qd.empty() && !out_c.empty()));
-  CEMLM_CHECK(ctx.scratch_floats >= paged_attention_scratch_floats(seqs, n_seqs, kv, diag));
+  CEMLM_CHECK(ctx.scratch_floats >=
+              paged_attention_scratch_floats(seqs, n_seqs, kv, diag, in_region()));
   int n_rows = 0;
   std::vector<int> owner = row_owner(seqs, n_seqs, &n_rows);
   int max_ctx = 0;
@@ -348,7 +358,7 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   // Rows too few to occupy every thread, with long contexts, split their tokens over threads.
   const int threads = omp_get_max_threads();
   const int pending = int(std::count_if(owner.begin(), owner.end(), [](int s) { return s >= 0; }));
-  if (threads > 1 && pending < threads && !omp_in_parallel())
+  if (threads > 1 && pending < threads && !in_region())
     for (int i = 0; i < n_rows; ++i) {
       const int s = owner[i];
       if (s < 0) continue;
@@ -366,7 +376,7 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
                        oc_width);
       owner[i] = -1;
     }
-#pragma omp parallel
+#pragma omp parallel if (!in_region())
   {
     float* sc = ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num();
 #pragma omp for schedule(dynamic, 2)

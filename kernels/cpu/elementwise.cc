@@ -12,7 +12,8 @@ namespace {
 inline float silu(float z) { return z / (1.0f + std::exp(-z)); }
 
 // out[i] = SiLU(a[i]) · (b ? b[i] : 1): eight lanes at a time through simd::exp (within 2 ulp of
-// std::exp; e^(−z) saturates for z < −88, where SiLU is 0 to float precision anyway).
+// std::exp, and +inf where std::exp overflows, so very negative z gives −0 in lanes and tail
+// alike).
 void silu_times(float* out, const float* a, const float* b, int64_t n) {
   constexpr int64_t kChunk = 4096;  // per thread item
 #pragma omp parallel for schedule(static) if (n > 8192)

@@ -1,14 +1,17 @@
 // kernels/include/cemlm/kernels/simd.h against the standard library: the vector exponential's
-// error over the whole float range it serves, its underflow to 0, and the dot/sum helpers on
-// lengths that exercise every tail.
+// error over the whole float range it serves, its underflow to 0 and overflow to +inf, the
+// dot/sum helpers on lengths that exercise every tail, and SiLU / RMSNorm at extreme inputs.
 #include "cemlm/kernels/simd.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "cemlm/engine/params.h"
+#include "cemlm/kernels/elementwise.h"
+#include "cemlm/kernels/rmsnorm.h"
 
 namespace cemlm {
 namespace {
@@ -33,6 +36,32 @@ TEST(Simd, ExpUnderflowsToZeroAndVectorLanesAgreeWithScalar) {
   const simd::f8 e = simd::exp(v);
   for (int l = 0; l < 8; ++l) EXPECT_EQ(e[l], simd::exp(v[l])) << "lane " << l;
   EXPECT_EQ(e[6], 0.0f);
+}
+
+// Lanes beyond float's range overflow to +inf like std::exp (they once saturated at e^88.3, so
+// SiLU of a very negative number was not 0), and NaN stays NaN.
+TEST(Simd, ExpOverflowsToInfinityLikeStdExp) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float x : {88.8f, 100.0f, 1e30f, inf}) EXPECT_EQ(simd::exp(x), inf) << x;
+  const simd::f8 v = {88.8f, 1e30f, 0.0f, -1e30f, 88.0f, inf, -inf, 1.0f};
+  const simd::f8 e = simd::exp(v);
+  for (int l = 0; l < 8; ++l) EXPECT_EQ(e[l], simd::exp(v[l])) << "lane " << l;
+  EXPECT_TRUE(std::isnan(simd::exp(simd::splat(std::nanf("")))[0]));
+}
+
+// The kernels built on these helpers at extreme magnitudes: SiLU of very negative inputs is 0 in
+// vector lanes as in the scalar tail; RMSNorm of a row whose squares overflow float is ±g (it
+// once came out all zeros).
+TEST(Simd, SiluAndRmsnormAtExtremeMagnitudes) {
+  std::vector<float> z(17, -1e30f), out(17, 1.0f);
+  silu_forward(ExecCtx{}, Tensor(out.data(), {17}), Tensor(z.data(), {17}));
+  for (int i = 0; i < 17; ++i) EXPECT_EQ(out[size_t(i)], 0.0f) << i;
+  const int D = 33;
+  std::vector<float> x(D, 3e19f), g(D, 2.0f), y(D);
+  x[5] = -3e19f;
+  rmsnorm_forward(ExecCtx{}, Tensor(y.data(), {1, D}), Tensor{}, Tensor(x.data(), {1, D}),
+                  Tensor(g.data(), {D}), 1e-5f);
+  for (int d = 0; d < D; ++d) EXPECT_NEAR(y[size_t(d)], d == 5 ? -2.0f : 2.0f, 1e-5) << d;
 }
 
 TEST(Simd, DotAndExpSumsMatchPlainLoopsForEveryTail) {

@@ -1,7 +1,8 @@
 // Causal attention over a paged KV cache, shared by standard attention (MODEL.md §4.1) and each
 // CEM recursion step (§4.2): scores q·κ (+ the CEM diagonal term qd·c), softmax over j ≤ i, and
 // the weighted sums of values (κ itself for CEM) and of contexts c (for the diagonal's ω).
-// CPU oracle: kernels/cpu/attention.cc; test: tests/kernels/ and tests/engine/.
+// CPU oracle: kernels/cpu/attention.cc; tests: tests/model/attention_test.cc (against float64),
+// tests/model/model_test.cc.
 #pragma once
 #include <cstdint>
 
@@ -54,11 +55,14 @@ void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_
 // s_{k,ij} = scale·(q_{k,i}·κ_{k,j} + qd_{(k),i}·c_j), qd = [N, D] (shared) or [N, H, D] (per-head).
 // Scratch: paged_attention_scratch_floats(...) floats in ctx.scratch. Sequences with many rows
 // (prefill chunks, training) take a gather + sgemm path; short ones (decode) a per-row path.
+// Called inside an OpenMP parallel region, it runs on the calling thread alone.
 void paged_attention_forward(const ExecCtx&, Tensor out, Tensor out_c, const Tensor& q,
                              const Tensor& qd, DiagKind diag, const KvLayerView& kv,
                              const AttnSeq* seqs, int n_seqs, float scale);
 
+// `in_region`: the call will be made inside a parallel region (one thread's scratch), else by a
+// thread outside any (scratch for every thread of the team it starts).
 int64_t paged_attention_scratch_floats(const AttnSeq* seqs, int n_seqs, const KvLayerView& kv,
-                                       DiagKind diag);
+                                       DiagKind diag, bool in_region = false);
 
 }  // namespace cemlm

@@ -1,6 +1,7 @@
 // Element-wise pieces of the MLPs and the recursive updates (MODEL.md §5, §4.2):
 // SiLU gating, the CEM diagonal's per-head scaling, and row-scaled residual adds.
-// CPU oracle: kernels/cpu/elementwise.cc; test: tests/kernels/.
+// CPU oracle: kernels/cpu/elementwise.cc; tests: tests/model/simd_test.cc (extreme inputs),
+// tests/golden/ (whole models against a float64 PyTorch reference), tests/trainer_grad/.
 #pragma once
 #include "cemlm/kernels/tensor.h"
 

@@ -1,7 +1,7 @@
 // Leviathan embedding generator (MODEL.md §6.2): token id → base-b digits → summed codebook rows
 // → per head: seed projection, LayerNorm, sigmoid, quadratic B-spline weights, rank-r separable
 // product → output projection, summed over heads.
-// CPU oracle: kernels/cpu/lev.cc; test: tests/kernels/lev_test.cc.
+// CPU oracle: kernels/cpu/lev.cc; test: tests/model/lev_test.cc.
 #pragma once
 #include <cstdint>
 

@@ -1,5 +1,6 @@
 // RMSNorm over the last dimension (MODEL.md §1): out = g ⊙ x / sqrt(mean(x²) + eps).
-// CPU oracle: kernels/cpu/rmsnorm.cc; test: tests/kernels/.
+// CPU oracle: kernels/cpu/rmsnorm.cc; tests: tests/model/simd_test.cc (extreme inputs),
+// tests/golden/ (whole models against a float64 PyTorch reference), tests/trainer_grad/.
 #pragma once
 #include "cemlm/kernels/tensor.h"
 

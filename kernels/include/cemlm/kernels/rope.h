@@ -1,6 +1,7 @@
 // Half-split rotary position embedding (MODEL.md §2) applied per head, with an inverse mode
 // (R_pᵀ = R_{−p}) used by CEM attention to rotate outputs back and by every backward pass.
-// CPU oracle: kernels/cpu/rope.cc; test: tests/kernels/.
+// CPU oracle: kernels/cpu/rope.cc; tests: tests/golden/ (whole models against a float64 PyTorch
+// reference), tests/model/model_test.cc (paged decode = full forward), tests/trainer_grad/.
 #pragma once
 #include <cstdint>
 

@@ -4,7 +4,9 @@
 #pragma once
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace cemlm::simd {
 
@@ -51,16 +53,20 @@ inline double sum_squares(const float* x, int n) {
   }
   double s = 0;
   for (int l = 0; l < 8; ++l) s += double(s0[l]) + double(s1[l]);
+  if (!std::isfinite(s)) {  // a lane overflowed (|x| beyond ~1e19): the whole row in double
+    s = 0;
+    i = 0;
+  }
   for (; i < n; ++i) s += double(x[i]) * x[i];
   return s;
 }
 
 // e^x per lane, within 2 ulp of std::exp for x ≤ 88.3 (x = n·ln 2 + r, |r| ≤ ln2/2, e^r by a
 // degree-7 polynomial, 2^n written into the exponent bits); lanes below −87.3 (where e^x leaves
-// the normal range) give 0.
+// the normal range) give 0, lanes above 88.72 (where it overflows) +inf, as std::exp does.
 inline f8 exp(f8 x) {
   const f8 lo = splat(-87.3f);
-  const i8 underflow = x < lo;
+  const i8 underflow = x < lo, overflow = x > splat(88.7228f);
   x = x < lo ? lo : x;
   x = x > splat(88.3f) ? splat(88.3f) : x;
   // Round x·log2(e) to the nearest integer with the 1.5·2^23 trick (round-to-nearest mode).
@@ -77,7 +83,8 @@ inline f8 exp(f8 x) {
   p = p * r * r + r + splat(1.0f);
   const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
   const f8 y = p * std::bit_cast<f8>(bits);
-  return std::bit_cast<f8>(std::bit_cast<i8>(y) & ~underflow);
+  const i8 inf = std::bit_cast<i8>(splat(std::numeric_limits<float>::infinity()));
+  return std::bit_cast<f8>((std::bit_cast<i8>(y) & ~underflow & ~overflow) | (inf & overflow));
 }
 
 inline float exp(float x) {

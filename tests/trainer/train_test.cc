@@ -211,6 +211,26 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
       "train.jsonl");
   ASSERT_TRUE(log.ok());
   EXPECT_EQ(log->steps().back().step, 5);
+  // The model, tokenizer and seed are the run's own: a flag that would change them is refused
+  // (it was ignored, and recorded in the saved options as if it had applied); given again
+  // unchanged, as in the first command plus --resume, it is fine.
+  testing_trainer::write_file(dir + "/other.json", "{}");
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--config", dir + "/other.json"}, {"--seed=9"},
+        {"--vocab-size", "300"}}) {
+    std::vector<std::string> resume = {"--out", o.out_dir, "--resume", "--steps", "6"};
+    resume.insert(resume.end(), extra.begin(), extra.end());
+    const auto [rc, err] = cli(resume);
+    EXPECT_EQ(rc, 2) << extra[0];
+    EXPECT_NE(err.find(extra[0].substr(0, extra[0].find('=')) + " differs from the run"),
+              std::string::npos)
+        << err;
+  }
+  EXPECT_EQ(load_run_options(o.out_dir)->steps, 5);  // nothing ran
+  args = base;
+  for (std::string a : {"--steps", "6", "--resume"}) args.push_back(a);
+  ASSERT_EQ(cli(args).first, 0);
+  EXPECT_EQ(load_run_options(o.out_dir)->steps, 6);
 }
 
 TEST(TrainCli, HelpListsEveryFlagWithItsDefault) {

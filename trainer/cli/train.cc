@@ -110,6 +110,23 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
     o = *saved;
     t = FlagText{};
     if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
+    // What makes the run the run it is may be given again (the same command with --resume), but
+    // not changed: it would not continue the run (and was once ignored, yet saved as applied).
+    const std::pair<const char*, bool> same[] = {
+        {"--config", o.config_path == saved->config_path},
+        {"--init", o.init_dir == saved->init_dir},
+        {"--tokenizer", o.tokenizer_path == saved->tokenizer_path},
+        {"--vocab-size", o.vocab_size == saved->vocab_size},
+        {"--seed", o.seed == saved->seed}};
+    for (const auto& [flag, unchanged] : same)
+      if (!unchanged) {
+        std::fprintf(stderr,
+                     "error: %s differs from the run that --resume continues (its model, "
+                     "tokenizer and seed are saved in --out); leave it out, or start a new run "
+                     "(--init DIR starts from its weights)\n",
+                     flag);
+        return 2;
+      }
   }
   auto range = parse_recursion_range(t.train_recursion);
   if (!range.ok()) {

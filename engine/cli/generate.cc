@@ -40,7 +40,7 @@ int cmd_generate(int argc, char** argv) {
   std::string model, prompt, prompt_ids, seed_text, device = "cpu", kv_dtype = "fp32";
   int T = 0, max_new = 64, top_k = 0;
   float temperature = 1.0f, top_p = 1.0f;
-  bool json = false;
+  bool json = false, no_bos = false;
   Flags f("cemlm generate --model DIR (--prompt STR | --prompt-ids 3,17) [--recursion T] "
           "[--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] [--seed S] [--json]",
           "Generate a continuation through the inference engine (paged KV cache, same code path\n"
@@ -49,7 +49,9 @@ int cmd_generate(int argc, char** argv) {
           "of ids[i] under the unmodified model distribution.");
   f.add("model", &model, "checkpoint directory", true);
   f.add("prompt", &prompt, "prompt text (needs the checkpoint's tokenizer.model)");
-  f.add("prompt-ids", &prompt_ids, "prompt as comma-separated token ids");
+  f.add("prompt-ids", &prompt_ids, "prompt as comma-separated token ids (used as given)");
+  f.add_bool("no-bos", &no_bos,
+             "do not start --prompt with the model's BOS (training starts every document with it)");
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
   f.add("max-new-tokens", &max_new, "tokens to generate at most");
   f.add("temperature", &temperature, "sampling temperature (0: greedy)");
@@ -62,6 +64,8 @@ int cmd_generate(int argc, char** argv) {
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   if (f.given("prompt") == f.given("prompt-ids"))
     return fail("give exactly one of --prompt and --prompt-ids (see --help)");
+  if (no_bos && f.given("prompt-ids"))
+    return fail("--no-bos applies to --prompt only: --prompt-ids are used as given");
 
   EngineOptions eo;
   eo.model_dir = model;
@@ -78,7 +82,8 @@ int cmd_generate(int argc, char** argv) {
     const Tokenizer* tok = (*engine)->tokenizer();
     if (!tok) return fail("--prompt: the checkpoint '" + model + "' has no tokenizer.model; use --prompt-ids");
     if (!is_valid_utf8(prompt)) return fail("--prompt: not valid UTF-8");
-    req.prompt_ids = tok->encode(prompt);
+    req.prompt_ids =
+        encode_input(*tok, prompt, no_bos ? -1 : resolve_bos_id((*engine)->config().bos_id, tok));
   }
   req.recursion_depth = T;
   req.sampling.max_new_tokens = max_new;

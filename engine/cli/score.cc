@@ -28,17 +28,22 @@ int fail(const std::string& msg) {
 int cmd_score(int argc, char** argv) {
   std::string model, text, ids_text, dump;
   int T = 0;
+  bool no_bos = false;
   Flags f("cemlm score --model DIR (--text STR | --ids 3,17,42) [--recursion T] [--dump-logits FILE]",
           "Prints JSON {\"tokens\", \"logprobs\", \"nll\", \"perplexity\"}: the log-probability of each\n"
           "token given its prefix (the first token has none: null), computed with the full-sequence\n"
-          "CPU forward.");
+          "CPU forward. --text starts with the model's BOS, as every training document does, so\n"
+          "that each of its tokens is scored.");
   f.add("model", &model, "checkpoint directory", true);
   f.add("text", &text, "text to score (needs the checkpoint's tokenizer.model)");
-  f.add("ids", &ids_text, "comma-separated token ids to score");
+  f.add("ids", &ids_text, "comma-separated token ids to score (used as given)");
+  f.add_bool("no-bos", &no_bos, "do not start --text with the model's BOS");
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
   f.add("dump-logits", &dump, "write the logits as a safetensors file with one F32 tensor `logits` [N, V]");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   if (f.given("text") == f.given("ids")) return fail("give exactly one of --text and --ids (see --help)");
+  if (no_bos && f.given("ids"))
+    return fail("--no-bos applies to --text only: --ids are used as given");
 
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));
@@ -53,7 +58,7 @@ int cmd_score(int argc, char** argv) {
     std::string err;
     auto tok = Tokenizer::load(ck->tokenizer_path, &err);
     if (!tok) return fail(err);
-    ids = tok->encode(text);
+    ids = encode_input(*tok, text, no_bos ? -1 : resolve_bos_id(c.bos_id, tok.get()));
   }
   if (ids.size() < 2) return fail("need at least 2 tokens to score (got " + std::to_string(ids.size()) + ")");
   if (int(ids.size()) > c.max_seq_len)

@@ -187,9 +187,7 @@ EngineImpl::EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> r
       runner_(std::move(runner)),
       tokenizer_(std::move(tokenizer)),
       config_(runner_->config()),
-      eos_id_(config_.eos_id >= 0 ? config_.eos_id
-              : tokenizer_        ? tokenizer_->eos_id()
-                                  : -1),
+      eos_id_(resolve_eos_id(config_.eos_id, tokenizer_.get())),
       cem_sublayers_(int64_t(config_.n_layers) *
                      ((config_.attention == AttentionType::kCem) + (config_.mlp == MlpType::kCem))),
       seed_base_(std::random_device()()),

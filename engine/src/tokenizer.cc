@@ -100,6 +100,22 @@ int Tokenizer::eos_id() const { return loaded_spm().eos_id(sp_); }
 int Tokenizer::unk_id() const { return loaded_spm().unk_id(sp_); }
 int Tokenizer::pad_id() const { return loaded_spm().pad_id(sp_); }
 
+int resolve_bos_id(int config_bos_id, const Tokenizer* tokenizer) {
+  return config_bos_id >= 0 ? config_bos_id : tokenizer ? tokenizer->bos_id() : -1;
+}
+
+int resolve_eos_id(int config_eos_id, const Tokenizer* tokenizer) {
+  return config_eos_id >= 0 ? config_eos_id : tokenizer ? tokenizer->eos_id() : -1;
+}
+
+std::vector<int> encode_input(const Tokenizer& tokenizer, std::string_view text, int bos_id) {
+  std::vector<int> ids;
+  if (bos_id >= 0) ids.push_back(bos_id);
+  const std::vector<int> body = tokenizer.encode(text);
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
+}
+
 std::string IncrementalDetokenizer::next(std::span<const int> ids) { return emit(ids, false); }
 std::string IncrementalDetokenizer::finish(std::span<const int> ids) { return emit(ids, true); }
 

@@ -43,12 +43,13 @@ struct GenerateFlags {
   float temperature = 1, top_p = 1, min_p = 0;
   int64_t seed = 0;
   std::vector<std::string> stop;
-  bool logprobs = false, ignore_eos = false, json = false;
+  bool logprobs = false, ignore_eos = false, json = false, no_bos = false;
 };
 
 v1::GenerateRequest generate_request(const GenerateFlags& g, const Flags& flags) {
   v1::GenerateRequest req;
   req.set_prompt_text(g.prompt);
+  if (g.no_bos) req.set_add_bos(false);
   req.set_recursion_depth(g.recursion);
   req.set_logprobs(g.logprobs || g.top_logprobs > 0);
   req.set_priority(g.priority);
@@ -88,7 +89,8 @@ int client_generate(int argc, char** argv) {
               "Stream a generation to stdout as it arrives (--json: one JSON object at the end).");
   add_channel_flags(&flags, &c);
   flags.add("prompt", &g.prompt, "prompt text");
-  flags.add("prompt-ids", &g.prompt_ids, "prompt as comma-separated token ids");
+  flags.add("prompt-ids", &g.prompt_ids, "prompt as comma-separated token ids (used as given)");
+  flags.add_bool("no-bos", &g.no_bos, "do not start --prompt with the model's BOS");
   flags.add("recursion", &g.recursion, "recursion depth T; 0 = the model's default");
   flags.add("max-new-tokens", &g.max_new_tokens, "tokens to generate at most");
   flags.add("temperature", &g.temperature, "0 = greedy");
@@ -151,17 +153,19 @@ int client_score(int argc, char** argv) {
   ChannelFlags c;
   std::string text, ids;
   int recursion = 0;
-  bool as_json = false;
+  bool as_json = false, no_bos = false;
   Flags flags("cemlm client score --addr HOST:PORT (--text STR | --ids 3,17,42) [--recursion T]",
               "Log-probability of every token given its prefix, NLL and perplexity.");
   add_channel_flags(&flags, &c);
   flags.add("text", &text, "text to score");
-  flags.add("ids", &ids, "token ids to score");
+  flags.add("ids", &ids, "token ids to score (used as given)");
+  flags.add_bool("no-bos", &no_bos, "do not start --text with the model's BOS");
   flags.add("recursion", &recursion, "recursion depth T; 0 = the model's default");
   flags.add_bool("json", &as_json, "print the response as JSON");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   v1::ScoreRequest req;
   req.set_text(text);
+  if (no_bos) req.set_add_bos(false);
   req.set_recursion_depth(recursion);
   if (!ids.empty() && !set_ids(ids, "ids", req.mutable_ids())) return 2;
   auto channel = make_channel(c);

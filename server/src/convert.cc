@@ -12,8 +12,11 @@ namespace {
 
 absl::Status invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
-// Exactly one of a text and an id list; the ids of either.
-absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const std::string& text,
+// Exactly one of a text and an id list; the ids of either. Text starts with the model's BOS
+// unless the request's add_bos is set to false.
+template <typename Request>
+absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const Request& req,
+                                           const std::string& text,
                                            const google::protobuf::RepeatedField<int32_t>& ids,
                                            absl::string_view text_field,
                                            absl::string_view ids_field) {
@@ -22,9 +25,14 @@ absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const std::stri
   if (text.empty() && ids.empty())
     return invalid(
         absl::StrCat(text_field, " or ", ids_field, " is required (the input is empty)"));
-  if (!ids.empty()) return std::vector<int>(ids.begin(), ids.end());
-  // No BOS, as `cemlm score --text` and training: the text is the whole input.
-  return encode_text(engine, text, text_field, /*add_bos=*/false);
+  if (!ids.empty()) {
+    if (req.has_add_bos())
+      return invalid(absl::StrCat("add_bos applies to ", text_field, " only: ", ids_field,
+                                  " are used as given, so leave add_bos unset (and put the BOS "
+                                  "id, ModelInfo.bos_id, first if you want one)"));
+    return std::vector<int>(ids.begin(), ids.end());
+  }
+  return encode_text(engine, text, text_field, !req.has_add_bos() || req.add_bos());
 }
 
 SamplingParams to_engine(const v1::SamplingParams& p) {
@@ -52,8 +60,7 @@ v1::FinishReason to_proto(FinishReason r) {
 }  // namespace
 
 int bos_id(const Engine& engine) {
-  if (engine.config().bos_id >= 0) return engine.config().bos_id;
-  return engine.tokenizer() ? engine.tokenizer()->bos_id() : -1;
+  return resolve_bos_id(engine.config().bos_id, engine.tokenizer());
 }
 
 absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
@@ -64,17 +71,14 @@ absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_
   const Tokenizer* tok = engine.tokenizer();
   if (!tok)
     return invalid(absl::StrCat(field, ": this model has no tokenizer; send token ids instead"));
-  std::vector<int> ids;
-  if (add_bos && bos_id(engine) >= 0) ids.push_back(bos_id(engine));
-  std::vector<int> body = tok->encode(std::string_view(text.data(), text.size()));
-  ids.insert(ids.end(), body.begin(), body.end());
-  return ids;
+  return encode_input(*tok, std::string_view(text.data(), text.size()),
+                      add_bos ? bos_id(engine) : -1);
 }
 
 absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const Engine& engine) {
   GenerateRequest out;
-  CEMLM_ASSIGN_OR_RETURN(out.prompt_ids, prompt_of(engine, req.prompt_text(), req.prompt_ids(),
-                                                   "prompt_text", "prompt_ids"));
+  CEMLM_ASSIGN_OR_RETURN(out.prompt_ids, prompt_of(engine, req, req.prompt_text(),
+                                                   req.prompt_ids(), "prompt_text", "prompt_ids"));
   if (!req.prompt_text().empty()) out.prompt_field = "prompt_text";
   out.recursion_depth = req.recursion_depth();
   out.sampling = to_engine(req.sampling());
@@ -85,7 +89,7 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
 
 absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine) {
   ScoreRequest out;
-  CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req.text(), req.ids(), "text", "ids"));
+  CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req, req.text(), req.ids(), "text", "ids"));
   if (!req.text().empty()) out.ids_field = "text";
   out.recursion_depth = req.recursion_depth();
   return out;
@@ -149,7 +153,7 @@ v1::ModelInfo model_info(const Engine& engine, const std::string& model_name) {
   out.set_d_model(c.d_model);
   out.set_n_layers(c.n_layers);
   out.set_bos_id(bos_id(engine));
-  out.set_eos_id(c.eos_id >= 0 || !engine.tokenizer() ? c.eos_id : engine.tokenizer()->eos_id());
+  out.set_eos_id(resolve_eos_id(c.eos_id, engine.tokenizer()));
   out.set_has_tokenizer(engine.tokenizer() != nullptr);
   return out;
 }

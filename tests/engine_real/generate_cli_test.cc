@@ -115,6 +115,7 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype \"fp8\" is not one of fp32, bf16"},
       {{"--prompt", "hello"}, "give exactly one of --prompt and --prompt-ids"},
       {{"--seed", "-3"}, "--seed: expected an integer"},
+      {{"--no-bos"}, "--no-bos applies to --prompt only"},
       {{"--recursion", "99"}, "recursion_depth = 99 exceeds the model's recursion.max = 8"},
   };
   for (const Bad& b : bad) {

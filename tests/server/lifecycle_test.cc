@@ -266,6 +266,15 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   ASSERT_TRUE(score(server_->channel(), by_text, &rpc).ok());
   ASSERT_EQ(run_cemlm({"score", "--model", model_, "--text", text}, &out), 0);
   expect_same_scores(rpc, out);
+  EXPECT_EQ(rpc.token_ids(0), 1);  // both start the text with the BOS of training documents
+  const int with_bos = rpc.token_ids_size();
+  by_text.set_add_bos(false);
+  ASSERT_TRUE(score(server_->channel(), by_text, &rpc).ok());
+  ASSERT_EQ(run_cemlm({"score", "--model", model_, "--text", text, "--no-bos"}, &out), 0);
+  expect_same_scores(rpc, out);
+  EXPECT_EQ(rpc.token_ids_size(), with_bos - 1);
+  EXPECT_NE(rpc.token_ids(0), 1);
+  EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--no-bos"}, &out), 1);
 }
 
 // grpc.reflection.v1alpha list_services, spoken with a generic stub (no reflection client ships

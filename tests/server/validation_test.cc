@@ -8,6 +8,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "client_util.h"
@@ -53,6 +54,13 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
   const std::vector<BadGenerate> cases = {
       {"empty prompt", [](auto* r) { r->clear_prompt_text(); }, "prompt_text or prompt_ids"},
       {"text and ids", [](auto* r) { r->add_prompt_ids(5); }, "prompt_text and prompt_ids"},
+      {"add_bos with ids",
+       [](auto* r) {
+         r->clear_prompt_text();
+         r->add_prompt_ids(5);
+         r->set_add_bos(true);
+       },
+       "add_bos applies to prompt_text only"},
       {"invalid UTF-8", [](auto* r) { r->set_prompt_text("ok \xC3\x28 no"); },
        "prompt_text is not valid UTF-8"},
       {"id out of range",
@@ -134,7 +142,7 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
     v1::ScoreRequest req;
     const char* expected;
   };
-  std::vector<Case> cases(5);
+  std::vector<Case> cases(6);
   cases[0] = {"empty", {}, "text or ids"};
   cases[1].name = "one token";
   cases[1].req.add_ids(5);
@@ -149,6 +157,11 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
   cases[4].name = "text beyond the context";
   for (int i = 0; i < 600; ++i) cases[4].req.mutable_text()->append("word" + std::to_string(i) + " ");
   cases[4].expected = "text has ";
+  cases[5].name = "add_bos with ids";
+  cases[5].req.add_ids(5);
+  cases[5].req.add_ids(6);
+  cases[5].req.set_add_bos(false);
+  cases[5].expected = "add_bos applies to text only";
   for (const Case& c : cases) {
     v1::ScoreResponse resp;
     const grpc::Status st = score(server_->channel(), c.req, &resp);
@@ -174,6 +187,60 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_NE(st.error_message().find("ids[1] = -4"), std::string::npos) << st.error_message();
   }
+}
+
+// Training encodes every document as `BOS ids EOS`, so text inputs start with the same BOS unless
+// the request sets add_bos = false; ids are used as given.
+TEST_F(ServerValidation, TextInputsStartWithTheBosOfTrainingDocuments) {
+  auto stub = v1::Inference::NewStub(server_->channel());
+  const std::string text = "A journey of a thousand miles";
+  std::vector<int> plain, with_bos;
+  for (bool add : {false, true}) {
+    grpc::ClientContext context;
+    v1::TokenizeRequest req;
+    req.set_text(text);
+    req.set_add_bos(add);
+    v1::TokenizeResponse resp;
+    ASSERT_TRUE(stub->Tokenize(&context, req, &resp).ok());
+    (add ? with_bos : plain).assign(resp.ids().begin(), resp.ids().end());
+  }
+  ASSERT_EQ(with_bos.size(), plain.size() + 1);
+  ASSERT_EQ(with_bos[0], 1);  // the tiny model's tokenizer: unk 0, bos 1
+
+  v1::ScoreRequest sreq;
+  sreq.set_text(text);
+  v1::ScoreResponse sresp;
+  ASSERT_TRUE(score(server_->channel(), sreq, &sresp).ok());
+  EXPECT_EQ(std::vector<int>(sresp.token_ids().begin(), sresp.token_ids().end()), with_bos);
+  EXPECT_EQ(sresp.logprobs_size(), int(plain.size()));  // every token of the text is scored
+  sreq.set_add_bos(false);
+  ASSERT_TRUE(score(server_->channel(), sreq, &sresp).ok());
+  EXPECT_EQ(std::vector<int>(sresp.token_ids().begin(), sresp.token_ids().end()), plain);
+
+  // Greedy generation from the text is generation from the ids it stands for.
+  auto run = [&](const std::vector<int>* ids, std::optional<bool> add_bos) {
+    v1::GenerateRequest req;
+    if (ids) {
+      for (int id : *ids) req.add_prompt_ids(id);
+    } else {
+      req.set_prompt_text(text);
+    }
+    if (add_bos) req.set_add_bos(*add_bos);
+    req.mutable_sampling()->set_temperature(0);
+    req.mutable_sampling()->set_max_new_tokens(6);
+    req.mutable_sampling()->set_ignore_eos(true);
+    return generate(server_->channel(), req);
+  };
+  const Stream by_text = run(nullptr, std::nullopt), by_ids = run(&with_bos, std::nullopt);
+  const Stream no_bos = run(nullptr, false), by_plain_ids = run(&plain, std::nullopt);
+  for (const Stream* s : {&by_text, &by_ids, &no_bos, &by_plain_ids}) {
+    ASSERT_TRUE(s->status.ok()) << s->status.error_message();
+    ASSERT_FALSE(s->messages.empty());
+  }
+  EXPECT_EQ(by_text.messages.back().usage().prompt_tokens(), int(with_bos.size()));
+  EXPECT_EQ(by_text.ids(), by_ids.ids());
+  EXPECT_EQ(no_bos.messages.back().usage().prompt_tokens(), int(plain.size()));
+  EXPECT_EQ(no_bos.ids(), by_plain_ids.ids());
 }
 
 TEST_F(ServerValidation, TokenizeRoundTripsAndInfoDescribesTheModel) {

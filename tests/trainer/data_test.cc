@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <set>
@@ -53,6 +54,24 @@ TEST_F(DataTest, DocumentsAreSeparatedByPercentLines) {
   std::vector<int32_t> plain;
   for (int id : tokenizer_->encode("no separators\n")) plain.push_back(id);
   EXPECT_EQ(encode_documents("no separators\n", *tokenizer_, -1, -1), plain);
+}
+
+// What inference does with a text (encode_input after the model's BOS) is how training began
+// each document; the markers come from the config when it sets them, else from the tokenizer.
+TEST_F(DataTest, TextInputsStartAsTrainingDocumentsDo) {
+  const std::string doc = "Fortune favours the bold.\n";
+  const int bos = resolve_bos_id(-1, tokenizer_.get()), eos = resolve_eos_id(-1, tokenizer_.get());
+  EXPECT_EQ(bos, 1);
+  EXPECT_EQ(eos, 2);
+  const std::vector<int32_t> trained = encode_documents(doc, *tokenizer_, bos, eos);
+  const std::vector<int> input = encode_input(*tokenizer_, doc, bos);
+  ASSERT_EQ(trained.size(), input.size() + 1);
+  EXPECT_TRUE(std::equal(input.begin(), input.end(), trained.begin()));
+  EXPECT_EQ(encode_input(*tokenizer_, doc, -1), std::vector<int>(input.begin() + 1, input.end()));
+  EXPECT_EQ(resolve_bos_id(7, tokenizer_.get()), 7);
+  EXPECT_EQ(resolve_eos_id(9, tokenizer_.get()), 9);
+  EXPECT_EQ(resolve_bos_id(-1, nullptr), -1);
+  EXPECT_EQ(resolve_eos_id(-1, nullptr), -1);
 }
 
 TEST_F(DataTest, CacheIsReusedUntilAnInputChanges) {

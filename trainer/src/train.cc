@@ -224,8 +224,8 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   auto tokenizer = Tokenizer::load(tokenizer_path_, &error);
   if (!tokenizer) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
   CEMLM_ASSIGN_OR_RETURN(const uint64_t tok_hash, hash_file(tokenizer_path_));
-  const int bos = cfg_.bos_id >= 0 ? cfg_.bos_id : tokenizer->bos_id();
-  const int eos = cfg_.eos_id >= 0 ? cfg_.eos_id : tokenizer->eos_id();
+  const int bos = resolve_bos_id(cfg_.bos_id, tokenizer.get());
+  const int eos = resolve_eos_id(cfg_.eos_id, tokenizer.get());
   CEMLM_ASSIGN_OR_RETURN(data_, load_token_data(corpus, *tokenizer, tok_hash, bos, eos,
                                                 in_cache(kTokenCacheFile), o_.val_fraction));
   info(absl::StrCat("data: ", data_.files, " files, ", data_.train.size(), " training and ",

@@ -41,6 +41,16 @@ class Tokenizer {
   void* sp_;  // owned: the plugin's SentencePieceProcessor
 };
 
+// A model's document markers: the config's id when it sets one (>= 0), else the tokenizer's;
+// -1 when neither defines it. The trainer encodes every document as `BOS ids EOS` with these, so
+// a text input starts with the same BOS (encode_input) and generation ends at the same EOS.
+int resolve_bos_id(int config_bos_id, const Tokenizer* tokenizer);
+int resolve_eos_id(int config_eos_id, const Tokenizer* tokenizer);
+
+// The ids of a text input: `bos_id` first when it is >= 0 (pass -1 for none), then
+// tokenizer.encode(text).
+std::vector<int> encode_input(const Tokenizer& tokenizer, std::string_view text, int bos_id);
+
 // Streams the text of a growing id sequence: each call takes every id generated so far and
 // returns the text added since the previous call. Text is held back while it ends in an
 // unfinished UTF-8 character (byte-fallback pieces split characters), so pieces are always

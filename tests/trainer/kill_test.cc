@@ -22,14 +22,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
-pid_t spawn_quietly(std::vector<std::string> args) {
+// Runs args with stdout and stderr into `log` (appended).
+pid_t spawn_quietly(std::vector<std::string> args, const std::string& log = "/dev/null") {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
   pid_t pid = -1;
   const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
@@ -86,6 +87,60 @@ TEST(TrainKill, KilledAtAnyMomentTheCheckpointLoadsAndResumes) {
   EXPECT_TRUE(done->finished);
   for (const auto& e : fs::directory_iterator(dir))
     EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+}
+
+int64_t saved_step(const std::string& out_dir) {
+  std::string state, error;
+  if (!read_file(out_dir + "/" + kTrainerStateFile, &state, &error)) return -1;
+  const size_t at = state.find("\"step\": ");
+  return at == std::string::npos ? -1 : std::stoll(state.substr(at + 8));
+}
+
+// SIGTERM (docker stop) and then SIGINT (Ctrl-C) on the resumed run: each run finishes its step,
+// saves although no periodic save is due, and exits with 128 + the signal's number (so that
+// `cemlm train … && cemlm serve …` stops); the next run resumes from the step it saved.
+TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
+  const std::string dir = testing_trainer::fresh_dir();
+  TrainOptions o = testing_trainer::tiny_options(dir);
+  const std::string log = dir + "/train.log";
+  const std::vector<std::string> args = {
+      CEMLM_BINARY, "train",        "--config",     o.config_path, "--data",       o.data[0],
+      "--out",      o.out_dir,      "--steps",      "100000",      "--save-every", "100000",
+      "--eval-every", "100000",     "--batch-size", "2",           "--seq-len",    "16",
+      "--threads",  "1",            "--log-every",  "1"};
+  int64_t last_step = 0;
+  for (int sig : {SIGTERM, SIGINT}) {
+    auto run_args = args;
+    if (last_step > 0) run_args.push_back("--resume");
+    const size_t log_before = fs::exists(log) ? fs::file_size(log) : 0;
+    const pid_t pid = spawn_quietly(run_args, log);
+    ASSERT_GT(pid, 0);
+    // Signal once this run has logged a few steps of its own.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::string text, error;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (read_file(log, &text, &error) && text.size() > log_before) {
+        const std::string mine = text.substr(log_before);
+        size_t steps = 0;
+        for (size_t at = mine.find("\nstep "); at != std::string::npos;
+             at = mine.find("\nstep ", at + 1))
+          ++steps;
+        if (steps >= 3) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_EQ(::kill(pid, sig), 0);
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status) << " instead of saving";
+    EXPECT_EQ(WEXITSTATUS(status), 128 + sig);
+    ASSERT_TRUE(read_file(log, &text, &error));
+    EXPECT_NE(text.find("interrupted: saving at step", log_before), std::string::npos) << text;
+    ASSERT_TRUE(load_checkpoint(o.out_dir).ok());
+    const int64_t step = saved_step(o.out_dir);
+    EXPECT_GT(step, last_step + 2) << text;  // saved where it stopped, not at a periodic save
+    last_step = step;
+  }
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // `cemlm train`: flags → TrainOptions (with --resume, the run's saved options, overridden only
 // by the flags given again), then the training loop with a live progress line on a terminal,
-// plain lines otherwise, and a clean stop-and-save on Ctrl-C.
+// plain lines otherwise, and a clean stop-and-save on Ctrl-C or SIGTERM.
 #include "cemlm/trainer/train.h"
 
 #include <unistd.h>
@@ -19,11 +19,18 @@
 namespace cemlm::cli {
 namespace {
 
-volatile std::sig_atomic_t g_interrupted = 0;
+// SIGINT (Ctrl-C) or SIGTERM (docker stop, a Kubernetes Job's eviction): finish the step, save,
+// exit with 128 + the signal's number. A second signal ends the process at once (checkpoints are
+// written atomically, so the last one stays whole).
+volatile std::sig_atomic_t g_stop_signal = 0;
 
-void on_sigint(int) {
-  g_interrupted = 1;
-  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends at once (checkpoints stay whole)
+void on_stop_signal(int sig) {
+  g_stop_signal = sig;
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
+  static const char kNote[] =
+      "\nstopping: saving after the current step (send the signal again to quit at once)\n";
+  (void)!::write(2, kNote, sizeof(kNote) - 1);
 }
 
 // Flag values that are not TrainOptions fields as they stand.
@@ -50,7 +57,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
       "Train a CEM/Leviathan language model on UTF-8 text and write a checkpoint directory\n"
       "(config.json, model.safetensors, tokenizer.model, optimizer and trainer state,\n"
       "train.jsonl, loss.svg) every --save-every steps and at the end, atomically.\n"
-      "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).");
+      "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).\n"
+      "Ctrl-C or SIGTERM finishes the step, saves, and exits with 130 or 143; --resume goes on.");
   f.add("out", &o.out_dir, "checkpoint directory to write");
   f.add_bool("resume", &o.resume,
              "continue the run saved in --out (same options unless given again; bit-exact)");
@@ -202,17 +210,19 @@ int cmd_train(int argc, char** argv) {
   cb.on_info = [&](const std::string& s) { progress.line(s); };
   cb.on_step = [&](const StepMetrics& m) {
     progress.step(m);
-    if (g_interrupted) progress.line(absl::StrCat("interrupted: saving at step ", m.step));
-    return !g_interrupted;
+    if (g_stop_signal) progress.line(absl::StrCat("interrupted: saving at step ", m.step));
+    return !g_stop_signal;
   };
   cb.on_eval = [&](const EvalMetrics& e) { progress.line(eval_text(e)); };
   cb.on_save = [&](int64_t step, const std::string& dir) {
     progress.line(absl::StrCat("saved ", dir, " at step ", step));
   };
-  g_interrupted = 0;
-  std::signal(SIGINT, on_sigint);
+  g_stop_signal = 0;
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
   auto summary = train(opts, cb);
   std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
   progress.finish();
   if (!summary.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(summary.status().message()).c_str());
@@ -221,7 +231,8 @@ int cmd_train(int argc, char** argv) {
   if (!summary->finished)
     progress.line(absl::StrCat("stopped at step ", summary->step, " of ", opts.steps,
                                ": continue with cemlm train --out ", opts.out_dir, " --resume"));
-  return 0;
+  // Like a process the signal ended, so that `cemlm train … && cemlm serve …` stops here.
+  return g_stop_signal ? 128 + g_stop_signal : 0;
 }
 
 }  // namespace cemlm::cli

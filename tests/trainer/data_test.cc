@@ -30,12 +30,12 @@ class DataTest : public ::testing::Test {
     tokenizer_ = Tokenizer::load(dir_ + "/tok.model", &error);
     ASSERT_TRUE(tokenizer_) << error;
   }
-  absl::StatusOr<TokenData> load(double val = 0.1) {
+  absl::StatusOr<TokenData> load(double val = 0.1, int bos = 1, int eos = 2) {
     auto corpus = list_corpus({dir_ + "/text"});
     if (!corpus.ok()) return corpus.status();
     auto hash = hash_file(dir_ + "/tok.model");
     if (!hash.ok()) return hash.status();
-    return load_token_data(*corpus, *tokenizer_, *hash, 1, 2, dir_ + "/cache/tokens.bin", val);
+    return load_token_data(*corpus, *tokenizer_, *hash, bos, eos, dir_ + "/cache/tokens.bin", val);
   }
   std::string dir_;
   std::unique_ptr<Tokenizer> tokenizer_;
@@ -129,13 +129,27 @@ TEST_F(DataTest, DamagedCacheIsRebuilt) {
   EXPECT_TRUE(load()->from_cache);
 }
 
-TEST_F(DataTest, SplitTakesTheEndOfEveryFile) {
+TEST_F(DataTest, SplitTakesTheEndOfEveryFileAtADocumentStart) {
   auto d = load(0.1);
   ASSERT_TRUE(d.ok());
   const size_t total = d->train.size() + d->val.size();
   EXPECT_NEAR(double(d->val.size()) / double(total), 0.1, 0.01);
   // Each file's tokens end with EOS (2): the last validation token is the last file's EOS.
   EXPECT_EQ(d->val.back(), 2);
+  // No document is split between the two: validation starts at a BOS (1), training ends at an EOS.
+  EXPECT_EQ(d->val.front(), 1);
+  EXPECT_EQ(d->train.back(), 2);
+  for (size_t i = 0; i + 1 < d->val.size(); ++i) {
+    if (d->val[i] == 2) {
+      EXPECT_EQ(d->val[i + 1], 1) << i;  // file b's part follows a's whole
+    }
+  }
+  auto eos_only = load(0.1, -1, 2);  // documents end with EOS and start after one
+  ASSERT_TRUE(eos_only.ok());
+  EXPECT_EQ(eos_only->train.back(), 2);
+  EXPECT_NE(eos_only->val.front(), 2);
+  EXPECT_NEAR(double(eos_only->val.size()) / double(eos_only->train.size() + eos_only->val.size()),
+              0.1, 0.01);
   auto half = load(0.5);
   ASSERT_TRUE(half.ok());
   EXPECT_EQ(half->train.size() + half->val.size(), total);

@@ -98,6 +98,25 @@ void append_document(std::string_view doc, const Tokenizer& tokenizer, int bos, 
   if (eos >= 0) out->push_back(eos);
 }
 
+// Where a file's validation part begins: before its last `val_fraction` of tokens, moved to the
+// nearest document start (a BOS, or the token after an EOS when there is no BOS) so that no
+// document is split between training and validation; left where it is when the file has no
+// document start other than its first token.
+size_t split_point(const std::vector<int32_t>& ids, double val_fraction, int bos, int eos) {
+  const size_t n = ids.size();
+  const size_t cut = n - size_t(std::ceil(double(n) * val_fraction));
+  if (cut == 0 || cut == n || (bos < 0 && eos < 0)) return cut;
+  auto starts_document = [&](size_t p) {
+    return bos >= 0 ? ids[p] == bos : ids[p - 1] == eos;
+  };
+  for (size_t d = 0; d < n; ++d) {
+    if (cut > d && starts_document(cut - d)) return cut - d;
+    if (cut + d < n && starts_document(cut + d)) return cut + d;
+    if (cut <= d && cut + d >= n) break;
+  }
+  return cut;
+}
+
 }  // namespace
 
 uint64_t hash_bytes(std::string_view bytes, uint64_t h) {
@@ -184,9 +203,9 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
     CEMLM_RETURN_IF_ERROR(write_cache(cache_path, corpus, encoding, files));
   }
   for (const auto& ids : files) {
-    const size_t n_val = size_t(std::ceil(double(ids.size()) * val_fraction));
-    data.train.insert(data.train.end(), ids.begin(), ids.end() - n_val);
-    data.val.insert(data.val.end(), ids.end() - n_val, ids.end());
+    const size_t cut = split_point(ids, val_fraction, bos, eos);
+    data.train.insert(data.train.end(), ids.begin(), ids.begin() + cut);
+    data.val.insert(data.val.end(), ids.begin() + cut, ids.end());
   }
   return data;
 }

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <filesystem>
 
@@ -282,6 +284,9 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
   const TrainOptions o = tiny_options(dir);
   testing_trainer::write_file(dir + "/empty/blank.txt", "\n\n");
   testing_trainer::write_file(dir + "/only_dat/x.dat", "x");
+  std::string one_doc = testing_trainer::corpus_text(300, 3);
+  std::erase(one_doc, '%');
+  testing_trainer::write_file(dir + "/one_doc/a.txt", one_doc);
   const std::vector<std::string> base = {"--config",  o.config_path, "--out",     dir + "/bad",
                                          "--steps",   "2",           "--threads", "1",
                                          "--seq-len", "24"};
@@ -319,12 +324,14 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--data", dir + "/missing"}, "--data"},
       {{"--data", dir + "/empty"}, "--data"},
       {{"--data", dir + "/only_dat"}, "--data"},
-      {{"--seq-len", "64", "--val-fraction", "0.001"}, "--seq-len"},  // no validation window
+      // One document (the split cannot move to a document start): no validation window.
+      {{"--data", dir + "/one_doc", "--seq-len", "64", "--val-fraction", "0.001"}, "--seq-len"},
   };
   for (const Case& c : cases) {
     auto args = base;
     args.insert(args.end(), c.args.begin(), c.args.end());
-    if (c.flag != "--data") args.insert(args.end(), {"--data", o.data[0]});
+    if (std::find(c.args.begin(), c.args.end(), "--data") == c.args.end())
+      args.insert(args.end(), {"--data", o.data[0]});
     const auto [rc, err] = cli(args);
     EXPECT_NE(rc, 0) << c.args[0] << " " << c.args[1];
     EXPECT_NE(err.find(c.flag), std::string::npos) << c.args[0] << " " << c.args[1] << ": " << err;

@@ -15,6 +15,7 @@ CEMLM_DEVICE            --device
 CEMLM_KV_CACHE_MEMORY   --kv-cache-memory
 CEMLM_KV_CACHE_DTYPE    --kv-cache-dtype
 CEMLM_MAX_BATCH_TOKENS  --max-batch-tokens
+CEMLM_MAX_RUNNING       --max-running
 CEMLM_MAX_WAITING       --max-waiting
 CEMLM_API_KEY_FILE      --api-key-file
 CEMLM_TLS_CERT          --tls-cert

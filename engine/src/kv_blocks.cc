@@ -67,11 +67,7 @@ PrefixMatch BlockManager::match_prefix(std::span<const int> tokens, int T) const
 bool BlockManager::start(SeqId seq, const PrefixMatch& match, int T, int n_positions) {
   CEMLM_CHECK(!has(seq));
   const int64_t total = blocks_for(n_positions);
-  CEMLM_CHECK(total >= int64_t(match.blocks.size()));
-  // Hit blocks nobody references sit in the LRU pool: taking them shrinks what is available.
-  int64_t idle_hits = 0;
-  for (int32_t b : match.blocks) idle_hits += blocks_[size_t(b)].ref == 0;
-  if (total - int64_t(match.blocks.size()) > num_available() - idle_hits) return false;
+  if (start_cost(match, n_positions) > num_available()) return false;
 
   SeqBlocks& s = seqs_[seq];
   s.recursion = T;
@@ -130,13 +126,30 @@ void BlockManager::release(SeqId seq) {
   seqs_.erase(it);
 }
 
-int64_t BlockManager::reclaimable(std::span<const SeqId> seqs) const {
-  std::unordered_map<int32_t, int> held;  // block -> references among `seqs`
+std::unordered_map<int32_t, int> BlockManager::held_by(std::span<const SeqId> seqs) const {
+  std::unordered_map<int32_t, int> held;
   for (SeqId s : seqs)
     for (int32_t b : table(s)) ++held[b];
+  return held;
+}
+
+int64_t BlockManager::reclaimable(std::span<const SeqId> seqs) const {
   int64_t n = num_available();
-  for (const auto& [b, refs] : held) n += refs == blocks_[size_t(b)].ref;
+  for (const auto& [b, refs] : held_by(seqs)) n += refs == blocks_[size_t(b)].ref;
   return n;
+}
+
+int64_t BlockManager::start_cost(const PrefixMatch& match, int n_positions,
+                                 std::span<const SeqId> released) const {
+  const int64_t total = blocks_for(n_positions);
+  CEMLM_CHECK(total >= int64_t(match.blocks.size()));
+  const auto held = held_by(released);
+  int64_t idle_hits = 0;  // taking a hit from the LRU pool shrinks what is available
+  for (int32_t b : match.blocks) {
+    const auto it = held.find(b);
+    idle_hits += blocks_[size_t(b)].ref == (it == held.end() ? 0 : it->second);
+  }
+  return total - int64_t(match.blocks.size()) + idle_hits;
 }
 
 const std::vector<int32_t>& BlockManager::table(SeqId seq) const { return seqs_.at(seq).table; }

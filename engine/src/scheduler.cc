@@ -14,6 +14,17 @@ bool Scheduler::RankLess::operator()(const Sequence* a, const Sequence* b) const
   return a->arrival < b->arrival;
 }
 
+namespace {
+
+// Tokens that `plan` feeds for `id` (0 when it has no row).
+int row_tokens(const StepPlan& plan, SeqId id) {
+  for (const ScheduledRow& r : plan.rows)
+    if (r.id == id) return r.n_tokens;
+  return 0;
+}
+
+}  // namespace
+
 Scheduler::Scheduler(const SchedulerOptions& opts, BlockManager* blocks)
     : opts_(opts), blocks_(blocks) {
   CEMLM_CHECK(opts.max_batch_tokens > 0 && opts.max_running > 0 && opts.max_waiting > 0);
@@ -70,7 +81,11 @@ StepPlan Scheduler::schedule() {
   std::set<SeqId> scheduled;
   schedule_running(/*decode=*/true, &budget, &scheduled, &plan);
   schedule_running(/*decode=*/false, &budget, &scheduled, &plan);
-  admit_waiting(&budget, &plan);
+  // A step whose rows ran out of blocks admits nothing; one that preempted for priority admits
+  // the sequence it preempted for.
+  const bool out_of_blocks = !plan.preempted.empty();
+  if (!out_of_blocks) preempt_for_priority(&budget, &scheduled, &plan);
+  if (!out_of_blocks) admit_waiting(&budget, &plan);
   build_batch(&plan);
   publish_waiting();
   return plan;
@@ -129,8 +144,45 @@ void Scheduler::preempt(Sequence* s, StepPlan* plan) {
   if (plan) plan->preempted.push_back(s->id);
 }
 
+void Scheduler::preempt_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan) {
+  if (waiting_.empty() || running_.empty()) return;
+  const Sequence* w = *waiting_.begin();
+  // running_ is in rank order, so the sequences of lower priority are its tail.
+  std::vector<SeqId> lower;
+  int lower_rows = 0;  // budget their rows in this step hold
+  for (auto it = running_.rbegin(); it != running_.rend() && (*it)->priority < w->priority; ++it) {
+    lower.push_back((*it)->id);
+    lower_rows += row_tokens(*plan, (*it)->id);
+  }
+  if (lower.empty()) return;
+  const PrefixMatch match = blocks_->match_prefix(w->tokens, w->recursion);
+  const int cached = int(match.blocks.size()) * blocks_->block_size();
+  const int todo = int(w->tokens.size()) - cached;
+  auto fits = [&](int budget_left, std::span<const SeqId> released, int64_t available) {
+    const int n = std::min(todo, budget_left);
+    return n > 0 && blocks_->start_cost(match, cached + n, released) <= available;
+  };
+  auto fits_now = [&] {
+    return int(running_.size()) < opts_.max_running &&
+           fits(*budget, {}, blocks_->num_available());
+  };
+  // Only when it does not fit now, and would once every lower-priority sequence made way: no
+  // work is thrown away for nothing.
+  if (fits_now() || !fits(*budget + lower_rows, lower, blocks_->reclaimable(lower))) return;
+  while (!fits_now()) {
+    Sequence* v = running_.back();
+    CEMLM_CHECK(v->priority < w->priority);
+    if (scheduled->erase(v->id)) {
+      auto row = std::find_if(plan->rows.begin(), plan->rows.end(),
+                              [&](const ScheduledRow& r) { return r.id == v->id; });
+      *budget += row->n_tokens;
+      plan->rows.erase(row);
+    }
+    preempt(v, plan);
+  }
+}
+
 void Scheduler::admit_waiting(int* budget, StepPlan* plan) {
-  if (!plan->preempted.empty()) return;
   const int bs = blocks_->block_size();
   while (*budget > 0 && int(running_.size()) < opts_.max_running && !waiting_.empty()) {
     Sequence* s = *waiting_.begin();

@@ -28,7 +28,7 @@ struct ServeFlags {
   std::string kv_cache_dtype = "fp32";
   std::string api_key_file, tls_cert, tls_key, log_level = "info", model_name;
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
-  int engine_nice = 10;
+  int max_running = 256, engine_nice = 10;
   double shutdown_timeout = 30;
   double max_connection_age = 0;
 };
@@ -93,6 +93,7 @@ absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t
   opts.kv_cache_memory = kv_bytes;
   opts.max_batch_tokens = f.max_batch_tokens;
   opts.max_waiting = f.max_waiting;
+  opts.max_running = f.max_running;
   opts.threads = f.threads;
   opts.kv_cache_dtype = f.kv_cache_dtype;
   opts.step_thread_nice = f.engine_nice;
@@ -114,6 +115,13 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   if (f.engine_nice < 0 || f.engine_nice > 19)
     return fail(absl::InvalidArgumentError("--engine-nice " + std::to_string(f.engine_nice) +
                                            " must be in [0, 19] (0: the process's priority)"));
+  const std::pair<const char*, int> at_least_one[] = {{"--max-batch-tokens", f.max_batch_tokens},
+                                                      {"--max-running", f.max_running},
+                                                      {"--max-waiting", f.max_waiting}};
+  for (const auto& [flag, value] : at_least_one)
+    if (value < 1)
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat(flag, " ", value, " must be at least 1 (see --help)")));
   if (!(f.max_connection_age >= 0))
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "--max-connection-age ", f.max_connection_age, " must be >= 0 seconds (0: no limit)")));
@@ -193,6 +201,8 @@ int cmd_serve(int argc, char** argv) {
             "fp32 | bf16: bf16 (CPU) holds twice the tokens and reads half the bytes per decode "
             "step; entries are rounded to bf16 (logprobs move by ~1e-3)");
   flags.add("max-batch-tokens", &f.max_batch_tokens, "tokens per engine step (chunked prefill)");
+  flags.add("max-running", &f.max_running,
+            "requests in the running batch at once (the rest queue; a higher priority preempts)");
   flags.add("max-waiting", &f.max_waiting, "queued requests before RESOURCE_EXHAUSTED");
   flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");
   flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");

@@ -223,6 +223,56 @@ TEST(Engine, PreemptionWithATinyCacheKeepsOutputsIdentical) {
   }
 }
 
+// Two low-priority requests fill max_running; a high-priority one submitted while they decode
+// preempts the newer of them, finishes first, and every output equals an unconstrained run's.
+TEST(Engine, HigherPriorityRequestPreemptsLowerOnesThatStillFinishTheSame) {
+  std::vector<GenerateRequest> reqs = {request(tokens(5, 1), 24), request(tokens(6, 2), 24, 2, 7),
+                                       request(tokens(4, 3), 3, 1, 9)};
+  reqs[2].priority = 5;
+  Built ref = build({.num_blocks = 512});
+  const auto reference = run_all(*ref.engine, reqs);
+
+  // The first forward waits until the second request is in (so it runs from step 2); the first
+  // logits at position 7 (step 4: both decoding) wait until the third is in.
+  Gate first, decoding;
+  EngineOptions eo;
+  eo.max_running = 2;
+  std::atomic<bool> started{false}, reached{false};
+  Built b = build({.favorite = [&](int pos) {
+                    if (!started.exchange(true)) first.enter();
+                    if (pos >= 7 && !reached.exchange(true)) decoding.enter();
+                    return -1;
+                  }},
+                  eo);
+  Collector c;
+  std::mutex mu;
+  std::vector<RequestId> finished;
+  auto on_event = [&, inner = c.callback()](const StreamEvent& ev) {
+    if (ev.finish_reason != FinishReason::kNone) {
+      std::lock_guard<std::mutex> lock(mu);
+      finished.push_back(ev.id);
+    }
+    inner(ev);
+  };
+  std::vector<RequestId> ids;
+  ids.push_back(*b.engine->submit(reqs[0], on_event));
+  first.wait_entered(1);
+  ids.push_back(*b.engine->submit(reqs[1], on_event));
+  first.release();
+  decoding.wait_entered(1);
+  ids.push_back(*b.engine->submit(reqs[2], on_event));
+  decoding.release();
+  ASSERT_TRUE(c.wait_finals(3));
+  std::vector<Result> got;
+  for (RequestId id : ids) got.push_back(c.get(id));
+  expect_same_outputs(reference, got);
+  b.engine->shutdown(false);
+  EXPECT_EQ(b.engine->stats().preemptions_total, 1);
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(finished.size(), 3u);
+  EXPECT_EQ(finished[0], ids[2]);
+}
+
 TEST(Engine, PrefixCacheHitsGiveIdenticalOutputsAndAnotherTNeverHits) {
   const auto prompt = tokens(22, 3);
   Built cached = build({});

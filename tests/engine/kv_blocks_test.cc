@@ -104,6 +104,25 @@ TEST(BlockManager, IdleHitsCountAgainstTheRoomLeft) {
   EXPECT_EQ(bm.num_available(), 0);
 }
 
+// start_cost: the fresh blocks plus the idle hits, now or once some sequences are released.
+TEST(BlockManager, StartCostCountsIdleHitsNowAndAfterReleases) {
+  BlockManager bm(10, 4, true);
+  const auto tokens = iota_tokens(9);
+  ASSERT_TRUE(bm.start(1, {}, 1, 9));
+  bm.mark_computed(1, tokens, 9);
+  const PrefixMatch m = bm.match_prefix(tokens, 1);
+  ASSERT_EQ(m.blocks.size(), 2u);
+  ASSERT_TRUE(bm.start(2, m, 1, 9));  // holds the two hits too
+  EXPECT_EQ(bm.start_cost(m, 13), 2);  // 4 blocks: the 2 hits are held, 2 fresh
+  EXPECT_EQ(bm.start_cost(m, 13, std::vector<SeqId>{1}), 2);  // 2 still holds them
+  EXPECT_EQ(bm.start_cost(m, 13, std::vector<SeqId>{1, 2}), 4);  // both idle then
+  EXPECT_EQ(bm.start_cost({}, 13), 4);
+  EXPECT_EQ(bm.reclaimable(std::vector<SeqId>{1, 2}), 10);
+  bm.release(1);
+  bm.release(2);
+  EXPECT_EQ(bm.start_cost(m, 13), 4);  // as predicted
+}
+
 TEST(BlockManager, EvictsLeastRecentlyUsedTailBlocksFirst) {
   BlockManager bm(4, 2, true);
   const auto a = iota_tokens(5, 0), b = iota_tokens(5, 100);

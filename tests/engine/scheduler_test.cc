@@ -208,6 +208,80 @@ TEST(Scheduler, DecodeRowPreemptsItselfWhenNothingRanksBelowIt) {
   EXPECT_TRUE(h.sched.find(A)->running);
 }
 
+TEST(Scheduler, HigherPriorityArrivalPreemptsTheLowestRankedForASlot) {
+  Harness h({.max_batch_tokens = 100, .max_running = 2});
+  h.add(1, 3);
+  h.add(2, 3);
+  h.step();  // both prefilled
+  h.add(3, 3, 1, /*priority=*/5);
+  StepPlan p = h.step();
+  ASSERT_EQ(p.preempted, std::vector<SeqId>{2});  // the newer of the two
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].id, 3u);
+  EXPECT_EQ(row_tokens(p, 1), 1);  // 1 still decodes in this step
+  EXPECT_EQ(row_tokens(p, 2), 0);  // 2's decode row left the step
+  EXPECT_EQ(row_tokens(p, 3), 3);
+  const Sequence* s2 = h.sched.find(2);
+  EXPECT_FALSE(s2->running);
+  EXPECT_EQ(s2->n_computed, 0);
+  EXPECT_EQ(s2->generated(), 1);  // kept for the recompute
+  EXPECT_FALSE(h.bm.has(2));
+  h.sched.remove(3);
+  p = h.step();  // 2 comes back, recomputing prompt + generated
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].id, 2u);
+  EXPECT_EQ(row_tokens(p, 2), 4);
+}
+
+TEST(Scheduler, EqualPriorityArrivalWaitsItsTurn) {
+  Harness h({.max_batch_tokens = 100, .max_running = 2});
+  h.add(1, 3, 1, 2);
+  h.add(2, 3, 1, 2);
+  h.step();
+  h.add(3, 3, 1, 2);
+  const StepPlan p = h.step();
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_TRUE(p.admitted.empty());
+  EXPECT_EQ(h.sched.num_waiting(), 1);
+}
+
+TEST(Scheduler, HigherPriorityArrivalPreemptsOnlyWhatItsBlocksNeed) {
+  // 6 blocks of 2: three sequences of 3 tokens hold 2 each. A 2-token arrival of higher priority
+  // needs one block: the lowest-ranked sequence alone makes way.
+  Harness h({.max_batch_tokens = 100}, 6, 2);
+  h.add(1, 3);
+  h.add(2, 3);
+  h.add(3, 3);
+  h.step();
+  h.add(4, 2, 1, /*priority=*/1);
+  const StepPlan p = h.step();
+  ASSERT_EQ(p.preempted, std::vector<SeqId>{3});
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].id, 4u);
+  EXPECT_EQ(row_tokens(p, 1), 1);
+  EXPECT_EQ(row_tokens(p, 2), 1);
+  EXPECT_EQ(h.bm.num_available(), 1);
+}
+
+TEST(Scheduler, NothingIsPreemptedForAnArrivalThatStillWouldNotFit) {
+  // 4 blocks of 2: 1 (priority 5) and 2 (priority 0) hold 2 each. 3 (priority 1) needs 3 blocks
+  // for its 5 tokens; only 2's two would make way, so 2 keeps running and 3 waits.
+  Harness h({.max_batch_tokens = 100}, 4, 2);
+  h.add(1, 3, 1, 5);
+  h.add(2, 3, 1, 0);
+  h.step();
+  h.add(3, 5, 1, 1);
+  const StepPlan p = h.step();
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_TRUE(p.admitted.empty());
+  EXPECT_EQ(row_tokens(p, 2), 1);
+  h.sched.remove(1);
+  const StepPlan q = h.step();  // now 2 making way is enough
+  ASSERT_EQ(q.preempted, std::vector<SeqId>{2});
+  ASSERT_EQ(q.admitted.size(), 1u);
+  EXPECT_EQ(q.admitted[0].id, 3u);
+}
+
 TEST(Scheduler, MakeRoomPreemptsLowestRankFirst) {
   Harness h({.max_batch_tokens = 100}, 6, 2);
   h.add(1, 4, 1, 1);

@@ -125,8 +125,9 @@ std::string refused_serve(const std::string& model, const std::string& flags) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-// --kv-cache-dtype bf16 serves with half the cache bytes per token; an unknown dtype, or an
-// --engine-nice out of range, is refused at start with a message naming the flag.
+// --kv-cache-dtype bf16 serves with half the cache bytes per token; an unknown dtype, an
+// --engine-nice out of range or a zero --max-running/--max-waiting/--max-batch-tokens is refused
+// at start with a message naming the flag.
 TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
   auto bf16 = ServerProcess::start(model_, {"--kv-cache-dtype", "bf16", "--engine-nice", "0"});
   ASSERT_TRUE(bf16);
@@ -140,6 +141,10 @@ TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
       << err;
   err = refused_serve(model_, "--engine-nice 20");
   EXPECT_NE(err.find("--engine-nice 20 must be in [0, 19]"), std::string::npos) << err;
+  for (const char* flag : {"--max-running", "--max-waiting", "--max-batch-tokens"}) {
+    err = refused_serve(model_, std::string(flag) + " 0");
+    EXPECT_NE(err.find(std::string(flag) + " 0 must be at least 1"), std::string::npos) << err;
+  }
 }
 
 // Load balancers and meshes check the service by name as well as the whole server.

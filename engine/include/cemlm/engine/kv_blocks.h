@@ -54,6 +54,10 @@ class BlockManager {
   // Blocks available once every sequence of `seqs` is released: those available now plus those
   // nobody else references.
   int64_t reclaimable(std::span<const SeqId> seqs) const;
+  // The available blocks that start(·, match, ·, n_positions) takes: the fresh ones plus the hits
+  // nobody references (they sit in the LRU pool); as it will be once `released` are released.
+  int64_t start_cost(const PrefixMatch& match, int n_positions,
+                     std::span<const SeqId> released = {}) const;
 
   bool has(SeqId seq) const { return seqs_.count(seq) != 0; }
   const std::vector<int32_t>& table(SeqId seq) const;
@@ -79,6 +83,8 @@ class BlockManager {
   };
 
   int32_t find_cached(uint64_t parent, std::span<const int> tokens, int T) const;
+  // Block -> how many of its references the sequences of `seqs` hold.
+  std::unordered_map<int32_t, int> held_by(std::span<const SeqId> seqs) const;
   int32_t take_block();  // caller checked num_available() > 0
   void add_ref(int32_t b);
   void drop_ref(int32_t b);

@@ -6,9 +6,14 @@
 //  1. decode rows (running sequences that need one token), in rank order;
 //  2. prefill chunks of running sequences still prefilling, in rank order, each as large as the
 //     budget left allows (chunked prefill);
-//  3. admission of waiting sequences, in rank order, while the budget, max_running and the cache
-//     allow; it stops at the first one that does not fit (no overtaking) and is skipped entirely
-//     in a step that preempted.
+//  3. priority: when the first waiting sequence does not fit (max_running, or the blocks of its
+//     first chunk) but would once running sequences of lower priority made way, those are
+//     preempted, lowest rank first, and their rows leave this step. Equal priorities never
+//     preempt each other here (FCFS), and nothing is preempted for a sequence that would still
+//     not fit;
+//  4. admission of waiting sequences, in rank order, while the budget, max_running and the cache
+//     allow; it stops at the first one that does not fit (no overtaking). Steps 3 and 4 are
+//     skipped in a step whose rows ran out of blocks (and preempted for that).
 // Rank = priority (higher first), then arrival (FCFS). When a running sequence needs a block and
 // none is available, the lowest-ranked (newest) running sequence ranked after it and not yet in
 // this step is preempted by recompute: its blocks are freed and it goes back to waiting with its
@@ -105,6 +110,10 @@ class Scheduler {
   };
   void publish_waiting();
   void preempt(Sequence* s, StepPlan* plan);
+  // Makes way for the first waiting sequence when it does not fit (max_running, its first chunk's
+  // blocks) but would once running sequences of lower priority are preempted: those go, lowest
+  // rank first, and their rows leave this step.
+  void preempt_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan);
   Sequence* victim_after(const Sequence* s, const std::set<SeqId>& scheduled) const;
   // Allocates blocks for `n` tokens of running `s`, preempting or shrinking per the policy.
   int reserve(Sequence* s, int n, const std::set<SeqId>& scheduled, StepPlan* plan);

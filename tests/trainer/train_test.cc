@@ -179,6 +179,94 @@ TEST(Train, FreshRunRefusesToOverwriteACheckpoint) {
   EXPECT_NE(again.status().message().find("--resume"), std::string::npos);
 }
 
+// Runs that share a --cache: another run training its own tokenizer into the cache while this one
+// trains must not change the tokenizer this one saves (its data was encoded with the first).
+TEST(Train, CheckpointKeepsItsTokenizerWhenTheSharedCacheChanges) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.cache_dir = dir + "/shared-cache";
+  o.steps = 4;
+  o.save_every = 1;
+  std::string original, error;
+  TrainCallbacks cb;
+  cb.on_step = [&](const StepMetrics& m) {
+    if (m.step == 2) {  // saved once already; now the cache's tokenizer is replaced
+      EXPECT_TRUE(read_file(o.cache_dir + "/tokenizer.model", &original, &error)) << error;
+      testing_trainer::write_file(o.cache_dir + "/tokenizer.model", "another run's tokenizer");
+    }
+    return true;
+  };
+  ASSERT_TRUE(train(o, cb).ok());
+  std::string saved;
+  ASSERT_TRUE(read_file(o.out_dir + "/tokenizer.model", &saved, &error)) << error;
+  ASSERT_FALSE(original.empty());
+  EXPECT_TRUE(saved == original) << "the checkpoint took the replaced cache file";
+  EXPECT_TRUE(load_checkpoint(o.out_dir).ok());
+}
+
+// --resume needs the tokenizer its data was encoded with; --init keeps its checkpoint's
+// vocabulary and tokenizer, so flags that would change them are refused, not ignored.
+TEST(Train, ResumeWithoutTokenizerAndInitWithAnotherVocabularyAreRefused) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 2;
+  ASSERT_TRUE(train(o).ok());
+  const std::string tok = dir + "/tok-copy.model";
+  fs::copy_file(o.out_dir + "/tokenizer.model", tok);
+
+  TrainOptions init = tiny_options(dir);
+  init.config_path.clear();
+  init.init_dir = o.out_dir;
+  init.out_dir = dir + "/finetune";
+  init.tokenizer_path = tok;
+  auto st = train(init);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("--tokenizer"), std::string::npos) << st.status();
+  init.tokenizer_path.clear();
+  init.vocab_size = 999;
+  st = train(init);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("--vocab-size 999"), std::string::npos) << st.status();
+  EXPECT_FALSE(fs::exists(init.out_dir + "/config.json"));
+
+  fs::remove(o.out_dir + "/tokenizer.model");
+  o.resume = true;
+  o.steps = 4;
+  st = train(o);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("tokenizer.model"), std::string::npos) << st.status();
+  fs::copy_file(tok, o.out_dir + "/tokenizer.model");
+  EXPECT_TRUE(train(o).ok());  // restored: the run goes on
+}
+
+TEST(Train, DamagedSavedOptionsNameTheKey) {
+  const std::string json = options_to_json(TrainOptions{});
+  const size_t at = json.find("\"steps\"");
+  ASSERT_NE(at, std::string::npos);
+  const size_t value = json.find(':', at) + 1, end = json.find_first_of(",}", value);
+  const std::string bad = json.substr(0, value) + " \"many\"" + json.substr(end);
+  auto o = options_from_json(bad);
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("\"steps\""), std::string::npos) << o.status();
+  std::string missing = json;
+  missing.replace(missing.find("\"seed\""), 6, "\"sead\"");
+  o = options_from_json(missing);
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("\"seed\""), std::string::npos) << o.status();
+  EXPECT_TRUE(options_from_json(json).ok());
+}
+
+// --max-minutes stops when the next step, the evaluation and save it is due for, and the final
+// evaluation and save would not fit the budget.
+TEST(TimeBudget, LeavesRoomForTheNextStepAndTheFinalEvaluationAndSave) {
+  TimeBudget b{.step_s = 1, .eval_s = 10, .save_s = 2};
+  EXPECT_FALSE(b.stop_now(40, 60, false, false));  // 40 + 1 + 12 = 53
+  EXPECT_TRUE(b.stop_now(48, 60, false, false));   // 48 + 1 + 12 = 61
+  EXPECT_TRUE(b.stop_now(40, 60, true, false));    // the next step evaluates too: 63
+  EXPECT_TRUE(b.stop_now(46, 60, false, true));    // ... or saves: 61
+  EXPECT_FALSE(TimeBudget{.step_s = 1}.stop_now(58, 60, true, true));
+}
+
 // cmd_train with argv; returns its exit code and what it wrote to stderr.
 std::pair<int, std::string> cli(std::vector<std::string> args) {
   std::vector<char*> argv;

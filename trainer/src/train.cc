@@ -81,6 +81,16 @@ class Trainer {
   int draw_T();
   StepMetrics step();
   EvalMetrics evaluate();
+  // An evaluation's time before one was measured: its forward passes (over eval windows, at each
+  // evaluated T) against a step's forward and backward (~3 forwards over batch × accum windows at
+  // the mean training T).
+  double estimated_eval_s(double step_s) const {
+    double eval_T = 0;
+    for (int T : eval_T_) eval_T += T;
+    const double rows = double(eval_ids_.size()) / double(o_.seq_len);
+    const double train_T = 0.5 * (o_.train_recursion.min + o_.train_recursion.max);
+    return step_s * rows * eval_T / (3.0 * o_.batch_size * o_.accum * train_T);
+  }
   absl::Status save();
   absl::Status write_extra(const std::string& dir) const;
 
@@ -94,6 +104,9 @@ class Trainer {
   LrSchedule sched_;
   Rng data_rng_, t_rng_;
   std::string tokenizer_path_;
+  // The tokenizer's bytes, read once: every save writes these, whatever happens to the file
+  // later (a shared --cache's tokenizer.model is replaced when another run trains its own).
+  std::string tokenizer_bytes_;
   TokenData data_;
   std::vector<int> eval_ids_, eval_T_, batch_ids_;
   MetricsLog log_;
@@ -128,6 +141,11 @@ absl::Status Trainer::load_model() {
                      "--init to start from its weights, or choose another --out"));
   if (!o_.resume)  // before any training, not at the first save
     CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", check_checkpoint_target(o_.out_dir)));
+  if (!fresh_ && o_.vocab_size > 0 && o_.vocab_size != cfg_.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--vocab-size ", o_.vocab_size, " applies to a new model; the checkpoint of ",
+        o_.resume ? "--resume" : "--init", " has vocab_size ", cfg_.vocab_size,
+        ", which it keeps: leave --vocab-size out"));
   if (fresh_ && o_.vocab_size > 0) {
     cfg_.vocab_size = o_.vocab_size;
     auto c = parse_config(config_to_json(cfg_));  // re-derives what depends on the vocabulary
@@ -155,6 +173,17 @@ void Trainer::remove_stale_saves() const {
 
 // The model's own tokenizer, else --tokenizer, else one trained on the data (and cached).
 absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
+  if (o_.resume && tokenizer_path_.empty())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--resume: '", o_.out_dir, "' has no ", kTokenizerFile,
+        " (every save writes the one its data was encoded with); restore that file, or start a "
+        "new run from these weights with --init ",
+        o_.out_dir, " --tokenizer FILE"));
+  if (!o_.resume && !tokenizer_path_.empty() && !o_.tokenizer_path.empty())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tokenizer: the checkpoint of --init has its own ", kTokenizerFile,
+        ", which its weights were trained with; leave --tokenizer out (it is for a model "
+        "without one)"));
   if (tokenizer_path_.empty() && !o_.tokenizer_path.empty()) tokenizer_path_ = o_.tokenizer_path;
   if (tokenizer_path_.empty()) {
     tokenizer_path_ = in_cache(kTokenizerFile);
@@ -174,6 +203,8 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
     }
   }
   std::string error;
+  if (!read_file(tokenizer_path_, &tokenizer_bytes_, &error))
+    return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
   auto tokenizer = Tokenizer::load(tokenizer_path_, &error);
   if (!tokenizer) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
   if (tokenizer->vocab_size() > cfg_.vocab_size)
@@ -223,7 +254,7 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   std::string error;
   auto tokenizer = Tokenizer::load(tokenizer_path_, &error);
   if (!tokenizer) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
-  CEMLM_ASSIGN_OR_RETURN(const uint64_t tok_hash, hash_file(tokenizer_path_));
+  const uint64_t tok_hash = hash_bytes(tokenizer_bytes_);
   const int bos = resolve_bos_id(cfg_.bos_id, tokenizer.get());
   const int eos = resolve_eos_id(cfg_.eos_id, tokenizer.get());
   CEMLM_ASSIGN_OR_RETURN(data_, load_token_data(corpus, *tokenizer, tok_hash, bos, eos,
@@ -313,6 +344,7 @@ EvalMetrics Trainer::evaluate() {
 
 absl::Status Trainer::write_extra(const std::string& dir) const {
   const fs::path d(dir);
+  CEMLM_RETURN_IF_ERROR(write_text((d / kTokenizerFile).string(), tokenizer_bytes_));
   CEMLM_RETURN_IF_ERROR(opt_->save((d / kOptimizerFile).string()));
   const json state = {{"format_version", 1},
                       {"step", step_},
@@ -329,7 +361,7 @@ absl::Status Trainer::write_extra(const std::string& dir) const {
 
 absl::Status Trainer::save() {
   CEMLM_RETURN_IF_ERROR(
-      save_checkpoint(o_.out_dir, cfg_, params_, tokenizer_path_,
+      save_checkpoint(o_.out_dir, cfg_, params_, /*tokenizer_path=*/"",
                       [this](const std::string& dir) { return write_extra(dir); }));
   if (cb_.on_save) cb_.on_save(step_, o_.out_dir);
   return absl::OkStatus();
@@ -358,11 +390,16 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   info(absl::StrCat("model: ", cfg_.variant_name(), ", ", params_.size(), " parameters; T ",
                     recursion_range_text(o_.train_recursion), " in training, evaluated at T ",
                     absl::StrJoin(eval_T_, ",")));
+  if (o_.warmup >= o_.steps)
+    info(absl::StrCat("note: --warmup ", o_.warmup, " is not below --steps ", o_.steps,
+                      ": the learning rate never reaches --lr ", o_.lr,
+                      " nor decays; lower --warmup for a short run"));
 
   TrainSummary summary;
   summary.parameters = params_.size();
   start_ = Clock::now();
-  bool stop = false;
+  bool stop = false, eval_measured = false;
+  TimeBudget budget;
   while (step_ < o_.steps && !stop) {
     const Clock::time_point t0 = Clock::now();
     StepMetrics m = step();
@@ -378,17 +415,28 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     m.eta_s = double(o_.steps - step_) * step_s;
     log_.add(m);
     if (cb_.on_step && !cb_.on_step(m)) stop = true;
-    if (o_.max_minutes > 0 && seconds_since(start_) + step_s > o_.max_minutes * 60) {
+    budget.step_s = step_s;
+    if (!eval_measured) budget.eval_s = estimated_eval_s(step_s);
+    if (o_.max_minutes > 0 && step_ < o_.steps &&
+        budget.stop_now(seconds_since(start_), o_.max_minutes * 60,
+                        (step_ + 1) % o_.eval_every == 0, (step_ + 1) % o_.save_every == 0)) {
       info(absl::StrCat("--max-minutes ", o_.max_minutes, " reached at step ", step_));
       stop = true;
     }
     const bool last = stop || step_ == o_.steps;
     if (step_ % o_.eval_every == 0 || last) {
+      const Clock::time_point e0 = Clock::now();
       summary.last_eval = evaluate();
+      budget.eval_s = seconds_since(e0);
+      eval_measured = true;
       log_.add(summary.last_eval);
       if (cb_.on_eval) cb_.on_eval(summary.last_eval);
     }
-    if (step_ % o_.save_every == 0 || last) CEMLM_RETURN_IF_ERROR(save());
+    if (step_ % o_.save_every == 0 || last) {
+      const Clock::time_point s0 = Clock::now();
+      CEMLM_RETURN_IF_ERROR(save());
+      budget.save_s = seconds_since(s0);
+    }
   }
   if (steps_run_ == 0)
     info(absl::StrCat("the run in '", o_.out_dir, "' already did its ", step_,

@@ -62,6 +62,20 @@ struct TrainOptions {
   double max_minutes = 0;  // 0: no wall-clock budget
 };
 
+// What --max-minutes must leave room for after each step: the next step, with the evaluation
+// and save it is due for, then the final evaluation and save (a stop evaluates and saves).
+struct TimeBudget {
+  double step_s = 0;  // a training step (the mean so far)
+  double eval_s = 0;  // an evaluation (the last one, or an estimate before the first)
+  double save_s = 0;  // a save (the last one; 0 before the first)
+  // Whether a run `elapsed_s` into `budget_s` stops now instead of taking its next step, which
+  // evaluates when `eval_next` and saves when `save_next`.
+  bool stop_now(double elapsed_s, double budget_s, bool eval_next, bool save_next) const {
+    const double next = step_s + (eval_next ? eval_s : 0) + (save_next ? save_s : 0);
+    return elapsed_s + next + eval_s + save_s > budget_s;
+  }
+};
+
 // Checks the options that do not depend on the model; errors name the flag.
 absl::Status validate_options(const TrainOptions& opts);
 // Options as JSON (trainer_state.json's "options") and back.

@@ -126,18 +126,50 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def subset_differences(wanted, saved, prefix=""):
+    """The keys of `wanted` (recursively) whose value in `saved` differs, as "key: saved != wanted"."""
+    diffs = []
+    for key, value in wanted.items():
+        got = saved.get(key) if isinstance(saved, dict) else None
+        if isinstance(value, dict) and isinstance(got, dict):
+            diffs += subset_differences(value, got, prefix + key + ".")
+        elif got != value:
+            diffs.append(f"{prefix}{key}: {got!r} != {value!r}")
+    return diffs
+
+
 def train(v, args, m, ctx):
-    """Trains variant v (skipped when its run already finished) and returns its metrics."""
+    """Trains variant v and returns its metrics. A run already in --out is reused when it was
+    made with the same model and options: skipped when it finished, resumed when --max-minutes
+    stopped it; one made with other options stops the script (it would be mislabelled)."""
     run_dir = os.path.join(ctx["out"], "runs", v["name"])
     log = os.path.join(ctx["out"], "logs", v["name"] + ".log")
     jsonl = os.path.join(run_dir, "train.jsonl")
     cpu_file = os.path.join(ctx["out"], "logs", v["name"] + ".cpu_s")
-    done = os.path.exists(jsonl) and any("val_ppl" in r for r in read_jsonl(jsonl))
-    if not done:
+    config = model_config(v, m)
+    steps = str(m["steps"])
+    options = {"steps": m["steps"], "batch_size": m["batch"], "seq_len": m["seq_len"],
+               "warmup": m["warmup"], "train_recursion": v["train_t"],
+               "eval_recursion": list(v["eval_t"]), "eval_windows": m["eval_windows"],
+               "seed": args.seed, "data": list(m["data"])}
+    state_file = os.path.join(run_dir, "trainer_state.json")
+    cpu_before = 0.0
+    if os.path.exists(state_file):
+        with open(state_file) as f:
+            saved_options = json.load(f)["options"]
+        with open(os.path.join(run_dir, "config.json")) as f:
+            saved_config = json.load(f)
+        diffs = subset_differences(options, saved_options) + subset_differences(config, saved_config)
+        if diffs:
+            sys.exit(f"paper_table: {run_dir} was trained with other settings ({'; '.join(diffs)});"
+                     " delete it or choose another --out")
+        cpu_before = float(open(cpu_file).read()) if os.path.exists(cpu_file) else 0.0
+        cmd = [ctx["cemlm"], "train", "--out", run_dir, "--resume",
+               "--max-minutes", str(args.max_minutes), "--threads", str(args.threads)]
+    else:
         cfg = os.path.join(ctx["out"], "configs", v["name"] + ".json")
         with open(cfg, "w") as f:
-            json.dump(model_config(v, m), f, indent=1)
-        steps = str(m["steps"])
+            json.dump(config, f, indent=1)
         cmd = [ctx["cemlm"], "train", "--config", cfg, "--out", run_dir, "--cache", ctx["cache"],
                "--data", *m["data"], "--steps", steps, "--batch-size", str(m["batch"]),
                "--seq-len", str(m["seq_len"]), "--warmup", str(m["warmup"]),
@@ -146,13 +178,16 @@ def train(v, args, m, ctx):
                "--eval-windows", str(m["eval_windows"]), "--save-every", steps,
                "--threads", str(args.threads), "--seed", str(args.seed),
                "--max-minutes", str(args.max_minutes), "--log-every", "20"]
+    rows = read_jsonl(jsonl) if os.path.exists(jsonl) else []
+    finished = any(r.get("step") == m["steps"] and "val_ppl" in r for r in rows)
+    if not finished:
         ctx["commands"].append(cmd)
-        print(f"[paper] training {v['name']}", flush=True)
+        print(f"[paper] {'resuming' if '--resume' in cmd else 'training'} {v['name']}", flush=True)
         before = cpu_seconds()
         run(cmd, log)
         with open(cpu_file, "w") as f:
-            f.write(f"{cpu_seconds() - before}\n")
-    rows = read_jsonl(jsonl)
+            f.write(f"{cpu_before + cpu_seconds() - before}\n")
+        rows = read_jsonl(jsonl)
     steps_rows = [r for r in rows if "loss" in r]
     last_eval = [r for r in rows if "val_ppl" in r][-1]
     last = steps_rows[-1]
@@ -177,8 +212,30 @@ def inspect_params(cemlm, run_dir):
                 params_non_embedding=total - emb - head)
 
 
-def cache_splits(cache_dir, val_fraction=0.05):
-    """Train and validation ids from the trainer's token cache (trainer/src/data.cc layout)."""
+def split_point(ids, val_fraction, bos, eos):
+    """Where a file's validation part starts (trainer/src/data.cc split_point): before its last
+    val_fraction of tokens, moved to the nearest document start (a BOS, or after an EOS)."""
+    n = len(ids)
+    cut = n - math.ceil(n * val_fraction)
+    if cut in (0, n) or (bos < 0 and eos < 0):
+        return cut
+
+    def starts_document(p):
+        return ids[p] == bos if bos >= 0 else ids[p - 1] == eos
+
+    for d in range(n):
+        if cut > d and starts_document(cut - d):
+            return cut - d
+        if cut + d < n and starts_document(cut + d):
+            return cut + d
+        if cut <= d and cut + d >= n:
+            break
+    return cut
+
+
+def cache_splits(cache_dir, val_fraction=0.05, bos=1, eos=2):
+    """Train and validation ids from the trainer's token cache (trainer/src/data.cc layout), split
+    as the trainer splits them; bos/eos are the tokenizer's (the paper configs set none)."""
     with open(os.path.join(cache_dir, "tokens.bin"), "rb") as f:
         blob = f.read()
     magic, _version, n_files, _key, _tok = struct.unpack_from("<8sIIQQ", blob, 0)
@@ -190,9 +247,9 @@ def cache_splits(cache_dir, val_fraction=0.05):
     for n in counts:
         ids = struct.unpack_from(f"<{n}i", blob, pos)
         pos += 4 * n
-        n_val = math.ceil(n * val_fraction)
-        train_ids += ids[:n - n_val]
-        val_ids += ids[n - n_val:]
+        cut = split_point(ids, val_fraction, bos, eos)
+        train_ids += ids[:cut]
+        val_ids += ids[cut:]
     return train_ids, val_ids
 
 

@@ -80,6 +80,34 @@ def check(out):
     return faults
 
 
+def check_split(driver, out, faults):
+    """The driver's train/validation ids are the trainer's: same sizes as the trainer logged."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(driver)))
+    import paper_table  # noqa: E402 (the driver, imported for its split)
+    train_ids, val_ids = paper_table.cache_splits(os.path.join(out, "cache"))
+    with open(os.path.join(out, "logs", "llama_tied.log")) as f:
+        m = re.search(r"data: \d+ files, (\d+) training and (\d+) validation tokens", f.read())
+    if not m:
+        faults.append("logs/llama_tied.log: no 'data:' line from the trainer")
+    elif (len(train_ids), len(val_ids)) != (int(m.group(1)), int(m.group(2))):
+        faults.append(f"the driver's split is {len(train_ids)} + {len(val_ids)} ids, the "
+                      f"trainer's {m.group(1)} + {m.group(2)}")
+
+
+def check_rerun(cmd, out, faults):
+    """A rerun into the same --out reuses finished runs; one with other settings is refused."""
+    again = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if again.returncode != 0:
+        faults.append(f"a rerun with the same settings failed: {again.stderr[-500:]}")
+    elif "[paper] training" in again.stdout or "[paper] resuming" in again.stdout:
+        faults.append("a rerun with the same settings trained again")
+    other = subprocess.run(cmd + ["--steps", "7"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    if other.returncode == 0 or "trained with other settings" not in other.stderr:
+        faults.append("a rerun with other --steps reused the old runs: "
+                      f"rc {other.returncode}, {other.stderr[-300:]!r}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--driver", help="bench/paper_table.py")
@@ -87,12 +115,15 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--check-only", action="store_true", help="check --out without running")
     args = p.parse_args()
+    cmd = [sys.executable, args.driver, "--quick", "--cemlm", args.cemlm, "--out", args.out]
     if not args.check_only:
         shutil.rmtree(args.out, ignore_errors=True)
-        cmd = [sys.executable, args.driver, "--quick", "--cemlm", args.cemlm, "--out", args.out]
         if subprocess.run(cmd).returncode != 0:
             sys.exit("check_report: the driver failed: " + " ".join(cmd))
     faults = check(args.out)
+    if not args.check_only and not faults:
+        check_split(args.driver, args.out, faults)
+        check_rerun(cmd, args.out, faults)
     for f in faults:
         print("check_report:", f)
     sys.exit(1 if faults else 0)

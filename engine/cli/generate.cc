@@ -4,7 +4,10 @@
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
+#include <random>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "cemlm/cli/commands.h"
@@ -20,6 +23,18 @@ namespace {
 int fail(const std::string& msg) {
   std::fprintf(stderr, "error: %s\n", msg.c_str());
   return 1;
+}
+
+// The engine's validation names request fields; this command's user gave flags.
+std::string in_flag_terms(std::string msg) {
+  static const std::pair<std::string_view, std::string_view> kFlags[] = {
+      {"sampling.max_new_tokens", "--max-new-tokens"}, {"sampling.temperature", "--temperature"},
+      {"sampling.top_k", "--top-k"},                   {"sampling.top_p", "--top-p"},
+      {"sampling.seed", "--seed"},                     {"recursion_depth", "--recursion"}};
+  for (const auto& [field, flag] : kFlags)
+    for (size_t at = msg.find(field); at != std::string::npos; at = msg.find(field, at))
+      msg.replace(at, field.size(), flag);
+  return msg;
 }
 
 // What the request streamed back, gathered on the engine thread.
@@ -45,8 +60,9 @@ int cmd_generate(int argc, char** argv) {
           "[--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] [--seed S] [--json]",
           "Generate a continuation through the inference engine (paged KV cache, same code path\n"
           "as the server). Streams the text to stdout; with --json prints\n"
-          "{\"ids\", \"text\", \"logprobs\", \"finish_reason\"}, where logprobs[i] is the log-probability\n"
-          "of ids[i] under the unmodified model distribution.");
+          "{\"ids\", \"text\", \"logprobs\", \"finish_reason\", \"seed\"}, where logprobs[i] is the\n"
+          "log-probability of ids[i] under the unmodified model distribution and seed the sampling\n"
+          "seed (drawn when --seed is not given; pass it back to reproduce the output).");
   f.add("model", &model, "checkpoint directory", true);
   f.add("prompt", &prompt, "prompt text (needs the checkpoint's tokenizer.model)");
   f.add("prompt-ids", &prompt_ids, "prompt as comma-separated token ids (used as given)");
@@ -75,6 +91,7 @@ int cmd_generate(int argc, char** argv) {
   if (!engine.ok()) return fail(std::string(engine.status().message()));
 
   GenerateRequest req;
+  req.prompt_field = f.given("prompt-ids") ? "--prompt-ids" : "--prompt";
   if (f.given("prompt-ids")) {
     if (!parse_id_list(prompt_ids, &req.prompt_ids))
       return fail("--prompt-ids: expected comma-separated integers like 3,17,42");
@@ -90,13 +107,16 @@ int cmd_generate(int argc, char** argv) {
   req.sampling.temperature = temperature;
   req.sampling.top_k = top_k;
   req.sampling.top_p = top_p;
+  uint64_t seed = 0;
   if (f.given("seed")) {
-    uint64_t seed = 0;
     const char* end = seed_text.data() + seed_text.size();
     if (auto [p, ec] = std::from_chars(seed_text.data(), end, seed); ec != std::errc() || p != end)
       return fail("--seed: expected an integer in [0, 2^64), got '" + seed_text + "'");
-    req.sampling.seed = seed;
+  } else {  // drawn here, so that --json can report it and the sample can be reproduced
+    std::random_device rd;
+    seed = (uint64_t(rd()) << 32) | rd();
   }
+  req.sampling.seed = seed;
 
   Outcome out;
   auto on_event = [&out, json](const StreamEvent& ev) {
@@ -115,7 +135,7 @@ int cmd_generate(int argc, char** argv) {
     out.cv.notify_all();
   };
   if (auto id = (*engine)->submit(std::move(req), on_event); !id.ok())
-    return fail(std::string(id.status().message()));
+    return fail(in_flag_terms(std::string(id.status().message())));
   {
     std::unique_lock<std::mutex> lock(out.mu);
     out.cv.wait(lock, [&] { return out.done; });
@@ -131,6 +151,7 @@ int cmd_generate(int argc, char** argv) {
   j["text"] = out.text;
   j["logprobs"] = out.logprobs;
   j["finish_reason"] = finish_reason_name(out.reason);
+  j["seed"] = seed;
   std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   return 0;
 }

@@ -39,7 +39,8 @@ int cmd_init(int argc, char** argv) {
   int64_t seed = 0;
   Flags flags("cemlm init --config FILE --out DIR [--seed N] [--tokenizer FILE]",
               "Write a checkpoint directory (config.json, model.safetensors[, tokenizer.model])\n"
-              "with random weights drawn from MODEL.md's recommended init.");
+              "with random weights drawn from MODEL.md's recommended init (except LEV's out_proj:\n"
+              "std 1/sqrt(heads * rank) instead of 0.02/sqrt(heads), see docs/TRAINING.md).");
   flags.add("config", &config_path, "model config.json to initialise", true);
   flags.add("out", &out_dir, "checkpoint directory to write (an existing checkpoint is replaced)",
             true);

@@ -96,6 +96,14 @@ TEST_F(GenerateCli, JsonLogprobsAreTheModelsAtEachDepth) {
   const std::vector<double> want = oracle({3, 9, 4, 20}, a["ids"].get<std::vector<int>>(), 2);
   for (size_t i = 0; i < lp.size(); ++i)
     EXPECT_NEAR(lp[i], want[i], 1e-4) << "default T, token " << i;
+  EXPECT_EQ(a["seed"], 5);
+  // Without --seed one is drawn and reported: passing it back gives the same sample.
+  const nlohmann::json drawn = generate({"--temperature", "0.9"});
+  ASSERT_FALSE(drawn.is_null());
+  ASSERT_TRUE(drawn["seed"].is_number_unsigned());
+  const nlohmann::json replay = generate(
+      {"--temperature", "0.9", "--seed", std::to_string(drawn["seed"].get<uint64_t>())});
+  EXPECT_EQ(replay["ids"], drawn["ids"]);
 }
 
 TEST_F(GenerateCli, Bf16CacheStaysCloseToTheModel) {
@@ -116,7 +124,9 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--prompt", "hello"}, "give exactly one of --prompt and --prompt-ids"},
       {{"--seed", "-3"}, "--seed: expected an integer"},
       {{"--no-bos"}, "--no-bos applies to --prompt only"},
-      {{"--recursion", "99"}, "recursion_depth = 99 exceeds the model's recursion.max = 8"},
+      {{"--recursion", "99"}, "--recursion = 99 exceeds the model's recursion.max = 8"},
+      {{"--max-new-tokens", "9999"}, "--max-new-tokens"},
+      {{"--top-p", "2"}, "--top-p"},
   };
   for (const Bad& b : bad) {
     std::vector<std::string> args = {"--model", dir_, "--prompt-ids", "3,9", "--json"};

@@ -692,10 +692,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_cuda_model_runner(const std::s
   else
     return absl::InvalidArgumentError(
         absl::StrCat("device \"", opts.device, "\" is not one of cpu, cuda, cuda:bf16, cuda:fp32"));
-  if (opts.kv_cache_dtype != "fp32")
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv-cache-dtype \"", opts.kv_cache_dtype,
-        "\": the CUDA runner keeps its KV cache in fp32; use fp32 (bf16 is for --device cpu)"));
+  CEMLM_RETURN_IF_ERROR(check_runner_options(opts));  // the KV cache here is fp32 only
   co.kv_cache_memory = opts.kv_cache_memory;
   co.block_size = opts.block_size;
   CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));

@@ -47,9 +47,28 @@ class CpuRunner final : public ModelRunner {
 
 }  // namespace
 
+absl::Status check_runner_options(const RunnerOptions& opts) {
+  const bool cuda = opts.device == "cuda" || opts.device == "cuda:bf16" || opts.device == "cuda:fp32";
+  if (!cuda && opts.device != "cpu")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device \"", opts.device, "\" is not one of cpu, cuda, cuda:bf16, cuda:fp32"));
+  if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
+  if (cuda && opts.kv_cache_dtype != "fp32")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-cache-dtype \"", opts.kv_cache_dtype,
+        "\": the CUDA runner keeps its KV cache in fp32; use fp32 (bf16 is for --device cpu)"));
+  if (opts.block_size < 1 || opts.block_size > 1024)
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
                                                                const RunnerOptions& opts) {
-  if (opts.device.rfind("cuda", 0) == 0) {
+  CEMLM_RETURN_IF_ERROR(check_runner_options(opts));
+  if (opts.device != "cpu") {
     std::string why;
     auto factory = reinterpret_cast<CudaRunnerFactory (*)()>(
         load_plugin_entry("libcemlm_cuda.so", "CEMLM_CUDA_PLUGIN", CEMLM_CUDA_PLUGIN_BUILD_PATH,
@@ -60,16 +79,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
           why, "); build with -DCEMLM_CUDA=ON and install it beside cemlm, or use --device cpu"));
     return factory()(model_dir, opts);
   }
-  if (opts.device != "cpu")
-    return absl::InvalidArgumentError(absl::StrCat(
-        "device \"", opts.device, "\" is not available in this build; use --device cpu "
-        "(or rebuild with -DCEMLM_CUDA=ON on a machine with the CUDA toolkit)"));
-  if (opts.block_size < 1 || opts.block_size > 1024)
-    return absl::InvalidArgumentError(
-        absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));
-  if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
   const bool bf16_kv = opts.kv_cache_dtype == "bf16";
   CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
   const int64_t blocks =

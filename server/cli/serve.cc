@@ -16,6 +16,7 @@
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
+#include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/kernels/blas_select.h"
 #include "cemlm/server/inference_server.h"
@@ -115,6 +116,17 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   if (f.engine_nice < 0 || f.engine_nice > 19)
     return fail(absl::InvalidArgumentError("--engine-nice " + std::to_string(f.engine_nice) +
                                            " must be in [0, 19] (0: the process's priority)"));
+  for (const auto& [flag, port] : {std::pair{"--port", f.port}, {"--metrics-port", f.metrics_port}})
+    if (port < 0 || port > 65535)
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat(flag, " ", port, " is not a port: use 0-65535 (0 picks a free one)")));
+  if (!(f.shutdown_timeout >= 0))
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--shutdown-timeout ", f.shutdown_timeout, " must be >= 0 seconds")));
+  RunnerOptions runner;  // what needs no checkpoint, before listening
+  runner.device = f.device;
+  runner.kv_cache_dtype = f.kv_cache_dtype;
+  if (absl::Status st = check_runner_options(runner); !st.ok()) return fail(st);
   const std::pair<const char*, int> at_least_one[] = {{"--max-batch-tokens", f.max_batch_tokens},
                                                       {"--max-running", f.max_running},
                                                       {"--max-waiting", f.max_waiting}};
@@ -195,7 +207,7 @@ int cmd_serve(int argc, char** argv) {
             "127.0.0.1)");
   flags.add("port", &f.port, "gRPC port; 0 picks a free one (printed on stdout)");
   flags.add("metrics-port", &f.metrics_port, "HTTP port of /metrics; 0 picks a free one");
-  flags.add("device", &f.device, "cpu | cuda");
+  flags.add("device", &f.device, "cpu | cuda (= cuda:bf16) | cuda:fp32");
   flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");
   flags.add("kv-cache-dtype", &f.kv_cache_dtype,
             "fp32 | bf16: bf16 (CPU) holds twice the tokens and reads half the bytes per decode "

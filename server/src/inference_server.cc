@@ -38,6 +38,9 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   grpc::ServerBuilder builder;
   const std::string address = host_port(opts.host, opts.port);
   builder.AddListeningPort(address, credentials(opts), &s->port_);
+  // gRPC sets SO_REUSEPORT by default: a second server on a port in use would start and take a
+  // share of the first one's connections. A busy port is an error instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   if (opts.max_connection_age_s > 0) {
     auto ms = [](double s) { return int(std::min(s * 1e3, double(INT_MAX))); };
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, ms(opts.max_connection_age_s));

@@ -145,6 +145,26 @@ TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
     err = refused_serve(model_, std::string(flag) + " 0");
     EXPECT_NE(err.find(std::string(flag) + " 0 must be at least 1"), std::string::npos) << err;
   }
+  const std::pair<std::string, std::string> bad[] = {
+      {"--port 99999", "--port 99999 is not a port"},
+      {"--port -5", "--port -5 is not a port"},
+      {"--metrics-port 70000", "--metrics-port 70000 is not a port"},
+      {"--shutdown-timeout -1", "--shutdown-timeout -1 must be >= 0"},
+      {"--device cuda:fp16", "--device \"cuda:fp16\" is not one of cpu, cuda"}};
+  for (const auto& [flags, message] : bad) {
+    err = refused_serve(model_, flags);
+    EXPECT_NE(err.find(message), std::string::npos) << flags << ": " << err;
+    EXPECT_EQ(err.find("listening"), std::string::npos) << flags << ": refused only after listening";
+  }
+}
+
+// A second server on a port in use is refused (gRPC's default SO_REUSEPORT would let it start
+// and take a share of the first one's connections), and the first keeps serving alone.
+TEST_F(ServerLifecycle, PortInUseIsRefused) {
+  const std::string err = refused_serve(
+      model_, "--host 127.0.0.1 --port " + std::to_string(server_->port()) + " --model-name second");
+  EXPECT_NE(err.find("in use"), std::string::npos) << err;
+  EXPECT_EQ(model_info(*server_).model_name(), "model");
 }
 
 // Load balancers and meshes check the service by name as well as the whole server.

@@ -42,6 +42,7 @@ class ServerProcess {
   ~ServerProcess();  // kills the server if it still runs
 
   std::string addr() const;  // host:port, an IPv6 host in brackets
+  int port() const { return port_; }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
   std::string metrics_text() const;  // GET /metrics; empty on failure
   std::string log() const;           // what the server wrote on stderr so far

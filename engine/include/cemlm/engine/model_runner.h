@@ -50,6 +50,10 @@ struct RunnerOptions {
   std::string kv_cache_dtype = "fp32";  // "fp32" | "bf16" (CPU: half the bytes per token)
 };
 
+// Checks what needs no checkpoint: the device name, the KV-cache dtype (and that it suits the
+// device), the block size. Errors name the flag (--device, --kv-cache-dtype).
+absl::Status check_runner_options(const RunnerOptions& opts);
+
 // The CUDA runner's factory, as exported by the libcemlm_cuda.so plugin.
 using CudaRunnerFactory = absl::StatusOr<std::unique_ptr<ModelRunner>> (*)(
     const std::string& model_dir, const RunnerOptions& opts);

@@ -2,7 +2,7 @@
 # deploy/entrypoint.sh — starts `cemlm serve` with flags taken from CEMLM_* environment variables,
 # and runs the gRPC health check (`entrypoint.sh health`) for Docker's HEALTHCHECK. Works outside
 # Docker too: CEMLM_BIN names the program. The variable table is documented in deploy/README.md;
-# tests/deploy/entrypoint_test.py keeps the two in step.
+# tests/deploy/deploy_checks.py (its `entrypoint` check) keeps the two in step.
 set -eu
 
 # Each line: environment variable, `cemlm serve` flag. Unset or empty leaves the server's default.
@@ -60,10 +60,15 @@ serve() {
   exec "$CEMLM_BIN" serve "${args[@]}" "$@"
 }
 
-# A server bound to every interface is reached on loopback; one bound to a single address there.
+# A server bound to every interface is reached on loopback; one bound to a single address there
+# (an IPv6 literal in brackets: [::1]:50051).
 health_addr() {
   local host="${CEMLM_HOST:-0.0.0.0}"
-  case "$host" in 0.0.0.0 | :: | "[::]") host=127.0.0.1 ;; esac
+  case "$host" in
+    0.0.0.0 | :: | "[::]") host=127.0.0.1 ;;
+    \[*) ;;
+    *:*) host="[$host]" ;;
+  esac
   echo "${host}:${CEMLM_PORT:-$DEFAULT_PORT}"
 }
 

@@ -399,8 +399,8 @@ def check_entrypoint(errors):
                       f"empty variables, CEMLM_EXTRA_ARGS or extra flags mishandled: {argv}")
         rc, argv, _ = run_entrypoint(tmp, ["--port", "9"], {})
         errors.expect(argv == ["serve", "--port", "9"], f"leading flags must go to serve: {argv}")
-        rc, argv, _ = run_entrypoint(tmp, ["inspect", "--model", "m"], {})
-        errors.expect(argv == ["inspect", "--model", "m"],
+        rc, argv, _ = run_entrypoint(tmp, ["inspect", "/models/default"], {})
+        errors.expect(argv == ["inspect", "/models/default"],
                       f"other commands must pass through: {argv}")
 
         rc, argv, _ = run_entrypoint(tmp, ["health"], {})
@@ -410,6 +410,10 @@ def check_entrypoint(errors):
                                      {"CEMLM_HOST": "10.1.2.3", "CEMLM_PORT": "7000"})
         errors.expect(argv == ["client", "health", "--addr", "10.1.2.3:7000"],
                       f"health on a bound host: {argv}")
+        for host, addr in (("::1", "[::1]:7000"), ("[fd00::2]", "[fd00::2]:7000")):
+            rc, argv, _ = run_entrypoint(tmp, ["health"], {"CEMLM_HOST": host, "CEMLM_PORT": "7000"})
+            errors.expect(argv == ["client", "health", "--addr", addr],
+                          f"health on IPv6 host {host}: {argv}")
         health_env = {"CEMLM_HEALTH_ADDR": "h:1", "CEMLM_HEALTH_ARGS": "--a b"}
         rc, argv, _ = run_entrypoint(tmp, ["health"], health_env, rc=3)
         errors.expect(rc == 3 and argv == ["client", "health", "--addr", "h:1", "--a", "b"],

@@ -183,6 +183,8 @@ int Flags::parse(int argc, char** argv) {
   return -1;
 }
 
+bool parse_uint64(const std::string& s, uint64_t* out) { return parse_number(s, out); }
+
 bool parse_id_list(const std::string& s, std::vector<int>* out) {
   out->clear();
   size_t pos = 0;

@@ -2,8 +2,9 @@
 """A small Python client of `cemlm serve`: model info, a streamed generation and a score.
 
 Needs Debian's python3-grpcio and python3-protobuf. The stubs are generated at run time from
-proto/cemlm/v1/inference.proto into a temporary directory, with protoc and grpc_python_plugin
-(Debian: protobuf-compiler, protobuf-compiler-grpc), or with grpc_tools when that is installed.
+proto/cemlm/v1/inference.proto into a temporary directory (removed on exit), with protoc and
+grpc_python_plugin (Debian: protobuf-compiler, protobuf-compiler-grpc), or with grpc_tools when
+that is installed.
 
     /usr/bin/python3 examples/python_client.py --addr localhost:50051 --prompt "Hello" --recursion 2
 """
@@ -37,12 +38,43 @@ def generate_stubs(out_dir):
         sys.exit("grpc_tools.protoc failed")
 
 
-def load_stubs():
-    out_dir = tempfile.mkdtemp(prefix="cemlm_stubs_")
+def load_stubs(out_dir):
     generate_stubs(out_dir)
     sys.path.insert(0, out_dir)
     return (importlib.import_module("cemlm.v1.inference_pb2"),
             importlib.import_module("cemlm.v1.inference_pb2_grpc"))
+
+
+def channel(grpc, args):
+    if not args.tls_ca:
+        return grpc.insecure_channel(args.addr)
+    with open(args.tls_ca, "rb") as f:
+        return grpc.secure_channel(args.addr, grpc.ssl_channel_credentials(root_certificates=f.read()))
+
+
+def run(args, grpc, pb, pb_grpc):
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    stub = pb_grpc.InferenceStub(channel(grpc, args))
+
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=args.timeout)
+    print(f"model {info.model_name}: {info.variant}, {info.parameters} parameters, "
+          f"T default {info.default_recursion_depth} max {info.max_recursion_depth}")
+
+    request = pb.GenerateRequest(
+        prompt_text=args.prompt.encode(), recursion_depth=args.recursion, logprobs=True,
+        sampling=pb.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.8, seed=1))
+    last = None
+    for msg in stub.Generate(request, metadata=metadata, timeout=args.timeout):
+        print(msg.text, end="", flush=True)
+        last = msg
+    print()
+    print(f"finish {pb.FinishReason.Name(last.finish_reason)}, "
+          f"{last.usage.generated_tokens} tokens, {last.usage.recursion_steps} recursion steps, "
+          f"engine {last.timing.e2e_seconds * 1e3:.1f} ms")
+
+    score = stub.Score(pb.ScoreRequest(text=args.prompt.encode(), recursion_depth=args.recursion),
+                       metadata=metadata, timeout=args.timeout)
+    print(f"score of the prompt: nll {score.nll:.4f}, perplexity {score.perplexity:.2f}")
 
 
 def main():
@@ -52,37 +84,21 @@ def main():
     ap.add_argument("--recursion", type=int, default=0, help="recursion depth T; 0 = model default")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--api-key", help="sent as 'authorization: Bearer KEY'")
+    ap.add_argument("--tls-ca", help="PEM CA certificate: connect with TLS (else plaintext)")
     ap.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
     args = ap.parse_args()
 
-    import grpc  # imported late so that --help works without python3-grpcio
-
-    pb, pb_grpc = load_stubs()
-    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
-    stub = pb_grpc.InferenceStub(grpc.insecure_channel(args.addr))
-
-    info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=args.timeout)
-    print(f"model {info.model_name}: {info.variant}, {info.parameters} parameters, "
-          f"T default {info.default_recursion_depth} max {info.max_recursion_depth}")
-
-    request = pb.GenerateRequest(
-        prompt_text=args.prompt.encode(), recursion_depth=args.recursion, logprobs=True,
-        sampling=pb.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.8, seed=1))
     try:
-        last = None
-        for msg in stub.Generate(request, metadata=metadata, timeout=args.timeout):
-            print(msg.text, end="", flush=True)
-            last = msg
-        print()
-        print(f"finish {pb.FinishReason.Name(last.finish_reason)}, "
-              f"{last.usage.generated_tokens} tokens, {last.usage.recursion_steps} recursion steps, "
-              f"engine {last.timing.e2e_seconds * 1e3:.1f} ms")
-    except grpc.RpcError as e:
-        sys.exit(f"Generate failed: {e.code().name}: {e.details()}")
+        import grpc  # imported late so that --help works without python3-grpcio
+    except ImportError:
+        sys.exit("needs gRPC for Python: apt install python3-grpcio python3-protobuf")
 
-    score = stub.Score(pb.ScoreRequest(text=args.prompt.encode(), recursion_depth=args.recursion),
-                       metadata=metadata, timeout=args.timeout)
-    print(f"score of the prompt: nll {score.nll:.4f}, perplexity {score.perplexity:.2f}")
+    with tempfile.TemporaryDirectory(prefix="cemlm_stubs_") as stubs:
+        pb, pb_grpc = load_stubs(stubs)
+        try:
+            run(args, grpc, pb, pb_grpc)
+        except grpc.RpcError as e:
+            sys.exit(f"{args.addr}: {e.code().name}: {e.details()}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 // `cemlm generate`: one request through the Engine (paged KV cache, scheduler, sampler: the same
 // code path as the server). Streams the text to stdout, or prints one JSON object with --json.
-#include <charconv>
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
@@ -109,8 +108,7 @@ int cmd_generate(int argc, char** argv) {
   req.sampling.top_p = top_p;
   uint64_t seed = 0;
   if (f.given("seed")) {
-    const char* end = seed_text.data() + seed_text.size();
-    if (auto [p, ec] = std::from_chars(seed_text.data(), end, seed); ec != std::errc() || p != end)
+    if (!parse_uint64(seed_text, &seed))
       return fail("--seed: expected an integer in [0, 2^64), got '" + seed_text + "'");
   } else {  // drawn here, so that --json can report it and the sample can be reproduced
     std::random_device rd;

@@ -28,7 +28,9 @@ int train(int argc, char** argv) {
                  "non-UTF-8 files are skipped",
                  true);
   flags.add("out", &opts.out_path, "the .model file to write (e.g. CKPT/tokenizer.model)", true);
-  flags.add("vocab-size", &opts.vocab_size, "number of pieces, at least 261");
+  flags.add("vocab-size", &opts.vocab_size,
+            "number of pieces: more than the 260 special and byte pieces plus the text's "
+            "distinct characters (an error says how many)");
   flags.add_bool("verbose", &opts.verbose, "show SentencePiece's training log");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   std::string error;

@@ -209,8 +209,20 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
   if (!api) return false;
   std::string model, why;
   if (!api->train(trainer_args(opts), corpus, kTrainSeed, &model, &why)) {
-    *error = "training the tokenizer (--vocab-size " + std::to_string(opts.vocab_size) +
-             ") failed: " + why;
+    // SentencePiece's "Vocabulary size is smaller than required_chars. 300 vs 331. ..." speaks
+    // of its own options; say it in terms of ours.
+    const size_t at = why.find("required_chars. ");
+    int asked = 0, needed = 0;
+    if (at != std::string::npos &&
+        std::sscanf(why.c_str() + at + 16, "%d vs %d", &asked, &needed) == 2) {
+      *error = "--vocab-size " + std::to_string(asked) + " is too small for this text: its " +
+               "characters and the special and byte pieces need " + std::to_string(needed) +
+               " ids before any merge; use at least " + std::to_string(needed) +
+               ", plus a few hundred for merges";
+    } else {
+      *error = "training the tokenizer (--vocab-size " + std::to_string(opts.vocab_size) +
+               ") failed: " + why;
+    }
     return false;
   }
   return write_atomically(opts.out_path, model, error);

@@ -36,7 +36,8 @@ struct BenchFlags {
 struct Samples {
   std::vector<double> ttft, itl, e2e, engine_e2e, overhead, first_overhead;
   int64_t tokens = 0;
-  std::map<std::string, int> errors;  // by gRPC code name
+  std::map<std::string, int> errors;                // by gRPC code name
+  std::map<std::string, std::string> first_error;  // code name -> its first message
   void merge(const Samples& o) {
     for (auto [dst, src] : {std::pair{&ttft, &o.ttft},
                             {&itl, &o.itl},
@@ -47,6 +48,7 @@ struct Samples {
       dst->insert(dst->end(), src->begin(), src->end());
     tokens += o.tokens;
     for (const auto& [code, n] : o.errors) errors[code] += n;
+    for (const auto& [code, message] : o.first_error) first_error.try_emplace(code, message);
   }
 };
 
@@ -120,7 +122,9 @@ class Driver {
         mine_.overhead.push_back(e2e_ - engine_e2e_);
         if (!mine_.ttft.empty()) mine_.first_overhead.push_back(mine_.ttft.back() - engine_ttft_);
       } else {
-        ++mine_.errors[server::grpc_code_name(status.error_code())];
+        const std::string code = server::grpc_code_name(status.error_code());
+        ++mine_.errors[code];
+        mine_.first_error.try_emplace(code, status.error_message());
       }
       Driver* d = d_;
       Samples mine = std::move(mine_);
@@ -201,6 +205,8 @@ void print_report(const BenchFlags& f, const std::string& addr, int connections,
   for (const auto& [code, n] : s.errors) errors += n;
   std::printf("\nok %zu  errors %d", s.e2e.size(), errors);
   for (const auto& [code, n] : s.errors) std::printf("  %s=%d", code.c_str(), n);
+  for (const auto& [code, message] : s.first_error)
+    std::printf("\n  %s, first: %s", code.c_str(), message.c_str());
   std::printf("\nwall %.3f s  output tokens/s %.1f  requests/s %.2f\n", wall_s,
               double(s.tokens) / wall_s, double(s.e2e.size()) / wall_s);
 }

@@ -41,7 +41,7 @@ struct GenerateFlags {
   std::string prompt, prompt_ids, request_id;
   int recursion = 0, max_new_tokens = 64, top_k = 0, top_logprobs = 0, priority = 0;
   float temperature = 1, top_p = 1, min_p = 0;
-  int64_t seed = 0;
+  std::string seed;
   std::vector<std::string> stop;
   bool logprobs = false, ignore_eos = false, json = false, no_bos = false;
 };
@@ -60,7 +60,7 @@ v1::GenerateRequest generate_request(const GenerateFlags& g, const Flags& flags)
   if (flags.given("top-k")) s->set_top_k(g.top_k);
   if (flags.given("top-p")) s->set_top_p(g.top_p);
   if (flags.given("min-p")) s->set_min_p(g.min_p);
-  if (flags.given("seed")) s->set_seed(uint64_t(g.seed));
+  if (uint64_t seed = 0; flags.given("seed") && parse_uint64(g.seed, &seed)) s->set_seed(seed);
   for (const auto& stop : g.stop) s->add_stop(stop);
   s->set_ignore_eos(g.ignore_eos);
   s->set_top_logprobs(g.top_logprobs);
@@ -79,7 +79,8 @@ json final_json(const v1::GenerateResponse& last) {
           {"timing",
            {{"queue_seconds", t.queue_seconds()},
             {"first_token_seconds", t.first_token_seconds()},
-            {"e2e_seconds", t.e2e_seconds()}}}};
+            {"e2e_seconds", t.e2e_seconds()}}},
+          {"request_id", last.request_id()}};
 }
 
 int client_generate(int argc, char** argv) {
@@ -97,7 +98,8 @@ int client_generate(int argc, char** argv) {
   flags.add("top-k", &g.top_k, "0 = off");
   flags.add("top-p", &g.top_p, "1 = off");
   flags.add("min-p", &g.min_p, "0 = off");
-  flags.add("seed", &g.seed, "sampling seed (same seed, same output)");
+  flags.add("seed", &g.seed,
+            "sampling seed in [0, 2^64): same seed, same output (random when not given)");
   flags.add_list("stop", &g.stop, "stop strings");
   flags.add_bool("ignore-eos", &g.ignore_eos, "keep generating after end-of-sequence");
   flags.add_bool("logprobs", &g.logprobs, "report the logprob of each token (with --json)");
@@ -107,6 +109,11 @@ int client_generate(int argc, char** argv) {
   flags.add_bool("json", &g.json,
                  "print {\"ids\", \"text\", \"logprobs\", \"top_logprobs\", \"finish_reason\", ...}");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  if (uint64_t seed = 0; flags.given("seed") && !parse_uint64(g.seed, &seed)) {
+    std::fprintf(stderr, "error: --seed: expected an integer in [0, 2^64), got '%s'\n",
+                 g.seed.c_str());
+    return 2;
+  }
   v1::GenerateRequest req = generate_request(g, flags);
   if (!g.prompt_ids.empty() && !set_ids(g.prompt_ids, "prompt-ids", req.mutable_prompt_ids()))
     return 2;
@@ -288,6 +295,7 @@ int cmd_client(int argc, char** argv) {
     for (const Sub& s : kSubs)
       if (!std::strcmp(argv[0], s.name)) return s.run(argc - 1, argv + 1);
   const bool help = argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"));
+  if (argc >= 1 && !help) std::fprintf(stderr, "error: unknown client command '%s'\n", argv[0]);
   std::fprintf(help ? stdout : stderr,
                "usage: cemlm client <generate|score|tokenize|detokenize|info|health> "
                "--addr HOST:PORT [options]\n\nA gRPC client of `cemlm serve`. Run "

@@ -211,7 +211,7 @@ int cmd_serve(int argc, char** argv) {
   flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");
   flags.add("kv-cache-dtype", &f.kv_cache_dtype,
             "fp32 | bf16: bf16 (CPU) holds twice the tokens and reads half the bytes per decode "
-            "step; entries are rounded to bf16 (logprobs move by ~1e-3)");
+            "step; entries are rounded to bf16 (logprobs move by a few 1e-3)");
   flags.add("max-batch-tokens", &f.max_batch_tokens, "tokens per engine step (chunked prefill)");
   flags.add("max-running", &f.max_running,
             "requests in the running batch at once (the rest queue; a higher priority preempts)");
@@ -228,7 +228,7 @@ int cmd_serve(int argc, char** argv) {
   flags.add("engine-nice", &f.engine_nice,
             "niceness (0..19) the engine's step and compute threads add to the process's, so "
             "that gRPC's threads read requests and write tokens without waiting behind a step");
-  flags.add("log-level", &f.log_level, "trace | debug | info | warn | error | off");
+  flags.add("log-level", &f.log_level, "trace | debug | info | warn | error | critical | off");
   flags.add("model-name", &f.model_name, "name in metrics and GetModelInfo (default: DIR's name)");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
 

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -361,6 +362,19 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   }
   EXPECT_EQ(gen["finish_reason"], "length");
   EXPECT_EQ(gen["usage"]["prompt_tokens"], 3);
+  // --request-id comes back; a seed reproduces a sample; a negative seed is refused.
+  std::string seeded[2];
+  for (std::string& o : seeded) {
+    ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5,6,7",
+                         "--max-new-tokens", "6", "--ignore-eos", "--seed", "18446744073709551615",
+                         "--request-id", "abc-1", "--json"},
+                        &o),
+              0);
+    EXPECT_EQ(nlohmann::json::parse(o)["request_id"], "abc-1");
+  }
+  EXPECT_EQ(nlohmann::json::parse(seeded[0])["ids"], nlohmann::json::parse(seeded[1])["ids"]);
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--seed", "-1"}),
+            2);
 
   ASSERT_EQ(run_cemlm({"client", "info", "--addr", addr}, &out), 0);
   EXPECT_EQ(nlohmann::json::parse(out)["vocab_size"], 400);
@@ -387,12 +401,14 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_NE(out.find("concurrency 4  connections 2"), std::string::npos) << out;
   EXPECT_NE(out.find("ok 6  errors 0"), std::string::npos) << out;
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--connections", "0"}, &out), 2);
-  // Failed requests are counted by code (and the closed loop still runs them all).
+  // Failed requests are counted by code, with each code's first message (and the closed loop
+  // still runs them all).
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "3", "--requests", "7",
                        "--max-new-tokens", "4", "--recursion", "99"},
                       &out),
             1);
   EXPECT_NE(out.find("ok 0  errors 7  INVALID_ARGUMENT=7"), std::string::npos) << out;
+  EXPECT_NE(out.find("INVALID_ARGUMENT, first: recursion_depth = 99"), std::string::npos) << out;
 }
 
 TEST_F(ServerLifecycle, PythonExampleClient) {
@@ -401,7 +417,22 @@ TEST_F(ServerLifecycle, PythonExampleClient) {
   const std::string cmd = "/usr/bin/python3 " + std::string(std::getenv("CEMLM_SOURCE_DIR")) +
                           "/examples/python_client.py --addr " + server_->addr() +
                           " --max-new-tokens 5 --recursion 2 > /dev/null";
+  auto stub_dirs = [] {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(std::filesystem::temp_directory_path()))
+      n += e.path().filename().string().starts_with("cemlm_stubs_");
+    return n;
+  };
+  const int dirs_before = stub_dirs();
   EXPECT_EQ(std::system(cmd.c_str()), 0);
+  // A failing call ends the script with the status, not a traceback.
+  const std::string err = fresh_temp_dir() + "/err.txt";
+  EXPECT_NE(std::system((cmd + " --recursion 99 2>'" + err + "'").c_str()), 0);
+  std::ifstream in(err);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("INVALID_ARGUMENT: recursion_depth = 99"), std::string::npos) << text;
+  EXPECT_EQ(text.find("Traceback"), std::string::npos) << text;
+  EXPECT_EQ(stub_dirs(), dirs_before) << "the generated stubs were left in the temp directory";
 }
 
 }  // namespace

@@ -67,6 +67,16 @@ TEST(TokenizerCli, ErrorsNameTheFlag) {
       {"train", "--input", testing_files::small_corpus()[0], "--vocab-size", "10", "--out", model});
   EXPECT_EQ(small.rc, 1);
   EXPECT_NE(small.err.find("--vocab-size"), std::string::npos) << small.err;
+  // Above the fixed minimum but below what this text's characters need: said in our terms.
+  std::string many_chars;
+  for (int cp = 0x4E00; cp < 0x4E00 + 120; ++cp)  // 120 distinct CJK characters, 3 bytes each
+    many_chars += {char(0xE0 | (cp >> 12)), char(0x80 | ((cp >> 6) & 0x3F)), char(0x80 | (cp & 0x3F))};
+  testing_files::write_file(dir + "/cjk.txt", many_chars + "\n" + many_chars + "\n");
+  CliRun few = run({"train", "--input", dir + "/cjk.txt", "--vocab-size", "300", "--out", model});
+  EXPECT_EQ(few.rc, 1);
+  EXPECT_NE(few.err.find("--vocab-size 300 is too small for this text"), std::string::npos)
+      << few.err;
+  EXPECT_NE(few.err.find("use at least"), std::string::npos) << few.err;
   CliRun missing = run({"decode", "--model", model, "--ids", "1,2"});
   EXPECT_EQ(missing.rc, 1);
   EXPECT_NE(missing.err.find(model), std::string::npos) << missing.err;

@@ -44,5 +44,7 @@ class Flags {
 
 // Parses "3,17,42" into ids; false on anything that is not a comma-separated integer list.
 bool parse_id_list(const std::string& s, std::vector<int>* out);
+// Parses an integer in [0, 2^64) (a seed); false on anything else, a sign included.
+bool parse_uint64(const std::string& s, uint64_t* out);
 
 }  // namespace cemlm::cli

@@ -239,6 +239,32 @@ TEST(Train, ResumeWithoutTokenizerAndInitWithAnotherVocabularyAreRefused) {
   EXPECT_TRUE(train(o).ok());  // restored: the run goes on
 }
 
+// A run saved before the split moved to document starts resumes on the current split, and says
+// so; one saved since says nothing.
+TEST(Train, ResumingARunFromBeforeTheSplitChangeSaysSo) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.steps = 2;
+  ASSERT_TRUE(train(o).ok());
+  o.resume = true;
+  auto resume_lines = [&](int64_t steps) {
+    o.steps = steps;
+    std::string lines;
+    TrainCallbacks cb;
+    cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+    EXPECT_TRUE(train(o, cb).ok());
+    return lines;
+  };
+  EXPECT_EQ(resume_lines(3).find("older cemlm"), std::string::npos);
+  const std::string state_file = o.out_dir + "/trainer_state.json";
+  std::string state, error;
+  ASSERT_TRUE(read_file(state_file, &state, &error));
+  const size_t at = state.find("\"split\"");
+  ASSERT_NE(at, std::string::npos);
+  state.replace(at, 7, "\"former\"");
+  testing_trainer::write_file(state_file, state);
+  EXPECT_NE(resume_lines(4).find("older cemlm"), std::string::npos);
+}
+
 TEST(Train, DamagedSavedOptionsNameTheKey) {
   const std::string json = options_to_json(TrainOptions{});
   const size_t at = json.find("\"steps\"");

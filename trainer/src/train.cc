@@ -297,6 +297,11 @@ absl::Status Trainer::restore() {
   if (!read_file(in_out(kMetricsFile), &text, &error))
     return absl::NotFoundError("--resume: " + error);
   CEMLM_ASSIGN_OR_RETURN(log_, MetricsLog::parse(text, in_out(kMetricsFile)));
+  if (j.value("split", "") != kSplitRule)
+    info(absl::StrCat("note: this run began with an older cemlm, whose validation split cut "
+                      "documents in two; from here on it trains and evaluates on the current, "
+                      "document-aligned split (the validation curve may step, and the run is no "
+                      "longer bit-identical to an uninterrupted one)"));
   info(absl::StrCat("resuming at step ", step_, " of ", o_.steps));
   return absl::OkStatus();
 }
@@ -352,6 +357,7 @@ absl::Status Trainer::write_extra(const std::string& dir) const {
                       {"elapsed_s", prior_elapsed_s_ + seconds_since(start_)},
                       {"data_rng", data_rng_.state()},
                       {"recursion_rng", t_rng_.state()},
+                      {"split", kSplitRule},
                       {"options", json::parse(options_to_json(o_))}};
   CEMLM_RETURN_IF_ERROR(write_text((d / kTrainerStateFile).string(), state.dump(2) + "\n"));
   CEMLM_RETURN_IF_ERROR(write_text((d / kMetricsFile).string(), log_.jsonl()));

@@ -42,7 +42,9 @@ struct TokenData {
 
 // Token ids of `corpus`, read from `cache_path` when it was written for the same corpus key and
 // tokenizer hash, else encoded and cached there (atomically). Each file's last val_fraction of
-// tokens goes to validation, the rest to training, so that every file is in both.
+// tokens goes to validation, the rest to training, so that every file is in both; the cut moves
+// to the nearest document start (kSplitRule names this rule in a run's saved state).
+inline constexpr char kSplitRule[] = "document-start";
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
                                           uint64_t tokenizer_hash, int bos, int eos,
                                           const std::string& cache_path, double val_fraction);

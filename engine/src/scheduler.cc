@@ -81,11 +81,13 @@ StepPlan Scheduler::schedule() {
   std::set<SeqId> scheduled;
   schedule_running(/*decode=*/true, &budget, &scheduled, &plan);
   schedule_running(/*decode=*/false, &budget, &scheduled, &plan);
-  // A step whose rows ran out of blocks admits nothing; one that preempted for priority admits
-  // the sequence it preempted for.
+  // A step whose rows ran out of blocks admits nothing; one that made way for a priority admits
+  // that sequence alone.
   const bool out_of_blocks = !plan.preempted.empty();
-  if (!out_of_blocks) preempt_for_priority(&budget, &scheduled, &plan);
-  if (!out_of_blocks) admit_waiting(&budget, &plan);
+  if (!out_of_blocks) {
+    const int made_way = make_way_for_priority(&budget, &scheduled, &plan);
+    admit_waiting(&budget, &plan, made_way);
+  }
   build_batch(&plan);
   publish_waiting();
   return plan;
@@ -144,8 +146,8 @@ void Scheduler::preempt(Sequence* s, StepPlan* plan) {
   if (plan) plan->preempted.push_back(s->id);
 }
 
-void Scheduler::preempt_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan) {
-  if (waiting_.empty() || running_.empty()) return;
+int Scheduler::make_way_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan) {
+  if (waiting_.empty() || running_.empty()) return 0;
   const Sequence* w = *waiting_.begin();
   // running_ is in rank order, so the sequences of lower priority are its tail.
   std::vector<SeqId> lower;
@@ -154,41 +156,54 @@ void Scheduler::preempt_for_priority(int* budget, std::set<SeqId>* scheduled, St
     lower.push_back((*it)->id);
     lower_rows += row_tokens(*plan, (*it)->id);
   }
-  if (lower.empty()) return;
+  if (lower.empty()) return 0;
   const PrefixMatch match = blocks_->match_prefix(w->tokens, w->recursion);
   const int cached = int(match.blocks.size()) * blocks_->block_size();
   const int todo = int(w->tokens.size()) - cached;
-  auto fits = [&](int budget_left, std::span<const SeqId> released, int64_t available) {
-    const int n = std::min(todo, budget_left);
-    return n > 0 && blocks_->start_cost(match, cached + n, released) <= available;
+  // The chunk it starts with: what the budget left gives, or a block's worth taken from the rows
+  // of lower priority when less is left.
+  const int n = std::min({todo, std::max(*budget, std::min(todo, blocks_->block_size())),
+                          *budget + lower_rows});
+  if (n <= 0) return 0;
+  auto fits = [&](std::span<const SeqId> released, int64_t available) {
+    return blocks_->start_cost(match, cached + n, released) <= available;
   };
-  auto fits_now = [&] {
-    return int(running_.size()) < opts_.max_running &&
-           fits(*budget, {}, blocks_->num_available());
+  auto slot_and_blocks = [&] {
+    return int(running_.size()) < opts_.max_running && fits({}, blocks_->num_available());
   };
-  // Only when it does not fit now, and would once every lower-priority sequence made way: no
-  // work is thrown away for nothing.
-  if (fits_now() || !fits(*budget + lower_rows, lower, blocks_->reclaimable(lower))) return;
-  while (!fits_now()) {
+  // Nothing to do when it fits as it is; nothing is done when it would not fit even once every
+  // sequence of lower priority made way (no work is thrown away for nothing).
+  if ((*budget >= n && slot_and_blocks()) || !fits(lower, blocks_->reclaimable(lower))) return 0;
+  auto leave_step = [&](SeqId id) {
+    if (!scheduled->erase(id)) return;
+    auto row = std::find_if(plan->rows.begin(), plan->rows.end(),
+                            [&](const ScheduledRow& r) { return r.id == id; });
+    *budget += row->n_tokens;
+    plan->rows.erase(row);
+  };
+  // Budget: rows of lower priority sit this step out (keeping their cache), lowest rank first.
+  for (SeqId id : lower) {
+    if (*budget >= n) break;
+    leave_step(id);
+  }
+  // A slot and blocks: sequences of lower priority are preempted, lowest rank first.
+  while (!slot_and_blocks()) {
     Sequence* v = running_.back();
     CEMLM_CHECK(v->priority < w->priority);
-    if (scheduled->erase(v->id)) {
-      auto row = std::find_if(plan->rows.begin(), plan->rows.end(),
-                              [&](const ScheduledRow& r) { return r.id == v->id; });
-      *budget += row->n_tokens;
-      plan->rows.erase(row);
-    }
+    leave_step(v->id);
     preempt(v, plan);
   }
+  return n;
 }
 
-void Scheduler::admit_waiting(int* budget, StepPlan* plan) {
+void Scheduler::admit_waiting(int* budget, StepPlan* plan, int only_first) {
   const int bs = blocks_->block_size();
   while (*budget > 0 && int(running_.size()) < opts_.max_running && !waiting_.empty()) {
     Sequence* s = *waiting_.begin();
     const PrefixMatch match = blocks_->match_prefix(s->tokens, s->recursion);
     const int cached = int(match.blocks.size()) * bs;
-    const int n = std::min(int(s->tokens.size()) - cached, *budget);
+    int n = std::min(int(s->tokens.size()) - cached, *budget);
+    if (only_first > 0) n = std::min(n, only_first);
     if (!blocks_->start(s->id, match, s->recursion, cached + n)) return;
     waiting_.erase(waiting_.begin());
     s->n_computed = cached;
@@ -200,6 +215,7 @@ void Scheduler::admit_waiting(int* budget, StepPlan* plan) {
     plan->admitted.push_back({s->id, cached});
     *budget -= n;
     add_row(s, n, plan);
+    if (only_first > 0) return;  // what made way for it is not to be taken by the rest
   }
 }
 

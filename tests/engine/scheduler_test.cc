@@ -282,6 +282,44 @@ TEST(Scheduler, NothingIsPreemptedForAnArrivalThatStillWouldNotFit) {
   EXPECT_EQ(q.admitted[0].id, 3u);
 }
 
+// The sequence preempted for a priority is not readmitted in the same step (it would take back
+// the blocks it gave up, to be preempted again at the next step, its recompute wasted).
+TEST(Scheduler, APreemptedSequenceIsNotReadmittedInTheStepThatPreemptedIt) {
+  Harness h({.max_batch_tokens = 8}, 4, 2);
+  h.add(1, 7);
+  h.step();  // 1 holds all 4 blocks
+  h.add(2, 2, 1, /*priority=*/1);
+  StepPlan p = h.step();
+  ASSERT_EQ(p.preempted, std::vector<SeqId>{1});
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].id, 2u);
+  EXPECT_EQ(row_tokens(p, 1), 0);
+  p = h.step();  // 2 decodes; 1 waits for room instead of thrashing
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_EQ(row_tokens(p, 2), 1);
+}
+
+// When only the token budget is short, rows of lower priority sit the step out and keep their
+// cache: nothing is preempted.
+TEST(Scheduler, BudgetForAPriorityComesFromRowsNotPreemption) {
+  Harness h({.max_batch_tokens = 4});
+  h.add(1, 20);
+  h.step();
+  h.step();  // 1 has 8 tokens computed and prefills 4 a step
+  h.add(2, 3, 1, /*priority=*/1);
+  StepPlan p = h.step();
+  EXPECT_TRUE(p.preempted.empty());
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(row_tokens(p, 2), 3);
+  EXPECT_EQ(row_tokens(p, 1), 0);
+  EXPECT_EQ(h.sched.find(1)->n_computed, 8);
+  EXPECT_EQ(h.sched.preemptions_total(), 0);
+  p = h.step();  // 2 decodes, 1 goes on where it was
+  EXPECT_EQ(row_tokens(p, 2), 1);
+  ASSERT_EQ(row_tokens(p, 1), 3);
+  EXPECT_EQ(p.rows[1].pos_begin, 8);
+}
+
 TEST(Scheduler, MakeRoomPreemptsLowestRankFirst) {
   Harness h({.max_batch_tokens = 100}, 6, 2);
   h.add(1, 4, 1, 1);

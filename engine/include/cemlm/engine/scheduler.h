@@ -6,11 +6,12 @@
 //  1. decode rows (running sequences that need one token), in rank order;
 //  2. prefill chunks of running sequences still prefilling, in rank order, each as large as the
 //     budget left allows (chunked prefill);
-//  3. priority: when the first waiting sequence does not fit (max_running, or the blocks of its
-//     first chunk) but would once running sequences of lower priority made way, those are
-//     preempted, lowest rank first, and their rows leave this step. Equal priorities never
-//     preempt each other here (FCFS), and nothing is preempted for a sequence that would still
-//     not fit;
+//  3. priority: when the first waiting sequence does not fit (the budget left, max_running, or
+//     the blocks of its first chunk) but would once running sequences of lower priority made way,
+//     their rows sit this step out while budget is short (a block's worth at least), and they are
+//     preempted while a slot or blocks are, lowest rank first; that sequence is then the step's
+//     only admission. Equal priorities never make way for each other (FCFS), and nothing is done
+//     for a sequence that would still not fit;
 //  4. admission of waiting sequences, in rank order, while the budget, max_running and the cache
 //     allow; it stops at the first one that does not fit (no overtaking). Steps 3 and 4 are
 //     skipped in a step whose rows ran out of blocks (and preempted for that).
@@ -110,15 +111,17 @@ class Scheduler {
   };
   void publish_waiting();
   void preempt(Sequence* s, StepPlan* plan);
-  // Makes way for the first waiting sequence when it does not fit (max_running, its first chunk's
-  // blocks) but would once running sequences of lower priority are preempted: those go, lowest
-  // rank first, and their rows leave this step.
-  void preempt_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan);
+  // Makes way for the first waiting sequence when it does not fit (the budget left, max_running,
+  // its first chunk's blocks) but would once running sequences of lower priority made way: their
+  // rows sit this step out, lowest rank first, while budget is short; they are preempted while a
+  // slot or blocks are. Returns the chunk it made way for (0: none), which admission caps that
+  // sequence to, admitting no other in this step.
+  int make_way_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan);
   Sequence* victim_after(const Sequence* s, const std::set<SeqId>& scheduled) const;
   // Allocates blocks for `n` tokens of running `s`, preempting or shrinking per the policy.
   int reserve(Sequence* s, int n, const std::set<SeqId>& scheduled, StepPlan* plan);
   void schedule_running(bool decode, int* budget, std::set<SeqId>* scheduled, StepPlan* plan);
-  void admit_waiting(int* budget, StepPlan* plan);
+  void admit_waiting(int* budget, StepPlan* plan, int only_first = 0);
   void add_row(Sequence* s, int n, StepPlan* plan);
   void build_batch(StepPlan* plan) const;
 

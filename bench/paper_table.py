@@ -155,10 +155,14 @@ def train(v, args, m, ctx):
     state_file = os.path.join(run_dir, "trainer_state.json")
     cpu_before = 0.0
     if os.path.exists(state_file):
-        with open(state_file) as f:
-            saved_options = json.load(f)["options"]
-        with open(os.path.join(run_dir, "config.json")) as f:
-            saved_config = json.load(f)
+        try:
+            with open(state_file) as f:
+                saved_options = json.load(f)["options"]
+            with open(os.path.join(run_dir, "config.json")) as f:
+                saved_config = json.load(f)
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"paper_table: {run_dir} is not a whole checkpoint ({e}); delete it or choose "
+                     "another --out")
         diffs = subset_differences(options, saved_options) + subset_differences(config, saved_config)
         if diffs:
             sys.exit(f"paper_table: {run_dir} was trained with other settings ({'; '.join(diffs)});"
@@ -214,22 +218,26 @@ def inspect_params(cemlm, run_dir):
 
 def split_point(ids, val_fraction, bos, eos):
     """Where a file's validation part starts (trainer/src/data.cc split_point): before its last
-    val_fraction of tokens, moved to the nearest document start (a BOS, or after an EOS)."""
+    val_fraction of tokens, moved to the nearest document start within half to twice that size."""
     n = len(ids)
     cut = n - math.ceil(n * val_fraction)
     if cut in (0, n) or (bos < 0 and eos < 0):
         return cut
 
     def starts_document(p):
-        return ids[p] == bos if bos >= 0 else ids[p - 1] == eos
+        if bos >= 0:
+            return ids[p] == bos and (eos < 0 or ids[p - 1] == eos)
+        return ids[p - 1] == eos
 
-    for d in range(n):
-        if cut > d and starts_document(cut - d):
+    n_val = n - cut
+    lo, hi = (n - 2 * n_val if n > 2 * n_val else 1), n - (n_val + 1) // 2
+    d = 0
+    while cut >= lo + d or cut + d <= hi:
+        if cut >= lo + d and starts_document(cut - d):
             return cut - d
-        if cut + d < n and starts_document(cut + d):
+        if cut + d <= hi and starts_document(cut + d):
             return cut + d
-        if cut <= d and cut + d >= n:
-            break
+        d += 1
     return cut
 
 

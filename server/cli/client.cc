@@ -114,6 +114,10 @@ int client_generate(int argc, char** argv) {
                  g.seed.c_str());
     return 2;
   }
+  if (g.no_bos && flags.given("prompt-ids")) {
+    std::fprintf(stderr, "error: --no-bos applies to --prompt only: --prompt-ids are used as given\n");
+    return 2;
+  }
   v1::GenerateRequest req = generate_request(g, flags);
   if (!g.prompt_ids.empty() && !set_ids(g.prompt_ids, "prompt-ids", req.mutable_prompt_ids()))
     return 2;
@@ -170,6 +174,10 @@ int client_score(int argc, char** argv) {
   flags.add("recursion", &recursion, "recursion depth T; 0 = the model's default");
   flags.add_bool("json", &as_json, "print the response as JSON");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  if (no_bos && flags.given("ids")) {
+    std::fprintf(stderr, "error: --no-bos applies to --text only: --ids are used as given\n");
+    return 2;
+  }
   v1::ScoreRequest req;
   req.set_text(text);
   if (no_bos) req.set_add_bos(false);

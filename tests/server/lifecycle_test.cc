@@ -375,6 +375,8 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_EQ(nlohmann::json::parse(seeded[0])["ids"], nlohmann::json::parse(seeded[1])["ids"]);
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--seed", "-1"}),
             2);
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--no-bos"}), 2);
+  EXPECT_EQ(run_cemlm({"client", "score", "--addr", addr, "--ids", "5,6", "--no-bos"}), 2);
 
   ASSERT_EQ(run_cemlm({"client", "info", "--addr", addr}, &out), 0);
   EXPECT_EQ(nlohmann::json::parse(out)["vocab_size"], 400);

@@ -156,6 +156,37 @@ TEST_F(DataTest, SplitTakesTheEndOfEveryFileAtADocumentStart) {
   EXPECT_TRUE(std::equal(half->train.begin(), half->train.begin() + 100, d->train.begin()));
 }
 
+// The split moves to the nearest document start, but not beyond half to twice the validation
+// size asked for; a BOS that is also the EOS starts a document only after an EOS.
+TEST(Split, MovesToADocumentStartWithinBounds) {
+  auto doc = [](int len, std::vector<int32_t>* out) {
+    out->push_back(1);
+    for (int i = 0; i < len; ++i) out->push_back(7);
+    out->push_back(2);
+  };
+  std::vector<int32_t> ids;
+  for (int d = 0; d < 20; ++d) doc(8, &ids);  // 200 tokens, documents every 10
+  EXPECT_EQ(split_point(ids, 0.1, 1, 2), 180u);
+  EXPECT_EQ(split_point(ids, 0.12, 1, 2), 180u);  // cut 176 -> the start at 180
+  EXPECT_EQ(split_point(ids, 0.12, -1, 2), 180u);  // EOS-only markers
+  EXPECT_EQ(split_point(ids, 0.12, -1, -1), 176u);  // no markers: the plain cut
+  std::vector<int32_t> two;
+  doc(298, &two);
+  doc(698, &two);  // documents of 300 and 700 tokens: the start at 300 is far off
+  EXPECT_EQ(split_point(two, 0.05, 1, 2), 950u);
+  // One id for both markers (<|endoftext|>): documents are 2 ids... 2, so a document's last
+  // marker is no document start (the old rule took 89 and 99 below).
+  std::vector<int32_t> same;
+  for (int d = 0; d < 10; ++d) {
+    same.push_back(2);
+    same.insert(same.end(), 8, 0);
+    same.push_back(2);
+  }
+  EXPECT_EQ(split_point(same, 0.15, 2, 2), 80u);  // cut 85: starts at 80 and 90, not 89
+  EXPECT_EQ(split_point(same, 0.02, 2, 2), 98u);  // cut 98: no start within bounds
+  EXPECT_EQ(split_point(ids, 0.0, 1, 2), ids.size());
+}
+
 TEST(Windows, SampledWindowsAreSlicesDrawnBySeed) {
   std::vector<int32_t> tokens(100);
   for (int i = 0; i < 100; ++i) tokens[i] = i;

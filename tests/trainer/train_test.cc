@@ -282,14 +282,26 @@ TEST(Train, DamagedSavedOptionsNameTheKey) {
   EXPECT_TRUE(options_from_json(json).ok());
 }
 
-// --max-minutes stops when the next step, the evaluation and save it is due for, and the final
+// A stop asked for while the data loads ends the run before its first step, writing nothing.
+TEST(Train, StopBeforeTrainingSavesNothing) {
+  TrainOptions o = tiny_options(fresh_dir());
+  TrainCallbacks cb;
+  cb.stop_before_training = [] { return true; };
+  auto done = train(o, cb);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->step, 0);
+  EXPECT_FALSE(done->finished);
+  EXPECT_FALSE(fs::exists(o.out_dir + "/config.json"));
+}
+
+// --max-minutes stops when the step's own due evaluation and save, the next step, and the final
 // evaluation and save would not fit the budget.
 TEST(TimeBudget, LeavesRoomForTheNextStepAndTheFinalEvaluationAndSave) {
   TimeBudget b{.step_s = 1, .eval_s = 10, .save_s = 2};
   EXPECT_FALSE(b.stop_now(40, 60, false, false));  // 40 + 1 + 12 = 53
   EXPECT_TRUE(b.stop_now(48, 60, false, false));   // 48 + 1 + 12 = 61
-  EXPECT_TRUE(b.stop_now(40, 60, true, false));    // the next step evaluates too: 63
-  EXPECT_TRUE(b.stop_now(46, 60, false, true));    // ... or saves: 61
+  EXPECT_TRUE(b.stop_now(40, 60, true, false));    // this step's evaluation is due: 63
+  EXPECT_TRUE(b.stop_now(46, 60, false, true));    // ... or its save: 61
   EXPECT_FALSE(TimeBudget{.step_s = 1}.stop_now(58, 60, true, true));
 }
 

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -22,7 +23,8 @@ namespace {
 // SIGINT (Ctrl-C) or SIGTERM (docker stop, a Kubernetes Job's eviction): finish the step, save,
 // exit with 128 + the signal's number. A second signal ends the process at once (checkpoints are
 // written atomically, so the last one stays whole).
-volatile std::sig_atomic_t g_stop_signal = 0;
+std::atomic<int> g_stop_signal{0};  // lock-free: safe in a handler, on whichever thread
+static_assert(std::atomic<int>::is_always_lock_free);
 
 void on_stop_signal(int sig) {
   g_stop_signal = sig;
@@ -213,6 +215,7 @@ int cmd_train(int argc, char** argv) {
     if (g_stop_signal) progress.line(absl::StrCat("interrupted: saving at step ", m.step));
     return !g_stop_signal;
   };
+  cb.stop_before_training = [] { return g_stop_signal != 0; };
   cb.on_eval = [&](const EvalMetrics& e) { progress.line(eval_text(e)); };
   cb.on_save = [&](int64_t step, const std::string& dir) {
     progress.line(absl::StrCat("saved ", dir, " at step ", step));
@@ -228,7 +231,8 @@ int cmd_train(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", std::string(summary.status().message()).c_str());
     return 1;
   }
-  if (!summary->finished)
+  if (summary->finished) return 0;  // a signal during the last step or save changes nothing
+  if (summary->step > 0)
     progress.line(absl::StrCat("stopped at step ", summary->step, " of ", opts.steps,
                                ": continue with cemlm train --out ", opts.out_dir, " --resume"));
   // Like a process the signal ended, so that `cemlm train … && cemlm serve …` stops here.

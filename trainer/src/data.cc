@@ -98,25 +98,6 @@ void append_document(std::string_view doc, const Tokenizer& tokenizer, int bos, 
   if (eos >= 0) out->push_back(eos);
 }
 
-// Where a file's validation part begins: before its last `val_fraction` of tokens, moved to the
-// nearest document start (a BOS, or the token after an EOS when there is no BOS) so that no
-// document is split between training and validation; left where it is when the file has no
-// document start other than its first token.
-size_t split_point(const std::vector<int32_t>& ids, double val_fraction, int bos, int eos) {
-  const size_t n = ids.size();
-  const size_t cut = n - size_t(std::ceil(double(n) * val_fraction));
-  if (cut == 0 || cut == n || (bos < 0 && eos < 0)) return cut;
-  auto starts_document = [&](size_t p) {
-    return bos >= 0 ? ids[p] == bos : ids[p - 1] == eos;
-  };
-  for (size_t d = 0; d < n; ++d) {
-    if (cut > d && starts_document(cut - d)) return cut - d;
-    if (cut + d < n && starts_document(cut + d)) return cut + d;
-    if (cut <= d && cut + d >= n) break;
-  }
-  return cut;
-}
-
 }  // namespace
 
 uint64_t hash_bytes(std::string_view bytes, uint64_t h) {
@@ -183,6 +164,25 @@ std::vector<int32_t> encode_documents(std::string_view text, const Tokenizer& to
   }
   append_document(text.substr(doc_begin), tokenizer, bos, eos, &out);
   return out;
+}
+
+size_t split_point(std::span<const int32_t> ids, double val_fraction, int bos, int eos) {
+  const size_t n = ids.size();
+  const size_t cut = n - size_t(std::ceil(double(n) * val_fraction));
+  if (cut == 0 || cut == n || (bos < 0 && eos < 0)) return cut;
+  // A document starts at its BOS, after the previous one's EOS (both, when a model has both: the
+  // same id may serve as both markers).
+  auto starts_document = [&](size_t p) {
+    return bos >= 0 ? ids[p] == bos && (eos < 0 || ids[p - 1] == eos) : ids[p - 1] == eos;
+  };
+  // Within [half, twice] the asked validation size, else the plain cut.
+  const size_t n_val = n - cut;
+  const size_t lo = n > 2 * n_val ? n - 2 * n_val : 1, hi = n - (n_val + 1) / 2;
+  for (size_t d = 0; cut >= lo + d || cut + d <= hi; ++d) {
+    if (cut >= lo + d && starts_document(cut - d)) return cut - d;
+    if (cut + d <= hi && starts_document(cut + d)) return cut + d;
+  }
+  return cut;
 }
 
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,

@@ -88,7 +88,8 @@ class Trainer {
     double eval_T = 0;
     for (int T : eval_T_) eval_T += T;
     const double rows = double(eval_ids_.size()) / double(o_.seq_len);
-    const double train_T = 0.5 * (o_.train_recursion.min + o_.train_recursion.max);
+    const bool uses_T = cfg_.attention == AttentionType::kCem || cfg_.mlp == MlpType::kCem;
+    const double train_T = uses_T ? 0.5 * (o_.train_recursion.min + o_.train_recursion.max) : 1;
     return step_s * rows * eval_T / (3.0 * o_.batch_size * o_.accum * train_T);
   }
   absl::Status save();
@@ -107,6 +108,7 @@ class Trainer {
   // The tokenizer's bytes, read once: every save writes these, whatever happens to the file
   // later (a shared --cache's tokenizer.model is replaced when another run trains its own).
   std::string tokenizer_bytes_;
+  std::unique_ptr<Tokenizer> tokenizer_;
   TokenData data_;
   std::vector<int> eval_ids_, eval_T_, batch_ids_;
   MetricsLog log_;
@@ -202,11 +204,17 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       CEMLM_RETURN_IF_ERROR(write_text(in_cache(kTokenizerKeyFile), key));
     }
   }
-  std::string error;
+  std::string error, again;
   if (!read_file(tokenizer_path_, &tokenizer_bytes_, &error))
     return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
-  auto tokenizer = Tokenizer::load(tokenizer_path_, &error);
-  if (!tokenizer) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
+  tokenizer_ = Tokenizer::load(tokenizer_path_, &error);
+  if (!tokenizer_) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
+  // The bytes kept must be those loaded: a run sharing --cache may replace the file meanwhile.
+  if (!read_file(tokenizer_path_, &again, &error) || again != tokenizer_bytes_)
+    return absl::UnavailableError(absl::StrCat(
+        "the tokenizer '", tokenizer_path_,
+        "' changed while it was being loaded (another run sharing --cache?); run again"));
+  const auto& tokenizer = tokenizer_;
   if (tokenizer->vocab_size() > cfg_.vocab_size)
     return absl::InvalidArgumentError(absl::StrCat(
         "the tokenizer '", tokenizer_path_, "' has ", tokenizer->vocab_size(),
@@ -251,9 +259,7 @@ absl::Status Trainer::check_against_model() {
 }
 
 absl::Status Trainer::load_data(const CorpusFiles& corpus) {
-  std::string error;
-  auto tokenizer = Tokenizer::load(tokenizer_path_, &error);
-  if (!tokenizer) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
+  const auto& tokenizer = tokenizer_;  // loaded with tokenizer_bytes_, which the saves write
   const uint64_t tok_hash = hash_bytes(tokenizer_bytes_);
   const int bos = resolve_bos_id(cfg_.bos_id, tokenizer.get());
   const int eos = resolve_eos_id(cfg_.eos_id, tokenizer.get());
@@ -280,12 +286,14 @@ absl::Status Trainer::restore() {
   if (!read_file(in_out(kTrainerStateFile), &text, &error))
     return absl::NotFoundError("--resume: " + error);
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  std::string split;
   try {
     step_ = j.at("step").get<int64_t>();
     tokens_ = j.at("tokens").get<int64_t>();
     prior_elapsed_s_ = j.at("elapsed_s").get<double>();
     data_rng_.set_state(j.at("data_rng").get<uint64_t>());
     t_rng_.set_state(j.at("recursion_rng").get<uint64_t>());
+    split = j.value("split", "");
   } catch (const std::exception& e) {  // nlohmann reports missing keys and wrong types by throwing
     return absl::InvalidArgumentError(
         absl::StrCat("--resume: ", in_out(kTrainerStateFile), ": ", e.what()));
@@ -297,7 +305,7 @@ absl::Status Trainer::restore() {
   if (!read_file(in_out(kMetricsFile), &text, &error))
     return absl::NotFoundError("--resume: " + error);
   CEMLM_ASSIGN_OR_RETURN(log_, MetricsLog::parse(text, in_out(kMetricsFile)));
-  if (j.value("split", "") != kSplitRule)
+  if (split != kSplitRule)
     info(absl::StrCat("note: this run began with an older cemlm, whose validation split cut "
                       "documents in two; from here on it trains and evaluates on the current, "
                       "document-aligned split (the validation curve may step, and the run is no "
@@ -406,6 +414,12 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   start_ = Clock::now();
   bool stop = false, eval_measured = false;
   TimeBudget budget;
+  // Before the first save: the weights and both moments written at ~200 MB/s.
+  budget.save_s = double(params_.size()) * 4 * 3 / 2e8;
+  if (cb_.stop_before_training && cb_.stop_before_training()) {
+    info("stopped before the first step: nothing trained, nothing saved");
+    stop = true;
+  }
   while (step_ < o_.steps && !stop) {
     const Clock::time_point t0 = Clock::now();
     StepMetrics m = step();
@@ -424,8 +438,8 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     budget.step_s = step_s;
     if (!eval_measured) budget.eval_s = estimated_eval_s(step_s);
     if (o_.max_minutes > 0 && step_ < o_.steps &&
-        budget.stop_now(seconds_since(start_), o_.max_minutes * 60,
-                        (step_ + 1) % o_.eval_every == 0, (step_ + 1) % o_.save_every == 0)) {
+        budget.stop_now(seconds_since(start_), o_.max_minutes * 60, step_ % o_.eval_every == 0,
+                        step_ % o_.save_every == 0)) {
       info(absl::StrCat("--max-minutes ", o_.max_minutes, " reached at step ", step_));
       stop = true;
     }
@@ -444,7 +458,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
       budget.save_s = seconds_since(s0);
     }
   }
-  if (steps_run_ == 0)
+  if (steps_run_ == 0 && step_ >= o_.steps)
     info(absl::StrCat("the run in '", o_.out_dir, "' already did its ", step_,
                       " steps: raise --steps to train further"));
   summary.step = step_;

@@ -3,6 +3,7 @@
 // validation, and cut into windows: random ones for training, fixed ones for evaluation.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,6 +46,10 @@ struct TokenData {
 // tokens goes to validation, the rest to training, so that every file is in both; the cut moves
 // to the nearest document start (kSplitRule names this rule in a run's saved state).
 inline constexpr char kSplitRule[] = "document-start";
+// Where a file's validation part begins: before its last `val_fraction` of `ids`, moved to the
+// nearest document start when one lies within half to twice that validation size (else the plain
+// cut), so that no document is split between training and validation.
+size_t split_point(std::span<const int32_t> ids, double val_fraction, int bos, int eos);
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
                                           uint64_t tokenizer_hash, int bos, int eos,
                                           const std::string& cache_path, double val_fraction);

@@ -62,17 +62,18 @@ struct TrainOptions {
   double max_minutes = 0;  // 0: no wall-clock budget
 };
 
-// What --max-minutes must leave room for after each step: the next step, with the evaluation
-// and save it is due for, then the final evaluation and save (a stop evaluates and saves).
+// What --max-minutes must leave room for after each step: the step's own periodic evaluation
+// and save, the next step, then the final evaluation and save (a stop evaluates and saves).
 struct TimeBudget {
   double step_s = 0;  // a training step (the mean so far)
   double eval_s = 0;  // an evaluation (the last one, or an estimate before the first)
-  double save_s = 0;  // a save (the last one; 0 before the first)
-  // Whether a run `elapsed_s` into `budget_s` stops now instead of taking its next step, which
-  // evaluates when `eval_next` and saves when `save_next`.
-  bool stop_now(double elapsed_s, double budget_s, bool eval_next, bool save_next) const {
-    const double next = step_s + (eval_next ? eval_s : 0) + (save_next ? save_s : 0);
-    return elapsed_s + next + eval_s + save_s > budget_s;
+  double save_s = 0;  // a save (the last one, or an estimate before the first)
+  // Whether a run `elapsed_s` into `budget_s` stops after the step it just took instead of going
+  // on: going on costs that step's periodic evaluation and save when they are due (`eval_due`,
+  // `save_due`), the next step, and the final evaluation and save.
+  bool stop_now(double elapsed_s, double budget_s, bool eval_due, bool save_due) const {
+    const double due = (eval_due ? eval_s : 0) + (save_due ? save_s : 0);
+    return elapsed_s + due + step_s + eval_s + save_s > budget_s;
   }
 };
 
@@ -91,6 +92,9 @@ absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir);
 struct TrainCallbacks {
   std::function<void(const std::string&)> on_info;  // setup messages
   std::function<bool(const StepMetrics&)> on_step;  // false: stop cleanly (and save)
+  // Asked before the first step: true ends the run there, with nothing trained or saved (a stop
+  // asked for while the data loaded).
+  std::function<bool()> stop_before_training;
   std::function<void(const EvalMetrics&)> on_eval;
   std::function<void(int64_t step, const std::string& dir)> on_save;
 };

@@ -26,13 +26,13 @@ int row_tokens(const StepPlan& plan, SeqId id) {
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerOptions& opts, BlockManager* blocks)
-    : opts_(opts), blocks_(blocks) {
+    : opts_(opts), blocks_(blocks), free_slots_published_(opts.max_running) {
   CEMLM_CHECK(opts.max_batch_tokens > 0 && opts.max_running > 0 && opts.max_waiting > 0);
 }
 
 absl::Status Scheduler::add(SeqSpec spec) {
   std::lock_guard<std::mutex> lock(intake_mu_);
-  if (int(intake_.size()) + waiting_published_ >= opts_.max_waiting)
+  if (int(intake_.size()) + waiting_published_ >= opts_.max_waiting + free_slots_published_)
     return absl::ResourceExhaustedError(absl::StrCat(
         "the waiting queue is full (max_waiting = ", opts_.max_waiting,
         " requests); retry later or raise max_waiting"));
@@ -68,6 +68,7 @@ void Scheduler::accept() {
 void Scheduler::publish_waiting() {
   std::lock_guard<std::mutex> lock(intake_mu_);
   waiting_published_ = int(waiting_.size());
+  free_slots_published_ = std::max(0, opts_.max_running - int(running_.size()));
 }
 
 const Sequence* Scheduler::find(SeqId id) const {

@@ -103,7 +103,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
         writer_(writer),
         context_(context),
         arrival_(Clock::now()),
-        request_id_(request.request_id()) {
+        request_id_(request.request_id()),
+        peer_(context->peer()) {
     grpc::Status admitted = state_->admit(*context);
     admitted_ = admitted.ok();
     if (admitted_) {
@@ -274,7 +275,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   void record_metrics() {
     ServerMetrics& m = state_->metrics();
     e2e_seconds_ = seconds_between(arrival_, Clock::now());
-    if (!final_status_.ok()) m.count_error(final_status_.error_code());
+    m.count_rpc("Generate", final_status_.error_code());
     if (!submitted_) return;
     m.observe_finished({final_status_.ok() ? finish_reason_name(finish_reason_) : nullptr,
                         recursion_depth_, e2e_seconds_, queue_seconds_});
@@ -285,7 +286,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   void log() const {
     if (!id_) {
       spdlog::info("generate rejected client_id=\"{}\" peer={} status={} message=\"{}\"",
-                   log_escaped(request_id_), context_->peer(),
+                   log_escaped(request_id_), peer_,
                    grpc_code_name(final_status_.error_code()),
                    log_escaped(final_status_.error_message()));
       return;
@@ -293,7 +294,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
     spdlog::info(
         "generate id={} client_id=\"{}\" peer={} T={} prompt_tokens={} gen_tokens={} finish={} "
         "status={} latency_ms={:.3f}",
-        *id_, log_escaped(request_id_), context_->peer(), recursion_depth_, usage_.prompt_tokens,
+        *id_, log_escaped(request_id_), peer_, recursion_depth_, usage_.prompt_tokens,
         usage_.generated_tokens, finish_reason_name(finish_reason_),
         grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3);
   }
@@ -303,6 +304,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   grpc::CallbackServerContext* const context_;
   const Clock::time_point arrival_;
   const std::string request_id_;
+  const std::string peer_;  // read at the start: once the call is torn down it says "unknown"
   bool admitted_ = false;
   bool logprobs_ = false;
   int recursion_depth_ = 0, prompt_tokens_ = 0;
@@ -328,19 +330,20 @@ grpc::ServerWriteReactor<Response>* InferenceService::Generate(grpc::CallbackSer
 }
 
 template <typename Body>
-grpc::Status InferenceService::unary(grpc::ServerContext* context, Body body) {
+grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* method,
+                                     Body body) {
   grpc::Status status = state_->admit(*context);
   if (status.ok()) {
     status = to_grpc_status(body(state_->engine()));
     state_->release();
   }
-  if (!status.ok()) state_->metrics().count_error(status.error_code());
+  state_->metrics().count_rpc(method, status.error_code());
   return status;
 }
 
 grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::ScoreRequest* request,
                                      v1::ScoreResponse* response) {
-  return unary(context, [&](Engine& engine) -> absl::Status {
+  return unary(context, "Score", [&](Engine& engine) -> absl::Status {
     CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, to_engine(*request, engine));
     // A long text is scored in chunks; a client that gave up (or ran out of time) stops it
     // between two, freeing the cache blocks it held.
@@ -356,7 +359,7 @@ grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::Sco
 grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,
                                         const v1::TokenizeRequest* request,
                                         v1::TokenizeResponse* response) {
-  return unary(context, [&](Engine& engine) -> absl::Status {
+  return unary(context, "Tokenize", [&](Engine& engine) -> absl::Status {
     CEMLM_ASSIGN_OR_RETURN(std::vector<int> ids,
                            encode_text(engine, request->text(), "text", request->add_bos()));
     for (int id : ids) {
@@ -370,7 +373,7 @@ grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,
 grpc::Status InferenceService::Detokenize(grpc::ServerContext* context,
                                           const v1::DetokenizeRequest* request,
                                           v1::DetokenizeResponse* response) {
-  return unary(context, [&](Engine& engine) -> absl::Status {
+  return unary(context, "Detokenize", [&](Engine& engine) -> absl::Status {
     if (!engine.tokenizer())
       return absl::InvalidArgumentError("ids: this model has no tokenizer to decode them with");
     CEMLM_RETURN_IF_ERROR(check_ids(request->ids(), engine.config().vocab_size, "ids"));
@@ -383,7 +386,7 @@ grpc::Status InferenceService::Detokenize(grpc::ServerContext* context,
 grpc::Status InferenceService::GetModelInfo(grpc::ServerContext* context,
                                             const v1::GetModelInfoRequest*,
                                             v1::ModelInfo* response) {
-  return unary(context, [&](Engine& engine) -> absl::Status {
+  return unary(context, "GetModelInfo", [&](Engine& engine) -> absl::Status {
     *response = model_info(engine, state_->model_name());
     return absl::OkStatus();
   });

@@ -91,9 +91,9 @@ class InferenceService final
                             v1::ModelInfo* response) override;
 
  private:
-  // Admission, the handler body, error counting and release around every unary RPC.
+  // Admission, the handler body, counting (by method and code) and release around every unary RPC.
   template <typename Body>
-  grpc::Status unary(grpc::ServerContext* context, Body body);
+  grpc::Status unary(grpc::ServerContext* context, const char* method, Body body);
 
   ServerState* state_;
   WriterThread writer_;

@@ -36,6 +36,8 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
                            "Prompt tokens of generations, counted at their first token.");
   generation_tokens_ =
       counter("cemlm:generation_tokens_total", "Generated tokens, counted as they stream.");
+  prefix_hit_tokens_ = counter("cemlm:prefix_cache_hit_tokens_total",
+                               "Prompt tokens whose KV entries came from the prefix cache.");
   ttft_ = histogram("cemlm:time_to_first_token_seconds",
                     "Request arrival to its first token, in seconds.", kLatencyBuckets);
   itl_ = histogram("cemlm:inter_token_latency_seconds", "Time between two generated tokens.",
@@ -55,6 +57,18 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
                  .Name("cemlm:request_errors_total")
                  .Help("RPCs that ended with a status other than OK, by gRPC code name.")
                  .Register(*registry_);
+  requests_ = &prometheus::BuildCounter()
+                   .Name("cemlm:requests_total")
+                   .Help("Finished RPCs of cemlm.v1.Inference, by method and gRPC code name.")
+                   .Register(*registry_);
+  // Every series a dashboard or alert divides by exists from the start at 0, so that a fresh
+  // server's panels show 0 rather than "no data" and rates need no `or`.
+  for (const char* reason : {"stop", "length"})
+    success_->Add({{"model_name", model_name_}, {"finished_reason", reason}});
+  for (int code = grpc::StatusCode::CANCELLED; code <= grpc::StatusCode::UNAUTHENTICATED; ++code)
+    errors_->Add({{"model_name", model_name_}, {"code", grpc_code_name(grpc::StatusCode(code))}});
+  for (const char* method : kMethods)
+    requests_->Add({{"model_name", model_name_}, {"method", method}, {"code", "OK"}});
 }
 
 void ServerMetrics::set_stats_source(std::function<EngineStats()> source) {
@@ -77,8 +91,11 @@ void ServerMetrics::observe_finished(const FinishedGeneration& g) {
   recursion_->Observe(g.recursion_depth);
 }
 
-void ServerMetrics::count_error(grpc::StatusCode code) {
-  errors_->Add({{"model_name", model_name_}, {"code", grpc_code_name(code)}}).Increment();
+void ServerMetrics::count_rpc(const char* method, grpc::StatusCode code) {
+  const std::string name = grpc_code_name(code);
+  requests_->Add({{"model_name", model_name_}, {"method", method}, {"code", name}}).Increment();
+  if (code != grpc::StatusCode::OK)
+    errors_->Add({{"model_name", model_name_}, {"code", name}}).Increment();
 }
 
 void ServerMetrics::refresh_gauges() const {
@@ -91,6 +108,10 @@ void ServerMetrics::refresh_gauges() const {
   if (s.preemptions_total > preemptions_seen_) {
     preemptions_->Increment(double(s.preemptions_total - preemptions_seen_));
     preemptions_seen_ = s.preemptions_total;
+  }
+  if (s.prefix_cache_hits_total > prefix_hits_seen_) {
+    prefix_hit_tokens_->Increment(double(s.prefix_cache_hits_total - prefix_hits_seen_));
+    prefix_hits_seen_ = s.prefix_cache_hits_total;
   }
 }
 

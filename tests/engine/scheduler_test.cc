@@ -104,14 +104,18 @@ TEST(Scheduler, MaxRunningBoundsTheRunningSet) {
 }
 
 TEST(Scheduler, FullQueueIsResourceExhaustedNamingTheLimit) {
-  Harness h({.max_waiting = 2});
-  h.add(1, 3);
-  h.add(2, 3);
-  const absl::Status st = h.sched.add({3, prompt(3), 1, 0});
+  Harness h({.max_running = 2, .max_waiting = 2});
+  // A burst into an idle scheduler: two for the free running slots, two for the queue.
+  for (SeqId id = 1; id <= 4; ++id) h.add(id, 3);
+  const absl::Status st = h.sched.add({5, prompt(3), 1, 0});
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(st.message().find("max_waiting = 2"), std::string::npos) << st;
-  h.step();  // both admitted: room again
-  EXPECT_TRUE(h.sched.add({3, prompt(3), 1, 0}).ok());
+  h.step();  // two admitted, two waiting: still full
+  EXPECT_EQ(h.sched.num_running(), 2);
+  EXPECT_EQ(h.sched.add({5, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(h.sched.remove(1));  // a slot frees: room for one more
+  EXPECT_TRUE(h.sched.add({5, prompt(3), 1, 0}).ok());
+  EXPECT_EQ(h.sched.add({6, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST(Scheduler, BatchRowsAreOrderedByRecursionDescending) {

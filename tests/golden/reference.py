@@ -1,5 +1,6 @@
-# Independent float64 reference of the model in /work/shared/spec/MODEL.md (sections cited below),
-# written from the spec alone so the C++ engine and trainer can be checked against it.
+# Independent float64 reference of the model in ../shared/spec/MODEL.md (beside the repository;
+# sections cited below), written from the spec alone so the C++ engine and trainer can be checked
+# against it.
 # `python3 reference.py` runs the self-tests (spec identities, energy gradients, finite differences).
 # Needs torch (Debian: python3-torch); only make_golden.py and the self-tests import it.
 import math

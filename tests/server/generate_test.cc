@@ -118,6 +118,15 @@ TEST_F(ServerGenerate, CancelMidStreamFreesTheBlocks) {
            metric(s, "cemlm:kv_cache_usage_perc") == 0 &&
            metric(s, "cemlm:request_errors_total", "code=\"CANCELLED\"") == 1;
   })) << server_->metrics_text();
+  // The request's log line names the client even though the call is torn down by then.
+  std::string log;
+  for (auto end = std::chrono::steady_clock::now() + 10s;
+       log.find("status=CANCELLED") == std::string::npos && std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(10ms))
+    log = server_->log();
+  const size_t line = log.rfind('\n', log.find("status=CANCELLED")) + 1;
+  const std::string cancelled = log.substr(line, log.find('\n', line) - line);
+  EXPECT_NE(cancelled.find("peer=ipv"), std::string::npos) << cancelled;
 }
 
 // The token counters move as tokens stream, not when the request ends (a dashboard's tokens/s
@@ -168,8 +177,10 @@ TEST_F(ServerGenerate, DeadlineEndsTheRequest) {
 
 TEST(ServerQueue, FullQueueAnswersResourceExhausted) {
   const std::string model = make_tiny_model(fresh_temp_dir());
-  // One waiting slot, and prefills of 480 tokens in 16-token chunks keep it taken for a while.
-  auto server = ServerProcess::start(model, {"--max-waiting", "1", "--max-batch-tokens", "16"});
+  // One running and one waiting slot, and prefills of 480 tokens in 16-token chunks keep them
+  // taken for a while.
+  auto server = ServerProcess::start(
+      model, {"--max-running", "1", "--max-waiting", "1", "--max-batch-tokens", "16"});
   ASSERT_TRUE(server);
   constexpr int kClients = 32;
   std::vector<grpc::StatusCode> codes(kClients);

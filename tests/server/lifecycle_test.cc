@@ -226,15 +226,27 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
       {"cemlm:e2e_request_latency_seconds", "histogram"},
       {"cemlm:request_queue_time_seconds", "histogram"},
       {"cemlm:recursion_depth", "histogram"}};
+  // Before any request every family is there, with the series dashboards divide by at 0.
+  const std::string fresh_text = server_->metrics_text();
+  for (const char* name : {"cemlm:request_success_total", "cemlm:request_errors_total",
+                           "cemlm:requests_total", "cemlm:prefix_cache_hit_tokens_total"})
+    EXPECT_NE(fresh_text.find(std::string("# TYPE ") + name + " counter\n"), std::string::npos)
+        << name;
+  const auto fresh = parse_metrics(fresh_text);
+  for (const char* series :
+       {"cemlm:request_success_total{finished_reason=\"stop\",model_name=\"model\"} 0\n",
+        "cemlm:request_errors_total{code=\"INTERNAL\",model_name=\"model\"} 0\n",
+        "cemlm:requests_total{code=\"OK\",method=\"Score\",model_name=\"model\"} 0\n"})
+    EXPECT_NE(fresh_text.find(series), std::string::npos) << series << fresh_text;
+
   const Stream s = generate(server_->channel(), ids_request(prompt(9), 7, 2));
   ASSERT_TRUE(s.status.ok());
   ASSERT_EQ(generate(server_->channel(), ids_request({}, 3)).status.error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(model_info(*server_).model_name(), "model");
   const std::string text = server_->metrics_text();
   for (const auto& [name, type] : families)
     EXPECT_NE(text.find("# TYPE " + name + " " + type + "\n"), std::string::npos) << name;
-  for (const char* name : {"cemlm:request_success_total", "cemlm:request_errors_total"})
-    EXPECT_NE(text.find(std::string("# TYPE ") + name + " counter\n"), std::string::npos);
   const auto m = parse_metrics(text);
   for (const auto& [series, value] : m) {
     if (series.starts_with("cemlm:")) {
@@ -245,6 +257,11 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
   EXPECT_EQ(metric(m, "cemlm:generation_tokens_total"), 7);
   EXPECT_EQ(metric(m, "cemlm:request_success_total", "finished_reason=\"length\""), 1);
   EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"INVALID_ARGUMENT\""), 1);
+  // Every RPC counts in requests_total by method and code, OK ones too.
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"OK\",method=\"Generate\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"INVALID_ARGUMENT\",method=\"Generate\""),
+            1);
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"OK\",method=\"GetModelInfo\""), 1);
   EXPECT_EQ(metric(m, "cemlm:time_to_first_token_seconds_count"), 1);
   EXPECT_EQ(metric(m, "cemlm:inter_token_latency_seconds_count"), 6);
   EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_count"), 1);
@@ -256,6 +273,18 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
            metric(now, "cemlm:kv_cache_usage_perc") == 0;
   }));
   EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_bucket", "le=\"+Inf\""), 1);
+}
+
+TEST_F(ServerLifecycle, PrefixCacheHitsReachMetrics) {
+  const std::vector<int> shared = prompt(40);  // two full 16-token blocks to share
+  ASSERT_TRUE(generate(server_->channel(), ids_request(shared, 2, 1)).status.ok());
+  const Stream again = generate(server_->channel(), ids_request(shared, 2, 1));
+  ASSERT_TRUE(again.status.ok());
+  const int cached = again.messages.back().usage().cached_prompt_tokens();
+  EXPECT_GE(cached, 16);
+  EXPECT_TRUE(wait_for_metrics(*server_, [&](const auto& now) {
+    return metric(now, "cemlm:prefix_cache_hit_tokens_total") == cached;
+  }));
 }
 
 void expect_same_scores(const v1::ScoreResponse& rpc, const std::string& cli_json) {

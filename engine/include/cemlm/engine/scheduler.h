@@ -83,8 +83,11 @@ class Scheduler {
  public:
   Scheduler(const SchedulerOptions& opts, BlockManager* blocks);
 
-  // Thread-safe. RESOURCE_EXHAUSTED (naming max_waiting) when the waiting queue is full. The
-  // sequence joins the waiting queue at the next accept(), when its owner is ready for it.
+  // Thread-safe. RESOURCE_EXHAUSTED (naming max_waiting) when the waiting queue is full: when the
+  // sequences not yet running would leave more than max_waiting of them waiting after the running
+  // batch's free slots (max_running less those running) took theirs. A burst that fits the free
+  // slots and the queue is accepted whole. The sequence joins the waiting queue at the next
+  // accept(), when its owner is ready for it.
   absl::Status add(SeqSpec spec);
   // The rest is for the engine's step thread only.
   void accept();
@@ -134,7 +137,8 @@ class Scheduler {
 
   mutable std::mutex intake_mu_;
   std::vector<std::unique_ptr<Sequence>> intake_;
-  int waiting_published_ = 0;
+  int waiting_published_ = 0;     // waiting_.size() as of the last change, for add()
+  int free_slots_published_ = 0;  // max_running less running_.size(), likewise
   uint64_t next_arrival_ = 0;
 };
 

@@ -29,6 +29,9 @@ struct FinishedGeneration {
 
 class ServerMetrics : public prometheus::Collectable {
  public:
+  static constexpr const char* kMethods[] = {"Generate", "Score", "Tokenize", "Detokenize",
+                                             "GetModelInfo"};
+
   explicit ServerMetrics(const std::string& model_name);
 
   // Where the gauges come from; unset (before the model is loaded) they read zero.
@@ -39,7 +42,8 @@ class ServerMetrics : public prometheus::Collectable {
   void observe_inter_token(double seconds);
   void count_generated(int n);
   void observe_finished(const FinishedGeneration& g);
-  void count_error(grpc::StatusCode code);  // any RPC that ends with a status other than OK
+  // Every finished RPC of cemlm.v1.Inference (method: one of kMethods), OK or not.
+  void count_rpc(const char* method, grpc::StatusCode code);
 
   // Refreshes the engine gauges, then returns every family (called by the /metrics exposer).
   std::vector<prometheus::MetricFamily> Collect() const override;
@@ -50,14 +54,15 @@ class ServerMetrics : public prometheus::Collectable {
   std::string model_name_;
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Gauge *running_, *waiting_, *kv_usage_;
-  prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_;
+  prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_;
   prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_;
   prometheus::Family<prometheus::Counter>* success_;
   prometheus::Family<prometheus::Counter>* errors_;
+  prometheus::Family<prometheus::Counter>* requests_;
 
-  mutable std::mutex stats_mu_;  // guards the source and the preemption high-water mark
+  mutable std::mutex stats_mu_;  // guards the source and the engine totals' high-water marks
   std::function<EngineStats()> stats_source_;
-  mutable int64_t preemptions_seen_ = 0;
+  mutable int64_t preemptions_seen_ = 0, prefix_hits_seen_ = 0;
 };
 
 }  // namespace cemlm::server

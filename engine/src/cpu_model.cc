@@ -152,8 +152,8 @@ enum Buf {
 Tensor view(float* p, int64_t r, int64_t c) { return Tensor(p, {r, c}); }
 }  // namespace
 
-CpuModel::CpuModel(const ModelConfig& c, const Weights& w)
-    : cfg_(c), w_(w), lm_head_(w.lm_head), bufs_(kNumBufs) {
+CpuModel::CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant)
+    : cfg_(c), w_(w), batch_invariant_(batch_invariant), lm_head_(w.lm_head), bufs_(kNumBufs) {
   for (const LayerWeights& lw : w.layers) {
     constexpr auto kT = PackedLinear::Use::kTransposed;
     const bool cem_attn = c.attention == AttentionType::kCem, cem_mlp = c.mlp == MlpType::kCem;
@@ -226,6 +226,7 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
       2 * N * std::max(rank, 1));
   r.ctx.scratch = buf(kScratch, scratch);
   r.ctx.scratch_floats = scratch;
+  r.ctx.batch_invariant = batch_invariant_;
   // Sized once per step for the largest use.
   const int H = cfg_.n_heads;
   buf(kC, N * D), buf(kY, N * D), buf(kQ, N * Q), buf(kK, N * Q), buf(kV, N * Q), buf(kA, N * Q);

@@ -22,7 +22,7 @@ class CpuRunner final : public ModelRunner {
       : threads_(threads),
         ck_(std::move(ck)),
         weights_(bind_weights(ck_.config, ck_.params)),
-        model_(ck_.config, weights_),
+        model_(ck_.config, weights_, /*batch_invariant=*/true),
         kv_(ck_.config, block_size, n_blocks, bf16_kv) {}
   const ModelConfig& config() const override { return ck_.config; }
   int block_size() const override { return kv_.block_size(); }

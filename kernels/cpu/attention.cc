@@ -2,6 +2,8 @@
 // head with heads in parallel. Short ones (decode): one query row per work item, keys read in
 // place from their blocks; when there are fewer such rows than threads, a long context is split
 // over the threads instead. Either way the shared diagonal's scores are computed once per row.
+// With ctx.batch_invariant (the engine) every row takes the one-row path on one thread, whatever
+// the other rows: its bits do not depend on the batch, the chunking of a prompt or the threads.
 #include "cemlm/kernels/attention.h"
 
 #include <omp.h>
@@ -348,7 +350,7 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   int max_ctx = 0;
   for (int s = 0; s < n_seqs; ++s) {
     max_ctx = std::max(max_ctx, seqs[s].pos_begin + seqs[s].n_rows);
-    if (!use_gemm(seqs[s])) continue;
+    if (ctx.batch_invariant || !use_gemm(seqs[s])) continue;
     attention_gemm(ctx, out, out_c, q, qd, diag, kv, seqs[s], scale);
     for (int r = 0; r < seqs[s].n_rows; ++r) owner[seqs[s].row_begin + r] = -1;  // done
   }
@@ -358,7 +360,7 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   // Rows too few to occupy every thread, with long contexts, split their tokens over threads.
   const int threads = omp_get_max_threads();
   const int pending = int(std::count_if(owner.begin(), owner.end(), [](int s) { return s >= 0; }));
-  if (threads > 1 && pending < threads && !in_region())
+  if (threads > 1 && pending < threads && !in_region() && !ctx.batch_invariant)
     for (int i = 0; i < n_rows; ++i) {
       const int s = owner[i];
       if (s < 0) continue;

@@ -141,6 +141,47 @@ void tile(int K, const float* a, int lda, Panel P, Panel next, float alpha, floa
   }
 }
 
+// One row of A against P consecutive packed panels (2P accumulators: P independent chains keep the
+// FMA units busy where one panel's two would wait on their latency). Each output is the same
+// k-ordered chain of FMAs, then the same alpha/beta step, as tile<R>'s for any R: a row's product
+// has the same bits whatever the number of rows it came with. masks: P pairs, for ragged N.
+template <int P>
+void row_panels(int K, const float* a, const float* panels, int64_t panel_floats, float alpha,
+                float beta, float* c, const __mmask16* masks) {
+  __m512 acc[2 * P];
+#pragma GCC unroll 16
+  for (int i = 0; i < 2 * P; ++i) acc[i] = _mm512_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    const __m512 x = _mm512_set1_ps(a[k]);
+    const float* row = panels + size_t(k) * kPanel;
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      acc[2 * p] = _mm512_fmadd_ps(x, _mm512_loadu_ps(row + p * panel_floats), acc[2 * p]);
+      acc[2 * p + 1] =
+          _mm512_fmadd_ps(x, _mm512_loadu_ps(row + p * panel_floats + 16), acc[2 * p + 1]);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) {
+    float* cp = c + p * kPanel;
+    const __mmask16 m0 = masks[2 * p], m1 = masks[2 * p + 1];
+    __m512 r0 = _mm512_mul_ps(va, acc[2 * p]), r1 = _mm512_mul_ps(va, acc[2 * p + 1]);
+    if (beta != 0.0f) {
+      r0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, cp), r0);
+      r1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, cp + 16), r1);
+    }
+    _mm512_mask_storeu_ps(cp, m0, r0);
+    _mm512_mask_storeu_ps(cp + 16, m1, r1);
+  }
+}
+
+constexpr int kRowPanels = 4;  // panels per row_panels call
+using RowPanelsFn = void (*)(int, const float*, const float*, int64_t, float, float, float*,
+                             const __mmask16*);
+constexpr RowPanelsFn kRowPanelsFns[kRowPanels + 1] = {nullptr, &row_panels<1>, &row_panels<2>,
+                                                       &row_panels<3>, &row_panels<4>};
+
 using TileFn = void (*)(int, const float*, int, Panel, Panel, float, float, float*, int, __mmask16,
                         __mmask16);
 // kTiles[prefetch][rows]
@@ -216,6 +257,12 @@ void panel_products(int M, int N, int K, float alpha, const float* A, int lda, f
 
 inline bool small_gemm_applies(int M, int K) { return M >= 2 && M <= kSmallGemmMaxRows && K >= 1; }
 
+// The threads a one-row product over `bytes` of weight takes (1: the calling thread alone).
+int gemv_threads(double bytes) {
+  if (bytes < kParallelGemvBytes || omp_in_parallel()) return 1;
+  return int(std::min<double>(omp_get_max_threads(), std::max(1.0, 2 * bytes / kParallelGemvBytes)));
+}
+
 }  // namespace
 
 bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
@@ -247,21 +294,36 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out
   return true;
 }
 
-bool small_gemm_packed(int M, int N, int K, float alpha, const float* A, int lda,
-                       const float* panels, float beta, float* C, int ldc) {
-  if (!small_gemm_applies(M, K)) return false;
-  auto panel = [&](int p) { return Panel{panels + int64_t(p) * kPanel * K, size_t(kPanel)}; };
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const float* panels, float beta, float* C, int ldc) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t panel_floats = int64_t(kPanel) * K;
+  if (M == 1) {  // groups of kRowPanels panels, split over threads like a one-row product's
+    const int n_panels = (N + kPanel - 1) / kPanel;
+    const int groups = (n_panels + kRowPanels - 1) / kRowPanels;
+    const int threads = std::min(groups, gemv_threads(4.0 * N * K));
+#pragma omp parallel for schedule(static) if (threads > 1) num_threads(threads)
+    for (int g = 0; g < groups; ++g) {
+      const int p0 = g * kRowPanels, np = std::min(kRowPanels, n_panels - p0);
+      __mmask16 masks[2 * kRowPanels];
+      for (int p = 0; p < np; ++p) {
+        const int width = std::min(kPanel, N - (p0 + p) * kPanel);
+        masks[2 * p] = lane_mask(width), masks[2 * p + 1] = lane_mask(width - 16);
+      }
+      kRowPanelsFns[np](K, A, panels + p0 * panel_floats, panel_floats, alpha, beta,
+                        C + int64_t(p0) * kPanel, masks);
+    }
+    return;
+  }
+  auto panel = [&](int p) { return Panel{panels + p * panel_floats, size_t(kPanel)}; };
   panel_products(M, N, K, alpha, A, lda, beta, C, ldc, panel, panel);
-  return true;
 }
 
 bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const float* B, int ldb,
                 float beta, float* c) {
   if (N < 1 || K < 1) return false;
-  const double bytes = 4.0 * N * K;
-  const bool parallel = bytes >= kParallelGemvBytes && !omp_in_parallel();
-  const int threads =
-      int(std::min<double>(omp_get_max_threads(), std::max(1.0, 2 * bytes / kParallelGemvBytes)));
+  const int threads = gemv_threads(4.0 * N * K);
+  const bool parallel = threads > 1;
   if (trans_b) {  // one row of outputs per row of B [N, K]
     const int groups = (N + 15) / 16;
 #pragma omp parallel for schedule(static) if (parallel) num_threads(threads)
@@ -285,6 +347,8 @@ bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const f
 
 #else  // no AVX-512 in this build: every product goes to OpenBLAS
 
+#include <cstdlib>
+
 namespace cemlm {
 bool small_gemm(bool, int, int, int, float, const float*, int, const float*, int, float, float*,
                 int) {
@@ -295,8 +359,8 @@ bool small_gemv(bool, int, int, float, const float*, const float*, int, float, f
 }
 int64_t packed_panels_floats(int, int) { return 0; }
 bool pack_panels(bool, const float*, int, int, int, float*) { return false; }
-bool small_gemm_packed(int, int, int, float, const float*, int, const float*, float, float*, int) {
-  return false;
+void packed_products(int, int, int, float, const float*, int, const float*, float, float*, int) {
+  std::abort();  // unreachable: pack_panels packs nothing on these builds
 }
 }  // namespace cemlm
 

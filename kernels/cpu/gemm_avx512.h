@@ -21,9 +21,12 @@ int64_t packed_panels_floats(int N, int K);
 // Returns false, writing nothing, on a build without AVX-512.
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out);
 
-// small_gemm with op(B) already in pack_panels' layout: no per-call transposes. Same rows limits.
-bool small_gemm_packed(int M, int N, int K, float alpha, const float* A, int lda,
-                       const float* panels, float beta, float* C, int ldc);
+// small_gemm with op(B) already in pack_panels' layout (no per-call transposes), for any M ≥ 1:
+// each output is one k-ordered chain of FMAs whatever M and the thread count, so a row's result
+// has the same bits alone or among other rows (batch invariance; one row takes several panels at
+// once to hide the FMA latency). Only for panels pack_panels wrote (an AVX-512 build).
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const float* panels, float beta, float* C, int ldc);
 
 // c[N] = beta·c + alpha·op(B)ᵀ·a, one row of A times op(B): B [N, K] (trans_b: c[n] = B[n]·a)
 // or B [K, N]. Returns false, touching nothing, on a build without AVX-512. Memory-bound: it

@@ -55,8 +55,9 @@ bool PackedLinear::apply(Use use, Tensor y, const Tensor& x, float beta) const {
   const bool forward = use == Use::kForward;
   const int N = int(x.dim(0)), inner = int(w_.dim(forward ? 1 : 0)), cols = int(w_.dim(forward ? 0 : 1));
   CEMLM_CHECK(use_ == use && x.dim(-1) == inner && y.dim(-1) == cols && y.dim(0) == N);
-  return packed() &&
-         small_gemm_packed(N, cols, inner, 1.0f, x.data, inner, panels_.data(), beta, y.data, cols);
+  if (!packed()) return false;
+  packed_products(N, cols, inner, 1.0f, x.data, inner, panels_.data(), beta, y.data, cols);
+  return true;
 }
 
 void linear_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,

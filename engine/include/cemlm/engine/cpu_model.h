@@ -48,8 +48,13 @@ class CpuModel {
  public:
   // `w` must outlive the model. Precomputes the LEV table and the RoPE table, and packs the weights
   // for the few-row kernels (PackedLinear: a second copy of each weight, a third of the tied W_Q
-  // and W_up of CEM sub-layers, which serve both as W·x and as Wᵀ·x).
-  CpuModel(const ModelConfig& c, const Weights& w);
+  // and W_up of CEM sub-layers, which serve both as W·x and as Wᵀ·x). batch_invariant (the
+  // engine's runner): each row's logits and cache entries have the same bits whatever else is in
+  // the batch or how its prompt was chunked (ExecCtx::batch_invariant), so that a seeded request
+  // samples the same tokens alone or batched; off (the full-sequence oracle, the trainer's
+  // evaluation), a prefill chunk's attention runs as sgemms and a lone long row splits its context
+  // over the threads, which round differently.
+  CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant = false);
   const ModelConfig& config() const { return cfg_; }
   // See ModelRunner::forward.
   void forward(const Batch& batch, KvPool& kv, std::vector<float>* logits);
@@ -76,6 +81,7 @@ class CpuModel {
 
   ModelConfig cfg_;
   const Weights& w_;
+  bool batch_invariant_;
   std::vector<PackedLayer> packed_;
   PackedLinear lm_head_;
   std::vector<float> lev_table_;  // [V, D] when the embedding is LEV

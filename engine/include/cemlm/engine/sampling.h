@@ -17,7 +17,7 @@ struct SamplingParams {
   float repetition_penalty = 1.0f; // 1: off (CTRL-style, on prompt and generated tokens)
   float presence_penalty = 0.0f;   // OpenAI-style, on generated tokens
   float frequency_penalty = 0.0f;
-  std::optional<uint64_t> seed;    // same seed ⇒ same output, alone or batched
+  std::optional<uint64_t> seed;    // same seed ⇒ same output, alone or batched (docs/API.md)
   int max_new_tokens = 64;
   std::vector<std::string> stop;   // stop strings (not included in the output)
   std::vector<int> stop_token_ids; // generation ends after such a token (not included in text)

@@ -16,10 +16,10 @@ void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W
 
 // A weight W [out, in] plus, on AVX-512 builds, a copy of it already in the few-row kernel's panel
 // layout for one use — W·x (linear_forward: panels of Wᵀ) or Wᵀ·x (linear_t_forward: panels of W)
-// — so that products of 2–256 rows (decode batches, grouped recursion steps) stream contiguous
-// panels instead of transposing W on every call (W·x) or reading 128 bytes per row of W (Wᵀ·x,
-// which on weights beyond the caches runs at a third of the packed rate): a second copy of W's
-// bytes. Holds a view of W, which must outlive it; elsewhere (and for 1 or > 256 rows) W is used.
+// — so that products of any row count (decode batches, grouped recursion steps, prefill chunks)
+// stream contiguous panels instead of transposing W on every call (W·x) or reading 128 bytes per
+// row of W (Wᵀ·x, which on weights beyond the caches runs at a third of the packed rate): a second
+// copy of W's bytes. Holds a view of W, which must outlive it; without AVX-512, W is used.
 class PackedLinear {
  public:
   enum class Use { kForward, kTransposed };
@@ -31,15 +31,17 @@ class PackedLinear {
  private:
   friend void linear_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
   friend void linear_t_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
-  // y = beta·y + x·op(W) from the panels (checking that W was packed for `use`); false where they
-  // do not apply (no panels, or a row count outside the few-row kernel's).
+  // y = beta·y + x·op(W) from the panels (checking that W was packed for `use`), any row count;
+  // false where there are no panels (a build without AVX-512).
   bool apply(Use use, Tensor y, const Tensor& x, float beta) const;
   Tensor w_;
   Use use_ = Use::kForward;
   HugePageVector<float> panels_;
 };
-// Same results as linear_forward / linear_t_forward with W.weight(), bit for bit; W must have been
-// packed for that use (Use::kForward / Use::kTransposed).
+// linear_forward / linear_t_forward with W.weight(), W packed for that use (Use::kForward /
+// Use::kTransposed). Where W is packed (AVX-512 builds) each row's result has the same bits
+// whatever the other rows of x (batch invariance: the engine's outputs do not depend on what else
+// is in the batch); without panels it is the unpacked product.
 void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const PackedLinear& W,
                     float beta = 0.0f);
 void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const PackedLinear& W,

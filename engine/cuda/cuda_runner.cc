@@ -2,11 +2,14 @@
 // cemlm::cuda ops. Each step the host packs the row tables (token ids, positions, step sizes,
 // logits rows, per-row block-table pointers, block tables) into one pinned buffer and uploads it
 // with one copy; kernels read them from fixed device addresses, which is what lets a captured
-// decode step (a CUDA graph) replay with new contents.
+// decode step (a CUDA graph) replay with new contents. Every working buffer is reserved at
+// creation for the largest step (cuda_workspace.h), so no step allocates or moves them.
 #include "cemlm/engine/cuda_runner.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
@@ -20,6 +23,7 @@
 #include "cemlm/kernels/cuda/linear.h"
 #include "cemlm/kernels/cuda/ops.h"
 #include "cemlm/kernels/rope.h"
+#include "cuda_workspace.h"
 
 namespace cemlm {
 namespace {
@@ -34,7 +38,19 @@ Tensor dview(float* p, int64_t rows, int64_t cols) {
   return Tensor(p, {rows, cols}, Device::kCuda);
 }
 
-size_t align16(size_t x) { return (x + 15) / 16 * 16; }
+// Device setup failures (a bad device, a broken driver) as a status for the runner's caller.
+absl::Status cuda_status(cudaError_t e, const char* what,
+                         absl::StatusCode code = absl::StatusCode::kInternal) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();  // forget it, or the next launch check would report it
+  return absl::Status(code, absl::StrCat(what, " failed on the GPU: ", cudaGetErrorName(e), " (",
+                                         cudaGetErrorString(e), ")"));
+}
+absl::Status cublas_status(cublasStatus_t e, const char* what) {
+  if (e == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, " failed: cuBLAS error ", cublasGetStatusString(e)));
+}
 
 struct DevLayer {
   Tensor attn_norm, diag, attn_p, attn_u, attn_v, mlp_norm, mlp_p, mlp_u, mlp_v;
@@ -48,7 +64,9 @@ struct Step {
   std::vector<int> seq_rows, seq_T, seq_table;  // per sequence: rows, T, offset into tables
   std::vector<int32_t> ids, pos, out_rows, tables;
   std::vector<float> eta;
-  size_t off_pos = 0, off_eta = 0, off_out = 0, off_rows = 0, off_tables = 0, bytes = 0;
+  CudaStageLayout at;  // where each table sits in the staged upload
+
+  CudaStepShape shape() const { return CudaStepShape{N, M, int64_t(tables.size())}; }
 
   // Rows still updating at recursion step t: a prefix, as sequences come sorted by T.
   int active(int t) const {
@@ -73,26 +91,6 @@ struct StepDev {
   const cuda::AttnRow* rows;
 };
 
-enum Buf {
-  kH,
-  kC,
-  kY,
-  kQ,
-  kK,
-  kV,
-  kA,
-  kU,
-  kPU,
-  kQD,
-  kOC,
-  kG,
-  kZ,
-  kFinal,
-  kScratch,
-  kLogits,
-  kNumBufs
-};
-
 class CudaRunner final : public CudaModelRunner {
  public:
   CudaRunner(const ModelConfig& c, const CudaRunnerOptions& o) : cfg_(c), opts_(o) {}
@@ -108,17 +106,22 @@ class CudaRunner final : public CudaModelRunner {
   void copy_block(int32_t src, int32_t dst) override;
 
  private:
-  absl::Status alloc(DeviceBuffer& b, size_t bytes, const std::string& what);
+  absl::Status alloc(DeviceBuffer& b, size_t bytes, const std::string& what,
+                     const char* hint = "use a smaller model, or lower --kv-cache-memory (or "
+                                        "--max-batch-tokens / --max-running, whose working "
+                                        "buffers are reserved first)");
   absl::StatusOr<Tensor> put_f32(const Tensor& host, const std::string& what,
                                  std::vector<DeviceBuffer>& owner);
   absl::StatusOr<DeviceWeight> put_matrix(const Tensor& host, const std::string& what);
   absl::Status upload_weights(ParamStore& params);
   absl::Status upload_embedding(const Weights& w);
+  absl::Status setup_device();
+  absl::Status reserve_workspace();
   absl::Status alloc_kv();
 
   int run(const Batch& batch);  // returns the number of logits rows left in bufs_[kLogits]
   Step plan(const Batch& batch) const;
-  void ensure_buffers(const Step& st);
+  void check_fits(const Step& st) const;
   StepDev stage(const Step& st);
   void run_graph(const Step& st, const StepDev& d);
   void clear_graphs();
@@ -128,7 +131,7 @@ class CudaRunner final : public CudaModelRunner {
   void mlp_swiglu(int l, const Step& st);
   void mlp_cem(int l, const Step& st, const StepDev& d);
   KvLayerView kv_layer(int l) const;
-  float* buf(Buf b) const { return bufs_[b].as<float>(); }
+  float* buf(CudaBuf b) const { return bufs_[b].as<float>(); }
 
   ModelConfig cfg_;
   CudaRunnerOptions opts_;
@@ -147,8 +150,9 @@ class CudaRunner final : public CudaModelRunner {
   DeviceBuffer kv_k_, kv_v_, kv_c_;
 
   DeviceBuffer bufs_[kNumBufs];
-  DeviceBuffer stage_dev_, sample_scratch_;
+  DeviceBuffer stage_dev_, sample_scratch_;  // all reserved by init for the largest step
   cuda::PinnedBuffer stage_host_;
+  int sample_rows_ = 0;  // rows sample_scratch_ is reserved for
   std::map<std::vector<int>, cudaGraphExec_t> graphs_;
   std::set<std::vector<int>> seen_;  // keys run once directly; captured on the second sighting
 };
@@ -161,7 +165,8 @@ CudaRunner::~CudaRunner() {
   if (stream_) (void)cudaStreamDestroy(stream_);
 }
 
-absl::Status CudaRunner::alloc(DeviceBuffer& b, size_t bytes, const std::string& what) {
+absl::Status CudaRunner::alloc(DeviceBuffer& b, size_t bytes, const std::string& what,
+                               const char* hint) {
   const cudaError_t e = b.try_alloc(bytes);
   if (e == cudaSuccess) return absl::OkStatus();
   size_t free_b = 0, total_b = 0;
@@ -169,7 +174,7 @@ absl::Status CudaRunner::alloc(DeviceBuffer& b, size_t bytes, const std::string&
   (void)cudaGetLastError();
   return absl::ResourceExhaustedError(absl::StrCat(
       "allocating ", bytes, " bytes on the GPU for ", what, " failed (", cudaGetErrorString(e),
-      "; ", free_b, " of ", total_b, " bytes free); use a smaller model or --kv-cache-memory"));
+      "; ", free_b, " of ", total_b, " bytes free); ", hint));
 }
 
 absl::StatusOr<Tensor> CudaRunner::put_f32(const Tensor& host, const std::string& what,
@@ -178,7 +183,9 @@ absl::StatusOr<Tensor> CudaRunner::put_f32(const Tensor& host, const std::string
   const size_t bytes = sizeof(float) * size_t(host.numel());
   DeviceBuffer b;
   CEMLM_RETURN_IF_ERROR(alloc(b, bytes, what));
-  CEMLM_CUDA_CHECK(cudaMemcpyAsync(b.as(), host.data, bytes, cudaMemcpyHostToDevice, stream_));
+  CEMLM_RETURN_IF_ERROR(cuda_status(
+      cudaMemcpyAsync(b.as(), host.data, bytes, cudaMemcpyHostToDevice, stream_),
+      "uploading a weight"));
   Tensor d = host;
   d.data = b.as<float>();
   d.device = Device::kCuda;
@@ -201,7 +208,8 @@ absl::StatusOr<DeviceWeight> CudaRunner::put_matrix(const Tensor& host, const st
   DeviceBuffer b;
   CEMLM_RETURN_IF_ERROR(alloc(b, sizeof(uint16_t) * size_t(host.numel()), what));
   cuda::to_bf16(ctx_, b.as<uint16_t>(), t.data, host.numel());
-  CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the staging copy is freed
+  // Before the staging copy is freed.
+  CEMLM_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream_), "rounding weights to bf16"));
   w.bf16 = b.as<uint16_t>();
   weights_.push_back(std::move(b));
   return w;
@@ -223,14 +231,18 @@ absl::Status CudaRunner::upload_embedding(const Weights& w) {
     for (int i = 0; i < cfg_.vocab_size; ++i) all[size_t(i)] = i;
     DeviceBuffer ids;
     CEMLM_RETURN_IF_ERROR(alloc(ids, sizeof(int32_t) * all.size(), "LEV token ids"));
-    CEMLM_CUDA_CHECK(cudaMemcpyAsync(ids.as(), all.data(), sizeof(int32_t) * all.size(),
-                                     cudaMemcpyHostToDevice, stream_));
+    CEMLM_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(ids.as(), all.data(),
+                                                      sizeof(int32_t) * all.size(),
+                                                      cudaMemcpyHostToDevice, stream_),
+                                      "uploading the LEV token ids"));
     DeviceBuffer table;
     CEMLM_RETURN_IF_ERROR(alloc(table, sizeof(float) * size_t(cfg_.vocab_size) * cfg_.d_model,
                                 "the LEV embedding table"));
     embed_ = dview(table.as<float>(), cfg_.vocab_size, cfg_.d_model);
     cuda::lev_forward(ctx_, embed_, ids.as<int32_t>(), lw);
-    CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before tmp and ids are freed
+    // Before tmp and ids are freed.
+    CEMLM_RETURN_IF_ERROR(
+        cuda_status(cudaStreamSynchronize(stream_), "computing the LEV embedding table"));
     weights_.push_back(std::move(table));
   }
   if (!cfg_.tie_output) {
@@ -276,8 +288,8 @@ absl::Status CudaRunner::upload_weights(ParamStore& params) {
   const Tensor rope_host(rope.data(), {cfg_.max_seq_len, cfg_.head_dim});
   rope_table_init(rope_host, cfg_.rope_theta);
   CEMLM_ASSIGN_OR_RETURN(rope_, put_f32(rope_host, "the RoPE table", weights_));
-  CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // host sources may go once we return
-  return absl::OkStatus();
+  // Host sources may go once we return.
+  return cuda_status(cudaStreamSynchronize(stream_), "uploading the weights");
 }
 
 absl::Status CudaRunner::alloc_kv() {
@@ -285,61 +297,124 @@ absl::Status CudaRunner::alloc_kv() {
   vw_ = cfg_.attention == AttentionType::kStandard ? cfg_.qk_dim() : 0;
   cw_ = cfg_.attention == AttentionType::kCem && cfg_.diag != DiagMode::kNone ? cfg_.d_model : 0;
   int64_t budget = opts_.kv_cache_memory;
-  if (budget == 0) {
+  if (budget == 0) {  // what the weights and the working buffers (all reserved by now) left
     size_t free_b = 0, total_b = 0;
-    CEMLM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    CEMLM_RETURN_IF_ERROR(cuda_status(cudaMemGetInfo(&free_b, &total_b), "reading free memory"));
     budget = int64_t(double(free_b) * 0.9);
   }
   const int bs = opts_.block_size;
-  n_blocks_ = KvPool::blocks_for_budget(cfg_, bs, budget);
+  // Block ids are int32 (block tables, AttnRow): a larger pool could not be addressed.
+  n_blocks_ = std::min<int64_t>(KvPool::blocks_for_budget(cfg_, bs, budget), INT32_MAX);
   const int64_t needed = (cfg_.max_seq_len + bs - 1) / bs;
   if (n_blocks_ < needed)
     return absl::InvalidArgumentError(
         absl::StrCat("kv_cache_memory ", budget, " bytes holds ", n_blocks_,
                      " blocks but one max_seq_len sequence needs ", needed, " (",
-                     needed * bs * cfg_.kv_bytes_per_token(), " bytes); raise --kv-cache-memory"));
+                     needed * bs * cfg_.kv_bytes_per_token(), " bytes); ",
+                     opts_.kv_cache_memory > 0
+                         ? "raise --kv-cache-memory"
+                         : "lower --max-batch-tokens or --max-running (their working buffers "
+                           "are reserved before the cache takes 90% of what is left)"));
   const size_t slots = size_t(cfg_.n_layers) * size_t(n_blocks_) * size_t(bs);
   for (auto [b, w, name] : {std::tuple{&kv_k_, kw_, "the KV cache keys"},
                             std::tuple{&kv_v_, vw_, "the KV cache values"},
                             std::tuple{&kv_c_, cw_, "the KV cache contexts"}}) {
     if (w == 0) continue;
     CEMLM_RETURN_IF_ERROR(alloc(*b, sizeof(float) * slots * size_t(w), name));
-    CEMLM_CUDA_CHECK(cudaMemsetAsync(b->as(), 0, b->bytes(), stream_));
+    CEMLM_RETURN_IF_ERROR(
+        cuda_status(cudaMemsetAsync(b->as(), 0, b->bytes(), stream_), "clearing the KV cache"));
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaRunner::init(ParamStore& params) {
-  CEMLM_CUDA_CHECK(cudaSetDevice(opts_.device));
-  // The attention kernel keeps a block's query, diagonal query and sums in shared memory.
-  int smem = 0;
-  CEMLM_CUDA_CHECK(
-      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, opts_.device));
-  const int64_t need = 4 * (2 * int64_t(cfg_.head_dim) + 32 +
-                            (diag_kind(cfg_) == DiagKind::kNone ? 0 : 2 * int64_t(cfg_.d_model)));
-  if (need > smem)
-    return absl::InvalidArgumentError(
-        absl::StrCat("d_model ", cfg_.d_model, " and head_dim ", cfg_.head_dim, " need ", need,
-                     " bytes of shared memory per attention block; this GPU has ", smem));
-  CEMLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+absl::Status CudaRunner::setup_device() {
+  CEMLM_RETURN_IF_ERROR(cuda_status(cudaSetDevice(opts_.device),
+                                    absl::StrCat("selecting CUDA device ", opts_.device).c_str(),
+                                    absl::StatusCode::kFailedPrecondition));
+  // The attention kernel keeps a block's query, diagonal query and sums in shared memory; a
+  // model wider than the device allows is refused here, and a wide one opts in now, not mid-step.
+  const cuda::AttentionSmem smem = cuda::paged_attention_prepare(
+      cfg_.head_dim, cfg_.d_model, diag_kind(cfg_) != DiagKind::kNone);
+  if (smem.error)
+    return absl::FailedPreconditionError(
+        absl::StrCat("preparing the attention kernel failed on the GPU: ", smem.error));
+  if (!smem.fits())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "d_model ", cfg_.d_model, " and head_dim ", cfg_.head_dim, " need ",
+        smem.dynamic_bytes + smem.static_bytes,
+        " bytes of shared memory per attention block; this GPU allows ", smem.device_limit));
+  CEMLM_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                                    "creating a CUDA stream"));
   if (cublasCreate(&cublas_) != CUBLAS_STATUS_SUCCESS) {
     cublas_ = nullptr;
     return absl::InternalError("cuBLAS could not be initialised on the GPU; check the driver");
   }
   // Bind once, then give the workspace (binding resets it): captured products must not allocate.
-  CEMLM_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+  CEMLM_RETURN_IF_ERROR(cublas_status(cublasSetStream(cublas_, stream_), "cublasSetStream"));
   CEMLM_RETURN_IF_ERROR(alloc(cublas_ws_, kCublasWorkspace, "the cuBLAS workspace"));
-  CEMLM_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_ws_.as(), cublas_ws_.bytes()));
-  CEMLM_CUBLAS_CHECK(cublasSetMathMode(cublas_, opts_.precision == CudaPrecision::kFp32
-                                                    ? CUBLAS_PEDANTIC_MATH
-                                                    : CUBLAS_DEFAULT_MATH));
+  CEMLM_RETURN_IF_ERROR(cublas_status(
+      cublasSetWorkspace(cublas_, cublas_ws_.as(), cublas_ws_.bytes()), "cublasSetWorkspace"));
+  CEMLM_RETURN_IF_ERROR(cublas_status(
+      cublasSetMathMode(cublas_, opts_.precision == CudaPrecision::kFp32 ? CUBLAS_PEDANTIC_MATH
+                                                                         : CUBLAS_DEFAULT_MATH),
+      "cublasSetMathMode"));
   ctx_.device = Device::kCuda;
   ctx_.cuda_stream = stream_;
   ctx_.cublas = cublas_;
-  CEMLM_RETURN_IF_ERROR(upload_weights(params));
-  CEMLM_RETURN_IF_ERROR(alloc_kv());
-  CEMLM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
+}
+
+// Every working buffer, for the largest step the options allow, before the KV cache is sized:
+// a step never allocates, and buffers never move (captured graphs stay valid).
+absl::Status CudaRunner::reserve_workspace() {
+  const CudaWorkspace w = cuda_workspace_bytes(cfg_, opts_.precision, cuda_worst_step(cfg_, opts_));
+  sample_rows_ = cuda_sample_rows(cfg_, opts_);
+  const size_t sample_bytes =
+      sizeof(float) * size_t(std::max<int64_t>(
+                          cuda::sample_rows_max_scratch_floats(sample_rows_, cfg_.vocab_size,
+                                                               cfg_.max_seq_len),
+                          1));
+  const std::string limits =
+      absl::StrCat("--max-batch-tokens ", opts_.max_batch_tokens, " and --max-running ",
+                   opts_.max_running);
+  const std::string hint =
+      absl::StrCat("lower --max-batch-tokens (", opts_.max_batch_tokens, ") or --max-running (",
+                   opts_.max_running, ")");
+  size_t free_b = 0, total_b = 0;
+  CEMLM_RETURN_IF_ERROR(cuda_status(cudaMemGetInfo(&free_b, &total_b), "reading free memory"));
+  const size_t device_total = w.device_bytes() + sample_bytes;
+  if (device_total > free_b)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the working buffers for ", limits, " need ", device_total, " bytes of GPU memory (",
+        w.buf_bytes[kLogits], " for the logits alone) but ", free_b, " of ", total_b,
+        " are free after loading the weights; ", hint));
+  for (int b = 0; b < kNumBufs; ++b)
+    CEMLM_RETURN_IF_ERROR(alloc(bufs_[b], w.buf_bytes[size_t(b)],
+                                absl::StrCat("the ", cuda_buf_name(b), " buffer (", limits, ")"),
+                                hint.c_str()));
+  CEMLM_RETURN_IF_ERROR(alloc(stage_dev_, w.stage_bytes,
+                              absl::StrCat("the step tables (", limits, ")"), hint.c_str()));
+  CEMLM_RETURN_IF_ERROR(alloc(sample_scratch_, sample_bytes,
+                              absl::StrCat("the sampler's scratch (", sample_rows_, " rows)"),
+                              hint.c_str()));
+  const cudaError_t e = stage_host_.try_reserve(w.stage_bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "allocating ", w.stage_bytes, " bytes of pinned host memory for the step tables (", limits,
+        ") failed (", cudaGetErrorString(e), "); ", hint));
+  }
+  ctx_.scratch = buf(kScratch);
+  ctx_.scratch_floats = int64_t(bufs_[kScratch].bytes() / sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status CudaRunner::init(ParamStore& params) {
+  CEMLM_RETURN_IF_ERROR(setup_device());
+  CEMLM_RETURN_IF_ERROR(upload_weights(params));
+  CEMLM_RETURN_IF_ERROR(reserve_workspace());
+  CEMLM_RETURN_IF_ERROR(alloc_kv());
+  return cuda_status(cudaStreamSynchronize(stream_), "initialising the runner");
 }
 
 KvLayerView CudaRunner::kv_layer(int l) const {
@@ -404,48 +479,27 @@ Step CudaRunner::plan(const Batch& batch) const {
   }
   st.M = int(st.out_rows.size());
   if (!st.seq_T.empty()) st.Tmax = st.seq_T.front();
-  // Layout: ids, pos, eta, out_rows, rows (16-byte AttnRow), tables. The offsets of everything
-  // but the tables depend only on N and M, which the graph key holds.
-  const size_t n = size_t(st.N), m = size_t(st.M);
-  st.off_pos = align16(4 * n);
-  st.off_eta = align16(st.off_pos + 4 * n);
-  st.off_out = align16(st.off_eta + 4 * n);
-  st.off_rows = align16(st.off_out + 4 * m);
-  st.off_tables = align16(st.off_rows + sizeof(cuda::AttnRow) * n);
-  st.bytes = st.off_tables + 4 * st.tables.size();
+  // The offsets of everything but the tables depend only on N and M, which the graph key holds.
+  const CudaStepShape shape = cuda_step_shape(batch, bs);  // what the workspace was sized by
+  CEMLM_CHECK(shape.rows == st.N && shape.logits_rows == st.M &&
+              shape.table_entries == int64_t(st.tables.size()));
+  st.at = cuda_stage_layout(shape);
   return st;
 }
 
-// Grow-only device buffers sized for the step. When any moves, captured graphs would point at
-// freed memory: they are dropped first.
-void CudaRunner::ensure_buffers(const Step& st) {
-  const int64_t N = st.N, M = st.M, D = cfg_.d_model, Q = cfg_.qk_dim(), F = cfg_.d_ff,
-                H = cfg_.n_heads, V = cfg_.vocab_size;
-  const DiagKind kind = diag_kind(cfg_);
-  const int64_t oc = kind == DiagKind::kPerHead ? H * D : kind == DiagKind::kShared ? D : 0;
-  const int rank = std::max({cfg_.attn_precond_rank, cfg_.mlp_precond_rank, 1});
-  int64_t scratch =
-      std::max(cuda::paged_attention_rows_scratch_floats(st.N, kv_layer(0), kind), 2 * N * rank);
-  if (opts_.precision == CudaPrecision::kBf16)
-    scratch = std::max(scratch, cuda::linear_scratch_floats(N, std::max({D, Q, F})));
-  const int64_t floats[kNumBufs] = {N * D, N * D,  N * D,  N * Q, N * Q, N * Q, N * Q,   N * D,
-                                    N * D, N * oc, N * oc, N * F, N * F, M * D, scratch, M * V};
-  bool moved = false;
+// Steps never allocate: init reserved every buffer for the largest step the options allow, so
+// one that does not fit is a caller's bug (a batch over max_batch_tokens or max_running).
+void CudaRunner::check_fits(const Step& st) const {
+  const CudaWorkspace w = cuda_workspace_bytes(cfg_, opts_.precision, st.shape());
   for (int b = 0; b < kNumBufs; ++b) {
-    const size_t bytes = sizeof(float) * size_t(std::max<int64_t>(floats[b], 1));
-    if (bufs_[b].bytes() >= bytes) continue;
-    if (!moved) clear_graphs();
-    moved = true;
-    CEMLM_CUDA_CHECK(bufs_[b].try_alloc(bytes));
+    if (w.buf_bytes[size_t(b)] > bufs_[b].bytes())
+      std::fprintf(stderr, "CudaRunner: a step of %d rows (%d logits rows) needs %zu bytes of %s; "
+                   "%zu were reserved (max_batch_tokens %d)\n",
+                   st.N, st.M, w.buf_bytes[size_t(b)], cuda_buf_name(b), bufs_[b].bytes(),
+                   opts_.max_batch_tokens);
+    CEMLM_CHECK(w.buf_bytes[size_t(b)] <= bufs_[b].bytes());
   }
-  ctx_.scratch = buf(kScratch);
-  ctx_.scratch_floats = int64_t(bufs_[kScratch].bytes() / sizeof(float));
-  if (stage_dev_.bytes() < st.bytes) {
-    if (!moved) clear_graphs();
-    moved = true;
-    CEMLM_CUDA_CHECK(stage_dev_.try_alloc(std::max(st.bytes, 2 * stage_dev_.bytes())));
-  }
-  stage_host_.reserve(stage_dev_.bytes());
+  CEMLM_CHECK(st.at.bytes <= stage_dev_.bytes());
 }
 
 StepDev CudaRunner::stage(const Step& st) {
@@ -453,21 +507,21 @@ StepDev CudaRunner::stage(const Step& st) {
   char* d = stage_dev_.as<char>();
   const size_t n = size_t(st.N);
   std::memcpy(h, st.ids.data(), 4 * n);
-  std::memcpy(h + st.off_pos, st.pos.data(), 4 * n);
-  std::memcpy(h + st.off_eta, st.eta.data(), 4 * n);
-  if (st.M > 0) std::memcpy(h + st.off_out, st.out_rows.data(), 4 * size_t(st.M));
-  auto* rows = reinterpret_cast<cuda::AttnRow*>(h + st.off_rows);
-  const auto* tables = reinterpret_cast<const int32_t*>(d + st.off_tables);
+  std::memcpy(h + st.at.off_pos, st.pos.data(), 4 * n);
+  std::memcpy(h + st.at.off_eta, st.eta.data(), 4 * n);
+  if (st.M > 0) std::memcpy(h + st.at.off_out, st.out_rows.data(), 4 * size_t(st.M));
+  auto* rows = reinterpret_cast<cuda::AttnRow*>(h + st.at.off_rows);
+  const auto* tables = reinterpret_cast<const int32_t*>(d + st.at.off_tables);
   for (size_t s = 0, r = 0; s < st.seq_rows.size(); ++s)
     for (int i = 0; i < st.seq_rows[s]; ++i, ++r)
       rows[r] = cuda::AttnRow{tables + st.seq_table[s], st.pos[r], 0};
-  std::memcpy(h + st.off_tables, st.tables.data(), 4 * st.tables.size());
-  CEMLM_CUDA_CHECK(cudaMemcpyAsync(d, h, st.bytes, cudaMemcpyHostToDevice, stream_));
+  std::memcpy(h + st.at.off_tables, st.tables.data(), 4 * st.tables.size());
+  CEMLM_CUDA_CHECK(cudaMemcpyAsync(d, h, st.at.bytes, cudaMemcpyHostToDevice, stream_));
   return StepDev{reinterpret_cast<const int32_t*>(d),
-                 reinterpret_cast<const int32_t*>(d + st.off_pos),
-                 reinterpret_cast<const float*>(d + st.off_eta),
-                 reinterpret_cast<const int32_t*>(d + st.off_out),
-                 reinterpret_cast<const cuda::AttnRow*>(d + st.off_rows)};
+                 reinterpret_cast<const int32_t*>(d + st.at.off_pos),
+                 reinterpret_cast<const float*>(d + st.at.off_eta),
+                 reinterpret_cast<const int32_t*>(d + st.at.off_out),
+                 reinterpret_cast<const cuda::AttnRow*>(d + st.at.off_rows)};
 }
 
 void CudaRunner::clear_graphs() {
@@ -501,7 +555,7 @@ int CudaRunner::run(const Batch& batch) {
   CEMLM_CUDA_CHECK(cudaSetDevice(opts_.device));
   const Step st = plan(batch);
   if (st.N == 0) return 0;
-  ensure_buffers(st);
+  check_fits(st);
   const StepDev d = stage(st);
   if (opts_.cuda_graphs && st.decode)
     run_graph(st, d);
@@ -529,9 +583,10 @@ void CudaRunner::forward_sample(const Batch& batch, std::span<const cuda::Sample
     return;
   }
   const int V = cfg_.vocab_size;
+  // Reserved at init for sample_rows_ rows of up to max_seq_len tokens of history each.
+  CEMLM_CHECK(M <= sample_rows_);
   const int64_t need = cuda::sample_rows_scratch_floats(rows.data(), M, V);
-  if (sample_scratch_.bytes() < sizeof(float) * size_t(need))
-    CEMLM_CUDA_CHECK(sample_scratch_.try_alloc(sizeof(float) * size_t(need)));
+  CEMLM_CHECK(sizeof(float) * size_t(need) <= sample_scratch_.bytes());
   ExecCtx sc = ctx_;
   sc.scratch = sample_scratch_.as<float>();
   sc.scratch_floats = need;
@@ -658,10 +713,17 @@ absl::StatusOr<std::unique_ptr<CudaModelRunner>> make_cuda_runner(const ModelCon
   if (opts.block_size < 1 || opts.block_size > 1024)
     return absl::InvalidArgumentError(
         absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));
+  if (opts.max_batch_tokens < 1)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_batch_tokens ", opts.max_batch_tokens, " must be >= 1 (--max-batch-tokens)"));
+  if (opts.max_running < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_running ", opts.max_running, " must be >= 1 (--max-running)"));
   if (opts.kv_cache_memory < 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "kv_cache_memory ", opts.kv_cache_memory,
-        " must be >= 0 bytes (0: 90% of the GPU memory free after loading the weights)"));
+        " must be >= 0 bytes (0: 90% of the GPU memory free after loading the weights and "
+        "reserving the working buffers)"));
   if (params.size() != layout_floats(config))
     return absl::InvalidArgumentError(absl::StrCat(
         "the parameters hold ", params.size(), " floats but the config's layout needs ",
@@ -695,6 +757,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_cuda_model_runner(const std::s
   CEMLM_RETURN_IF_ERROR(check_runner_options(opts));  // the KV cache here is fp32 only
   co.kv_cache_memory = opts.kv_cache_memory;
   co.block_size = opts.block_size;
+  co.max_batch_tokens = opts.max_batch_tokens;
+  co.max_running = opts.max_running;
   CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
   CEMLM_ASSIGN_OR_RETURN(auto runner, make_cuda_runner(ck.config, ck.params, co));
   return std::unique_ptr<ModelRunner>(std::move(runner));

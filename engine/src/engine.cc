@@ -621,7 +621,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts
     if (!tokenizer) return absl::InvalidArgumentError(error);
   }
   const RunnerOptions ro{opts.device, opts.kv_cache_memory, opts.block_size, opts.threads,
-                         opts.kv_cache_dtype};
+                         opts.kv_cache_dtype, opts.max_batch_tokens, opts.max_running};
   return EngineImpl::start(
       opts, [dir = opts.model_dir, ro] { return make_model_runner(dir, ro); },
       std::move(tokenizer));

@@ -151,21 +151,58 @@ size_t attention_smem_bytes(int dh, int D, bool diag) {
   return sizeof(float) * (size_t(2) * dh + (diag ? size_t(2) * D : 0) + kTile);
 }
 
-// Raises the kernel's dynamic shared-memory limit when a wide model needs more than 48 KiB,
-// once per device and size (the attribute outlives the call).
-void reserve_smem(size_t bytes) {
-  if (bytes <= 48 * 1024) return;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<size_t> reserved[kMaxDevices];
+// What attention_kernel declares statically (s_slot, s_m, s_l, s_alpha), as an upper bound for
+// the fast path below; prepare_smem reads the exact figure off the compiled kernel.
+constexpr size_t kStaticSmemBound = 1024;
+constexpr size_t kDefaultSmem = 48 * 1024;  // per block, static + dynamic, without opting in
+constexpr int kMaxDevices = 64;
+std::atomic<size_t> g_reserved[kMaxDevices];  // dynamic bytes already allowed, per device
+
+// Reads the device's opt-in limit and the kernel's static shared memory, and raises the kernel's
+// dynamic limit to `bytes` when the default 48 KiB would not do (once per device and size: the
+// attribute outlives the call).
+AttentionSmem prepare_smem(size_t bytes) {
+  AttentionSmem s;
+  s.dynamic_bytes = bytes;
   int dev = 0, optin = 0;
+  cudaFuncAttributes fa{};
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, attention_kernel);
+  if (e == cudaSuccess && (dev < 0 || dev >= kMaxDevices)) e = cudaErrorInvalidDevice;
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    s.error = cudaGetErrorString(e);
+    return s;
+  }
+  s.static_bytes = fa.sharedSizeBytes;
+  s.device_limit = size_t(optin);
+  if (!s.fits() || g_reserved[dev].load() >= bytes) return s;
+  if (bytes + s.static_bytes <= kDefaultSmem) {  // allowed as it is
+    g_reserved[dev].store(bytes);
+    return s;
+  }
+  e = cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           int(bytes));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    s.error = cudaGetErrorString(e);
+    return s;
+  }
+  g_reserved[dev].store(bytes);
+  return s;
+}
+
+// The per-launch form: free when the block fits the default; otherwise a no-op once init (or an
+// earlier launch) raised the limit. A model too wide for the device is refused at init.
+void reserve_smem(size_t bytes) {
+  if (bytes + kStaticSmemBound <= kDefaultSmem) return;
+  int dev = 0;
   CEMLM_CUDA_CHECK(cudaGetDevice(&dev));
-  CEMLM_CHECK(dev >= 0 && dev < kMaxDevices);
-  if (reserved[dev].load() >= bytes) return;
-  CEMLM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  CEMLM_CHECK(bytes <= size_t(optin));  // d_model too wide for one block's shared memory
-  CEMLM_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  reserved[dev].store(bytes);
+  if (dev >= 0 && dev < kMaxDevices && g_reserved[dev].load() >= bytes) return;
+  const AttentionSmem s = prepare_smem(bytes);
+  CEMLM_CHECK(s.error == nullptr && s.fits());  // d_model too wide for one block's shared memory
 }
 
 // Host AttnSeq descriptors → the per-row table, staged into ctx.scratch. Every row in
@@ -204,8 +241,8 @@ ExecCtx after_rows(const ExecCtx& ctx, int n_rows) {
 
 }  // namespace
 
-int64_t paged_attention_rows_scratch_floats(int n_rows, const KvLayerView& kv, DiagKind diag) {
-  return diag == DiagKind::kShared ? int64_t(n_rows) * kv.n_heads * kv.c_width : 0;
+AttentionSmem paged_attention_prepare(int head_dim, int d_model, bool diag) {
+  return prepare_smem(attention_smem_bytes(head_dim, d_model, diag));
 }
 
 void kv_write_rows(const ExecCtx& ctx, const KvLayerView& kv, const AttnRow* rows, int n_rows,

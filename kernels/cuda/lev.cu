@@ -19,26 +19,37 @@ __device__ float b2(float x) {
   return 0.0f;
 }
 
-// Normalised B-spline weights (lev_basis).
-__device__ void basis(float zeta, int knots, float* w) {
+// lev_basis's weights over a window of kWindow knots from *q0 (all the knots when there are
+// fewer). b2 vanishes 1.5 knots from its centre, so every weight outside the window is exactly 0
+// on the CPU too: the normaliser and the spline sums below skip only zeros, in the CPU's order.
+constexpr int kWindow = 5;
+
+__device__ int basis_window(float zeta, int knots, float* w) {
+  const int n = min(kWindow, knots);
+  const int q0 = max(0, min(int(floorf(zeta * float(knots - 1))) - 2, knots - n));
   double sum = 0;
-  for (int q = 0; q < knots; ++q) {
-    w[q] = b2((zeta - float(q) / float(knots - 1)) * float(knots - 1));
-    sum += w[q];
+#pragma unroll
+  for (int j = 0; j < kWindow; ++j) {
+    const int q = q0 + j;
+    w[j] = j < n ? b2((zeta - float(q) / float(knots - 1)) * float(knots - 1)) : 0.0f;
+    sum += w[j];
   }
   const float inv = float(1.0 / sum);
-  for (int q = 0; q < knots; ++q) w[q] *= inv;
+#pragma unroll
+  for (int j = 0; j < kWindow; ++j) w[j] *= inv;
+  return q0;
 }
 
-// Shared memory: z[s], u[s], bas[s·kn], m[nh·r].
+// Shared memory: z[s] (the token's seed), u[s] (a head's projection, then each dimension's
+// spline coordinate), m[r] (the head's rank-r product). It grows with s and r only, never with
+// the knots: at the config's limits (s, r <= 4096) it is 48 KiB.
 __global__ void lev_kernel(float* out, const int32_t* ids, int64_t V, LevDims d,
                            const float* codebooks, const float* seed_proj, const float* ln_w,
                            const float* ln_b, const float* spline, const float* out_proj) {
   extern __shared__ float sm[];
   float* z = sm;
   float* u = z + d.s;
-  float* bas = u + d.s;
-  float* m = bas + d.s * d.kn;
+  float* m = u + d.s;
   __shared__ double s_mean;
   __shared__ float s_rs;
   const int64_t token = ids[blockIdx.x];
@@ -55,6 +66,7 @@ __global__ void lev_kernel(float* out, const int32_t* ids, int64_t V, LevDims d,
     z[e] = acc;
   }
   __syncthreads();
+  float* oi = out + int64_t(blockIdx.x) * d.D;
   for (int l = 0; l < d.nh; ++l) {
     const float* W = seed_proj + int64_t(l) * d.s * d.s;
     for (int a = threadIdx.x; a < d.s; a += blockDim.x) {
@@ -73,31 +85,53 @@ __global__ void lev_kernel(float* out, const int32_t* ids, int64_t V, LevDims d,
       s_rs = float(1.0 / sqrt(var / d.s + 1e-5));
     }
     __syncthreads();
-    for (int dd = threadIdx.x; dd < d.s; dd += blockDim.x) {
+    for (int dd = threadIdx.x; dd < d.s; dd += blockDim.x) {  // u[dd] becomes its zeta
       const float y = ln_w[l * d.s + dd] * float(u[dd] - s_mean) * s_rs + ln_b[l * d.s + dd];
-      basis(1.0f / (1.0f + expf(-y)), d.kn, bas + dd * d.kn);
+      u[dd] = 1.0f / (1.0f + expf(-y));
+    }
+    for (int c = threadIdx.x; c < d.r; c += blockDim.x) m[c] = 1.0f;
+    __syncthreads();
+    // Each thread owns its columns c of m; every thread derives the (few) weights itself.
+    for (int dd = 0; dd < d.s; ++dd) {
+      float w[kWindow];
+      const int q0 = basis_window(u[dd], d.kn, w);
+      const int n = min(kWindow, d.kn);
+      const float* S = spline + ((int64_t(l) * d.s + dd) * d.kn + q0) * d.r;
+      for (int c = threadIdx.x; c < d.r; c += blockDim.x) {
+        float phi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kWindow; ++j)
+          if (j < n) phi += w[j] * S[int64_t(j) * d.r + c];
+        m[c] *= phi;
+      }
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < d.r; c += blockDim.x) {
-      float prod = 1.0f;
-      for (int dd = 0; dd < d.s; ++dd) {
-        const float* S = spline + (int64_t(l) * d.s + dd) * d.kn * d.r;
-        float phi = 0.0f;
-        for (int q = 0; q < d.kn; ++q) phi += bas[dd * d.kn + q] * S[q * d.r + c];
-        prod *= phi;
-      }
-      m[l * d.r + c] = prod;
+    // out += m · out_proj[l], per head into the row as on the CPU (same order of additions).
+    const float* O = out_proj + int64_t(l) * d.r * d.D;
+    for (int64_t e = threadIdx.x; e < d.D; e += blockDim.x) {
+      float acc = l == 0 ? 0.0f : oi[e];
+      for (int c = 0; c < d.r; ++c) acc += m[c] * O[int64_t(c) * d.D + e];
+      oi[e] = acc;
     }
-    __syncthreads();  // u and bas are reused by the next head
+    __syncthreads();  // u and m are reused by the next head
   }
-  float* oi = out + int64_t(blockIdx.x) * d.D;
-  for (int64_t e = threadIdx.x; e < d.D; e += blockDim.x) {
-    float acc = 0.0f;
-    for (int l = 0; l < d.nh; ++l)
-      for (int c = 0; c < d.r; ++c)
-        acc += m[l * d.r + c] * out_proj[(int64_t(l) * d.r + c) * d.D + e];
-    oi[e] = acc;
-  }
+  if (d.nh == 0)
+    for (int64_t e = threadIdx.x; e < d.D; e += blockDim.x) oi[e] = 0.0f;
+}
+
+// Lets lev_kernel take `bytes` of dynamic shared memory. Past the default 48 KiB (static
+// included) it opts in, which every sm_80+ device allows up to at least 99 KiB, more than the
+// largest config the parser accepts needs.
+void reserve_lev_smem(size_t bytes) {
+  cudaFuncAttributes fa{};
+  CEMLM_CUDA_CHECK(cudaFuncGetAttributes(&fa, lev_kernel));
+  if (bytes + fa.sharedSizeBytes <= 48 * 1024) return;
+  int dev = 0, optin = 0;
+  CEMLM_CUDA_CHECK(cudaGetDevice(&dev));
+  CEMLM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  CEMLM_CHECK(bytes + fa.sharedSizeBytes <= size_t(optin));
+  CEMLM_CUDA_CHECK(
+      cudaFuncSetAttribute(lev_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 }  // namespace
@@ -120,8 +154,8 @@ void lev_forward(const ExecCtx& ctx, Tensor out, const int32_t* ids, const LevWe
   CEMLM_CHECK(ids != nullptr && N <= 0x7fffffff);
   int64_t V = 1;  // ids must be < b^k: the largest id the digits can express
   for (int j = 0; j < d.k; ++j) V *= d.b;
-  const size_t smem = sizeof(float) * (size_t(2) * d.s + size_t(d.s) * d.kn + size_t(d.nh) * d.r);
-  CEMLM_CHECK(smem <= 48 * 1024);
+  const size_t smem = sizeof(float) * (size_t(2) * d.s + size_t(d.r));
+  reserve_lev_smem(smem);
   lev_kernel<<<unsigned(N), 128, smem, detail::stream_of(ctx)>>>(
       out.data, ids, V, d, w.codebooks.data, w.seed_proj.data, w.ln_weight.data, w.ln_bias.data,
       w.spline.data, w.out_proj.data);

@@ -79,8 +79,6 @@ void linear_t_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const Tenso
        y.data, int(in));
 }
 
-int64_t linear_scratch_floats(int64_t n_rows, int64_t width) { return (n_rows * width + 1) / 2; }
-
 void linear_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const DeviceWeight& W,
                     float beta) {
   CEMLM_CHECK((W.f32 == nullptr) != (W.bf16 == nullptr));

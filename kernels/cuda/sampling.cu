@@ -253,6 +253,16 @@ int64_t sample_rows_scratch_floats(const SampleRowSpec* rows, int n_rows, int vo
   return int64_t((layout_for(rows, n_rows, vocab).total + sizeof(float) - 1) / sizeof(float));
 }
 
+int64_t sample_rows_max_scratch_floats(int n_rows, int vocab, int history) {
+  CEMLM_CHECK(n_rows >= 0 && vocab >= 1 && history >= 0 && int64_t(n_rows) * vocab <= INT_MAX);
+  SampleRowSpec worst;  // sorted (top_p < 1) and penalised: every optional region is taken
+  worst.top_p = 0.5f;
+  worst.repetition_penalty = 2.0f;
+  worst.n_tokens = history;
+  const std::vector<SampleRowSpec> rows(size_t(n_rows), worst);
+  return sample_rows_scratch_floats(rows.data(), n_rows, vocab);
+}
+
 void sample_rows(const ExecCtx& ctx, const Tensor& logits, const SampleRowSpec* rows, int n_rows,
                  SampledToken* out) {
   if (n_rows == 0) return;

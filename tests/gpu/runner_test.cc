@@ -1,7 +1,9 @@
 // The CUDA runner against the CPU model (the oracle) for every variant of tiny_models.h: chunked
 // prefill and decode over a scattered paged cache at T = 1, 2, 4 (fp32 within 1e-4, bf16 within
-// 5e-2), a mixed-T batch decoding with and without CUDA graphs, copy_block, 64 greedy tokens
-// identical to the CPU's, and option errors that name the option.
+// 5e-2), a mixed-T batch decoding with and without CUDA graphs, a decode batch growing one
+// sequence at a time over captured graphs, copy_block, 64 greedy tokens identical to the CPU's,
+// option errors that name the option, and working buffers reserved at startup (an oversized
+// --max-batch-tokens is a startup error; a full-budget step after an automatic KV cache runs).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -120,6 +122,66 @@ TEST_P(RunnerTest, MixedDepthBatchDecodesLikeCpu) {
   }
 }
 
+// The batch ramps up one sequence at a time (each prefilled alone, then all decoded for three
+// steps: direct, capture, replay), then shrinks back to sizes seen before, whose graphs were
+// captured while the batch was smaller and must still replay with the new contents. Buffers are
+// reserved at creation, so nothing moves as the batch grows.
+TEST_P(RunnerTest, DecodeBatchGrowingStepByStepReplaysGraphsLikeCpu) {
+  const int V = cfg_.vocab_size, bs = 4, per_seq = 24, max_seqs = 6;
+  const int n_blocks = per_seq * max_seqs;
+  CudaRunnerOptions o;
+  o.precision = CudaPrecision::kFp32;
+  o.block_size = bs;
+  o.kv_cache_memory = int64_t(n_blocks) * bs * cfg_.kv_bytes_per_token();
+  o.max_batch_tokens = 16;
+  o.max_running = max_seqs;
+  auto made = make_cuda_runner(cfg_, store_, o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto gpu = std::move(made).value();
+  CpuModel cpu(cfg_, w_);
+  KvPool kv(cfg_, bs, n_blocks);
+  std::vector<std::vector<int>> seqs;
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<int> pos;
+  // T is non-increasing with the index, as batches need (sorted by recursion, descending).
+  auto depth = [](size_t s) { return std::max(1, 4 >> int(s / 2)); };
+  auto step = [&](const std::vector<size_t>& which, bool prefill, const std::string& what) {
+    Batch b;
+    for (size_t s : which) {
+      const int n = prefill ? int(seqs[s].size()) : 1;
+      b.seqs.push_back(BatchSeq{seqs[s].data() + pos[s], n, pos[s], depth(s), tables[s].data(),
+                                int(tables[s].size()), true, false});
+    }
+    std::vector<float> want, got;
+    cpu.forward(b, kv, &want);
+    gpu->forward(b, &got);
+    ASSERT_EQ(got.size(), which.size() * size_t(V)) << what;
+    EXPECT_LT(rel_err(got, want), 1e-4) << what;
+    for (size_t i = 0; i < which.size(); ++i) {
+      pos[which[i]] += b.seqs[i].n_tokens;
+      seqs[which[i]].push_back(argmax(want.data() + i * V, V));
+    }
+  };
+  std::vector<size_t> all;
+  for (int grow = 0; grow < max_seqs; ++grow) {
+    const size_t s = size_t(grow);
+    seqs.push_back(random_ids(3 + grow, V, 500 + grow));
+    tables.emplace_back(per_seq);
+    for (int i = 0; i < per_seq; ++i) tables[s][size_t(i)] = int32_t(i * max_seqs + grow);
+    pos.push_back(0);
+    step({s}, true, "prefill of sequence " + std::to_string(s));
+    all.push_back(s);
+    for (int d = 0; d < 3; ++d)
+      step(all, false, "decode of " + std::to_string(all.size()) + " sequences, step " +
+                           std::to_string(d));
+    if (HasFatalFailure()) return;
+  }
+  for (size_t n : {size_t(2), size_t(5), size_t(1), size_t(6)})  // replays of earlier captures
+    for (int d = 0; d < 2; ++d)
+      step(std::vector<size_t>(all.begin(), all.begin() + long(n)), false,
+           "decode of the first " + std::to_string(n) + " again, step " + std::to_string(d));
+}
+
 TEST_P(RunnerTest, CopyBlockGivesTheSameContinuation) {
   const int bs = 4, n_blocks = 40, V = cfg_.vocab_size;
   auto gpu = runner(CudaPrecision::kFp32, false, bs, n_blocks);
@@ -187,6 +249,16 @@ TEST(CudaRunnerOptions, ErrorsNameTheOption) {
   r = make_cuda_runner(cfg, store, o);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("kv_cache_memory"), std::string::npos) << r.status();
+  o.max_batch_tokens = 0;
+  r = make_cuda_runner(cfg, store, o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--max-batch-tokens"), std::string::npos) << r.status();
+  o.max_batch_tokens = 64;
+  o.max_running = 0;
+  r = make_cuda_runner(cfg, store, o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--max-running"), std::string::npos) << r.status();
+  o.max_running = 8;
   ParamStore wrong(make_config(testing_models::all_variants()[2]));
   o.kv_cache_memory = 1 << 20;
   r = make_cuda_runner(cfg, wrong, o);
@@ -217,6 +289,75 @@ TEST(CudaRunnerOptions, TooSmallKvCacheNamesTheFlag) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("kv-cache-memory"), std::string::npos) << r.status();
+}
+
+// Buffers for a --max-batch-tokens no GPU holds (2^30 rows of logits alone: 262 GB): creation
+// fails with RESOURCE_EXHAUSTED naming the flag, instead of the first large step aborting; the
+// device is left usable.
+TEST(CudaRunnerOptions, OversizedMaxBatchTokensIsAStartupError) {
+  CEMLM_SKIP_WITHOUT_GPU();
+  const ModelConfig cfg = make_config(testing_models::all_variants()[0]);
+  ParamStore store(cfg);
+  randomize(store, 3);
+  CudaRunnerOptions o;
+  o.kv_cache_memory = 1 << 20;
+  o.max_batch_tokens = 1 << 30;
+  auto r = make_cuda_runner(cfg, store, o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("--max-batch-tokens"), std::string::npos) << r.status();
+  o.max_batch_tokens = 64;
+  r = make_cuda_runner(cfg, store, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<int> ids = random_ids(8, cfg.vocab_size, 9);
+  const std::vector<int32_t> table = {0};
+  Batch b;
+  b.seqs.push_back(BatchSeq{ids.data(), 8, 0, 1, table.data(), 1, true, false});
+  std::vector<float> logits;
+  r.value()->forward(b, &logits);
+  EXPECT_EQ(logits.size(), size_t(cfg.vocab_size));
+}
+
+// With kv_cache_memory 0 the cache takes 90% of what is free, which used to leave too little for
+// the buffers of the first large step. They are reserved first now: a step of max_batch_tokens
+// rows, every one wanting logits (a scoring chunk), runs and matches the CPU.
+TEST(CudaRunnerOptions, FullBudgetStepRunsAfterAnAutomaticKvCache) {
+  CEMLM_SKIP_WITHOUT_GPU();
+  ModelConfig cfg = make_config(testing_models::all_variants()[5]);  // CEM, LEV, diagonal
+  cfg.max_seq_len = 128;
+  ParamStore store(cfg);
+  randomize(store, 4);
+  const Weights w = bind_weights(cfg, store);
+  const int bs = 16, n_seqs = 16, len = 128, V = cfg.vocab_size;
+  CudaRunnerOptions o;
+  o.precision = CudaPrecision::kFp32;
+  o.block_size = bs;
+  o.kv_cache_memory = 0;
+  o.max_batch_tokens = n_seqs * len;
+  o.max_running = n_seqs;
+  auto r = make_cuda_runner(cfg, store, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto gpu = std::move(r).value();
+  const int per = len / bs;
+  ASSERT_GE(gpu->num_blocks(), int64_t(n_seqs) * per);
+  EXPECT_LE(gpu->num_blocks(), int64_t(INT32_MAX));
+  std::vector<std::vector<int>> ids;
+  std::vector<std::vector<int32_t>> tables;
+  Batch b;
+  for (int s = 0; s < n_seqs; ++s) {
+    ids.push_back(random_ids(len, V, 600 + s));
+    tables.emplace_back(per);
+    std::iota(tables.back().begin(), tables.back().end(), s * per);
+    b.seqs.push_back(
+        BatchSeq{ids.back().data(), len, 0, 2, tables.back().data(), per, false, true});
+  }
+  CpuModel cpu(cfg, w);
+  KvPool kv(cfg, bs, n_seqs * per);
+  std::vector<float> want, got;
+  cpu.forward(b, kv, &want);
+  gpu->forward(b, &got);
+  ASSERT_EQ(got.size(), size_t(n_seqs) * len * V);
+  EXPECT_LT(rel_err(got, want), 1e-4);
 }
 
 }  // namespace

@@ -23,10 +23,16 @@ enum class CudaPrecision {
 
 struct CudaRunnerOptions {
   CudaPrecision precision = CudaPrecision::kBf16;
-  int64_t kv_cache_memory = 256 << 20;  // bytes; 0: 90% of the memory free after loading
+  int64_t kv_cache_memory = 256 << 20;  // bytes; 0: 90% of what loading and the buffers leave
   int block_size = 16;
   bool cuda_graphs = true;  // capture decode steps (one token per sequence) and replay them
   int device = 0;
+  // The largest step: tokens fed (and logits rows) and sequences. Every working buffer is
+  // reserved for it at creation, before the KV cache takes its share; a larger step is a
+  // programming error (aborts). The engine passes --max-batch-tokens and --max-running; these
+  // defaults suit direct callers (benchmarks, tests).
+  int max_batch_tokens = 8192;
+  int max_running = 256;
 };
 
 class CudaModelRunner : public ModelRunner {

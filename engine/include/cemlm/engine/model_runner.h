@@ -48,6 +48,10 @@ struct RunnerOptions {
   int block_size = 16;
   int threads = 0;
   std::string kv_cache_dtype = "fp32";  // "fp32" | "bf16" (CPU: half the bytes per token)
+  // The engine's step limits (--max-batch-tokens, --max-running): the CUDA runner reserves its
+  // working buffers for the largest step they allow before sizing the KV cache.
+  int max_batch_tokens = 512;
+  int max_running = 256;
 };
 
 // Checks what needs no checkpoint: the device name, the KV-cache dtype (and that it suits the

@@ -3,6 +3,7 @@
 // context length runs in fixed shared memory. CUDA: kernels/cuda/attention.cu;
 // tests: tests/gpu/ops_test.cc.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "cemlm/kernels/attention.h"
@@ -38,6 +39,23 @@ void kv_write_rows(const ExecCtx&, const KvLayerView& kv, const AttnRow* rows, i
 void paged_attention_rows(const ExecCtx&, Tensor out, Tensor out_c, const Tensor& q,
                           const Tensor& qd, DiagKind diag, const KvLayerView& kv,
                           const AttnRow* rows, int n_rows, float scale);
-int64_t paged_attention_rows_scratch_floats(int n_rows, const KvLayerView& kv, DiagKind diag);
+inline int64_t paged_attention_rows_scratch_floats(int n_rows, const KvLayerView& kv,
+                                                  DiagKind diag) {
+  return diag == DiagKind::kShared ? int64_t(n_rows) * kv.n_heads * kv.c_width : 0;
+}
+
+// Shared memory of one attention block for a model, and what the current device allows.
+struct AttentionSmem {
+  size_t dynamic_bytes = 0;  // the query (and diagonal query) and their sums
+  size_t static_bytes = 0;   // the kernel's own (cudaFuncGetAttributes)
+  size_t device_limit = 0;   // cudaDevAttrMaxSharedMemoryPerBlockOptin
+  const char* error = nullptr;  // a failed CUDA call's message; the sizes are then unset
+  bool fits() const { return error == nullptr && dynamic_bytes + static_bytes <= device_limit; }
+};
+// Readies paged attention for a model on the current device, once, before any step (the ops
+// would otherwise do it on their first launch): when one block needs more than the default
+// 48 KiB, raises the kernel's dynamic shared-memory limit; when it needs more than the device
+// allows, changes nothing and says so (fits() false). Never aborts.
+AttentionSmem paged_attention_prepare(int head_dim, int d_model, bool diag);
 
 }  // namespace cemlm::cuda

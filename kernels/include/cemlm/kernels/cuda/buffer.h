@@ -67,12 +67,20 @@ class PinnedBuffer {
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   ~PinnedBuffer() { reset(); }
 
-  // Grows to at least `bytes` (contents are not kept).
-  void reserve(size_t bytes) {
-    if (bytes <= n_) return;
+  // Grows to at least `bytes` (contents are not kept). Aborts when out of pinned memory; use
+  // try_reserve at edges that report errors.
+  void reserve(size_t bytes) { CEMLM_CUDA_CHECK(try_reserve(bytes)); }
+  cudaError_t try_reserve(size_t bytes) {
+    if (bytes <= n_) return cudaSuccess;
     reset();
-    CEMLM_CUDA_CHECK(cudaMallocHost(&p_, bytes));
+    const cudaError_t e = cudaMallocHost(&p_, bytes);
+    if (e != cudaSuccess) {
+      p_ = nullptr;
+      (void)cudaGetLastError();
+      return e;
+    }
     n_ = bytes;
+    return cudaSuccess;
   }
   void reset() {
     if (p_) (void)cudaFreeHost(p_);

@@ -33,7 +33,9 @@ void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const DeviceWeigh
                     float beta = 0.0f);
 void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const DeviceWeight& W,
                       float beta = 0.0f);
-int64_t linear_scratch_floats(int64_t n_rows, int64_t width);
+inline int64_t linear_scratch_floats(int64_t n_rows, int64_t width) {
+  return (n_rows * width + 1) / 2;
+}
 
 // out[n] = bf16(in[n]) with round-to-nearest-even (weights at load, activations per product).
 void to_bf16(const ExecCtx&, uint16_t* out, const float* in, int64_t n);

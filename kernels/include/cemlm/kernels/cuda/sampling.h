@@ -31,6 +31,9 @@ struct SampledToken {
 };
 
 int64_t sample_rows_scratch_floats(const SampleRowSpec* rows, int n_rows, int vocab);
+// The most any call with at most n_rows rows of at most `history` tokens each can need (every
+// row penalised and cut): what an owner reserves once. n_rows · vocab must fit an int.
+int64_t sample_rows_max_scratch_floats(int n_rows, int vocab, int history);
 // logits [N, V] on the device; rows and out are host arrays of N. Synchronizes ctx.cuda_stream.
 void sample_rows(const ExecCtx&, const Tensor& logits, const SampleRowSpec* rows, int n_rows,
                  SampledToken* out);

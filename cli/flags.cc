@@ -1,7 +1,9 @@
 // Flag parser implementation (see flags.h).
 #include "cemlm/cli/flags.h"
 
+#include <cctype>
 #include <charconv>
+#include <cstdint>
 #include <cstdio>
 #include <sstream>
 
@@ -198,6 +200,23 @@ bool parse_id_list(const std::string& s, std::vector<int>* out) {
     pos = comma + 1;
   }
   return !out->empty();
+}
+
+bool parse_bytes(const std::string& s, int64_t* out) {
+  size_t digits = 0;
+  while (digits < s.size() && std::isdigit(static_cast<unsigned char>(s[digits]))) ++digits;
+  if (digits == 0 || digits > 15) return false;
+  const int64_t v = std::stoll(s.substr(0, digits));
+  std::string unit = s.substr(digits);
+  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
+  if (unit.size() > 1) return false;
+  if (unit.empty()) return *out = v, true;
+  const size_t k = std::string("KMGT").find(char(std::toupper(static_cast<unsigned char>(unit[0]))));
+  if (k == std::string::npos) return false;
+  const int shift = int(10 * (k + 1));
+  if (v > (INT64_MAX >> shift)) return false;
+  *out = v << shift;
+  return true;
 }
 
 }  // namespace cemlm::cli

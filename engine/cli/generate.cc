@@ -1,8 +1,11 @@
 // `cemlm generate`: one request through the Engine (paged KV cache, scheduler, sampler: the same
 // code path as the server). Streams the text to stdout, or prints one JSON object with --json.
+#include <cctype>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -27,9 +30,19 @@ int fail(const std::string& msg) {
 // The engine's validation names request fields; this command's user gave flags.
 std::string in_flag_terms(std::string msg) {
   static const std::pair<std::string_view, std::string_view> kFlags[] = {
-      {"sampling.max_new_tokens", "--max-new-tokens"}, {"sampling.temperature", "--temperature"},
-      {"sampling.top_k", "--top-k"},                   {"sampling.top_p", "--top-p"},
-      {"sampling.seed", "--seed"},                     {"recursion_depth", "--recursion"}};
+      {"sampling.max_new_tokens", "--max-new-tokens"},
+      {"sampling.temperature", "--temperature"},
+      {"sampling.top_k", "--top-k"},
+      {"sampling.top_p", "--top-p"},
+      {"sampling.min_p", "--min-p"},
+      {"sampling.repetition_penalty", "--repetition-penalty"},
+      {"sampling.presence_penalty", "--presence-penalty"},
+      {"sampling.frequency_penalty", "--frequency-penalty"},
+      {"sampling.top_logprobs", "--top-logprobs"},
+      {"sampling.stop_token_ids", "--stop-token-ids"},  // before its prefix "sampling.stop"
+      {"sampling.stop", "--stop"},
+      {"sampling.seed", "--seed"},
+      {"recursion_depth", "--recursion"}};
   for (const auto& [field, flag] : kFlags)
     for (size_t at = msg.find(field); at != std::string::npos; at = msg.find(field, at))
       msg.replace(at, field.size(), flag);
@@ -43,6 +56,7 @@ struct Outcome {
   bool done = false;
   std::vector<int> ids;
   std::vector<float> logprobs;
+  std::vector<std::vector<TopLogprob>> top_logprobs;
   std::string text;
   FinishReason reason = FinishReason::kNone;
   absl::Status error;
@@ -52,16 +66,21 @@ struct Outcome {
 
 int cmd_generate(int argc, char** argv) {
   std::string model, prompt, prompt_ids, seed_text, device = "cpu", kv_dtype = "fp32";
-  int T = 0, max_new = 64, top_k = 0;
-  float temperature = 1.0f, top_p = 1.0f;
-  bool json = false, no_bos = false;
+  std::string kv_memory = "256M", stop_token_ids;
+  std::vector<std::string> stop;
+  int T = 0, max_new = 64, top_k = 0, top_logprobs = 0;
+  float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f;
+  float repetition_penalty = 1.0f, presence_penalty = 0.0f, frequency_penalty = 0.0f;
+  bool json = false, no_bos = false, ignore_eos = false;
   Flags f("cemlm generate --model DIR (--prompt STR | --prompt-ids 3,17) [--recursion T] "
-          "[--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] [--seed S] [--json]",
+          "[--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] [--min-p P] "
+          "[--stop STR...] [--seed S] [--json] [options]",
           "Generate a continuation through the inference engine (paged KV cache, same code path\n"
           "as the server). Streams the text to stdout; with --json prints\n"
           "{\"ids\", \"text\", \"logprobs\", \"finish_reason\", \"seed\"}, where logprobs[i] is the\n"
           "log-probability of ids[i] under the unmodified model distribution and seed the sampling\n"
-          "seed (drawn when --seed is not given; pass it back to reproduce the output).");
+          "seed (drawn when --seed is not given; pass it back to reproduce the output); with\n"
+          "--top-logprobs K also \"top_logprobs\": per token, the K most likely [{\"id\", \"logprob\"}].");
   f.add("model", &model, "checkpoint directory", true);
   f.add("prompt", &prompt, "prompt text (needs the checkpoint's tokenizer.model)");
   f.add("prompt-ids", &prompt_ids, "prompt as comma-separated token ids (used as given)");
@@ -72,8 +91,25 @@ int cmd_generate(int argc, char** argv) {
   f.add("temperature", &temperature, "sampling temperature (0: greedy)");
   f.add("top-k", &top_k, "keep the K most likely tokens (0: off)");
   f.add("top-p", &top_p, "nucleus sampling mass (1: off)");
+  f.add("min-p", &min_p, "drop tokens below P times the top probability, in [0, 1] (0: off)");
+  f.add("repetition-penalty", &repetition_penalty,
+        "CTRL-style penalty on prompt and generated tokens, in [0.01, 100] (1: off)");
+  f.add("presence-penalty", &presence_penalty,
+        "subtracted from the logit of every generated token, in [-2, 2] (0: off)");
+  f.add("frequency-penalty", &frequency_penalty,
+        "subtracted once per occurrence of a generated token, in [-2, 2] (0: off)");
+  f.add_list("stop", &stop,
+             "stop strings (at most 16; repeatable): generation ends before the first one, which "
+             "is not printed");
+  f.add("stop-token-ids", &stop_token_ids,
+        "comma-separated token ids that end generation (not printed), like 2,7");
+  f.add_bool("ignore-eos", &ignore_eos, "keep generating after the model's end-of-sequence id");
+  f.add("top-logprobs", &top_logprobs, "alternatives reported per token with --json, 0-20");
   f.add("seed", &seed_text, "sampling seed, an integer in [0, 2^64) (random when not given)");
   f.add("device", &device, "cpu or cuda");
+  f.add("kv-cache-memory", &kv_memory,
+        "KV-cache budget in bytes (K/M/G/T suffixes); a model whose max_seq_len does not fit "
+        "needs more");
   f.add("kv-cache-dtype", &kv_dtype, "fp32 | bf16 (CPU: half the cache bytes, keys rounded)");
   f.add_bool("json", &json, "print one JSON object instead of streaming text");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
@@ -82,10 +118,22 @@ int cmd_generate(int argc, char** argv) {
   if (no_bos && f.given("prompt-ids"))
     return fail("--no-bos applies to --prompt only: --prompt-ids are used as given");
 
+  if (top_logprobs > 0 && !json)
+    return fail("--top-logprobs needs --json: the streamed text has no place for them");
+  std::vector<int> stop_ids;
+  if (f.given("stop-token-ids") && !parse_id_list(stop_token_ids, &stop_ids))
+    return fail("--stop-token-ids: expected comma-separated integers like 2,7, got '" +
+                stop_token_ids + "'");
+  int64_t kv_bytes = 0;
+  if (!parse_bytes(kv_memory, &kv_bytes) || kv_bytes <= 0)
+    return fail("--kv-cache-memory: expected bytes like 4G, 512M or 1048576, got '" + kv_memory +
+                "'");
+
   EngineOptions eo;
   eo.model_dir = model;
   eo.device = device;
   eo.kv_cache_dtype = kv_dtype;
+  eo.kv_cache_memory = kv_bytes;
   auto engine = Engine::create(eo);
   if (!engine.ok()) return fail(std::string(engine.status().message()));
 
@@ -106,6 +154,14 @@ int cmd_generate(int argc, char** argv) {
   req.sampling.temperature = temperature;
   req.sampling.top_k = top_k;
   req.sampling.top_p = top_p;
+  req.sampling.min_p = min_p;
+  req.sampling.repetition_penalty = repetition_penalty;
+  req.sampling.presence_penalty = presence_penalty;
+  req.sampling.frequency_penalty = frequency_penalty;
+  req.sampling.stop = stop;
+  req.sampling.stop_token_ids = stop_ids;
+  req.sampling.ignore_eos = ignore_eos;
+  req.sampling.top_logprobs = top_logprobs;
   uint64_t seed = 0;
   if (f.given("seed")) {
     if (!parse_uint64(seed_text, &seed))
@@ -119,12 +175,14 @@ int cmd_generate(int argc, char** argv) {
   Outcome out;
   auto on_event = [&out, json](const StreamEvent& ev) {
     if (!json) {
-      std::fputs(ev.text.c_str(), stdout);
+      // The whole piece: byte-fallback tokens may decode to a NUL, which fputs would stop at.
+      std::fwrite(ev.text.data(), 1, ev.text.size(), stdout);
       std::fflush(stdout);
     }
     std::lock_guard<std::mutex> lock(out.mu);
     out.ids.insert(out.ids.end(), ev.token_ids.begin(), ev.token_ids.end());
     out.logprobs.insert(out.logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
+    out.top_logprobs.insert(out.top_logprobs.end(), ev.top_logprobs.begin(), ev.top_logprobs.end());
     out.text += ev.text;
     if (ev.finish_reason == FinishReason::kNone) return;
     out.reason = ev.finish_reason;
@@ -148,6 +206,15 @@ int cmd_generate(int argc, char** argv) {
   j["ids"] = out.ids;
   j["text"] = out.text;
   j["logprobs"] = out.logprobs;
+  if (top_logprobs > 0) {  // per token: [{"id", "logprob"}, ...], as `cemlm client generate` prints
+    nlohmann::json tops = nlohmann::json::array();
+    for (const auto& alts : out.top_logprobs) {
+      nlohmann::json a = nlohmann::json::array();
+      for (const TopLogprob& t : alts) a.push_back({{"id", t.token_id}, {"logprob", t.logprob}});
+      tops.push_back(std::move(a));
+    }
+    j["top_logprobs"] = std::move(tops);
+  }
   j["finish_reason"] = finish_reason_name(out.reason);
   j["seed"] = seed;
   std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());

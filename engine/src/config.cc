@@ -3,11 +3,16 @@
 #include "cemlm/engine/config.h"
 #include "cemlm/engine/status.h"
 
-#include <fstream>
-#include <set>
-#include <sstream>
+#include <sys/stat.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <set>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "cemlm/engine/strict_json.h"
 #include "nlohmann/json.hpp"
 
 namespace cemlm {
@@ -250,20 +255,41 @@ std::string ModelConfig::variant_name() const {
 }
 
 absl::StatusOr<ModelConfig> parse_config(const std::string& json_text) {
-  json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded())
-    return absl::InvalidArgumentError("config: not valid JSON (check commas, quotes and braces)");
+  absl::StatusOr<json> root = parse_json_strict(json_text);
+  if (!root.ok()) {
+    const bool syntax = absl::StartsWith(root.status().message(), "not valid JSON");
+    return absl::InvalidArgumentError(absl::StrCat("config: ", root.status().message(),
+                                                   syntax ? " (check commas, quotes and braces)" : ""));
+  }
   ModelConfig c;
-  CEMLM_RETURN_IF_ERROR(parse_into(root, c));
+  CEMLM_RETURN_IF_ERROR(parse_into(*root, c));
   return c;
 }
 
 absl::StatusOr<ModelConfig> load_config(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return absl::NotFoundError(absl::StrCat("config: cannot open '", path, "'"));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  auto c = parse_config(ss.str());
+  // Why it cannot be read: a directory opens fine and reads as nothing ("not valid JSON").
+  struct stat sb {};
+  if (::stat(path.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode))
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: '", path, "' is a directory, not a config.json file"));
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) {
+    const int err = errno;
+    const std::string msg = absl::StrCat("config: cannot open '", path, "': ", std::strerror(err));
+    if (err == ENOENT || err == ENOTDIR) return absl::NotFoundError(msg);
+    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
+    return absl::FailedPreconditionError(msg);
+  }
+  std::string text;
+  char buf[1 << 16];
+  size_t got = 0;
+  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
+  const int read_err = std::ferror(f) ? errno : 0;
+  std::fclose(f);
+  if (read_err != 0)
+    return absl::FailedPreconditionError(
+        absl::StrCat("config: cannot read '", path, "': ", std::strerror(read_err)));
+  auto c = parse_config(text);
   if (!c.ok()) return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
   return c;
 }

@@ -14,11 +14,13 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cemlm/engine/status.h"
+#include "cemlm/engine/strict_json.h"
 #include "cemlm/kernels/bf16.h"
 #include "nlohmann/json.hpp"
 
@@ -228,9 +230,12 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   if (n > size - 8 || n > kMaxHeaderBytes)
     return header_error(path, absl::StrCat("header length ", n, " is beyond the end of the file (",
                                            size, " bytes): truncated or not a safetensors file"));
-  const json header = json::parse(f.map_ + 8, f.map_ + 8 + n, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded() || !header.is_object())
-    return header_error(path, "not a valid JSON object");
+  // Strict: a tensor named twice would otherwise be silently the last one.
+  absl::StatusOr<json> parsed =
+      parse_json_strict(std::string_view(reinterpret_cast<const char*>(f.map_ + 8), n));
+  if (!parsed.ok()) return header_error(path, std::string(parsed.status().message()));
+  const json& header = *parsed;
+  if (!header.is_object()) return header_error(path, "not a valid JSON object");
   f.body_ = f.map_ + 8 + n;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") {

@@ -1,6 +1,7 @@
 // validate_sampling: range and finiteness checks of SamplingParams. Each message names the field
 // and the accepted range so a client can fix its request. Comparisons are written so that NaN fails.
 #include <cmath>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "cemlm/engine/sampling.h"
@@ -10,10 +11,22 @@
 namespace cemlm {
 namespace {
 
-absl::Status check(bool ok, const char* field, const std::string& range, double value) {
-  if (ok) return absl::OkStatus();
+absl::Status out_of_range(const char* field, const std::string& range, const std::string& got) {
   return absl::InvalidArgumentError(
-      absl::StrCat("sampling.", field, " must be ", range, " (got ", value, ")"));
+      absl::StrCat("sampling.", field, " must be ", range, " (got ", got, ")"));
+}
+
+// Floats print with 9 significant digits, enough to tell any two floats apart: StrCat's 6 would
+// say "(got 1)" for a top_p of 1.0000001.
+absl::Status check(bool ok, const char* field, const std::string& range, float value) {
+  if (ok) return absl::OkStatus();
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", double(value));
+  return out_of_range(field, range, buf);
+}
+absl::Status check(bool ok, const char* field, const std::string& range, int value) {
+  if (ok) return absl::OkStatus();
+  return out_of_range(field, range, absl::StrCat(value));
 }
 
 absl::Status check_stops(const SamplingParams& p, int vocab_size) {

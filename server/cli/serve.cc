@@ -34,22 +34,6 @@ struct ServeFlags {
   double max_connection_age = 0;
 };
 
-// "4G", "512M", "64K" or plain bytes (powers of 1024); nullopt when it does not parse.
-std::optional<int64_t> parse_bytes(const std::string& s) {
-  size_t digits = 0;
-  while (digits < s.size() && std::isdigit(static_cast<unsigned char>(s[digits]))) ++digits;
-  if (digits == 0 || digits > 15) return std::nullopt;
-  int64_t v = std::stoll(s.substr(0, digits));
-  std::string unit = s.substr(digits);
-  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
-  if (unit.size() > 1) return std::nullopt;
-  const std::string units = "KMGT";
-  if (unit.empty()) return v;
-  size_t k = units.find(char(std::toupper(static_cast<unsigned char>(unit[0]))));
-  if (k == std::string::npos) return std::nullopt;
-  return v << (10 * (k + 1));
-}
-
 bool read_file(const std::string& path, const char* flag, std::string* out) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
@@ -107,8 +91,8 @@ absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t
 }
 
 int serve(const ServeFlags& f, sigset_t* signals) {
-  std::optional<int64_t> kv_bytes = parse_bytes(f.kv_cache_memory);
-  if (!kv_bytes || *kv_bytes <= 0)
+  int64_t kv_bytes = 0;
+  if (!parse_bytes(f.kv_cache_memory, &kv_bytes) || kv_bytes <= 0)
     return fail(
         absl::InvalidArgumentError("--kv-cache-memory: expected bytes like 4G, 512M or "
                                    "1048576, got '" +
@@ -172,7 +156,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
                server::host_port(f.host, (*server)->port()), server::host_port(*mhost, metrics_port),
                f.model, !opts.tls_cert_pem.empty(), opts.api_keys.enabled());
 
-  auto engine = load_engine(f, *kv_bytes);
+  auto engine = load_engine(f, kv_bytes);
   if (!engine.ok()) return fail(engine.status());
   Engine* e = engine->get();
   metrics->set_stats_source([e] { return e->stats(); });

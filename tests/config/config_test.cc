@@ -3,7 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 
@@ -242,6 +246,59 @@ TEST(Config, LoadConfigNamesTheFile) {
   auto c = load_config("/nonexistent/dir/config.json");
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("/nonexistent/dir/config.json"), std::string::npos);
+  // ... and why it cannot be read.
+  EXPECT_TRUE(absl::IsNotFound(c.status())) << c.status();
+  EXPECT_NE(c.status().message().find("No such file or directory"), std::string::npos)
+      << c.status();
+}
+
+TEST(Config, LoadConfigSaysWhyItCannotRead) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / ("config_dir_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "config.json");
+  auto c = load_config((dir / "config.json").string());
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("is a directory"), std::string::npos) << c.status();
+  EXPECT_EQ(c.status().message().find("JSON"), std::string::npos) << c.status();
+  if (::geteuid() != 0) {  // root reads anything
+    const std::filesystem::path locked = dir / "locked.json";
+    std::ofstream(locked) << base().dump();
+    std::filesystem::permissions(locked, std::filesystem::perms::none);
+    auto l = load_config(locked.string());
+    ASSERT_FALSE(l.ok());
+    EXPECT_TRUE(absl::IsPermissionDenied(l.status())) << l.status();
+    EXPECT_NE(l.status().message().find("Permission denied"), std::string::npos) << l.status();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Config, SyntaxErrorsSayWhere) {
+  auto c = parse_config("{\n  \"d_model\": 256,\n  \"n_layers\" 4\n}\n");
+  ASSERT_FALSE(c.ok());
+  const std::string msg(c.status().message());
+  EXPECT_NE(msg.find("not valid JSON at line"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("line 3, column 14"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(byte 33)"), std::string::npos) << msg;
+}
+
+TEST(Config, DuplicateKeysAreRefusedByName) {
+  // "Last one wins" would silently drop the first value; nested objects are checked too.
+  std::string text = base().dump();
+  text.insert(text.rfind('}'), ", \"d_model\": 128");
+  auto c = parse_config(text);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("duplicate key \"d_model\""), std::string::npos)
+      << c.status();
+  std::string nested = base().dump();
+  const size_t lev = nested.find("\"rank\":");
+  ASSERT_NE(lev, std::string::npos);
+  nested.insert(lev, "\"rank\": 4, ");
+  c = parse_config(nested);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("duplicate key \"embedding.lev.rank\""), std::string::npos)
+      << c.status();
+  // The same key in different objects is no duplicate.
+  EXPECT_TRUE(parse_config(base().dump()).ok());
 }
 
 }  // namespace

@@ -324,5 +324,28 @@ TEST(ValidateSampling, EveryBadFieldIsNamed) {
   }
 }
 
+TEST(ValidateSampling, ValuesPrintWithEnoughDigitsToTellThemFromTheBound) {
+  // StrCat's 6 digits would print "(got 1)" for a top_p just above 1, and "(got 2)" for a
+  // presence_penalty just above 2.
+  const std::vector<std::pair<std::string, std::function<void(SamplingParams&)>>> cases = {
+      {"(got 1.00000012)", [](SamplingParams& p) { p.top_p = 1.0000001f; }},
+      {"(got 1.00000012)", [](SamplingParams& p) { p.min_p = 1.0000001f; }},
+      {"(got 2.00000024)", [](SamplingParams& p) { p.presence_penalty = 2.0000002f; }},
+      {"(got -2.00000024)", [](SamplingParams& p) { p.frequency_penalty = -2.0000002f; }},
+      {"(got 100.000008)", [](SamplingParams& p) { p.repetition_penalty = 100.00001f; }},
+      {"(got 0.00999990012)", [](SamplingParams& p) { p.repetition_penalty = 0.0099999f; }},
+      {"(got -1.00000001e-07)", [](SamplingParams& p) { p.temperature = -1e-7f; }},
+      {"(got nan)", [](SamplingParams& p) { p.top_p = NAN; }},
+      // Integers print whole, however large.
+      {"(got -2147483647)", [](SamplingParams& p) { p.max_new_tokens = -2147483647; }},
+      {"(got 2000000000)", [](SamplingParams& p) { p.top_logprobs = 2000000000; }},
+  };
+  for (const auto& [want, edit] : cases) {
+    SamplingParams p;
+    edit(p);
+    EXPECT_NE(error_of(p).find(want), std::string::npos) << want << " vs " << error_of(p);
+  }
+}
+
 }  // namespace
 }  // namespace cemlm

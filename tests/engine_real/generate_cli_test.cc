@@ -1,9 +1,12 @@
 // `cemlm generate` through its entry point on a random-init checkpoint: the --json object's ids
 // and logprobs (each the log-probability of ids[i] under the unmodified model, checked against
-// the full-sequence forward), the KV-cache dtype flag, and the errors that name a bad flag.
+// the full-sequence forward), the KV-cache flags, the sampling flags (stop strings and ids,
+// penalties, top logprobs), the streamed text byte for byte, and the errors that name a bad flag.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -15,6 +18,8 @@
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/cpu_model.h"
 #include "cemlm/engine/sampler.h"
+#include "cemlm/engine/tokenizer.h"
+#include "../tokenizer/test_files.h"
 #include "tiny_models.h"
 
 namespace cemlm {
@@ -127,6 +132,21 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--recursion", "99"}, "--recursion = 99 exceeds the model's recursion.max = 8"},
       {{"--max-new-tokens", "9999"}, "--max-new-tokens"},
       {{"--top-p", "2"}, "--top-p"},
+      // Printed with enough digits to differ from the bound it breaks.
+      {{"--top-p", "1.0000001"}, "--top-p must be in (0, 1] (got 1.00000012)"},
+      {{"--min-p", "1.5"}, "--min-p must be in [0, 1] (got 1.5)"},
+      {{"--repetition-penalty", "0"}, "--repetition-penalty must be in [0.01, 100]"},
+      {{"--presence-penalty", "3"}, "--presence-penalty must be in [-2, 2] (got 3)"},
+      {{"--frequency-penalty", "-2.5"}, "--frequency-penalty must be in [-2, 2] (got -2.5)"},
+      {{"--top-logprobs", "21"}, "--top-logprobs must be in [0, 20] (got 21)"},
+      {{"--stop-token-ids", "5,x"}, "--stop-token-ids: expected comma-separated integers"},
+      {{"--stop-token-ids", "5,61"}, "--stop-token-ids[1] = 61 is not a token id in [0, 61)"},
+      {{"--stop", "ab"}, "--stop needs a tokenizer and this model has none"},
+      {{"--kv-cache-memory", "12Q"}, "--kv-cache-memory: expected bytes like 4G"},
+      {{"--kv-cache-memory", "0"}, "--kv-cache-memory: expected bytes like 4G"},
+      {{"--kv-cache-memory", "999999999999999T"}, "--kv-cache-memory: expected bytes like 4G"},
+      // The engine's error names a flag this command has.
+      {{"--kv-cache-memory", "1K"}, "kv_cache_memory 1024 bytes holds 0 blocks"},
   };
   for (const Bad& b : bad) {
     std::vector<std::string> args = {"--model", dir_, "--prompt-ids", "3,9", "--json"};
@@ -137,6 +157,150 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
     EXPECT_NE(rc, 0) << b.args[0];
     EXPECT_NE(err.find(b.message), std::string::npos) << b.args[0] << ": " << err;
   }
+}
+
+TEST_F(GenerateCli, KvCacheMemoryIsUsed) {
+  // Enough for one max_seq_len sequence (64 tokens) but not for the 1K above: the flag reaches
+  // the engine; and the error for too little names this command's flag.
+  ASSERT_FALSE(generate({"--temperature", "0", "--kv-cache-memory", "1M"}).is_null());
+  std::vector<std::string> args = {"--model", dir_, "--prompt-ids", "3,9", "--kv-cache-memory",
+                                   "2KB"};
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(run(args), 1);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("kv_cache_memory 2048 bytes"), std::string::npos) << err;
+  EXPECT_NE(err.find("raise --kv-cache-memory"), std::string::npos) << err;
+}
+
+TEST_F(GenerateCli, StopTokenIdsPenaltiesAndTopLogprobs) {
+  const nlohmann::json base = generate({"--temperature", "0"});
+  ASSERT_FALSE(base.is_null());
+  const std::vector<int> ids = base["ids"];
+  ASSERT_EQ(ids.size(), 7u);
+  // Greedy: a stop id ends the output at its first occurrence (the id itself included).
+  size_t k = 2;
+  while (k > 0 && std::find(ids.begin(), ids.begin() + long(k), ids[k]) != ids.begin() + long(k))
+    --k;
+  const std::string stop_id = std::to_string(ids[k]);
+  const nlohmann::json stopped =
+      generate({"--temperature", "0", "--stop-token-ids", stop_id + "," + stop_id});
+  ASSERT_FALSE(stopped.is_null());
+  const std::vector<int> got = stopped["ids"];
+  EXPECT_EQ(got, std::vector<int>(ids.begin(), ids.begin() + long(k) + 1));
+  EXPECT_EQ(stopped["finish_reason"], "stop");
+
+  // Top logprobs: K alternatives per token, best first; greedy picks the best one.
+  const nlohmann::json tops = generate({"--temperature", "0", "--top-logprobs", "3"});
+  ASSERT_FALSE(tops.is_null());
+  ASSERT_EQ(tops["top_logprobs"].size(), 7u) << tops.dump();
+  for (size_t i = 0; i < 7; ++i) {
+    const nlohmann::json& alts = tops["top_logprobs"][i];
+    ASSERT_EQ(alts.size(), 3u);
+    EXPECT_EQ(alts[0]["id"], ids[i]);
+    EXPECT_NEAR(alts[0]["logprob"].get<double>(), tops["logprobs"][i].get<double>(), 1e-5);
+    EXPECT_GE(alts[0]["logprob"].get<double>(), alts[1]["logprob"].get<double>());
+  }
+  EXPECT_FALSE(base.contains("top_logprobs"));
+  // Without --json there is nowhere to put them.
+  std::vector<std::string> args = {"--model", dir_, "--prompt-ids", "3,9", "--top-logprobs", "2"};
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(run(args), 1);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("--top-logprobs needs --json"),
+            std::string::npos);
+
+  // The penalty and min-p flags reach the engine (out-of-range values fail there, see
+  // BadFlagsFailNamingTheFlag); the logprobs stay those of the unmodified model.
+  const nlohmann::json pen = generate({"--temperature", "0", "--repetition-penalty", "100",
+                                       "--presence-penalty", "2", "--frequency-penalty", "2",
+                                       "--min-p", "0.05", "--ignore-eos"});
+  ASSERT_FALSE(pen.is_null());
+  const std::vector<int> pen_ids = pen["ids"];
+  ASSERT_EQ(pen_ids.size(), 7u);
+  const std::vector<double> want = oracle({3, 9, 4, 20}, pen_ids, 2);
+  for (size_t i = 0; i < pen_ids.size(); ++i)
+    EXPECT_NEAR(pen["logprobs"][i].get<double>(), want[i], 1e-4) << "token " << i;
+}
+
+// A checkpoint with a byte-fallback tokenizer: stop strings, and streamed text that must come
+// out byte for byte (a byte piece can decode to NUL).
+class GenerateCliText : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing_files::fresh_temp_dir();
+    TokenizerTrainOptions o;
+    o.inputs = testing_files::small_corpus();
+    o.vocab_size = 400;
+    o.out_path = dir_ + "/tok.model";
+    std::string error;
+    ASSERT_TRUE(train_tokenizer(o, &error, nullptr)) << error;
+    ModelConfig cfg = testing_models::make_config(testing_models::all_variants()[2], 400);
+    cfg.eos_id = -1;
+    ParamStore store(cfg);
+    testing_models::randomize(store, 7);
+    ckpt_ = dir_ + "/ckpt";
+    ASSERT_TRUE(save_checkpoint(ckpt_, cfg, store, o.out_path).ok());
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Runs generate; stdout, or "" with *rc set.
+  std::string output(std::vector<std::string> extra, int* rc) {
+    std::vector<std::string> args = {"--model", ckpt_, "--prompt-ids", "5,70,9,200"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ::testing::internal::CaptureStdout();
+    *rc = run(args);
+    return ::testing::internal::GetCapturedStdout();
+  }
+
+  std::string dir_, ckpt_;
+};
+
+TEST_F(GenerateCliText, StreamedTextKeepsNulBytes) {
+  // Near-uniform sampling over 400 ids (4 + 0 is the <0x00> byte piece): find a seed whose text
+  // has a NUL, then the streamed text must equal the --json text byte for byte.
+  int found = -1;
+  std::string text;
+  for (int seed = 0; seed < 200 && found < 0; ++seed) {
+    int rc = 0;
+    const std::string out = output({"--temperature", "1000", "--max-new-tokens", "56", "--seed",
+                                    std::to_string(seed), "--json"}, &rc);
+    ASSERT_EQ(rc, 0);
+    text = nlohmann::json::parse(out)["text"];
+    if (text.find('\0') != std::string::npos) found = seed;
+  }
+  ASSERT_GE(found, 0) << "no seed sampled the <0x00> piece";
+  int rc = 0;
+  const std::string streamed = output(
+      {"--temperature", "1000", "--max-new-tokens", "56", "--seed", std::to_string(found)}, &rc);
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(streamed, text + "\n");
+}
+
+TEST_F(GenerateCliText, StopStringsCutTheText) {
+  const std::vector<std::string> common = {"--temperature", "3", "--max-new-tokens", "40",
+                                           "--seed", "4", "--json"};
+  int rc = 0;
+  const nlohmann::json base = nlohmann::json::parse(output(common, &rc));
+  ASSERT_EQ(rc, 0);
+  const std::string text = base["text"];
+  // The first ASCII letter after the start: the output stops just before its first occurrence.
+  size_t at = 1;
+  while (at < text.size() && !std::isalpha(static_cast<unsigned char>(text[at]))) ++at;
+  ASSERT_LT(at, text.size()) << text;
+  const std::string stop(1, text[at]);
+  std::vector<std::string> args = common;
+  for (const std::string& s : {std::string("\x01never"), stop, std::string("zzzzzz")}) {
+    args.push_back("--stop");
+    args.push_back(s);
+  }
+  const nlohmann::json cut = nlohmann::json::parse(output(args, &rc));
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(cut["text"], text.substr(0, text.find(stop))) << "stop '" << stop << "'";
+  EXPECT_EQ(cut["finish_reason"], "stop");
+  // An empty stop string is refused, naming the flag.
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(output({"--stop", ""}, &rc), "");
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("--stop[0] is empty"), std::string::npos);
 }
 
 }  // namespace

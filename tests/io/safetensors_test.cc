@@ -129,6 +129,16 @@ std::vector<BadFile> bad_files() {
                          R"("w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
                          body(12)),
        "'w'"},
+      // A tensor named twice: "last one wins" would silently drop one of them.
+      {"duplicate tensor",
+       safetensors_bytes(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                         R"("w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                         body(8)),
+       "header: duplicate key \"w\""},
+      {"duplicate metadata key",
+       safetensors_bytes(R"({"__metadata__":{"format":"pt","format":"np"}})", ""),
+       "duplicate key \"__metadata__.format\""},
+      {"syntax error position", safetensors_bytes("{\"w\" 1}", ""), "line 1, column 6"},
   };
 }
 

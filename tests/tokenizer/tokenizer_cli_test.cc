@@ -88,5 +88,37 @@ TEST(TokenizerCli, ErrorsNameTheFlag) {
   EXPECT_NE(bad_text.err.find("--text"), std::string::npos) << bad_text.err;
 }
 
+TEST(TokenizerCli, BadOutPathFailsBeforeTraining) {
+  // Training on this text would fail (--vocab-size too small for its characters): an --out that
+  // cannot be written must be reported first, without training.
+  const std::string dir = testing_files::fresh_temp_dir();
+  std::string many_chars;
+  for (int cp = 0x4E00; cp < 0x4E00 + 120; ++cp)
+    many_chars += {char(0xE0 | (cp >> 12)), char(0x80 | ((cp >> 6) & 0x3F)), char(0x80 | (cp & 0x3F))};
+  testing_files::write_file(dir + "/cjk.txt", many_chars + "\n" + many_chars + "\n");
+  const auto train = [&](const std::string& out) {
+    return run({"train", "--input", dir + "/cjk.txt", "--vocab-size", "300", "--out", out});
+  };
+  CliRun is_dir = train(dir);
+  EXPECT_EQ(is_dir.rc, 1);
+  EXPECT_NE(is_dir.err.find("--out '" + dir + "' is a directory"), std::string::npos) << is_dir.err;
+  EXPECT_NE(is_dir.err.find(dir + "/tokenizer.model"), std::string::npos) << is_dir.err;
+  CliRun trailing = train(dir + "/sub/");
+  EXPECT_EQ(trailing.rc, 1);
+  EXPECT_NE(trailing.err.find("is a directory"), std::string::npos) << trailing.err;
+  testing_files::write_file(dir + "/file", "x");
+  CliRun under_file = train(dir + "/file/deeper/tok.model");
+  EXPECT_EQ(under_file.rc, 1);
+  EXPECT_NE(under_file.err.find("'" + dir + "/file' is not a directory"), std::string::npos)
+      << under_file.err;
+  EXPECT_EQ(under_file.err.find("--vocab-size"), std::string::npos) << under_file.err;
+  // Missing directories are fine (the write creates them): training runs, and fails on its own.
+  CliRun missing_dirs = train(dir + "/new/deeper/tok.model");
+  EXPECT_EQ(missing_dirs.rc, 1);
+  EXPECT_NE(missing_dirs.err.find("--vocab-size 300 is too small"), std::string::npos)
+      << missing_dirs.err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/new")) << "the check must not create directories";
+}
+
 }  // namespace
 }  // namespace cemlm

@@ -1,6 +1,7 @@
 // Tiny command-line flag parser shared by every `cemlm` subcommand: typed flags with defaults,
 // --help text generated from the declarations, and errors that name the flag.
 #pragma once
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -46,5 +47,8 @@ class Flags {
 bool parse_id_list(const std::string& s, std::vector<int>* out);
 // Parses an integer in [0, 2^64) (a seed); false on anything else, a sign included.
 bool parse_uint64(const std::string& s, uint64_t* out);
+// Parses a byte count: "4G", "512M", "64K", "64KB" or plain bytes (powers of 1024); false on
+// anything else, a value past int64 included (--kv-cache-memory).
+bool parse_bytes(const std::string& s, int64_t* out);
 
 }  // namespace cemlm::cli

@@ -1,0 +1,19 @@
+// Strict JSON parsing for the files a checkpoint is read from (config.json, the safetensors
+// header): a key named twice in one object is an error, not "the last one wins", and a syntax
+// error says where it is.
+#pragma once
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace cemlm {
+
+// Parses `text` as one JSON value. INVALID_ARGUMENT on
+//   - a syntax error: "not valid JSON at line L, column C (byte B): <what>", where B is the
+//     0-based offset of the offending byte and L, C count from 1 (C in bytes);
+//   - a repeated key: "duplicate key \"a.b\"" (the dotted path of the key; array elements as
+//     "[i]"), the first one found.
+absl::StatusOr<nlohmann::json> parse_json_strict(std::string_view text);
+
+}  // namespace cemlm

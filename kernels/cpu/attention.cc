@@ -2,8 +2,9 @@
 // head with heads in parallel. Short ones (decode): one query row per work item, keys read in
 // place from their blocks; when there are fewer such rows than threads, a long context is split
 // over the threads instead. Either way the shared diagonal's scores are computed once per row.
-// With ctx.batch_invariant (the engine) every row takes the one-row path on one thread, whatever
-// the other rows: its bits do not depend on the batch, the chunking of a prompt or the threads.
+// A row's result does not depend on the threads (its context is attended in chunks at fixed
+// positions, whoever computes them); with ctx.batch_invariant (the engine) every row takes the
+// one-row path, so its bits do not depend on the batch or on how a prompt was chunked either.
 #include "cemlm/kernels/attention.h"
 
 #include <omp.h>
@@ -258,68 +259,111 @@ void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
     row_sums(kv, blocks, n_ctx, diag, sc, out, oc);
 }
 
-// One query row against its sequence's first n_ctx cached tokens.
+// A row's context is attended in chunks of kChunkTokens tokens (rounded down to whole blocks,
+// one block at least) at fixed positions: each chunk's scores are exponentiated against its own
+// per-head maximum, the chunks' maxima and sums make the global softmax (in chunk order), each
+// chunk's weighted sums go to a partial output, and the partials are added in chunk order. Run on
+// one thread (attend_row) or with the chunks shared out over a team (attend_row_split), a row
+// does the same arithmetic: its bits do not depend on the threads or on the rest of the batch.
+constexpr int kChunkTokens = 256;
+
+int chunk_tokens(int block_size) { return std::max(1, kChunkTokens / block_size) * block_size; }
+
+// Per-chunk bookkeeping of one row: n_chunks × H maxima and sums, then n_chunks partial outputs
+// of `stride` floats (the output's W columns, then the diagonal context sums' oc_width).
+struct RowChunks {
+  int n_ctx, chunk, n_chunks, H;
+  int64_t stride;
+  float* maxima;  // [n_chunks][H]
+  float* sums;    // [n_chunks][H]: Σ exp(s − the chunk's maximum)
+  float* parts;   // [n_chunks or 1][stride]
+  int begin(int c) const { return c * chunk; }
+  int size(int c) const { return std::min(chunk, n_ctx - c * chunk); }
+};
+
+int64_t row_chunks_floats(int n_chunks, int H, int64_t stride, int n_parts) {
+  return 2 * int64_t(n_chunks) * H + int64_t(n_parts) * stride;
+}
+
+RowChunks row_chunks(const KvLayerView& kv, int n_ctx, int64_t oc_width, float* mem) {
+  RowChunks r;
+  r.n_ctx = n_ctx, r.chunk = chunk_tokens(kv.block_size), r.H = kv.n_heads;
+  r.n_chunks = (n_ctx + r.chunk - 1) / r.chunk;
+  r.stride = kv.k_width + oc_width;
+  r.maxima = mem, r.sums = mem + int64_t(r.n_chunks) * r.H, r.parts = r.sums + int64_t(r.n_chunks) * r.H;
+  return r;
+}
+
+// Chunk c's scores into s (H·size floats), exponentiated against each head's maximum.
+void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r, int c,
+                  DiagKind diag, const float* q, const float* qd, float scale, float* s) {
+  const int n = r.size(c);
+  score_pass(kv, blocks + r.begin(c) / kv.block_size, n, diag, q, qd, scale, s);
+  for (int h = 0; h < r.H; ++h) {
+    float* sh = s + int64_t(h) * n;
+    float m = sh[0];
+    for (int j = 1; j < n; ++j) m = std::max(m, sh[j]);
+    r.maxima[int64_t(c) * r.H + h] = m;
+    r.sums[int64_t(c) * r.H + h] = float(simd::exp_shifted(sh, n, m));
+  }
+}
+
+// Chunk c's exponentiated scores s made probabilities of the whole row's softmax, then its
+// weighted sums into `part` (stride floats).
+void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r, int c,
+                DiagKind diag, float* s, float* part) {
+  const int n = r.size(c);
+  for (int h = 0; h < r.H; ++h) {
+    float M = -INFINITY;
+    for (int u = 0; u < r.n_chunks; ++u) M = std::max(M, r.maxima[int64_t(u) * r.H + h]);
+    double L = 0;
+    for (int u = 0; u < r.n_chunks; ++u)
+      L += double(r.sums[int64_t(u) * r.H + h]) * std::exp(double(r.maxima[int64_t(u) * r.H + h] - M));
+    const float f = float(std::exp(double(r.maxima[int64_t(c) * r.H + h] - M)) / L);
+    float* sh = s + int64_t(h) * n;
+    for (int j = 0; j < n; ++j) sh[j] *= f;
+  }
+  sum_pass(kv, blocks + r.begin(c) / kv.block_size, n, diag, s, part,
+           r.stride > kv.k_width ? part + kv.k_width : nullptr);
+}
+
+// One query row against its sequence's first n_ctx cached tokens, on the calling thread.
+// sc: H·n_ctx floats; mem: row_chunks_floats(n_chunks, H, stride, 1).
 void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                const float* q, const float* qd, float scale, float* sc, float* out, float* oc) {
-  score_pass(kv, blocks, n_ctx, diag, q, qd, scale, sc);
-  for (int h = 0; h < kv.n_heads; ++h) softmax_inplace(sc + int64_t(h) * n_ctx, n_ctx);
-  sum_pass(kv, blocks, n_ctx, diag, sc, out, oc);
+                const float* q, const float* qd, float scale, float* sc, float* mem, float* out,
+                float* oc, int64_t oc_width) {
+  const RowChunks r = row_chunks(kv, n_ctx, oc_width, mem);
+  for (int c = 0; c < r.n_chunks; ++c)
+    chunk_scores(kv, blocks, r, c, diag, q, qd, scale, sc + int64_t(r.H) * r.begin(c));
+  const int W = kv.k_width;
+  std::fill(out, out + W, 0.0f);
+  if (oc_width) std::fill(oc, oc + oc_width, 0.0f);
+  for (int c = 0; c < r.n_chunks; ++c) {
+    chunk_sums(kv, blocks, r, c, diag, sc + int64_t(r.H) * r.begin(c), r.parts);
+    for (int64_t i = 0; i < r.stride; ++i) (i < W ? out[i] : oc[i - W]) += r.parts[i];
+  }
 }
 
-// Tokens per thread from which a row's context is split over threads (below, the barriers cost
-// more than the halved passes save).
-constexpr int kSplitTokens = 256;
-
-// Floats attend_row_split's `part` holds for a team of P.
-int64_t split_part_floats(int P, const KvLayerView& kv, int64_t oc_width) {
-  return int64_t(P) * (kv.k_width + oc_width + 2 * kv.n_heads);
-}
-
-// attend_row with the context split over the calling parallel region's threads, block-aligned
-// (a batch-1 decode step would otherwise read a long cache on one thread): each thread scores its
-// share, the softmax is made global from every thread's per-head maximum and sum, each sums its
-// share with the global probabilities, and the partial outputs are added up, columns split over
-// the threads. sc: this thread's H·n_ctx floats; part: split_part_floats; oc_width: oc's floats.
+// attend_row with the chunks shared out over the calling parallel region's threads (a batch-1
+// decode step would otherwise read a long cache on one thread), the partial outputs added up
+// with the columns split over the threads. sc: this thread's H·n_ctx floats; mem (shared by the
+// team): row_chunks_floats(n_chunks, H, stride, n_chunks).
 void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                      const float* q, const float* qd, float scale, float* sc, float* part,
+                      const float* q, const float* qd, float scale, float* sc, float* mem,
                       float* out, float* oc, int64_t oc_width) {
   const int P = omp_get_num_threads(), t = omp_get_thread_num();
-  const int W = kv.k_width, H = kv.n_heads, bs = kv.block_size;
-  const int n_blocks = (n_ctx + bs - 1) / bs;
-  const int b0 = int(int64_t(n_blocks) * t / P), b1 = int(int64_t(n_blocks) * (t + 1) / P);
-  const int n = std::max(0, std::min(b1 * bs, n_ctx) - b0 * bs);
-  const int64_t stride = W + oc_width;
-  float* mine = part + int64_t(t) * stride;
-  float* maxima = part + int64_t(P) * stride;  // [P][H]
-  float* sums = maxima + int64_t(P) * H;      // [P][H]: Σ exp(s − own maximum)
-  if (n > 0) score_pass(kv, blocks + b0, n, diag, q, qd, scale, sc);
-  for (int h = 0; h < H; ++h) {
-    float* s = sc + int64_t(h) * n;
-    float m = -INFINITY;
-    for (int j = 0; j < n; ++j) m = std::max(m, s[j]);
-    maxima[t * H + h] = m;
-    sums[t * H + h] = n > 0 ? float(simd::exp_shifted(s, n, m)) : 0.0f;
-  }
+  const RowChunks r = row_chunks(kv, n_ctx, oc_width, mem);
+  const int c0 = int(int64_t(r.n_chunks) * t / P), c1 = int(int64_t(r.n_chunks) * (t + 1) / P);
+  auto mine = [&](int c) { return sc + int64_t(r.H) * (r.begin(c) - r.begin(c0)); };
+  for (int c = c0; c < c1; ++c) chunk_scores(kv, blocks, r, c, diag, q, qd, scale, mine(c));
 #pragma omp barrier
-  for (int h = 0; n > 0 && h < H; ++h) {
-    float M = -INFINITY;
-    for (int u = 0; u < P; ++u) M = std::max(M, maxima[u * H + h]);
-    double L = 0;
-    for (int u = 0; u < P; ++u)
-      if (sums[u * H + h] > 0) L += double(sums[u * H + h]) * std::exp(double(maxima[u * H + h] - M));
-    const float f = float(std::exp(double(maxima[t * H + h] - M)) / L);
-    float* s = sc + int64_t(h) * n;
-    for (int j = 0; j < n; ++j) s[j] *= f;
-  }
-  if (n > 0)
-    sum_pass(kv, blocks + b0, n, diag, sc, mine, oc_width ? mine + W : nullptr);
-  else
-    std::fill(mine, mine + stride, 0.0f);
+  for (int c = c0; c < c1; ++c) chunk_sums(kv, blocks, r, c, diag, mine(c), r.parts + c * r.stride);
 #pragma omp barrier
-  for (int64_t c = stride * t / P; c < stride * (t + 1) / P; ++c) {
+  const int W = kv.k_width;
+  for (int64_t i = r.stride * t / P; i < r.stride * (t + 1) / P; ++i) {
     float v = 0;
-    for (int u = 0; u < P; ++u) v += part[u * stride + c];
-    (c < W ? out[c] : oc[c - W]) = v;
+    for (int c = 0; c < r.n_chunks; ++c) v += r.parts[c * r.stride + i];
+    (i < W ? out[i] : oc[i - W]) = v;
   }
 }
 
@@ -357,23 +401,27 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   const int64_t oc_width = diag == DiagKind::kNone      ? 0
                            : diag == DiagKind::kPerHead ? int64_t(H) * D
                                                         : D;
-  // Rows too few to occupy every thread, with long contexts, split their tokens over threads.
+  // Rows too few to occupy every thread, with long contexts, share their chunks out over threads
+  // (the same bits as on one thread).
   const int threads = omp_get_max_threads();
   const int pending = int(std::count_if(owner.begin(), owner.end(), [](int s) { return s >= 0; }));
-  if (threads > 1 && pending < threads && !in_region() && !ctx.batch_invariant)
+  const int chunk = chunk_tokens(kv.block_size);
+  const int64_t stride = W + oc_width;
+  auto chunks_of = [&](int n_ctx) { return (n_ctx + chunk - 1) / chunk; };
+  if (threads > 1 && pending < threads && !in_region())
     for (int i = 0; i < n_rows; ++i) {
       const int s = owner[i];
       if (s < 0) continue;
       const int n_ctx = seqs[s].pos_begin + (i - seqs[s].row_begin) + 1;
-      const int P = std::min(threads, n_ctx / kSplitTokens);
+      const int P = std::min(threads, n_ctx / kChunkTokens);
       if (P < 2) continue;
-      thread_local std::vector<float> part;
-      part.resize(size_t(split_part_floats(P, kv, oc_width)));
-      float* part_data = part.data();
+      thread_local std::vector<float> mem;
+      mem.resize(size_t(row_chunks_floats(chunks_of(n_ctx), H, stride, chunks_of(n_ctx))));
+      float* mem_data = mem.data();
 #pragma omp parallel num_threads(P)
       attend_row_split(kv, seqs[s].blocks, n_ctx, diag, q.data + int64_t(i) * W,
                        oc_width ? qd.data + i * oc_width : nullptr, scale,
-                       ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num(), part_data,
+                       ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num(), mem_data,
                        out.data + int64_t(i) * W, oc_width ? out_c.data + i * oc_width : nullptr,
                        oc_width);
       owner[i] = -1;
@@ -381,14 +429,17 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
 #pragma omp parallel if (!in_region())
   {
     float* sc = ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num();
+    thread_local std::vector<float> mem;
+    mem.resize(size_t(row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride, 1)));
 #pragma omp for schedule(dynamic, 2)
     for (int i = 0; i < n_rows; ++i) {
       const int s = owner[i];
       if (s < 0) continue;
       const AttnSeq& sq = seqs[s];
       attend_row(kv, sq.blocks, sq.pos_begin + (i - sq.row_begin) + 1, diag, q.data + int64_t(i) * W,
-                 diag == DiagKind::kNone ? nullptr : qd.data + i * oc_width, scale, sc,
-                 out.data + int64_t(i) * W, diag == DiagKind::kNone ? nullptr : out_c.data + i * oc_width);
+                 oc_width ? qd.data + i * oc_width : nullptr, scale, sc, mem.data(),
+                 out.data + int64_t(i) * W, oc_width ? out_c.data + i * oc_width : nullptr,
+                 oc_width);
     }
   }
 }

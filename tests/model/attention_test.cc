@@ -3,8 +3,9 @@
 // and multi-row chunks (the gather + sgemm path), for standard attention (separate values) and
 // CEM keys with diag none / shared / per-head, heads narrower and wider than a 16-lane vector
 // (and wider than 256), more than 16 heads, contexts wider than 256, token counts off the
-// 16-token score groups, blocks of 3 and 16 scattered in the pool, and both cache dtypes: fp32, and bf16 (the reference reads the same
-// rounded entries, so both agree to fp32 rounding).
+// 16-token score groups, blocks of 3 and 16 scattered in the pool, contexts shared out over
+// threads (the same bits as on one thread), and both cache dtypes: fp32, and bf16 (the reference
+// reads the same rounded entries, so both agree to fp32 rounding).
 #include "cemlm/kernels/attention.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -93,6 +95,18 @@ TEST_P(AttentionTest, MatchesReference) {
                           ctx ? Tensor(oc.data(), {R, qd_w}) : Tensor{}, Tensor(q.data(), {R, W}),
                           ctx ? Tensor(qd.data(), {R, qd_w}) : Tensor{}, c.diag, kv, &seq, 1,
                           scale);
+  if (c.threads > 1 && R < 8) {
+    // The rows' context shared out over the threads gives the bits of one thread doing it all
+    // (a batch-1 row must not round otherwise than the same row inside a batch).
+    std::vector<float> out1(out.size(), NAN), oc1(oc.size(), NAN);
+    omp_set_num_threads(1);
+    paged_attention_forward(ex, Tensor(out1.data(), {R, W}),
+                            ctx ? Tensor(oc1.data(), {R, qd_w}) : Tensor{},
+                            Tensor(q.data(), {R, W}), ctx ? Tensor(qd.data(), {R, qd_w}) : Tensor{},
+                            c.diag, kv, &seq, 1, scale);
+    EXPECT_EQ(std::memcmp(out1.data(), out.data(), sizeof(float) * out.size()), 0);
+    EXPECT_TRUE(!ctx || std::memcmp(oc1.data(), oc.data(), sizeof(float) * oc.size()) == 0);
+  }
   omp_set_num_threads(threads_before);
 
   for (int r = 0; r < R; ++r) {
@@ -145,8 +159,9 @@ std::vector<Case> cases() {
     v.push_back({true, DiagKind::kNone, 20, 16, 32, 16, 45, 1, bf16});
     v.push_back({false, DiagKind::kNone, 7, 48, 32, 16, 40, 1, bf16});
     v.push_back({false, DiagKind::kShared, 1, 272, 24, 16, 20, 1, bf16});
-    // Long contexts with fewer rows than threads: split over 2, 3 (uneven shares) and 4 threads
-    // (with 512-token blocks, 3 blocks over 4 threads: one share is empty).
+    // Long contexts with fewer rows than threads: 256-token chunks shared out over 2, 3 (uneven
+    // shares) and 4 threads (512-token blocks make 512-token chunks, 3 over 4 threads: one share
+    // is empty); each also against one thread, bit for bit.
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 700, 1, bf16, 2});
     v.push_back({false, DiagKind::kShared, 2, 40, 48, 16, 1000, 2, bf16, 3});
     v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 800, 1, bf16, 3});

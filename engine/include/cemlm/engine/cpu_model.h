@@ -52,8 +52,7 @@ class CpuModel {
   // engine's runner): each row's logits and cache entries have the same bits whatever else is in
   // the batch or how its prompt was chunked (ExecCtx::batch_invariant), so that a seeded request
   // samples the same tokens alone or batched; off (the full-sequence oracle, the trainer's
-  // evaluation), a prefill chunk's attention runs as sgemms and a lone long row splits its context
-  // over the threads, which round differently.
+  // evaluation), a prefill chunk's attention runs as sgemms, which round differently.
   CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant = false);
   const ModelConfig& config() const { return cfg_; }
   // See ModelRunner::forward.

@@ -51,7 +51,7 @@ struct ExecCtx {
   float* scratch = nullptr;
   int64_t scratch_floats = 0;
   // CPU: ops whose summation order could depend on the other rows of the call take the order
-  // that does not (paged attention row by row, every context on one thread), so that a row's
+  // that does not (paged attention row by row, never as a prefill chunk's sgemm), so that a row's
   // result has the same bits alone or batched. The engine's model sets it; training does not.
   bool batch_invariant = false;
 };

@@ -2,31 +2,38 @@
 #include "cemlm/kernels/elementwise.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include "cemlm/kernels/simd.h"
 
 namespace cemlm {
 namespace {
 
-inline float silu(float z) { return z / (1.0f + std::exp(-z)); }
+// SiLU(z) · m over eight lanes: simd::exp is within 2 ulp of std::exp, and +inf where std::exp
+// overflows, so very negative z gives −0.
+inline simd::f8 silu_times8(simd::f8 z, simd::f8 m) {
+  return z / (simd::splat(1.0f) + simd::exp(-z)) * m;
+}
 
-// out[i] = SiLU(a[i]) · (b ? b[i] : 1): eight lanes at a time through simd::exp (within 2 ulp of
-// std::exp, and +inf where std::exp overflows, so very negative z gives −0 in lanes and tail
-// alike).
+// out[i] = SiLU(a[i]) · (b ? b[i] : 1). Every value goes through the same lane arithmetic (the
+// last n mod 8 through a zero-padded vector): a row's bits must not depend on how many rows share
+// the flat buffer, or a request's output would depend on its batch.
 void silu_times(float* out, const float* a, const float* b, int64_t n) {
   constexpr int64_t kChunk = 4096;  // per thread item
 #pragma omp parallel for schedule(static) if (n > 8192)
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t end = std::min(n, c + kChunk);
     int64_t i = c;
-    for (; i + 8 <= end; i += 8) {
-      const simd::f8 z = simd::load(a + i);
-      simd::f8 s = z / (simd::splat(1.0f) + simd::exp(-z));
-      if (b) s *= simd::load(b + i);
-      simd::store(out + i, s);
+    for (; i + 8 <= end; i += 8)
+      simd::store(out + i,
+                  silu_times8(simd::load(a + i), b ? simd::load(b + i) : simd::splat(1.0f)));
+    if (i < end) {
+      float z[8] = {}, m[8] = {}, r[8];
+      std::copy(a + i, a + end, z);
+      if (b) std::copy(b + i, b + end, m);
+      else std::fill(m, m + (end - i), 1.0f);
+      simd::store(r, silu_times8(simd::load(z), simd::load(m)));
+      std::copy(r, r + (end - i), out + i);
     }
-    for (; i < end; ++i) out[i] = silu(a[i]) * (b ? b[i] : 1.0f);
   }
 }
 

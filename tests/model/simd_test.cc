@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -50,7 +51,7 @@ TEST(Simd, ExpOverflowsToInfinityLikeStdExp) {
 }
 
 // The kernels built on these helpers at extreme magnitudes: SiLU of very negative inputs is 0 in
-// vector lanes as in the scalar tail; RMSNorm of a row whose squares overflow float is ±g (it
+// every lane, a length's last n mod 8 values included; RMSNorm of a row whose squares overflow float is ±g (it
 // once came out all zeros).
 TEST(Simd, SiluAndRmsnormAtExtremeMagnitudes) {
   std::vector<float> z(17, -1e30f), out(17, 1.0f);
@@ -82,6 +83,38 @@ TEST(Simd, DotAndExpSumsMatchPlainLoopsForEveryTail) {
     for (int i = 0; i < n; ++i) {
       const double want = std::exp(double(a[size_t(i)]) - 0.5);
       EXPECT_NEAR(e[size_t(i)], want, 3e-7 * want) << n;
+    }
+  }
+}
+
+// SiLU and SwiGLU work over the flat [N, F] buffer: a row's bits must be the same whatever N is
+// (the engine's batch invariance), also for widths that are not a multiple of the vector width,
+// and stay within 2 ulp-ish of the scalar formula.
+TEST(Simd, SiluRowsHaveTheSameBitsWhateverTheRowCount) {
+  Rng rng(11);
+  for (int F : {1, 3, 7, 8, 9, 13, 300, 4099}) {
+    const int N = 5;
+    std::vector<float> gate(size_t(N) * F), up(gate.size());
+    for (float& x : gate) x = float(3 * rng.normal());
+    for (float& x : up) x = float(rng.normal());
+    std::vector<float> all_silu(gate.size()), all_swiglu(gate.size());
+    silu_forward(ExecCtx{}, Tensor(all_silu.data(), {N, F}), Tensor(gate.data(), {N, F}));
+    swiglu_forward(ExecCtx{}, Tensor(all_swiglu.data(), {N, F}), Tensor(gate.data(), {N, F}),
+                   Tensor(up.data(), {N, F}));
+    for (int rows = 1; rows <= N; ++rows) {
+      std::vector<float> s(size_t(rows) * F), w(s.size());
+      silu_forward(ExecCtx{}, Tensor(s.data(), {rows, F}), Tensor(gate.data(), {rows, F}));
+      swiglu_forward(ExecCtx{}, Tensor(w.data(), {rows, F}), Tensor(gate.data(), {rows, F}),
+                     Tensor(up.data(), {rows, F}));
+      for (size_t i = 0; i < s.size(); ++i) {
+        ASSERT_EQ(std::memcmp(&s[i], &all_silu[i], 4), 0) << "F=" << F << " rows=" << rows << " i=" << i;
+        ASSERT_EQ(std::memcmp(&w[i], &all_swiglu[i], 4), 0) << "F=" << F << " rows=" << rows << " i=" << i;
+      }
+    }
+    for (size_t i = 0; i < gate.size(); ++i) {
+      const double z = gate[i], want = z / (1 + std::exp(-z));
+      EXPECT_NEAR(all_silu[i], want, 1e-6 * (1 + std::abs(want))) << F << " " << i;
+      EXPECT_NEAR(all_swiglu[i], want * up[i], 1e-6 * (1 + std::abs(want * up[i]))) << F << " " << i;
     }
   }
 }

@@ -32,6 +32,12 @@ std::string to_text(const T& v) {
   return os.str();
 }
 
+// A flag's help under its name: every line indented, those the text breaks itself included.
+std::string indented(const std::string& text) {
+  std::string out = "      ";
+  for (char c : text) out += c == '\n' ? std::string("\n      ") : std::string(1, c);
+  return out;
+}
 }  // namespace
 
 Flags::Flags(std::string usage, std::string summary)
@@ -95,13 +101,13 @@ std::string Flags::help() const {
   os << "usage: " << usage_ << "\n\n" << summary_ << "\n";
   if (!positionals_.empty()) {
     os << "\narguments:\n";
-    for (const auto& f : positionals_) os << "  " << f.name << "\n      " << f.help << "\n";
+    for (const auto& f : positionals_) os << "  " << f.name << "\n" << indented(f.help) << "\n";
   }
   os << "\noptions:\n";
   for (const auto& f : flags_) {
     os << "  --" << f.name;
     if (!f.is_bool) os << " " << f.metavar;
-    os << "\n      " << f.help;
+    os << "\n" << indented(f.help);
     if (f.required) os << " (required)";
     else if (!f.default_text.empty()) os << " (default: " << f.default_text << ")";
     os << "\n";

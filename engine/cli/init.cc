@@ -22,11 +22,8 @@ bool check_tokenizer(const std::string& path, const ModelConfig& c) {
     std::fprintf(stderr, "error: --tokenizer: %s\n", error.c_str());
     return false;
   }
-  if (tok->vocab_size() > c.vocab_size) {
-    std::fprintf(stderr,
-                 "error: --tokenizer '%s' has %d pieces but the config's vocab_size is %d; "
-                 "raise vocab_size or train a smaller tokenizer\n",
-                 path.c_str(), tok->vocab_size(), c.vocab_size);
+  if (!check_tokenizer_fits(*tok, c.vocab_size, &error)) {
+    std::fprintf(stderr, "error: --tokenizer '%s': %s\n", path.c_str(), error.c_str());
     return false;
   }
   return true;
@@ -42,7 +39,8 @@ int cmd_init(int argc, char** argv) {
               "with random weights drawn from MODEL.md's recommended init (except LEV's out_proj:\n"
               "std 1/sqrt(heads * rank) instead of 0.02/sqrt(heads), see docs/TRAINING.md).");
   flags.add("config", &config_path, "model config.json to initialise", true);
-  flags.add("out", &out_dir, "checkpoint directory to write (an existing checkpoint is replaced)",
+  flags.add("out", &out_dir, "checkpoint directory to write (an existing checkpoint is replaced;\n"
+            "a directory holding other files is refused)",
             true);
   flags.add("seed", &seed, "random seed; the same seed gives the same weights");
   flags.add("tokenizer", &tokenizer_path, "SentencePiece model to copy in as tokenizer.model");

@@ -58,6 +58,7 @@ int cmd_score(int argc, char** argv) {
     std::string err;
     auto tok = Tokenizer::load(ck->tokenizer_path, &err);
     if (!tok) return fail(err);
+    if (!check_tokenizer_fits(*tok, c.vocab_size, &err)) return fail(ck->tokenizer_path + ": " + err);
     ids = encode_input(*tok, text, no_bos ? -1 : resolve_bos_id(c.bos_id, tok.get()));
   }
   if (ids.size() < 2) return fail("need at least 2 tokens to score (got " + std::to_string(ids.size()) + ")");

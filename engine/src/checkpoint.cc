@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -158,16 +159,19 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   return ck;
 }
 
-namespace {
-fs::path target_path(const std::string& dir) {
+fs::path checkpoint_target_path(const std::string& dir) {
   fs::path target = fs::path(dir).lexically_normal();
   if (!target.has_filename()) target = target.parent_path();  // "out/" → "out"
+  std::error_code ec;
+  if (fs::is_symlink(target, ec)) {
+    const fs::path resolved = fs::weakly_canonical(target, ec);
+    if (!ec) return resolved;
+  }
   return target;
 }
-}  // namespace
 
 absl::Status check_checkpoint_target(const std::string& dir) {
-  const fs::path target = target_path(dir);
+  const fs::path target = checkpoint_target_path(dir);
   if (target.empty() || target == "." || target == "..")
     return absl::InvalidArgumentError(absl::StrCat(
         "'", dir, "' cannot hold a checkpoint: name a directory of its own, like models/run1"));
@@ -178,6 +182,17 @@ absl::Status check_checkpoint_target(const std::string& dir) {
         "'", target.string(),
         "' exists and is not a checkpoint directory (no config.json); refusing to replace it: "
         "choose another output directory or remove it"));
+  if (fs::is_directory(target, ec))
+    for (fs::directory_iterator it(target, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (std::find(kCheckpointFiles.begin(), kCheckpointFiles.end(), name) ==
+              kCheckpointFiles.end() ||
+          !it->is_regular_file(ec))
+        return absl::FailedPreconditionError(absl::StrCat(
+            "'", target.string(), "' holds '", name,
+            "', which is not a checkpoint file; saving replaces the whole directory and would "
+            "delete it: move it out, or choose another output directory"));
+    }
   if (target.has_parent_path() && !fs::create_directories(target.parent_path(), ec) && ec)
     return fs_error("create", target.parent_path(), ec);
   const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
@@ -192,7 +207,7 @@ absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
                              const ExtraFilesWriter& write_extra) {
   CEMLM_RETURN_IF_ERROR(check_params(config, params));
   CEMLM_RETURN_IF_ERROR(check_checkpoint_target(dir));
-  const fs::path target = target_path(dir);
+  const fs::path target = checkpoint_target_path(dir);
   std::error_code ec;
   const bool exists = fs::exists(target, ec);
   static std::atomic<uint64_t> counter{0};

@@ -227,6 +227,11 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineImpl::start(const EngineOptions& o
     if (EngineImpl* e = engine.get()) e->loop();
   });
   absl::StatusOr<std::unique_ptr<ModelRunner>> r = runner.get();
+  if (r.ok() && tokenizer) {
+    std::string error;
+    if (!check_tokenizer_fits(*tokenizer, (*r)->config().vocab_size, &error))
+      r = absl::FailedPreconditionError(absl::StrCat(kTokenizerFile, ": ", error));
+  }
   if (!r.ok()) {
     adopted.set_value(nullptr);
     thread.join();

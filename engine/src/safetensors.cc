@@ -252,12 +252,26 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   std::sort(f.tensors_.begin(), f.tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return a.begin < b.begin || (a.begin == b.begin && a.end < b.end);
   });
+  // The body is the tensors' data back to back, as the format requires: a gap or trailing bytes
+  // mean a header that does not describe this file (corrupt, or spliced from another).
+  uint64_t covered = 0;
   for (size_t i = 0; i < f.tensors_.size(); ++i) {
-    if (i > 0 && f.tensors_[i].begin < f.tensors_[i - 1].end)
-      return tensor_error(path, f.tensors_[i].name,
+    const TensorInfo& t = f.tensors_[i];
+    if (t.begin < covered)
+      return tensor_error(path, t.name,
                           absl::StrCat("data overlaps tensor '", f.tensors_[i - 1].name, "'"));
-    f.index_[f.tensors_[i].name] = i;
+    if (t.begin > covered)
+      return tensor_error(path, t.name,
+                          absl::StrCat("data starts at byte ", t.begin, " of the body, leaving bytes ",
+                                       covered, "..", t.begin - 1, " that no tensor describes"));
+    covered = t.end;
+    f.index_[t.name] = i;
   }
+  if (covered != size - 8 - n)
+    return header_error(path, absl::StrCat("the tensors describe ", covered, " bytes of data but ",
+                                           size - 8 - n,
+                                           " follow the header: corrupt, or a header from "
+                                           "another file"));
   return f;
 }
 

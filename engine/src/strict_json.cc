@@ -76,7 +76,7 @@ absl::StatusOr<json> parse_json_strict(std::string_view text) {
     // e.byte counts the characters read, the offending one included; nlohmann's own line and
     // column are not reliable (a column 0 mid-line), so both come from the offset here.
     const size_t at = std::min<size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
-    const size_t line_start = text.rfind('\n', at == 0 ? std::string_view::npos : at - 1);
+    const size_t line_start = at == 0 ? std::string_view::npos : text.rfind('\n', at - 1);
     const size_t line = 1 + size_t(std::count(text.begin(), text.begin() + long(at), '\n'));
     const size_t column = line_start == std::string_view::npos ? at + 1 : at - line_start;
     // what(): "[json.exception.parse_error.101] parse error at line 1, column 2: syntax error ..."

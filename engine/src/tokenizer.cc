@@ -100,6 +100,16 @@ int Tokenizer::eos_id() const { return loaded_spm().eos_id(sp_); }
 int Tokenizer::unk_id() const { return loaded_spm().unk_id(sp_); }
 int Tokenizer::pad_id() const { return loaded_spm().pad_id(sp_); }
 
+bool check_tokenizer_fits(const Tokenizer& tokenizer, int vocab_size, std::string* error) {
+  if (tokenizer.vocab_size() <= vocab_size) return true;
+  *error = "the tokenizer has " + std::to_string(tokenizer.vocab_size()) +
+           " pieces but the model's vocab_size is " + std::to_string(vocab_size) +
+           ", so some texts would encode to ids the model does not have; use the tokenizer the "
+           "model was trained with, or a model with vocab_size >= " +
+           std::to_string(tokenizer.vocab_size());
+  return false;
+}
+
 int resolve_bos_id(int config_bos_id, const Tokenizer* tokenizer) {
   return config_bos_id >= 0 ? config_bos_id : tokenizer ? tokenizer->bos_id() : -1;
 }

@@ -254,6 +254,24 @@ class GenerateCliText : public ::testing::Test {
   std::string dir_, ckpt_;
 };
 
+// A tokenizer with more pieces than the model has ids is refused when the model loads, not
+// blamed on a prompt that happens to encode to a large id.
+TEST_F(GenerateCliText, TokenizerLargerThanTheVocabularyIsRefusedAtLoad) {
+  ModelConfig cfg = testing_models::make_config(testing_models::all_variants()[2], 300);
+  ParamStore store(cfg);
+  testing_models::randomize(store, 7);
+  ckpt_ = dir_ + "/small_vocab";
+  ASSERT_TRUE(save_checkpoint(ckpt_, cfg, store, dir_ + "/tok.model").ok());
+  int rc = 0;
+  ::testing::internal::CaptureStderr();
+  output({"--max-new-tokens", "2"}, &rc);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("tokenizer.model: the tokenizer has 400 pieces but the model's vocab_size is 300"),
+            std::string::npos)
+      << err;
+}
+
 TEST_F(GenerateCliText, StreamedTextKeepsNulBytes) {
   // Near-uniform sampling over 400 ids (4 + 0 is the <0x00> byte piece): find a seed whose text
   // has a NUL, then the streamed text must equal the --json text byte for byte.

@@ -220,7 +220,7 @@ TEST(Checkpoint, SaveReplacesAnOldCheckpointWholly) {
   const std::string dir = fresh_dir(), ck = dir + "/ck";
   const ModelConfig c = config_of(small_config());
   ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 1)).ok());
-  write_bytes(ck + "/stale.bin", "from an older save");
+  write_bytes(ck + "/" + kLossCurveFile, "from an older save, which this one does not write");
   const ParamStore p2 = random_params(c, 2);
   ASSERT_TRUE(save_checkpoint(ck, c, p2, "", [](const std::string& tmp) {
                 write_bytes(tmp + "/optimizer.safetensors", "state");
@@ -282,6 +282,56 @@ TEST(Checkpoint, SaveRefusesToReplaceSomethingElse) {
   fs::create_directories(dir + "/empty");
   EXPECT_TRUE(save_checkpoint(dir + "/empty", c, random_params(c, 1)).ok());
   EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"empty", "file", "notes"}));
+}
+
+// Saving swaps in a whole new directory, so a checkpoint directory holding anything besides
+// checkpoint files (notes, a nested run, a dump) is refused rather than emptied; the trainer's
+// own files are checkpoint files.
+TEST(Checkpoint, SaveRefusesACheckpointDirectoryHoldingOtherFiles) {
+  const std::string dir = fresh_dir();
+  const ModelConfig c = config_of(small_config());
+  const std::string ck = dir + "/ck";
+  ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 1)).ok());
+  for (const char* name : {kOptimizerFile, kTrainerStateFile, kMetricsFile, kLossCurveFile})
+    write_bytes(ck + "/" + name, "from a training run");
+  EXPECT_TRUE(save_checkpoint(ck, c, random_params(c, 2)).ok()) << "trainer files are refused";
+  auto refused_naming = [&](const std::string& name) {
+    const auto st = save_checkpoint(ck, c, random_params(c, 3));
+    EXPECT_FALSE(st.ok()) << name;
+    EXPECT_NE(st.message().find("'" + name + "'"), std::string::npos) << st.message();
+    EXPECT_EQ(check_checkpoint_target(ck).code(), st.code());
+  };
+  write_bytes(ck + "/NOTES.md", "keep me");
+  refused_naming("NOTES.md");
+  EXPECT_EQ(read_bytes(ck + "/NOTES.md"), "keep me");
+  fs::remove(ck + "/NOTES.md");
+  fs::create_directories(ck + "/sub/deeper");  // a run nested in another's directory
+  refused_naming("sub");
+  EXPECT_TRUE(fs::is_directory(ck + "/sub/deeper"));
+  fs::remove_all(ck + "/sub");
+  fs::create_directories(ck + "/" + kMetricsFile);  // a known name, but not a file
+  refused_naming(kMetricsFile);
+  fs::remove_all(ck + "/" + kMetricsFile);
+  auto loaded = load_checkpoint(ck);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->params.flat(), random_params(c, 2).flat()) << "a refused save changed it";
+  EXPECT_EQ(list_dir(dir), std::vector<std::string>{"ck"}) << "temporary directory left";
+}
+
+// An output path that is a symbolic link (models/latest -> run3) saves into what it points at,
+// and the link stays a link.
+TEST(Checkpoint, SaveThroughASymlinkReplacesItsTarget) {
+  const std::string dir = fresh_dir();
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(dir + "/run3", c, random_params(c, 1)).ok());
+  fs::create_directory_symlink("run3", dir + "/latest");
+  EXPECT_EQ(checkpoint_target_path(dir + "/latest/"), fs::canonical(dir + "/run3"));
+  ASSERT_TRUE(save_checkpoint(dir + "/latest", c, random_params(c, 2)).ok());
+  EXPECT_TRUE(fs::is_symlink(dir + "/latest"));
+  auto loaded = load_checkpoint(dir + "/run3");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->params.flat(), random_params(c, 2).flat());
+  EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"latest", "run3"}));
 }
 
 TEST(Checkpoint, SaveRefusesParamsOfAnotherConfig) {

@@ -139,6 +139,19 @@ std::vector<BadFile> bad_files() {
        safetensors_bytes(R"({"__metadata__":{"format":"pt","format":"np"}})", ""),
        "duplicate key \"__metadata__.format\""},
       {"syntax error position", safetensors_bytes("{\"w\" 1}", ""), "line 1, column 6"},
+      {"bad first byte", safetensors_bytes("#\n{}", ""), "line 1, column 1 (byte 0)"},
+      // The body must be the tensors back to back: a gap or trailing bytes mean a header that
+      // does not describe the file.
+      {"trailing bytes", one(R"({"dtype":"F32","shape":[1],"data_offsets":[0,4]})", body(5)),
+       "describe 4 bytes of data but 5 follow"},
+      {"data before the first tensor",
+       one(R"({"dtype":"F32","shape":[1],"data_offsets":[4,8]})", body(8)), "'w'"},
+      {"gap between tensors",
+       safetensors_bytes(R"({"v":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                         R"("w":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                         body(12)),
+       "'w'"},
+      {"body without tensors", safetensors_bytes("{}", body(4)), "describe 0 bytes"},
   };
 }
 

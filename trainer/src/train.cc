@@ -63,10 +63,7 @@ class Trainer {
   }
   std::string in_out(const char* file) const { return (fs::path(o_.out_dir) / file).string(); }
   // --out without a trailing separator, so that siblings ("<out>.cache") are not inside it.
-  fs::path out_path() const {
-    const fs::path out = fs::path(o_.out_dir).lexically_normal();
-    return out.has_filename() ? out : out.parent_path();
-  }
+  fs::path out_path() const { return checkpoint_target_path(o_.out_dir); }
   fs::path cache_path() const {
     return o_.cache_dir.empty() ? fs::path(out_path().string() + ".cache") : fs::path(o_.cache_dir);
   }

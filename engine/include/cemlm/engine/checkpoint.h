@@ -2,8 +2,11 @@
 // Loading checks every tensor against the layout table (param_layout); saving builds the whole
 // directory beside the target and swaps it in, so a crash never leaves half a checkpoint.
 #pragma once
+#include <array>
+#include <filesystem>
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -15,6 +18,16 @@ namespace cemlm {
 inline constexpr char kConfigFile[] = "config.json";
 inline constexpr char kWeightsFile[] = "model.safetensors";
 inline constexpr char kTokenizerFile[] = "tokenizer.model";
+// Files `cemlm train` adds to a checkpoint directory besides the model.
+inline constexpr char kOptimizerFile[] = "optimizer.safetensors";
+inline constexpr char kTrainerStateFile[] = "trainer_state.json";
+inline constexpr char kMetricsFile[] = "train.jsonl";
+inline constexpr char kLossCurveFile[] = "loss.svg";
+// Every name a checkpoint directory may hold. Saving replaces the whole directory, so one
+// holding anything else is refused rather than emptied.
+inline constexpr std::array<std::string_view, 7> kCheckpointFiles = {
+    kConfigFile, kWeightsFile, kTokenizerFile, kOptimizerFile, kTrainerStateFile, kMetricsFile,
+    kLossCurveFile};
 
 struct Checkpoint {
   ModelConfig config;
@@ -30,14 +43,18 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir);
 // so they appear atomically with the model. An error aborts the save.
 using ExtraFilesWriter = std::function<absl::Status(const std::string& tmp_dir)>;
 
+// The directory save_checkpoint writes for `dir`: "out/" is "out", and a symbolic link is
+// followed, so the link keeps pointing at the new checkpoint.
+std::filesystem::path checkpoint_target_path(const std::string& dir);
+
 // Whether save_checkpoint may write `dir`: absent (its parent is created), empty, or a
-// checkpoint directory, with a writable parent. A trainer asks before training, so a bad --out
-// fails at once rather than at the first save.
+// checkpoint directory (config.json, and nothing but kCheckpointFiles), with a writable parent.
+// A trainer asks before training, so a bad --out fails at once rather than at the first save.
 absl::Status check_checkpoint_target(const std::string& dir);
 
 // Writes config.json, model.safetensors (F32, layout order) and, when `tokenizer_path` is not
 // empty, a copy of it as tokenizer.model. An existing `dir` is replaced only once the new one is
-// complete, and only if it is a checkpoint (has config.json) or empty; a failed save leaves it
+// complete, and only if check_checkpoint_target allows it; a failed save leaves it
 // untouched and removes the temporary directory. Non-finite parameters are refused by name.
 absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
                              const ParamStore& params, const std::string& tokenizer_path = "",

@@ -41,6 +41,10 @@ class Tokenizer {
   void* sp_;  // owned: the plugin's SentencePieceProcessor
 };
 
+// Whether a tokenizer can serve a model of `vocab_size` token ids: false (with the reason, to
+// prefix with where the tokenizer came from) when it has more pieces, whose ids the model lacks.
+bool check_tokenizer_fits(const Tokenizer& tokenizer, int vocab_size, std::string* error);
+
 // A model's document markers: the config's id when it sets one (>= 0), else the tokenizer's;
 // -1 when neither defines it. The trainer encodes every document as `BOS ids EOS` with these, so
 // a text input starts with the same BOS (encode_input) and generation ends at the same EOS.

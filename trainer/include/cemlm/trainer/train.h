@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/config.h"
 #include "cemlm/trainer/metrics.h"
 #include "cemlm/trainer/optimizer.h"
@@ -15,11 +16,6 @@
 namespace cemlm {
 
 inline constexpr char kDefaultData[] = "/usr/share/games/fortunes";
-// Files the trainer adds to a checkpoint directory besides the model.
-inline constexpr char kOptimizerFile[] = "optimizer.safetensors";
-inline constexpr char kTrainerStateFile[] = "trainer_state.json";
-inline constexpr char kMetricsFile[] = "train.jsonl";
-inline constexpr char kLossCurveFile[] = "loss.svg";
 
 // Training recursion: T drawn uniformly from [min, max] each step (min == max: fixed T).
 struct RecursionRange {

@@ -1,5 +1,6 @@
 // `cemlm generate`: one request through the Engine (paged KV cache, scheduler, sampler: the same
 // code path as the server). Streams the text to stdout, or prints one JSON object with --json.
+#include <algorithm>
 #include <cctype>
 #include <condition_variable>
 #include <cstdint>
@@ -87,7 +88,9 @@ int cmd_generate(int argc, char** argv) {
   f.add_bool("no-bos", &no_bos,
              "do not start --prompt with the model's BOS (training starts every document with it)");
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
-  f.add("max-new-tokens", &max_new, "tokens to generate at most");
+  f.add("max-new-tokens", &max_new,
+        "tokens to generate at most; when not given, the default is capped to the room the "
+        "prompt leaves below the model's max_seq_len");
   f.add("temperature", &temperature, "sampling temperature (0: greedy)");
   f.add("top-k", &top_k, "keep the K most likely tokens (0: off)");
   f.add("top-p", &top_p, "nucleus sampling mass (1: off)");
@@ -149,6 +152,10 @@ int cmd_generate(int argc, char** argv) {
     req.prompt_ids =
         encode_input(*tok, prompt, no_bos ? -1 : resolve_bos_id((*engine)->config().bos_id, tok));
   }
+  // The default fits small models too; a value given stays as given, and too large is an error.
+  if (!f.given("max-new-tokens"))
+    max_new = std::min(max_new,
+                       std::max(1, (*engine)->config().max_seq_len - int(req.prompt_ids.size())));
   req.recursion_depth = T;
   req.sampling.max_new_tokens = max_new;
   req.sampling.temperature = temperature;

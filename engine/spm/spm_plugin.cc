@@ -5,6 +5,7 @@
 #include <sentencepiece_trainer.h>
 
 #include <algorithm>
+#include <string>
 
 #include "spm_api.h"
 
@@ -25,29 +26,51 @@ std::string detail(const sentencepiece::util::Status& st) {
   return msg;
 }
 
-// Feeds the corpus to the trainer one non-empty line at a time, without copying it.
+// Where the sentence starting at `pos` of the line text[pos, end) ends: at `end` when it fits in
+// `max` bytes, else before the last space within them (the words stay whole, and the space starts
+// the next sentence as it starts a piece), else at the last character boundary.
+size_t sentence_end(const std::string& text, size_t pos, size_t end, size_t max) {
+  if (end - pos <= max) return end;
+  if (size_t space = text.rfind(' ', pos + max); space != std::string::npos && space > pos)
+    return space;
+  size_t cut = pos + max;
+  while (cut > pos + 1 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return cut;
+}
+
+// Feeds the corpus to the trainer one non-empty line at a time, without copying it. SentencePiece
+// skips a sentence longer than its max_sentence_length (silently, and training fails without a
+// reason when none is left), so a longer line is fed as several sentences of at most `max` bytes.
 class CorpusLines final : public sentencepiece::SentenceIterator {
  public:
-  explicit CorpusLines(const std::vector<TextFile>& files) : files_(files) { Next(); }
+  CorpusLines(const std::vector<TextFile>& files, size_t max) : files_(files), max_(max) { Next(); }
   bool done() const override { return file_ >= files_.size(); }
   const std::string& value() const override { return line_; }
   sentencepiece::util::Status status() const override { return {}; }
   void Next() override {
-    for (; file_ < files_.size(); ++file_, pos_ = 0) {
+    for (; file_ < files_.size(); ++file_, pos_ = end_ = 0) {
       const std::string& text = files_[file_].text;
       while (pos_ < text.size()) {
-        size_t end = std::min(text.find('\n', pos_), text.size());
-        line_.assign(text, pos_, end - pos_);
-        pos_ = end + 1;
-        if (line_.ends_with('\r')) line_.pop_back();
-        if (!line_.empty()) return;
+        if (pos_ >= end_) {  // the next line: [pos_, end_) without its "\n" or "\r\n"
+          const size_t newline = std::min(text.find('\n', pos_), text.size());
+          end_ = newline > pos_ && text[newline - 1] == '\r' ? newline - 1 : newline;
+          if (end_ == pos_) {  // empty
+            pos_ = newline + 1;
+            continue;
+          }
+        }
+        const size_t cut = sentence_end(text, pos_, end_, max_);
+        line_.assign(text, pos_, cut - pos_);
+        pos_ = cut == end_ ? std::min(text.find('\n', end_), text.size()) + 1 : cut;
+        return;
       }
     }
   }
 
  private:
   const std::vector<TextFile>& files_;
-  size_t file_ = 0, pos_ = 0;
+  const size_t max_;
+  size_t file_ = 0, pos_ = 0, end_ = 0;
   std::string line_;
 };
 
@@ -64,7 +87,7 @@ bool train(const std::unordered_map<std::string, std::string>& args,
            const std::vector<TextFile>& corpus, unsigned seed, std::string* model,
            std::string* error) {
   sentencepiece::SetRandomGeneratorSeed(seed);
-  CorpusLines lines(corpus);
+  CorpusLines lines(corpus, std::stoul(args.at("max_sentence_length")));
   if (auto st = sentencepiece::SentencePieceTrainer::Train(args, &lines, model); !st.ok()) {
     *error = detail(st);
     return false;

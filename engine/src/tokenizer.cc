@@ -187,7 +187,10 @@ bool write_atomically(const std::string& path, const std::string& bytes, std::st
 bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
                      TokenizerTrainStats* stats) {
   constexpr int kMinVocab = kSpecialIds + kByteIds + 1;
+  TokenizerTrainStats local;
+  TokenizerTrainStats& st = stats ? *stats : local;
   if (opts.vocab_size < kMinVocab) {
+    st.min_vocab_size = kMinVocab;
     *error = "vocab_size (--vocab-size) " + std::to_string(opts.vocab_size) +
              " is too small: the special and byte-fallback pieces alone take " +
              std::to_string(kSpecialIds + kByteIds) +
@@ -203,8 +206,6 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
     return false;
   }
   std::vector<TextFile> corpus;
-  TokenizerTrainStats local;
-  TokenizerTrainStats& st = stats ? *stats : local;
   if (!read_corpus(opts.inputs, &corpus, error, &st.skipped)) return false;
   st.files = int(corpus.size());
   for (const auto& f : corpus) st.bytes += int64_t(f.text.size());
@@ -225,13 +226,17 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
     int asked = 0, needed = 0;
     if (at != std::string::npos &&
         std::sscanf(why.c_str() + at + 16, "%d vs %d", &asked, &needed) == 2) {
+      st.min_vocab_size = needed;
       *error = "--vocab-size " + std::to_string(asked) + " is too small for this text: its " +
                "characters and the special and byte pieces need " + std::to_string(needed) +
                " ids before any merge; use at least " + std::to_string(needed) +
                ", plus a few hundred for merges";
     } else {
-      *error = "training the tokenizer (--vocab-size " + std::to_string(opts.vocab_size) +
-               ") failed: " + why;
+      *error =
+          "training the tokenizer (--vocab-size " + std::to_string(opts.vocab_size) + ") failed: " +
+          (why.empty()
+               ? "SentencePiece gave no reason (`cemlm tokenizer train --verbose` shows its log)"
+               : why);
     }
     return false;
   }

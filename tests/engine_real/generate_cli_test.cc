@@ -172,6 +172,37 @@ TEST_F(GenerateCli, KvCacheMemoryIsUsed) {
   EXPECT_NE(err.find("raise --kv-cache-memory"), std::string::npos) << err;
 }
 
+// The default --max-new-tokens (64) is capped to the room the prompt leaves in max_seq_len (64
+// here), so a plain `generate` works on a small model; a value given is checked as given.
+TEST_F(GenerateCli, DefaultMaxNewTokensFitsTheModel) {
+  ASSERT_EQ(cfg_.max_seq_len, 64);
+  auto generate_without_max = [&](const std::string& prompt_ids, std::string* err) {
+    std::vector<std::string> args = {"--model",       dir_, "--prompt-ids", prompt_ids, "--json",
+                                     "--temperature", "0"};
+    ::testing::internal::CaptureStdout();
+    ::testing::internal::CaptureStderr();
+    const int rc = run(args);
+    const std::string out = ::testing::internal::GetCapturedStdout();
+    *err = ::testing::internal::GetCapturedStderr();
+    return rc == 0 ? nlohmann::json::parse(out) : nlohmann::json();
+  };
+  std::string err;
+  const nlohmann::json j = generate_without_max("3,9,4", &err);
+  ASSERT_FALSE(j.is_null()) << err;
+  EXPECT_EQ(j["ids"].size(), 61u);
+  EXPECT_EQ(j["finish_reason"], "length");
+  std::string full = "3";
+  for (int i = 1; i < 64; ++i) full += ",3";
+  EXPECT_TRUE(generate_without_max(full, &err).is_null());  // no room: the error stands
+  EXPECT_NE(err.find("exceeds the model's max_seq_len = 64"), std::string::npos) << err;
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(run({"--model", dir_, "--prompt-ids", "3,9,4", "--max-new-tokens", "64"}), 1);
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("--prompt-ids (3 tokens) + --max-new-tokens (64) = 67 exceeds"),
+            std::string::npos)
+      << err;
+}
+
 TEST_F(GenerateCli, StopTokenIdsPenaltiesAndTopLogprobs) {
   const nlohmann::json base = generate({"--temperature", "0"});
   ASSERT_FALSE(base.is_null());

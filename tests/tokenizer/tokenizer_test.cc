@@ -194,5 +194,26 @@ TEST(TokenizerTrain, ErrorsNameTheOption) {
   EXPECT_FALSE(std::filesystem::exists(out));
 }
 
+// SentencePiece skips a sentence longer than 64 KiB, and fails with no reason when none is left:
+// such lines are fed in pieces (cut before a space, else between characters), so their words are
+// learned like any others'.
+TEST(TokenizerTrain, LinesLongerThan64KiBAreTrainedOn) {
+  const std::string dir = fresh_temp_dir();
+  std::string words, accents;
+  for (int i = 0; words.size() < 200000; ++i) words += i % 3 ? "quokka wombat " : "zebra ";
+  while (accents.size() < 100000) accents += "é";
+  write_file(dir + "/long/words.txt", words + "\r\n\n" + words);
+  write_file(dir + "/long/accents.txt", accents);  // no space: cut between characters
+  std::string error;
+  const TokenizerTrainOptions opts{{dir + "/long"}, 300, dir + "/tok.model"};
+  ASSERT_TRUE(train_tokenizer(opts, &error)) << error;
+  auto tok = Tokenizer::load(opts.out_path, &error);
+  ASSERT_NE(tok, nullptr) << error;
+  EXPECT_EQ(tok->encode(" quokka").size(), 1u);
+  EXPECT_EQ(tok->encode(" zebra").size(), 1u);
+  EXPECT_LT(tok->encode("éééééééé").size(), 8u);
+  EXPECT_EQ(tok->decode(tok->encode(words)), words);
+}
+
 }  // namespace
 }  // namespace cemlm

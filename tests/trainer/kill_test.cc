@@ -143,5 +143,36 @@ TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
   }
 }
 
+// SIGINT while the tokenizer trains: the run stops once that part is done, before any step, with
+// nothing saved, and says so instead of promising a save.
+TEST(TrainKill, SigintDuringSetupStopsBeforeTrainingAndSavesNothing) {
+  const std::string dir = testing_trainer::fresh_dir();
+  TrainOptions o = testing_trainer::tiny_options(dir);
+  testing_trainer::write_file(dir + "/text/c.txt", testing_trainer::corpus_text(40000, 3));
+  const std::string log = dir + "/train.log";
+  const pid_t pid = spawn_quietly(
+      {CEMLM_BINARY, "train", "--config", o.config_path, "--data", o.data[0], "--out", o.out_dir,
+       "--steps", "5", "--batch-size", "2", "--seq-len", "16", "--threads", "1"},
+      log);
+  ASSERT_GT(pid, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::string text, error;
+  while (std::chrono::steady_clock::now() < deadline &&
+         !(read_file(log, &text, &error) && text.find("tokenizer: training") != std::string::npos))
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(read_file(log, &text, &error));
+  ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status) << ": " << text;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT) << text;
+  EXPECT_NE(text.find("stopped before the first step: nothing trained, nothing saved"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("saving after the current step"), std::string::npos) << text;
+  EXPECT_EQ(text.find("\nstep "), std::string::npos) << text;
+  EXPECT_FALSE(fs::exists(o.out_dir + "/config.json"));
+}
+
 }  // namespace
 }  // namespace cemlm

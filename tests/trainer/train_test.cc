@@ -6,13 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-
 #include <cmath>
 #include <filesystem>
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
+#include "cemlm/engine/tokenizer.h"
 #include "trainer_test_util.h"
 
 namespace cemlm {
@@ -145,7 +145,8 @@ TEST(Train, CheckpointHoldsModelOptimizerStateAndMetricsWithNoLeftovers) {
   std::vector<std::string> siblings;
   for (const auto& e : fs::directory_iterator(dir)) siblings.push_back(e.path().filename());
   std::sort(siblings.begin(), siblings.end());
-  EXPECT_EQ(siblings, (std::vector<std::string>{"config.json", "run", "run.cache", "text"}));
+  EXPECT_EQ(siblings,  // with the lock of --out, kept for the next run (see Trainer::lock_out)
+            (std::vector<std::string>{".run.lock", "config.json", "run", "run.cache", "text"}));
   auto ck = load_checkpoint(o.out_dir);
   ASSERT_TRUE(ck.ok()) << ck.status();
   EXPECT_FALSE(ck->tokenizer_path.empty());
@@ -286,12 +287,120 @@ TEST(Train, DamagedSavedOptionsNameTheKey) {
 TEST(Train, StopBeforeTrainingSavesNothing) {
   TrainOptions o = tiny_options(fresh_dir());
   TrainCallbacks cb;
-  cb.stop_before_training = [] { return true; };
+  cb.stop_before_training = [](bool) { return true; };
   auto done = train(o, cb);
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(done->step, 0);
   EXPECT_FALSE(done->finished);
   EXPECT_FALSE(fs::exists(o.out_dir + "/config.json"));
+}
+
+// A stop asked for while the tokenizer trains or the data is encoded is honoured once that part
+// is done (after the tokenizer, before each file), not only before the first step.
+TEST(Train, StopDuringSetupEndsTheRunAfterThePartInProgress) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  std::vector<bool> checks;  // `last` of each check, in order
+  auto run_stopping_at = [&](size_t check) {
+    checks.clear();
+    std::string lines;
+    TrainCallbacks cb;
+    cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+    cb.stop_before_training = [&](bool last) {
+      checks.push_back(last);
+      return checks.size() == check;
+    };
+    auto done = train(o, cb);
+    EXPECT_TRUE(done.ok()) << done.status();
+    if (done.ok()) {
+      EXPECT_EQ(done->step, check > 0 ? 0 : 1);
+    }
+    return lines;
+  };
+  const std::string after_tokenizer = run_stopping_at(1);
+  EXPECT_EQ(checks, std::vector<bool>{false});
+  EXPECT_NE(after_tokenizer.find("nothing trained, nothing saved"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir + "/run.cache/tokenizer.model"));
+  EXPECT_FALSE(fs::exists(dir + "/run.cache/tokens.bin"));
+  EXPECT_FALSE(fs::exists(o.out_dir + "/config.json"));
+  run_stopping_at(3);  // before the second of the two files
+  EXPECT_EQ(checks, (std::vector<bool>{false, false, false}));
+  EXPECT_FALSE(fs::exists(dir + "/run.cache/tokens.bin"));
+  EXPECT_FALSE(fs::exists(o.out_dir + "/config.json"));
+  run_stopping_at(0);  // never: after the tokenizer, before each file, before the first step
+  EXPECT_EQ(checks, (std::vector<bool>{false, false, false, true}));
+  EXPECT_TRUE(fs::exists(o.out_dir + "/config.json"));
+}
+
+// A second run on the same --out is refused while the first runs, before it removes what looks
+// like a stale save (the first's save in progress), and may go on once the first has ended.
+TEST(Train, SecondRunOnTheSameOutIsRefusedWhileTheFirstHoldsIt) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 3;
+  const std::string saving = o.out_dir + ".tmp-" + std::to_string(::getpid()) + "-99";
+  absl::Status second;
+  TrainCallbacks cb;
+  cb.on_step = [&](const StepMetrics& m) {
+    if (m.step == 1) {
+      testing_trainer::write_file(saving + "/model.safetensors", "being written");
+      second = train(o).status();
+    }
+    return true;
+  };
+  ASSERT_TRUE(train(o, cb).ok());
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.message().find("--out '" + o.out_dir + "' is in use"), std::string::npos)
+      << second;
+  EXPECT_NE(second.message().find("(pid " + std::to_string(::getpid()) + ")"), std::string::npos)
+      << second;
+  EXPECT_TRUE(fs::exists(saving + "/model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir + "/.run.lock"));  // beside --out, not in the checkpoint
+  o.resume = true;
+  o.steps = 4;
+  EXPECT_TRUE(train(o).ok());  // the first run let go
+}
+
+// --init keeps its checkpoint's vocabulary: errors about a tokenizer that does not fit it say
+// what can be done instead of "raise --vocab-size", which --init refuses.
+TEST(Train, InitErrorsAboutTheVocabularyDoNotAdviseVocabSize) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  ASSERT_TRUE(train(o).ok());
+  fs::remove(o.out_dir + "/tokenizer.model");  // like a `cemlm init` checkpoint
+  std::string han;  // 120 characters the tiny model's 300 ids cannot hold with the bytes
+  for (int i = 0; i < 40; ++i)
+    for (char32_t c = 0x4E00; c < 0x4E00 + 120; ++c)
+      han += std::string{char(0xE0 | (c >> 12)), char(0x80 | ((c >> 6) & 0x3F)),
+                         char(0x80 | (c & 0x3F))} +
+             (c % 10 ? "" : "\n");
+  testing_trainer::write_file(dir + "/han/a.txt", han);
+  TrainOptions init = tiny_options(dir);
+  init.config_path.clear();
+  init.init_dir = o.out_dir;
+  init.out_dir = dir + "/finetune";
+  init.data = {dir + "/text", dir + "/han"};
+  auto st = train(init);
+  ASSERT_FALSE(st.ok());
+  const std::string trained(st.status().message());
+  EXPECT_EQ(trained.find("raise --vocab-size"), std::string::npos) << trained;
+  EXPECT_EQ(trained.find("use at least"), std::string::npos) << trained;
+  EXPECT_NE(trained.find("the model of --init has vocab_size 300"), std::string::npos) << trained;
+  EXPECT_NE(trained.find("--tokenizer FILE with at most 300 pieces"), std::string::npos) << trained;
+
+  std::string error;
+  TokenizerTrainOptions big{init.data, 500, dir + "/big.model"};
+  ASSERT_TRUE(train_tokenizer(big, &error)) << error;
+  init.tokenizer_path = big.out_path;
+  st = train(init);
+  ASSERT_FALSE(st.ok());
+  const std::string given(st.status().message());
+  EXPECT_EQ(given.find("raise --vocab-size"), std::string::npos) << given;
+  EXPECT_NE(given.find("has 500 pieces"), std::string::npos) << given;
+  EXPECT_NE(given.find("use a tokenizer with at most 300 pieces"), std::string::npos) << given;
+  EXPECT_FALSE(fs::exists(init.out_dir + "/config.json"));
 }
 
 // --max-minutes stops when the step's own due evaluation and save, the next step, and the final
@@ -359,6 +468,58 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   for (std::string a : {"--steps", "6", "--resume"}) args.push_back(a);
   ASSERT_EQ(cli(args).first, 0);
   EXPECT_EQ(load_run_options(o.out_dir)->steps, 6);
+}
+
+// The working directory of a test, restored when it ends.
+struct InDirectory {
+  explicit InDirectory(const std::string& dir) : before(fs::current_path()) {
+    fs::create_directories(dir);
+    fs::current_path(dir);
+  }
+  ~InDirectory() { fs::current_path(before); }
+  fs::path before;
+};
+
+// --data is saved absolute, so that --resume reads the run's files from any directory; a relative
+// one saved by an older cemlm, missing where --resume runs, is refused saying where it came from.
+TEST(TrainCli, ResumeFromAnotherDirectoryReadsTheRunsData) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  const std::vector<std::string> common = {"--out",     o.out_dir, "--threads",      "1",
+                                           "--seq-len", "24",      "--eval-windows", "4"};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.end(), common.begin(), common.end());
+    return cli(args);
+  };
+  {
+    InDirectory in(dir);
+    const auto [rc, err] = with({"--config", "config.json", "--data", "./text/", "--steps", "2"});
+    ASSERT_EQ(rc, 0) << err;
+  }
+  EXPECT_EQ(load_run_options(o.out_dir)->data, std::vector<std::string>{dir + "/text/"});
+  InDirectory elsewhere(dir + "/elsewhere");
+  testing_trainer::write_file(dir + "/elsewhere/text/other.txt",
+                              testing_trainer::corpus_text(300, 9));  // not the run's
+  auto [rc, err] = with({"--resume", "--steps", "3"});
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_EQ(load_run_options(o.out_dir)->data, std::vector<std::string>{dir + "/text/"});
+
+  // As an older cemlm saved it: relative to where the run started.
+  const std::string state_file = o.out_dir + "/trainer_state.json";
+  std::string state, error;
+  ASSERT_TRUE(read_file(state_file, &state, &error));
+  const std::string saved = "\"" + dir + "/text/\"";
+  ASSERT_NE(state.find(saved), std::string::npos);
+  state.replace(state.find(saved), saved.size(), "\"corpus\"");
+  testing_trainer::write_file(state_file, state);
+  std::tie(rc, err) = with({"--resume", "--steps", "4"});
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(err.find("the run saved --data 'corpus' relative to the directory it was started in"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("give --data again"), std::string::npos) << err;
+  std::tie(rc, err) = with({"--resume", "--steps", "4", "--data", dir + "/text"});
+  EXPECT_EQ(rc, 0) << err;
 }
 
 TEST(TrainCli, HelpListsEveryFlagWithItsDefault) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -21,18 +22,29 @@ namespace cemlm::cli {
 namespace {
 
 // SIGINT (Ctrl-C) or SIGTERM (docker stop, a Kubernetes Job's eviction): finish the step, save,
-// exit with 128 + the signal's number. A second signal ends the process at once (checkpoints are
-// written atomically, so the last one stays whole).
+// exit with 128 + the signal's number; during setup (tokenizer, data), stop once the current part
+// is done, with nothing trained or saved. A second signal ends the process at once (checkpoints
+// are written atomically, so the last one stays whole).
 std::atomic<int> g_stop_signal{0};  // lock-free: safe in a handler, on whichever thread
 static_assert(std::atomic<int>::is_always_lock_free);
+// kStopAsked by the handler, kTraining by the last check before the first step: set in one
+// atomic, so that whichever comes first decides both the handler's note and what the run does.
+constexpr int kStopAsked = 1, kTraining = 2;
+std::atomic<int> g_state{0};
 
 void on_stop_signal(int sig) {
   g_stop_signal = sig;
   std::signal(SIGINT, SIG_DFL);
   std::signal(SIGTERM, SIG_DFL);
-  static const char kNote[] =
+  static const char kSaving[] =
       "\nstopping: saving after the current step (send the signal again to quit at once)\n";
-  (void)!::write(2, kNote, sizeof(kNote) - 1);
+  static const char kNothing[] =
+      "\nstopping before training, once the tokenizer or data in preparation is done: nothing "
+      "trained, nothing saved (send the signal again to quit at once)\n";
+  if (g_state.fetch_or(kStopAsked) & kTraining)
+    (void)!::write(2, kSaving, sizeof(kSaving) - 1);
+  else
+    (void)!::write(2, kNothing, sizeof(kNothing) - 1);
 }
 
 // Flag values that are not TrainOptions fields as they stand.
@@ -60,8 +72,11 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
       "(config.json, model.safetensors, tokenizer.model, optimizer and trainer state,\n"
       "train.jsonl, loss.svg) every --save-every steps and at the end, atomically.\n"
       "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).\n"
-      "Ctrl-C or SIGTERM finishes the step, saves, and exits with 130 or 143; --resume goes on.");
-  f.add("out", &o.out_dir, "checkpoint directory to write");
+      "Ctrl-C or SIGTERM finishes the step, saves, and exits with 130 or 143; --resume goes on\n"
+      "(before the first step, during the tokenizer or data setup: stops, saving nothing).");
+  f.add("out", &o.out_dir,
+        "checkpoint directory to write, by one run at a time (locked with .<name>.lock beside "
+        "it)");
   f.add_bool("resume", &o.resume,
              "continue the run saved in --out (same options unless given again; bit-exact)");
   f.add("config", &o.config_path, "model config.json (default: the built-in small CEM model)");
@@ -108,6 +123,31 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   return -1;
 }
 
+// Runs of older cemlm versions saved --data as given, relative to the directory they started in:
+// resumed from another, such a path may be missing, or name other files. False (with the error
+// printed) when one is missing; a note for one that is found.
+bool saved_data_found(const std::vector<std::string>& data) {
+  std::error_code ec;
+  const std::string here = std::filesystem::current_path(ec).string();
+  for (const std::string& p : data) {
+    if (std::filesystem::path(p).is_absolute()) continue;
+    if (!std::filesystem::exists(p, ec)) {
+      std::fprintf(stderr,
+                   "error: --resume: the run saved --data '%s' relative to the directory it was "
+                   "started in (older cemlm versions did), and '%s' has no '%s': run from that "
+                   "directory, or give --data again with the run's files\n",
+                   p.c_str(), here.c_str(), p.c_str());
+      return false;
+    }
+    std::printf(
+        "note: the run saved --data '%s' relative to the directory it was started in "
+        "(older cemlm versions did); reading it in '%s' (if the run started elsewhere, "
+        "stop and give --data again with its files)\n",
+        p.c_str(), here.c_str());
+  }
+  return true;
+}
+
 // TrainOptions from argv; with --resume, the saved run's options overridden by the flags given.
 int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
@@ -137,6 +177,7 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
                      flag);
         return 2;
       }
+    if (t.data.empty() && !saved_data_found(o.data)) return 1;
   }
   auto range = parse_recursion_range(t.train_recursion);
   if (!range.ok()) {
@@ -215,12 +256,15 @@ int cmd_train(int argc, char** argv) {
     if (g_stop_signal) progress.line(absl::StrCat("interrupted: saving at step ", m.step));
     return !g_stop_signal;
   };
-  cb.stop_before_training = [] { return g_stop_signal != 0; };
+  cb.stop_before_training = [](bool last) {
+    return ((last ? g_state.fetch_or(kTraining) : g_state.load()) & kStopAsked) != 0;
+  };
   cb.on_eval = [&](const EvalMetrics& e) { progress.line(eval_text(e)); };
   cb.on_save = [&](int64_t step, const std::string& dir) {
     progress.line(absl::StrCat("saved ", dir, " at step ", step));
   };
   g_stop_signal = 0;
+  g_state = 0;
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGTERM, on_stop_signal);
   auto summary = train(opts, cb);

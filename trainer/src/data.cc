@@ -187,7 +187,8 @@ size_t split_point(std::span<const int32_t> ids, double val_fraction, int bos, i
 
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
                                           uint64_t tokenizer_hash, int bos, int eos,
-                                          const std::string& cache_path, double val_fraction) {
+                                          const std::string& cache_path, double val_fraction,
+                                          const std::function<bool()>& stop) {
   TokenData data;
   data.files = int(corpus.paths.size());
   // The ids depend on the document markers too: a config with other bos/eos ids re-encodes.
@@ -196,6 +197,7 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
   data.from_cache = !files.empty();
   if (!data.from_cache) {
     for (const std::string& p : corpus.paths) {
+      if (stop && stop()) return absl::CancelledError("stopped while encoding --data");
       std::string text, error;
       if (!read_text_file(p, &text, &error)) return absl::UnavailableError("--data: " + error);
       files.push_back(encode_documents(text, tokenizer, bos, eos));

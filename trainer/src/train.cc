@@ -4,10 +4,15 @@
 #include "cemlm/trainer/train.h"
 
 #include <cblas.h>
+#include <fcntl.h>
 #include <omp.h>
+#include <sys/file.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 
@@ -55,6 +60,9 @@ class Trainer {
  public:
   Trainer(const TrainOptions& o, const TrainCallbacks& cb)
       : o_(o), cb_(cb), data_rng_(o.seed ^ kDataStream), t_rng_(o.seed ^ kRecursionStream) {}
+  ~Trainer() {
+    if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock on --out
+  }
   absl::StatusOr<TrainSummary> run();
 
  private:
@@ -68,8 +76,15 @@ class Trainer {
     return o_.cache_dir.empty() ? fs::path(out_path().string() + ".cache") : fs::path(o_.cache_dir);
   }
   std::string in_cache(const char* file) const { return (cache_path() / file).string(); }
+  // Whether the caller asks to stop before the first step (`last`: the check right before it).
+  bool stop_asked(bool last) const {
+    return cb_.stop_before_training && cb_.stop_before_training(last);
+  }
+  void absolute_data_paths();
   absl::Status load_model();
+  absl::Status lock_out();
   void remove_stale_saves() const;
+  absl::Status set_up();
   absl::Status prepare_tokenizer(const CorpusFiles& corpus);
   absl::Status prepare_params();
   absl::Status check_against_model();
@@ -96,6 +111,7 @@ class Trainer {
   TrainCallbacks cb_;
   ModelConfig cfg_;
   bool fresh_ = true;  // a new model (not --init, not --resume)
+  int lock_fd_ = -1;   // the open lock file of --out, once locked
   ParamStore params_, grads_;
   Weights w_, gw_;
   std::unique_ptr<AdamW> opt_;
@@ -115,6 +131,15 @@ class Trainer {
   double train_s_ = 0;  // this invocation, inside steps
   int64_t steps_run_ = 0;
 };
+
+// Saved with the run's options, so that --resume reads the same files from any directory.
+void Trainer::absolute_data_paths() {
+  for (std::string& p : o_.data) {
+    std::error_code ec;
+    const fs::path abs = fs::absolute(p, ec);
+    if (!ec) p = abs.lexically_normal().string();
+  }
+}
 
 absl::Status Trainer::load_model() {
   std::error_code ec;
@@ -151,6 +176,40 @@ absl::Status Trainer::load_model() {
     if (!c.ok()) return with_prefix("--vocab-size: ", c.status());
     cfg_ = *c;
   }
+  return absl::OkStatus();
+}
+
+// One run at a time writes --out: a second would save over the first's checkpoint, and its
+// remove_stale_saves would delete the save the first has in progress. The lock is an flock on
+// ".<out>.lock" beside --out (a checkpoint directory holds only the checkpoint; hidden, so that
+// --data naming the parent directory does not read it), held until the run ends, also when the
+// process is killed. The file stays: a run that unlinked it could leave two holders (one of the
+// unlinked file, one of a new file at the same path).
+absl::Status Trainer::lock_out() {
+  const fs::path out = out_path();
+  const fs::path lock = out.parent_path() / ("." + out.filename().string() + ".lock");
+  lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0)
+    return absl::UnavailableError(absl::StrCat("--out: cannot open the lock file '", lock.string(),
+                                               "': ", std::strerror(errno)));
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK)
+      return absl::UnavailableError(absl::StrCat("--out: cannot lock '", lock.string(),
+                                                 "': ", std::strerror(errno),
+                                                 "; choose an --out on a local file system"));
+    char pid[32] = {};
+    const ssize_t n = ::pread(lock_fd_, pid, sizeof(pid) - 1, 0);
+    const std::string holder =
+        n > 0 ? absl::StrCat(" (pid ", std::string(pid, size_t(n)), ")") : "";
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--out '", o_.out_dir, "' is in use: another cemlm train run", holder, " holds its lock '",
+        lock.string(), "'; wait for that run to end, or choose another --out"));
+  }
+  const std::string pid = std::to_string(::getpid());
+  if (::ftruncate(lock_fd_, 0) != 0 ||
+      ::pwrite(lock_fd_, pid.data(), pid.size(), 0) != ssize_t(pid.size()))
+    return absl::UnavailableError(absl::StrCat("--out: cannot write the lock file '", lock.string(),
+                                               "': ", std::strerror(errno)));
   return absl::OkStatus();
 }
 
@@ -195,9 +254,21 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ", corpus.paths.size(),
                         " files"));
       TokenizerTrainOptions t{o_.data, cfg_.vocab_size, tokenizer_path_};
-      if (!train_tokenizer(t, &error))
+      TokenizerTrainStats stats;
+      if (!train_tokenizer(t, &error, &stats)) {
+        if (!fresh_ && stats.min_vocab_size > 0)  // --init: its vocabulary cannot be raised
+          return absl::InvalidArgumentError(absl::StrCat(
+              "training the tokenizer on --data: this text needs at least ", stats.min_vocab_size,
+              " pieces (its characters, the special and the byte pieces), but the model of "
+              "--init has vocab_size ",
+              cfg_.vocab_size, ", which its weights fix: pass --tokenizer FILE with at most ",
+              cfg_.vocab_size,
+              " pieces (trained on text with fewer distinct characters), or start a new model "
+              "(--config) with --vocab-size ",
+              stats.min_vocab_size, " or more"));
         return absl::InvalidArgumentError(
             absl::StrCat("training the tokenizer on --data: ", error));
+      }
       CEMLM_RETURN_IF_ERROR(write_text(in_cache(kTokenizerKeyFile), key));
     }
   }
@@ -216,7 +287,10 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the tokenizer '", tokenizer_path_, "' has ", tokenizer->vocab_size(),
         " pieces but the model's vocab_size is ", cfg_.vocab_size,
-        ": raise --vocab-size (or the config's vocab_size) or use a smaller tokenizer"));
+        fresh_ ? ": raise --vocab-size (or the config's vocab_size) or use a smaller tokenizer"
+               : absl::StrCat(", which its checkpoint's weights fix: use a tokenizer with at most ",
+                              cfg_.vocab_size, " pieces (cemlm tokenizer train --vocab-size ",
+                              cfg_.vocab_size, ")")));
   return absl::OkStatus();
 }
 
@@ -260,8 +334,9 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   const uint64_t tok_hash = hash_bytes(tokenizer_bytes_);
   const int bos = resolve_bos_id(cfg_.bos_id, tokenizer.get());
   const int eos = resolve_eos_id(cfg_.eos_id, tokenizer.get());
-  CEMLM_ASSIGN_OR_RETURN(data_, load_token_data(corpus, *tokenizer, tok_hash, bos, eos,
-                                                in_cache(kTokenCacheFile), o_.val_fraction));
+  CEMLM_ASSIGN_OR_RETURN(
+      data_, load_token_data(corpus, *tokenizer, tok_hash, bos, eos, in_cache(kTokenCacheFile),
+                             o_.val_fraction, [this] { return stop_asked(false); }));
   info(absl::StrCat("data: ", data_.files, " files, ", data_.train.size(), " training and ",
                     data_.val.size(), " validation tokens", data_.from_cache ? " (cached)" : ""));
   if (data_.train.size() < size_t(o_.seq_len))
@@ -378,15 +453,10 @@ absl::Status Trainer::save() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<TrainSummary> Trainer::run() {
-  CEMLM_RETURN_IF_ERROR(validate_options(o_));
-  if (o_.threads > 0) {
-    omp_set_num_threads(o_.threads);
-    openblas_set_num_threads(o_.threads);
-  }
-  CEMLM_RETURN_IF_ERROR(load_model());
-  CEMLM_RETURN_IF_ERROR(check_against_model());
-  remove_stale_saves();
+// Tokenizer, parameters, data and the resumed state; CancelledError when the caller asks to stop
+// before the first step (checked after each phase that may take long, and before each data file
+// is encoded).
+absl::Status Trainer::set_up() {
   CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus,
                          list_corpus(o_.data, {out_path().string(), cache_path().string()}));
   if (corpus.paths.empty())
@@ -395,6 +465,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
                      corpus.skipped.size(),
                      " files skipped as .dat/.u8, binary, not UTF-8 or this run's own output)"));
   CEMLM_RETURN_IF_ERROR(prepare_tokenizer(corpus));
+  if (stop_asked(false)) return absl::CancelledError("stopped after the tokenizer");
   CEMLM_RETURN_IF_ERROR(prepare_params());
   CEMLM_RETURN_IF_ERROR(load_data(corpus));
   if (o_.resume) CEMLM_RETURN_IF_ERROR(restore());
@@ -405,18 +476,36 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     info(absl::StrCat("note: --warmup ", o_.warmup, " is not below --steps ", o_.steps,
                       ": the learning rate never reaches --lr ", o_.lr,
                       " nor decays; lower --warmup for a short run"));
+  if (stop_asked(true)) return absl::CancelledError("stopped before the first step");
+  return absl::OkStatus();
+}
 
+absl::StatusOr<TrainSummary> Trainer::run() {
+  CEMLM_RETURN_IF_ERROR(validate_options(o_));
+  if (o_.threads > 0) {
+    omp_set_num_threads(o_.threads);
+    openblas_set_num_threads(o_.threads);
+  }
+  absolute_data_paths();
+  CEMLM_RETURN_IF_ERROR(load_model());
+  CEMLM_RETURN_IF_ERROR(check_against_model());
+  CEMLM_RETURN_IF_ERROR(lock_out());
+  remove_stale_saves();
   TrainSummary summary;
+  if (const absl::Status ready = set_up(); absl::IsCancelled(ready)) {
+    info("stopped before the first step: nothing trained, nothing saved");
+    summary.step = step_;
+    return summary;
+  } else if (!ready.ok()) {
+    return ready;
+  }
+
   summary.parameters = params_.size();
   start_ = Clock::now();
   bool stop = false, eval_measured = false;
   TimeBudget budget;
   // Before the first save: the weights and both moments written at ~200 MB/s.
   budget.save_s = double(params_.size()) * 4 * 3 / 2e8;
-  if (cb_.stop_before_training && cb_.stop_before_training()) {
-    info("stopped before the first step: nothing trained, nothing saved");
-    stop = true;
-  }
   while (step_ < o_.steps && !stop) {
     const Clock::time_point t0 = Clock::now();
     StepMetrics m = step();

@@ -88,13 +88,17 @@ struct TokenizerTrainStats {
   int files = 0;                     // text files trained on
   int64_t bytes = 0;                 // their total size
   std::vector<std::string> skipped;  // files left out (.dat/.u8, binary, not UTF-8)
+  // When training failed because vocab_size is too small: the least one that the special and
+  // byte pieces and the text's characters need (0 when that was not the cause).
+  int min_vocab_size = 0;
 };
 
 // Trains a byte-fallback BPE SentencePiece model (unk 0, bos 1, eos 2, pad 3; identity
 // normalization, so decode(encode(text)) == text for any UTF-8 text) on the text files of
-// `opts.inputs`, one sentence per line, and writes it to opts.out_path. Deterministic for the
-// same inputs. False with *error (naming the option or path) on failure. Not reentrant: the
-// SentencePiece trainer keeps global state (log level, random seed).
+// `opts.inputs`, one sentence per line (a line longer than 64 KiB as several, cut before a space),
+// and writes it to opts.out_path. Deterministic for the same inputs. False with *error (naming
+// the option or path) on failure. Not reentrant: the SentencePiece trainer keeps global state
+// (log level, random seed).
 bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
                      TokenizerTrainStats* stats = nullptr);
 

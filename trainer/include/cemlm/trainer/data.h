@@ -3,6 +3,7 @@
 // validation, and cut into windows: random ones for training, fixed ones for evaluation.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -44,7 +45,8 @@ struct TokenData {
 // Token ids of `corpus`, read from `cache_path` when it was written for the same corpus key and
 // tokenizer hash, else encoded and cached there (atomically). Each file's last val_fraction of
 // tokens goes to validation, the rest to training, so that every file is in both; the cut moves
-// to the nearest document start (kSplitRule names this rule in a run's saved state).
+// to the nearest document start (kSplitRule names this rule in a run's saved state). `stop` is
+// asked before each file is encoded: true ends with a CancelledError, and nothing is cached.
 inline constexpr char kSplitRule[] = "document-start";
 // Where a file's validation part begins: before its last `val_fraction` of `ids`, moved to the
 // nearest document start when one lies within half to twice that validation size (else the plain
@@ -52,7 +54,8 @@ inline constexpr char kSplitRule[] = "document-start";
 size_t split_point(std::span<const int32_t> ids, double val_fraction, int bos, int eos);
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
                                           uint64_t tokenizer_hash, int bos, int eos,
-                                          const std::string& cache_path, double val_fraction);
+                                          const std::string& cache_path, double val_fraction,
+                                          const std::function<bool()>& stop = {});
 
 // `batch` windows of `len` tokens from uniformly random offsets, written row-major into `ids`.
 void sample_windows(const std::vector<int32_t>& tokens, int len, int batch, Rng& rng, int* ids);

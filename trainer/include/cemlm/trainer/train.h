@@ -88,9 +88,10 @@ absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir);
 struct TrainCallbacks {
   std::function<void(const std::string&)> on_info;  // setup messages
   std::function<bool(const StepMetrics&)> on_step;  // false: stop cleanly (and save)
-  // Asked before the first step: true ends the run there, with nothing trained or saved (a stop
-  // asked for while the data loaded).
-  std::function<bool()> stop_before_training;
+  // Asked while the run sets up (once the tokenizer is ready, before each data file is encoded)
+  // and once more right before the first step (`last` true): true ends the run there, with
+  // nothing trained or saved. A stop asked for after the last check is on_step's.
+  std::function<bool(bool last)> stop_before_training;
   std::function<void(const EvalMetrics&)> on_eval;
   std::function<void(int64_t step, const std::string& dir)> on_save;
 };

@@ -20,6 +20,7 @@
 #include <functional>
 #include <future>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <exception>
 #include <new>
@@ -152,6 +153,11 @@ class EngineImpl final : public Engine {
   FinishReason add_text(Request& q, std::span<const int> generated, StreamEvent* ev);
   void finish(Request& q, FinishReason why, StreamEvent ev, absl::Status error = {});
   void publish_stats();
+  // Takes the blocks of a scoring call (`need` of them for `n` tokens at depth T), waiting for
+  // them when the cache is busy until there is room, the call's deadline passes, it is cancelled
+  // or the engine stops; at most max_waiting calls wait at once.
+  absl::Status wait_for_score_room(SeqId seq, int64_t need, int T, int n, const ScoreRequest& req);
+  void hold_for_first_score();  // engine thread
   absl::Status score_chunks(SeqId seq, int T, const ScoreRequest& req, ScoreResult* out);
 
   const EngineOptions opts_;
@@ -174,6 +180,8 @@ class EngineImpl final : public Engine {
   std::vector<RequestId> cancels_;
   std::vector<std::packaged_task<void()>> jobs_;  // on_loop's
   int scoring_ = 0;                               // score() calls under way: the loop outlives them
+  // Scoring calls waiting for blocks: their need and priority, by sequence (engine thread).
+  std::map<SeqId, std::pair<int64_t, int>> score_waits_;
   bool stopping_ = false, cancel_all_ = false;
   EngineStats stats_;
 
@@ -479,7 +487,7 @@ void EngineImpl::finish(Request& q, FinishReason why, StreamEvent ev, absl::Stat
 void EngineImpl::publish_stats() {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.running = sched_.num_running();
-  stats_.waiting = sched_.num_waiting();
+  stats_.waiting = sched_.num_waiting() + int(score_waits_.size());
   stats_.kv_cache_usage = blocks_.usage();
   stats_.kv_blocks_total = blocks_.num_blocks();
   stats_.kv_blocks_free = blocks_.num_available();
@@ -536,15 +544,7 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
     }
   } done{this};
   const SeqId seq = kScoreSeqBit | next_id_++;
-  bool room = false;
-  on_loop([&] {
-    room = sched_.make_room(need);
-    if (room) {
-      CEMLM_CHECK(blocks_.start(seq, {}, T, n));
-    }
-  });
-  if (!room)
-    return absl::ResourceExhaustedError("the KV cache is held by other scoring calls; retry later");
+  CEMLM_RETURN_IF_ERROR(wait_for_score_room(seq, need, T, n, req));
   ScoreResult out;
   out.ids = req.ids;
   out.recursion_depth = T;
@@ -560,6 +560,60 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
   out.nll = -sum / (n - 1);
   out.perplexity = std::exp(out.nll);
   return out;
+}
+
+absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int n,
+                                             const ScoreRequest& req) {
+  enum { kRoom, kWait, kFull } got = kWait;
+  for (;;) {
+    on_loop([&] {
+      if (sched_.make_room(need, req.priority)) {
+        CEMLM_CHECK(blocks_.start(seq, {}, T, n));
+        got = kRoom;
+        score_waits_.erase(seq);
+      } else if (score_waits_.count(seq) || int(score_waits_.size()) < opts_.max_waiting) {
+        got = kWait;
+        score_waits_[seq] = {need, req.priority};
+      } else {
+        got = kFull;
+      }
+      hold_for_first_score();
+      publish_stats();
+    });
+    if (got == kRoom) return absl::OkStatus();
+    if (got == kFull)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "max_waiting = ", opts_.max_waiting,
+          " scoring calls are already waiting for KV cache room; retry later or raise "
+          "max_waiting"));
+    absl::Status gave_up;
+    if (req.deadline && Clock::now() >= *req.deadline)
+      gave_up = absl::DeadlineExceededError(
+          absl::StrCat("deadline exceeded waiting for the ", need, " KV blocks to score ", n,
+                       " tokens (the cache is busy)"));
+    else if (req.cancelled && req.cancelled())
+      gave_up = absl::CancelledError("cancelled while waiting for KV cache room");
+    else if (std::lock_guard<std::mutex> lock(mu_); stopping_)
+      gave_up = absl::UnavailableError("the engine is shutting down");
+    if (!gave_up.ok()) {
+      on_loop([&] {
+        score_waits_.erase(seq);
+        hold_for_first_score();
+        publish_stats();
+      });
+      return gave_up;
+    }
+    // Each try runs between two engine steps; the pause only matters when no step runs.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void EngineImpl::hold_for_first_score() {
+  // The waiting call of the highest priority, then the oldest (sequence ids grow), holds.
+  const std::pair<int64_t, int>* first = nullptr;
+  for (const auto& [id, w] : score_waits_)
+    if (!first || w.second > first->second) first = &w;
+  sched_.hold_for_scoring(first ? first->first : 0, first ? first->second : 0);
 }
 
 absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,

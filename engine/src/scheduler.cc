@@ -205,6 +205,9 @@ void Scheduler::admit_waiting(int* budget, StepPlan* plan, int only_first) {
     const int cached = int(match.blocks.size()) * bs;
     int n = std::min(int(s->tokens.size()) - cached, *budget);
     if (only_first > 0) n = std::min(n, only_first);
+    if (held_for_scoring_ > 0 && s->priority <= held_priority_ &&
+        blocks_->num_available() - blocks_->start_cost(match, cached + n) < held_for_scoring_)
+      return;
     if (!blocks_->start(s->id, match, s->recursion, cached + n)) return;
     waiting_.erase(waiting_.begin());
     s->n_computed = cached;
@@ -273,15 +276,20 @@ bool Scheduler::remove(SeqId id) {
   return true;
 }
 
-bool Scheduler::make_room(int64_t n_blocks) {
-  // Preempt only when preempting every running sequence would make the room: otherwise their
-  // work would be thrown away for a call that fails anyway.
-  std::vector<SeqId> running;
-  for (const Sequence* s : running_) running.push_back(s->id);
-  if (blocks_->num_available() < n_blocks && blocks_->reclaimable(running) < n_blocks) return false;
-  while (blocks_->num_available() < n_blocks && !running_.empty()) preempt(running_.back(), nullptr);
+bool Scheduler::make_room(int64_t n_blocks, int priority) {
+  // running_ is in rank order, so the sequences of lower priority are its tail. Preempt only when
+  // preempting all of them would make the room: otherwise their work would be thrown away for a
+  // call that waits anyway.
+  std::vector<SeqId> lower;
+  for (auto it = running_.rbegin(); it != running_.rend() && (*it)->priority < priority; ++it)
+    lower.push_back((*it)->id);
+  if (blocks_->num_available() < n_blocks && blocks_->reclaimable(lower) < n_blocks) return false;
+  while (blocks_->num_available() < n_blocks) {
+    CEMLM_CHECK(!running_.empty() && running_.back()->priority < priority);
+    preempt(running_.back(), nullptr);
+  }
   publish_waiting();
-  return blocks_->num_available() >= n_blocks;
+  return true;
 }
 
 }  // namespace cemlm

@@ -52,7 +52,10 @@ const SpmApi& loaded_spm() {
 
 }  // namespace
 
-Tokenizer::Tokenizer(void* sp) : sp_(sp) {}
+Tokenizer::Tokenizer(void* sp) : sp_(sp) {
+  for (int id = 0; id < vocab_size(); ++id)
+    max_piece_bytes_ = std::max(max_piece_bytes_, int(id_to_piece(id).size()));
+}
 Tokenizer::~Tokenizer() { loaded_spm().destroy(sp_); }
 
 std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string* error) {

@@ -163,7 +163,7 @@ int client_generate(int argc, char** argv) {
 int client_score(int argc, char** argv) {
   ChannelFlags c;
   std::string text, ids;
-  int recursion = 0;
+  int recursion = 0, priority = 0;
   bool as_json = false, no_bos = false;
   Flags flags("cemlm client score --addr HOST:PORT (--text STR | --ids 3,17,42) [--recursion T]",
               "Log-probability of every token given its prefix, NLL and perplexity.");
@@ -172,6 +172,8 @@ int client_score(int argc, char** argv) {
   flags.add("ids", &ids, "token ids to score (used as given)");
   flags.add_bool("no-bos", &no_bos, "do not start --text with the model's BOS");
   flags.add("recursion", &recursion, "recursion depth T; 0 = the model's default");
+  flags.add("priority", &priority,
+            "larger first; a full cache preempts running requests of lower priority for it");
   flags.add_bool("json", &as_json, "print the response as JSON");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   if (no_bos && flags.given("ids")) {
@@ -182,6 +184,7 @@ int client_score(int argc, char** argv) {
   req.set_text(text);
   if (no_bos) req.set_add_bos(false);
   req.set_recursion_depth(recursion);
+  req.set_priority(priority);
   if (!ids.empty() && !set_ids(ids, "ids", req.mutable_ids())) return 2;
   auto channel = make_channel(c);
   if (!channel) return 2;

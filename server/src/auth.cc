@@ -50,7 +50,8 @@ grpc::Status ApiKeys::check(const grpc::ServerContextBase& context) const {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "missing API key: send the metadata 'authorization: Bearer <key>'");
   absl::string_view value(it->second.data(), it->second.size());
-  if (!absl::StartsWith(value, kBearer) || !known(value.substr(kBearer.size())))
+  // The scheme is case-insensitive (RFC 7235 §2.1): "bearer KEY" is as good as "Bearer KEY".
+  if (!absl::StartsWithIgnoreCase(value, kBearer) || !known(value.substr(kBearer.size())))
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "invalid API key in the 'authorization' metadata");
   return grpc::Status::OK;

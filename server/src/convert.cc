@@ -32,6 +32,17 @@ absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const Request& 
                                   "id, ModelInfo.bos_id, first if you want one)"));
     return std::vector<int>(ids.begin(), ids.end());
   }
+  // A text far longer than the context is refused before it is tokenized: encoding megabytes
+  // takes seconds of a handler thread, for an answer known from its length. The margin covers
+  // what normalisation removes (runs of spaces, combining marks).
+  if (const Tokenizer* tok = engine.tokenizer()) {
+    const int64_t most = int64_t(4) * engine.config().max_seq_len * tok->max_piece_bytes();
+    if (int64_t(text.size()) > most)
+      return invalid(absl::StrCat(text_field, " is ", text.size(),
+                                  " bytes, more than the model's max_seq_len = ",
+                                  engine.config().max_seq_len, " tokens can hold (over ", most,
+                                  " bytes cannot fit); shorten it"));
+  }
   return encode_text(engine, text, text_field, !req.has_add_bos() || req.add_bos());
 }
 
@@ -92,6 +103,7 @@ absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine
   CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req, req.text(), req.ids(), "text", "ids"));
   if (!req.text().empty()) out.ids_field = "text";
   out.recursion_depth = req.recursion_depth();
+  out.priority = req.priority();
   return out;
 }
 

@@ -291,11 +291,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
                    log_escaped(final_status_.error_message()));
       return;
     }
+    // The engine ends a call whose gRPC deadline passed as cancelled; the log says which it was.
+    const bool deadline = final_status_.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     spdlog::info(
         "generate id={} client_id=\"{}\" peer={} T={} prompt_tokens={} gen_tokens={} finish={} "
         "status={} latency_ms={:.3f}",
         *id_, log_escaped(request_id_), peer_, recursion_depth_, usage_.prompt_tokens,
-        usage_.generated_tokens, finish_reason_name(finish_reason_),
+        usage_.generated_tokens,
+        deadline ? finish_reason_name(FinishReason::kDeadline) : finish_reason_name(finish_reason_),
         grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3);
   }
 
@@ -329,15 +332,24 @@ grpc::ServerWriteReactor<Response>* InferenceService::Generate(grpc::CallbackSer
   return new GenerateReactor(state_, &writer_, context, *request);
 }
 
+// One log line per call: at info for scoring and for every failure (a refused key, a bad input,
+// a full cache), at debug for the cheap lookups that succeeded.
 template <typename Body>
 grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* method,
                                      Body body) {
+  const Clock::time_point start = Clock::now();
   grpc::Status status = state_->admit(*context);
   if (status.ok()) {
     status = to_grpc_status(body(state_->engine()));
     state_->release();
   }
   state_->metrics().count_rpc(method, status.error_code());
+  const bool quiet = status.ok() && std::string_view(method) != "Score";
+  spdlog::log(quiet ? spdlog::level::debug : spdlog::level::info,
+              "{} peer={} status={} latency_ms={:.3f}{}{}{}", method, context->peer(),
+              grpc_code_name(status.error_code()), seconds_between(start, Clock::now()) * 1e3,
+              status.ok() ? "" : " message=\"", log_escaped(status.error_message()),
+              status.ok() ? "" : "\"");
   return status;
 }
 

@@ -607,7 +607,9 @@ TEST(Engine, ScoreUnderWayWhenShutdownBeginsFinishes) {
   EXPECT_EQ(b.engine->score({ids, 2}).status().code(), absl::StatusCode::kUnavailable);
 }
 
-TEST(Engine, ScorePreemptsRunningRequestsForRoomAndTheyStillFinishTheSame) {
+// Scoring calls on a cache too small for them and the running requests: they wait for room or
+// preempt, and the requests still finish the same.
+TEST(Engine, ScoringOnAFullCacheLeavesRunningRequestsTheSame) {
   // 16 blocks of 4: a 60-token score needs 15 of them.
   const auto reqs = mixed_requests();
   Built ref = build({.num_blocks = 512});
@@ -616,11 +618,70 @@ TEST(Engine, ScorePreemptsRunningRequestsForRoomAndTheyStillFinishTheSame) {
   Collector c;
   std::vector<RequestId> ids;
   for (const auto& r : reqs) ids.push_back(*b.engine->submit(r, c.callback()));
-  for (int i = 0; i < 5; ++i) ASSERT_TRUE(b.engine->score({tokens(60, i), 1}).ok());
+  for (int i = 0; i < 5; ++i) {
+    ScoreRequest s{tokens(60, i), 1};
+    s.priority = i % 2;
+    ASSERT_TRUE(b.engine->score(s).ok()) << i;
+  }
   ASSERT_TRUE(c.wait_finals(int(ids.size())));
   std::vector<Result> got;
   for (RequestId id : ids) got.push_back(c.get(id));
   expect_same_outputs(reference, got);
+}
+
+// A scoring call that finds the cache full preempts a running request of lower priority, and
+// waits for one of its own priority to finish instead (first come, first served).
+TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
+  const GenerateRequest gen = request(tokens(8, 3), 40);  // up to 48 tokens: 12 blocks
+  Built ref = build({.num_blocks = 512});
+  const auto reference = run_all(*ref.engine, {gen});
+  for (int priority : {0, 1}) {
+    std::atomic<int> steps{0};
+    Built b = build({.num_blocks = 16, .favorite = [&](int) {
+                       ++steps;
+                       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                       return -1;
+                     }});
+    Collector c;
+    const RequestId id = *b.engine->submit(gen, c.callback());
+    while (steps.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ScoreRequest s{tokens(60, 9), 1};  // 15 blocks: more than the request leaves
+    s.priority = priority;
+    ASSERT_TRUE(b.engine->score(s).ok()) << priority;
+    EXPECT_EQ(b.engine->stats().preemptions_total, priority) << priority;
+    ASSERT_TRUE(c.wait_finals(1));
+    expect_same_outputs(reference, {c.get(id)});
+  }
+}
+
+// At most max_waiting scoring calls wait for room; one more is refused at once, naming the limit,
+// and a waiting call's deadline ends it.
+TEST(Engine, WaitingScoringCallsAreBounded) {
+  std::atomic<int> steps{0};
+  Built b = build({.num_blocks = 16, .favorite = [&](int) {
+                     ++steps;
+                     std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                     return -1;
+                   }},
+                  {.max_waiting = 1});
+  Collector c;
+  // Holds 3 to 15 of the 16 blocks for over 100 ms: a 60-token score (15 blocks) must wait.
+  ASSERT_TRUE(b.engine->submit(request(tokens(8, 1), 50), c.callback()).ok());
+  while (steps.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ScoreRequest waits{tokens(60, 2), 1};
+  waits.deadline = Clock::now() + std::chrono::milliseconds(60);
+  auto waiting = std::async(std::launch::async, [&] { return b.engine->score(waits); });
+  while (b.engine->stats().waiting == 0)  // counted as waiting
+    ASSERT_EQ(waiting.wait_for(std::chrono::milliseconds(1)), std::future_status::timeout);
+  const auto refused = b.engine->score({tokens(60, 3), 1});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("max_waiting = 1"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(waiting.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(b.engine->score({tokens(60, 3), 1}).ok()) << "waits for the request to finish";
+  ASSERT_TRUE(c.wait_finals(1));
+  EXPECT_EQ(b.engine->stats().preemptions_total, 0);
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, 16);
 }
 
 // ---- validation ----

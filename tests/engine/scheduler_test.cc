@@ -324,24 +324,53 @@ TEST(Scheduler, BudgetForAPriorityComesFromRowsNotPreemption) {
   EXPECT_EQ(p.rows[1].pos_begin, 8);
 }
 
-TEST(Scheduler, MakeRoomPreemptsLowestRankFirst) {
+// Room for a scoring call preempts running sequences of lower priority only, lowest rank first,
+// and nobody when that would not make the room.
+TEST(Scheduler, MakeRoomPreemptsOnlyLowerPrioritiesLowestRankFirst) {
   Harness h({.max_batch_tokens = 100}, 6, 2);
   h.add(1, 4, 1, 1);
   h.add(2, 4, 1, 0);
   h.add(3, 4, 1, 2);
   h.step();  // 6 blocks used
   EXPECT_EQ(h.bm.num_available(), 0);
-  EXPECT_TRUE(h.sched.make_room(2));
+  EXPECT_FALSE(h.sched.make_room(2, 0));  // an equal priority is never preempted: the call waits
+  EXPECT_EQ(h.sched.num_running(), 3);
+  EXPECT_TRUE(h.sched.make_room(2, 1));
   EXPECT_FALSE(h.sched.find(2)->running);
   EXPECT_TRUE(h.sched.find(1)->running);
   EXPECT_TRUE(h.sched.find(3)->running);
-  // 7 of 6 blocks can never be made: nobody is preempted for nothing.
-  EXPECT_FALSE(h.sched.make_room(7));
+  // Of priority 2, only sequence 1 is lower: 2 free + its 2 are not 5, so nobody is preempted.
+  EXPECT_FALSE(h.sched.make_room(5, 2));
   EXPECT_EQ(h.sched.num_running(), 2);
-  EXPECT_EQ(h.sched.num_waiting(), 1);
-  EXPECT_TRUE(h.sched.make_room(6));
+  EXPECT_TRUE(h.sched.make_room(4, 2));
+  EXPECT_FALSE(h.sched.find(1)->running);
+  EXPECT_TRUE(h.sched.find(3)->running);
+  // 7 of 6 blocks can never be made: nobody is preempted for nothing.
+  EXPECT_FALSE(h.sched.make_room(7, 3));
+  EXPECT_EQ(h.sched.num_running(), 1);
+  EXPECT_EQ(h.sched.num_waiting(), 2);
+  EXPECT_TRUE(h.sched.make_room(6, 3));
   EXPECT_EQ(h.sched.num_running(), 0);
   EXPECT_EQ(h.sched.num_waiting(), 3);
+}
+
+// Blocks held for a waiting scoring call are not given to admissions of its priority or lower,
+// so a stream of new requests cannot starve it; a higher priority is admitted into them.
+TEST(Scheduler, BlocksHeldForScoringAreNotGivenToAdmissionsOfItsPriority) {
+  Harness h({.max_batch_tokens = 100}, 8, 2);
+  h.sched.hold_for_scoring(6, 0);
+  h.add(1, 4);  // 2 blocks: 6 left, as held
+  h.add(2, 4);  // would leave 4
+  h.step();
+  EXPECT_TRUE(h.sched.find(1)->running);
+  EXPECT_FALSE(h.sched.find(2)->running);
+  h.add(3, 4, 1, 1);
+  h.step();
+  EXPECT_TRUE(h.sched.find(3)->running);
+  EXPECT_FALSE(h.sched.find(2)->running);
+  h.sched.hold_for_scoring(0, 0);
+  h.step();
+  EXPECT_TRUE(h.sched.find(2)->running);
 }
 
 // Blocks another holder keeps (a scoring call's) cannot be made room from: when the running
@@ -357,9 +386,9 @@ TEST(Scheduler, MakeRoomCountsOnlyWhatPreemptingWouldFree) {
   const SeqId other = 999;  // not a scheduler sequence: a scoring call, say
   ASSERT_TRUE(h.bm.start(other, {}, 1, 4));  // 2 blocks
   EXPECT_EQ(h.bm.num_available(), 2);
-  EXPECT_FALSE(h.sched.make_room(7));  // 2 free + 4 of the running = 6
+  EXPECT_FALSE(h.sched.make_room(7, 1));  // 2 free + 4 of the running = 6
   EXPECT_EQ(h.sched.num_running(), 2);
-  EXPECT_TRUE(h.sched.make_room(6));
+  EXPECT_TRUE(h.sched.make_room(6, 1));
   EXPECT_EQ(h.sched.num_running(), 0);
   h.bm.release(other);
 }

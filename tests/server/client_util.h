@@ -30,12 +30,13 @@ struct Stream {
 };
 
 struct CallOptions {
-  std::string api_key;                       // sent as a Bearer token when not empty
+  std::string api_key;                       // sent as `scheme key` when not empty
   std::chrono::milliseconds timeout{30000};  // the call's deadline
+  std::string scheme = "Bearer";
 };
 
 inline void prepare(grpc::ClientContext* context, const CallOptions& o) {
-  if (!o.api_key.empty()) context->AddMetadata("authorization", "Bearer " + o.api_key);
+  if (!o.api_key.empty()) context->AddMetadata("authorization", o.scheme + " " + o.api_key);
   context->set_deadline(std::chrono::system_clock::now() + o.timeout);
 }
 

@@ -19,6 +19,17 @@ std::vector<int> some_ids(int n, int salt = 0) {
   return ids;
 }
 
+// The server's log once it holds `needle` (a call's line is written when the call is done), or
+// as it is after 10 s.
+std::string log_with(const ServerProcess& server, const std::string& needle) {
+  std::string log = server.log();
+  for (auto end = std::chrono::steady_clock::now() + 10s;
+       log.find(needle) == std::string::npos && std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(10ms))
+    log = server.log();
+  return log;
+}
+
 class ServerGenerate : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -155,11 +166,7 @@ TEST_F(ServerGenerate, RequestIdCannotForgeLogLines) {
   v1::GenerateRequest req = ids_request(some_ids(4), 2);
   req.set_request_id("evil\" status=OK\nforged line");
   ASSERT_TRUE(generate(server_->channel(), req).status.ok());
-  std::string log;
-  for (auto end = std::chrono::steady_clock::now() + 10s;
-       log.find("client_id=") == std::string::npos && std::chrono::steady_clock::now() < end;
-       std::this_thread::sleep_for(10ms))
-    log = server_->log();  // the line is written when the call is done
+  const std::string log = log_with(*server_, "client_id=");
   EXPECT_NE(log.find(R"(client_id="evil\" status=OK\nforged line")"), std::string::npos) << log;
   EXPECT_EQ(log.find("\nforged line"), std::string::npos) << log;
 }
@@ -173,6 +180,27 @@ TEST_F(ServerGenerate, DeadlineEndsTheRequest) {
            metric(m, "cemlm:kv_cache_usage_perc") == 0 &&
            metric(m, "cemlm:request_errors_total", "code=\"DEADLINE_EXCEEDED\"") == 1;
   })) << server_->metrics_text();
+  // Its log line says deadline, not cancelled (the engine's own reason).
+  const std::string log = log_with(*server_, "status=DEADLINE_EXCEEDED");
+  EXPECT_NE(log.find("finish=deadline status=DEADLINE_EXCEEDED"), std::string::npos) << log;
+}
+
+// Unary calls are logged too: every failure, and every Score.
+TEST_F(ServerGenerate, UnaryCallsAreLogged) {
+  v1::ScoreRequest bad;
+  bad.add_ids(1);
+  v1::ScoreResponse resp;
+  EXPECT_EQ(score(server_->channel(), bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::ScoreRequest good;
+  for (int id : some_ids(5)) good.add_ids(id);
+  EXPECT_TRUE(score(server_->channel(), good, &resp).ok());
+  const std::string want_bad = "Score peer=", want_ok = "status=OK latency_ms=";
+  const std::string log = log_with(*server_, want_ok);  // the later line
+  const size_t at = log.find(want_bad);
+  ASSERT_NE(at, std::string::npos) << log;
+  EXPECT_NE(log.find("status=INVALID_ARGUMENT", at), std::string::npos) << log;
+  EXPECT_NE(log.find("scoring needs at least 2", at), std::string::npos) << log;
+  EXPECT_NE(log.find(want_ok, at), std::string::npos) << log;
 }
 
 TEST(ServerQueue, FullQueueAnswersResourceExhausted) {

@@ -89,6 +89,13 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
          r->set_prompt_text(text);
        },
        "prompt_text has "},
+      {"prompt text far beyond the context",  // refused by its length, before it is tokenized
+       [](auto* r) {
+         std::string text;
+         while (text.size() < 300000) text += "ab cd ";
+         r->set_prompt_text(text);
+       },
+       "prompt_text is 300000 bytes, more than the model's max_seq_len = 512 tokens can hold"},
       {"T above max", [](auto* r) { r->set_recursion_depth(9); },
        "recursion_depth = 9 exceeds the model's recursion.max = 8"},
       {"negative T", [](auto* r) { r->set_recursion_depth(-1); }, "recursion_depth"},
@@ -293,9 +300,15 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   EXPECT_TRUE(generate(server->channel(), req, {"alpha-key"}).status.ok());
   EXPECT_TRUE(generate(server->channel(), req, {"beta-key"}).status.ok());
   EXPECT_TRUE(score(server->channel(), sreq, &sresp, {"beta-key"}).ok());
+  // The scheme's case does not matter (RFC 7235); another scheme is refused.
+  const std::chrono::milliseconds t(30000);
+  EXPECT_TRUE(generate(server->channel(), req, {"alpha-key", t, "bearer"}).status.ok());
+  EXPECT_TRUE(generate(server->channel(), req, {"alpha-key", t, "BEARER"}).status.ok());
+  EXPECT_EQ(generate(server->channel(), req, {"alpha-key", t, "Basic"}).status.error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(health(server->channel()), "SERVING");  // no key needed
   const auto m = parse_metrics(server->metrics_text());
-  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 5);
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 6);
 }
 
 TEST_F(ServerValidation, WithoutKeysAnyAuthorizationIsIgnored) {

@@ -80,6 +80,9 @@ struct ScoreRequest {
   std::vector<int> ids;
   int recursion_depth = 0;
   std::string ids_field = "ids";  // the client's field, as validation errors name it
+  // When the cache is full the call waits for room; running requests of lower priority are
+  // preempted for it (as for a generation request), equal and higher ones never.
+  int priority = 0;
   // Checked before each chunk: past the deadline the call ends DEADLINE_EXCEEDED, and once
   // `cancelled` returns true (called on the scoring caller's thread) it ends CANCELLED; either
   // way its cache blocks are freed.
@@ -94,7 +97,8 @@ struct ScoreResult {
 };
 
 struct EngineStats {
-  int running = 0, waiting = 0;
+  int running = 0;
+  int waiting = 0;  // generation requests queued, and scoring calls waiting for cache room
   double kv_cache_usage = 0;     // 0–1
   int64_t kv_blocks_total = 0, kv_blocks_free = 0;
   int64_t preemptions_total = 0;

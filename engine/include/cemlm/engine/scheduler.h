@@ -97,9 +97,16 @@ class Scheduler {
   void append(SeqId id, int token);
   // Ends an accepted sequence wherever it is (waiting or running) and frees its blocks.
   bool remove(SeqId id);
-  // Preempts running sequences, lowest rank first, until `n_blocks` are available; false, with
-  // none preempted, when even all of them would not free enough.
-  bool make_room(int64_t n_blocks);
+  // Room for a scoring call of `priority`: preempts running sequences of lower priority, lowest
+  // rank first, until `n_blocks` are available; false, with none preempted, when even all of them
+  // would not free enough (equal and higher priorities are never preempted: the call waits).
+  bool make_room(int64_t n_blocks, int priority);
+  // Blocks that admitting waiting sequences of at most `priority` must leave available (0: none),
+  // held for a scoring call waiting for room, so that a stream of admissions cannot starve it.
+  void hold_for_scoring(int64_t n_blocks, int priority) {
+    held_for_scoring_ = n_blocks;
+    held_priority_ = priority;
+  }
 
   const Sequence* find(SeqId id) const;
   bool has_work() const;  // anything running, waiting or not yet accepted
@@ -134,6 +141,8 @@ class Scheduler {
   std::set<Sequence*, RankLess> waiting_;
   std::vector<Sequence*> running_;  // sorted by rank
   int64_t preemptions_ = 0, prefix_hit_tokens_ = 0;
+  int64_t held_for_scoring_ = 0;
+  int held_priority_ = 0;
 
   mutable std::mutex intake_mu_;
   std::vector<std::unique_ptr<Sequence>> intake_;

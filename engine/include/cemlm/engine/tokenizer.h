@@ -30,6 +30,10 @@ class Tokenizer {
   // The piece of an id ("▁the", "<0x0A>", "</s>"); empty when out of range.
   std::string id_to_piece(int id) const;
 
+  // The longest piece in bytes: no token stands for more of a text than that (normalisation
+  // aside), so a text of n bytes encodes to at least about n / max_piece_bytes() tokens.
+  int max_piece_bytes() const { return max_piece_bytes_; }
+
   int vocab_size() const;
   int bos_id() const;  // -1 when the model defines none
   int eos_id() const;
@@ -39,6 +43,7 @@ class Tokenizer {
  private:
   explicit Tokenizer(void* sp);
   void* sp_;  // owned: the plugin's SentencePieceProcessor
+  int max_piece_bytes_ = 1;
 };
 
 // Whether a tokenizer can serve a model of `vocab_size` token ids: false (with the reason, to

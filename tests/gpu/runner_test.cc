@@ -182,24 +182,36 @@ TEST_P(RunnerTest, DecodeBatchGrowingStepByStepReplaysGraphsLikeCpu) {
            "decode of the first " + std::to_string(n) + " again, step " + std::to_string(d));
 }
 
+// A copied block continues as the CPU's copy does, through direct steps and replayed graphs.
 TEST_P(RunnerTest, CopyBlockGivesTheSameContinuation) {
   const int bs = 4, n_blocks = 40, V = cfg_.vocab_size;
-  auto gpu = runner(CudaPrecision::kFp32, false, bs, n_blocks);
-  ASSERT_NE(gpu, nullptr);
-  auto ids = random_ids(8, V, 300);
-  const std::vector<int32_t> a = {3, 7, 9}, b = {20, 21, 9};
-  Batch prefill;
-  prefill.seqs.push_back(BatchSeq{ids.data(), 7, 0, 2, a.data(), 3, true, false});
-  std::vector<float> first, via_a, via_b;
-  gpu->forward(prefill, &first);
-  gpu->copy_block(3, 20);
-  gpu->copy_block(7, 21);
-  for (const auto* table : {&a, &b}) {
-    Batch step;
-    step.seqs.push_back(BatchSeq{ids.data() + 7, 1, 7, 2, table->data(), 3, true, false});
-    gpu->forward(step, table == &a ? &via_a : &via_b);
+  for (bool graphs : {false, true}) {
+    auto gpu = runner(CudaPrecision::kFp32, graphs, bs, n_blocks);
+    ASSERT_NE(gpu, nullptr);
+    CpuModel cpu(cfg_, w_);
+    KvPool kv(cfg_, bs, n_blocks);
+    auto ids = random_ids(8, V, 300);
+    const std::vector<int32_t> a = {3, 7, 9}, b = {20, 21, 9};
+    Batch prefill;
+    prefill.seqs.push_back(BatchSeq{ids.data(), 7, 0, 2, a.data(), 3, true, false});
+    std::vector<float> first, want_first, via_a, via_b, want;
+    gpu->forward(prefill, &first);
+    cpu.forward(prefill, kv, &want_first);
+    for (auto [src, dst] : {std::pair{3, 20}, std::pair{7, 21}}) {
+      gpu->copy_block(src, dst);
+      kv.copy_block(src, dst);
+    }
+    for (int rep = 0; rep < 2; ++rep)  // the second time, a captured decode step is replayed
+      for (const auto* table : {&a, &b}) {
+        Batch step;
+        step.seqs.push_back(BatchSeq{ids.data() + 7, 1, 7, 2, table->data(), 3, true, false});
+        gpu->forward(step, table == &a ? &via_a : &via_b);
+        cpu.forward(step, kv, &want);
+        EXPECT_LT(rel_err(table == &a ? via_a : via_b, want), 1e-4)
+            << (graphs ? "graphs, " : "") << "rep " << rep;
+      }
+    EXPECT_EQ(via_a, via_b);
   }
-  EXPECT_EQ(via_a, via_b);
 }
 
 // Greedy generation in fp32: the device sampler's argmax equals the CPU's for 64 tokens.
@@ -313,9 +325,14 @@ TEST(CudaRunnerOptions, OversizedMaxBatchTokensIsAStartupError) {
   const std::vector<int32_t> table = {0};
   Batch b;
   b.seqs.push_back(BatchSeq{ids.data(), 8, 0, 1, table.data(), 1, true, false});
-  std::vector<float> logits;
+  std::vector<float> logits, want;
   r.value()->forward(b, &logits);
-  EXPECT_EQ(logits.size(), size_t(cfg.vocab_size));
+  ASSERT_EQ(logits.size(), size_t(cfg.vocab_size));
+  const Weights w = bind_weights(cfg, store);
+  CpuModel cpu(cfg, w);
+  KvPool kv(cfg, o.block_size, 1);
+  cpu.forward(b, kv, &want);
+  EXPECT_LT(rel_err(logits, want), 1e-4);
 }
 
 // With kv_cache_memory 0 the cache takes 90% of what is free, which used to leave too little for

@@ -55,7 +55,22 @@ serve() {
   done <<<"$FLAG_TABLE"
   # Word splitting is the point here: CEMLM_EXTRA_ARGS holds several flags.
   # shellcheck disable=SC2206
-  args+=(${CEMLM_EXTRA_ARGS:-})
+  local extra=(${CEMLM_EXTRA_ARGS:-}) a
+  # The health check (another process) finds the server through CEMLM_PORT and CEMLM_HOST: a port
+  # or address given as a flag would leave it probing the wrong one for good.
+  for a in "${extra[@]}" "$@"; do
+    case "$a" in
+      --port | --port=*)
+        echo "entrypoint.sh: set the port with CEMLM_PORT, not --port (the health check reads" \
+             "CEMLM_PORT)" >&2
+        exit 2 ;;
+      --host | --host=*)
+        echo "entrypoint.sh: set the address with CEMLM_HOST, not --host (the health check" \
+             "reads CEMLM_HOST)" >&2
+        exit 2 ;;
+    esac
+  done
+  args+=("${extra[@]}")
   # exec: the server becomes PID 1 in the container and receives SIGTERM itself, to drain.
   exec "$CEMLM_BIN" serve "${args[@]}" "$@"
 }

@@ -13,6 +13,10 @@ METRICS_PORT=${CEMLM_METRICS_PORT:-9400}
 if [ ! -f "$MODEL/config.json" ]; then
   echo "== training the default model into $MODEL (fortunes corpus)"
   "$CEMLM" train --out "$MODEL"
+elif [ -f "$MODEL/trainer_state.json" ]; then
+  # A run stopped early (Ctrl-C saves a resumable checkpoint) goes on; a finished one says so.
+  echo "== finishing the training of $MODEL if an earlier run stopped early"
+  "$CEMLM" train --out "$MODEL" --resume
 fi
 "$CEMLM" inspect "$MODEL"
 
@@ -21,11 +25,15 @@ echo "== starting the server on 127.0.0.1:$PORT (metrics on :$METRICS_PORT)"
   > server.log 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
+# Up once it has said it listens (so a server already on the port cannot answer for it) and
+# reports SERVING (the model is loaded).
 for _ in $(seq 1 120); do
-  "$CEMLM" client health --addr "127.0.0.1:$PORT" > /dev/null 2>&1 && break
   kill -0 $SERVER 2>/dev/null || { cat server.log; exit 1; }
+  grep -q '^cemlm serve: grpc port' server.log &&
+    "$CEMLM" client health --addr "127.0.0.1:$PORT" > /dev/null 2>&1 && break
   sleep 0.5
 done
+kill -0 $SERVER 2>/dev/null || { cat server.log; exit 1; }
 
 PROMPT="A fool and his money"
 for T in 1 4; do

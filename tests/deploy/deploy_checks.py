@@ -397,8 +397,17 @@ def check_entrypoint(errors):
         want = ["serve", "--threads", "3", "--log-level", "debug", "--max-waiting", "7"]
         errors.expect(argv == want,
                       f"empty variables, CEMLM_EXTRA_ARGS or extra flags mishandled: {argv}")
-        rc, argv, _ = run_entrypoint(tmp, ["--port", "9"], {})
-        errors.expect(argv == ["serve", "--port", "9"], f"leading flags must go to serve: {argv}")
+        rc, argv, _ = run_entrypoint(tmp, ["--max-waiting", "9"], {})
+        errors.expect(argv == ["serve", "--max-waiting", "9"],
+                      f"leading flags must go to serve: {argv}")
+        # The health check reads CEMLM_PORT/CEMLM_HOST: the flags would leave it probing elsewhere.
+        for args, env, var in ((["--port", "6000"], {}, "CEMLM_PORT"),
+                               (["serve", "--host=10.0.0.1"], {}, "CEMLM_HOST"),
+                               ([], {"CEMLM_EXTRA_ARGS": "--log-level debug --port 6000"},
+                                "CEMLM_PORT")):
+            rc, argv, err = run_entrypoint(tmp, args, env)
+            errors.expect(rc == 2 and argv is None and var in err,
+                          f"{args} {env} must be refused naming {var} (rc {rc}): {err}")
         rc, argv, _ = run_entrypoint(tmp, ["inspect", "/models/default"], {})
         errors.expect(argv == ["inspect", "/models/default"],
                       f"other commands must pass through: {argv}")

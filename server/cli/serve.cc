@@ -1,11 +1,15 @@
 // `cemlm serve`: loads a checkpoint into the engine and serves it over gRPC, with /metrics on a
 // second port. Lifecycle: listen (NOT_SERVING) -> load + warm up -> SERVING -> SIGTERM/SIGINT ->
 // drain up to --shutdown-timeout -> cancel the rest -> exit 0.
+#include <netdb.h>
 #include <prometheus/exposer.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <cctype>
 #include <csignal>
 #include <cstdio>
@@ -13,6 +17,7 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
@@ -63,6 +68,32 @@ absl::StatusOr<std::string> metrics_host(const std::string& host) {
   return absl::InvalidArgumentError(absl::StrCat(
       "--host ", host, ": /metrics cannot listen on an IPv6 address (this build's HTTP server has no "
       "IPv6); use an IPv4 address, :: (metrics on 0.0.0.0) or ::1 (metrics on 127.0.0.1)"));
+}
+
+// Stops /metrics. civetweb's listener sees a stop request only when its poll returns, every 2 s or
+// on a connection: connecting to it until it is gone makes the stop take milliseconds (SIGTERM
+// overran --shutdown-timeout by up to 2 s here).
+void stop_metrics(std::unique_ptr<prometheus::Exposer> exposer, const std::string& host,
+                  int port) {
+  std::atomic<bool> stopped{false};
+  std::thread waker([&] {
+    addrinfo hints{}, *found = nullptr;
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    const std::string to = host == "0.0.0.0" ? "127.0.0.1" : host;
+    if (::getaddrinfo(to.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
+    while (!stopped.load()) {
+      if (const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0); fd >= 0) {
+        (void)::connect(fd, found->ai_addr, found->ai_addrlen);
+        ::close(fd);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ::freeaddrinfo(found);
+  });
+  exposer.reset();
+  stopped.store(true);
+  waker.join();
 }
 
 int fail(const absl::Status& st) {
@@ -173,6 +204,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   e->shutdown(/*cancel_running=*/true);
   (*server)->shutdown();
   metrics->set_stats_source(nullptr);
+  stop_metrics(std::move(exposer), *mhost, metrics_port);
   spdlog::info("stopped");
   return 0;
 }

@@ -14,9 +14,13 @@ if [ ! -f "$MODEL/config.json" ]; then
   echo "== training the default model into $MODEL (fortunes corpus)"
   "$CEMLM" train --out "$MODEL"
 elif [ -f "$MODEL/trainer_state.json" ]; then
-  # A run stopped early (Ctrl-C saves a resumable checkpoint) goes on; a finished one says so.
-  echo "== finishing the training of $MODEL if an earlier run stopped early"
-  "$CEMLM" train --out "$MODEL" --resume
+  # A run stopped early (Ctrl-C saves a resumable checkpoint) goes on before it is served.
+  done_steps=$(grep -o '"step": [0-9]*' "$MODEL/trainer_state.json" | grep -o '[0-9]*$' || true)
+  all_steps=$(grep -o '"steps": [0-9]*' "$MODEL/trainer_state.json" | grep -o '[0-9]*$' || true)
+  if [ -n "$done_steps" ] && [ -n "$all_steps" ] && [ "$done_steps" -lt "$all_steps" ]; then
+    echo "== $MODEL stopped at step $done_steps of $all_steps: finishing its training"
+    "$CEMLM" train --out "$MODEL" --resume
+  fi
 fi
 "$CEMLM" inspect "$MODEL"
 

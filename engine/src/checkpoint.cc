@@ -162,10 +162,13 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
 fs::path checkpoint_target_path(const std::string& dir) {
   fs::path target = fs::path(dir).lexically_normal();
   if (!target.has_filename()) target = target.parent_path();  // "out/" → "out"
+  // Followed link by link: weakly_canonical leaves a link to a directory not made yet as it is.
   std::error_code ec;
-  if (fs::is_symlink(target, ec)) {
-    const fs::path resolved = fs::weakly_canonical(target, ec);
-    if (!ec) return resolved;
+  for (int hops = 0; hops < 40 && fs::is_symlink(target, ec); ++hops) {
+    fs::path to = fs::read_symlink(target, ec);
+    if (ec) break;
+    target = (to.is_relative() ? target.parent_path() / to : to).lexically_normal();
+    if (!target.has_filename()) target = target.parent_path();
   }
   return target;
 }

@@ -157,7 +157,8 @@ class EngineImpl final : public Engine {
   // them when the cache is busy until there is room, the call's deadline passes, it is cancelled
   // or the engine stops; at most max_waiting calls wait at once.
   absl::Status wait_for_score_room(SeqId seq, int64_t need, int T, int n, const ScoreRequest& req);
-  void hold_for_first_score();  // engine thread
+  SeqId first_score_wait() const;  // the scoring call first in line for blocks (0: none)
+  void hold_for_first_score();     // holds blocks for it (engine thread, as both)
   absl::Status score_chunks(SeqId seq, int T, const ScoreRequest& req, ScoreResult* out);
 
   const EngineOptions opts_;
@@ -567,7 +568,11 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
   enum { kRoom, kWait, kFull } got = kWait;
   for (;;) {
     on_loop([&] {
-      if (sched_.make_room(need, req.priority)) {
+      // First come, first served among scoring calls: one behind a waiting call of its priority
+      // or higher waits too, rather than take the blocks held for that one.
+      const SeqId first = first_score_wait();
+      const bool behind = first != 0 && first != seq && score_waits_[first].second >= req.priority;
+      if (!behind && sched_.make_room(need, req.priority)) {
         CEMLM_CHECK(blocks_.start(seq, {}, T, n));
         got = kRoom;
         score_waits_.erase(seq);
@@ -608,12 +613,19 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
   }
 }
 
-void EngineImpl::hold_for_first_score() {
-  // The waiting call of the highest priority, then the oldest (sequence ids grow), holds.
-  const std::pair<int64_t, int>* first = nullptr;
+SeqId EngineImpl::first_score_wait() const {
+  // The waiting call of the highest priority, then the oldest (sequence ids grow).
+  SeqId first = 0;
   for (const auto& [id, w] : score_waits_)
-    if (!first || w.second > first->second) first = &w;
-  sched_.hold_for_scoring(first ? first->first : 0, first ? first->second : 0);
+    if (first == 0 || w.second > score_waits_.at(first).second) first = id;
+  return first;
+}
+
+void EngineImpl::hold_for_first_score() {
+  const SeqId first = first_score_wait();
+  if (first == 0) return sched_.hold_for_scoring(0, 0);
+  const auto& [need, priority] = score_waits_.at(first);
+  sched_.hold_for_scoring(need, priority);
 }
 
 absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,

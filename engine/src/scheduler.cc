@@ -150,6 +150,9 @@ void Scheduler::preempt(Sequence* s, StepPlan* plan) {
 int Scheduler::make_way_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan) {
   if (waiting_.empty() || running_.empty()) return 0;
   const Sequence* w = *waiting_.begin();
+  // Blocks held for a scoring call of its priority or higher are not its to take: preempting
+  // for an admission the hold refuses would throw work away for nothing.
+  if (held_for_scoring_ > 0 && w->priority <= held_priority_) return 0;
   // running_ is in rank order, so the sequences of lower priority are its tail.
   std::vector<SeqId> lower;
   int lower_rows = 0;  // budget their rows in this step hold

@@ -639,7 +639,7 @@ TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
     std::atomic<int> steps{0};
     Built b = build({.num_blocks = 16, .favorite = [&](int) {
                        ++steps;
-                       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                       std::this_thread::sleep_for(std::chrono::milliseconds(5));
                        return -1;
                      }});
     Collector c;
@@ -654,34 +654,73 @@ TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
   }
 }
 
-// At most max_waiting scoring calls wait for room; one more is refused at once, naming the limit,
-// and a waiting call's deadline ends it.
-TEST(Engine, WaitingScoringCallsAreBounded) {
+// A Generate request that keeps 3 to 15 of 16 blocks taken for at least 250 ms (50 steps of a
+// 5 ms forward), so that a 60-token score (15 blocks) must wait.
+struct BusyEngine {
   std::atomic<int> steps{0};
-  Built b = build({.num_blocks = 16, .favorite = [&](int) {
-                     ++steps;
-                     std::this_thread::sleep_for(std::chrono::milliseconds(2));
-                     return -1;
-                   }},
-                  {.max_waiting = 1});
-  Collector c;
-  // Holds 3 to 15 of the 16 blocks for over 100 ms: a 60-token score (15 blocks) must wait.
-  ASSERT_TRUE(b.engine->submit(request(tokens(8, 1), 50), c.callback()).ok());
-  while (steps.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Collector c;  // outlives the engine, which calls it
+  Built b;
+  explicit BusyEngine(int max_waiting)
+      : b(build({.num_blocks = 16, .favorite = [this](int) {
+                   ++steps;
+                   std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                   return -1;
+                 }},
+                {.max_waiting = max_waiting})) {
+    EXPECT_TRUE(b.engine->submit(request(tokens(8, 1), 50), c.callback()).ok());
+    while (steps.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  // Waits until `n` calls count as waiting; false if `pending` ended first.
+  template <typename F>
+  bool waiting(int n, F& pending) {
+    while (b.engine->stats().waiting < n)
+      if (pending.wait_for(std::chrono::milliseconds(1)) != std::future_status::timeout)
+        return false;
+    return true;
+  }
+};
+
+// At most max_waiting scoring calls wait for room; one more is refused at once, naming the limit,
+// and a waiting call ends when its caller gives up or its deadline passes.
+TEST(Engine, WaitingScoringCallsAreBounded) {
+  BusyEngine busy(1);
+  Engine& e = *busy.b.engine;
+  std::atomic<bool> give_up{false};
   ScoreRequest waits{tokens(60, 2), 1};
-  waits.deadline = Clock::now() + std::chrono::milliseconds(60);
-  auto waiting = std::async(std::launch::async, [&] { return b.engine->score(waits); });
-  while (b.engine->stats().waiting == 0)  // counted as waiting
-    ASSERT_EQ(waiting.wait_for(std::chrono::milliseconds(1)), std::future_status::timeout);
-  const auto refused = b.engine->score({tokens(60, 3), 1});
+  waits.cancelled = [&] { return give_up.load(); };
+  auto waiting = std::async(std::launch::async, [&] { return e.score(waits); });
+  ASSERT_TRUE(busy.waiting(1, waiting));
+  const auto refused = e.score({tokens(60, 3), 1});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(refused.status().message().find("max_waiting = 1"), std::string::npos)
       << refused.status();
-  EXPECT_EQ(waiting.get().status().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_TRUE(b.engine->score({tokens(60, 3), 1}).ok()) << "waits for the request to finish";
-  ASSERT_TRUE(c.wait_finals(1));
-  EXPECT_EQ(b.engine->stats().preemptions_total, 0);
-  EXPECT_EQ(b.engine->stats().kv_blocks_free, 16);
+  give_up = true;
+  EXPECT_EQ(waiting.get().status().code(), absl::StatusCode::kCancelled);
+  ScoreRequest late{tokens(60, 4), 1};
+  late.deadline = Clock::now();
+  EXPECT_EQ(e.score(late).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(e.score({tokens(60, 3), 1}).ok()) << "waits for the request to finish";
+  ASSERT_TRUE(busy.c.wait_finals(1));
+  EXPECT_EQ(e.stats().preemptions_total, 0);
+  EXPECT_EQ(e.stats().kv_blocks_free, 16);
+}
+
+// Scoring calls are served first come, first served within a priority: a small one that would
+// fit waits behind a large one waiting for room, instead of taking the blocks held for it.
+TEST(Engine, ScoringCallsDoNotOvertakeAWaitingOneOfTheirPriority) {
+  BusyEngine busy(4);
+  Engine& e = *busy.b.engine;
+  std::atomic<bool> give_up{false};
+  ScoreRequest large{tokens(60, 2), 1};
+  large.cancelled = [&] { return give_up.load(); };
+  auto first = std::async(std::launch::async, [&] { return e.score(large); });
+  ASSERT_TRUE(busy.waiting(1, first));
+  auto second = std::async(std::launch::async, [&] { return e.score({tokens(6, 3), 1}); });
+  EXPECT_TRUE(busy.waiting(2, second)) << "the small call did not wait behind the large one";
+  give_up = true;
+  EXPECT_EQ(first.get().status().code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(second.get().ok());
+  ASSERT_TRUE(busy.c.wait_finals(1));
 }
 
 // ---- validation ----

@@ -373,6 +373,24 @@ TEST(Scheduler, BlocksHeldForScoringAreNotGivenToAdmissionsOfItsPriority) {
   EXPECT_TRUE(h.sched.find(2)->running);
 }
 
+// A waiting sequence that the hold would not admit does not make lower priorities make way for
+// it either: their work would be thrown away for nothing.
+TEST(Scheduler, NoPreemptionForAnAdmissionTheScoringHoldRefuses) {
+  Harness h({.max_batch_tokens = 100, .max_running = 1}, 8, 2);
+  h.add(1, 4, 1, 0);
+  h.step();
+  h.sched.hold_for_scoring(6, 1);
+  h.add(2, 4, 1, 1);  // would preempt sequence 1 for the running slot, but the hold refuses it
+  h.step();
+  EXPECT_TRUE(h.sched.find(1)->running);
+  EXPECT_FALSE(h.sched.find(2)->running);
+  EXPECT_EQ(h.sched.preemptions_total(), 0);
+  h.sched.hold_for_scoring(0, 0);
+  h.step();
+  EXPECT_TRUE(h.sched.find(2)->running);
+  EXPECT_EQ(h.sched.preemptions_total(), 1);
+}
+
 // Blocks another holder keeps (a scoring call's) cannot be made room from: when the running
 // sequences' own blocks are not enough, none of them is preempted. Blocks two running sequences
 // share (a prefix-cache hit) count once and are freed with the second.

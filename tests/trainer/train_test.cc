@@ -180,6 +180,25 @@ TEST(Train, FreshRunRefusesToOverwriteACheckpoint) {
   EXPECT_NE(again.status().message().find("--resume"), std::string::npos);
 }
 
+// A resumed run's --out holding something besides checkpoint files is refused before training,
+// not at the first save after it (which would throw the steps away).
+TEST(Train, ResumedRunWithForeignFilesInOutIsRefusedBeforeTraining) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.steps = 2;
+  ASSERT_TRUE(train(o).ok());
+  testing_trainer::write_file(o.out_dir + "/notes.txt", "keep me\n");
+  o.resume = true;
+  o.steps = 4;
+  int steps = 0;
+  TrainCallbacks cb;
+  cb.on_step = [&](const StepMetrics&) { return ++steps, true; };
+  auto resumed = train(o, cb);
+  ASSERT_FALSE(resumed.ok());
+  EXPECT_NE(resumed.status().message().find("'notes.txt'"), std::string::npos) << resumed.status();
+  EXPECT_EQ(steps, 0);
+  EXPECT_TRUE(fs::exists(o.out_dir + "/notes.txt"));
+}
+
 // Runs that share a --cache: another run training its own tokenizer into the cache while this one
 // trains must not change the tokenizer this one saves (its data was encoded with the first).
 TEST(Train, CheckpointKeepsItsTokenizerWhenTheSharedCacheChanges) {

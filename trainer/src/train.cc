@@ -163,8 +163,8 @@ absl::Status Trainer::load_model() {
         absl::StrCat("--out '", o_.out_dir,
                      "' already holds a checkpoint: pass --resume to continue its run, "
                      "--init to start from its weights, or choose another --out"));
-  if (!o_.resume)  // before any training, not at the first save
-    CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", check_checkpoint_target(o_.out_dir)));
+  // Before any training, not at the first save (a resumed run's --out included).
+  CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", check_checkpoint_target(o_.out_dir)));
   if (!fresh_ && o_.vocab_size > 0 && o_.vocab_size != cfg_.vocab_size)
     return absl::InvalidArgumentError(absl::StrCat(
         "--vocab-size ", o_.vocab_size, " applies to a new model; the checkpoint of ",

@@ -382,17 +382,22 @@ void EngineImpl::run_jobs() {
 }
 
 bool EngineImpl::take_control() {
-  std::vector<RequestId> cancels;
+  std::vector<RequestId> cancels, displaced;
   bool cancel_all, stopping;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& q : incoming_) live_[q->id] = std::move(q);
     incoming_.clear();
-    sched_.accept();  // under mu_: the scheduler never holds a sequence live_ lacks
+    displaced = sched_.accept();  // under mu_: the scheduler never holds a sequence live_ lacks
     cancels.swap(cancels_);
     cancel_all = cancel_all_;
     stopping = stopping_;
   }
+  for (RequestId id : displaced)
+    finish(*live_.at(id), FinishReason::kError, {},
+           absl::ResourceExhaustedError(absl::StrCat(
+               "displaced from the full waiting queue (max_waiting = ", opts_.max_waiting,
+               ") by a request of higher priority; retry later or raise max_waiting")));
   if (cancel_all)
     for (const auto& [id, q] : live_) cancels.push_back(id);
   for (RequestId id : cancels)

@@ -32,10 +32,15 @@ Scheduler::Scheduler(const SchedulerOptions& opts, BlockManager* blocks)
 
 absl::Status Scheduler::add(SeqSpec spec) {
   std::lock_guard<std::mutex> lock(intake_mu_);
-  if (int(intake_.size()) + waiting_published_ >= opts_.max_waiting + free_slots_published_)
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the waiting queue is full (max_waiting = ", opts_.max_waiting,
-        " requests); retry later or raise max_waiting"));
+  if (int(intake_.size()) + waiting_published_ >= opts_.max_waiting + free_slots_published_) {
+    int lowest = lowest_queued_published_;
+    for (const auto& s : intake_) lowest = std::min(lowest, s->priority);
+    if (spec.priority <= lowest)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the waiting queue is full (max_waiting = ", opts_.max_waiting,
+          " requests); retry later or raise max_waiting"));
+    ++over_bound_;  // a queued sequence of lower priority makes way at the next accept()
+  }
   auto s = std::make_unique<Sequence>();
   s->id = spec.id;
   s->n_prompt = int(spec.prompt.size());
@@ -54,7 +59,7 @@ int Scheduler::num_waiting() const {
 
 bool Scheduler::has_work() const { return !running_.empty() || num_waiting() > 0; }
 
-void Scheduler::accept() {
+std::vector<SeqId> Scheduler::accept() {
   std::lock_guard<std::mutex> lock(intake_mu_);
   for (auto& s : intake_) {
     CEMLM_CHECK(!seqs_.count(s->id));
@@ -62,13 +67,24 @@ void Scheduler::accept() {
     seqs_[s->id] = std::move(s);
   }
   intake_.clear();
-  waiting_published_ = int(waiting_.size());
+  std::vector<SeqId> displaced;
+  for (auto it = waiting_.rbegin(); over_bound_ > 0 && it != waiting_.rend(); ++it)
+    if (!(*it)->admitted_before) {  // a preempted sequence keeps its place
+      displaced.push_back((*it)->id);
+      --over_bound_;
+    }
+  over_bound_ = 0;
+  waiting_published_ = int(waiting_.size() - displaced.size());
+  return displaced;
 }
 
 void Scheduler::publish_waiting() {
   std::lock_guard<std::mutex> lock(intake_mu_);
   waiting_published_ = int(waiting_.size());
   free_slots_published_ = std::max(0, opts_.max_running - int(running_.size()));
+  lowest_queued_published_ = INT_MAX;
+  for (const Sequence* s : waiting_)
+    if (!s->admitted_before) lowest_queued_published_ = std::min(lowest_queued_published_, s->priority);
 }
 
 const Sequence* Scheduler::find(SeqId id) const {

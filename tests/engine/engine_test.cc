@@ -362,7 +362,11 @@ TEST(Engine, RandomSubmitCancelDeadlineScoreSequencesLoseNothing) {
       EXPECT_FALSE(r.event_after_final) << "request " << id;
       EXPECT_EQ(r.usage.generated_tokens, int(r.ids.size()));
       EXPECT_EQ(r.ids.size(), r.logprobs.size());
-      EXPECT_NE(r.reason, FinishReason::kError) << r.error;
+      // The only error: displaced from a full queue by a request of higher priority.
+      if (r.reason == FinishReason::kError) {
+        EXPECT_EQ(r.error.code(), absl::StatusCode::kResourceExhausted) << r.error;
+        EXPECT_NE(r.error.message().find("displaced"), std::string::npos) << r.error;
+      }
     }
     const EngineStats st = e.stats();
     EXPECT_EQ(st.running, 0);
@@ -390,6 +394,38 @@ TEST(Engine, FullQueueIsResourceExhausted) {
   EXPECT_NE(st.status().message().find("max_waiting = 2"), std::string::npos) << st.status();
   gate.release();
   EXPECT_TRUE(c.wait_finals(3));
+}
+
+// A full queue takes a request of higher priority than one queued: the lowest-ranked queued
+// request (lowest priority, newest) is displaced, ending RESOURCE_EXHAUSTED; equal priorities
+// are still refused.
+TEST(Engine, FullQueueMakesWayForAHigherPriority) {
+  Gate gate;
+  EngineOptions eo;
+  eo.max_running = 1;
+  eo.max_waiting = 2;
+  Built b = build({.favorite = [&](int) { gate.enter(); return -1; }}, eo);
+  Collector c;
+  ASSERT_TRUE(b.engine->submit(request({1, 2}, 3), c.callback()).ok());
+  gate.wait_entered(1);  // the first request is running, inside forward()
+  const RequestId older = *b.engine->submit(request({1, 2}, 3), c.callback());
+  const RequestId newer = *b.engine->submit(request({1, 2}, 3), c.callback());
+  EXPECT_EQ(b.engine->submit(request({1, 2}, 3), c.callback()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  GenerateRequest urgent = request({1, 2}, 3);
+  urgent.priority = 5;
+  const auto taken = b.engine->submit(urgent, c.callback());
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  gate.release();
+  ASSERT_TRUE(c.wait_finals(4));
+  const Result displaced = c.get(newer);
+  EXPECT_EQ(displaced.reason, FinishReason::kError);
+  EXPECT_EQ(displaced.error.code(), absl::StatusCode::kResourceExhausted) << displaced.error;
+  EXPECT_NE(displaced.error.message().find("max_waiting = 2"), std::string::npos)
+      << displaced.error;
+  EXPECT_TRUE(displaced.ids.empty());
+  for (RequestId id : {older, *taken}) EXPECT_EQ(c.get(id).reason, FinishReason::kLength) << id;
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
 TEST(Engine, CancelEndsARequestWithinAStepAndFreesItsBlocks) {

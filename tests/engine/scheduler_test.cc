@@ -118,6 +118,38 @@ TEST(Scheduler, FullQueueIsResourceExhaustedNamingTheLimit) {
   EXPECT_EQ(h.sched.add({6, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
 }
 
+// Into a full queue, a sequence of higher priority than a queued never-admitted one is taken;
+// accept() names the lowest-ranked of those (lowest priority, newest) for its owner to end. A
+// preempted sequence keeps its place.
+TEST(Scheduler, FullQueueDisplacesTheLowestRankedForAHigherPriority) {
+  Harness h({.max_batch_tokens = 100, .max_running = 1, .max_waiting = 2}, 64, 4);
+  h.add(1, 3);
+  h.step();  // 1 runs
+  h.add(2, 3, 1, 1);
+  h.add(3, 3, 1, 0);
+  h.step();  // 2 (priority 1) takes 1's slot; 1 (preempted) and 3 wait: full
+  ASSERT_TRUE(h.sched.find(2)->running);
+  EXPECT_EQ(h.sched.add({4, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(h.sched.add({5, prompt(3), 1, 1}).ok());  // above 3's priority
+  EXPECT_EQ(h.sched.accept(), std::vector<SeqId>{3});    // not 1, which was preempted
+  ASSERT_TRUE(h.sched.remove(3));
+  EXPECT_EQ(h.sched.num_waiting(), 2);
+  // 1 and 5 (priority 1) wait: priority 1 is refused, priority 2 displaces 5.
+  EXPECT_EQ(h.sched.add({6, prompt(3), 1, 1}).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(h.sched.add({7, prompt(3), 1, 2}).ok());
+  EXPECT_EQ(h.sched.accept(), std::vector<SeqId>{5});
+  ASSERT_TRUE(h.sched.remove(5));
+  // Once 2 is preempted too, 7 is the only never-admitted sequence left to make way.
+  ASSERT_TRUE(h.sched.make_room(64, 9));
+  EXPECT_TRUE(h.sched.add({8, prompt(3), 1, 3}).ok());
+  EXPECT_EQ(h.sched.accept(), std::vector<SeqId>{7});
+  ASSERT_TRUE(h.sched.remove(7));
+  // With no never-admitted sequence queued, a full queue refuses every priority.
+  h.step();
+  EXPECT_EQ(h.sched.num_waiting(), 2);  // 2 and 1, preempted; 8 runs
+  EXPECT_EQ(h.sched.add({9, prompt(3), 1, 50}).code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST(Scheduler, BatchRowsAreOrderedByRecursionDescending) {
   Harness h({.max_batch_tokens = 100});
   h.add(1, 3, 1);

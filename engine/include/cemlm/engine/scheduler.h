@@ -22,6 +22,7 @@
 // tokens. With no such victim a decode row preempts itself and a prefill chunk shrinks to the
 // blocks left or waits. The rows of a Batch are ordered by recursion T descending (the runner needs it).
 #pragma once
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -86,11 +87,14 @@ class Scheduler {
   // Thread-safe. RESOURCE_EXHAUSTED (naming max_waiting) when the waiting queue is full: when the
   // sequences not yet running would leave more than max_waiting of them waiting after the running
   // batch's free slots (max_running less those running) took theirs. A burst that fits the free
-  // slots and the queue is accepted whole. The sequence joins the waiting queue at the next
-  // accept(), when its owner is ready for it.
+  // slots and the queue is accepted whole. A sequence of higher priority than one queued and never
+  // admitted is accepted even then: the next accept() displaces as many of the lowest-ranked
+  // never-admitted ones (lowest priority, newest first). The sequence joins the waiting queue at
+  // the next accept(), when its owner is ready for it.
   absl::Status add(SeqSpec spec);
-  // The rest is for the engine's step thread only.
-  void accept();
+  // The rest is for the engine's step thread only. Returns the sequences displaced from a full
+  // queue, still in it: their owner ends them (remove).
+  std::vector<SeqId> accept();
   StepPlan schedule();
   // After the runner ran `plan`: the fed tokens are in the cache; full blocks are published.
   void complete(const StepPlan& plan);
@@ -148,6 +152,8 @@ class Scheduler {
   std::vector<std::unique_ptr<Sequence>> intake_;
   int waiting_published_ = 0;     // waiting_.size() as of the last change, for add()
   int free_slots_published_ = 0;  // max_running less running_.size(), likewise
+  int lowest_queued_published_ = INT_MAX;  // lowest priority waiting never admitted, likewise
+  int over_bound_ = 0;  // sequences accepted into a full queue, for accept() to displace as many
   uint64_t next_arrival_ = 0;
 };
 

@@ -378,28 +378,10 @@ TEST(Engine, RandomSubmitCancelDeadlineScoreSequencesLoseNothing) {
   }
 }
 
-TEST(Engine, FullQueueIsResourceExhausted) {
-  Gate gate;
-  EngineOptions eo;
-  eo.max_running = 1;
-  eo.max_waiting = 2;
-  Built b = build({.favorite = [&](int) { gate.enter(); return -1; }}, eo);
-  Collector c;
-  ASSERT_TRUE(b.engine->submit(request({1, 2}, 3), c.callback()).ok());
-  gate.wait_entered(1);  // the first request is running, inside forward()
-  ASSERT_TRUE(b.engine->submit(request({1, 2}, 3), c.callback()).ok());
-  ASSERT_TRUE(b.engine->submit(request({1, 2}, 3), c.callback()).ok());
-  const auto st = b.engine->submit(request({1, 2}, 3), c.callback());
-  EXPECT_EQ(st.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(st.status().message().find("max_waiting = 2"), std::string::npos) << st.status();
-  gate.release();
-  EXPECT_TRUE(c.wait_finals(3));
-}
-
-// A full queue takes a request of higher priority than one queued: the lowest-ranked queued
-// request (lowest priority, newest) is displaced, ending RESOURCE_EXHAUSTED; equal priorities
-// are still refused.
-TEST(Engine, FullQueueMakesWayForAHigherPriority) {
+// A full queue refuses a request, naming the limit, unless its priority is higher than a queued
+// one's: then the lowest-ranked queued request (lowest priority, newest) is displaced, ending
+// RESOURCE_EXHAUSTED.
+TEST(Engine, FullQueueIsResourceExhaustedSaveForAHigherPriority) {
   Gate gate;
   EngineOptions eo;
   eo.max_running = 1;
@@ -410,8 +392,9 @@ TEST(Engine, FullQueueMakesWayForAHigherPriority) {
   gate.wait_entered(1);  // the first request is running, inside forward()
   const RequestId older = *b.engine->submit(request({1, 2}, 3), c.callback());
   const RequestId newer = *b.engine->submit(request({1, 2}, 3), c.callback());
-  EXPECT_EQ(b.engine->submit(request({1, 2}, 3), c.callback()).status().code(),
-            absl::StatusCode::kResourceExhausted);
+  const auto st = b.engine->submit(request({1, 2}, 3), c.callback());
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.status().message().find("max_waiting = 2"), std::string::npos) << st.status();
   GenerateRequest urgent = request({1, 2}, 3);
   urgent.priority = 5;
   const auto taken = b.engine->submit(urgent, c.callback());

@@ -67,19 +67,28 @@ std::vector<SeqId> Scheduler::accept() {
     seqs_[s->id] = std::move(s);
   }
   intake_.clear();
+  // As many as the queue is still over its bound, at most those taken over it (a slot may have
+  // freed since).
+  const int free_slots = std::max(0, opts_.max_running - int(running_.size()));
+  int excess = std::min(over_bound_, int(waiting_.size()) - opts_.max_waiting - free_slots);
+  over_bound_ = 0;
   std::vector<SeqId> displaced;
-  for (auto it = waiting_.rbegin(); over_bound_ > 0 && it != waiting_.rend(); ++it)
+  for (auto it = waiting_.rbegin(); excess > 0 && it != waiting_.rend(); ++it)
     if (!(*it)->admitted_before) {  // a preempted sequence keeps its place
       displaced.push_back((*it)->id);
-      --over_bound_;
+      --excess;
     }
-  over_bound_ = 0;
-  waiting_published_ = int(waiting_.size() - displaced.size());
+  publish_locked();
+  waiting_published_ -= int(displaced.size());
   return displaced;
 }
 
 void Scheduler::publish_waiting() {
   std::lock_guard<std::mutex> lock(intake_mu_);
+  publish_locked();
+}
+
+void Scheduler::publish_locked() {
   waiting_published_ = int(waiting_.size());
   free_slots_published_ = std::max(0, opts_.max_running - int(running_.size()));
   lowest_queued_published_ = INT_MAX;

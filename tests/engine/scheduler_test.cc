@@ -148,6 +148,14 @@ TEST(Scheduler, FullQueueDisplacesTheLowestRankedForAHigherPriority) {
   h.step();
   EXPECT_EQ(h.sched.num_waiting(), 2);  // 2 and 1, preempted; 8 runs
   EXPECT_EQ(h.sched.add({9, prompt(3), 1, 50}).code(), absl::StatusCode::kResourceExhausted);
+  // Taken into a full queue, but a slot frees before accept(): nobody is displaced.
+  ASSERT_TRUE(h.sched.remove(2));
+  h.add(10, 3);  // full again: 1 and 10
+  EXPECT_TRUE(h.sched.accept().empty());
+  EXPECT_TRUE(h.sched.add({11, prompt(3), 1, 1}).ok());
+  ASSERT_TRUE(h.sched.remove(8));  // the running one ends
+  EXPECT_TRUE(h.sched.accept().empty());
+  EXPECT_EQ(h.sched.num_waiting(), 3);
 }
 
 TEST(Scheduler, BatchRowsAreOrderedByRecursionDescending) {

@@ -124,6 +124,7 @@ class Scheduler {
     bool operator()(const Sequence* a, const Sequence* b) const;
   };
   void publish_waiting();
+  void publish_locked();  // publish_waiting's work, intake_mu_ held
   void preempt(Sequence* s, StepPlan* plan);
   // Makes way for the first waiting sequence when it does not fit (the budget left, max_running,
   // its first chunk's blocks) but would once running sequences of lower priority made way: their

@@ -29,7 +29,8 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
     return &prometheus::BuildHistogram().Name(name).Help(help).Register(*registry_).Add(labels, b);
   };
   running_ = gauge("cemlm:num_requests_running", "Requests decoding in the engine.");
-  waiting_ = gauge("cemlm:num_requests_waiting", "Requests queued in the engine.");
+  waiting_ = gauge("cemlm:num_requests_waiting",
+                   "Requests queued in the engine, Score calls waiting for KV cache room included.");
   kv_usage_ = gauge("cemlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).");
   preemptions_ = counter("cemlm:num_preemptions_total", "Requests preempted by recompute.");
   prompt_tokens_ = counter("cemlm:prompt_tokens_total",

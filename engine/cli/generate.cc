@@ -141,7 +141,9 @@ int cmd_generate(int argc, char** argv) {
   if (!engine.ok()) return fail(std::string(engine.status().message()));
 
   GenerateRequest req;
-  req.prompt_field = f.given("prompt-ids") ? "--prompt-ids" : "--prompt";
+  req.prompt_field = f.given("prompt-ids") ? "--prompt-ids"
+                     : no_bos               ? "--prompt (as tokens)"
+                                            : "--prompt (as tokens, BOS included)";
   if (f.given("prompt-ids")) {
     if (!parse_id_list(prompt_ids, &req.prompt_ids))
       return fail("--prompt-ids: expected comma-separated integers like 3,17,42");

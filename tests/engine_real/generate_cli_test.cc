@@ -303,6 +303,22 @@ TEST_F(GenerateCliText, TokenizerLargerThanTheVocabularyIsRefusedAtLoad) {
       << err;
 }
 
+// A text prompt's errors count its tokens with the BOS the command puts first, and say so.
+TEST_F(GenerateCliText, ErrorsOnATextPromptSayTheCountIncludesBos) {
+  std::string err;
+  for (const bool no_bos : {false, true}) {
+    std::vector<std::string> args = {"--model", ckpt_, "--prompt", "the cat sat",
+                                     "--max-new-tokens", "64"};
+    if (no_bos) args.push_back("--no-bos");
+    ::testing::internal::CaptureStderr();
+    EXPECT_EQ(run(args), 1);
+    err = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find(no_bos ? "--prompt (as tokens) (" : "--prompt (as tokens, BOS included) ("),
+              std::string::npos)
+        << err;
+  }
+}
+
 TEST_F(GenerateCliText, StreamedTextKeepsNulBytes) {
   // Near-uniform sampling over 400 ids (4 + 0 is the <0x00> byte piece): find a seed whose text
   // has a NUL, then the streamed text must equal the --json text byte for byte.

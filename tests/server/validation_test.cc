@@ -88,7 +88,7 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
          for (int i = 0; i < 600; ++i) text += "word" + std::to_string(i) + " ";
          r->set_prompt_text(text);
        },
-       "prompt_text has "},
+       "prompt_text (as tokens, BOS included) has "},
       {"prompt text far beyond the context",  // refused by its length, before it is tokenized
        [](auto* r) {
          std::string text;
@@ -163,7 +163,7 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
   cases[3].expected = "recursion_depth = 12";
   cases[4].name = "text beyond the context";
   for (int i = 0; i < 600; ++i) cases[4].req.mutable_text()->append("word" + std::to_string(i) + " ");
-  cases[4].expected = "text has ";
+  cases[4].expected = "text (as tokens, BOS included) has ";
   cases[5].name = "add_bos with ids";
   cases[5].req.add_ids(5);
   cases[5].req.add_ids(6);

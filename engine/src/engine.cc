@@ -73,12 +73,13 @@ absl::Status check_options(const EngineOptions& o) {
   return at_least_one(o.max_waiting, "max_waiting");
 }
 
-// The text side of one request: streaming detokenization of the generated ids (the project's
-// tokenizers add no dummy prefix, so a leading "▁" keeps its space), then stop strings.
+// The text side of one request: streaming detokenization of the generated ids as a
+// continuation of the prompt, then stop strings.
 class TextStream {
  public:
-  TextStream(const Tokenizer* tok, std::vector<std::string> stops) : stops_(std::move(stops)) {
-    if (tok) detok_.emplace(*tok);
+  TextStream(const Tokenizer* tok, std::span<const int> prompt, std::vector<std::string> stops)
+      : stops_(std::move(stops)) {
+    if (tok) detok_.emplace(*tok, prompt);
   }
   // Text added by the last of the generated `ids`.
   std::string next(std::span<const int> ids, bool* stopped) {
@@ -308,7 +309,7 @@ std::unique_ptr<Request> EngineImpl::make_request(RequestId id, const GenerateRe
   return std::unique_ptr<Request>(new Request{
       id, int(req.prompt_ids.size()), resolve_recursion(req.recursion_depth), p.max_new_tokens,
       p.top_logprobs, req.deadline, std::move(on_event), Sampler(p, eos_id_, seed),
-      TextStream(tokenizer_.get(), p.stop), Usage{}, RequestTimings{}});
+      TextStream(tokenizer_.get(), req.prompt_ids, p.stop), Usage{}, RequestTimings{}});
 }
 
 absl::StatusOr<RequestId> EngineImpl::submit(GenerateRequest req, EventCallback on_event) {

@@ -26,6 +26,10 @@ constexpr int kByteIds = 256;   // byte fallback: one piece per byte value
 constexpr unsigned kTrainSeed = 20240229;
 constexpr char kReplacementChar[] = "\xEF\xBF\xBD";  // U+FFFD: what decode makes of partial bytes
 constexpr char kPluginName[] = "libcemlm_spm.so";
+constexpr char kSpaceSymbol[] = "\xE2\x96\x81";  // U+2581 "▁", SentencePiece's space
+// Prompt ids the first generated ids are decoded after, for tokenizers that drop a
+// text-initial space: one word piece is enough; a few cover prompts ending in byte pieces.
+constexpr size_t kLeadIds = 4;
 
 // The plugin's table, loaded once; null with *error when no candidate loads.
 const SpmApi* spm(std::string* error) {
@@ -53,8 +57,13 @@ const SpmApi& loaded_spm() {
 }  // namespace
 
 Tokenizer::Tokenizer(void* sp) : sp_(sp) {
-  for (int id = 0; id < vocab_size(); ++id)
-    max_piece_bytes_ = std::max(max_piece_bytes_, int(id_to_piece(id).size()));
+  int spaced = -1;  // a piece that starts with "▁"
+  for (int id = 0; id < vocab_size(); ++id) {
+    const std::string piece = id_to_piece(id);
+    max_piece_bytes_ = std::max(max_piece_bytes_, int(piece.size()));
+    if (spaced < 0 && piece.starts_with(kSpaceSymbol)) spaced = id;
+  }
+  if (spaced >= 0) drops_leading_space_ = !decode(std::span<const int>(&spaced, 1)).starts_with(' ');
 }
 Tokenizer::~Tokenizer() { loaded_spm().destroy(sp_); }
 
@@ -129,19 +138,36 @@ std::vector<int> encode_input(const Tokenizer& tokenizer, std::string_view text,
   return ids;
 }
 
+IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer,
+                                               std::span<const int> prompt)
+    : tokenizer_(&tokenizer) {
+  if (tokenizer.drops_leading_space())
+    lead_.assign(prompt.end() - std::min(prompt.size(), kLeadIds), prompt.end());
+}
+
 std::string IncrementalDetokenizer::next(std::span<const int> ids) { return emit(ids, false); }
 std::string IncrementalDetokenizer::finish(std::span<const int> ids) { return emit(ids, true); }
 
 std::string IncrementalDetokenizer::emit(std::span<const int> ids, bool final) {
   CEMLM_CHECK(ids.size() >= read_offset_);
+  std::vector<int> window = lead_;
+  window.insert(window.end(), ids.begin() + prefix_offset_, ids.end());
+  const std::span<const int> all(window);
   const std::string context =
-      tokenizer_->decode(ids.subspan(prefix_offset_, read_offset_ - prefix_offset_));
-  const std::string text = tokenizer_->decode(ids.subspan(prefix_offset_));
+      tokenizer_->decode(all.first(lead_.size() + read_offset_ - prefix_offset_));
+  const std::string text = tokenizer_->decode(all);
+  // The context is text already out, but a lead ending in part of a character decodes it as
+  // U+FFFD, which the ids after it may complete: the characters after the common part are new.
+  size_t old = size_t(
+      std::mismatch(context.begin(), context.end(), text.begin(), text.end()).first -
+      context.begin());
+  while (old > 0 && old < text.size() && (uint8_t(text[old]) & 0xC0) == 0x80) --old;
   // A trailing U+FFFD is usually a character whose remaining bytes are still to come.
-  if (text.size() <= context.size() || (!final && text.ends_with(kReplacementChar))) return "";
+  if (text.size() <= old || (!final && text.ends_with(kReplacementChar))) return "";
+  lead_.clear();
   prefix_offset_ = read_offset_;
   read_offset_ = ids.size();
-  return text.substr(context.size());
+  return text.substr(old);
 }
 
 namespace {

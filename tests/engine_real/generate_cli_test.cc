@@ -16,6 +16,7 @@
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/corpus.h"
 #include "cemlm/engine/cpu_model.h"
 #include "cemlm/engine/sampler.h"
 #include "cemlm/engine/tokenizer.h"
@@ -366,6 +367,39 @@ TEST_F(GenerateCliText, StopStringsCutTheText) {
   EXPECT_EQ(output({"--stop", ""}, &rc), "");
   EXPECT_EQ(rc, 1);
   EXPECT_NE(::testing::internal::GetCapturedStderr().find("--stop[0] is empty"), std::string::npos);
+}
+
+// With a tokenizer that drops a text-initial space (spm_train's default), the generated text is
+// what the ids add to the prompt's: a first piece "▁word" keeps its space after the prompt.
+TEST_F(GenerateCliText, TextContinuesThePromptWithADummyPrefixTokenizer) {
+  std::string bytes, error;
+  ASSERT_TRUE(read_file(dir_ + "/tok.model", &bytes, &error)) << error;
+  testing_files::write_file(dir_ + "/dummy.model", testing_files::with_dummy_prefix(bytes));
+  const auto tok = Tokenizer::load(dir_ + "/dummy.model", &error);
+  ASSERT_NE(tok, nullptr) << error;
+  ASSERT_TRUE(tok->drops_leading_space());
+  ModelConfig cfg = testing_models::make_config(testing_models::all_variants()[2], 400);
+  cfg.eos_id = -1;
+  ParamStore store(cfg);
+  testing_models::randomize(store, 7);
+  ckpt_ = dir_ + "/dummy_ckpt";
+  ASSERT_TRUE(save_checkpoint(ckpt_, cfg, store, dir_ + "/dummy.model").ok());
+  const std::vector<int> prompt = encode_input(*tok, "the cat", tok->bos_id());
+  int spaced_first = 0;
+  for (int seed = 0; seed < 12; ++seed) {
+    std::vector<std::string> args = {"--model", ckpt_, "--prompt", "the cat", "--json",
+                                     "--temperature", "1000", "--max-new-tokens", "12",
+                                     "--seed", std::to_string(seed)};
+    ::testing::internal::CaptureStdout();
+    ASSERT_EQ(run(args), 0);
+    const nlohmann::json j = nlohmann::json::parse(::testing::internal::GetCapturedStdout());
+    const std::vector<int> ids = j["ids"];
+    std::vector<int> all = prompt;
+    all.insert(all.end(), ids.begin(), ids.end());
+    EXPECT_EQ(j["text"], tok->decode(all).substr(tok->decode(prompt).size())) << "seed " << seed;
+    spaced_first += tok->id_to_piece(ids.at(0)).starts_with("\u2581");
+  }
+  EXPECT_GT(spaced_first, 0) << "no seed began with a \"▁\" piece";
 }
 
 }  // namespace

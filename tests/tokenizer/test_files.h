@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -32,6 +33,49 @@ inline void write_file(const std::string& path, const std::string& bytes) {
 // Two small fortunes files (~40 KB): enough text to train a few-hundred-piece tokenizer quickly.
 inline std::vector<std::string> small_corpus() {
   return {kFortunes + "/fortunes", kFortunes + "/debian"};
+}
+
+// A serialized SentencePiece model with normalizer_spec.add_dummy_prefix turned on, as spm_train
+// leaves it by default (`cemlm tokenizer train` writes it off): the ModelProto's field 3 holds
+// the NormalizerSpec, whose field 3 is that bool. Fails the test when the field is not there.
+inline std::string with_dummy_prefix(std::string model) {
+  size_t at = 0;
+  auto varint = [&](size_t end) {
+    uint64_t v = 0;
+    for (int shift = 0; at < end; shift += 7) {
+      const auto byte = uint8_t(model[at++]);
+      v |= uint64_t(byte & 0x7F) << shift;
+      if (!(byte & 0x80)) break;
+    }
+    return v;
+  };
+  auto skip = [&](uint64_t tag, size_t end) {
+    switch (tag & 7) {
+      case 0: varint(end); break;
+      case 1: at += 8; break;
+      case 2: at += varint(end); break;
+      case 5: at += 4; break;
+      default: ADD_FAILURE() << "unexpected wire type " << (tag & 7); at = end;
+    }
+  };
+  while (at < model.size()) {
+    const uint64_t tag = varint(model.size());
+    if (tag != ((3 << 3) | 2)) {
+      skip(tag, model.size());
+      continue;
+    }
+    const size_t end = at + varint(model.size());
+    while (at < end) {
+      const uint64_t field = varint(end);
+      if (field == (3 << 3) && at < end && model[at] == 0) {
+        model[at] = 1;
+        return model;
+      }
+      skip(field, end);
+    }
+  }
+  ADD_FAILURE() << "no normalizer_spec.add_dummy_prefix = false in the model";
+  return model;
 }
 
 }  // namespace cemlm::testing_files

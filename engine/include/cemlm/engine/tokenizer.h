@@ -30,6 +30,11 @@ class Tokenizer {
   // The piece of an id ("▁the", "<0x0A>", "</s>"); empty when out of range.
   std::string id_to_piece(int id) const;
 
+  // Whether decode drops the space of a text-initial "▁" piece (SentencePiece's
+  // add_dummy_prefix: spm_train's default; `cemlm tokenizer train` leaves it off), so that
+  // ids continuing a text decode differently alone than after it.
+  bool drops_leading_space() const { return drops_leading_space_; }
+
   // The longest piece in bytes: no token stands for more of a text than that (normalisation
   // aside), so a text of n bytes encodes to at least about n / max_piece_bytes() tokens.
   int max_piece_bytes() const { return max_piece_bytes_; }
@@ -44,6 +49,7 @@ class Tokenizer {
   explicit Tokenizer(void* sp);
   void* sp_;  // owned: the plugin's SentencePieceProcessor
   int max_piece_bytes_ = 1;
+  bool drops_leading_space_ = false;
 };
 
 // Whether a tokenizer can serve a model of `vocab_size` token ids: false (with the reason, to
@@ -64,10 +70,13 @@ std::vector<int> encode_input(const Tokenizer& tokenizer, std::string_view text,
 // returns the text added since the previous call. Text is held back while it ends in an
 // unfinished UTF-8 character (byte-fallback pieces split characters), so pieces are always
 // valid UTF-8 and stop strings can be matched on them; the pieces of next() and finish()
-// concatenate to tokenizer.decode(ids). One per request; the tokenizer must outlive it.
+// concatenate to tokenizer.decode(ids). For a tokenizer that drops a text-initial space, the
+// ids continue `prompt`: the first ones are decoded after its last few ids, so the pieces are
+// the text the ids add to the prompt's (a leading "▁" keeps its space after a prompt's word).
+// One per request; the tokenizer must outlive it.
 class IncrementalDetokenizer {
  public:
-  explicit IncrementalDetokenizer(const Tokenizer& tokenizer) : tokenizer_(&tokenizer) {}
+  explicit IncrementalDetokenizer(const Tokenizer& tokenizer, std::span<const int> prompt = {});
   std::string next(std::span<const int> ids);
   // The held-back rest at the end of the stream (an unfinished character becomes U+FFFD).
   std::string finish(std::span<const int> ids);
@@ -78,6 +87,7 @@ class IncrementalDetokenizer {
   // of the sequence length.
   std::string emit(std::span<const int> ids, bool final);
   const Tokenizer* tokenizer_;
+  std::vector<int> lead_;     // the prompt's last ids, context until the first text is out
   size_t prefix_offset_ = 0;  // start of the context window
   size_t read_offset_ = 0;    // ids before this have been emitted
 };

@@ -11,6 +11,12 @@
 namespace cemlm {
 namespace {
 
+// A penalized logit kept finite: a repetition penalty of 0.01 makes a logit near the float
+// maximum +inf, which no shift can take back out of the draw.
+float finite(float x) {
+  return std::clamp(x, std::numeric_limits<float>::lowest(), std::numeric_limits<float>::max());
+}
+
 bool better(const std::pair<float, int>& a, const std::pair<float, int>& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
@@ -97,7 +103,7 @@ void Sampler::apply_penalties(std::span<const int> tokens, int n_prompt) {
     for (int t : tokens)
       if (counts_[size_t(t)]++ == 0) {
         float& x = work_[size_t(t)];
-        x = x > 0 ? x / rp : x * rp;
+        x = finite(x > 0 ? x / rp : x * rp);
       }
     for (int t : tokens) counts_[size_t(t)] = 0;
   }
@@ -107,7 +113,8 @@ void Sampler::apply_penalties(std::span<const int> tokens, int n_prompt) {
   for (int t : generated) {
     int& c = counts_[size_t(t)];
     if (c == 0) continue;
-    work_[size_t(t)] -= params_.presence_penalty + params_.frequency_penalty * float(c);
+    float& x = work_[size_t(t)];
+    x = finite(x - (params_.presence_penalty + params_.frequency_penalty * float(c)));
     c = 0;
   }
 }
@@ -120,12 +127,15 @@ int Sampler::draw() {
     for (size_t i = 0; i < V; ++i) best = std::max(best, work_[i]);
     return int(std::find(work_.begin(), work_.end(), best) - work_.begin());
   }
+  // Shifted by the best logit before scaling, so huge logits over a small temperature cannot
+  // overflow (they once made every probability NaN and the draw fell to the last id).
   const float inv_t = 1.0f / params_.temperature;
   float mx = -std::numeric_limits<float>::infinity();
-  for (float& x : work_) mx = std::max(mx, x *= inv_t);
+  for (float x : work_) mx = std::max(mx, x);
+  for (float& x : work_) x = (x - mx) * inv_t;
   // prob_[id] = e^(scaled logit − max), unnormalized; the best token's is 1.
   prob_.assign(work_.begin(), work_.end());
-  const double total = simd::exp_shifted(prob_.data(), int(V), mx);
+  const double total = simd::exp_shifted(prob_.data(), int(V), 0.0f);
   const bool top_k = params_.top_k > 0 && size_t(params_.top_k) < V;
   const bool filtered = top_k || params_.top_p < 1 || params_.min_p > 0;
   double sum = total;

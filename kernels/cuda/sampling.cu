@@ -4,6 +4,7 @@
 // order (top-k, top-p, min-p); (3) per row, the cuts on the sorted order, then the draw over the
 // kept tokens in id order, as block-wide prefix scans in double, mirroring the host Sampler
 // (engine/src/sampler.cc).
+#include <cfloat>
 #include <climits>
 #include <cstring>
 #include <cub/block/block_scan.cuh>
@@ -25,9 +26,8 @@ struct DevRow {
 };
 
 struct RowStat {
-  float lse, mx;  // log Σ exp(raw); max of the scaled keys
-  int argmax;     // of the penalized logits, lowest id on ties
-  int pad;
+  float lse;  // log Σ exp(raw)
+  int argmax;  // of the penalized logits, lowest id on ties
 };
 
 bool needs_order(const SampleRowSpec& r, int V) {
@@ -91,6 +91,7 @@ T* at(const ExecCtx& ctx, size_t offset) {
 
 // Is (v, i) ahead of (w, j) for the argmax: larger value, then lower id.
 __device__ bool ahead(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+__device__ float clamp_finite(float x) { return fminf(fmaxf(x, -FLT_MAX), FLT_MAX); }
 
 __global__ void __launch_bounds__(kSampleThreads)
     prepare_kernel(const float* logits, int V, const DevRow* rows, const int32_t* hist,
@@ -129,12 +130,14 @@ __global__ void __launch_bounds__(kSampleThreads)
   const float inv_t = R.temperature > 0 ? 1.0f / R.temperature : 1.0f;
   float bv = -INFINITY;
   int bi = INT_MAX;
+  float* key = keys + int64_t(row) * V;
   for (int v = tid; v < V; v += blockDim.x) {
+    // Penalized logits stay finite, as the host Sampler's do.
     float w = x[v];
-    if (rep && ca[v] > 0) w = w > 0 ? w / R.rep : w * R.rep;
-    if (pf && cg[v] > 0) w -= R.pres + R.freq * float(cg[v]);
+    if (rep && ca[v] > 0) w = clamp_finite(w > 0 ? w / R.rep : w * R.rep);
+    if (pf && cg[v] > 0) w = clamp_finite(w - (R.pres + R.freq * float(cg[v])));
     if (ahead(w, v, bv, bi)) bv = w, bi = v;
-    keys[int64_t(row) * V + v] = w * inv_t + 0.0f;  // −0 as +0: the radix sort tells them apart
+    key[v] = w;
     ids[int64_t(row) * V + v] = v;
   }
   for (int o = 16; o > 0; o >>= 1) {
@@ -148,8 +151,15 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (tid == 0) {
     for (int w = 1; w < int(blockDim.x >> 5); ++w)
       if (ahead(best_v[w], best_i[w], bv, bi)) bv = best_v[w], bi = best_i[w];
-    stats[row] = RowStat{lse, bv * inv_t, bi, 0};
+    best_v[0] = bv;
+    stats[row] = RowStat{lse, bi};
   }
+  __syncthreads();
+  // Keys shifted by the best logit before scaling, as the host Sampler's: huge logits over a
+  // small temperature cannot overflow to +inf.
+  bv = best_v[0];
+  for (int v = tid; v < V; v += blockDim.x)
+    key[v] = (key[v] - bv) * inv_t + 0.0f;  // −0 as +0: the radix sort tells them apart
 }
 
 using BlockScan = cub::BlockScan<double, kSampleThreads>;
@@ -208,7 +218,6 @@ __global__ void __launch_bounds__(kSampleThreads)
   int token = st.argmax;
   if (R.temperature > 0) {
     const float* key = keys_in + int64_t(row) * V;
-    const float mx = st.mx;
     // The kept set: the first n of the sorted order (top-k, the top-p prefix, the min-p cut), or
     // every token. Sorted order is (key desc, id asc), so token i is kept exactly when it is not
     // behind the n-th candidate (kc, ic).
@@ -216,7 +225,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     int ic = V - 1;
     if (R.sorted) {
       const float* sk = keys_out + int64_t(row) * V;
-      auto es = [sk, mx](int i) { return expf(sk[i] - mx); };
+      auto es = [sk](int i) { return expf(sk[i]); };
       int n = V;
       if (R.top_k > 0 && R.top_k < n) n = R.top_k;
       if (R.top_p < 1.0f) {
@@ -231,7 +240,7 @@ __global__ void __launch_bounds__(kSampleThreads)
       ic = ids_out[int64_t(row) * V + n - 1];
     }
     auto kept = [key, kc, ic](int i) { return key[i] > kc || (key[i] == kc && i <= ic); };
-    auto e = [key, mx, kept](int i) { return kept(i) ? expf(key[i] - mx) : 0.0f; };
+    auto e = [key, kept](int i) { return kept(i) ? expf(key[i]) : 0.0f; };
     // As the host Sampler draws: the kept candidates walked in id order.
     if (threadIdx.x == 0) last_kept = -1;
     double sum = 0;

@@ -65,6 +65,27 @@ TEST(Sampler, TinyTemperaturesAreGreedyNotTheLastId) {
   }
 }
 
+// Logits near the float maximum over a temperature that is not greedy: logit / T overflowed
+// to +inf, every probability became NaN and the draw fell to the last id. Also with a
+// repetition penalty that scales such a logit up, and through every filter.
+TEST(Sampler, HugeLogitsOverASmallTemperatureDrawTheBestToken) {
+  const std::vector<float> row = {-3e38f, 3e38f, 1e38f, 0.0f};
+  for (float t : {0.5f, 0.01f, 1e-5f}) {
+    SamplingParams p;
+    p.temperature = t;
+    for (int i = 0; i < 50; ++i) EXPECT_EQ(pick(p, row, {}, 0, uint64_t(i)), 1) << t;
+    p.top_p = 0.9f;
+    p.min_p = 0.1f;
+    p.top_k = 3;
+    EXPECT_EQ(pick(p, row), 1) << t;
+  }
+  SamplingParams p;
+  p.temperature = 0.5f;
+  p.repetition_penalty = 0.01f;  // 3e38 / 0.01 overflows; token 2's 1e38 too
+  EXPECT_EQ(pick(p, row, {1}, 1), 1);
+  EXPECT_EQ(pick(p, {-3e38f, 3e38f, 2e38f, 0.0f}, {2}, 1), 2);  // 2e38 / 0.01: the largest float
+}
+
 TEST(Sampler, TopKKeepsTheKBest) {
   SamplingParams p;
   p.top_k = 3;

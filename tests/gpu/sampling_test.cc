@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <span>
 
@@ -48,12 +49,14 @@ SamplingParams params(float temperature, int top_k, float top_p, float min_p, fl
 
 class SamplingTest : public gpu_test::GpuFixture<> {
  protected:
-  // Every case below on the rows `logits` [N, V], each row with its own seed, against the host.
-  void expect_matches_host(const std::vector<float>& logits, int N, int V, const char* rows_name);
+  // Every case below on the rows `logits` [N, V], each row with its own seed, against the host;
+  // logprobs within `tol` relative to their size (absolute below 1).
+  void expect_matches_host(const std::vector<float>& logits, int N, int V, const char* rows_name,
+                           double tol = 1e-4);
 };
 
 void SamplingTest::expect_matches_host(const std::vector<float>& logits, int N, int V,
-                                       const char* rows_name) {
+                                       const char* rows_name, double tol) {
   // The history repeats tokens so counts above one matter; prompt first, then generated.
   const std::vector<int> hist = {7, 3, 3, V - 1, 0, 12, 7, 7, 5, 3};
   const int n_prompt = 5;
@@ -82,7 +85,7 @@ void SamplingTest::expect_matches_host(const std::vector<float>& logits, int N, 
                                       hist, n_prompt);
       ASSERT_TRUE(want.ok()) << want.status();
       EXPECT_EQ(got[r].token, want->token) << rows_name << " " << cases[c].first << " row " << r;
-      EXPECT_NEAR(got[r].logprob, want->logprob, 1e-4)
+      EXPECT_NEAR(got[r].logprob, want->logprob, tol * std::max(1.0, std::abs(double(want->logprob))))
           << rows_name << " " << cases[c].first << " row " << r;
     }
   }
@@ -100,6 +103,15 @@ TEST_F(SamplingTest, TiesAtTheFilterBoundaryMatchTheHost) {
   auto logits = random_vec(size_t(N) * V, 42, 2.0f);
   for (float& x : logits) x = std::round(x);
   expect_matches_host(logits, N, V, "ties");
+}
+
+// Logits near the float maximum: scaled by 1 / temperature before the shift, they overflowed
+// to +inf on the host (every probability NaN, the last id drawn); both now shift first.
+TEST_F(SamplingTest, HugeLogitsMatchTheHost) {
+  const int N = 4, V = 1031;
+  auto logits = random_vec(size_t(N) * V, 43);  // |x| < 5 here: within the float range
+  for (float& x : logits) x *= 5e37f;
+  expect_matches_host(logits, N, V, "huge", 1e-5);
 }
 
 TEST_F(SamplingTest, NonFiniteRowGivesNoToken) {

@@ -221,7 +221,9 @@ int cmd_serve(int argc, char** argv) {
   flags.add("host", &f.host,
             "address to listen on (gRPC and metrics; with :: or ::1, metrics on 0.0.0.0 or "
             "127.0.0.1)");
-  flags.add("port", &f.port, "gRPC port; 0 picks a free one (printed on stdout)");
+  flags.add("port", &f.port,
+            "gRPC port; 0 picks a free one (printed on stdout as soon as it listens, before the "
+            "model loads: health says SERVING once requests are served)");
   flags.add("metrics-port", &f.metrics_port, "HTTP port of /metrics; 0 picks a free one");
   flags.add("device", &f.device, "cpu | cuda (= cuda:bf16) | cuda:fp32");
   flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");

@@ -80,9 +80,13 @@ bool InferenceServer::drain(Clock::duration timeout) {
 void InferenceServer::shutdown() {
   if (stopped_ || !server_) return;
   stopped_ = true;
-  state_->drain(Clock::duration::zero());
-  // Calls the engine has ended are finishing now; give them a moment, then cut the rest.
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // Calls the engine has ended are writing their last messages (to slow readers too): give
+  // them a moment. gRPC's Shutdown then waits until its deadline for clients to close their
+  // connections, which an idle client keeping its channel never does, so once no call of ours
+  // is left it only waits long enough for the last unary responses to go out.
+  const bool idle = state_->drain(std::chrono::seconds(2));
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    (idle ? std::chrono::milliseconds(100) : std::chrono::milliseconds(0)));
   server_->Wait();
 }
 

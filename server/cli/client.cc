@@ -249,7 +249,8 @@ int client_detokenize(int argc, char** argv) {
   v1::DetokenizeResponse resp;
   if (auto st = v1::Inference::NewStub(channel)->Detokenize(&context, req, &resp); !st.ok())
     return report_error(st);
-  std::printf("%s\n", resp.text().c_str());
+  std::fwrite(resp.text().data(), 1, resp.text().size(), stdout);  // the text may hold NULs
+  std::putchar('\n');
   return 0;
 }
 

@@ -23,6 +23,7 @@
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/status.h"
+#include "cemlm/engine/utf8.h"
 #include "cemlm/kernels/blas_select.h"
 #include "cemlm/server/inference_server.h"
 
@@ -158,6 +159,12 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   opts.max_connection_age_s = f.max_connection_age;
   opts.max_connection_age_grace_s = f.shutdown_timeout;
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
+  // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
+  if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        f.model_name.empty() ? "the model directory's name (the default --model-name)"
+                             : "--model-name",
+        " is not valid UTF-8 (bad byte at offset ", ok, "); pass a --model-name that is")));
   if (!f.api_key_file.empty()) {
     auto keys = server::ApiKeys::load(f.api_key_file);
     if (!keys.ok()) return fail(keys.status());

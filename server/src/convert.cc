@@ -32,17 +32,6 @@ absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const Request& 
                                   "id, ModelInfo.bos_id, first if you want one)"));
     return std::vector<int>(ids.begin(), ids.end());
   }
-  // A text far longer than the context is refused before it is tokenized: encoding megabytes
-  // takes seconds of a handler thread, for an answer known from its length. The margin covers
-  // what normalisation removes (runs of spaces, combining marks).
-  if (const Tokenizer* tok = engine.tokenizer()) {
-    const int64_t most = int64_t(4) * engine.config().max_seq_len * tok->max_piece_bytes();
-    if (int64_t(text.size()) > most)
-      return invalid(absl::StrCat(text_field, " is ", text.size(),
-                                  " bytes, more than the model's max_seq_len = ",
-                                  engine.config().max_seq_len, " tokens can hold (over ", most,
-                                  " bytes cannot fit); shorten it"));
-  }
   return encode_text(engine, text, text_field, !req.has_add_bos() || req.add_bos());
 }
 
@@ -90,6 +79,15 @@ absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_
   const Tokenizer* tok = engine.tokenizer();
   if (!tok)
     return invalid(absl::StrCat(field, ": this model has no tokenizer; send token ids instead"));
+  // A text far longer than the context is refused before it is tokenized: encoding megabytes
+  // takes seconds of a handler thread, for an answer known from its length. The margin covers
+  // what normalisation removes (runs of spaces, combining marks).
+  const int64_t most = int64_t(4) * engine.config().max_seq_len * tok->max_piece_bytes();
+  if (int64_t(text.size()) > most)
+    return invalid(absl::StrCat(field, " is ", text.size(),
+                                " bytes, more than the model's max_seq_len = ",
+                                engine.config().max_seq_len, " tokens can hold (over ", most,
+                                " bytes cannot fit); shorten it"));
   return encode_input(*tok, std::string_view(text.data(), text.size()),
                       add_bos ? bos_id(engine) : -1);
 }

@@ -151,12 +151,20 @@ TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
       {"--port -5", "--port -5 is not a port"},
       {"--metrics-port 70000", "--metrics-port 70000 is not a port"},
       {"--shutdown-timeout -1", "--shutdown-timeout -1 must be >= 0"},
-      {"--device cuda:fp16", "--device \"cuda:fp16\" is not one of cpu, cuda"}};
+      {"--device cuda:fp16", "--device \"cuda:fp16\" is not one of cpu, cuda"},
+      {"--model-name m\xFFx", "--model-name is not valid UTF-8 (bad byte at offset 1)"}};
   for (const auto& [flags, message] : bad) {
     err = refused_serve(model_, flags);
     EXPECT_NE(err.find(message), std::string::npos) << flags << ": " << err;
     EXPECT_EQ(err.find("listening"), std::string::npos) << flags << ": refused only after listening";
   }
+  // The default name, the directory's, must be UTF-8 too (it is a metric label).
+  const std::string odd = fresh_temp_dir() + "/m\xFFx";
+  std::filesystem::create_directory_symlink(std::filesystem::absolute(model_), odd);
+  err = refused_serve(odd, "");
+  EXPECT_NE(err.find("the model directory's name (the default --model-name) is not valid UTF-8"),
+            std::string::npos)
+      << err;
 }
 
 // A second server on a port in use is refused (gRPC's default SO_REUSEPORT would let it start
@@ -415,6 +423,9 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   std::string ids = out.substr(0, out.size() - 1);
   ASSERT_EQ(run_cemlm({"client", "detokenize", "--addr", addr, "--ids", ids}, &out), 0);
   EXPECT_EQ(out, "Hello\n");
+  // Text with a NUL (id 4 is the <0x00> byte piece) comes out whole.
+  ASSERT_EQ(run_cemlm({"client", "detokenize", "--addr", addr, "--ids", ids + ",4," + ids}, &out), 0);
+  EXPECT_EQ(out, std::string("Hello\0Hello\n", 12));
   EXPECT_EQ(run_cemlm({"client", "score", "--addr", addr, "--ids", "5"}, &out), 1);
 
   ASSERT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "4", "--requests", "8",

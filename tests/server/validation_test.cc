@@ -185,6 +185,19 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
     EXPECT_NE(st.error_message().find("text is not valid UTF-8"), std::string::npos);
   }
   {
+    // Refused by its length, as a prompt is, before seconds of tokenizing: the model's
+    // context cannot hold it.
+    grpc::ClientContext context;
+    v1::TokenizeRequest req;
+    while (req.text().size() < 300000) req.mutable_text()->append("ab cd ");
+    v1::TokenizeResponse resp;
+    const grpc::Status st = stub->Tokenize(&context, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("text is 300000 bytes, more than the model's max_seq_len"),
+              std::string::npos)
+        << st.error_message();
+  }
+  {
     grpc::ClientContext context;
     v1::DetokenizeRequest req;
     req.add_ids(3);

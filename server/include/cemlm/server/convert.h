@@ -16,7 +16,8 @@ namespace cemlm::server {
 int bos_id(const Engine& engine);
 
 // Ids of a UTF-8 text through the model's tokenizer, with BOS prepended when `add_bos` and the
-// model has one. `field` names the text in errors ("prompt_text").
+// model has one. `field` names the text in errors ("prompt_text"). A text longer in bytes than
+// the model's context could hold as tokens is refused without being tokenized.
 absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
                                              absl::string_view field, bool add_bos);
 

@@ -155,9 +155,15 @@ int cmd_generate(int argc, char** argv) {
         encode_input(*tok, prompt, no_bos ? -1 : resolve_bos_id((*engine)->config().bos_id, tok));
   }
   // The default fits small models too; a value given stays as given, and too large is an error.
-  if (!f.given("max-new-tokens"))
-    max_new = std::min(max_new,
-                       std::max(1, (*engine)->config().max_seq_len - int(req.prompt_ids.size())));
+  if (!f.given("max-new-tokens")) {
+    const int room = (*engine)->config().max_seq_len - int(req.prompt_ids.size());
+    if (room < 1)
+      return fail(req.prompt_field + " has " + std::to_string(req.prompt_ids.size()) +
+                  " tokens, which fill the model's max_seq_len = " +
+                  std::to_string((*engine)->config().max_seq_len) +
+                  ": no room to generate; shorten the prompt");
+    max_new = std::min(max_new, room);
+  }
   req.recursion_depth = T;
   req.sampling.max_new_tokens = max_new;
   req.sampling.temperature = temperature;

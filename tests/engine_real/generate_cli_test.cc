@@ -194,8 +194,11 @@ TEST_F(GenerateCli, DefaultMaxNewTokensFitsTheModel) {
   EXPECT_EQ(j["finish_reason"], "length");
   std::string full = "3";
   for (int i = 1; i < 64; ++i) full += ",3";
-  EXPECT_TRUE(generate_without_max(full, &err).is_null());  // no room: the error stands
-  EXPECT_NE(err.find("exceeds the model's max_seq_len = 64"), std::string::npos) << err;
+  EXPECT_TRUE(generate_without_max(full, &err).is_null());  // no room: an error on the prompt
+  EXPECT_NE(err.find("--prompt-ids has 64 tokens, which fill the model's max_seq_len = 64"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("--max-new-tokens"), std::string::npos) << "a flag not given: " << err;
   ::testing::internal::CaptureStderr();
   EXPECT_EQ(run({"--model", dir_, "--prompt-ids", "3,9,4", "--max-new-tokens", "64"}), 1);
   err = ::testing::internal::GetCapturedStderr();

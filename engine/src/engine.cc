@@ -145,7 +145,11 @@ class EngineImpl final : public Engine {
   void loop();
   // Runs `fn` on the loop thread between steps and returns when it is done.
   void on_loop(std::function<void()> fn);
-  void run_jobs();      // the queued on_loop jobs, on the loop thread
+  // The same for one forward chunk of a scoring call. While generation requests run, one such
+  // chunk goes per step (the highest priority, then the oldest), as a prompt's chunked prefill
+  // shares a step: every waiting call's chunk before each step multiplied the step's time.
+  void on_loop_chunk(int priority, std::function<void()> fn);
+  void run_jobs();      // the queued on_loop jobs and scoring chunks, on the loop thread
   bool take_control();  // returns whether shutdown began
   bool step();          // false when nothing could be scheduled
   void apply_sample(Request& q, absl::StatusOr<SampleResult> res);
@@ -181,6 +185,13 @@ class EngineImpl final : public Engine {
   std::vector<std::unique_ptr<Request>> incoming_;
   std::vector<RequestId> cancels_;
   std::vector<std::packaged_task<void()>> jobs_;  // on_loop's
+  struct Chunk {
+    int priority;
+    uint64_t order;
+    std::packaged_task<void()> task;
+  };
+  std::vector<Chunk> chunks_;  // on_loop_chunk's
+  uint64_t chunks_queued_ = 0;
   int scoring_ = 0;                               // score() calls under way: the loop outlives them
   // Scoring calls waiting for blocks: their need and priority, by sequence (engine thread).
   std::map<SeqId, std::pair<int64_t, int>> score_waits_;
@@ -342,7 +353,7 @@ void EngineImpl::loop() {
       std::unique_lock<std::mutex> lock(mu_);
       auto news = [this] {
         return (stopping_ && scoring_ == 0) || !incoming_.empty() || !cancels_.empty() ||
-               !jobs_.empty();
+               !jobs_.empty() || !chunks_.empty();
       };
       if (live_.empty()) {
         cv_.wait(lock, news);
@@ -373,13 +384,35 @@ void EngineImpl::on_loop(std::function<void()> fn) {
   done.get();
 }
 
+void EngineImpl::on_loop_chunk(int priority, std::function<void()> fn) {
+  std::packaged_task<void()> task(std::move(fn));
+  std::future<void> done = task.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    chunks_.push_back({priority, chunks_queued_++, std::move(task)});
+    cv_.notify_one();
+  }
+  done.get();
+}
+
 void EngineImpl::run_jobs() {
   std::vector<std::packaged_task<void()>> jobs;
+  std::vector<Chunk> chunks;
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs.swap(jobs_);
+    if (sched_.num_running() == 0) {
+      chunks.swap(chunks_);
+    } else if (!chunks_.empty()) {
+      auto first = std::min_element(chunks_.begin(), chunks_.end(), [](auto& a, auto& b) {
+        return a.priority > b.priority || (a.priority == b.priority && a.order < b.order);
+      });
+      chunks.push_back(std::move(*first));
+      chunks_.erase(first);
+    }
   }
   for (auto& job : jobs) job();
+  for (Chunk& chunk : chunks) chunk.task();
 }
 
 bool EngineImpl::take_control() {
@@ -647,7 +680,7 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
     if (req.cancelled && req.cancelled())
       return absl::CancelledError(absl::StrCat("cancelled after scoring ", pos, " of ", n, " tokens"));
     const int len = std::min(opts_.max_batch_tokens, n - pos);
-    on_loop([&] {
+    on_loop_chunk(req.priority, [&] {
       const std::vector<int32_t>& table = blocks_.table(seq);
       BatchSeq s;
       s.tokens = ids.data() + pos;

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -410,6 +411,43 @@ TEST(Engine, FullQueueIsResourceExhaustedSaveForAHigherPriority) {
   for (RequestId id : {older, *taken}) EXPECT_EQ(c.get(id).reason, FinishReason::kLength) << id;
   b.engine->shutdown(false);  // the stats of the step that sent the last final are published
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+}
+
+// Scoring calls share steps with running generation as chunked prefill does: one chunk
+// (max_batch_tokens) per step, not every waiting call's chunk before each step; with no
+// generation running they go at once. The slow generation steps (a sleep) only give the three
+// calls time to queue chunks side by side; the order checked does not depend on timing.
+TEST(Engine, ScoringChunksGoOnePerStepWhileGenerationRuns) {
+  EngineOptions eo;
+  eo.max_batch_tokens = 4;
+  std::atomic<bool> slow{true};
+  Built b = build({.favorite = [&](int pos) {
+                     if (pos >= 20 && slow) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                     return -1;
+                   }},
+                  eo);
+  Collector c;
+  ASSERT_TRUE(b.engine->submit(request(tokens(20, 1), 60), c.callback()).ok());
+  std::vector<std::thread> scorers;
+  for (int i = 0; i < 3; ++i)
+    scorers.emplace_back([&, i] {
+      const auto r = b.engine->score({tokens(16, 2 + i), 1});  // 4 chunks, positions < 16
+      EXPECT_TRUE(r.ok()) << r.status();
+    });
+  for (std::thread& t : scorers) t.join();
+  slow = false;
+  ASSERT_TRUE(c.wait_finals(1));
+  b.engine->shutdown(false);
+  const std::string& f = b.runner->forwards();
+  EXPECT_EQ(std::count(f.begin(), f.end(), 'S'), 12) << f;
+  const size_t first = f.find('G'), last = f.rfind('G');
+  ASSERT_NE(first, std::string::npos);
+  EXPECT_EQ(f.substr(first, last - first).find("SS"), std::string::npos) << f;
+  // Alone, a call's chunks follow each other.
+  Built idle = build({}, eo);
+  ASSERT_TRUE(idle.engine->score({tokens(16, 2), 1}).ok());
+  idle.engine->shutdown(false);
+  EXPECT_EQ(idle.runner->forwards(), "SSSS");
 }
 
 TEST(Engine, CancelEndsARequestWithinAStepAndFreesItsBlocks) {

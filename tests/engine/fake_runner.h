@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "cemlm/engine/model_runner.h"
@@ -51,6 +52,9 @@ class FakeRunner final : public ModelRunner {
   void forward(const Batch& batch, std::vector<float>* logits) override {
     logits->clear();
     ++steps_;
+    const bool scoring = std::any_of(batch.seqs.begin(), batch.seqs.end(),
+                                     [](const BatchSeq& s) { return s.want_all_logits; });
+    forwards_.push_back(scoring ? 'S' : 'G');
     for (size_t i = 0; i < batch.seqs.size(); ++i) {
       const BatchSeq& s = batch.seqs[i];
       // The contract: rows ordered by recursion descending, tables covering the fed positions.
@@ -72,6 +76,9 @@ class FakeRunner final : public ModelRunner {
   int64_t tokens_processed() const { return tokens_processed_; }
   int64_t steps() const { return steps_; }
   int max_rows() const { return max_rows_; }
+  // One letter per forward, in order: 'S' scoring (every position's logits), 'G' generation.
+  // Read once the engine has stopped.
+  const std::string& forwards() const { return forwards_; }
 
  private:
   static uint64_t mix(uint64_t z) {
@@ -108,6 +115,7 @@ class FakeRunner final : public ModelRunner {
   ModelConfig cfg_;
   std::vector<uint64_t> slots_;
   std::vector<bool> written_;
+  std::string forwards_;
   int64_t tokens_processed_ = 0, steps_ = 0;
   int max_rows_ = 0;
 };

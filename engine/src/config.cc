@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "cemlm/engine/float32.h"
 #include "cemlm/engine/strict_json.h"
 #include "nlohmann/json.hpp"
 
@@ -45,20 +46,20 @@ class Reader {
     *out = int(x);
     return absl::OkStatus();
   }
-  absl::Status get_float(const std::string& key, float* out, double lo, double hi) {
+  // A positive float in (0, hi].
+  absl::Status get_float(const std::string& key, float* out, double hi) {
     seen_.insert(key);
     if (!obj_.contains(key)) return absl::OkStatus();
     const json& v = obj_[key];
     if (!v.is_number())
       return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be a number"));
     double x = v.get<double>();
-    if (!(x > lo && x <= hi))
-      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' = ", x,
-                                                     " is out of range (", lo, ", ", hi, "]"));
-    if (!(float(x) > float(lo)))  // 1e-50 passes the check above and is 0 as a float
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config: '", path(key), "' = ", x, " is too small for a 32-bit float (", lo, " after "
-          "rounding); the smallest is about 1e-38"));
+    if (!(x > 0 && x <= hi))
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: '", path(key), "' = ", x, " is out of range (0, ", hi, "]"));
+    if (!positive_normal_float(x))  // 1e-50 passes the check above and is 0 as a float
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: '", path(key), "' = ", x, " ", kTooSmallForFloat));
     *out = float(x);
     return absl::OkStatus();
   }
@@ -179,8 +180,8 @@ absl::Status parse_into(const json& root, ModelConfig& c) {
         absl::StrCat("config: 'head_dim' = ", c.head_dim, " must be even (RoPE pairs dims)"));
   CEMLM_RETURN_IF_ERROR(r.get_int("d_ff", &c.d_ff, true, 1, 1 << 20));
   CEMLM_RETURN_IF_ERROR(r.get_int("max_seq_len", &c.max_seq_len, false, 1, 1 << 22));
-  CEMLM_RETURN_IF_ERROR(r.get_float("norm_eps", &c.norm_eps, 0.0, 1.0));
-  CEMLM_RETURN_IF_ERROR(r.get_float("rope_theta", &c.rope_theta, 0.0, 1e12));
+  CEMLM_RETURN_IF_ERROR(r.get_float("norm_eps", &c.norm_eps, 1.0));
+  CEMLM_RETURN_IF_ERROR(r.get_float("rope_theta", &c.rope_theta, 1e12));
 
   auto emb_obj = r.get_object("embedding", true);
   if (!emb_obj.ok()) return emb_obj.status();

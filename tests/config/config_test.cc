@@ -193,14 +193,20 @@ std::vector<BadConfig> bad_configs() {
   return v;
 }
 
-// Values JSON holds but the model's types cannot: a positive float that rounds to 0 in fp32, and
-// an integer beyond int64 (which once read as -1).
+// Values JSON holds but the model's types cannot: a positive float that rounds to 0 or to a
+// subnormal in fp32, and an integer beyond int64 (which once read as -1).
 TEST(Config, ValuesBeyondTheTypesAreRefusedAsGiven) {
   auto j = base();
   j["norm_eps"] = 1e-50;
   EXPECT_NE(error_of(j).find("'norm_eps' = 1e-50 is too small for a 32-bit float"),
             std::string::npos)
       << error_of(j);
+  j["norm_eps"] = 1e-40;
+  EXPECT_NE(error_of(j).find("'norm_eps' = 1e-40 is too small for a 32-bit float"),
+            std::string::npos)
+      << error_of(j);
+  j["norm_eps"] = 1.2e-38;  // the smallest normal float is about 1.18e-38
+  EXPECT_TRUE(parse_config(j.dump()).ok());
   j = base();
   j["rope_theta"] = 1e-50;
   EXPECT_NE(error_of(j).find("'rope_theta'"), std::string::npos);

@@ -1,5 +1,6 @@
 // Tiny model configurations covering every variant of MODEL.md, with random weights that
-// exercise every term (non-unit gains, non-zero diagonals and P_v), for the model tests.
+// exercise every term (non-unit gains, non-zero diagonals and P_v), for the model tests; and
+// weights that overflow the backward, for the checks that refuse non-finite gradients.
 #pragma once
 #include <string>
 #include <vector>
@@ -66,6 +67,21 @@ inline void randomize(ParamStore& s, uint64_t seed) {
     const bool big = spec.name.find("lev.") != std::string::npos && spec.name != "lev.spline";
     for (int64_t i = 0; i < spec.numel(); ++i) p[i] += float(rng.normal() * (big ? 0.5 : 0.15));
   }
+}
+
+inline void scale_param(ParamStore& s, const std::string& name, float factor) {
+  const ParamSpec* spec = s.find(name);
+  for (int64_t i = 0; i < spec->numel(); ++i) s.flat()[spec->offset + i] *= factor;
+}
+
+// Weights (of a model with a table embedding and an untied head) whose forward stays finite but
+// whose backward overflows fp32, for the checks that refuse non-finite gradients: the head ×1e30
+// (a loss ~1e30) over an embedding ×1e-15 that the first RMSNorm (eps 1e-37) scales back up.
+// That norm's backward divides by the tiny RMS: the embedding's gradient reaches ~1e45.
+inline void overflow_the_backward(ModelConfig& c, ParamStore& s) {
+  c.norm_eps = 1e-37f;
+  scale_param(s, "embed.weight", 1e-15f);
+  scale_param(s, "lm_head.weight", 1e30f);
 }
 
 }  // namespace cemlm::testing_models

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "cemlm/trainer/plot.h"
 
 namespace cemlm {
@@ -28,6 +30,20 @@ TEST(MetricsLog, JsonlRoundTripsExactly) {
   EXPECT_EQ(back->steps()[3].tokens, 400);
   ASSERT_EQ(back->evals().size(), 1u);
   EXPECT_EQ(back->evals()[0].loss, log.evals()[0].loss);
+  EXPECT_EQ(back->jsonl(), text);
+}
+
+// A validation loss that overflowed is written as null (JSON has no infinity) and must read
+// back, or --resume of such a run fails on its own file.
+TEST(MetricsLog, InfiniteValidationLossRoundTrips) {
+  MetricsLog log = sample_log();
+  log.add(EvalMetrics{8, {{1, std::numeric_limits<double>::infinity()}}});
+  const std::string text = log.jsonl();
+  EXPECT_NE(text.find("null"), std::string::npos);
+  auto back = MetricsLog::parse(text, "train.jsonl");
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_EQ(back->evals().size(), 2u);
+  EXPECT_EQ(back->evals()[1].loss[0].second, std::numeric_limits<double>::infinity());
   EXPECT_EQ(back->jsonl(), text);
 }
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <filesystem>
 
@@ -13,6 +14,7 @@
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/tokenizer.h"
+#include "tiny_models.h"
 #include "trainer_test_util.h"
 
 namespace cemlm {
@@ -381,6 +383,48 @@ TEST(Train, SecondRunOnTheSameOutIsRefusedWhileTheFirstHoldsIt) {
   EXPECT_TRUE(train(o).ok());  // the first run let go
 }
 
+// A step whose loss is not finite (logits that overflow), or whose gradient is not finite though
+// its loss is (weights that overflow only the backward), stops the run before the update: no NaN
+// weights are evaluated or saved.
+TEST(Train, NonFiniteLossOrGradientStopsTheRunBeforeTheUpdate) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  ASSERT_TRUE(train(o).ok());
+  auto ck = load_checkpoint(o.out_dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  ParamStore infinite_logits = ck->params;  // logits ~1e48
+  testing_models::scale_param(infinite_logits, "final_norm.weight", 1e20f);
+  testing_models::scale_param(infinite_logits, "lm_head.weight", 1e30f);
+  ASSERT_TRUE(
+      save_checkpoint(dir + "/infinite", ck->config, infinite_logits, ck->tokenizer_path).ok());
+  testing_models::overflow_the_backward(ck->config, ck->params);  // the loss stays finite
+  ASSERT_TRUE(save_checkpoint(dir + "/overflow", ck->config, ck->params, ck->tokenizer_path).ok());
+
+  for (const auto& [from, says] : std::vector<std::pair<std::string, std::string>>{
+           {"infinite", "the loss at step 1 is not finite"},
+           {"overflow", "the gradient norm at step 1 is not finite"}}) {
+    TrainOptions init = tiny_options(dir);
+    init.config_path.clear();
+    init.init_dir = dir + "/" + from;
+    init.out_dir = dir + "/finetune-" + from;
+    init.eval_every = 1;
+    init.save_every = 1;
+    int steps = 0, evals = 0;
+    TrainCallbacks cb;
+    cb.on_step = [&](const StepMetrics&) { return ++steps, true; };
+    cb.on_eval = [&](const EvalMetrics&) { ++evals; };
+    auto st = train(init, cb);
+    ASSERT_FALSE(st.ok()) << from;
+    const std::string error(st.status().message());
+    EXPECT_NE(error.find("training diverged: " + says), std::string::npos) << error;
+    EXPECT_NE(error.find("(the last checkpoint is kept)"), std::string::npos) << error;
+    EXPECT_EQ(steps, 0) << from;
+    EXPECT_EQ(evals, 0) << from;
+    EXPECT_FALSE(fs::exists(init.out_dir + "/config.json")) << from;
+  }
+}
+
 // --init keeps its checkpoint's vocabulary: errors about a tokenizer that does not fit it say
 // what can be done instead of "raise --vocab-size", which --init refuses.
 TEST(Train, InitErrorsAboutTheVocabularyDoNotAdviseVocabSize) {
@@ -619,6 +663,9 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--weight-decay", "-0.1"}, "--weight-decay"},
       {{"--clip", "-1"}, "--clip"},
       {{"--beta2", "1"}, "--beta2"},
+      {{"--beta1", "0.99999999999"}, "--beta1"},  // 1 as a float (AdamW's arithmetic)
+      {{"--beta2", "0.99999999999"}, "--beta2"},
+      {{"--adam-eps", "1e-50"}, "--adam-eps"},  // 0 as a float
       {{"--val-fraction", "0"}, "--val-fraction"},
       {{"--eval-every", "0"}, "--eval-every"},
       {{"--save-every", "0"}, "--save-every"},
@@ -656,6 +703,73 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
   std::tie(rc2, err2) = cli(args);
   EXPECT_NE(rc2, 0);
   EXPECT_NE(err2.find("option '--resume' takes no value"), std::string::npos) << err2;
+}
+
+// AdamW computes in 32-bit floats: values that pass the range checks as doubles but vanish or
+// round to 1 as floats are refused by name, saying what to use (eps 1e-50 became 0: NaN for an
+// embedding row never seen, reported as a divergence; β 0.99999999999 became 1: a moment that
+// never moves, and with β1 a run that "succeeded" without changing a weight).
+TEST(TrainOptions, AdamValuesAFloatCannotHoldAreRefusedByName) {
+  const TrainOptions base = tiny_options(fresh_dir());
+  ASSERT_TRUE(validate_options(base).ok());
+  struct Case {
+    const char* flag;
+    double AdamWOptions::*field;
+    double value;
+    bool ok;
+  };
+  const double halfway = 1.0 - 0x1p-25;  // between 1 and the float below it: rounds to 1
+  const std::vector<Case> cases = {
+      {"--adam-eps", &AdamWOptions::eps, 1e-50, false},
+      {"--adam-eps", &AdamWOptions::eps, FLT_MIN / 4, false},  // subnormal
+      {"--adam-eps", &AdamWOptions::eps, FLT_MIN, true},
+      {"--beta1", &AdamWOptions::beta1, 0.99999999999, false},
+      {"--beta1", &AdamWOptions::beta1, halfway, false},
+      {"--beta1", &AdamWOptions::beta1, std::nextafter(halfway, 0.0), true},
+      {"--beta2", &AdamWOptions::beta2, 0.99999999999, false},
+      {"--beta2", &AdamWOptions::beta2, halfway, false},
+      {"--beta2", &AdamWOptions::beta2, std::nextafter(halfway, 0.0), true},
+  };
+  for (const Case& c : cases) {
+    TrainOptions o = base;
+    o.adamw.*c.field = c.value;
+    const absl::Status st = validate_options(o);
+    EXPECT_EQ(st.ok(), c.ok) << c.flag << " " << c.value;
+    if (c.ok) continue;
+    const std::string error(st.message());
+    EXPECT_EQ(error.find(std::string(c.flag) + " "), 0u) << error;
+    const bool eps = std::string(c.flag) == "--adam-eps";
+    EXPECT_NE(error.find(eps ? "too small for a 32-bit float" : "rounds to 1 as a 32-bit float"),
+              std::string::npos)
+        << error;
+    EXPECT_NE(error.find(eps ? "raise it" : "use at most 0.99999994"), std::string::npos) << error;
+  }
+  // The learning rate is a float there too: 1e-50 would be 0, and nothing would train.
+  TrainOptions o = base;
+  o.lr = 1e-50;
+  o.min_lr = 0;
+  const absl::Status st = validate_options(o);
+  EXPECT_NE(st.message().find("--lr 1e-50 is too small for a 32-bit float"), std::string::npos)
+      << st;
+}
+
+// The same values given again with --resume (which overrides the saved options) are refused too,
+// before anything trains.
+TEST(TrainCli, AdamValuesAFloatCannotHoldAreRefusedOnResume) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  const auto [rc, err] =
+      cli({"--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--steps", "1",
+           "--threads", "1", "--seq-len", "24", "--eval-windows", "2", "--eval-recursion", "1"});
+  ASSERT_EQ(rc, 0) << err;
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--adam-eps", "1e-50"}, {"--beta1", "0.99999999999"}, {"--beta2", "0.99999999999"}}) {
+    const auto [resumed, error] =
+        cli({"--out", o.out_dir, "--resume", "--steps", "2", flag, value});
+    EXPECT_EQ(resumed, 1) << flag;
+    EXPECT_NE(error.find("error: " + flag + " "), std::string::npos) << error;
+  }
+  EXPECT_EQ(load_run_options(o.out_dir)->steps, 1);  // nothing ran
 }
 
 // An --out that exists but is no checkpoint (nor empty) is refused before any training, not at

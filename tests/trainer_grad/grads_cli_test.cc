@@ -131,6 +131,32 @@ TEST_F(GradsCli, MissingFlagsAndModelAreNamed) {
   EXPECT_NE(err.find("no_such_model"), std::string::npos) << err;
 }
 
+// A model whose forward or backward overflows 32-bit floats is refused, as `cemlm score` refuses
+// it, rather than written out as NaN/inf gradients with exit status 0.
+TEST_F(GradsCli, NonFiniteLossOrGradientIsRefusedAndNothingWritten) {
+  ModelConfig cfg = testing_models::make_config(testing_models::all_variants()[3]);  // a table
+  ParamStore params(cfg);
+  testing_models::randomize(params, 3);
+  ParamStore infinite_logits = params;
+  testing_models::scale_param(infinite_logits, "final_norm.weight", 1e20f);
+  testing_models::scale_param(infinite_logits, "lm_head.weight", 1e30f);
+  const std::string infinite_dir = (dir_ / "infinite").string();
+  ASSERT_TRUE(save_checkpoint(infinite_dir, cfg, infinite_logits).ok());
+  testing_models::overflow_the_backward(cfg, params);  // the loss stays finite
+  const std::string overflow_dir = (dir_ / "overflow").string();
+  ASSERT_TRUE(save_checkpoint(overflow_dir, cfg, params).ok());
+
+  for (const auto& [dir, says] : std::vector<std::pair<std::string, std::string>>{
+           {infinite_dir, "the loss is not finite"},
+           {overflow_dir, "the gradient of 'embed.weight' is not finite"}}) {
+    std::string err;
+    EXPECT_EQ(run({"--model", dir, "--ids", "3,17,42,5,9,60", "--out", out_file()}, &err), 1)
+        << says;
+    EXPECT_NE(err.find(says), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(out_file())) << says;
+  }
+}
+
 TEST_F(GradsCli, UnwritableOutputIsNamed) {
   std::string err;
   const std::string bad = (dir_ / "no_dir" / "g.safetensors").string();

@@ -2,11 +2,14 @@
 // gradient with respect to every parameter, written as safetensors (one F32 tensor per parameter
 // under its own name, plus `loss` [1]) — the trainer's backward, for checks against other
 // implementations.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/checkpoint.h"
@@ -36,6 +39,24 @@ std::string check_ids(const std::vector<int>& ids, const ModelConfig& c) {
   return "";
 }
 
+// Empty when the loss (as the F32 written) and every gradient are finite, else which is not: a
+// model whose forward or backward overflows fp32 is refused, as `cemlm score` refuses it, rather
+// than written out as NaN/inf.
+std::string check_finite(double loss, const ParamStore& grads) {
+  const std::string advice =
+      ": check the checkpoint (its weights overflow 32-bit floats); "
+      "nothing was written to --out";
+  if (!std::isfinite(float(loss)))
+    return absl::StrCat("the loss is not finite (", loss, ")", advice);
+  for (const ParamSpec& s : grads.specs()) {
+    const float* g = grads.flat().data() + s.offset;
+    if (!std::all_of(g, g + s.numel(), [](float x) { return std::isfinite(x); }))
+      return absl::StrCat("the gradient of '", s.name, "' is not finite (the loss, ", loss, ", is)",
+                          advice);
+  }
+  return "";
+}
+
 }  // namespace
 
 int cmd_grads(int argc, char** argv) {
@@ -46,7 +67,8 @@ int cmd_grads(int argc, char** argv) {
       "Writes the mean next-token cross-entropy of the ids and its gradient with respect to every\n"
       "parameter as safetensors: one F32 tensor per parameter under its own name, plus `loss` "
       "[1].\n"
-      "Prints JSON {\"loss\", \"tokens\", \"recursion\", \"out\"}.");
+      "Prints JSON {\"loss\", \"tokens\", \"recursion\", \"out\"}. A loss or gradient that is not\n"
+      "finite (a model that overflows 32-bit floats) is an error, and nothing is written.");
   f.add("model", &model, "checkpoint directory", true);
   f.add("ids", &ids_text, "comma-separated token ids (at least 2)", true);
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
@@ -69,6 +91,7 @@ int cmd_grads(int argc, char** argv) {
   ParamStore grads(c);
   const double loss =
       forward_backward(c, w, bind_weights(c, grads), ids.data(), 1, int(ids.size()), T);
+  if (const std::string err = check_finite(loss, grads); !err.empty()) return fail(err);
   const std::vector<float> loss_value{float(loss)};
   std::vector<NamedTensor> tensors;
   for (const ParamSpec& s : grads.specs())

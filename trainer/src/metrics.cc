@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -37,6 +38,12 @@ ordered_json eval_json(const EvalMetrics& m) {
   return {{"step", m.step}, {"val_loss", loss}, {"val_ppl", ppl}};
 }
 
+// A loss as written: JSON has no infinity, so a validation loss that overflowed went out as
+// null, which reads back as +inf.
+double loss_value(const ordered_json& j) {
+  return j.is_null() ? std::numeric_limits<double>::infinity() : j.get<double>();
+}
+
 // Parses one line into `log`; false when it is not a record of either kind.
 bool parse_line(const ordered_json& j, MetricsLog& log) {
   if (!j.is_object() || !j.contains("step")) return false;
@@ -44,7 +51,7 @@ bool parse_line(const ordered_json& j, MetricsLog& log) {
     EvalMetrics m;
     m.step = j.at("step").get<int64_t>();
     for (const auto& [T, nll] : j.at("val_loss").items())
-      m.loss.emplace_back(std::stoi(T), nll.get<double>());
+      m.loss.emplace_back(std::stoi(T), loss_value(nll));
     log.add(m);
     return true;
   }

@@ -32,6 +32,7 @@ AdamW::AdamW(std::vector<ParamSpec> specs, const AdamWOptions& opts)
 void AdamW::step(std::span<float> params, std::span<const float> grads, double lr) {
   CEMLM_CHECK(params.size() == m_.size() && grads.size() == m_.size());
   ++steps_;
+  // validate_options refuses the values these would round to 0 or 1.
   const float b1 = float(opts_.beta1), b2 = float(opts_.beta2), eps = float(opts_.eps);
   const float c1 = float(1.0 - std::pow(opts_.beta1, double(steps_)));
   const float c2 = float(1.0 - std::pow(opts_.beta2, double(steps_)));

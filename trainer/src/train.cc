@@ -56,6 +56,22 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// A step is applied only when its loss and gradient norm are finite: a NaN or inf update would
+// reach every weight. The loss can be finite while the gradient overflows (weights near fp32's
+// range), so both are checked. Else the run stops, before the update and any save.
+bool finite_step(const StepMetrics& m) {
+  return std::isfinite(m.loss) && std::isfinite(m.grad_norm);
+}
+
+absl::Status diverged(const StepMetrics& m) {
+  const std::string what = std::isfinite(m.loss)
+                               ? absl::StrCat("the gradient norm at step ", m.step,
+                                              " is not finite (the loss is ", m.loss, ")")
+                               : absl::StrCat("the loss at step ", m.step, " is not finite");
+  return absl::InternalError(absl::StrCat("training diverged: ", what,
+                                          "; lower --lr or --clip (the last checkpoint is kept)"));
+}
+
 class Trainer {
  public:
   Trainer(const TrainOptions& o, const TrainCallbacks& cb)
@@ -91,6 +107,7 @@ class Trainer {
   absl::Status load_data(const CorpusFiles& corpus);
   absl::Status restore();
   int draw_T();
+  // One update, left out (step_ unchanged) when finite_step(m) is false.
   StepMetrics step();
   EvalMetrics evaluate();
   // An evaluation's time before one was measured: its forward passes (over eval windows, at each
@@ -404,8 +421,10 @@ StepMetrics Trainer::step() {
   m.loss /= o_.accum;
   m.grad_norm = clip_grad_norm(grads_.flat(), o_.clip);
   m.lr = sched_.at(step_);
+  m.step = step_ + 1;
+  if (!finite_step(m)) return m;  // run() stops: the weights stay those of the last good step
   opt_->step(params_.flat(), grads_.flat(), m.lr);
-  m.step = ++step_;
+  ++step_;
   tokens_ += int64_t(o_.accum) * o_.batch_size * o_.seq_len;
   m.tokens = tokens_;
   return m;
@@ -511,10 +530,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     StepMetrics m = step();
     train_s_ += seconds_since(t0);
     ++steps_run_;
-    if (!std::isfinite(m.loss))
-      return absl::InternalError(
-          absl::StrCat("training diverged: the loss at step ", m.step,
-                       " is not finite; lower --lr or --clip (the last checkpoint is kept)"));
+    if (!finite_step(m)) return diverged(m);
     const double step_s = train_s_ / double(steps_run_);
     m.tokens_per_s = double(steps_run_) * o_.accum * o_.batch_size * o_.seq_len / train_s_;
     m.elapsed_s = prior_elapsed_s_ + seconds_since(start_);

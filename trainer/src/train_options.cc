@@ -5,8 +5,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "cemlm/engine/corpus.h"
+#include "cemlm/engine/float32.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/trainer/train.h"
 #include "nlohmann/json.hpp"
@@ -33,6 +35,24 @@ absl::Status in_range(const std::string& flag, double value, double lo, double h
   if (ok) return absl::OkStatus();
   return flag_error(flag, absl::StrCat("must be in ", lo_open ? "(" : "[", lo, ", ", hi,
                                        hi_open ? ")" : "]", " (got ", value, ")"));
+}
+
+// AdamW computes in 32-bit floats (optimizer.cc): a value that passes its range check as a double
+// must keep its meaning as a float. An epsilon of 1e-50 is 0 there (0/0 for a row never seen); a
+// β of 0.99999999999 is 1, and its moment never moves (β1: no weight changes; β2: NaN).
+// The learning rate too: 1e-50 is 0 there, and nothing would train.
+absl::Status check_positive_as_float(const std::string& flag, double value, double default_value) {
+  if (positive_normal_float(value)) return absl::OkStatus();
+  return flag_error(flag, absl::StrCat(value, " ", kTooSmallForFloat, ": raise it (the default is ",
+                                       default_value, ")"));
+}
+
+absl::Status check_beta_as_float(const std::string& flag, double value) {
+  if (below_one_as_float(value)) return absl::OkStatus();
+  return flag_error(flag, absl::StrFormat("%.15g rounds to 1 as a 32-bit float (what AdamW "
+                                          "computes in), where its moment would never move: use "
+                                          "at most %.8g",
+                                          value, largest_float_below_one()));
 }
 
 }  // namespace
@@ -81,12 +101,16 @@ absl::Status validate_options(const TrainOptions& o) {
   CEMLM_RETURN_IF_ERROR(at_least<int>("seq-len", o.seq_len, 2));
   CEMLM_RETURN_IF_ERROR(at_least<int>("accum", o.accum, 1));
   CEMLM_RETURN_IF_ERROR(in_range("lr", o.lr, 0, 1, true, false));
+  CEMLM_RETURN_IF_ERROR(check_positive_as_float("lr", o.lr, TrainOptions{}.lr));
   CEMLM_RETURN_IF_ERROR(in_range("min-lr", o.min_lr, 0, o.lr, false, false));
   CEMLM_RETURN_IF_ERROR(at_least<int64_t>("warmup", o.warmup, 0));
   CEMLM_RETURN_IF_ERROR(in_range("weight-decay", o.adamw.weight_decay, 0, 1, false, true));
   CEMLM_RETURN_IF_ERROR(in_range("beta1", o.adamw.beta1, 0, 1, false, true));
+  CEMLM_RETURN_IF_ERROR(check_beta_as_float("beta1", o.adamw.beta1));
   CEMLM_RETURN_IF_ERROR(in_range("beta2", o.adamw.beta2, 0, 1, false, true));
+  CEMLM_RETURN_IF_ERROR(check_beta_as_float("beta2", o.adamw.beta2));
   CEMLM_RETURN_IF_ERROR(in_range("adam-eps", o.adamw.eps, 0, 1, true, false));
+  CEMLM_RETURN_IF_ERROR(check_positive_as_float("adam-eps", o.adamw.eps, AdamWOptions{}.eps));
   CEMLM_RETURN_IF_ERROR(in_range("clip", o.clip, 0, 1e9, false, false));
   if (o.train_recursion.min < 1 || o.train_recursion.min > o.train_recursion.max)
     return flag_error("train-recursion", absl::StrCat("'", recursion_range_text(o.train_recursion),

@@ -2,7 +2,7 @@
 // second port. Lifecycle: listen (NOT_SERVING) -> load + warm up -> SERVING -> SIGTERM/SIGINT ->
 // drain up to --shutdown-timeout -> cancel the rest -> exit 0.
 #include <netdb.h>
-#include <prometheus/exposer.h>
+#include <prometheus/text_serializer.h>
 #include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -26,6 +26,7 @@
 #include "cemlm/engine/utf8.h"
 #include "cemlm/kernels/blas_select.h"
 #include "cemlm/server/inference_server.h"
+#include "cemlm/server/metrics_http.h"
 
 namespace cemlm::cli {
 namespace {
@@ -57,44 +58,6 @@ std::string dir_name(const std::string& dir) {
   std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
   if (p.filename().empty()) p = p.parent_path();
   return p.filename().string();
-}
-
-// Where /metrics listens for --host: the same address, except that Debian 12's civetweb (the HTTP
-// server under prometheus-cpp) is built without IPv6, so the IPv6 wildcard and loopback map to
-// their IPv4 counterparts, and another IPv6 address is refused.
-absl::StatusOr<std::string> metrics_host(const std::string& host) {
-  if (host.find(':') == std::string::npos) return host;
-  if (host == "::" || host == "[::]") return std::string("0.0.0.0");
-  if (host == "::1" || host == "[::1]") return std::string("127.0.0.1");
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--host ", host, ": /metrics cannot listen on an IPv6 address (this build's HTTP server has no "
-      "IPv6); use an IPv4 address, :: (metrics on 0.0.0.0) or ::1 (metrics on 127.0.0.1)"));
-}
-
-// Stops /metrics. civetweb's listener sees a stop request only when its poll returns, every 2 s or
-// on a connection: connecting to it until it is gone makes the stop take milliseconds (SIGTERM
-// overran --shutdown-timeout by up to 2 s here).
-void stop_metrics(std::unique_ptr<prometheus::Exposer> exposer, const std::string& host,
-                  int port) {
-  std::atomic<bool> stopped{false};
-  std::thread waker([&] {
-    addrinfo hints{}, *found = nullptr;
-    hints.ai_family = AF_INET;
-    hints.ai_socktype = SOCK_STREAM;
-    const std::string to = host == "0.0.0.0" ? "127.0.0.1" : host;
-    if (::getaddrinfo(to.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
-    while (!stopped.load()) {
-      if (const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0); fd >= 0) {
-        (void)::connect(fd, found->ai_addr, found->ai_addrlen);
-        ::close(fd);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    ::freeaddrinfo(found);
-  });
-  exposer.reset();
-  stopped.store(true);
-  waker.join();
 }
 
 int fail(const absl::Status& st) {
@@ -173,25 +136,19 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   if (!f.tls_cert.empty() && !read_file(f.tls_cert, "--tls-cert", &opts.tls_cert_pem)) return 1;
   if (!f.tls_key.empty() && !read_file(f.tls_key, "--tls-key", &opts.tls_key_pem)) return 1;
 
-  const absl::StatusOr<std::string> mhost = metrics_host(f.host);
-  if (!mhost.ok()) return fail(mhost.status());
   auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name);
-  std::unique_ptr<prometheus::Exposer> exposer;
-  try {  // civetweb reports a port it cannot bind by throwing
-    exposer = std::make_unique<prometheus::Exposer>(*mhost + ":" + std::to_string(f.metrics_port));
-  } catch (const std::exception& e) {
-    return fail(absl::UnavailableError(
-        absl::StrCat("--metrics-port ", f.metrics_port, ": cannot listen (", e.what(), ")")));
-  }
-  exposer->RegisterCollectable(metrics);
+  auto metrics_http = server::MetricsHttpServer::start(f.host, f.metrics_port, [metrics] {
+    return prometheus::TextSerializer().Serialize(metrics->Collect());
+  });
+  if (!metrics_http.ok()) return fail(metrics_http.status());
   auto server = server::InferenceServer::start(opts, metrics.get());
   if (!server.ok()) return fail(server.status());
-  const int metrics_port = exposer->GetListeningPorts().at(0);
+  const int metrics_port = (*metrics_http)->port();
   // One stable line on stdout, so scripts and tests can find the ports (--port 0 picks one).
   std::printf("cemlm serve: grpc port %d, metrics port %d\n", (*server)->port(), metrics_port);
   std::fflush(stdout);
   spdlog::info("listening grpc={} metrics=http://{}/metrics model={} tls={} api_keys={}",
-               server::host_port(f.host, (*server)->port()), server::host_port(*mhost, metrics_port),
+               server::host_port(f.host, (*server)->port()), server::host_port(f.host, metrics_port),
                f.model, !opts.tls_cert_pem.empty(), opts.api_keys.enabled());
 
   auto engine = load_engine(f, kv_bytes);
@@ -211,7 +168,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   e->shutdown(/*cancel_running=*/true);
   (*server)->shutdown();
   metrics->set_stats_source(nullptr);
-  stop_metrics(std::move(exposer), *mhost, metrics_port);
+  metrics_http->reset();  // stops /metrics
   spdlog::info("stopped");
   return 0;
 }
@@ -226,8 +183,7 @@ int cmd_serve(int argc, char** argv) {
               "SIGTERM/SIGINT drain in-flight requests, then exit 0.");
   flags.add("model", &f.model, "checkpoint directory (config.json, model.safetensors, ...)", true);
   flags.add("host", &f.host,
-            "address to listen on (gRPC and metrics; with :: or ::1, metrics on 0.0.0.0 or "
-            "127.0.0.1)");
+            "address to listen on, gRPC and metrics (IPv4 or IPv6; :: takes both)");
   flags.add("port", &f.port,
             "gRPC port; 0 picks a free one (printed on stdout as soon as it listens, before the "
             "model loads: health says SERVING once requests are served)");

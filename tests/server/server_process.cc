@@ -74,8 +74,9 @@ bool read_line(int fd, std::string* line, std::chrono::milliseconds timeout) {
   }
 }
 
-// GET http://HOST:PORT/PATH (HOST a numeric IPv4 or IPv6 address); the body, or "" on failure.
-std::string http_get(const std::string& host, int port, const std::string& path) {
+}  // namespace
+
+std::string http_exchange(const std::string& host, int port, const std::string& request) {
   const bool v6 = host.find(':') != std::string::npos;
   sockaddr_storage storage{};
   socklen_t len = 0;
@@ -94,14 +95,21 @@ std::string http_get(const std::string& host, int port, const std::string& path)
   }
   const int s = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
   std::string response;
-  if (connect(s, reinterpret_cast<sockaddr*>(&storage), len) == 0) {
-    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-    if (write(s, req.data(), req.size()) == ssize_t(req.size())) {
-      char buf[4096];
-      for (ssize_t n; (n = read(s, buf, sizeof buf)) > 0;) response.append(buf, size_t(n));
-    }
+  if (connect(s, reinterpret_cast<sockaddr*>(&storage), len) == 0 &&
+      write(s, request.data(), request.size()) == ssize_t(request.size())) {
+    char buf[4096];
+    for (ssize_t n; (n = read(s, buf, sizeof buf)) > 0;) response.append(buf, size_t(n));
   }
   close(s);
+  return response;
+}
+
+namespace {
+
+// GET http://HOST:PORT/PATH (HOST a numeric IPv4 or IPv6 address); the body, or "" on failure.
+std::string http_get(const std::string& host, int port, const std::string& path) {
+  const std::string response =
+      http_exchange(host, port, "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n");
   const size_t body = response.find("\r\n\r\n");
   return body == std::string::npos ? "" : response.substr(body + 4);
 }
@@ -212,8 +220,7 @@ std::string ServerProcess::addr() const {
 }
 
 std::string ServerProcess::metrics_text() const {
-  // /metrics has no IPv6 listener (serve --help): --host ::1 puts it on 127.0.0.1.
-  return http_get(host_ == "::1" ? "127.0.0.1" : host_, metrics_port_, "/metrics");
+  return http_get(host_, metrics_port_, "/metrics");
 }
 std::string ServerProcess::log() const { return read_file(log_path_); }
 void ServerProcess::signal(int sig) const { kill(pid_, sig); }

@@ -44,6 +44,8 @@ class ServerProcess {
   std::string addr() const;  // host:port, an IPv6 host in brackets
   int port() const { return port_; }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  int metrics_port() const { return metrics_port_; }
+  const std::string& host() const { return host_; }
   std::string metrics_text() const;  // GET /metrics; empty on failure
   std::string log() const;           // what the server wrote on stderr so far
 
@@ -58,6 +60,10 @@ class ServerProcess {
   std::string log_path_;
   std::shared_ptr<grpc::Channel> channel_;
 };
+
+// Sends `request` over a new TCP connection to host:port (IPv4 or IPv6) and returns everything
+// the peer sent back until it closed the connection; empty when it could not connect.
+std::string http_exchange(const std::string& host, int port, const std::string& request);
 
 // grpc.health.v1 status name ("SERVING", ...) of `service` ("": the whole server), or "error N"
 // with the call's error code.

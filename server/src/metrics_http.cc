@@ -1,0 +1,211 @@
+// MetricsHttpServer (see metrics_http.h): accept, read a request head, answer, close. Every
+// connection has a deadline for all of that, and past kMaxConnections the oldest is closed, so
+// slow or idle clients cannot keep a scrape out.
+#include "cemlm/server/metrics_http.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace cemlm::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kMaxRequestBytes = 8192;
+constexpr auto kConnectionTime = std::chrono::seconds(5);  // to send the request, read the answer
+constexpr size_t kMaxConnections = 64;
+
+struct Connection {
+  int fd;
+  Clock::time_point deadline;
+  std::string in, out;  // the request read so far; the answer, once there is one
+  size_t sent = 0;
+};
+
+std::string answer(int code, const char* reason, const std::string& body, bool head,
+                   const char* extra_header = "") {
+  return absl::StrCat("HTTP/1.1 ", code, " ", reason,
+                      "\r\nContent-Type: ", code == 200 ? "text/plain; version=0.0.4" : "text/plain",
+                      "; charset=utf-8\r\nContent-Length: ", body.size(), "\r\n", extra_header,
+                      "Connection: close\r\n\r\n", head ? "" : body);
+}
+
+// The answer to a complete request head.
+std::string respond(const std::string& request, const MetricsHttpServer::Render& render) {
+  const std::string line = request.substr(0, request.find_first_of("\r\n"));
+  const size_t sp1 = line.find(' '), sp2 = line.rfind(' ');
+  if (sp1 == std::string::npos || sp2 == sp1 || line.compare(sp2 + 1, 5, "HTTP/") != 0)
+    return answer(400, "Bad Request", "not an HTTP request\n", false);
+  const std::string method = line.substr(0, sp1);
+  const std::string target = line.substr(sp1 + 1, sp2 - sp1 - 1);
+  const bool head = method == "HEAD";
+  if (target.substr(0, target.find('?')) != "/metrics")
+    return answer(404, "Not Found", "not found; the metrics are at /metrics\n", head);
+  if (method != "GET" && !head)
+    return answer(405, "Method Not Allowed", "use GET\n", false, "Allow: GET, HEAD\r\n");
+  return answer(200, "OK", render(), head);
+}
+
+// Reads what the connection has; false when it is to be closed (gone, or answered and sent).
+bool on_readable(Connection& c, const MetricsHttpServer::Render& render) {
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
+    if (n == 0) return false;
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    c.in.append(buf, size_t(n));
+    if (c.in.find("\r\n\r\n") != std::string::npos || c.in.find("\n\n") != std::string::npos) {
+      c.out = respond(c.in, render);
+      return true;
+    }
+    if (c.in.size() > kMaxRequestBytes) {
+      c.out = answer(431, "Request Header Fields Too Large", "request too large\n", false);
+      return true;
+    }
+  }
+}
+
+// Sends what is left of the answer; false when the connection is done (all sent, or gone).
+bool on_writable(Connection& c) {
+  while (c.sent < c.out.size()) {
+    const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL);
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    c.sent += size_t(n);
+  }
+  return false;
+}
+
+int open_listener(const addrinfo& ai, std::string* why) {
+  const int fd = ::socket(ai.ai_family, ai.ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    *why = std::strerror(errno);
+    return -1;
+  }
+  const int one = 1, zero = 0;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  // "::" takes IPv4 too, as gRPC's listener on "::" does.
+  if (ai.ai_family == AF_INET6) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+  if (::bind(fd, ai.ai_addr, ai.ai_addrlen) == 0 && ::listen(fd, 128) == 0) return fd;
+  *why = std::strerror(errno);
+  ::close(fd);
+  return -1;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::start(
+    const std::string& host, int port, Render render) {
+  std::string name = host;
+  if (name.size() > 2 && name.front() == '[' && name.back() == ']') name = name.substr(1, name.size() - 2);
+  addrinfo hints{};
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const std::string where = absl::StrCat("--metrics-port ", port, ": cannot listen on ", host);
+  if (const int rc = ::getaddrinfo(name.c_str(), std::to_string(port).c_str(), &hints, &found))
+    return absl::InvalidArgumentError(absl::StrCat(where, " (", ::gai_strerror(rc), ")"));
+  int fd = -1;
+  std::string why;
+  for (const addrinfo* ai = found; ai && fd < 0; ai = ai->ai_next) fd = open_listener(*ai, &why);
+  ::freeaddrinfo(found);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat(where, " (", why, ")"));
+  int stop[2];
+  if (::pipe2(stop, O_CLOEXEC | O_NONBLOCK) != 0) {
+    ::close(fd);
+    return absl::ResourceExhaustedError(absl::StrCat(where, " (pipe: ", std::strerror(errno), ")"));
+  }
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  const int actual = ntohs(bound.ss_family == AF_INET6
+                               ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return std::unique_ptr<MetricsHttpServer>(
+      new MetricsHttpServer(fd, actual, stop, std::move(render)));
+}
+
+MetricsHttpServer::MetricsHttpServer(int listen_fd, int port, const int stop_fds[2], Render render)
+    : listen_fd_(listen_fd),
+      port_(port),
+      stop_read_(stop_fds[0]),
+      stop_write_(stop_fds[1]),
+      render_(std::move(render)),
+      thread_([this] { loop(); }) {}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  const char byte = 0;
+  while (::write(stop_write_, &byte, 1) < 0 && errno == EINTR) {
+  }
+  thread_.join();
+  ::close(stop_read_);
+  ::close(stop_write_);
+  ::close(listen_fd_);
+}
+
+void MetricsHttpServer::loop() {
+  std::vector<Connection> conns;
+  std::vector<pollfd> fds;
+  for (;;) {
+    fds.assign({{stop_read_, POLLIN, 0}, {listen_fd_, POLLIN, 0}});
+    Clock::time_point next = Clock::time_point::max();
+    for (const Connection& c : conns) {
+      fds.push_back({c.fd, short(c.out.empty() ? POLLIN : POLLOUT), 0});
+      next = std::min(next, c.deadline);
+    }
+    const int timeout =
+        conns.empty() ? -1
+                      : int(std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                     next - Clock::now())
+                                                         .count() + 1));
+    if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) break;
+    if (fds[0].revents) break;
+    // Connections first (fds[i + 2] is conns[i]); then the ones past their deadline go.
+    const Clock::time_point now = Clock::now();
+    std::vector<Connection> kept;
+    for (size_t i = 0; i < conns.size(); ++i) {
+      Connection& c = conns[i];
+      bool open = now < c.deadline;
+      if (open && fds[i + 2].revents) {
+        if (c.out.empty()) open = on_readable(c, render_);
+        if (open && !c.out.empty()) open = on_writable(c);
+      }
+      if (open) {
+        kept.push_back(std::move(c));
+      } else {
+        ::close(c.fd);
+      }
+    }
+    conns.swap(kept);
+    if (fds[1].revents & POLLIN) {
+      for (int fd; (fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0;) {
+        if (conns.size() >= kMaxConnections) {  // the oldest makes way
+          auto oldest = std::min_element(conns.begin(), conns.end(), [](auto& a, auto& b) {
+            return a.deadline < b.deadline;
+          });
+          ::close(oldest->fd);
+          conns.erase(oldest);
+        }
+        conns.push_back({fd, Clock::now() + kConnectionTime, {}, {}, 0});
+      }
+      // Out of file descriptors: the listener stays readable, so wait for one instead of
+      // spinning (the connections' deadlines free theirs).
+      if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  for (const Connection& c : conns) ::close(c.fd);
+}
+
+}  // namespace cemlm::server

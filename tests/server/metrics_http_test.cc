@@ -1,0 +1,132 @@
+// MetricsHttpServer on loopback: /metrics answers (GET, HEAD, a query string), other paths and
+// methods get their HTTP errors and the server goes on (a 404 once crashed the process through
+// civetweb's small stacks), idle and slow connections cannot keep a scrape out, it stops with
+// connections open, and it listens on IPv6 (with IPv4 on "::").
+#include "cemlm/server/metrics_http.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "server_process.h"
+
+namespace cemlm::server {
+namespace {
+
+using testing_server::http_exchange;
+
+std::unique_ptr<MetricsHttpServer> start(const std::string& host, std::atomic<int>* renders) {
+  auto s = MetricsHttpServer::start(host, 0, [renders] {
+    ++*renders;
+    return std::string("up 1\n");
+  });
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+// An open TCP connection to 127.0.0.1:port that has sent `bytes` (-1 when it failed).
+int connect_and_send(int port, const std::string& bytes) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      write(fd, bytes.data(), bytes.size()) != ssize_t(bytes.size())) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+std::string get(int port, const std::string& path, const std::string& method = "GET") {
+  return http_exchange("127.0.0.1", port, method + " " + path + " HTTP/1.1\r\nHost: x\r\n\r\n");
+}
+
+TEST(MetricsHttp, ServesMetricsAndAnswersEverythingElseWithAnError) {
+  std::atomic<int> renders{0};
+  auto s = start("127.0.0.1", &renders);
+  ASSERT_TRUE(s);
+  const std::string ok = get(s->port(), "/metrics");
+  EXPECT_EQ(ok.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << ok;
+  EXPECT_NE(ok.find("Content-Type: text/plain; version=0.0.4"), std::string::npos) << ok;
+  EXPECT_NE(ok.find("Content-Length: 5\r\n"), std::string::npos) << ok;
+  EXPECT_EQ(ok.substr(ok.size() - 5), "up 1\n");
+  EXPECT_EQ(renders.load(), 1);
+  EXPECT_EQ(get(s->port(), "/metrics?format=text").rfind("HTTP/1.1 200", 0), 0u);
+  const std::string head = get(s->port(), "/metrics", "HEAD");
+  EXPECT_EQ(head.rfind("HTTP/1.1 200", 0), 0u) << head;
+  EXPECT_EQ(head.substr(head.size() - 4), "\r\n\r\n") << "HEAD has no body: " << head;
+  EXPECT_EQ(get(s->port(), "/favicon.ico").rfind("HTTP/1.1 404", 0), 0u);
+  EXPECT_EQ(get(s->port(), "/").rfind("HTTP/1.1 404", 0), 0u);
+  const std::string post = get(s->port(), "/metrics", "POST");
+  EXPECT_EQ(post.rfind("HTTP/1.1 405", 0), 0u) << post;
+  EXPECT_NE(post.find("Allow: GET, HEAD"), std::string::npos) << post;
+  EXPECT_EQ(http_exchange("127.0.0.1", s->port(), "hello\r\n\r\n").rfind("HTTP/1.1 400", 0), 0u);
+  const std::string huge = http_exchange("127.0.0.1", s->port(), "GET /" + std::string(9000, 'a'));
+  EXPECT_EQ(huge.rfind("HTTP/1.1 431", 0), 0u) << huge.substr(0, 40);
+  EXPECT_EQ(get(s->port(), "/metrics").rfind("HTTP/1.1 200", 0), 0u) << "still serving";
+}
+
+TEST(MetricsHttp, IdleAndSlowConnectionsDoNotKeepAScrapeOut) {
+  std::atomic<int> renders{0};
+  auto s = start("127.0.0.1", &renders);
+  ASSERT_TRUE(s);
+  std::vector<int> held;  // more than the server keeps: the oldest are closed for new ones
+  for (int i = 0; i < 100; ++i) held.push_back(connect_and_send(s->port(), i % 2 ? "" : "GET /met"));
+  for (int fd : held) ASSERT_GE(fd, 0);
+  const std::string ok = get(s->port(), "/metrics");
+  EXPECT_EQ(ok.rfind("HTTP/1.1 200", 0), 0u) << ok;
+  for (int fd : held) close(fd);
+}
+
+TEST(MetricsHttp, StopsWithConnectionsOpen) {
+  std::atomic<int> renders{0};
+  auto s = start("127.0.0.1", &renders);
+  ASSERT_TRUE(s);
+  const int idle = connect_and_send(s->port(), "GET /metrics HTTP/1.1\r\n");
+  ASSERT_GE(idle, 0);
+  s.reset();  // returns although the request never ends
+  char c;
+  EXPECT_LE(read(idle, &c, 1), 0) << "the connection is closed (or reset: its request is unread)";
+  close(idle);
+}
+
+TEST(MetricsHttp, ListensOnIpv6AndTheWildcardTakesIpv4) {
+  std::atomic<int> renders{0};
+  auto v6 = start("::1", &renders);
+  ASSERT_TRUE(v6);
+  EXPECT_EQ(http_exchange("::1", v6->port(), "GET /metrics HTTP/1.0\r\n\r\n").rfind("HTTP/1.1 200", 0),
+            0u);
+  auto any = start("::", &renders);
+  ASSERT_TRUE(any);
+  EXPECT_EQ(get(any->port(), "/metrics").rfind("HTTP/1.1 200", 0), 0u);
+  EXPECT_EQ(http_exchange("::1", any->port(), "GET /metrics HTTP/1.0\r\n\r\n").rfind("HTTP/1.1 200", 0),
+            0u);
+}
+
+TEST(MetricsHttp, AHostItCannotListenOnIsAnErrorNamingTheFlag) {
+  std::atomic<int> renders{0};
+  auto first = start("127.0.0.1", &renders);
+  ASSERT_TRUE(first);
+  auto again = MetricsHttpServer::start("127.0.0.1", first->port(), [] { return std::string(); });
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find(
+                "--metrics-port " + std::to_string(first->port()) + ": cannot listen on 127.0.0.1"),
+            std::string::npos)
+      << again.status();
+  auto nowhere = MetricsHttpServer::start("no.such.host.invalid", 0, [] { return std::string(); });
+  ASSERT_FALSE(nowhere.ok());
+  EXPECT_NE(nowhere.status().message().find("cannot listen on no.such.host.invalid"),
+            std::string::npos)
+      << nowhere.status();
+}
+
+}  // namespace
+}  // namespace cemlm::server

@@ -30,7 +30,8 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   if (opts.tls_cert_pem.empty() != opts.tls_key_pem.empty())
     return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
   std::unique_ptr<InferenceServer> s(new InferenceServer());
-  s->state_ = std::make_unique<ServerState>(opts.api_keys, opts.model_name, metrics);
+  s->state_ =
+      std::make_unique<ServerState>(opts.api_keys, opts.model_name, metrics, opts.max_streams);
   s->service_ = std::make_unique<InferenceService>(s->state_.get());
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/tokenizer.h"
 #include "cemlm/server/convert.h"
@@ -18,19 +19,29 @@
 
 namespace cemlm::server {
 
-grpc::Status ServerState::admit(const grpc::ServerContextBase& context) {
+grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool stream) {
   if (grpc::Status auth = keys_.check(context); !auth.ok()) return auth;
   std::lock_guard lock(mu_);
   if (draining_.load())
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
   if (!engine_.load())
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is still loading; retry later");
+  // The engine bounds the requests it holds, but a stream it has finished stays open, with its
+  // unsent output, until the client reads it: clients that never read would hold memory without
+  // a bound.
+  if (stream && max_streams_ > 0 && streams_ >= max_streams_)
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("the server has ", streams_,
+                                     " Generate streams open (--max-running + --max-waiting; a "
+                                     "stream counts until its client has read it); retry later"));
   ++in_flight_;
+  streams_ += stream;
   return grpc::Status::OK;
 }
 
-void ServerState::release() {
+void ServerState::release(bool stream) {
   std::lock_guard lock(mu_);
+  streams_ -= stream;
   if (--in_flight_ == 0) idle_.notify_all();
 }
 
@@ -105,7 +116,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
         arrival_(Clock::now()),
         request_id_(request.request_id()),
         peer_(context->peer()) {
-    grpc::Status admitted = state_->admit(*context);
+    grpc::Status admitted = state_->admit(*context, /*stream=*/true);
     admitted_ = admitted.ok();
     if (admitted_) {
       start(request);
@@ -137,7 +148,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
 
   void OnDone() override {
     log();
-    if (admitted_) state_->release();
+    if (admitted_) state_->release(/*stream=*/true);
     delete this;
   }
 

@@ -230,5 +230,47 @@ TEST(ServerQueue, FullQueueAnswersResourceExhausted) {
   EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"RESOURCE_EXHAUSTED\""), exhausted);
 }
 
+// A stream the engine has finished stays open, its output held, until the client reads it; such
+// streams count against --max-running + --max-waiting, or clients that never read would hold
+// memory without a bound. The unread clients here announce a 1 KiB window (no BDP growth), so
+// most of their 150 tokens with 20 alternatives each stays on the server.
+TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
+  const std::string model = make_tiny_model(fresh_temp_dir());
+  auto server = ServerProcess::start(model, {"--max-running", "1", "--max-waiting", "1"});
+  ASSERT_TRUE(server);
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  auto slow = grpc::CreateCustomChannel(server->addr(), grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::Inference::NewStub(slow);
+  v1::GenerateRequest req = ids_request(some_ids(8), 150);
+  req.set_logprobs(true);
+  req.mutable_sampling()->set_top_logprobs(20);
+  req.mutable_sampling()->set_ignore_eos(true);
+  grpc::ClientContext unread[2];
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> readers[2];
+  for (int i = 0; i < 2; ++i) {
+    readers[i] = stub->Generate(&unread[i], req);
+    // Finished in the engine: nothing running or waiting, its tokens counted.
+    ASSERT_TRUE(wait_for_metrics(*server, [&](const auto& m) {
+      return metric(m, "cemlm:generation_tokens_total") >= 150 * (i + 1) &&
+             metric(m, "cemlm:num_requests_running") == 0;
+    }));
+  }
+  // The engine is idle, yet a third stream is refused.
+  const Stream refused = generate(server->channel(), ids_request(some_ids(4), 2));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.status.error_message().find("2 Generate streams open"), std::string::npos)
+      << refused.status.error_message();
+  for (grpc::ClientContext& c : unread) c.TryCancel();
+  Stream after;
+  for (int attempt = 0; attempt < 200; ++attempt) {  // the cancelled streams close soon
+    after = generate(server->channel(), ids_request(some_ids(4), 2));
+    if (after.status.ok()) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
 }  // namespace
 }  // namespace cemlm::testing_server

@@ -36,6 +36,10 @@ absl::Status check_stops(const SamplingParams& p, int vocab_size) {
   for (size_t i = 0; i < p.stop.size(); ++i) {
     if (p.stop[i].empty())
       return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is empty"));
+    if (p.stop[i].size() > size_t(kMaxStopBytes))
+      return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is ",
+                                                     p.stop[i].size(), " bytes; at most ",
+                                                     kMaxStopBytes));
     if (!is_valid_utf8(p.stop[i]))
       return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is not valid UTF-8"));
   }

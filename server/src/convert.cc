@@ -71,6 +71,12 @@ int bos_id(const Engine& engine) {
   return resolve_bos_id(engine.config().bos_id, engine.tokenizer());
 }
 
+int64_t max_text_bytes(const Engine& engine) {
+  // The margin covers what normalisation removes (runs of spaces, combining marks).
+  const Tokenizer* tok = engine.tokenizer();
+  return int64_t(4) * engine.config().max_seq_len * (tok ? tok->max_piece_bytes() : 1);
+}
+
 absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
                                              absl::string_view field, bool add_bos) {
   if (size_t valid = utf8_valid_prefix(std::string_view(text.data(), text.size()));
@@ -80,9 +86,8 @@ absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_
   if (!tok)
     return invalid(absl::StrCat(field, ": this model has no tokenizer; send token ids instead"));
   // A text far longer than the context is refused before it is tokenized: encoding megabytes
-  // takes seconds of a handler thread, for an answer known from its length. The margin covers
-  // what normalisation removes (runs of spaces, combining marks).
-  const int64_t most = int64_t(4) * engine.config().max_seq_len * tok->max_piece_bytes();
+  // takes seconds of a handler thread, for an answer known from its length.
+  const int64_t most = max_text_bytes(engine);
   if (int64_t(text.size()) > most)
     return invalid(absl::StrCat(field, " is ", text.size(),
                                 " bytes, more than the model's max_seq_len = ",
@@ -100,6 +105,9 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
   out.recursion_depth = req.recursion_depth();
   out.sampling = to_engine(req.sampling());
   out.priority = req.priority();
+  if (req.request_id().size() > kMaxRequestIdBytes)
+    return invalid(absl::StrCat("request_id is ", req.request_id().size(), " bytes; at most ",
+                                kMaxRequestIdBytes));
   out.client_request_id = req.request_id();
   return out;
 }

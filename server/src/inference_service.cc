@@ -399,6 +399,10 @@ grpc::Status InferenceService::Detokenize(grpc::ServerContext* context,
   return unary(context, "Detokenize", [&](Engine& engine) -> absl::Status {
     if (!engine.tokenizer())
       return absl::InvalidArgumentError("ids: this model has no tokenizer to decode them with");
+    // Bounded as texts are: any text the server takes has at most this many ids.
+    if (const int64_t most = max_text_bytes(engine); request->ids_size() > most)
+      return absl::InvalidArgumentError(absl::StrCat("ids has ", request->ids_size(),
+                                                     " ids; at most ", most, " (see Tokenize)"));
     CEMLM_RETURN_IF_ERROR(check_ids(request->ids(), engine.config().vocab_size, "ids"));
     const std::vector<int> ids(request->ids().begin(), request->ids().end());
     response->set_text(engine.tokenizer()->decode(ids));

@@ -335,6 +335,8 @@ TEST(ValidateSampling, EveryBadFieldIsNamed) {
       {"sampling.stop has 17", [](SamplingParams& p) { p.stop.assign(17, "x"); }},
       {"sampling.stop[1] is empty", [](SamplingParams& p) { p.stop = {"a", ""}; }},
       {"sampling.stop[0] is not valid UTF-8", [](SamplingParams& p) { p.stop = {"\xff"}; }},
+      {"sampling.stop[1] is 1025 bytes; at most 1024",
+       [](SamplingParams& p) { p.stop = {std::string(1024, 'a'), std::string(1025, 'b')}; }},
       {"sampling.stop_token_ids[1] = 100", [](SamplingParams& p) { p.stop_token_ids = {1, 100}; }},
       {"sampling.stop_token_ids[0] = -1", [](SamplingParams& p) { p.stop_token_ids = {-1}; }},
   };

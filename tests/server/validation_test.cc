@@ -63,6 +63,8 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
        "add_bos applies to prompt_text only"},
       {"invalid UTF-8", [](auto* r) { r->set_prompt_text("ok \xC3\x28 no"); },
        "prompt_text is not valid UTF-8"},
+      {"long request_id", [](auto* r) { r->set_request_id(std::string(257, 'r')); },
+       "request_id is 257 bytes; at most 256"},
       {"id out of range",
        [](auto* r) {
          r->clear_prompt_text();
@@ -206,6 +208,17 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
     const grpc::Status st = stub->Detokenize(&context, req, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_NE(st.error_message().find("ids[1] = -4"), std::string::npos) << st.error_message();
+  }
+  {
+    // More ids than any text the server takes could have, refused before decoding.
+    grpc::ClientContext context;
+    v1::DetokenizeRequest req;
+    for (int i = 0; i < 300000; ++i) req.add_ids(5);
+    v1::DetokenizeResponse resp;
+    const grpc::Status st = stub->Detokenize(&context, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("ids has 300000 ids; at most"), std::string::npos)
+        << st.error_message();
   }
 }
 

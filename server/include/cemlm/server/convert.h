@@ -20,6 +20,11 @@ int bos_id(const Engine& engine);
 // the model's context could hold as tokens is refused without being tokenized.
 absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
                                              absl::string_view field, bool add_bos);
+// The most bytes of a text input (and ids of a Detokenize call) the server takes: more than the
+// model's context could hold, with a margin for what normalisation removes.
+int64_t max_text_bytes(const Engine& engine);
+
+inline constexpr size_t kMaxRequestIdBytes = 256;  // GenerateRequest.request_id
 
 absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const Engine& engine);
 absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine);

@@ -215,6 +215,12 @@ int cmd_serve(int argc, char** argv) {
   flags.add("log-level", &f.log_level, "trace | debug | info | warn | error | critical | off");
   flags.add("model-name", &f.model_name, "name in metrics and GetModelInfo (default: DIR's name)");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  if (flags.given("api-key-file") && f.api_key_file.empty()) {
+    std::fprintf(stderr,
+                 "error: --api-key-file is empty: name a file of keys, or leave the flag out to "
+                 "serve without keys\n");
+    return 2;
+  }
 
   // Logs go to stderr: stdout carries the port line and nothing else.
   spdlog::set_default_logger(spdlog::stderr_color_mt("serve"));

@@ -1,5 +1,5 @@
-// API-key check (see auth.h). Keys are compared in time independent of where they differ, so the
-// response time does not leak a key prefix.
+// API-key check (see auth.h). Keys are compared in time independent of where they differ and of
+// the length of what was sent, so the response time leaks neither a key's prefix nor its length.
 #include "cemlm/server/auth.h"
 
 #include <fstream>
@@ -13,12 +13,18 @@ namespace {
 
 constexpr absl::string_view kBearer = "Bearer ";
 
-bool equal_constant_time(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+// Every byte of `key` is compared whatever the length of `given`: the time depends on the key's
+// length, which a caller cannot vary, and on nothing else.
+bool equal_constant_time(absl::string_view key, absl::string_view given) {
+  size_t diff = key.size() ^ given.size();
+  for (size_t i = 0; i < key.size(); ++i) {
+    const unsigned char g = given.empty() ? 0 : static_cast<unsigned char>(given[i % given.size()]);
+    diff |= static_cast<unsigned char>(key[i]) ^ g;
+  }
   return diff == 0;
 }
+
+constexpr absl::string_view kUtf8Bom = "\xEF\xBB\xBF";
 
 }  // namespace
 
@@ -26,7 +32,10 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::InvalidArgumentError("--api-key-file: cannot read '" + path + "'");
   ApiKeys out;
-  for (std::string line; std::getline(in, line);) {
+  bool first = true;
+  for (std::string line; std::getline(in, line); first = false) {
+    // Editors on Windows start a UTF-8 file with a byte-order mark, which is not part of a key.
+    if (first && absl::StartsWith(line, kUtf8Bom)) line.erase(0, kUtf8Bom.size());
     absl::string_view key = absl::StripAsciiWhitespace(line);
     if (!key.empty() && key[0] != '#') out.keys_.emplace_back(key);
   }

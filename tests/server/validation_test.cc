@@ -311,11 +311,12 @@ TEST_F(ServerValidation, TokenizeRoundTripsAndInfoDescribesTheModel) {
 TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   const std::string dir = fresh_temp_dir();
   const std::string model = make_tiny_model(dir), keys = dir + "/keys.txt";
-  std::ofstream(keys) << "# keys of the test\nalpha-key\n\n  beta-key  \n";
+  // A byte-order mark before the first key (Windows editors write one) is not part of it.
+  std::ofstream(keys) << "\xEF\xBB\xBF" "alpha-key\n# keys of the test\n\n  beta-key  \n";
   auto server = ServerProcess::start(model, {"--api-key-file", keys});
   ASSERT_TRUE(server);
   const v1::GenerateRequest req = valid_request();
-  for (const std::string bad : {"", "wrong", "alpha", "alpha-key2"}) {
+  for (const std::string bad : {"", "wrong", "alpha", "alpha-key2", "alpha-keyalpha-key"}) {
     const Stream s = generate(server->channel(), req, {bad});
     EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "key '" << bad << "'";
   }
@@ -334,7 +335,10 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
             grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(health(server->channel()), "SERVING");  // no key needed
   const auto m = parse_metrics(server->metrics_text());
-  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 6);
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 7);
+  // An empty --api-key-file is a mistake, not "no keys".
+  std::string out;
+  EXPECT_EQ(run_cemlm({"serve", "--model", model, "--api-key-file", ""}, &out), 2);
 }
 
 TEST_F(ServerValidation, WithoutKeysAnyAuthorizationIsIgnored) {

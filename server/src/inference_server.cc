@@ -16,6 +16,10 @@
 namespace cemlm::server {
 namespace {
 
+constexpr int kMaxStreamsPerConnection = 1000;      // a client opens more connections for more
+constexpr int kMaxConnectionIdleMs = 10 * 60 * 1000;  // clients reconnect when they call again
+constexpr int kHandshakeTimeoutMs = 10 * 1000;
+
 std::shared_ptr<grpc::ServerCredentials> credentials(const ServerOptions& opts) {
   if (opts.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions ssl;
@@ -42,6 +46,11 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   // gRPC sets SO_REUSEPORT by default: a second server on a port in use would start and take a
   // share of the first one's connections. A busy port is an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // gRPC's defaults leave a connection's streams unbounded, idle connections open for good and
+  // a TLS handshake 120 s to finish: each an easy way for a client to hold server memory.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kMaxConnectionIdleMs);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
   if (opts.max_connection_age_s > 0) {
     auto ms = [](double s) { return int(std::min(s * 1e3, double(INT_MAX))); };
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, ms(opts.max_connection_age_s));

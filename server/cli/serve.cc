@@ -122,7 +122,8 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   opts.max_connection_age_s = f.max_connection_age;
   opts.max_connection_age_grace_s = f.shutdown_timeout;
   // Overflow-safe: both flags may be up to INT_MAX.
-  opts.max_streams = int(std::min<int64_t>(INT32_MAX, int64_t(f.max_running) + f.max_waiting));
+  opts.max_unread_streams =
+      int(std::min<int64_t>(INT32_MAX, int64_t(f.max_running) + f.max_waiting));
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
   // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
   if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())

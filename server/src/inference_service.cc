@@ -28,20 +28,25 @@ grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool str
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is still loading; retry later");
   // The engine bounds the requests it holds, but a stream it has finished stays open, with its
   // unsent output, until the client reads it: clients that never read would hold memory without
-  // a bound.
-  if (stream && max_streams_ > 0 && streams_ >= max_streams_)
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("the server has ", streams_,
-                                     " Generate streams open (--max-running + --max-waiting; a "
-                                     "stream counts until its client has read it); retry later"));
+  // a bound. (Streams the engine still runs are its to bound, priority displacement included.)
+  if (stream && max_unread_ > 0 && unread_ >= max_unread_)
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("the server holds ", unread_,
+                     " finished Generate streams whose clients have not read them (at most "
+                     "--max-running + --max-waiting); retry later"));
   ++in_flight_;
-  streams_ += stream;
   return grpc::Status::OK;
 }
 
-void ServerState::release(bool stream) {
+void ServerState::hold_unread() {
   std::lock_guard lock(mu_);
-  streams_ -= stream;
+  ++unread_;
+}
+
+void ServerState::release(bool unread) {
+  std::lock_guard lock(mu_);
+  unread_ -= unread;
   if (--in_flight_ == 0) idle_.notify_all();
 }
 
@@ -148,7 +153,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
 
   void OnDone() override {
     log();
-    if (admitted_) state_->release(/*stream=*/true);
+    if (admitted_) {
+      std::unique_lock lock(mu_);
+      const bool held = unread_held_;
+      lock.unlock();
+      state_->release(held);
+    }
     delete this;
   }
 
@@ -190,6 +200,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
     has_pending_ = has_pending_ || !event.token_ids.empty() || !event.text.empty();
     if (event.finish_reason != FinishReason::kNone) {
       finished_ = true;
+      unread_held_ = true;
+      state_->hold_unread();
       finish_reason_ = event.finish_reason;
       usage_ = event.usage;
       queue_seconds_ = queue_seconds(event.timings);
@@ -330,6 +342,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   Response pending_, in_flight_;  // being filled / being written
   bool has_pending_ = false, writing_ = false, queued_ = false, finished_ = false, done_ = false;
   bool broken_ = false, client_cancelled_ = false, first_written_ = false;
+  bool unread_held_ = false;  // counted by ServerState::hold_unread
   FinishReason finish_reason_ = FinishReason::kNone;
   Usage usage_;
   double queue_seconds_ = 0, e2e_seconds_ = 0;

@@ -19,18 +19,21 @@ namespace cemlm::server {
 // What every handler shares: the engine (null while loading), admission and drain state.
 class ServerState {
  public:
-  // `max_streams`: Generate streams open at once (0: no bound), see ServerOptions.
-  ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics, int max_streams)
+  // `max_unread`: finished Generate streams not yet read (0: no bound), see ServerOptions.
+  ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics, int max_unread)
       : keys_(std::move(keys)),
         model_name_(std::move(model_name)),
         metrics_(metrics),
-        max_streams_(max_streams) {}
+        max_unread_(max_unread) {}
 
-  // OK admits the call (then release() once when it is over, with the same `stream`); otherwise
-  // the status to return: UNAUTHENTICATED, UNAVAILABLE while loading or draining, or for a
-  // Generate stream (`stream`) RESOURCE_EXHAUSTED when max_streams are open.
+  // OK admits the call (then release() once when it is over); otherwise the status to return:
+  // UNAUTHENTICATED, UNAVAILABLE while loading or draining, or for a Generate stream (`stream`)
+  // RESOURCE_EXHAUSTED while max_unread finished streams wait for their clients.
   grpc::Status admit(const grpc::ServerContextBase& context, bool stream = false);
-  void release(bool stream = false);
+  // A Generate stream the engine has finished: it holds its unsent output until it is done, and
+  // then releases with `unread` set.
+  void hold_unread();
+  void release(bool unread = false);
 
   void set_engine(Engine* engine) { engine_.store(engine); }
   Engine& engine() const { return *engine_.load(); }
@@ -45,12 +48,12 @@ class ServerState {
   const ApiKeys keys_;
   const std::string model_name_;
   ServerMetrics* const metrics_;
-  const int max_streams_;
+  const int max_unread_;
   std::atomic<Engine*> engine_{nullptr};
   std::atomic<bool> draining_{false};
   std::mutex mu_;
   std::condition_variable idle_;
-  int in_flight_ = 0, streams_ = 0;  // guarded by mu_
+  int in_flight_ = 0, unread_ = 0;  // guarded by mu_
 };
 
 // A stream with something to write while none of its writes is in flight.

@@ -230,10 +230,10 @@ TEST(ServerQueue, FullQueueAnswersResourceExhausted) {
   EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"RESOURCE_EXHAUSTED\""), exhausted);
 }
 
-// A stream the engine has finished stays open, its output held, until the client reads it; such
-// streams count against --max-running + --max-waiting, or clients that never read would hold
-// memory without a bound. The unread clients here announce a 1 KiB window (no BDP growth), so
-// most of their 150 tokens with 20 alternatives each stays on the server.
+// A stream the engine has finished stays open, its output held, until the client reads it; at
+// most --max-running + --max-waiting such streams, or clients that never read would hold memory
+// without a bound. The unread clients here announce a 1 KiB window (no BDP growth), so most of
+// their 150 tokens with 20 alternatives each stays on the server.
 TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(model, {"--max-running", "1", "--max-waiting", "1"});
@@ -260,7 +260,8 @@ TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
   // The engine is idle, yet a third stream is refused.
   const Stream refused = generate(server->channel(), ids_request(some_ids(4), 2));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_NE(refused.status.error_message().find("2 Generate streams open"), std::string::npos)
+  EXPECT_NE(refused.status.error_message().find("holds 2 finished Generate streams"),
+            std::string::npos)
       << refused.status.error_message();
   for (grpc::ClientContext& c : unread) c.TryCancel();
   Stream after;
@@ -270,6 +271,35 @@ TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
     std::this_thread::sleep_for(10ms);
   }
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+// With the engine full (one running, one waiting), a higher priority still gets in through
+// serve: the queued request of lower priority is displaced (open streams of the engine's are not
+// the unread-stream bound's to refuse).
+TEST(ServerQueue, AHigherPriorityDisplacesAQueuedRequest) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 2048});
+  auto server = ServerProcess::start(model, {"--max-running", "1", "--max-waiting", "1"});
+  ASSERT_TRUE(server);
+  grpc::ClientContext running_ctx;
+  auto stub = v1::Inference::NewStub(server->channel());
+  auto running = stub->Generate(&running_ctx, ids_request(some_ids(8), 2000, 8));
+  Stream queued;
+  std::thread waiter([&] { queued = generate(server->channel(), ids_request(some_ids(8, 1), 4)); });
+  ASSERT_TRUE(wait_for_metrics(*server, [](const auto& m) {
+    return metric(m, "cemlm:num_requests_running") == 1 && metric(m, "cemlm:num_requests_waiting") == 1;
+  }));
+  v1::GenerateRequest urgent = ids_request(some_ids(8, 2), 4);
+  urgent.set_priority(5);
+  Stream taken;
+  std::thread taker([&] { taken = generate(server->channel(), urgent); });
+  waiter.join();  // displaced at once
+  EXPECT_EQ(queued.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(queued.status.error_message().find("displaced"), std::string::npos)
+      << queued.status.error_message();
+  running_ctx.TryCancel();
+  taker.join();
+  EXPECT_TRUE(taken.status.ok()) << taken.status.error_message();
+  EXPECT_EQ(taken.ids().size(), 4u);
 }
 
 }  // namespace

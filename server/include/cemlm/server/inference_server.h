@@ -28,9 +28,9 @@ struct ServerOptions {
   std::string model_name = "cemlm";
   // GOAWAY to a connection this old (0: never); its calls in flight get the grace to finish.
   double max_connection_age_s = 0, max_connection_age_grace_s = 30;
-  // Generate streams open at once, finished ones whose client has not read them yet included
-  // (0: no bound); more are RESOURCE_EXHAUSTED.
-  int max_streams = 0;
+  // Generate streams the engine has finished whose clients have not read all of them yet (they
+  // hold their output); while that many wait, new streams are RESOURCE_EXHAUSTED (0: no bound).
+  int max_unread_streams = 0;
 };
 
 class InferenceServer {

@@ -38,8 +38,8 @@ absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const Request& 
 // How the engine's errors name a prompt given as text: they count its tokens, the model's BOS
 // included, which a client counting Tokenize's ids without it would otherwise miss by one.
 template <typename Request>
-std::string text_label(const Request& req, absl::string_view text_field) {
-  const bool bos = !req.has_add_bos() || req.add_bos();
+std::string text_label(const Request& req, const Engine& engine, absl::string_view text_field) {
+  const bool bos = (!req.has_add_bos() || req.add_bos()) && bos_id(engine) >= 0;
   return absl::StrCat(text_field, bos ? " (as tokens, BOS included)" : " (as tokens)");
 }
 
@@ -101,7 +101,7 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
   GenerateRequest out;
   CEMLM_ASSIGN_OR_RETURN(out.prompt_ids, prompt_of(engine, req, req.prompt_text(),
                                                    req.prompt_ids(), "prompt_text", "prompt_ids"));
-  if (!req.prompt_text().empty()) out.prompt_field = text_label(req, "prompt_text");
+  if (!req.prompt_text().empty()) out.prompt_field = text_label(req, engine, "prompt_text");
   out.recursion_depth = req.recursion_depth();
   out.sampling = to_engine(req.sampling());
   out.priority = req.priority();
@@ -115,7 +115,7 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
 absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine) {
   ScoreRequest out;
   CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req, req.text(), req.ids(), "text", "ids"));
-  if (!req.text().empty()) out.ids_field = text_label(req, "text");
+  if (!req.text().empty()) out.ids_field = text_label(req, engine, "text");
   out.recursion_depth = req.recursion_depth();
   out.priority = req.priority();
   return out;

@@ -1,6 +1,6 @@
 // MetricsHttpServer (see metrics_http.h): accept, read a request head, answer, close. Every
-// connection has a deadline for all of that, and past kMaxConnections the oldest is closed, so
-// slow or idle clients cannot keep a scrape out.
+// connection has a deadline for all of that, and past kMaxConnections the oldest is closed (one
+// that has sent nothing first), so slow or idle clients cannot keep a scrape out.
 #include "cemlm/server/metrics_http.h"
 
 #include <fcntl.h>
@@ -32,6 +32,7 @@ struct Connection {
   Clock::time_point deadline;
   std::string in, out;  // the request read so far; the answer, once there is one
   size_t sent = 0;
+  bool closing = false;  // answered: reading what the client still sends until it closes
 };
 
 std::string answer(int code, const char* reason, const std::string& body, bool head,
@@ -42,31 +43,47 @@ std::string answer(int code, const char* reason, const std::string& body, bool h
                       "Connection: close\r\n\r\n", head ? "" : body);
 }
 
+// The path of a request target: origin form ("/metrics?x"), or absolute form
+// ("http://host:port/metrics", what a proxy sends) without its scheme and authority.
+std::string path_of(std::string target) {
+  for (const char* scheme : {"http://", "https://"})
+    if (target.rfind(scheme, 0) == 0) {
+      const size_t slash = target.find('/', std::strlen(scheme));
+      target = slash == std::string::npos ? "/" : target.substr(slash);
+    }
+  return target.substr(0, target.find('?'));
+}
+
 // The answer to a complete request head.
 std::string respond(const std::string& request, const MetricsHttpServer::Render& render) {
-  const std::string line = request.substr(0, request.find_first_of("\r\n"));
+  // Empty lines before the request line are skipped (RFC 9112 §2.2).
+  const size_t begin = std::min(request.find_first_not_of("\r\n"), request.size());
+  const std::string line = request.substr(begin, request.find_first_of("\r\n", begin) - begin);
   const size_t sp1 = line.find(' '), sp2 = line.rfind(' ');
   if (sp1 == std::string::npos || sp2 == sp1 || line.compare(sp2 + 1, 5, "HTTP/") != 0)
     return answer(400, "Bad Request", "not an HTTP request\n", false);
   const std::string method = line.substr(0, sp1);
   const std::string target = line.substr(sp1 + 1, sp2 - sp1 - 1);
   const bool head = method == "HEAD";
-  if (target.substr(0, target.find('?')) != "/metrics")
+  if (path_of(target) != "/metrics")
     return answer(404, "Not Found", "not found; the metrics are at /metrics\n", head);
   if (method != "GET" && !head)
     return answer(405, "Method Not Allowed", "use GET\n", false, "Allow: GET, HEAD\r\n");
   return answer(200, "OK", render(), head);
 }
 
-// Reads what the connection has; false when it is to be closed (gone, or answered and sent).
+// Reads what the connection has; false when it is to be closed (gone, or done).
 bool on_readable(Connection& c, const MetricsHttpServer::Render& render) {
   char buf[4096];
   for (;;) {
     const ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
     if (n == 0) return false;
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    if (c.closing) continue;  // a body or a pipelined request: read, not answered
     c.in.append(buf, size_t(n));
-    if (c.in.find("\r\n\r\n") != std::string::npos || c.in.find("\n\n") != std::string::npos) {
+    const size_t text = c.in.find_first_not_of("\r\n");  // leading empty lines are no end
+    if (text != std::string::npos && (c.in.find("\r\n\r\n", text) != std::string::npos ||
+                                      c.in.find("\n\n", text) != std::string::npos)) {
       c.out = respond(c.in, render);
       return true;
     }
@@ -77,14 +94,18 @@ bool on_readable(Connection& c, const MetricsHttpServer::Render& render) {
   }
 }
 
-// Sends what is left of the answer; false when the connection is done (all sent, or gone).
+// Sends what is left of the answer; false when the connection is gone. Once all is sent the
+// connection half-closes and reads until the client closes (or its deadline): closing with
+// unread bytes (a body, a pipelined request) would reset it and could lose the answer.
 bool on_writable(Connection& c) {
   while (c.sent < c.out.size()) {
     const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL);
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
     c.sent += size_t(n);
   }
-  return false;
+  ::shutdown(c.fd, SHUT_WR);
+  c.closing = true;
+  return true;
 }
 
 int open_listener(const addrinfo& ai, std::string* why) {
@@ -103,6 +124,22 @@ int open_listener(const addrinfo& ai, std::string* why) {
   return -1;
 }
 
+// The port a listening socket has (the one the system picked for port 0).
+int bound_port(int fd) {
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  return ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                           : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+}
+
+void set_port(addrinfo& ai, int port) {
+  if (ai.ai_family == AF_INET6)
+    reinterpret_cast<sockaddr_in6*>(ai.ai_addr)->sin6_port = htons(uint16_t(port));
+  else
+    reinterpret_cast<sockaddr_in*>(ai.ai_addr)->sin_port = htons(uint16_t(port));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::start(
@@ -117,28 +154,29 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::start(
   const std::string where = absl::StrCat("--metrics-port ", port, ": cannot listen on ", host);
   if (const int rc = ::getaddrinfo(name.c_str(), std::to_string(port).c_str(), &hints, &found))
     return absl::InvalidArgumentError(absl::StrCat(where, " (", ::gai_strerror(rc), ")"));
-  int fd = -1;
+  // Every address of the name ("localhost": ::1 and 127.0.0.1), on one port: the first one's
+  // when port 0 lets the system pick. An address this machine lacks is skipped.
+  std::vector<int> fds;
   std::string why;
-  for (const addrinfo* ai = found; ai && fd < 0; ai = ai->ai_next) fd = open_listener(*ai, &why);
+  for (addrinfo* ai = found; ai; ai = ai->ai_next) {
+    if (!fds.empty()) set_port(*ai, bound_port(fds[0]));
+    if (const int fd = open_listener(*ai, &why); fd >= 0) fds.push_back(fd);
+  }
   ::freeaddrinfo(found);
-  if (fd < 0) return absl::UnavailableError(absl::StrCat(where, " (", why, ")"));
+  if (fds.empty()) return absl::UnavailableError(absl::StrCat(where, " (", why, ")"));
   int stop[2];
   if (::pipe2(stop, O_CLOEXEC | O_NONBLOCK) != 0) {
-    ::close(fd);
+    for (int fd : fds) ::close(fd);
     return absl::ResourceExhaustedError(absl::StrCat(where, " (pipe: ", std::strerror(errno), ")"));
   }
-  sockaddr_storage bound{};
-  socklen_t len = sizeof bound;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  const int actual = ntohs(bound.ss_family == AF_INET6
-                               ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  const int actual = bound_port(fds[0]);
   return std::unique_ptr<MetricsHttpServer>(
-      new MetricsHttpServer(fd, actual, stop, std::move(render)));
+      new MetricsHttpServer(std::move(fds), actual, stop, std::move(render)));
 }
 
-MetricsHttpServer::MetricsHttpServer(int listen_fd, int port, const int stop_fds[2], Render render)
-    : listen_fd_(listen_fd),
+MetricsHttpServer::MetricsHttpServer(std::vector<int> listen_fds, int port, const int stop_fds[2],
+                                     Render render)
+    : listen_fds_(std::move(listen_fds)),
       port_(port),
       stop_read_(stop_fds[0]),
       stop_write_(stop_fds[1]),
@@ -152,17 +190,19 @@ MetricsHttpServer::~MetricsHttpServer() {
   thread_.join();
   ::close(stop_read_);
   ::close(stop_write_);
-  ::close(listen_fd_);
+  for (int fd : listen_fds_) ::close(fd);
 }
 
 void MetricsHttpServer::loop() {
   std::vector<Connection> conns;
   std::vector<pollfd> fds;
+  const size_t first_conn = 1 + listen_fds_.size();  // fds: the stop pipe, listeners, connections
   for (;;) {
-    fds.assign({{stop_read_, POLLIN, 0}, {listen_fd_, POLLIN, 0}});
+    fds.assign({{stop_read_, POLLIN, 0}});
+    for (int fd : listen_fds_) fds.push_back({fd, POLLIN, 0});
     Clock::time_point next = Clock::time_point::max();
     for (const Connection& c : conns) {
-      fds.push_back({c.fd, short(c.out.empty() ? POLLIN : POLLOUT), 0});
+      fds.push_back({c.fd, short(c.closing || c.out.empty() ? POLLIN : POLLOUT), 0});
       next = std::min(next, c.deadline);
     }
     const int timeout =
@@ -172,15 +212,15 @@ void MetricsHttpServer::loop() {
                                                          .count() + 1));
     if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) break;
     if (fds[0].revents) break;
-    // Connections first (fds[i + 2] is conns[i]); then the ones past their deadline go.
+    // Connections first; then the ones past their deadline go.
     const Clock::time_point now = Clock::now();
     std::vector<Connection> kept;
     for (size_t i = 0; i < conns.size(); ++i) {
       Connection& c = conns[i];
       bool open = now < c.deadline;
-      if (open && fds[i + 2].revents) {
-        if (c.out.empty()) open = on_readable(c, render_);
-        if (open && !c.out.empty()) open = on_writable(c);
+      if (open && fds[first_conn + i].revents) {
+        if (c.closing || c.out.empty()) open = on_readable(c, render_);
+        if (open && !c.closing && !c.out.empty()) open = on_writable(c);
       }
       if (open) {
         kept.push_back(std::move(c));
@@ -189,16 +229,18 @@ void MetricsHttpServer::loop() {
       }
     }
     conns.swap(kept);
-    if (fds[1].revents & POLLIN) {
-      for (int fd; (fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0;) {
-        if (conns.size() >= kMaxConnections) {  // the oldest makes way
-          auto oldest = std::min_element(conns.begin(), conns.end(), [](auto& a, auto& b) {
-            return a.deadline < b.deadline;
+    for (size_t l = 0; l < listen_fds_.size(); ++l) {
+      if (!(fds[1 + l].revents & POLLIN)) continue;
+      for (int fd; (fd = ::accept4(listen_fds_[l], nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0;) {
+        if (conns.size() >= kMaxConnections) {  // one makes way: answered, idle, then oldest
+          auto rank = [](const Connection& c) { return c.closing ? 0 : c.in.empty() ? 1 : 2; };
+          auto victim = std::min_element(conns.begin(), conns.end(), [&](auto& a, auto& b) {
+            return rank(a) != rank(b) ? rank(a) < rank(b) : a.deadline < b.deadline;
           });
-          ::close(oldest->fd);
-          conns.erase(oldest);
+          ::close(victim->fd);
+          conns.erase(victim);
         }
-        conns.push_back({fd, Clock::now() + kConnectionTime, {}, {}, 0});
+        conns.push_back({fd, Clock::now() + kConnectionTime, {}, {}, 0, false});
       }
       // Out of file descriptors: the listener stays readable, so wait for one instead of
       // spinning (the connections' deadlines free theirs).

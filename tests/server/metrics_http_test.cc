@@ -72,6 +72,19 @@ TEST(MetricsHttp, ServesMetricsAndAnswersEverythingElseWithAnError) {
   const std::string huge = http_exchange("127.0.0.1", s->port(), "GET /" + std::string(9000, 'a'));
   EXPECT_EQ(huge.rfind("HTTP/1.1 431", 0), 0u) << huge.substr(0, 40);
   EXPECT_EQ(get(s->port(), "/metrics").rfind("HTTP/1.1 200", 0), 0u) << "still serving";
+  // The absolute form a proxy sends, and empty lines before the request line (RFC 9112).
+  EXPECT_EQ(get(s->port(), "http://127.0.0.1/metrics").rfind("HTTP/1.1 200", 0), 0u);
+  EXPECT_EQ(http_exchange("127.0.0.1", s->port(), "\r\n\r\nGET /metrics HTTP/1.1\r\n\r\n")
+                .rfind("HTTP/1.1 200", 0),
+            0u);
+  // A request with a body, or a second one behind it, still gets its whole answer (closing
+  // with those bytes unread would reset the connection).
+  const std::string body = http_exchange(
+      "127.0.0.1", s->port(),
+      "GET /metrics HTTP/1.1\r\nContent-Length: 5000\r\n\r\n" + std::string(5000, 'b') +
+          "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(body.rfind("HTTP/1.1 200", 0), 0u) << body.substr(0, 40);
+  EXPECT_EQ(body.substr(body.size() - 5), "up 1\n");
 }
 
 TEST(MetricsHttp, IdleAndSlowConnectionsDoNotKeepAScrapeOut) {
@@ -109,6 +122,15 @@ TEST(MetricsHttp, ListensOnIpv6AndTheWildcardTakesIpv4) {
   EXPECT_EQ(get(any->port(), "/metrics").rfind("HTTP/1.1 200", 0), 0u);
   EXPECT_EQ(http_exchange("::1", any->port(), "GET /metrics HTTP/1.0\r\n\r\n").rfind("HTTP/1.1 200", 0),
             0u);
+}
+
+// A name listens on its addresses as gRPC does: "localhost" is reachable on 127.0.0.1 whether
+// or not the hosts file lists ::1 for it first.
+TEST(MetricsHttp, ANameListensOnItsAddresses) {
+  std::atomic<int> renders{0};
+  auto s = start("localhost", &renders);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(get(s->port(), "/metrics").rfind("HTTP/1.1 200", 0), 0u);
 }
 
 TEST(MetricsHttp, AHostItCannotListenOnIsAnErrorNamingTheFlag) {

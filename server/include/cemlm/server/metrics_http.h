@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -17,8 +18,8 @@ class MetricsHttpServer {
   // The exposition text of a scrape (Prometheus text format 0.0.4); called on the server's thread.
   using Render = std::function<std::string()>;
 
-  // Listens on host:port (an IPv4 or IPv6 address or name, "::" for every address of both
-  // families; port 0 picks a free one). The error names --metrics-port.
+  // Listens on host:port (an IPv4 or IPv6 address, or a name: on every address it has, as gRPC
+  // does; "::" takes both families; port 0 picks a free one). The error names --metrics-port.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> start(const std::string& host,
                                                                    int port, Render render);
   // Stops within milliseconds, whatever connections are open.
@@ -29,10 +30,11 @@ class MetricsHttpServer {
   int port() const { return port_; }
 
  private:
-  MetricsHttpServer(int listen_fd, int port, const int stop_fds[2], Render render);
+  MetricsHttpServer(std::vector<int> listen_fds, int port, const int stop_fds[2], Render render);
   void loop();
 
-  const int listen_fd_, port_;
+  const std::vector<int> listen_fds_;
+  const int port_;
   const int stop_read_, stop_write_;  // a pipe: a byte on it ends the loop
   const Render render_;
   std::thread thread_;

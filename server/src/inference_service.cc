@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -37,6 +38,18 @@ grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool str
                      "--max-running + --max-waiting); retry later"));
   ++in_flight_;
   return grpc::Status::OK;
+}
+
+bool ServerState::log_refused_key(int64_t* left_out) {
+  std::lock_guard lock(mu_);
+  const Clock::time_point now = Clock::now();
+  if (now - last_refusal_logged_ < std::chrono::seconds(1)) {
+    ++refusals_left_out_;
+    return false;
+  }
+  last_refusal_logged_ = now;
+  *left_out = std::exchange(refusals_left_out_, 0);
+  return true;
 }
 
 void ServerState::hold_unread() {
@@ -307,6 +320,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   // OnDone: the request's log line, off the engine thread. The client's id and the message (which
   // may quote its input) are escaped: a client must not be able to write lines of its own.
   void log() const {
+    if (final_status_.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      // Nothing of the caller's own (its client id) is written, and at most a line a second.
+      if (int64_t left_out = 0; state_->log_refused_key(&left_out))
+        spdlog::info("generate rejected peer={} status=UNAUTHENTICATED message=\"{}\" "
+                     "refused_since_last_line={}",
+                     peer_, log_escaped(final_status_.error_message()), left_out);
+      return;
+    }
     if (!id_) {
       spdlog::info("generate rejected client_id=\"{}\" peer={} status={} message=\"{}\"",
                    log_escaped(request_id_), peer_,
@@ -368,6 +389,13 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
     state_->release();
   }
   state_->metrics().count_rpc(method, status.error_code());
+  int64_t left_out = 0;
+  if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+    if (state_->log_refused_key(&left_out))
+      spdlog::info("{} peer={} status=UNAUTHENTICATED message=\"{}\" refused_since_last_line={}",
+                   method, context->peer(), log_escaped(status.error_message()), left_out);
+    return status;
+  }
   const bool quiet = status.ok() && std::string_view(method) != "Score";
   spdlog::log(quiet ? spdlog::level::debug : spdlog::level::info,
               "{} peer={} status={} latency_ms={:.3f}{}{}{}", method, context->peer(),

@@ -41,6 +41,11 @@ class ServerState {
   // Refuses new calls from now on; true once no admitted call is left, false at the timeout.
   bool drain(Clock::duration timeout);
 
+  // Whether to log a call refused for its API key: at most one such line a second, so that a
+  // client without a key cannot fill the disk. *left_out: how many were not logged since the
+  // last one.
+  bool log_refused_key(int64_t* left_out);
+
   const std::string& model_name() const { return model_name_; }
   ServerMetrics& metrics() const { return *metrics_; }
 
@@ -54,6 +59,8 @@ class ServerState {
   std::mutex mu_;
   std::condition_variable idle_;
   int in_flight_ = 0, unread_ = 0;  // guarded by mu_
+  Clock::time_point last_refusal_logged_{};  // guarded by mu_, as is:
+  int64_t refusals_left_out_ = 0;
 };
 
 // A stream with something to write while none of its writes is in flight.

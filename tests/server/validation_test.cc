@@ -316,6 +316,7 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   auto server = ServerProcess::start(model, {"--api-key-file", keys});
   ASSERT_TRUE(server);
   const v1::GenerateRequest req = valid_request();
+  const auto first_refusal = std::chrono::steady_clock::now();
   for (const std::string bad : {"", "wrong", "alpha", "alpha-key2", "alpha-keyalpha-key"}) {
     const Stream s = generate(server->channel(), req, {bad});
     EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "key '" << bad << "'";
@@ -336,6 +337,22 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   EXPECT_EQ(health(server->channel()), "SERVING");  // no key needed
   const auto m = parse_metrics(server->metrics_text());
   EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 7);
+  // Refusals are logged at most once a second, without the caller's own client id: a client
+  // without a key cannot fill the disk. (The bound is read from this test's own clock.)
+  v1::GenerateRequest tagged = req;
+  tagged.set_request_id("unauthenticated-caller-id");
+  EXPECT_EQ(generate(server->channel(), tagged, {"wrong"}).status.error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  for (int i = 0; i < 40; ++i) score(server->channel(), sreq, &sresp, {"wrong"});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - first_refusal).count();
+  const std::string log = server->log();
+  EXPECT_EQ(log.find("unauthenticated-caller-id"), std::string::npos);
+  size_t lines = 0;  // of the 48 refusals
+  for (size_t at = 0; (at = log.find("status=UNAUTHENTICATED", at)) != std::string::npos; ++at)
+    ++lines;
+  EXPECT_GE(lines, 1u);
+  EXPECT_LE(double(lines), 2 + seconds) << log;
   // An empty --api-key-file is a mistake, not "no keys".
   std::string out;
   EXPECT_EQ(run_cemlm({"serve", "--model", model, "--api-key-file", ""}, &out), 2);

@@ -102,8 +102,8 @@ int cmd_generate(int argc, char** argv) {
   f.add("frequency-penalty", &frequency_penalty,
         "subtracted once per occurrence of a generated token, in [-2, 2] (0: off)");
   f.add_list("stop", &stop,
-             "stop strings (at most 16; repeatable): generation ends before the first one, which "
-             "is not printed");
+             "stop strings (at most 16, each at most 1024 bytes; repeatable): generation ends "
+             "before the first one, which is not printed");
   f.add("stop-token-ids", &stop_token_ids,
         "comma-separated token ids that end generation (not printed), like 2,7");
   f.add_bool("ignore-eos", &ignore_eos, "keep generating after the model's end-of-sequence id");

@@ -100,12 +100,13 @@ int client_generate(int argc, char** argv) {
   flags.add("min-p", &g.min_p, "0 = off");
   flags.add("seed", &g.seed,
             "sampling seed in [0, 2^64): same seed, same output (random when not given)");
-  flags.add_list("stop", &g.stop, "stop strings");
+  flags.add_list("stop", &g.stop, "stop strings (at most 16, each at most 1024 bytes)");
   flags.add_bool("ignore-eos", &g.ignore_eos, "keep generating after end-of-sequence");
   flags.add_bool("logprobs", &g.logprobs, "report the logprob of each token (with --json)");
   flags.add("top-logprobs", &g.top_logprobs, "alternatives per token (with --json)");
   flags.add("priority", &g.priority, "larger runs first");
-  flags.add("request-id", &g.request_id, "your id for this request (in the server's log)");
+  flags.add("request-id", &g.request_id,
+            "your id for this request (in the server's log; at most 256 bytes)");
   flags.add_bool("json", &g.json,
                  "print {\"ids\", \"text\", \"logprobs\", \"top_logprobs\", \"finish_reason\", ...}");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;

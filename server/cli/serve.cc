@@ -200,7 +200,9 @@ int cmd_serve(int argc, char** argv) {
   flags.add("max-running", &f.max_running,
             "requests in the running batch at once (the rest queue; a higher priority preempts)");
   flags.add("max-waiting", &f.max_waiting,
-            "requests queued beyond the running batch's free slots before RESOURCE_EXHAUSTED");
+            "requests queued beyond the running batch's free slots before RESOURCE_EXHAUSTED; "
+            "--max-running + --max-waiting also bounds finished Generate streams whose clients "
+            "have not read them");
   flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");
   flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
   flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");

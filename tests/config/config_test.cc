@@ -13,6 +13,7 @@
 
 #include "cemlm/engine/params.h"
 #include "nlohmann/json.hpp"
+#include "temp_dir.h"
 
 namespace cemlm {
 namespace {
@@ -259,8 +260,7 @@ TEST(Config, LoadConfigNamesTheFile) {
 }
 
 TEST(Config, LoadConfigSaysWhyItCannotRead) {
-  const std::filesystem::path dir =
-      std::filesystem::path(::testing::TempDir()) / ("config_dir_" + std::to_string(::getpid()));
+  const std::filesystem::path dir = testing_temp::fresh_dir("config");
   std::filesystem::create_directories(dir / "config.json");
   auto c = load_config((dir / "config.json").string());
   ASSERT_FALSE(c.ok());
@@ -275,7 +275,6 @@ TEST(Config, LoadConfigSaysWhyItCannotRead) {
     EXPECT_TRUE(absl::IsPermissionDenied(l.status())) << l.status();
     EXPECT_NE(l.status().message().find("Permission denied"), std::string::npos) << l.status();
   }
-  std::filesystem::remove_all(dir);
 }
 
 TEST(Config, SyntaxErrorsSayWhere) {

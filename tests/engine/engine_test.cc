@@ -22,6 +22,7 @@
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/tokenizer.h"
 #include "fake_runner.h"
+#include "temp_dir.h"
 
 namespace cemlm {
 namespace {
@@ -860,9 +861,7 @@ TEST(Engine, BadOptionsAreRefusedNamingTheOption) {
 class EngineText : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const auto dir = std::filesystem::path(::testing::TempDir()) /
-                     ("cemlm_engine_text_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(dir);
+    const std::filesystem::path dir = testing_temp::fresh_dir("engine_text");
     {
       std::ofstream f(dir / "corpus.txt");
       for (int i = 0; i < 30; ++i)

@@ -21,6 +21,7 @@
 #include "cemlm/engine/engine.h"
 #include "cemlm/engine/sampler.h"
 #include "tiny_models.h"
+#include "temp_dir.h"
 
 namespace cemlm {
 namespace testing_models {
@@ -184,12 +185,10 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
     store_ = ParamStore(cfg_);
     testing_models::randomize(store_, 11);
     w_ = bind_weights(cfg_, store_);
-    dir_ =
-        ::testing::TempDir() + "/engine_real_" + GetParam().name + "_" + std::to_string(getpid());
+    dir_ = testing_temp::fresh_dir("engine_real");
     const absl::Status st = save_checkpoint(dir_, cfg_, store_);
     ASSERT_TRUE(st.ok()) << st;
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
   // An fp32 cache of n_blocks; a bf16 cache gets the same bytes, so twice the blocks.
   std::unique_ptr<Engine> engine(int64_t n_blocks = 256, bool prefix_caching = true,
@@ -258,7 +257,7 @@ TEST_P(EngineRealTest, LongSampledRequestIsTheSameAloneAndBatched) {
   cfg.d_ff = 36;  // not a multiple of the vector width: element-wise tails see every row count
   ParamStore store(cfg);
   testing_models::randomize(store, 12);
-  const std::string dir = dir_ + "_long";
+  const std::string dir = dir_ + "/long";
   ASSERT_TRUE(save_checkpoint(dir, cfg, store).ok());
   auto make = [&] {
     EngineOptions o;
@@ -280,7 +279,6 @@ TEST_P(EngineRealTest, LongSampledRequestIsTheSameAloneAndBatched) {
   const std::vector<Output> together = run_all(*batched_engine, batch);
   ASSERT_EQ(alone.ids.size(), 24u);
   expect_same(together[0], alone, "long sampled request");
-  std::filesystem::remove_all(dir);
 }
 
 TEST_P(EngineRealTest, PreemptionKeepsOutputsIdentical) {
@@ -515,7 +513,8 @@ TEST_P(EngineRealTest, NoThreadOutlivesTheEngine) {
         for (int i = 0; i < 2000 && rc == 0 && thread_count() > before; ++i)
           std::this_thread::sleep_for(std::chrono::milliseconds(5));
         if (rc == 0 && thread_count() != before) rc = 1;
-        std::filesystem::remove_all(dir_);  // TearDown does not run in this child
+        // A threadsafe death test's child re-runs SetUp (a directory of its own) and ends here.
+        std::filesystem::remove_all(dir_);
         std::_Exit(rc);
       },
       ::testing::ExitedWithCode(0), "");

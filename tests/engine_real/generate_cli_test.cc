@@ -22,6 +22,7 @@
 #include "cemlm/engine/tokenizer.h"
 #include "../tokenizer/test_files.h"
 #include "tiny_models.h"
+#include "temp_dir.h"
 
 namespace cemlm {
 namespace {
@@ -41,10 +42,9 @@ class GenerateCli : public ::testing::Test {
     cfg_.eos_id = -1;  // no stop token: every run generates max_new_tokens
     ParamStore store(cfg_);
     testing_models::randomize(store, 3);
-    dir_ = ::testing::TempDir() + "/generate_cli_" + std::to_string(getpid());
+    dir_ = testing_temp::fresh_dir("generate_cli");
     ASSERT_TRUE(save_checkpoint(dir_, cfg_, store).ok());
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
   // Runs generate --json; the parsed object, or null JSON when it failed.
   nlohmann::json generate(const std::vector<std::string>& extra) {
@@ -275,7 +275,6 @@ class GenerateCliText : public ::testing::Test {
     ckpt_ = dir_ + "/ckpt";
     ASSERT_TRUE(save_checkpoint(ckpt_, cfg, store, o.out_path).ok());
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
   // Runs generate; stdout, or "" with *rc set.
   std::string output(std::vector<std::string> extra, int* rc) {

@@ -13,6 +13,7 @@
 #include "cemlm/engine/safetensors.h"
 #include "golden_case.h"
 #include "gtest/gtest.h"
+#include "temp_dir.h"
 
 namespace cemlm::golden {
 namespace {
@@ -90,8 +91,7 @@ TEST(GoldenCases, CemCasesDependOnT) {
 
 // A copy of one case in a fresh temp dir, for the loader's error paths.
 fs::path copy_case(const std::string& tag) {
-  const fs::path dst = fs::path(testing::TempDir()) / ("golden_" + tag + "_" + std::to_string(::getpid()));
-  fs::remove_all(dst);
+  const fs::path dst = testing_temp::fresh_dir("golden_" + tag);
   fs::copy(case_dir("lev_std"), dst);
   return dst;
 }
@@ -112,7 +112,6 @@ TEST(GoldenLoader, BadTIsRefusedByName) {
   auto gc = load_case(dir.string());
   ASSERT_FALSE(gc.ok());
   EXPECT_NE(gc.status().message().find("'T'"), std::string::npos) << gc.status();
-  fs::remove_all(dir);
 }
 
 TEST(GoldenLoader, OutOfRangeIdIsRefusedByName) {
@@ -121,7 +120,6 @@ TEST(GoldenLoader, OutOfRangeIdIsRefusedByName) {
   auto gc = load_case(dir.string());
   ASSERT_FALSE(gc.ok());
   EXPECT_NE(gc.status().message().find("'ids'"), std::string::npos) << gc.status();
-  fs::remove_all(dir);
 }
 
 TEST(GoldenLoader, MissingGradientIsRefusedByName) {
@@ -142,7 +140,6 @@ TEST(GoldenLoader, MissingGradientIsRefusedByName) {
   auto gc = load_case(dir.string());
   ASSERT_FALSE(gc.ok());
   EXPECT_NE(gc.status().message().find("grad.final_norm.weight"), std::string::npos) << gc.status();
-  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -13,18 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "temp_dir.h"
+
 namespace cemlm::testing_io {
 
-// A new, empty directory unique to the running test.
-inline std::string fresh_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::filesystem::path p = std::filesystem::path(::testing::TempDir()) /
-                                  (std::string("cemlm_io_") + info->test_suite_name() + "_" +
-                                   info->name() + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(p);
-  std::filesystem::create_directories(p);
-  return p.string();
-}
+// A new, empty directory unique to the running test, removed when it ends.
+inline std::string fresh_dir() { return testing_temp::fresh_dir("io"); }
 
 inline void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "temp_dir.h"
 
 extern char** environ;
 
@@ -123,16 +124,7 @@ std::string read_file(const std::string& path) {
 
 }  // namespace
 
-std::string fresh_temp_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string name =
-      "cemlm_server_" + std::to_string(getpid()) + "_" +
-      (info ? std::string(info->test_suite_name()) + "_" + info->name() : std::string("suite"));
-  const auto dir = std::filesystem::path(::testing::TempDir()) / name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
+std::string fresh_temp_dir() { return testing_temp::fresh_dir("server"); }
 
 int run_cemlm(const std::vector<std::string>& args, std::string* out) {
   int fd = -1;

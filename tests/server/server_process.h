@@ -15,7 +15,7 @@
 
 namespace cemlm::testing_server {
 
-// A fresh, empty directory for the running test.
+// A fresh, empty directory for the running test (or suite), removed when it is done with.
 std::string fresh_temp_dir();
 
 // Runs `cemlm ARGS...`; returns the exit code, with stdout in *out when given.

@@ -10,20 +10,14 @@
 #include <string>
 #include <vector>
 
+#include "temp_dir.h"
+
 namespace cemlm::testing_files {
 
 inline const std::string kFortunes = "/usr/share/games/fortunes";
 
-// An empty directory unique to the running test.
-inline std::string fresh_temp_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::string name = "cemlm_" + std::to_string(::getpid()) + "_" +
-                     (info ? std::string(info->test_suite_name()) + "_" + info->name() : "suite");
-  auto dir = std::filesystem::path(::testing::TempDir()) / name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
+// An empty directory unique to the running test (or suite), removed when it is done with.
+inline std::string fresh_temp_dir() { return testing_temp::fresh_dir("tokenizer"); }
 
 inline void write_file(const std::string& path, const std::string& bytes) {
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());

@@ -11,18 +11,11 @@
 
 #include "cemlm/engine/params.h"
 #include "cemlm/trainer/train.h"
+#include "temp_dir.h"
 
 namespace cemlm::testing_trainer {
 
-inline std::string fresh_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const auto p = std::filesystem::path(::testing::TempDir()) /
-                 (std::string("cemlm_trainer_") + info->test_suite_name() + "_" + info->name() +
-                  "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(p);
-  std::filesystem::create_directories(p);
-  return p.string();
-}
+inline std::string fresh_dir() { return testing_temp::fresh_dir("trainer"); }
 
 inline void write_file(const std::string& path, const std::string& text) {
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());

@@ -12,6 +12,7 @@
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/trainer/backprop.h"
 #include "gtest/gtest.h"
+#include "temp_dir.h"
 #include "tiny_models.h"
 
 namespace cemlm {
@@ -22,11 +23,7 @@ namespace fs = std::filesystem;
 class GradsCli : public testing::Test {
  protected:
   void SetUp() override {
-    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::path(testing::TempDir()) /
-           ("cemlm_grads_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing_temp::fresh_dir("grads_cli");
     cfg_ = testing_models::make_config(testing_models::all_variants()[5]);
     cfg_.recursion_default = 2;
     cfg_.recursion_max = 4;
@@ -34,7 +31,6 @@ class GradsCli : public testing::Test {
     testing_models::randomize(params_, 3);
     ASSERT_TRUE(save_checkpoint(model_dir(), cfg_, params_).ok());
   }
-  void TearDown() override { fs::remove_all(dir_); }
   std::string model_dir() const { return (dir_ / "model").string(); }
   std::string out_file() const { return (dir_ / "grads.safetensors").string(); }
 

@@ -10,7 +10,6 @@
 // `--quick` for a smoke run.
 #include <unistd.h>
 
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -30,6 +29,7 @@
 #include <vector>
 
 #include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/engine.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/params.h"
@@ -53,7 +53,7 @@ struct Settings {
   double min_seconds = 0.5;  // per decode cell and round
   int rounds = 3;
   int prefill_reps = 2;
-  int threads = 0;           // 0: all cores (the runner's default)
+  int threads = 0;           // 0: the runner's default (cpu_threads)
   std::string cell;          // "--cell MODEL:T:B": time only that decode cell (for profilers)
   std::string kv_dtype = "fp32";
   std::string shape = "small";
@@ -385,7 +385,7 @@ void print_help() {
       "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
-      "  --threads N  compute threads (default 0: all cores; 1 is steadier on a busy machine)\n"
+      "  --threads N  compute threads (default 0: as serve; 1 is steadier on a busy machine)\n"
       "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
       "  --shape small|base  the models' size: small (default) D=256 L=4 V=4096, weights in\n"
       "               cache; base D=1024 L=12 V=32000, 127M/218M parameters, weights in memory\n"
@@ -405,7 +405,7 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) {
       s.threads = std::atoi(argv[++i]);
       if (s.threads < 0) {
-        std::fprintf(stderr, "--threads %s must be >= 0 (0: all cores)\n", argv[i]);
+        std::fprintf(stderr, "--threads %s must be >= 0 (0: as serve)\n", argv[i]);
         return 2;
       }
     } else if (!std::strcmp(argv[i], "--kv-cache-dtype") && i + 1 < argc) {
@@ -445,13 +445,14 @@ int main(int argc, char** argv) {
     return rc;
   }
   std::printf("%s\n", bench::machine_line().c_str());
+  const CpuThreads threads = cpu_threads(s.threads);
   std::printf("models: --shape %s (D=%d, L=%d, H=%d, F=%d, V=%d)\n", s.shape.c_str(), shape.d_model,
               shape.layers, shape.heads, shape.d_ff, shape.vocab);
   std::printf(
-      "threads: %d (OpenMP); load average %s; block size %d; KV cache %s; context %d "
+      "threads: %d (%s); load average %s; block size %d; KV cache %s; context %d "
       "tokens per decoding sequence; times are the fastest of repeated steps\n\n",
-      s.threads ? s.threads : omp_get_max_threads(), load_average().c_str(), kBlockSize,
-      s.kv_dtype.c_str(), kContext);
+      threads.threads, threads.why.c_str(), load_average().c_str(), kBlockSize, s.kv_dtype.c_str(),
+      kContext);
 
   // Each cell keeps its best over rounds that sweep every cell, so a busy spell on the machine
   // cannot skew the ratios between cells measured far apart in time.

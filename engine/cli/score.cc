@@ -8,6 +8,7 @@
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/cpu_model.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/sampler.h"
@@ -74,6 +75,7 @@ int cmd_score(int argc, char** argv) {
     return fail("--recursion " + std::to_string(T) + " is outside [1, recursion.max = " +
                 std::to_string(c.recursion_max) + "]");
 
+  use_cpu_threads(0);  // as the engine does: the CPU limit, not every core
   const Weights w = bind_weights(c, ck->params);
   const std::vector<float> logits = full_forward(c, w, ids, T);
   const size_t V = size_t(c.vocab_size);

@@ -6,12 +6,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/cpu_model.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/plugin.h"
-
-extern "C" void openblas_set_num_threads(int);
 
 namespace cemlm {
 namespace {
@@ -29,7 +28,7 @@ class CpuRunner final : public ModelRunner {
   int64_t num_blocks() const override { return kv_.num_blocks(); }
   void forward(const Batch& batch, std::vector<float>* logits) override {
     // OpenMP's thread count is a per-thread setting and the engine steps on its own thread.
-    if (threads_ > 0) omp_set_num_threads(threads_);
+    omp_set_num_threads(threads_);
     model_.forward(batch, kv_, logits);
   }
   void copy_block(int32_t src, int32_t dst) override { kv_.copy_block(src, dst); }
@@ -38,7 +37,7 @@ class CpuRunner final : public ModelRunner {
   }
 
  private:
-  int threads_;  // 0: OpenMP's default
+  int threads_;
   Checkpoint ck_;
   Weights weights_;
   CpuModel model_;
@@ -90,9 +89,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
                      " blocks but one max_seq_len sequence needs ", needed, " (",
                      needed * opts.block_size * ck.config.kv_bytes_per_token(bf16_kv ? 2 : 4),
                      " bytes); raise --kv-cache-memory"));
-  if (opts.threads > 0) openblas_set_num_threads(opts.threads);
+  const int threads = use_cpu_threads(opts.threads).threads;
   return std::unique_ptr<ModelRunner>(
-      new CpuRunner(std::move(ck), opts.block_size, blocks, opts.threads, bf16_kv));
+      new CpuRunner(std::move(ck), opts.block_size, blocks, threads, bf16_kv));
 }
 
 }  // namespace cemlm

@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <filesystem>
 #include <mutex>
-#include <thread>
 #include <unordered_map>
 
 #include "cemlm/engine/corpus.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/plugin.h"
 #include "cemlm/engine/safetensors.h"  // write_file_atomic
 #include "cemlm/kernels/tensor.h"  // CEMLM_CHECK
@@ -191,7 +191,7 @@ std::unordered_map<std::string, std::string> trainer_args(const TokenizerTrainOp
       {"input_sentence_size", "2000000"},
       {"shuffle_input_sentence", "true"},
       {"max_sentence_length", "65536"},
-      {"num_threads", std::to_string(std::max(1u, std::thread::hardware_concurrency()))},
+      {"num_threads", std::to_string(cpu_threads(0).threads)},
       {"minloglevel", opts.verbose ? "0" : "2"},
   };
 }

@@ -21,6 +21,7 @@
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/utf8.h"
@@ -161,6 +162,10 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   (*server)->set_engine(e);
   spdlog::info("serving model={} variant={} device={} kv_cache={} blas=\"{}\"", opts.model_name,
                e->config().variant_name(), f.device, f.kv_cache_dtype, blas_description());
+  if (f.device == "cpu") {
+    const CpuThreads t = cpu_threads(f.threads);
+    spdlog::info("compute threads={} ({})", t.threads, t.why);
+  }
 
   int sig = 0;
   sigwait(signals, &sig);
@@ -211,7 +216,7 @@ int cmd_serve(int argc, char** argv) {
             "seconds after which a client connection is closed (±10%), its calls given "
             "--shutdown-timeout to finish: clients reconnect and spread over new replicas; 0 = "
             "never");
-  flags.add("threads", &f.threads, "CPU compute threads; 0 = all cores");
+  flags.add("threads", &f.threads, kThreadsHelp);
   flags.add("engine-nice", &f.engine_nice,
             "niceness (0..19) the engine's step and compute threads add to the process's, so "
             "that gRPC's threads read requests and write tokens without waiting behind a step");

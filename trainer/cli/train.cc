@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
+#include "cemlm/engine/cpu_threads.h"
 
 namespace cemlm::cli {
 namespace {
@@ -112,7 +113,7 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   f.add("eval-every", &o.eval_every, "evaluate every N steps (and at the end)");
   f.add("eval-windows", &o.eval_windows, "validation sequences per evaluation (at most)");
   f.add("save-every", &o.save_every, "checkpoint every N steps (and at the end)");
-  f.add("threads", &o.threads, "CPU threads (0: all cores)");
+  f.add("threads", &o.threads, kThreadsHelp);
   f.add("seed", &t.seed, "seed of the initial weights, the data order and the drawn T");
   f.add("max-minutes", &o.max_minutes,
         "stop cleanly (evaluate, save) before this wall-clock budget is spent (0: none)");

@@ -3,9 +3,7 @@
 // resume needs (optimizer moments, step, both RNG states, the metrics log).
 #include "cemlm/trainer/train.h"
 
-#include <cblas.h>
 #include <fcntl.h>
-#include <omp.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -20,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/tokenizer.h"
@@ -501,10 +500,8 @@ absl::Status Trainer::set_up() {
 
 absl::StatusOr<TrainSummary> Trainer::run() {
   CEMLM_RETURN_IF_ERROR(validate_options(o_));
-  if (o_.threads > 0) {
-    omp_set_num_threads(o_.threads);
-    openblas_set_num_threads(o_.threads);
-  }
+  const CpuThreads threads = use_cpu_threads(o_.threads);
+  info(absl::StrCat("compute threads: ", threads.threads, " (", threads.why, ")"));
   absolute_data_paths();
   CEMLM_RETURN_IF_ERROR(load_model());
   CEMLM_RETURN_IF_ERROR(check_against_model());

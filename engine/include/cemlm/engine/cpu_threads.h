@@ -1,0 +1,33 @@
+// How many compute threads a CPU run uses when --threads is not given: the CPUs this process
+// may run on (its affinity mask), capped by a cgroup CPU limit (a container's --cpus, a pod's
+// limits.cpu, systemd's CPUQuota), as OMP_NUM_THREADS would otherwise be the only way to say so.
+#pragma once
+#include <string>
+
+namespace cemlm {
+
+struct CpuThreads {
+  int threads = 1;
+  std::string why;  // for the log: "--threads", "OMP_NUM_THREADS", "the cgroup CPU limit 2.5 of 16 CPUs", ...
+};
+
+// The help of the programs' --threads flag.
+inline constexpr const char* kThreadsHelp =
+    "CPU compute threads; 0 = OMP_NUM_THREADS if set, else the CPUs this process may use "
+    "(affinity mask, capped by a container's or cgroup's CPU limit)";
+
+// `asked` > 0 is taken as given; 0 means: OMP_NUM_THREADS if set, else the CPUs of the affinity
+// mask capped by the cgroup limit rounded up.
+CpuThreads cpu_threads(int asked);
+
+// cpu_threads(asked), made OpenBLAS's count and OpenMP's for the calling thread (a per-thread
+// setting: a thread of its own that computes sets it again).
+CpuThreads use_cpu_threads(int asked);
+
+// The tightest CPU limit of this process's cgroup and its ancestors, in CPUs (quota / period);
+// 0 when there is none or it cannot be read. Reads cgroup v2's cpu.max, else v1's
+// cpu.cfs_quota_us / cpu.cfs_period_us. The paths are parameters for tests.
+double cgroup_cpu_limit(const std::string& cgroup_root = "/sys/fs/cgroup",
+                        const std::string& self_cgroup = "/proc/self/cgroup");
+
+}  // namespace cemlm

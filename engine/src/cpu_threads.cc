@@ -1,0 +1,132 @@
+// The default compute thread count: affinity mask capped by the cgroup CPU limit. Without the
+// cap, a container limited to 4 CPUs on a 64-core host ran a team of 64 threads that the CFS quota
+// stopped for most of every period, each step waiting at barriers for throttled threads.
+#include "cemlm/engine/cpu_threads.h"
+
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+extern "C" void openblas_set_num_threads(int);  // OpenBLAS's, not in the generic cblas.h
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The whole first line of `p` as numbers or words; empty when unreadable.
+std::vector<std::string> words(const fs::path& p) {
+  std::ifstream f(p);
+  std::string line;
+  if (!f || !std::getline(f, line)) return {};
+  std::istringstream in(line);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+// A positive finite number, else 0.
+double positive(const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  return end != text.c_str() && *end == '\0' && std::isfinite(v) && v > 0 ? v : 0;
+}
+
+// cgroup v2: cpu.max holds "QUOTA PERIOD", QUOTA "max" for none.
+double v2_limit(const fs::path& dir) {
+  const auto w = words(dir / "cpu.max");
+  if (w.size() != 2 || w[0] == "max") return 0;
+  const double quota = positive(w[0]), period = positive(w[1]);
+  return quota > 0 && period > 0 ? quota / period : 0;
+}
+
+// cgroup v1: cpu.cfs_quota_us (-1 for none) over cpu.cfs_period_us.
+double v1_limit(const fs::path& dir) {
+  const auto q = words(dir / "cpu.cfs_quota_us"), p = words(dir / "cpu.cfs_period_us");
+  if (q.size() != 1 || p.size() != 1) return 0;
+  const double quota = positive(q[0]), period = positive(p[0]);
+  return quota > 0 && period > 0 ? quota / period : 0;
+}
+
+// The tightest limit of the group at `rel` under the hierarchy mounted at `mount`, and of its
+// ancestors up to the mount. Without a cgroup namespace the path listed is the host's, which a
+// container does not mount: the walk up ends at the mount, the container's own group.
+double tightest(const fs::path& mount, const std::string& rel,
+                const std::function<double(const fs::path&)>& limit) {
+  const fs::path top = mount.lexically_normal();
+  fs::path dir = (top / fs::path(rel).relative_path()).lexically_normal();
+  double best = 0;
+  for (;;) {
+    const double l = limit(dir);
+    if (l > 0 && (best == 0 || l < best)) best = l;
+    if (dir == top || dir.string().size() <= top.string().size()) break;
+    dir = dir.parent_path();
+  }
+  return best;
+}
+
+int affinity_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
+double cgroup_cpu_limit(const std::string& cgroup_root, const std::string& self_cgroup) {
+  std::ifstream f(self_cgroup);
+  std::string v2_path;
+  for (std::string line; std::getline(f, line);) {
+    // "ID:CONTROLLERS:PATH"; cgroup v2's single line is "0::PATH".
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    if (controllers.empty()) {
+      v2_path = path;
+      continue;
+    }
+    std::istringstream list(controllers);
+    for (std::string c; std::getline(list, c, ',');) {
+      if (c != "cpu") continue;
+      // v1 (or a hybrid system, whose cpu controller is on v1): mounted under its joint name.
+      for (const char* mount : {"cpu,cpuacct", "cpu"}) {
+        std::error_code ec;
+        if (fs::is_directory(fs::path(cgroup_root) / mount, ec))
+          return tightest(fs::path(cgroup_root) / mount, path, v1_limit);
+      }
+    }
+  }
+  return v2_path.empty() ? 0 : tightest(cgroup_root, v2_path, v2_limit);
+}
+
+CpuThreads cpu_threads(int asked) {
+  if (asked > 0) return {asked, "--threads"};
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env && *env)
+    return {omp_get_max_threads(), "OMP_NUM_THREADS"};
+  const int cpus = affinity_cpus();
+  const double limit = cgroup_cpu_limit();
+  if (limit > 0 && std::ceil(limit) < cpus)
+    return {int(std::ceil(limit)), absl::StrCat("the cgroup CPU limit ", limit, " of ", cpus, " CPUs")};
+  return {cpus, absl::StrCat(cpus, " CPUs")};
+}
+
+CpuThreads use_cpu_threads(int asked) {
+  const CpuThreads t = cpu_threads(asked);
+  omp_set_num_threads(t.threads);
+  openblas_set_num_threads(t.threads);
+  return t;
+}
+
+}  // namespace cemlm

@@ -1,0 +1,96 @@
+// The default thread count's cgroup CPU limit, read from fake cgroup trees (v2 nested groups, a
+// container without a cgroup namespace, v1), and the count it gives.
+#include "cemlm/engine/cpu_threads.h"
+
+#include <gtest/gtest.h>
+#include <sched.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "temp_dir.h"
+
+namespace cemlm {
+namespace {
+
+namespace fs = std::filesystem;
+
+class CgroupLimit : public ::testing::Test {
+ protected:
+  void SetUp() override { root_ = testing_temp::fresh_dir("cgroup"); }
+  // Writes `text` (a line) to ROOT/sys/REL.
+  void put(const std::string& rel, const std::string& text) {
+    const fs::path p = fs::path(root_) / "sys" / rel;
+    fs::create_directories(p.parent_path());
+    std::ofstream(p) << text << "\n";
+  }
+  double limit(const std::string& self_cgroup) {
+    put("../self_cgroup", self_cgroup);
+    return cgroup_cpu_limit(root_ + "/sys", root_ + "/self_cgroup");
+  }
+  std::string root_;
+};
+
+TEST_F(CgroupLimit, V2NamespacedGroup) {
+  put("cpu.max", "250000 100000");
+  EXPECT_DOUBLE_EQ(limit("0::/"), 2.5);
+}
+
+TEST_F(CgroupLimit, V2TakesTheTightestOfTheGroupAndItsAncestors) {
+  put("cpu.max", "max 100000");
+  put("a/cpu.max", "200000 100000");
+  put("a/b/cpu.max", "max 100000");
+  EXPECT_DOUBLE_EQ(limit("0::/a/b"), 2.0);
+  put("a/b/cpu.max", "50000 100000");
+  EXPECT_DOUBLE_EQ(limit("0::/a/b"), 0.5);
+}
+
+TEST_F(CgroupLimit, V2HostPathNotMountedReadsTheMount) {
+  put("cpu.max", "300000 100000");
+  EXPECT_DOUBLE_EQ(limit("0::/system.slice/docker-abc.scope"), 3.0);
+}
+
+TEST_F(CgroupLimit, NoLimitOrUnreadableIsZero) {
+  EXPECT_EQ(limit("0::/"), 0);  // no cpu.max at all (a host's root group)
+  for (const char* text : {"max 100000", "abc 100000", "0 100000", "100000 0", "100000", "",
+                           "100000 100000 7", "-5 100000", "inf 1"}) {
+    put("cpu.max", text);
+    EXPECT_EQ(limit("0::/"), 0) << "'" << text << "'";
+  }
+  EXPECT_EQ(cgroup_cpu_limit(root_ + "/sys", root_ + "/no_such_file"), 0);
+}
+
+TEST_F(CgroupLimit, V1CpuController) {
+  put("cpu,cpuacct/kubepods/pod1/cpu.cfs_quota_us", "150000");
+  put("cpu,cpuacct/kubepods/pod1/cpu.cfs_period_us", "100000");
+  put("cpu,cpuacct/kubepods/cpu.cfs_quota_us", "-1");
+  put("cpu,cpuacct/kubepods/cpu.cfs_period_us", "100000");
+  const std::string self = "12:memory:/kubepods/pod1\n4:cpu,cpuacct:/kubepods/pod1\n0::/\n";
+  EXPECT_DOUBLE_EQ(limit(self), 1.5);
+  put("cpu,cpuacct/kubepods/pod1/cpu.cfs_quota_us", "-1");
+  EXPECT_EQ(limit(self), 0);
+}
+
+TEST(CpuThreads, AskedIsTakenAsGiven) {
+  const CpuThreads t = cpu_threads(3);
+  EXPECT_EQ(t.threads, 3);
+  EXPECT_EQ(t.why, "--threads");
+}
+
+TEST(CpuThreads, DefaultIsTheAffinityMaskCappedByTheLimit) {
+  if (std::getenv("OMP_NUM_THREADS")) GTEST_SKIP() << "OMP_NUM_THREADS decides here";
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  const int cpus = CPU_COUNT(&set);
+  const double limit = cgroup_cpu_limit();
+  const CpuThreads t = cpu_threads(0);
+  EXPECT_EQ(t.threads, limit > 0 && std::ceil(limit) < cpus ? int(std::ceil(limit)) : cpus) << t.why;
+  EXPECT_NE(t.why.find("CPUs"), std::string::npos) << t.why;
+}
+
+}  // namespace
+}  // namespace cemlm

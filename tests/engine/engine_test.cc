@@ -38,6 +38,7 @@ struct Result {
   FinishReason reason = FinishReason::kNone;
   absl::Status error;
   Usage usage;
+  RequestTimings timings;
   int finals = 0;
   bool event_after_final = false;
 };
@@ -60,6 +61,7 @@ class Collector {
       r.reason = ev.finish_reason;
       r.error = ev.error;
       r.usage = ev.usage;
+      r.timings = ev.timings;
       cv_.notify_all();
     };
   }
@@ -218,6 +220,16 @@ TEST(Engine, PreemptionWithATinyCacheKeepsOutputsIdentical) {
     Built tiny = build({.num_blocks = 12}, eo);
     const auto constrained = run_all(*tiny.engine, reqs);
     expect_same_outputs(reference, constrained);
+    // No two prompts share a first block: a preempted request readmitted onto its own cached
+    // blocks reports no cached prompt tokens (they were computed for it).
+    for (size_t i = 0; i < constrained.size(); ++i) {
+      EXPECT_EQ(constrained[i].usage.cached_prompt_tokens, 0) << "request " << i;
+      // Every request's timings are set and in order, however often it was readmitted.
+      const RequestTimings& t = constrained[i].timings;
+      EXPECT_LE(t.submitted, t.scheduled) << "request " << i;
+      EXPECT_LE(t.scheduled, t.first_token) << "request " << i;
+      EXPECT_LE(t.first_token, t.finished) << "request " << i;
+    }
     tiny.engine->shutdown(false);
     const EngineStats st = tiny.engine->stats();
     EXPECT_GT(st.preemptions_total, 0) << "the cache was meant to be too small";
@@ -451,6 +463,51 @@ TEST(Engine, ScoringChunksGoOnePerStepWhileGenerationRuns) {
   EXPECT_EQ(idle.runner->forwards(), "SSSS");
 }
 
+// While generation runs, one scoring chunk shares each step, the highest priority's first. The
+// engine is held inside a step while both calls ask for room, so that neither is alone in the
+// queue; the priority-1 call (2 chunks) then finishes first unless its thread is starved for the
+// ~60 steps of the priority-0 call's chunks.
+TEST(Engine, ScoringChunksOfAHigherPriorityGoFirst) {
+  std::atomic<bool> hold{false};
+  EngineOptions eo;
+  eo.max_batch_tokens = 4;
+  Built b = build({.favorite = [&hold](int) {
+                    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                    return -1;
+                  }},
+                  eo);
+  Collector c;
+  const auto gen = b.engine->submit(request(tokens(4, 1), 200), c.callback());
+  ASSERT_TRUE(gen.ok());
+  while (c.get(*gen).ids.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  hold = true;
+  std::atomic<int> done{0}, started{0};
+  int low_done = 0, high_done = 0;
+  auto low = std::async(std::launch::async, [&] {
+    ScoreRequest s{tokens(240, 2), 1};  // 60 chunks
+    ++started;
+    EXPECT_TRUE(b.engine->score(s).ok());
+    low_done = ++done;
+  });
+  auto high = std::async(std::launch::async, [&] {
+    ScoreRequest s{tokens(8, 3), 1};  // 2 chunks
+    s.priority = 1;
+    ++started;
+    EXPECT_TRUE(b.engine->score(s).ok());
+    high_done = ++done;
+  });
+  while (started < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // both reach the engine's queue
+  hold = false;
+  low.get();
+  high.get();
+  EXPECT_EQ(high_done, 1);
+  EXPECT_EQ(low_done, 2);
+  b.engine->cancel(*gen);
+  ASSERT_TRUE(c.wait_finals(1));
+}
+
 TEST(Engine, CancelEndsARequestWithinAStepAndFreesItsBlocks) {
   Built b = build({});
   Collector c;
@@ -541,6 +598,27 @@ TEST(Engine, EosAndStopTokenIdsEndWithStop) {
   EXPECT_EQ(res.ids.size(), 20u);
   r.sampling.stop_token_ids = {eos};
   EXPECT_EQ(run_all(*b.engine, {r})[0].ids.size(), 5u);
+  // The very first token can be the stop token.
+  Built first = build({.eos_id = eos, .favorite = [](int p) { return p == 2 ? 9 : 10; }});
+  res = run_all(*first.engine, {request({1, 2, 3}, 20)})[0];
+  EXPECT_EQ(res.reason, FinishReason::kStop);
+  EXPECT_EQ(res.ids, std::vector<int>{eos});
+}
+
+// Non-finite logits end that request with INTERNAL (its blocks freed); the others go on.
+TEST(Engine, NonFiniteLogitsEndTheRequestWithAnError) {
+  Built b = build({.nan_at = [](int p) { return p == 5; }});
+  // A (3 prompt tokens) samples from position 5 at its 4th token; B's prompt covers position 5
+  // in its prefill chunk, whose logits come from its last position only.
+  const auto res = run_all(*b.engine, {request({1, 2, 3}, 10), request(tokens(10, 4), 6)});
+  EXPECT_EQ(res[0].reason, FinishReason::kError);
+  EXPECT_EQ(res[0].error.code(), absl::StatusCode::kInternal) << res[0].error;
+  EXPECT_EQ(res[0].ids.size(), 3u);
+  EXPECT_EQ(res[0].finals, 1);
+  EXPECT_EQ(res[1].reason, FinishReason::kLength);
+  EXPECT_EQ(res[1].ids.size(), 6u);
+  b.engine->shutdown(false);
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
 TEST(Engine, UsageCountsRecursionStepsAndTopLogprobs) {
@@ -552,6 +630,14 @@ TEST(Engine, UsageCountsRecursionStepsAndTopLogprobs) {
   EXPECT_EQ(res.usage.generated_tokens, 4);
   // Fed tokens: 5 prompt + 3 generated (the last is never fed) × T 3 × 6 CEM sub-layers.
   EXPECT_EQ(res.usage.recursion_steps, 8 * 3 * 6);
+  // The timings are in order, the first token's included (here also the last).
+  for (int max_new : {1, 4}) {
+    auto one = request(tokens(5, 11), max_new);  // a prompt of its own: no cache hits below
+    const RequestTimings t = run_all(*b.engine, {one})[0].timings;
+    EXPECT_LE(t.submitted, t.scheduled) << max_new;
+    EXPECT_LE(t.scheduled, t.first_token) << max_new;
+    EXPECT_LE(t.first_token, t.finished) << max_new;
+  }
   ASSERT_EQ(res.top.size(), 4u);
   for (size_t i = 0; i < 4; ++i) {
     ASSERT_EQ(res.top[i].size(), 2u);
@@ -559,6 +645,10 @@ TEST(Engine, UsageCountsRecursionStepsAndTopLogprobs) {
     EXPECT_FLOAT_EQ(res.top[i][0].logprob, res.logprobs[i]);
     EXPECT_GE(res.top[i][0].logprob, res.top[i][1].logprob);
   }
+  // Not asked for: no alternatives at all (not an empty list per token).
+  r.sampling.top_logprobs = 0;
+  EXPECT_TRUE(run_all(*b.engine, {r})[0].top.empty());
+  r.sampling.top_logprobs = 2;
   // Depth 0 is the model's default (1).
   r.recursion_depth = 0;
   EXPECT_EQ(run_all(*b.engine, {r})[0].usage.recursion_steps, 8 * 1 * 6);
@@ -776,10 +866,32 @@ TEST(Engine, ScoringCallsDoNotOvertakeAWaitingOneOfTheirPriority) {
   ASSERT_TRUE(busy.waiting(1, first));
   auto second = std::async(std::launch::async, [&] { return e.score({tokens(6, 3), 1}); });
   EXPECT_TRUE(busy.waiting(2, second)) << "the small call did not wait behind the large one";
+  // It keeps waiting (each retry is behind the large call) while the request holds the cache:
+  // here for 10 more of its tokens (the request, the only Generate one, makes 50).
+  auto generated = [&] { return busy.c.all().begin()->second.ids.size(); };
+  const size_t seen = generated();
+  while (generated() < seen + 10) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(second.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the small call overtook the large one";
   give_up = true;
   EXPECT_EQ(first.get().status().code(), absl::StatusCode::kCancelled);
   EXPECT_TRUE(second.get().ok());
   ASSERT_TRUE(busy.c.wait_finals(1));
+}
+
+// Blocks are held for a waiting scoring call: a request of its priority submitted after it is not
+// admitted into them, so the call gets its room first (here as soon as the busy request ends).
+TEST(Engine, AWaitingScoringCallIsNotStarvedByLaterRequestsOfItsPriority) {
+  BusyEngine busy(4);
+  Engine& e = *busy.b.engine;
+  auto scored = std::async(std::launch::async, [&] { return e.score({tokens(60, 2), 1}); });
+  ASSERT_TRUE(busy.waiting(1, scored));
+  const auto later = e.submit(request(tokens(8, 5), 50), busy.c.callback());
+  ASSERT_TRUE(later.ok()) << later.status();
+  ASSERT_TRUE(scored.get().ok());
+  EXPECT_EQ(busy.c.get(*later).ids.size(), 0u) << "the later request ran before the waiting call";
+  ASSERT_TRUE(busy.c.wait_finals(2));
+  EXPECT_EQ(busy.c.get(*later).ids.size(), 50u);
 }
 
 // ---- validation ----
@@ -826,6 +938,11 @@ TEST(Engine, BadRequestsAreRefusedNamingTheField) {
   EXPECT_NE(e.submit(request({1}, 4), nullptr).status().message().find("on_event"),
             std::string::npos);
   EXPECT_TRUE(e.validate(request({1}, 4)).ok());
+  // Exactly max_seq_len tokens, in exactly the cache's blocks: accepted.
+  EXPECT_TRUE(e.validate(request({1}, 4, 8)).ok());  // recursion.max itself
+  Built exact = build({.vocab = 64, .num_blocks = 50, .max_seq_len = 200});
+  EXPECT_TRUE(exact.engine->validate(request(std::vector<int>(150, 1), 50)).ok());
+  EXPECT_FALSE(exact.engine->validate(request(std::vector<int>(150, 1), 51)).ok());
 }
 
 TEST(Engine, BadScoreRequestsAreRefusedNamingTheField) {
@@ -854,6 +971,17 @@ TEST(Engine, BadOptionsAreRefusedNamingTheOption) {
   eo.max_waiting = -1;
   e = Engine::create(eo, std::make_unique<FakeRunner>(FakeOptions{}), nullptr);
   EXPECT_NE(e.status().message().find("max_waiting"), std::string::npos) << e.status();
+  eo = {};
+  eo.max_running = 0;
+  e = Engine::create(eo, std::make_unique<FakeRunner>(FakeOptions{}), nullptr);
+  EXPECT_NE(e.status().message().find("max_running"), std::string::npos) << e.status();
+  eo = {};
+  eo.step_thread_nice = 20;
+  e = Engine::create(eo, std::make_unique<FakeRunner>(FakeOptions{}), nullptr);
+  EXPECT_NE(e.status().message().find("step_thread_nice"), std::string::npos) << e.status();
+  eo.step_thread_nice = 19;  // the bound itself is valid
+  e = Engine::create(eo, std::make_unique<FakeRunner>(FakeOptions{}), nullptr);
+  EXPECT_TRUE(e.ok()) << e.status();
 }
 
 // ---- text: streaming detokenization and stop strings (needs a real tokenizer) ----
@@ -907,6 +1035,15 @@ TEST_F(EngineText, StreamedTextIsTheDecodedContinuation) {
   const Result res = run_all(*b.engine, {r})[0];
   EXPECT_EQ(res.ids, script);
   EXPECT_EQ(res.text, " fox jumps over the lazy dog");
+  // Ended by a stop token: its own text is left out.
+  ASSERT_GE(script.size(), 3u);
+  ASSERT_EQ(std::count(script.begin(), script.begin() + 3, script[2]), 1);
+  r.sampling.stop_token_ids = {script[2]};
+  const Result stopped = run_all(*b.engine, {r})[0];
+  EXPECT_EQ(stopped.reason, FinishReason::kStop);
+  EXPECT_EQ(stopped.ids, std::vector<int>(script.begin(), script.begin() + 3));
+  EXPECT_EQ(stopped.text, tok->decode(std::vector<int>(script.begin(), script.begin() + 2)));
+  EXPECT_FALSE(stopped.text.empty());
 }
 
 TEST_F(EngineText, StopStringsSpanningTokensCutTheText) {
@@ -931,6 +1068,12 @@ TEST_F(EngineText, StopStringsSpanningTokensCutTheText) {
   const Result full = run_all(*b.engine, {r})[0];
   EXPECT_EQ(full.reason, FinishReason::kLength);
   EXPECT_EQ(full.text, continuation);
+  // The text ends in "line", which may start a stop string: held back, then released when the
+  // request ends at max_new_tokens.
+  r.sampling.stop = {"line is here"};
+  const Result held = run_all(*b.engine, {r})[0];
+  EXPECT_EQ(held.reason, FinishReason::kLength);
+  EXPECT_EQ(held.text, continuation);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,8 @@ struct FakeOptions {
   int eos_id = -1;
   // When set, the logits computed at position p get +10 on favorite(p) (if >= 0): a script.
   std::function<int(int pos)> favorite;
+  // When set and true for p, the logits computed at position p hold a NaN (a broken checkpoint).
+  std::function<bool(int pos)> nan_at;
 };
 
 class FakeRunner final : public ModelRunner {
@@ -109,6 +112,7 @@ class FakeRunner final : public ModelRunner {
       const double u = double(mix(h ^ (uint64_t(v) * 0xD1B54A32D192ED03ULL)) >> 11) / 9007199254740992.0;
       logits->push_back(float(6.0 * u - 3.0) + (v == fav ? 10.0f : 0.0f));
     }
+    if (o_.nan_at && o_.nan_at(p)) logits->back() = std::numeric_limits<float>::quiet_NaN();
   }
 
   FakeOptions o_;

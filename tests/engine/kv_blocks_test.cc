@@ -26,6 +26,9 @@ TEST(BlockManager, AllocatesCoveringBlocksAndFreesThemAll) {
   EXPECT_EQ(bm.table(1).size(), 3u);
   ASSERT_TRUE(bm.grow(1, 13));
   EXPECT_EQ(bm.table(1).size(), 4u);
+  // Fewer positions than the table covers take nothing (never a negative count).
+  EXPECT_EQ(bm.blocks_needed(1, 4), 0);
+  EXPECT_EQ(bm.blocks_needed(1, 17), 1);
   bm.release(1);
   EXPECT_FALSE(bm.has(1));
   EXPECT_EQ(bm.num_available(), 10);
@@ -118,6 +121,8 @@ TEST(BlockManager, StartCostCountsIdleHitsNowAndAfterReleases) {
   EXPECT_EQ(bm.start_cost(m, 13, std::vector<SeqId>{1, 2}), 4);  // both idle then
   EXPECT_EQ(bm.start_cost({}, 13), 4);
   EXPECT_EQ(bm.reclaimable(std::vector<SeqId>{1, 2}), 10);
+  // Releasing 1 alone frees its third block only: 2 still holds the two it shares.
+  EXPECT_EQ(bm.reclaimable(std::vector<SeqId>{1}), bm.num_available() + 1);
   bm.release(1);
   bm.release(2);
   EXPECT_EQ(bm.start_cost(m, 13), 4);  // as predicted
@@ -155,6 +160,57 @@ TEST(BlockManager, SameContentPublishedTwiceKeepsOneEntry) {
   bm.release(2);
   EXPECT_EQ(bm.num_available(), 8);
   EXPECT_EQ(bm.match_prefix(t, 1).blocks.size(), 1u);
+}
+
+// Two sequences computed the same blocks at once: the second's copy stays private, and what it
+// publishes after them continues the first's chain, so a later prompt hits all of it.
+TEST(BlockManager, BlocksPublishedAfterADuplicateContinueTheFirstPublishersChain) {
+  BlockManager bm(8, 2, true);
+  const auto t = iota_tokens(5);
+  ASSERT_TRUE(bm.start(1, {}, 1, 3));
+  ASSERT_TRUE(bm.start(2, {}, 1, 5));
+  bm.mark_computed(1, t, 3);  // publishes [0, 1]
+  bm.mark_computed(2, t, 5);  // its [0, 1] is a duplicate; publishes [2, 3] after 1's
+  const PrefixMatch m = bm.match_prefix(t, 1);
+  ASSERT_EQ(m.blocks.size(), 2u);
+  EXPECT_EQ(m.blocks[0], bm.table(1)[0]);
+  EXPECT_EQ(m.blocks[1], bm.table(2)[1]);
+}
+
+// A cached block names its parent by a publication that is never reused: once the parent's block
+// is evicted and holds other tokens, the child (still held by a sequence that computed the parent's
+// content privately) must not follow the new content.
+TEST(BlockManager, AnEvictedParentsChildNeverFollowsNewContentInItsBlock) {
+  BlockManager bm(7, 2, true);
+  const std::vector<int> t = {0, 1, 2, 3, 4};
+  ASSERT_TRUE(bm.start(1, {}, 1, 3));  // blocks 0, 1
+  ASSERT_TRUE(bm.start(2, {}, 1, 5));  // blocks 2, 3, 4
+  bm.mark_computed(1, t, 3);           // block 0 = [0, 1]
+  bm.mark_computed(2, t, 5);           // block 3 = [2, 3] after block 0's publication
+  bm.release(1);                       // block 0 idle in the cache
+  ASSERT_TRUE(bm.start(3, {}, 1, 6));  // takes every free block
+  ASSERT_EQ(bm.num_available(), 1);
+  ASSERT_TRUE(bm.start(4, {}, 1, 2));  // evicts block 0
+  ASSERT_EQ(bm.table(4)[0], 0);
+  bm.mark_computed(4, std::vector<int>{7, 7}, 2);  // block 0 = [7, 7], a new publication
+  EXPECT_EQ(bm.match_prefix(std::vector<int>{7, 7, 2, 3, 9}, 1).blocks.size(), 1u);
+  EXPECT_EQ(bm.match_prefix(t, 1).blocks.size(), 0u);
+}
+
+// An evicted block that goes back unpublished is free again, not cached: it is taken before any
+// cached block is evicted.
+TEST(BlockManager, AnEvictedBlockReleasedUnpublishedIsTakenBeforeCachedOnes) {
+  BlockManager bm(2, 2, true);
+  const auto t = iota_tokens(5);
+  ASSERT_TRUE(bm.start(1, {}, 1, 4));
+  bm.mark_computed(1, t, 4);  // both blocks cached
+  bm.release(1);              // the tail block first in line for eviction
+  ASSERT_TRUE(bm.start(2, {}, 1, 2));  // evicts the tail block
+  bm.release(2);                       // nothing published in it
+  ASSERT_TRUE(bm.start(3, {}, 1, 2));  // takes it again, not the cached head
+  EXPECT_EQ(bm.match_prefix(t, 1).blocks.size(), 1u);
+  bm.release(3);
+  EXPECT_EQ(bm.num_available(), 2);
 }
 
 // Every key hashes alike here, as a crafted collision would: a block is found by its exact key,

@@ -101,6 +101,23 @@ TEST(Sampler, TopPCutsTheTail) {
   EXPECT_EQ(support(p), std::set<int>{3});
 }
 
+// The nucleus is the smallest best-first prefix whose mass *reaches* top_p: with tied logits the
+// mass of k candidates is exactly k / n, and top_p = k / n keeps those k (the lowest ids).
+TEST(Sampler, TopPReachedExactlyKeepsNoMoreCandidates) {
+  for (int n : {2, 4, 8, 16}) {
+    const std::vector<float> row(static_cast<size_t>(n), 0.5f);
+    for (int k = 1; k < n; ++k) {
+      SamplingParams p;
+      p.top_p = float(k) / float(n);
+      std::set<int> seen;
+      for (int seed = 0; seed < 300; ++seed) seen.insert(pick(p, row, {}, 0, uint64_t(seed)));
+      std::set<int> want;
+      for (int i = 0; i < k; ++i) want.insert(i);
+      EXPECT_EQ(seen, want) << "n " << n << " top_p " << p.top_p;
+    }
+  }
+}
+
 TEST(Sampler, MinPKeepsTokensNearTheBest) {
   // p_i / p_max = exp(x_i - 3): token 1 is at e^-1 ≈ 0.37, token 6 at e^-2 ≈ 0.14.
   SamplingParams p;
@@ -108,6 +125,11 @@ TEST(Sampler, MinPKeepsTokensNearTheBest) {
   EXPECT_EQ(support(p), (std::set<int>{3, 1}));
   p.min_p = 0.1f;
   EXPECT_EQ(support(p), (std::set<int>{3, 1, 6}));
+  // min_p = 1 (the largest valid) keeps the best token: p ≥ 1 · p_max holds for it.
+  p.min_p = 1.0f;
+  EXPECT_EQ(support(p), std::set<int>{3});
+  p.top_k = 2;
+  EXPECT_EQ(support(p), std::set<int>{3});
 }
 
 // The documented rule written the plain way: full sort, double-precision exponentials.
@@ -185,6 +207,9 @@ TEST(Sampler, RepetitionPenaltyCoversPromptAndGenerated) {
   EXPECT_EQ(pick(p, kRow, {3, 3, 3}, 3), 1);  // applied once per distinct token
   // A negative logit is multiplied (pushed down), not divided: -0.6 → -1.2 < -1.
   EXPECT_EQ(pick(p, {-0.6f, -1.0f}, {0}, 1), 1);
+  p.repetition_penalty = 1.2f;  // token 3 once: 2.5 > 2; it would be 1.74 < 2 if paid thrice
+  EXPECT_EQ(pick(p, kRow, {3, 3, 3}, 3), 3);
+  EXPECT_EQ(pick(p, kRow, {0, 3, 3, 3}, 1), 3);
 }
 
 TEST(Sampler, PresenceAndFrequencyPenaltiesCountGeneratedTokensOnly) {
@@ -198,6 +223,33 @@ TEST(Sampler, PresenceAndFrequencyPenaltiesCountGeneratedTokensOnly) {
   EXPECT_EQ(pick(p, kRow, {0, 3, 3}, 1), 1);
   p.frequency_penalty = -1.0f;  // negative values encourage repeats
   EXPECT_EQ(pick(p, kRow, {0, 5, 5, 5, 5, 5, 5}, 1), 5);
+}
+
+// The presence penalty is paid once per distinct generated token, however often it repeats; the
+// frequency penalty once per occurrence.
+TEST(Sampler, PresencePenaltyIsPaidOncePerDistinctToken) {
+  SamplingParams p = greedy();
+  p.presence_penalty = 0.6f;  // token 3: 3 → 2.4 > 2 however many times it was generated
+  EXPECT_EQ(pick(p, kRow, {0, 3, 3}, 1), 3);
+  EXPECT_EQ(pick(p, kRow, {0, 3, 3, 3, 3}, 1), 3);
+  p.frequency_penalty = 0.3f;  // twice: 3 − (0.6 + 2 · 0.3) = 1.8 < 2; once: 2.1 > 2
+  EXPECT_EQ(pick(p, kRow, {0, 3, 3}, 1), 1);
+  EXPECT_EQ(pick(p, kRow, {0, 3}, 1), 3);
+}
+
+// A request's sampler draws every token of its stream: each call penalizes the tokens it is given,
+// whatever the calls before it saw.
+TEST(Sampler, PenaltiesApplyAtEveryCallOfOneSampler) {
+  SamplingParams p = greedy();
+  p.repetition_penalty = 2.0f;
+  Sampler s(p, -1, 1);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(s.sample(kRow, std::vector<int>{3}, 1)->token, 1) << i;
+  p = greedy();
+  p.presence_penalty = 1.5f;
+  Sampler t(p, -1, 1);
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(t.sample(kRow, std::vector<int>{0, 3}, 1)->token, 1) << i;
+  EXPECT_EQ(t.sample(kRow, std::vector<int>{0, 6}, 1)->token, 3);  // 3 no longer generated
 }
 
 TEST(Sampler, SameSeedSameTokensAndTheRngIsPerSampler) {
@@ -217,6 +269,34 @@ TEST(Sampler, SameSeedSameTokensAndTheRngIsPerSampler) {
   EXPECT_NE(ta, tc);
 }
 
+// Each draw of a sampler takes exactly one uniform from its RNG, whatever token it picks: the
+// tokens of one sampler follow the plain rule over the RNG's successive uniforms.
+TEST(Sampler, EachDrawTakesExactlyOneUniform) {
+  SamplingParams p;
+  p.temperature = 1.0f;
+  Sampler s(p, -1, 99);
+  Rng rng(99);
+  double mx = -1e300, sum = 0;
+  for (float x : kRow) mx = std::max(mx, double(x));
+  std::vector<double> prob;
+  for (float x : kRow) sum += prob.emplace_back(std::exp(double(x) - mx));
+  std::set<int> seen;
+  for (int i = 0; i < 200; ++i) {
+    double u = rng.uniform() * sum;
+    int want = int(kRow.size()) - 1;
+    for (size_t id = 0; id + 1 < kRow.size(); ++id)
+      if ((u -= prob[id]) < 0) {
+        want = int(id);
+        break;
+      }
+    const auto r = s.sample(kRow, {}, 0);
+    ASSERT_TRUE(r.ok());
+    ASSERT_EQ(r->token, want) << "draw " << i;
+    seen.insert(want);
+  }
+  EXPECT_GT(seen.size(), 4u);
+}
+
 TEST(Sampler, LogprobIsUnderTheUnmodifiedDistribution) {
   SamplingParams p = greedy();
   p.repetition_penalty = 10.0f;
@@ -232,8 +312,30 @@ TEST(Sampler, LogprobIsUnderTheUnmodifiedDistribution) {
   EXPECT_NEAR(r->top[0].logprob, 3.0f - lse, 1e-6);
   EXPECT_EQ(r->top[1].token_id, 1);
   EXPECT_EQ(r->top[2].token_id, 6);
+  // More alternatives asked for than the vocabulary has: all of them, best first.
+  p.top_logprobs = 20;
+  Sampler all(p, -1, 1);
+  r = all.sample(kRow, {}, 0);
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->top.size(), kRow.size());
+  EXPECT_EQ(r->top[0].token_id, 3);
+  EXPECT_EQ(r->top.back().token_id, 5);
+  EXPECT_NEAR(r->top.back().logprob, -2.0f - lse, 1e-6);
   double total = 0;
   for (float x : kRow) total += std::exp(x - lse);
+  // A chosen token that was penalized still reports its unmodified logprob, greedy or sampled.
+  p = greedy();
+  p.presence_penalty = 0.5f;  // token 3: 3 → 2.5, still the best
+  r = Sampler(p, -1, 1).sample(kRow, std::vector<int>{0, 3}, 1);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->token, 3);
+  EXPECT_NEAR(r->logprob, 3.0f - lse, 1e-6);
+  p.temperature = 0.5f;
+  p.top_k = 1;
+  r = Sampler(p, -1, 1).sample(kRow, std::vector<int>{0, 3}, 1);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->token, 3);
+  EXPECT_NEAR(r->logprob, 3.0f - lse, 1e-6);
   EXPECT_NEAR(total, 1.0, 1e-5);
 }
 
@@ -295,6 +397,13 @@ TEST(StopMatcher, CutsAtTheEarliestStopString) {
     EXPECT_TRUE(stopped);
     EXPECT_EQ(out, "a") << pieces.size() << " pieces";
   }
+  // Two ending together: the longer one (which starts first) wins.
+  for (const std::vector<std::string>& stops :
+       {std::vector<std::string>{"bc", "abc"}, std::vector<std::string>{"abc", "bc"}}) {
+    StopMatcher same_end(stops);
+    EXPECT_EQ(same_end.push("xabcd", &stopped), "x") << stops[0];
+    EXPECT_TRUE(stopped);
+  }
   StopMatcher none({});
   EXPECT_EQ(none.push("anything", &stopped), "anything");
   EXPECT_FALSE(stopped);
@@ -309,6 +418,31 @@ std::string error_of(const SamplingParams& p) {
 }
 
 TEST(ValidateSampling, DefaultsAreValid) { EXPECT_TRUE(validate_sampling({}, 100).ok()); }
+
+// Every documented bound is itself accepted.
+TEST(ValidateSampling, EveryBoundIsAccepted) {
+  const std::vector<std::function<void(SamplingParams&)>> cases = {
+      [](SamplingParams& p) { p.temperature = 0; },
+      [](SamplingParams& p) { p.top_k = 0; },
+      [](SamplingParams& p) { p.top_p = 1; },
+      [](SamplingParams& p) { p.min_p = 1; },
+      [](SamplingParams& p) { p.min_p = 0; },
+      [](SamplingParams& p) { p.repetition_penalty = 0.01f; },
+      [](SamplingParams& p) { p.repetition_penalty = 100; },
+      [](SamplingParams& p) { p.presence_penalty = -2, p.frequency_penalty = 2; },
+      [](SamplingParams& p) { p.presence_penalty = 2, p.frequency_penalty = -2; },
+      [](SamplingParams& p) { p.max_new_tokens = 1; },
+      [](SamplingParams& p) { p.top_logprobs = kMaxTopLogprobs; },
+      [](SamplingParams& p) { p.stop.assign(kMaxStopStrings, "x"); },
+      [](SamplingParams& p) { p.stop = {std::string(kMaxStopBytes, 'a')}; },
+      [](SamplingParams& p) { p.stop_token_ids = {0, 99}; },
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SamplingParams p;
+    cases[i](p);
+    EXPECT_TRUE(validate_sampling(p, 100).ok()) << "case " << i << ": " << validate_sampling(p, 100);
+  }
+}
 
 TEST(ValidateSampling, EveryBadFieldIsNamed) {
   const std::vector<std::pair<std::string, std::function<void(SamplingParams&)>>> cases = {

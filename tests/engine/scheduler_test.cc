@@ -57,6 +57,8 @@ TEST(Scheduler, ChunksPrefillUnderTheTokenBudget) {
   EXPECT_EQ(p.rows[0].n_tokens, 2);
   EXPECT_TRUE(p.rows[0].sample);
   EXPECT_TRUE(p.batch.seqs[0].want_logits);
+  EXPECT_EQ(h.sched.num_waiting(), 0);
+  EXPECT_TRUE(h.sched.has_work());  // running, nothing waiting
   p = h.step();  // decode
   EXPECT_EQ(p.rows[0].pos_begin, 10);
   EXPECT_EQ(p.rows[0].n_tokens, 1);
@@ -132,6 +134,7 @@ TEST(Scheduler, FullQueueDisplacesTheLowestRankedForAHigherPriority) {
   EXPECT_EQ(h.sched.add({4, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(h.sched.add({5, prompt(3), 1, 1}).ok());  // above 3's priority
   EXPECT_EQ(h.sched.accept(), std::vector<SeqId>{3});    // not 1, which was preempted
+  EXPECT_EQ(h.sched.num_waiting(), 2);  // the displaced one no longer counts, before its removal
   ASSERT_TRUE(h.sched.remove(3));
   EXPECT_EQ(h.sched.num_waiting(), 2);
   // 1 and 5 (priority 1) wait: priority 1 is refused, priority 2 displaces 5.
@@ -194,6 +197,24 @@ TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOut) {
   EXPECT_EQ(h.bm.num_available(), 1);
 }
 
+// A step whose rows ran out of blocks admits nothing, not even a higher priority that would fit
+// in what the preemption freed; it is admitted at the next step.
+TEST(Scheduler, NoAdmissionInAStepWhoseRowsRanOutOfBlocks) {
+  Harness h({.max_batch_tokens = 100}, 4, 2);
+  h.add(1, 3);
+  h.add(2, 3);
+  h.step();
+  h.step();
+  h.add(3, 2, 1, /*priority=*/1);
+  StepPlan p = h.step();  // 1 needs a block: 2 goes, and 1 block is left, enough for 3
+  ASSERT_EQ(p.preempted, std::vector<SeqId>{2});
+  EXPECT_TRUE(p.admitted.empty());
+  EXPECT_EQ(h.bm.num_available(), 1);
+  p = h.step();
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].id, 3u);
+}
+
 TEST(Scheduler, PreemptedSequenceGoesAheadOfLaterArrivals) {
   Harness h({.max_batch_tokens = 100}, 4, 2);
   h.add(1, 3);
@@ -250,6 +271,150 @@ TEST(Scheduler, DecodeRowPreemptsItselfWhenNothingRanksBelowIt) {
   EXPECT_EQ(row_tokens(p, B), 0);
   EXPECT_EQ(row_tokens(p, A), 3);
   EXPECT_TRUE(h.sched.find(A)->running);
+}
+
+// A decode row that needs a block nobody ranked below it can give preempts itself, even while the
+// rows ranked above it fit (it does not keep its blocks and sit the step out).
+TEST(Scheduler, DecodeRowPreemptsItselfWhileTheRowsAboveItFit) {
+  Harness h({.max_batch_tokens = 100}, 4, 2);
+  const SeqId A = 1, B = 2;
+  h.add(B, 3, 1, 0);
+  h.step();            // B: positions 0-2 (2 blocks), samples
+  h.add(A, 3, 1, 1);
+  h.step();            // B decodes position 3; A admitted with 3 tokens (2 blocks): cache full
+  ASSERT_EQ(h.bm.num_available(), 0);
+  const StepPlan p = h.step();  // A decodes position 3 in its block; B's position 4 needs a 3rd
+  EXPECT_EQ(p.preempted, std::vector<SeqId>{B});
+  EXPECT_EQ(row_tokens(p, A), 1);
+  EXPECT_EQ(row_tokens(p, B), 0);
+  EXPECT_FALSE(h.sched.find(B)->running);
+  EXPECT_EQ(h.bm.num_available(), 2);
+}
+
+// A prefill chunk shrinks to the room its blocks and the free ones leave rather than preempt; with
+// no room at all it preempts the lowest-ranked sequence not yet in the step.
+TEST(Scheduler, PrefillChunkShrinksToTheRoomLeftAndPreemptsOnlyWhenNoneIsLeft) {
+  Harness h({.max_batch_tokens = 4}, 6, 2);
+  const SeqId L = 1, A = 2;
+  h.add(L, 12, 1, 0);
+  h.step();  // L: 4 tokens, 2 blocks
+  h.add(A, 12, 1, 1);
+  StepPlan p = h.step();  // L grows to 4 blocks, then sits out; A takes 2 tokens (1 block)
+  ASSERT_EQ(row_tokens(p, A), 2);
+  ASSERT_EQ(row_tokens(p, L), 0);
+  ASSERT_EQ(h.bm.num_available(), 1);
+  p = h.step();  // A: room for 2 tokens only (its block's 0 + 1 free block): shrinks, no preemption
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_EQ(row_tokens(p, A), 2);
+  EXPECT_EQ(row_tokens(p, L), 2);  // within the blocks it holds
+  ASSERT_EQ(h.bm.num_available(), 0);
+  p = h.step();  // A: no room left: L, ranked below and not yet in the step, is preempted
+  EXPECT_EQ(p.preempted, std::vector<SeqId>{L});
+  EXPECT_EQ(row_tokens(p, A), 4);
+  EXPECT_FALSE(h.sched.find(L)->running);
+}
+
+// A prefill chunk with no room never preempts a sequence whose row is already in the step (its
+// row would run on freed blocks): it waits instead.
+TEST(Scheduler, PrefillNeverPreemptsARowAlreadyInTheStep) {
+  Harness h({.max_batch_tokens = 3}, 4, 2);
+  const SeqId A = 1, B = 2;
+  h.add(B, 3, 1, 0);
+  h.step();            // B: 2 blocks, samples
+  h.add(A, 8, 1, 1);
+  h.step();            // B decodes position 3; A admitted with 2 tokens (1 block)
+  const StepPlan p = h.step();  // B's position 4 takes the last block; A has no room
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_EQ(row_tokens(p, B), 1);
+  EXPECT_EQ(row_tokens(p, A), 0);
+  EXPECT_TRUE(h.sched.find(B)->running);
+  EXPECT_TRUE(h.sched.find(A)->running);
+  EXPECT_EQ(p.batch.seqs.size(), 1u);
+}
+
+// Sequences of higher priority that fit as they are need nobody to make way: all of them are
+// admitted in one step.
+TEST(Scheduler, HigherPriorityArrivalsThatFitAreAllAdmittedTogether) {
+  Harness h({.max_batch_tokens = 100});
+  h.add(1, 3);
+  h.step();
+  h.add(2, 3, 1, 1);
+  h.add(3, 3, 1, 1);
+  const StepPlan p = h.step();
+  EXPECT_TRUE(p.preempted.empty());
+  ASSERT_EQ(p.admitted.size(), 2u);
+  EXPECT_EQ(p.admitted[0].id, 2u);
+  EXPECT_EQ(p.admitted[1].id, 3u);
+  EXPECT_EQ(row_tokens(p, 1), 1);
+}
+
+// When budget is short, the lowest-ranked row of lower priority sits out first, and only as many
+// as the chunk needs.
+TEST(Scheduler, RowsOfLowerPrioritySitOutLowestRankFirst) {
+  Harness h({.max_batch_tokens = 3});
+  h.add(1, 1);
+  h.add(2, 1);
+  h.step();  // both sample: decoding from now on
+  h.add(3, 2, 1, /*priority=*/1);
+  const StepPlan p = h.step();  // two decode rows leave 1 token; 3 needs 2
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_EQ(row_tokens(p, 1), 1);
+  EXPECT_EQ(row_tokens(p, 2), 0);
+  EXPECT_EQ(row_tokens(p, 3), 2);
+}
+
+// The chunk made way for is the one admitted: the budget a lower row gave back beyond it is not
+// taken, since only that chunk's blocks were checked (here a larger one would not fit, and the
+// lower row would have sat out for nothing).
+TEST(Scheduler, AdmissionAfterMakingWayTakesTheChunkMadeWayFor) {
+  Harness h({.max_batch_tokens = 8}, 5, 4);
+  const SeqId L = 1, H = 2;
+  h.add(L, 16);
+  h.step();  // L: 8 tokens, 2 blocks
+  h.add(H, 20, 1, /*priority=*/1);
+  const StepPlan p = h.step();  // L's row grows it to 4 blocks and takes the budget: 1 block left
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].id, H);
+  EXPECT_EQ(row_tokens(p, H), 4);  // a block's worth
+  EXPECT_EQ(row_tokens(p, L), 0);
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_EQ(h.bm.num_available(), 0);
+}
+
+// With no budget left to admit it (rows of higher priority took it all, and the lower one has no
+// row to give back), a waiting sequence of higher priority makes nobody leave: nothing is preempted
+// for an admission that cannot happen in this step.
+TEST(Scheduler, NothingIsPreemptedForAPriorityWithNoBudgetToAdmitIt) {
+  Harness h({.max_batch_tokens = 2, .max_running = 2}, 64, 4);
+  const SeqId L = 1, H = 2, W = 3;
+  h.add(L, 20, 1, 0);
+  h.step();  // L prefills 2 tokens a step
+  h.add(H, 10, 1, 2);
+  h.add(W, 2, 1, 1);
+  StepPlan p = h.step();  // H takes L's budget; W waits
+  ASSERT_EQ(row_tokens(p, H), 2);
+  ASSERT_EQ(h.sched.num_running(), 2);
+  p = h.step();  // H's chunk takes the whole budget; L has no row; W cannot be fed anyway
+  EXPECT_TRUE(p.preempted.empty());
+  EXPECT_TRUE(p.admitted.empty());
+  EXPECT_TRUE(h.sched.find(L)->running);
+  EXPECT_EQ(h.sched.preemptions_total(), 0);
+}
+
+// A higher priority whose prompt the prefix cache mostly holds needs only its uncached tokens:
+// with the budget a lower decode row leaves, it is admitted as it is, nobody making way.
+TEST(Scheduler, HigherPriorityArrivalServedByThePrefixCacheFitsAsItIs) {
+  Harness h({.max_batch_tokens = 2}, 64, 2, /*caching=*/true);
+  h.add(1, 6);
+  for (int i = 0; i < 3; ++i) h.step();  // prefilled (3 full blocks published), sampled
+  h.add(2, 7, 1, /*priority=*/1);         // the same 6 tokens, then one more
+  const StepPlan p = h.step();
+  EXPECT_TRUE(p.preempted.empty());
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].id, 2u);
+  EXPECT_EQ(p.admitted[0].cached_tokens, 6);
+  EXPECT_EQ(row_tokens(p, 1), 1);
+  EXPECT_EQ(row_tokens(p, 2), 1);
 }
 
 TEST(Scheduler, HigherPriorityArrivalPreemptsTheLowestRankedForASlot) {

@@ -31,6 +31,14 @@ struct Harness {
       if (r.sample) sched.append(r.id, 7);
     return plan;
   }
+  // B (priority 0, b_len prompt tokens) runs a step alone, then A (priority 1, a_len) arrives and
+  // both run a step.
+  void b_then_a(SeqId B, int b_len, SeqId A, int a_len) {
+    add(B, b_len, 1, 0);
+    step();
+    add(A, a_len, 1, 1);
+    step();
+  }
   BlockManager bm;
   Scheduler sched;
 };
@@ -259,10 +267,8 @@ TEST(Scheduler, DecodeRowPreemptsItselfWhenNothingRanksBelowIt) {
   // and holds the rest of the cache. B's next block can only come from B itself.
   Harness h({.max_batch_tokens = 3}, 4, 2);
   const SeqId A = 1, B = 2;
-  h.add(B, 2, 1, 0);
-  h.step();            // B: positions 0-1, samples
-  h.add(A, 8, 1, 1);
-  h.step();            // B decodes position 2 (2nd block); A admitted with 2 tokens (1 block)
+  // B: positions 0-1, samples; then B decodes position 2 (2nd block), A admitted with 2 tokens
+  h.b_then_a(B, 2, A, 8);
   StepPlan p = h.step();  // B position 3; A positions 2-3 (its 2nd block): cache full
   EXPECT_TRUE(p.preempted.empty());
   EXPECT_EQ(h.bm.num_available(), 0);
@@ -278,10 +284,9 @@ TEST(Scheduler, DecodeRowPreemptsItselfWhenNothingRanksBelowIt) {
 TEST(Scheduler, DecodeRowPreemptsItselfWhileTheRowsAboveItFit) {
   Harness h({.max_batch_tokens = 100}, 4, 2);
   const SeqId A = 1, B = 2;
-  h.add(B, 3, 1, 0);
-  h.step();            // B: positions 0-2 (2 blocks), samples
-  h.add(A, 3, 1, 1);
-  h.step();            // B decodes position 3; A admitted with 3 tokens (2 blocks): cache full
+  // B: positions 0-2 (2 blocks), samples; then B decodes position 3, A admitted with 3 tokens
+  // (2 blocks): cache full
+  h.b_then_a(B, 3, A, 3);
   ASSERT_EQ(h.bm.num_available(), 0);
   const StepPlan p = h.step();  // A decodes position 3 in its block; B's position 4 needs a 3rd
   EXPECT_EQ(p.preempted, std::vector<SeqId>{B});
@@ -319,10 +324,7 @@ TEST(Scheduler, PrefillChunkShrinksToTheRoomLeftAndPreemptsOnlyWhenNoneIsLeft) {
 TEST(Scheduler, PrefillNeverPreemptsARowAlreadyInTheStep) {
   Harness h({.max_batch_tokens = 3}, 4, 2);
   const SeqId A = 1, B = 2;
-  h.add(B, 3, 1, 0);
-  h.step();            // B: 2 blocks, samples
-  h.add(A, 8, 1, 1);
-  h.step();            // B decodes position 3; A admitted with 2 tokens (1 block)
+  h.b_then_a(B, 3, A, 8);  // B: 2 blocks; then B decodes position 3, A admitted with 2 tokens
   const StepPlan p = h.step();  // B's position 4 takes the last block; A has no room
   EXPECT_TRUE(p.preempted.empty());
   EXPECT_EQ(row_tokens(p, B), 1);

@@ -4,6 +4,7 @@
 // and cancellation, and exactly one of them performs each write and the final Finish.
 #include "inference_service.h"
 
+#include <grpc/support/time.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -118,10 +119,17 @@ std::string log_escaped(std::string_view s) {
 // A cancellation this close to a call's deadline is taken for the deadline's.
 constexpr auto kDeadlineSlack = std::chrono::milliseconds(20);
 
+// The call's deadline on this process's steady clock; max() for none. Read from gRPC's own
+// timespec: its system_clock deadline() wraps past the year 2262, so a legal grpc-timeout of
+// centuries (up to 99999999 hours) read as long expired and such calls failed at once.
 Clock::time_point steady_deadline(const grpc::ServerContextBase& context) {
-  const auto deadline = context.deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return Clock::time_point::max();
-  return Clock::now() + (deadline - std::chrono::system_clock::now());
+  const gpr_timespec raw = context.raw_deadline();
+  if (gpr_time_cmp(raw, gpr_inf_future(raw.clock_type)) == 0) return Clock::time_point::max();
+  const gpr_timespec left = gpr_time_sub(gpr_convert_clock_type(raw, GPR_CLOCK_MONOTONIC),
+                                         gpr_now(GPR_CLOCK_MONOTONIC));
+  constexpr int64_t kCentury = int64_t(100) * 365 * 24 * 3600;  // seconds; further is none
+  if (left.tv_sec > kCentury) return Clock::time_point::max();
+  return Clock::now() + std::chrono::seconds(left.tv_sec) + std::chrono::nanoseconds(left.tv_nsec);
 }
 
 class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public IdleStream {

@@ -1,6 +1,7 @@
 // gRPC client helpers shared by the server tests: a whole Generate stream collected, requests
 // built from ids, and the per-call API key and deadline.
 #pragma once
+#include <grpc/support/time.h>
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 
@@ -37,7 +38,9 @@ struct CallOptions {
 
 inline void prepare(grpc::ClientContext* context, const CallOptions& o) {
   if (!o.api_key.empty()) context->AddMetadata("authorization", o.scheme + " " + o.api_key);
-  context->set_deadline(std::chrono::system_clock::now() + o.timeout);
+  // As a timespec: a system_clock time point cannot hold the centuries a test may ask for.
+  context->set_deadline(gpr_time_add(gpr_now(GPR_CLOCK_REALTIME),
+                                     gpr_time_from_millis(o.timeout.count(), GPR_TIMESPAN)));
 }
 
 // A request for `max_new` tokens after the given prompt ids (EOS ignored, so exactly max_new).

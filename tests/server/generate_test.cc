@@ -1,7 +1,12 @@
 // Generate through a real `cemlm serve` process: streaming contents, 64 concurrent streams with
 // mixed T, cancellation and deadlines freeing the engine (seen in /metrics), and the bounded
 // queue answering RESOURCE_EXHAUSTED.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <thread>
 
@@ -17,6 +22,73 @@ std::vector<int> some_ids(int n, int salt = 0) {
   std::vector<int> ids;
   for (int i = 0; i < n; ++i) ids.push_back(4 + (i * 37 + salt * 11) % 300);
   return ids;
+}
+
+// One HTTP/2 frame: 3-byte length, type, flags, stream id.
+std::string h2_frame(uint8_t type, uint8_t flags, uint32_t stream, const std::string& payload) {
+  std::string f;
+  for (int shift : {16, 8, 0}) f += char((payload.size() >> shift) & 0xFF);
+  f += char(type);
+  f += char(flags);
+  for (int shift : {24, 16, 8, 0}) f += char((stream >> shift) & 0xFF);
+  return f + payload;
+}
+
+// The grpc-status of a unary-or-streaming call to 127.0.0.1:port sent by hand over HTTP/2 with
+// the header `extra` added: gRPC's own clients never send some legal values (a grpc-timeout of
+// centuries). -1 when no status came within 10 s.
+int raw_grpc_status(int port, const std::string& path, const std::string& body,
+                    const std::pair<std::string, std::string>& extra) {
+  auto literal = [](const std::string& name, const std::string& value) {
+    return std::string(1, '\0') + char(name.size()) + name + char(value.size()) + value;
+  };
+  std::string headers;
+  for (const auto& [name, value] : std::vector<std::pair<std::string, std::string>>{
+           {":method", "POST"}, {":scheme", "http"}, {":path", path},
+           {":authority", "localhost"}, {"content-type", "application/grpc"}, {"te", "trailers"},
+           extra})
+    headers += literal(name, value);
+  std::string message(1, '\0');
+  for (int shift : {24, 16, 8, 0}) message += char((body.size() >> shift) & 0xFF);
+  const std::string out = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, 0, "") +
+                          h2_frame(1, 4, 1, headers) + h2_frame(0, 1, 1, message + body);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  const int s = socket(AF_INET, SOCK_STREAM, 0);
+  int status = -1;
+  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      write(s, out.data(), out.size()) == ssize_t(out.size())) {
+    std::string in;
+    const auto end = std::chrono::steady_clock::now() + 10s;
+    pollfd p{s, POLLIN, 0};
+    char buf[4096];
+    while (status < 0 && std::chrono::steady_clock::now() < end && poll(&p, 1, 100) >= 0) {
+      if (!(p.revents & POLLIN)) continue;
+      const ssize_t n = read(s, buf, sizeof buf);
+      if (n <= 0) break;
+      in.append(buf, size_t(n));
+      // Whole frames: SETTINGS and PINGs are acknowledged (the server holds a call's trailers
+      // until they are), the trailers' first "grpc-status" is a literal (name, length, digits).
+      while (in.size() >= 9) {
+        const size_t len = size_t(uint8_t(in[0])) << 16 | size_t(uint8_t(in[1])) << 8 | uint8_t(in[2]);
+        if (in.size() < 9 + len) break;
+        const uint8_t type = uint8_t(in[3]), flags = uint8_t(in[4]);
+        const std::string payload = in.substr(9, len);
+        in.erase(0, 9 + len);
+        std::string reply;
+        if ((type == 4 || type == 6) && !(flags & 1))  // a PING's ack echoes it, SETTINGS' is empty
+          reply = h2_frame(type, 1, 0, type == 6 ? payload : "");
+        if (!reply.empty() && write(s, reply.data(), reply.size()) != ssize_t(reply.size())) break;
+        const size_t at = type == 1 ? payload.find("grpc-status") : std::string::npos;
+        if (at != std::string::npos && payload.size() > at + 12)
+          status = std::stoi(payload.substr(at + 12, size_t(payload[at + 11])));
+      }
+    }
+  }
+  close(s);
+  return status;
 }
 
 // The server's log once it holds `needle` (a call's line is written when the call is done), or
@@ -87,6 +159,25 @@ TEST_F(ServerGenerate, StreamsTokensLogprobsAndFinalUsage) {
   ASSERT_TRUE(v1::Inference::NewStub(server_->channel())->Detokenize(&context, dreq, &dresp).ok());
   EXPECT_EQ(s.text(), dresp.text());
   EXPECT_EQ(generate(server_->channel(), req).ids(), ids);
+}
+
+// A deadline centuries away (grpc-timeout allows up to 99999999 hours, ~11400 years) is as good
+// as none: gRPC's system_clock deadline wraps past the year 2262, which read as long expired and
+// failed the call at once. gRPC's clients cap what they send, so the calls go by hand.
+TEST_F(ServerGenerate, ADeadlineCenturiesAwayIsNone) {
+  v1::ScoreRequest score;
+  for (int id : {5, 6, 7, 8}) score.add_ids(id);
+  const std::string generate = ids_request({5, 6, 7}, 3).SerializeAsString();
+  for (const char* timeout : {"2562084H", "99999999H", "5S"}) {
+    EXPECT_EQ(raw_grpc_status(server_->port(), "/cemlm.v1.Inference/Generate", generate,
+                              {"grpc-timeout", timeout}),
+              0)
+        << timeout;
+    EXPECT_EQ(raw_grpc_status(server_->port(), "/cemlm.v1.Inference/Score",
+                              score.SerializeAsString(), {"grpc-timeout", timeout}),
+              0)
+        << timeout;
+  }
 }
 
 TEST_F(ServerGenerate, SixtyFourConcurrentStreamsWithMixedT) {

@@ -43,6 +43,10 @@ absl::Status check_stops(const SamplingParams& p, int vocab_size) {
     if (!is_valid_utf8(p.stop[i]))
       return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is not valid UTF-8"));
   }
+  if (p.stop_token_ids.size() > size_t(kMaxStopTokenIds))
+    return absl::InvalidArgumentError(absl::StrCat("sampling.stop_token_ids has ",
+                                                   p.stop_token_ids.size(), " ids; at most ",
+                                                   kMaxStopTokenIds));
   for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
     const int id = p.stop_token_ids[i];
     if (id < 0 || id >= vocab_size)

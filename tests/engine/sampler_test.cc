@@ -436,6 +436,7 @@ TEST(ValidateSampling, EveryBoundIsAccepted) {
       [](SamplingParams& p) { p.stop.assign(kMaxStopStrings, "x"); },
       [](SamplingParams& p) { p.stop = {std::string(kMaxStopBytes, 'a')}; },
       [](SamplingParams& p) { p.stop_token_ids = {0, 99}; },
+      [](SamplingParams& p) { p.stop_token_ids.assign(kMaxStopTokenIds, 7); },
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SamplingParams p;
@@ -473,6 +474,9 @@ TEST(ValidateSampling, EveryBadFieldIsNamed) {
        [](SamplingParams& p) { p.stop = {std::string(1024, 'a'), std::string(1025, 'b')}; }},
       {"sampling.stop_token_ids[1] = 100", [](SamplingParams& p) { p.stop_token_ids = {1, 100}; }},
       {"sampling.stop_token_ids[0] = -1", [](SamplingParams& p) { p.stop_token_ids = {-1}; }},
+      // A client's 4 million ids held ~300 MB and were scanned at every token (a fuzzing run).
+      {"sampling.stop_token_ids has 1025 ids; at most 1024",
+       [](SamplingParams& p) { p.stop_token_ids.assign(1025, 7); }},
   };
   for (const auto& [want, edit] : cases) {
     SamplingParams p;

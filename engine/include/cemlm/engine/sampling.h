@@ -40,6 +40,7 @@ inline bool samples_greedily(const SamplingParams& p) {
 
 inline constexpr int kMaxStopStrings = 16;
 inline constexpr int kMaxStopBytes = 1024;  // per stop string: each is held and matched per token
+inline constexpr int kMaxStopTokenIds = 1024;  // each is held and compared per token
 inline constexpr int kMaxTopLogprobs = 20;
 
 // Checks ranges and finiteness; the message names the field, e.g. "sampling.top_p".

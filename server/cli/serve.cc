@@ -4,6 +4,7 @@
 #include <netdb.h>
 #include <prometheus/text_serializer.h>
 #include <pthread.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -181,6 +182,28 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   return 0;
 }
 
+// gRPC (1.51) stops accepting connections for good once accept() has failed for want of a file
+// descriptor (a fuzzing run lost the port for good at a limit of 160); each connection holds one.
+// The soft limit, often 1024, goes up to the hard one, and a low hard limit is reported.
+void raise_open_files_limit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  const rlim_t was = lim.rlim_cur;
+  constexpr rlim_t kEnough = 4096, kMost = rlim_t(1) << 20;  // Linux's default nr_open
+  const rlim_t want = lim.rlim_max == RLIM_INFINITY ? kMost : lim.rlim_max;
+  if (lim.rlim_cur < want) {
+    lim.rlim_cur = want;
+    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) lim.rlim_cur = was;
+  }
+  if (lim.rlim_cur < kEnough)
+    spdlog::warn("open files limit {}: each client connection takes one, and once they run out "
+                 "gRPC accepts no connection again until a restart; raise the hard limit "
+                 "(ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=)",
+                 lim.rlim_cur);
+  else if (lim.rlim_cur != was)
+    spdlog::info("open files limit raised from {} to {}", was, lim.rlim_cur);
+}
+
 }  // namespace
 
 int cmd_serve(int argc, char** argv) {
@@ -242,6 +265,7 @@ int cmd_serve(int argc, char** argv) {
     return 2;
   }
   spdlog::set_level(level);
+  raise_open_files_limit();
   // Block the signals before any thread starts, so that every thread inherits the mask and
   // only sigwait() sees them.
   sigset_t signals;

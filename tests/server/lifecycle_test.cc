@@ -5,12 +5,14 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "cemlm/kernels/blas_select.h"
@@ -106,6 +108,32 @@ v1::ModelInfo model_info(const ServerProcess& s) {
 // The server runs its products on the best OpenBLAS kernels for this machine: those this test
 // process loaded, unless they are generic or AVX2 ones on an AVX-512 processor, which `cemlm`
 // replaces (OPENBLAS_CORETYPE and a re-exec) before it starts.
+// The soft open-files limit goes up to the hard one: gRPC accepts no connection again once accept()
+// has failed for lack of a descriptor (a fuzzing run lost the port for good at a limit of 160).
+TEST(ServerFiles, TheSoftOpenFilesLimitGoesUpToTheHardOne) {
+  rlimit mine{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &mine), 0);
+  if (mine.rlim_max != RLIM_INFINITY && mine.rlim_max <= 256)
+    GTEST_SKIP() << "the hard limit here is " << mine.rlim_max << ": nothing to raise";
+  rlimit low = mine;
+  low.rlim_cur = 256;  // the server inherits it
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto server = ServerProcess::start(make_tiny_model(fresh_temp_dir()));
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &mine), 0);
+  ASSERT_TRUE(server);
+  std::ifstream in("/proc/" + std::to_string(server->pid()) + "/limits");
+  std::string line;
+  while (std::getline(in, line) && !line.starts_with("Max open files")) {
+  }
+  std::istringstream fields(line.substr(std::string("Max open files").size()));
+  std::string soft, hard;
+  fields >> soft >> hard;
+  const std::string want = mine.rlim_max == RLIM_INFINITY ? std::to_string(1 << 20)
+                                                          : std::to_string(mine.rlim_max);
+  EXPECT_EQ(soft, want) << line;
+  EXPECT_EQ(hard, mine.rlim_max == RLIM_INFINITY ? "unlimited" : want) << line;
+}
+
 TEST_F(ServerLifecycle, LogsTheBlasKernelsItChose) {
   const std::string here = openblas_get_corename();
   std::string want = better_openblas_core_here();

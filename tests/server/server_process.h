@@ -45,6 +45,7 @@ class ServerProcess {
   int port() const { return port_; }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
   int metrics_port() const { return metrics_port_; }
+  pid_t pid() const { return pid_; }
   const std::string& host() const { return host_; }
   std::string metrics_text() const;  // GET /metrics; empty on failure
   std::string log() const;           // what the server wrote on stderr so far

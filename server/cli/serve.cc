@@ -41,6 +41,7 @@ struct ServeFlags {
   int max_running = 256, engine_nice = 10;
   double shutdown_timeout = 30;
   double max_connection_age = 0;
+  double unread_timeout = 10;
 };
 
 bool read_file(const std::string& path, const char* flag, std::string* out) {
@@ -115,6 +116,9 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     if (value < 1)
       return fail(absl::InvalidArgumentError(
           absl::StrCat(flag, " ", value, " must be at least 1 (see --help)")));
+  if (!(f.unread_timeout >= 0 && f.unread_timeout <= 1e6))
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--unread-timeout ", f.unread_timeout, " must be in [0, 1e6] seconds")));
   if (!(f.max_connection_age >= 0))
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "--max-connection-age ", f.max_connection_age, " must be >= 0 seconds (0: no limit)")));
@@ -126,6 +130,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // Overflow-safe: both flags may be up to INT_MAX.
   opts.max_unread_streams =
       int(std::min<int64_t>(INT32_MAX, int64_t(f.max_running) + f.max_waiting));
+  opts.unread_timeout_s = f.unread_timeout;
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
   // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
   if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())
@@ -231,6 +236,9 @@ int cmd_serve(int argc, char** argv) {
             "requests queued beyond the running batch's free slots before RESOURCE_EXHAUSTED; "
             "--max-running + --max-waiting also bounds finished Generate streams whose clients "
             "have not read them");
+  flags.add("unread-timeout", &f.unread_timeout,
+            "seconds a finished Generate stream may wait for its client to read it once that "
+            "bound is reached; then it is cancelled to make room (its output undelivered)");
   flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");
   flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
   flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");

@@ -35,7 +35,9 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
     return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
   std::unique_ptr<InferenceServer> s(new InferenceServer());
   s->state_ =
-      std::make_unique<ServerState>(opts.api_keys, opts.model_name, metrics, opts.max_unread_streams);
+      std::make_unique<ServerState>(opts.api_keys, opts.model_name, metrics, opts.max_unread_streams,
+                                    std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(opts.unread_timeout_s)));
   s->service_ = std::make_unique<InferenceService>(s->state_.get());
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -23,7 +23,7 @@ namespace cemlm::server {
 
 grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool stream) {
   if (grpc::Status auth = keys_.check(context); !auth.ok()) return auth;
-  std::lock_guard lock(mu_);
+  std::unique_lock lock(mu_);
   if (draining_.load())
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
   if (!engine_.load())
@@ -31,14 +31,43 @@ grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool str
   // The engine bounds the requests it holds, but a stream it has finished stays open, with its
   // unsent output, until the client reads it: clients that never read would hold memory without
   // a bound. (Streams the engine still runs are its to bound, priority displacement included.)
-  if (stream && max_unread_ > 0 && unread_ >= max_unread_)
+  // Those that waited past the grace make room: one client that stopped reading must not keep
+  // every other client's streams out for as long as its connection lasts.
+  if (stream && max_unread_ > 0 && unread_counted_ >= max_unread_) cancel_stale_unread(lock);
+  if (stream && max_unread_ > 0 && unread_counted_ >= max_unread_)
     return grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("the server holds ", unread_,
-                     " finished Generate streams whose clients have not read them (at most "
-                     "--max-running + --max-waiting); retry later"));
+        absl::StrCat("the server holds ", unread_counted_,
+                     " finished Generate streams whose clients have not read them (new streams "
+                     "wait from --max-running + --max-waiting on, until one is read or has "
+                     "waited ",
+                     std::chrono::duration<double>(unread_grace_).count(), " s); retry later"));
   ++in_flight_;
   return grpc::Status::OK;
+}
+
+void ServerState::cancel_stale_unread(std::unique_lock<std::mutex>& lock) {
+  const Clock::time_point cutoff = Clock::now() - unread_grace_;
+  std::vector<UnreadStream*> stale;
+  for (auto& [s, held] : unread_)
+    if (!held.cancelled && held.since <= cutoff) {
+      held.cancelled = true;
+      held.cancelling = std::this_thread::get_id();
+      --unread_counted_;
+      stale.push_back(s);
+    }
+  for (UnreadStream* s : stale) {
+    lock.unlock();
+    s->cancel_unread();  // alive: its OnDone waits in release() unless it runs inside this call
+    lock.lock();
+    Held& held = unread_.at(s);
+    held.cancelling = {};
+    if (held.done_inside) {
+      unread_.erase(s);
+      s->destroy();
+    }
+  }
+  if (!stale.empty()) uncancelling_.notify_all();
 }
 
 bool ServerState::log_refused_key(int64_t* left_out) {
@@ -53,15 +82,27 @@ bool ServerState::log_refused_key(int64_t* left_out) {
   return true;
 }
 
-void ServerState::hold_unread() {
+void ServerState::hold_unread(UnreadStream* stream) {
   std::lock_guard lock(mu_);
-  ++unread_;
+  unread_[stream] = {Clock::now()};
+  ++unread_counted_;
 }
 
-void ServerState::release(bool unread) {
-  std::lock_guard lock(mu_);
-  unread_ -= unread;
+bool ServerState::release(UnreadStream* held) {
+  std::unique_lock lock(mu_);
   if (--in_flight_ == 0) idle_.notify_all();
+  auto it = unread_.find(held);
+  if (it == unread_.end()) return true;
+  if (it->second.cancelling == std::this_thread::get_id()) {
+    it->second.done_inside = true;  // inside cancel_unread(): the caller deletes it after
+    return false;
+  }
+  // Another thread is inside its cancel_unread(): the call (and this stream) must outlive that.
+  uncancelling_.wait(lock, [&] { return unread_.at(held).cancelling == std::thread::id{}; });
+  it = unread_.find(held);  // other streams came and went meanwhile
+  if (!it->second.cancelled) --unread_counted_;
+  unread_.erase(it);
+  return true;
 }
 
 bool ServerState::drain(Clock::duration timeout) {
@@ -132,7 +173,9 @@ Clock::time_point steady_deadline(const grpc::ServerContextBase& context) {
   return Clock::now() + std::chrono::seconds(left.tv_sec) + std::chrono::nanoseconds(left.tv_nsec);
 }
 
-class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public IdleStream {
+class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
+                              public IdleStream,
+                              public UnreadStream {
  public:
   GenerateReactor(ServerState* state, WriterThread* writer, grpc::CallbackServerContext* context,
                   const v1::GenerateRequest& request)
@@ -178,10 +221,19 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
       std::unique_lock lock(mu_);
       const bool held = unread_held_;
       lock.unlock();
-      state_->release(held);
+      if (!state_->release(held ? this : nullptr)) return;  // admit() deletes it
     }
     delete this;
   }
+
+  void cancel_unread() override {
+    std::unique_lock lock(mu_);
+    unread_cancelled_ = true;
+    lock.unlock();
+    context_->TryCancel();
+  }
+
+  void destroy() override { delete this; }
 
  private:
   void start(const v1::GenerateRequest& request) {
@@ -222,7 +274,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
     if (event.finish_reason != FinishReason::kNone) {
       finished_ = true;
       unread_held_ = true;
-      state_->hold_unread();
+      state_->hold_unread(this);
       finish_reason_ = event.finish_reason;
       usage_ = event.usage;
       queue_seconds_ = queue_seconds(event.timings);
@@ -327,7 +379,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
 
   // OnDone: the request's log line, off the engine thread. The client's id and the message (which
   // may quote its input) are escaped: a client must not be able to write lines of its own.
-  void log() const {
+  void log() {
     if (final_status_.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
       // Nothing of the caller's own (its client id) is written, and at most a line a second.
       if (int64_t left_out = 0; state_->log_refused_key(&left_out))
@@ -345,13 +397,16 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
     }
     // The engine ends a call whose gRPC deadline passed as cancelled; the log says which it was.
     const bool deadline = final_status_.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    std::unique_lock lock(mu_);
+    const char* undelivered = unread_cancelled_ ? " undelivered=unread_timeout" : "";
+    lock.unlock();
     spdlog::info(
         "generate id={} client_id=\"{}\" peer={} T={} prompt_tokens={} gen_tokens={} finish={} "
-        "status={} latency_ms={:.3f}",
+        "status={} latency_ms={:.3f}{}",
         *id_, log_escaped(request_id_), peer_, recursion_depth_, usage_.prompt_tokens,
         usage_.generated_tokens,
         deadline ? finish_reason_name(FinishReason::kDeadline) : finish_reason_name(finish_reason_),
-        grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3);
+        grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3, undelivered);
   }
 
   ServerState* const state_;
@@ -371,7 +426,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>, public 
   Response pending_, in_flight_;  // being filled / being written
   bool has_pending_ = false, writing_ = false, queued_ = false, finished_ = false, done_ = false;
   bool broken_ = false, client_cancelled_ = false, first_written_ = false;
-  bool unread_held_ = false;  // counted by ServerState::hold_unread
+  bool unread_held_ = false;       // counted by ServerState::hold_unread
+  bool unread_cancelled_ = false;  // by ServerState for room: its output was not all delivered
   FinishReason finish_reason_ = FinishReason::kNone;
   Usage usage_;
   double queue_seconds_ = 0, e2e_seconds_ = 0;

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "cemlm/engine/engine.h"
@@ -17,23 +18,41 @@
 namespace cemlm::server {
 
 // What every handler shares: the engine (null while loading), admission and drain state.
+// A Generate stream the engine has finished whose client has not read all of it yet.
+class UnreadStream {
+ public:
+  // Cancels the call (its client has not read for too long); its OnDone follows, maybe inside.
+  virtual void cancel_unread() = 0;
+  // Deletes it: its OnDone came inside cancel_unread(), and left that to the caller.
+  virtual void destroy() = 0;
+
+ protected:
+  ~UnreadStream() = default;
+};
+
 class ServerState {
  public:
-  // `max_unread`: finished Generate streams not yet read (0: no bound), see ServerOptions.
-  ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics, int max_unread)
+  // `max_unread`: finished Generate streams not yet read (0: no bound), and `unread_grace`, how
+  // long one may wait before it is cancelled for room: see ServerOptions.
+  ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics, int max_unread,
+              Clock::duration unread_grace)
       : keys_(std::move(keys)),
         model_name_(std::move(model_name)),
         metrics_(metrics),
-        max_unread_(max_unread) {}
+        max_unread_(max_unread),
+        unread_grace_(unread_grace) {}
 
   // OK admits the call (then release() once when it is over); otherwise the status to return:
   // UNAUTHENTICATED, UNAVAILABLE while loading or draining, or for a Generate stream (`stream`)
-  // RESOURCE_EXHAUSTED while max_unread finished streams wait for their clients.
+  // RESOURCE_EXHAUSTED while max_unread finished streams wait for their clients, once those
+  // that waited longer than the grace are cancelled.
   grpc::Status admit(const grpc::ServerContextBase& context, bool stream = false);
   // A Generate stream the engine has finished: it holds its unsent output until it is done, and
-  // then releases with `unread` set.
-  void hold_unread();
-  void release(bool unread = false);
+  // then releases with itself.
+  void hold_unread(UnreadStream* stream);
+  // The end of an admitted call (its OnDone). False when `held` must not be deleted by the
+  // caller: its OnDone came inside the cancel_unread() of admit(), which deletes it after.
+  bool release(UnreadStream* held = nullptr);
 
   void set_engine(Engine* engine) { engine_.store(engine); }
   Engine& engine() const { return *engine_.load(); }
@@ -53,12 +72,26 @@ class ServerState {
   const ApiKeys keys_;
   const std::string model_name_;
   ServerMetrics* const metrics_;
+  // Cancels held streams older than the grace, with mu_ released around each cancel_unread()
+  // (gRPC may run the stream's OnDone inside it, which calls release()).
+  void cancel_stale_unread(std::unique_lock<std::mutex>& lock);
+
   const int max_unread_;
+  const Clock::duration unread_grace_;
   std::atomic<Engine*> engine_{nullptr};
   std::atomic<bool> draining_{false};
   std::mutex mu_;
   std::condition_variable idle_;
-  int in_flight_ = 0, unread_ = 0;  // guarded by mu_
+  int in_flight_ = 0;  // guarded by mu_, as is:
+  struct Held {
+    Clock::time_point since;
+    bool cancelled = false;         // by cancel_stale_unread; no longer counted
+    std::thread::id cancelling{};   // the thread inside its cancel_unread() now, if any
+    bool done_inside = false;       // its OnDone came inside that cancel_unread()
+  };
+  std::unordered_map<UnreadStream*, Held> unread_;
+  int unread_counted_ = 0;  // those not cancelled
+  std::condition_variable uncancelling_;  // a cancel_unread() returned
   Clock::time_point last_refusal_logged_{};  // guarded by mu_, as is:
   int64_t refusals_left_out_ = 0;
 };

@@ -325,36 +325,47 @@ TEST(ServerQueue, FullQueueAnswersResourceExhausted) {
 // most --max-running + --max-waiting such streams, or clients that never read would hold memory
 // without a bound. The unread clients here announce a 1 KiB window (no BDP growth), so most of
 // their 150 tokens with 20 alternatives each stays on the server.
+// Two streams of 150 tokens with 20 alternatives each, whose client announces a 1 KiB window (no
+// BDP growth) and never reads: most of their output stays on the server. Returns once the engine
+// has finished both.
+struct UnreadStreams {
+  UnreadStreams(const ServerProcess& server) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+    channel = grpc::CreateCustomChannel(server.addr(), grpc::InsecureChannelCredentials(), args);
+    auto stub = v1::Inference::NewStub(channel);
+    v1::GenerateRequest req = ids_request(some_ids(8), 150);
+    req.set_logprobs(true);
+    req.mutable_sampling()->set_top_logprobs(20);
+    req.mutable_sampling()->set_ignore_eos(true);
+    for (int i = 0; i < 2; ++i) {
+      readers[i] = stub->Generate(&contexts[i], req);
+      // Finished in the engine: nothing running or waiting, its tokens counted.
+      EXPECT_TRUE(wait_for_metrics(server, [&](const auto& m) {
+        return metric(m, "cemlm:generation_tokens_total") >= 150 * (i + 1) &&
+               metric(m, "cemlm:num_requests_running") == 0;
+      }));
+    }
+  }
+  std::shared_ptr<grpc::Channel> channel;
+  grpc::ClientContext contexts[2];
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> readers[2];
+};
+
 TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
   const std::string model = make_tiny_model(fresh_temp_dir());
-  auto server = ServerProcess::start(model, {"--max-running", "1", "--max-waiting", "1"});
+  auto server = ServerProcess::start(
+      model, {"--max-running", "1", "--max-waiting", "1", "--unread-timeout", "600"});
   ASSERT_TRUE(server);
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
-  auto slow = grpc::CreateCustomChannel(server->addr(), grpc::InsecureChannelCredentials(), args);
-  auto stub = v1::Inference::NewStub(slow);
-  v1::GenerateRequest req = ids_request(some_ids(8), 150);
-  req.set_logprobs(true);
-  req.mutable_sampling()->set_top_logprobs(20);
-  req.mutable_sampling()->set_ignore_eos(true);
-  grpc::ClientContext unread[2];
-  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> readers[2];
-  for (int i = 0; i < 2; ++i) {
-    readers[i] = stub->Generate(&unread[i], req);
-    // Finished in the engine: nothing running or waiting, its tokens counted.
-    ASSERT_TRUE(wait_for_metrics(*server, [&](const auto& m) {
-      return metric(m, "cemlm:generation_tokens_total") >= 150 * (i + 1) &&
-             metric(m, "cemlm:num_requests_running") == 0;
-    }));
-  }
+  UnreadStreams unread(*server);
   // The engine is idle, yet a third stream is refused.
   const Stream refused = generate(server->channel(), ids_request(some_ids(4), 2));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(refused.status.error_message().find("holds 2 finished Generate streams"),
             std::string::npos)
       << refused.status.error_message();
-  for (grpc::ClientContext& c : unread) c.TryCancel();
+  for (grpc::ClientContext& c : unread.contexts) c.TryCancel();
   Stream after;
   for (int attempt = 0; attempt < 200; ++attempt) {  // the cancelled streams close soon
     after = generate(server->channel(), ids_request(some_ids(4), 2));
@@ -362,6 +373,34 @@ TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
     std::this_thread::sleep_for(10ms);
   }
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+// One client that stopped reading cannot keep other clients' streams out for as long as its
+// connection lasts: at the bound, streams unread for --unread-timeout are cancelled (their output
+// undelivered, as their log lines say) and new streams get in.
+TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
+  const std::string model = make_tiny_model(fresh_temp_dir());
+  auto server = ServerProcess::start(
+      model, {"--max-running", "1", "--max-waiting", "1", "--unread-timeout", "0.5"});
+  ASSERT_TRUE(server);
+  UnreadStreams unread(*server);
+  Stream after;
+  for (int attempt = 0; attempt < 200; ++attempt) {  // refused until they have waited 0.5 s
+    after = generate(server->channel(), ids_request(some_ids(4), 2));
+    if (after.status.ok()) break;
+    EXPECT_EQ(after.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << after.status.error_message();
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  for (auto& reader : unread.readers) {
+    for (v1::GenerateResponse m; reader->Read(&m);) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  const std::string log = log_with(*server, "undelivered=unread_timeout");
+  EXPECT_NE(log.find("status=OK latency_ms="), std::string::npos) << log;
+  EXPECT_NE(log.find("undelivered=unread_timeout"), std::string::npos) << log;
 }
 
 // With the engine full (one running, one waiting), a higher priority still gets in through

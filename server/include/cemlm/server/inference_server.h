@@ -31,6 +31,10 @@ struct ServerOptions {
   // Generate streams the engine has finished whose clients have not read all of them yet (they
   // hold their output); while that many wait, new streams are RESOURCE_EXHAUSTED (0: no bound).
   int max_unread_streams = 0;
+  // When that many wait, those whose clients have not read them for this long are cancelled to
+  // make room (their output undelivered), so that one client that stopped reading cannot keep
+  // every other client's streams out.
+  double unread_timeout_s = 10;
 };
 
 class InferenceServer {

@@ -353,6 +353,17 @@ struct UnreadStreams {
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> readers[2];
 };
 
+// A short stream, tried every 20 ms for up to 10 s while it is RESOURCE_EXHAUSTED.
+Stream generate_once_admitted(const ServerProcess& server) {
+  Stream s;
+  for (int attempt = 0; attempt < 500; ++attempt) {
+    s = generate(server.channel(), ids_request(some_ids(4), 2));
+    if (s.status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  return s;
+}
+
 TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(
@@ -366,12 +377,7 @@ TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
             std::string::npos)
       << refused.status.error_message();
   for (grpc::ClientContext& c : unread.contexts) c.TryCancel();
-  Stream after;
-  for (int attempt = 0; attempt < 200; ++attempt) {  // the cancelled streams close soon
-    after = generate(server->channel(), ids_request(some_ids(4), 2));
-    if (after.status.ok()) break;
-    std::this_thread::sleep_for(10ms);
-  }
+  const Stream after = generate_once_admitted(*server);  // the cancelled streams close soon
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
 }
 
@@ -384,20 +390,19 @@ TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
       model, {"--max-running", "1", "--max-waiting", "1", "--unread-timeout", "0.5"});
   ASSERT_TRUE(server);
   UnreadStreams unread(*server);
-  Stream after;
-  for (int attempt = 0; attempt < 200; ++attempt) {  // refused until they have waited 0.5 s
-    after = generate(server->channel(), ids_request(some_ids(4), 2));
-    if (after.status.ok()) break;
-    EXPECT_EQ(after.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
-        << after.status.error_message();
-    std::this_thread::sleep_for(50ms);
-  }
+  const Stream after = generate_once_admitted(*server);  // refused until they waited 0.5 s
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  // The stale ones were cancelled: at least one, or there was no room; a younger one may still
+  // be whole when read now.
+  int cancelled = 0;
   for (auto& reader : unread.readers) {
     for (v1::GenerateResponse m; reader->Read(&m);) {
     }
-    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    const grpc::StatusCode code = reader->Finish().error_code();
+    EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::CANCELLED) << code;
+    cancelled += code == grpc::StatusCode::CANCELLED;
   }
+  EXPECT_GE(cancelled, 1);
   const std::string log = log_with(*server, "undelivered=unread_timeout");
   EXPECT_NE(log.find("status=OK latency_ms="), std::string::npos) << log;
   EXPECT_NE(log.find("undelivered=unread_timeout"), std::string::npos) << log;

@@ -304,7 +304,9 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " (", req.prompt_ids.size(), " tokens) + sampling.max_new_tokens (",
                      req.sampling.max_new_tokens, ") = ", total,
-                     " exceeds the model's max_seq_len = ", config_.max_seq_len));
+                     " exceeds the model's max_seq_len = ", config_.max_seq_len,
+                     "; shorten the prompt or lower sampling.max_new_tokens (",
+                     SamplingParams{}.max_new_tokens, " when not set)"));
   if (blocks_.blocks_for(total) > blocks_.num_blocks())
     return absl::InvalidArgumentError(absl::StrCat(
         field, " + sampling.max_new_tokens = ", total, " tokens need ",

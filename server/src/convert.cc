@@ -189,7 +189,7 @@ absl::Status check_ids(const google::protobuf::RepeatedField<int32_t>& ids, int 
   for (int i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= vocab_size)
       return invalid(
-          absl::StrCat(field, "[", i, "] = ", ids[i], " is out of range [0, ", vocab_size, ")"));
+          absl::StrCat(field, "[", i, "] = ", ids[i], " is not a token id in [0, ", vocab_size, ")"));
   return absl::OkStatus();
 }
 

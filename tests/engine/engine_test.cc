@@ -914,7 +914,8 @@ TEST(Engine, BadRequestsAreRefusedNamingTheField) {
       {"prompt_ids[0] = -3", request({-3}, 4)},
       {"recursion_depth = 9 exceeds the model's recursion.max = 8", request({1}, 4, 9)},
       {"recursion_depth = -1", request({1}, 4, -1)},
-      {"max_seq_len = 200", request(std::vector<int>(150, 1), 60)},
+      {"max_seq_len = 200; shorten the prompt or lower sampling.max_new_tokens (64 when not set)",
+       request(std::vector<int>(150, 1), 60)},
       {"the cache holds 40", request(std::vector<int>(150, 1), 20)},
       {"sampling.stop needs a tokenizer", [] {
          auto r = request({1}, 4);

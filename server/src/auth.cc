@@ -32,12 +32,19 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::InvalidArgumentError("--api-key-file: cannot read '" + path + "'");
   ApiKeys out;
-  bool first = true;
-  for (std::string line; std::getline(in, line); first = false) {
+  int number = 0;
+  for (std::string line; std::getline(in, line);) {
     // Editors on Windows start a UTF-8 file with a byte-order mark, which is not part of a key.
-    if (first && absl::StartsWith(line, kUtf8Bom)) line.erase(0, kUtf8Bom.size());
+    if (++number == 1 && absl::StartsWith(line, kUtf8Bom)) line.erase(0, kUtf8Bom.size());
     absl::string_view key = absl::StripAsciiWhitespace(line);
-    if (!key.empty() && key[0] != '#') out.keys_.emplace_back(key);
+    if (key.empty() || key[0] == '#') continue;
+    // Metadata values are visible ASCII (and spaces): gRPC clients refuse to send other bytes.
+    for (const char c : key)
+      if (c < 0x20 || c > 0x7E)
+        return absl::InvalidArgumentError(
+            "--api-key-file: line " + std::to_string(number) + " of '" + path +
+            "' holds a byte no client can send in metadata; keys are printable ASCII");
+    out.keys_.emplace_back(key);
   }
   if (out.keys_.empty())
     return absl::InvalidArgumentError("--api-key-file: '" + path +

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <mutex>
@@ -60,11 +61,13 @@ inline Cleaner& cleaner() {
 
 }  // namespace detail
 
-// A new, empty directory named after `tag`, the running test (if any) and the process id, under
-// gtest's temporary directory; removed as the header comment says.
+// A new, empty directory named after `tag`, the running test (if any), the process id and how
+// many this process made before, under gtest's temporary directory; removed as the header
+// comment says. (Two calls in one test get two directories.)
 inline std::string fresh_dir(const std::string& tag) {
+  static std::atomic<int> made{0};
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::string name = "cemlm_" + tag + "_" + std::to_string(::getpid());
+  std::string name = "cemlm_" + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(made++);
   if (info) name += std::string("_") + info->test_suite_name() + "_" + info->name();
   for (char& c : name)
     if (c == '/') c = '_';  // parameterized tests name themselves Suite/Test/0

@@ -126,9 +126,10 @@ std::string read_file(const std::string& path) {
 
 std::string fresh_temp_dir() { return testing_temp::fresh_dir("server"); }
 
-int run_cemlm(const std::vector<std::string>& args, std::string* out) {
+int run_cemlm(const std::vector<std::string>& args, std::string* out, std::string* err) {
   int fd = -1;
-  const pid_t pid = spawn_cemlm(args, &fd, "");
+  const std::string err_path = err ? fresh_temp_dir() + "/stderr.txt" : "";
+  const pid_t pid = spawn_cemlm(args, &fd, err_path);
   if (pid < 0) return -1;
   std::string text;
   char buf[4096];
@@ -137,6 +138,7 @@ int run_cemlm(const std::vector<std::string>& args, std::string* out) {
   int status = 0;
   waitpid(pid, &status, 0);
   if (out) *out = text;
+  if (err) *err = read_file(err_path);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 

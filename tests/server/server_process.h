@@ -18,8 +18,9 @@ namespace cemlm::testing_server {
 // A fresh, empty directory for the running test (or suite), removed when it is done with.
 std::string fresh_temp_dir();
 
-// Runs `cemlm ARGS...`; returns the exit code, with stdout in *out when given.
-int run_cemlm(const std::vector<std::string>& args, std::string* out = nullptr);
+// Runs `cemlm ARGS...`; returns the exit code, with stdout in *out and stderr in *err when given.
+int run_cemlm(const std::vector<std::string>& args, std::string* out = nullptr,
+              std::string* err = nullptr);
 
 struct TinyModelOptions {
   int max_seq_len = 512;

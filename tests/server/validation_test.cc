@@ -358,6 +358,13 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   // An empty --api-key-file is a mistake, not "no keys".
   std::string out;
   EXPECT_EQ(run_cemlm({"serve", "--model", model, "--api-key-file", ""}, &out), 2);
+  // So is a key no client can send (gRPC metadata values are printable ASCII): refused by line.
+  const std::string bad = fresh_temp_dir() + "/keys.txt";
+  std::ofstream(bad) << "good-key\n# a comment: \xC3\xA9 is fine here\ncl\xC3\xA9\n";
+  std::string err;
+  EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", bad}, &out, &err), 0);
+  EXPECT_NE(err.find("line 3 of '" + bad + "' holds a byte no client can send"), std::string::npos)
+      << err;
 }
 
 TEST_F(ServerValidation, WithoutKeysAnyAuthorizationIsIgnored) {

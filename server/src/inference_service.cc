@@ -57,9 +57,13 @@ void ServerState::cancel_stale_unread(std::unique_lock<std::mutex>& lock) {
       stale.push_back(s);
     }
   for (UnreadStream* s : stale) {
-    lock.unlock();
-    s->cancel_unread();  // alive: its OnDone waits in release() unless it runs inside this call
-    lock.lock();
+    // Alive: its OnDone waits in release() for `cancelling` to clear, unless it ran on this thread
+    // (inside an earlier one's cancel_unread(): gRPC may run other calls' callbacks there too).
+    if (!unread_.at(s).done_inside) {
+      lock.unlock();
+      s->cancel_unread();
+      lock.lock();
+    }
     Held& held = unread_.at(s);
     held.cancelling = {};
     if (held.done_inside) {

@@ -237,8 +237,9 @@ int cmd_serve(int argc, char** argv) {
             "--max-running + --max-waiting also bounds finished Generate streams whose clients "
             "have not read them");
   flags.add("unread-timeout", &f.unread_timeout,
-            "seconds a finished Generate stream may wait for its client to read it once that "
-            "bound is reached; then it is cancelled to make room (its output undelivered)");
+            "seconds a finished Generate stream may wait for its client to read it once "
+            "--max-running + --max-waiting such streams wait; then it is cancelled to make room "
+            "(its output undelivered)");
   flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");
   flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
   flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");

@@ -1,6 +1,7 @@
 // `cemlm serve`: loads a checkpoint into the engine and serves it over gRPC, with /metrics on a
 // second port. Lifecycle: listen (NOT_SERVING) -> load + warm up -> SERVING -> SIGTERM/SIGINT ->
 // drain up to --shutdown-timeout -> cancel the rest -> exit 0.
+#include <grpc/support/log.h>
 #include <netdb.h>
 #include <prometheus/text_serializer.h>
 #include <pthread.h>
@@ -16,10 +17,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/cpu_threads.h"
@@ -187,6 +190,37 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   return 0;
 }
 
+// gRPC's own log lines: a malformed request makes it write one each (a bad grpc-timeout header:
+// "Error parsing metadata: ... value=abc"), so a client could fill the log, with its own bytes.
+// They go through spdlog, escaped, at most one a second, saying how many were left out.
+std::atomic<bool> grpc_lines_to_spdlog{true};  // false once serve() is over: plain stderr
+
+void log_grpc_line(gpr_log_func_args* args) {
+  const absl::string_view message(args->message);
+  if (!grpc_lines_to_spdlog.load()) {
+    std::fprintf(stderr, "grpc: %s\n", absl::CEscape(message.substr(0, 512)).c_str());
+    return;
+  }
+  static auto* mu = new std::mutex;  // never destroyed: gRPC's threads may log at exit
+  static std::chrono::steady_clock::time_point last{};
+  static int64_t left_out = 0;
+  std::unique_lock lock(*mu);
+  const auto now = std::chrono::steady_clock::now();
+  if (last != std::chrono::steady_clock::time_point{} && now - last < std::chrono::seconds(1)) {
+    ++left_out;
+    return;
+  }
+  last = now;
+  const int64_t skipped = std::exchange(left_out, 0);
+  lock.unlock();
+  const auto level = args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
+                     : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                               : spdlog::level::debug;
+  spdlog::log(level, "grpc: {}{} ({}:{}; {} gRPC lines left out before it)",
+              absl::CEscape(message.substr(0, 512)), message.size() > 512 ? "..." : "",
+              args->file, args->line, skipped);
+}
+
 // gRPC (1.51) stops accepting connections for good once accept() has failed for want of a file
 // descriptor (a fuzzing run lost the port for good at a limit of 160); each connection holds one.
 // The soft limit, often 1024, goes up to the hard one, and a low hard limit is reported.
@@ -275,6 +309,7 @@ int cmd_serve(int argc, char** argv) {
   }
   spdlog::set_level(level);
   raise_open_files_limit();
+  gpr_set_log_function(log_grpc_line);
   // Block the signals before any thread starts, so that every thread inherits the mask and
   // only sigwait() sees them.
   sigset_t signals;
@@ -282,7 +317,9 @@ int cmd_serve(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  return serve(f, &signals);
+  const int rc = serve(f, &signals);
+  grpc_lines_to_spdlog.store(false);  // gRPC may log after this, from threads of its own
+  return rc;
 }
 
 }  // namespace cemlm::cli

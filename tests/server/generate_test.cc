@@ -180,6 +180,28 @@ TEST_F(ServerGenerate, ADeadlineCenturiesAwayIsNone) {
   }
 }
 
+// gRPC writes a log line of its own for each malformed header (here a grpc-timeout holding a
+// control byte): those go through the server's log escaped, at most one a second, so that a
+// client cannot fill the log with lines of its own bytes.
+TEST_F(ServerGenerate, GrpcsOwnLogLinesAreEscapedAndRateLimited) {
+  v1::ScoreRequest score;
+  for (int id : {5, 6, 7, 8}) score.add_ids(id);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 20; ++i)
+    EXPECT_GE(raw_grpc_status(server_->port(), "/cemlm.v1.Inference/Score",
+                              score.SerializeAsString(), {"grpc-timeout", "ab\x01" "c"}),
+              0);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string log = log_with(*server_, "grpc: Error parsing metadata");
+  size_t lines = 0;
+  for (size_t at = 0; (at = log.find("grpc: Error parsing metadata", at)) != std::string::npos; ++at)
+    ++lines;
+  EXPECT_GE(lines, 1u);
+  EXPECT_LE(double(lines), 2 + seconds) << log;
+  EXPECT_NE(log.find("value=ab\\001c"), std::string::npos) << log;
+  EXPECT_EQ(log.find('\x01'), std::string::npos) << log;
+}
+
 TEST_F(ServerGenerate, SixtyFourConcurrentStreamsWithMixedT) {
   constexpr int kStreams = 64, kTokens = 6;
   std::vector<Stream> results(kStreams);

@@ -56,6 +56,7 @@ void ServerState::cancel_stale_unread(std::unique_lock<std::mutex>& lock) {
       --unread_counted_;
       stale.push_back(s);
     }
+  metrics_->set_unread_streams(unread_counted_);
   for (UnreadStream* s : stale) {
     // Alive: its OnDone waits in release() for `cancelling` to clear, unless it ran on this thread
     // (inside an earlier one's cancel_unread(): gRPC may run other calls' callbacks there too).
@@ -89,7 +90,7 @@ bool ServerState::log_refused_key(int64_t* left_out) {
 void ServerState::hold_unread(UnreadStream* stream) {
   std::lock_guard lock(mu_);
   unread_[stream] = {Clock::now()};
-  ++unread_counted_;
+  metrics_->set_unread_streams(++unread_counted_);
 }
 
 bool ServerState::release(UnreadStream* held) {
@@ -104,7 +105,7 @@ bool ServerState::release(UnreadStream* held) {
   // Another thread is inside its cancel_unread(): the call (and this stream) must outlive that.
   uncancelling_.wait(lock, [&] { return unread_.at(held).cancelling == std::thread::id{}; });
   it = unread_.find(held);  // other streams came and went meanwhile
-  if (!it->second.cancelled) --unread_counted_;
+  if (!it->second.cancelled) metrics_->set_unread_streams(--unread_counted_);
   unread_.erase(it);
   return true;
 }

@@ -32,6 +32,9 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
   waiting_ = gauge("cemlm:num_requests_waiting",
                    "Requests queued in the engine, Score calls waiting for KV cache room included.");
   kv_usage_ = gauge("cemlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).");
+  unread_ = gauge("cemlm:num_unread_streams",
+                  "Finished Generate streams whose clients have not read all of them (each holds "
+                  "its output; at --max-running + --max-waiting new streams are refused).");
   preemptions_ = counter("cemlm:num_preemptions_total", "Requests preempted by recompute.");
   prompt_tokens_ = counter("cemlm:prompt_tokens_total",
                            "Prompt tokens of generations, counted at their first token.");
@@ -98,6 +101,8 @@ void ServerMetrics::count_rpc(const char* method, grpc::StatusCode code) {
   if (code != grpc::StatusCode::OK)
     errors_->Add({{"model_name", model_name_}, {"code", name}}).Increment();
 }
+
+void ServerMetrics::set_unread_streams(int n) { unread_->Set(n); }
 
 void ServerMetrics::refresh_gauges() const {
   std::lock_guard lock(stats_mu_);

@@ -398,9 +398,16 @@ TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
   EXPECT_NE(refused.status.error_message().find("holds 2 finished Generate streams"),
             std::string::npos)
       << refused.status.error_message();
+  // What an operator sees: the engine idle, two streams unread.
+  EXPECT_TRUE(wait_for_metrics(*server, [](const auto& m) {
+    return metric(m, "cemlm:num_unread_streams") == 2 && metric(m, "cemlm:num_requests_running") == 0;
+  }));
   for (grpc::ClientContext& c : unread.contexts) c.TryCancel();
   const Stream after = generate_once_admitted(*server);  // the cancelled streams close soon
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_TRUE(wait_for_metrics(*server, [](const auto& m) {
+    return metric(m, "cemlm:num_unread_streams") == 0;
+  }));
 }
 
 // One client that stopped reading cannot keep other clients' streams out for as long as its

@@ -44,6 +44,8 @@ class ServerMetrics : public prometheus::Collectable {
   void observe_finished(const FinishedGeneration& g);
   // Every finished RPC of cemlm.v1.Inference (method: one of kMethods), OK or not.
   void count_rpc(const char* method, grpc::StatusCode code);
+  // Finished Generate streams whose clients have not read all of them (they hold their output).
+  void set_unread_streams(int n);
 
   // Refreshes the engine gauges, then returns every family (called by the /metrics exposer).
   std::vector<prometheus::MetricFamily> Collect() const override;
@@ -53,7 +55,7 @@ class ServerMetrics : public prometheus::Collectable {
 
   std::string model_name_;
   std::shared_ptr<prometheus::Registry> registry_;
-  prometheus::Gauge *running_, *waiting_, *kv_usage_;
+  prometheus::Gauge *running_, *waiting_, *kv_usage_, *unread_;
   prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_;
   prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_;
   prometheus::Family<prometheus::Counter>* success_;

@@ -119,9 +119,10 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     if (value < 1)
       return fail(absl::InvalidArgumentError(
           absl::StrCat(flag, " ", value, " must be at least 1 (see --help)")));
-  if (!(f.unread_timeout >= 0 && f.unread_timeout <= 1e6))
+  // Below a second, a client reading at an ordinary pace could lose its stream's last message.
+  if (!(f.unread_timeout >= 1 && f.unread_timeout <= 1e6))
     return fail(absl::InvalidArgumentError(absl::StrCat(
-        "--unread-timeout ", f.unread_timeout, " must be in [0, 1e6] seconds")));
+        "--unread-timeout ", f.unread_timeout, " must be in [1, 1e6] seconds")));
   if (!(f.max_connection_age >= 0))
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "--max-connection-age ", f.max_connection_age, " must be >= 0 seconds (0: no limit)")));
@@ -271,9 +272,9 @@ int cmd_serve(int argc, char** argv) {
             "--max-running + --max-waiting also bounds finished Generate streams whose clients "
             "have not read them");
   flags.add("unread-timeout", &f.unread_timeout,
-            "seconds a finished Generate stream may wait for its client to read it once "
-            "--max-running + --max-waiting such streams wait; then it is cancelled to make room "
-            "(its output undelivered)");
+            "seconds a finished Generate stream may go without its client reading any of it once "
+            "--max-running + --max-waiting such streams wait (and at shutdown); then it is "
+            "cancelled to make room (its output undelivered)");
   flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");
   flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
   flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");

@@ -33,7 +33,12 @@ grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool str
   // a bound. (Streams the engine still runs are its to bound, priority displacement included.)
   // Those that waited past the grace make room: one client that stopped reading must not keep
   // every other client's streams out for as long as its connection lasts.
-  if (stream && max_unread_ > 0 && unread_counted_ >= max_unread_) cancel_stale_unread(lock);
+  if (stream && max_unread_ > 0 && unread_counted_ >= max_unread_) {
+    cancel_stale_unread(lock);
+    // The lock was let go meanwhile: a drain may have begun and found nothing in flight.
+    if (draining_.load())
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+  }
   if (stream && max_unread_ > 0 && unread_counted_ >= max_unread_)
     return grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -59,7 +64,8 @@ void ServerState::cancel_stale_unread(std::unique_lock<std::mutex>& lock) {
   metrics_->set_unread_streams(unread_counted_);
   for (UnreadStream* s : stale) {
     // Alive: its OnDone waits in release() for `cancelling` to clear, unless it ran on this thread
-    // (inside an earlier one's cancel_unread(): gRPC may run other calls' callbacks there too).
+    // (inside an earlier one's cancel_unread(); gRPC 1.51 runs a reactor's callbacks on its
+    // executor's threads, but may run them inline when it has none, as at its shutdown).
     if (!unread_.at(s).done_inside) {
       lock.unlock();
       s->cancel_unread();
@@ -71,8 +77,8 @@ void ServerState::cancel_stale_unread(std::unique_lock<std::mutex>& lock) {
       unread_.erase(s);
       s->destroy();
     }
+    uncancelling_.notify_all();  // its OnDone may wait in release()
   }
-  if (!stale.empty()) uncancelling_.notify_all();
 }
 
 bool ServerState::log_refused_key(int64_t* left_out) {
@@ -91,6 +97,11 @@ void ServerState::hold_unread(UnreadStream* stream) {
   std::lock_guard lock(mu_);
   unread_[stream] = {Clock::now()};
   metrics_->set_unread_streams(++unread_counted_);
+}
+
+void ServerState::unread_progress(UnreadStream* stream) {
+  std::lock_guard lock(mu_);
+  if (auto it = unread_.find(stream); it != unread_.end()) it->second.since = Clock::now();
 }
 
 bool ServerState::release(UnreadStream* held) {
@@ -113,7 +124,15 @@ bool ServerState::release(UnreadStream* held) {
 bool ServerState::drain(Clock::duration timeout) {
   std::unique_lock lock(mu_);
   draining_.store(true);
-  return idle_.wait_for(lock, timeout, [&] { return in_flight_ == 0; });
+  // Streams whose clients stopped reading would hold the drain to its timeout: they are cancelled
+  // as they go stale, as admit() does at the bound.
+  const Clock::time_point end = Clock::now() + timeout;
+  while (in_flight_ > 0 && Clock::now() < end) {
+    cancel_stale_unread(lock);
+    idle_.wait_until(lock, std::min(end, Clock::now() + std::chrono::milliseconds(100)),
+                     [&] { return in_flight_ == 0; });
+  }
+  return in_flight_ == 0;
 }
 
 WriterThread::WriterThread() : thread_([this] { loop(); }) {}
@@ -203,6 +222,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     std::unique_lock lock(mu_);
     writing_ = false;
     if (!ok) broken_ = true;  // the client is gone; OnCancel follows and cancels the request
+    if (ok && unread_held_) state_->unread_progress(this);
     pump(lock);
   }
 
@@ -403,7 +423,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     // The engine ends a call whose gRPC deadline passed as cancelled; the log says which it was.
     const bool deadline = final_status_.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     std::unique_lock lock(mu_);
-    const char* undelivered = unread_cancelled_ ? " undelivered=unread_timeout" : "";
+    const bool undelivered = unread_cancelled_;
     lock.unlock();
     spdlog::info(
         "generate id={} client_id=\"{}\" peer={} T={} prompt_tokens={} gen_tokens={} finish={} "
@@ -411,7 +431,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
         *id_, log_escaped(request_id_), peer_, recursion_depth_, usage_.prompt_tokens,
         usage_.generated_tokens,
         deadline ? finish_reason_name(FinishReason::kDeadline) : finish_reason_name(finish_reason_),
-        grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3, undelivered);
+        // What its client saw: the server cancelled the call before all of it was read.
+        undelivered ? "CANCELLED" : grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3,
+        undelivered ? " undelivered=unread_timeout" : "");
   }
 
   ServerState* const state_;

@@ -21,7 +21,8 @@ namespace cemlm::server {
 // A Generate stream the engine has finished whose client has not read all of it yet.
 class UnreadStream {
  public:
-  // Cancels the call (its client has not read for too long); its OnDone follows, maybe inside.
+  // Cancels the call (its client has not read for too long); its OnDone follows (inside it only
+  // when gRPC has no executor thread left to run it on).
   virtual void cancel_unread() = 0;
   // Deletes it: its OnDone came inside cancel_unread(), and left that to the caller.
   virtual void destroy() = 0;
@@ -50,6 +51,8 @@ class ServerState {
   // A Generate stream the engine has finished: it holds its unsent output until it is done, and
   // then releases with itself.
   void hold_unread(UnreadStream* stream);
+  // A write of a held stream completed: its client reads, so its wait starts again.
+  void unread_progress(UnreadStream* stream);
   // The end of an admitted call (its OnDone). False when `held` must not be deleted by the
   // caller: its OnDone came inside the cancel_unread() of admit(), which deletes it after.
   bool release(UnreadStream* held = nullptr);
@@ -72,8 +75,8 @@ class ServerState {
   const ApiKeys keys_;
   const std::string model_name_;
   ServerMetrics* const metrics_;
-  // Cancels held streams older than the grace, with mu_ released around each cancel_unread()
-  // (gRPC may run the stream's OnDone inside it, which calls release()).
+  // Cancels held streams that have seen no write complete for the grace, with mu_ released around
+  // each cancel_unread() (which may run callbacks inline: a new call's handler, even OnDone).
   void cancel_stale_unread(std::unique_lock<std::mutex>& lock);
 
   const int max_unread_;

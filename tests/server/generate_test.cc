@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -416,10 +417,10 @@ TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
 TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(
-      model, {"--max-running", "1", "--max-waiting", "1", "--unread-timeout", "0.5"});
+      model, {"--max-running", "1", "--max-waiting", "1", "--unread-timeout", "1"});
   ASSERT_TRUE(server);
   UnreadStreams unread(*server);
-  const Stream after = generate_once_admitted(*server);  // refused until they waited 0.5 s
+  const Stream after = generate_once_admitted(*server);  // refused until they waited 1 s
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
   // The stale ones were cancelled: at least one, or there was no room; a younger one may still
   // be whole when read now.
@@ -433,8 +434,21 @@ TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
   }
   EXPECT_GE(cancelled, 1);
   const std::string log = log_with(*server, "undelivered=unread_timeout");
-  EXPECT_NE(log.find("status=OK latency_ms="), std::string::npos) << log;
+  // Logged as its client saw it.
+  EXPECT_NE(log.find("finish=length status=CANCELLED latency_ms="), std::string::npos) << log;
   EXPECT_NE(log.find("undelivered=unread_timeout"), std::string::npos) << log;
+}
+
+// At shutdown, streams whose clients stopped reading are cancelled once stale rather than hold the
+// drain for all of --shutdown-timeout (120 s here; it took that long before).
+TEST(ServerQueue, ADrainCancelsStreamsLeftUnread) {
+  const std::string model = make_tiny_model(fresh_temp_dir());
+  auto server = ServerProcess::start(model, {"--unread-timeout", "1", "--shutdown-timeout", "120"});
+  ASSERT_TRUE(server);
+  UnreadStreams unread(*server);
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(60s), 0) << server->log();
+  EXPECT_NE(server->log().find("undelivered=unread_timeout"), std::string::npos) << server->log();
 }
 
 // With the engine full (one running, one waiting), a higher priority still gets in through

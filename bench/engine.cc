@@ -56,6 +56,7 @@ struct Settings {
   int threads = 0;           // 0: the runner's default (cpu_threads)
   std::string cell;          // "--cell MODEL:T:B": time only that decode cell (for profilers)
   std::string kv_dtype = "fp32";
+  std::string device = "cpu";  // cpu or cpu:bf16 (bf16 weights)
   std::string shape = "small";
 };
 
@@ -140,7 +141,7 @@ Model load_model(const std::string& name, const ModelConfig& c, const std::strin
     std::exit(1);
   }
   auto r = make_model_runner(
-      m.dir, RunnerOptions{"cpu", kv_budget(c, s.prompt), kBlockSize, s.threads, s.kv_dtype});
+      m.dir, RunnerOptions{s.device, kv_budget(c, s.prompt), kBlockSize, s.threads, s.kv_dtype});
   if (!r.ok()) {
     std::fprintf(stderr, "runner for %s: %s\n", name.c_str(), r.status().ToString().c_str());
     std::exit(1);
@@ -272,6 +273,7 @@ double engine_ttft_seconds(const Model& m, int n, int T, const Settings& s) {
   o.block_size = kBlockSize;
   o.kv_cache_memory = int64_t(m.cfg.max_seq_len) * m.cfg.kv_bytes_per_token();
   o.kv_cache_dtype = s.kv_dtype;
+  o.device = s.device;
   o.max_batch_tokens = std::max(512, n);
   o.prefix_caching = false;
   auto e = Engine::create(o);
@@ -301,6 +303,7 @@ double engine_decode_tokens_per_s(const Model& m, int B, const SamplingParams& s
   o.block_size = kBlockSize;
   o.kv_cache_memory = kv_budget(m.cfg, s.prompt);
   o.kv_cache_dtype = s.kv_dtype;
+  o.device = s.device;
   o.prefix_caching = false;
   auto e = Engine::create(o);
   if (!e.ok()) {
@@ -381,12 +384,13 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
 void print_help() {
   std::printf(
       "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape small|base]\n"
-      "                    [--cell M:T:B]\n"
+      "                    [--device cpu|cpu:bf16] [--cell M:T:B]\n"
       "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
       "  --threads N  compute threads (default 0: as serve; 1 is steadier on a busy machine)\n"
       "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
+      "  --device cpu|cpu:bf16  the runners' weights: fp32 (default) or bf16\n"
       "  --shape small|base  the models' size: small (default) D=256 L=4 V=4096, weights in\n"
       "               cache; base D=1024 L=12 V=32000, 127M/218M parameters, weights in memory\n"
       "  --cell M:T:B decode only model M (standard|cem|cem-L<half the layers>) at depth T,\n"
@@ -410,6 +414,12 @@ int main(int argc, char** argv) {
       }
     } else if (!std::strcmp(argv[i], "--kv-cache-dtype") && i + 1 < argc) {
       s.kv_dtype = argv[++i];
+    } else if (!std::strcmp(argv[i], "--device") && i + 1 < argc) {
+      s.device = argv[++i];
+      if (!is_cpu_device(s.device)) {
+        std::fprintf(stderr, "--device %s: expected cpu, cpu:fp32 or cpu:bf16\n", argv[i]);
+        return 2;
+      }
     } else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) {
       s.shape = argv[++i];
       if (s.shape != "small" && s.shape != "base") {
@@ -449,10 +459,10 @@ int main(int argc, char** argv) {
   std::printf("models: --shape %s (D=%d, L=%d, H=%d, F=%d, V=%d)\n", s.shape.c_str(), shape.d_model,
               shape.layers, shape.heads, shape.d_ff, shape.vocab);
   std::printf(
-      "threads: %d (%s); load average %s; block size %d; KV cache %s; context %d "
+      "threads: %d (%s); load average %s; block size %d; KV cache %s; device %s; context %d "
       "tokens per decoding sequence; times are the fastest of repeated steps\n\n",
       threads.threads, threads.why.c_str(), load_average().c_str(), kBlockSize, s.kv_dtype.c_str(),
-      kContext);
+      s.device.c_str(), kContext);
 
   // Each cell keeps its best over rounds that sweep every cell, so a busy spell on the machine
   // cannot skew the ratios between cells measured far apart in time.

@@ -152,16 +152,24 @@ enum Buf {
 Tensor view(float* p, int64_t r, int64_t c) { return Tensor(p, {r, c}); }
 }  // namespace
 
-CpuModel::CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant)
-    : cfg_(c), w_(w), batch_invariant_(batch_invariant), lm_head_(w.lm_head), bufs_(kNumBufs) {
+CpuModel::CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant,
+                   WeightDtype weights)
+    : cfg_(c),
+      w_(w),
+      batch_invariant_(batch_invariant),
+      lm_head_(w.lm_head, PackedLinear::Use::kForward, weights),
+      bufs_(kNumBufs) {
   for (const LayerWeights& lw : w.layers) {
-    constexpr auto kT = PackedLinear::Use::kTransposed;
+    auto fwd = [&](const Tensor& W) { return PackedLinear(W, PackedLinear::Use::kForward, weights); };
+    // The tied W_Q and W_up of CEM sub-layers, applied as Wᵀ·x too.
+    auto tied = [&](const Tensor& W, bool cem) {
+      return cem ? PackedLinear(W, PackedLinear::Use::kTransposed, weights) : PackedLinear();
+    };
     const bool cem_attn = c.attention == AttentionType::kCem, cem_mlp = c.mlp == MlpType::kCem;
     PackedLayer& pl = packed_.emplace_back(PackedLayer{
-        PackedLinear(lw.wq), PackedLinear(lw.wk), PackedLinear(lw.wv), PackedLinear(lw.wo),
-        PackedLinear(lw.w_gate), PackedLinear(lw.w_up), PackedLinear(lw.w_down),
-        cem_attn ? PackedLinear(lw.wq, kT) : PackedLinear(),
-        cem_mlp ? PackedLinear(lw.w_up, kT) : PackedLinear(), PackedPrecond(), PackedPrecond()});
+        fwd(lw.wq), fwd(lw.wk), fwd(lw.wv), fwd(lw.wo), fwd(lw.w_gate), fwd(lw.w_up),
+        fwd(lw.w_down), tied(lw.wq, cem_attn), tied(lw.w_up, cem_mlp), PackedPrecond(),
+        PackedPrecond()});
     if (c.attn_precond_rank > 0) pl.attn_precond = PackedPrecond(lw.attn_p, lw.attn_u, lw.attn_v);
     if (c.mlp_precond_rank > 0) pl.mlp_precond = PackedPrecond(lw.mlp_p, lw.mlp_u, lw.mlp_v);
   }

@@ -17,11 +17,12 @@ namespace {
 
 class CpuRunner final : public ModelRunner {
  public:
-  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks, int threads, bool bf16_kv)
+  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks, int threads, bool bf16_kv,
+            WeightDtype weight_dtype)
       : threads_(threads),
         ck_(std::move(ck)),
         weights_(bind_weights(ck_.config, ck_.params)),
-        model_(ck_.config, weights_, /*batch_invariant=*/true),
+        model_(ck_.config, weights_, /*batch_invariant=*/true, weight_dtype),
         kv_(ck_.config, block_size, n_blocks, bf16_kv) {}
   const ModelConfig& config() const override { return ck_.config; }
   int block_size() const override { return kv_.block_size(); }
@@ -46,11 +47,20 @@ class CpuRunner final : public ModelRunner {
 
 }  // namespace
 
+bool is_cpu_device(const std::string& device) {
+  return device == "cpu" || device == "cpu:fp32" || device == "cpu:bf16";
+}
+
 absl::Status check_runner_options(const RunnerOptions& opts) {
   const bool cuda = opts.device == "cuda" || opts.device == "cuda:bf16" || opts.device == "cuda:fp32";
-  if (!cuda && opts.device != "cpu")
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--device \"", opts.device, "\" is not one of cpu, cuda, cuda:bf16, cuda:fp32"));
+  if (!cuda && !is_cpu_device(opts.device))
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device \"", opts.device,
+                     "\" is not one of cpu, cpu:fp32, cpu:bf16, cuda, cuda:bf16, cuda:fp32"));
+  if (opts.device == "cpu:bf16" && !packed_weights_available())
+    return absl::InvalidArgumentError(
+        "--device cpu:bf16: this build has no AVX-512 kernels, which bf16 weights need; use "
+        "--device cpu (fp32 weights)");
   if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
@@ -67,7 +77,7 @@ absl::Status check_runner_options(const RunnerOptions& opts) {
 absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
                                                                const RunnerOptions& opts) {
   CEMLM_RETURN_IF_ERROR(check_runner_options(opts));
-  if (opts.device != "cpu") {
+  if (!is_cpu_device(opts.device)) {
     std::string why;
     auto factory = reinterpret_cast<CudaRunnerFactory (*)()>(
         load_plugin_entry("libcemlm_cuda.so", "CEMLM_CUDA_PLUGIN", CEMLM_CUDA_PLUGIN_BUILD_PATH,
@@ -91,7 +101,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
                      " bytes); raise --kv-cache-memory"));
   const int threads = use_cpu_threads(opts.threads).threads;
   return std::unique_ptr<ModelRunner>(
-      new CpuRunner(std::move(ck), opts.block_size, blocks, threads, bf16_kv));
+      new CpuRunner(std::move(ck), opts.block_size, blocks, threads, bf16_kv,
+                    opts.device == "cpu:bf16" ? WeightDtype::kBf16 : WeightDtype::kFp32));
 }
 
 }  // namespace cemlm

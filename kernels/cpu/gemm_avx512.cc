@@ -25,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cemlm/kernels/bf16.h"
+
 namespace cemlm {
 namespace {
 
@@ -97,29 +99,45 @@ void pack_panel(bool trans_b, const float* B, int ldb, int K, int n0, int width,
   }
 }
 
-// A panel: row k's 32 floats start at p + k·stride.
-struct Panel {
-  const float* p;
+// A panel: row k's 32 weights start at p + k·stride. W = float, or uint16_t for bf16 panels
+// (pack_panels' bf16 layout: 16 pairs per row, the low half of pair j column j, the high half
+// column j + 16, so that two integer ops give both vectors of floats).
+template <typename W>
+struct PanelOf {
+  const W* p;
   size_t stride;
 };
+using Panel = PanelOf<float>;
+
+// Row `row`'s 32 weights as two vectors of 16 floats (columns 0–15, 16–31).
+inline void load_row(const float* row, __m512& y0, __m512& y1) {
+  y0 = _mm512_loadu_ps(row);
+  y1 = _mm512_loadu_ps(row + 16);
+}
+inline void load_row(const uint16_t* row, __m512& y0, __m512& y1) {
+  const __m512i v = _mm512_loadu_si512(row);
+  y0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  y1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
 
 // C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P; with kPrefetch, also pulls
 // panel `next` into L2, one row per row of P.
-template <int R, bool kPrefetch>
-void tile(int K, const float* a, int lda, Panel P, Panel next, float alpha, float beta, float* c,
-          int ldc, __mmask16 m0, __mmask16 m1) {
+template <int R, bool kPrefetch, typename W>
+void tile(int K, const float* a, int lda, PanelOf<W> P, PanelOf<W> next, float alpha, float beta,
+          float* c, int ldc, __mmask16 m0, __mmask16 m1) {
   // The loops over R must be unrolled for acc to live in registers (-O2 does not unroll them).
   __m512 acc[2 * R];
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
   for (int k = 0; k < K; ++k) {
-    const float* row = P.p + size_t(k) * P.stride;
+    const W* row = P.p + size_t(k) * P.stride;
     if constexpr (kPrefetch) {
       const char* ahead = reinterpret_cast<const char*>(next.p + size_t(k) * next.stride);
-      _mm_prefetch(ahead, _MM_HINT_T1);
-      _mm_prefetch(ahead + 64, _MM_HINT_T1);
+      for (size_t line = 0; line < sizeof(W) * kPanel; line += 64)
+        _mm_prefetch(ahead + line, _MM_HINT_T1);
     }
-    const __m512 y0 = _mm512_loadu_ps(row), y1 = _mm512_loadu_ps(row + 16);
+    __m512 y0, y1;
+    load_row(row, y0, y1);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m512 x = _mm512_set1_ps(a[size_t(i) * lda + k]);
@@ -145,20 +163,21 @@ void tile(int K, const float* a, int lda, Panel P, Panel next, float alpha, floa
 // FMA units busy where one panel's two would wait on their latency). Each output is the same
 // k-ordered chain of FMAs, then the same alpha/beta step, as tile<R>'s for any R: a row's product
 // has the same bits whatever the number of rows it came with. masks: P pairs, for ragged N.
-template <int P>
-void row_panels(int K, const float* a, const float* panels, int64_t panel_floats, float alpha,
+template <int P, typename W>
+void row_panels(int K, const float* a, const W* panels, int64_t panel_size, float alpha,
                 float beta, float* c, const __mmask16* masks) {
   __m512 acc[2 * P];
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * P; ++i) acc[i] = _mm512_setzero_ps();
   for (int k = 0; k < K; ++k) {
     const __m512 x = _mm512_set1_ps(a[k]);
-    const float* row = panels + size_t(k) * kPanel;
+    const W* row = panels + size_t(k) * kPanel;
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
-      acc[2 * p] = _mm512_fmadd_ps(x, _mm512_loadu_ps(row + p * panel_floats), acc[2 * p]);
-      acc[2 * p + 1] =
-          _mm512_fmadd_ps(x, _mm512_loadu_ps(row + p * panel_floats + 16), acc[2 * p + 1]);
+      __m512 y0, y1;
+      load_row(row + p * panel_size, y0, y1);
+      acc[2 * p] = _mm512_fmadd_ps(x, y0, acc[2 * p]);
+      acc[2 * p + 1] = _mm512_fmadd_ps(x, y1, acc[2 * p + 1]);
     }
   }
   const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
@@ -177,19 +196,23 @@ void row_panels(int K, const float* a, const float* panels, int64_t panel_floats
 }
 
 constexpr int kRowPanels = 4;  // panels per row_panels call
-using RowPanelsFn = void (*)(int, const float*, const float*, int64_t, float, float, float*,
+template <typename W>
+using RowPanelsFn = void (*)(int, const float*, const W*, int64_t, float, float, float*,
                              const __mmask16*);
-constexpr RowPanelsFn kRowPanelsFns[kRowPanels + 1] = {nullptr, &row_panels<1>, &row_panels<2>,
-                                                       &row_panels<3>, &row_panels<4>};
+template <typename W>
+constexpr RowPanelsFn<W> kRowPanelsFns[kRowPanels + 1] = {
+    nullptr, &row_panels<1, W>, &row_panels<2, W>, &row_panels<3, W>, &row_panels<4, W>};
 
-using TileFn = void (*)(int, const float*, int, Panel, Panel, float, float, float*, int, __mmask16,
-                        __mmask16);
-// kTiles[prefetch][rows]
-constexpr TileFn kTiles[2][kTileRows + 1] = {
-    {nullptr, &tile<1, false>, &tile<2, false>, &tile<3, false>, &tile<4, false>, &tile<5, false>,
-     &tile<6, false>, &tile<7, false>, &tile<8, false>},
-    {nullptr, &tile<1, true>, &tile<2, true>, &tile<3, true>, &tile<4, true>, &tile<5, true>,
-     &tile<6, true>, &tile<7, true>, &tile<8, true>}};
+template <typename W>
+using TileFn = void (*)(int, const float*, int, PanelOf<W>, PanelOf<W>, float, float, float*, int,
+                        __mmask16, __mmask16);
+// kTiles<W>[prefetch][rows]
+template <typename W>
+constexpr TileFn<W> kTiles[2][kTileRows + 1] = {
+    {nullptr, &tile<1, false, W>, &tile<2, false, W>, &tile<3, false, W>, &tile<4, false, W>,
+     &tile<5, false, W>, &tile<6, false, W>, &tile<7, false, W>, &tile<8, false, W>},
+    {nullptr, &tile<1, true, W>, &tile<2, true, W>, &tile<3, true, W>, &tile<4, true, W>,
+     &tile<5, true, W>, &tile<6, true, W>, &tile<7, true, W>, &tile<8, true, W>}};
 
 // c[n0, n0 + rows) ← beta·c + alpha·B[n]·a for rows ≤ 16 rows of B [N, K]: one accumulator per row,
 // the K tail masked, the 16 sums reduced together.
@@ -237,19 +260,19 @@ constexpr double kParallelGemvBytes = 1 << 18;
 // Drives the row tiles over every 32-column panel of op(B), panels split over threads when the
 // product is big enough. panel_of(p) gives panel p (packing it if need be); stored(p) gives it
 // only where it is already in memory as it will be read ({nullptr, 0} otherwise), for the prefetch.
-template <typename PanelOf, typename Stored>
+template <typename W, typename GetPanel, typename Stored>
 void panel_products(int M, int N, int K, float alpha, const float* A, int lda, float beta, float* C,
-                    int ldc, PanelOf panel_of, Stored stored) {
+                    int ldc, GetPanel panel_of, Stored stored) {
   const int panels = (N + kPanel - 1) / kPanel;
   const bool parallel = 2.0 * M * N * K >= kParallelFlops && panels > 1 && !omp_in_parallel();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int p = 0; p < panels; ++p) {
     const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
-    const Panel panel = panel_of(p);
-    const Panel next = p + 1 < panels ? stored(p + 1) : Panel{nullptr, 0};
+    const PanelOf<W> panel = panel_of(p);
+    const PanelOf<W> next = p + 1 < panels ? stored(p + 1) : PanelOf<W>{nullptr, 0};
     const __mmask16 m0 = lane_mask(width), m1 = lane_mask(width - 16);
     for (int m = 0; m < M; m += kTileRows)
-      kTiles[m == 0 && next.p][std::min(kTileRows, M - m)](
+      kTiles<W>[m == 0 && next.p][std::min(kTileRows, M - m)](
           K, A + size_t(m) * lda, lda, panel, next, alpha, beta, C + size_t(m) * ldc + n0, ldc, m0,
           m1);
   }
@@ -273,7 +296,7 @@ bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, 
     const int n0 = p * kPanel;
     return !trans_b && N - n0 >= kPanel ? Panel{B + n0, size_t(ldb)} : Panel{nullptr, 0};
   };
-  panel_products(M, N, K, alpha, A, lda, beta, C, ldc, [&](int p) {
+  panel_products<float>(M, N, K, alpha, A, lda, beta, C, ldc, [&](int p) {
     if (const Panel in = in_place(p); in.p) return in;
     thread_local std::vector<float> buffer;  // kept between calls: no allocation per product
     buffer.resize(size_t(K) * kPanel);
@@ -284,9 +307,7 @@ bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, 
   return true;
 }
 
-int64_t packed_panels_floats(int N, int K) {
-  return int64_t((N + kPanel - 1) / kPanel) * kPanel * K;
-}
+int64_t packed_panels_size(int N, int K) { return int64_t((N + kPanel - 1) / kPanel) * kPanel * K; }
 
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out) {
   for (int n0 = 0; n0 < N; n0 += kPanel)
@@ -294,14 +315,30 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out
   return true;
 }
 
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const float* panels, float beta, float* C, int ldc) {
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint16_t* out) {
+  std::vector<float> panel(size_t(K) * kPanel);
+  for (int n0 = 0; n0 < N; n0 += kPanel) {
+    pack_panel(trans_b, B, ldb, K, n0, std::min(kPanel, N - n0), panel.data());
+    uint16_t* o = out + int64_t(n0) * K;
+    for (int k = 0; k < K; ++k)
+      for (int j = 0; j < 16; ++j) {
+        o[size_t(k) * kPanel + 2 * j] = f32_to_bf16(panel[size_t(k) * kPanel + j]);
+        o[size_t(k) * kPanel + 2 * j + 1] = f32_to_bf16(panel[size_t(k) * kPanel + 16 + j]);
+      }
+  }
+  return true;
+}
+
+namespace {
+template <typename W>
+void packed_products_of(int M, int N, int K, float alpha, const float* A, int lda, const W* panels,
+                        float beta, float* C, int ldc) {
   if (M <= 0 || N <= 0) return;
-  const int64_t panel_floats = int64_t(kPanel) * K;
+  const int64_t panel_size = int64_t(kPanel) * K;
   if (M == 1) {  // groups of kRowPanels panels, split over threads like a one-row product's
     const int n_panels = (N + kPanel - 1) / kPanel;
     const int groups = (n_panels + kRowPanels - 1) / kRowPanels;
-    const int threads = std::min(groups, gemv_threads(4.0 * N * K));
+    const int threads = std::min(groups, gemv_threads(double(sizeof(W)) * N * K));
 #pragma omp parallel for schedule(static) if (threads > 1) num_threads(threads)
     for (int g = 0; g < groups; ++g) {
       const int p0 = g * kRowPanels, np = std::min(kRowPanels, n_panels - p0);
@@ -310,13 +347,24 @@ void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
         const int width = std::min(kPanel, N - (p0 + p) * kPanel);
         masks[2 * p] = lane_mask(width), masks[2 * p + 1] = lane_mask(width - 16);
       }
-      kRowPanelsFns[np](K, A, panels + p0 * panel_floats, panel_floats, alpha, beta,
-                        C + int64_t(p0) * kPanel, masks);
+      kRowPanelsFns<W>[np](K, A, panels + p0 * panel_size, panel_size, alpha, beta,
+                           C + int64_t(p0) * kPanel, masks);
     }
     return;
   }
-  auto panel = [&](int p) { return Panel{panels + p * panel_floats, size_t(kPanel)}; };
-  panel_products(M, N, K, alpha, A, lda, beta, C, ldc, panel, panel);
+  auto panel = [&](int p) { return PanelOf<W>{panels + p * panel_size, size_t(kPanel)}; };
+  panel_products<W>(M, N, K, alpha, A, lda, beta, C, ldc, panel, panel);
+}
+}  // namespace
+
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const float* panels, float beta, float* C, int ldc) {
+  packed_products_of(M, N, K, alpha, A, lda, panels, beta, C, ldc);
+}
+
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const uint16_t* panels, float beta, float* C, int ldc) {
+  packed_products_of(M, N, K, alpha, A, lda, panels, beta, C, ldc);
 }
 
 bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const float* B, int ldb,
@@ -357,10 +405,15 @@ bool small_gemm(bool, int, int, int, float, const float*, int, const float*, int
 bool small_gemv(bool, int, int, float, const float*, const float*, int, float, float*) {
   return false;
 }
-int64_t packed_panels_floats(int, int) { return 0; }
+int64_t packed_panels_size(int, int) { return 0; }
 bool pack_panels(bool, const float*, int, int, int, float*) { return false; }
+bool pack_panels(bool, const float*, int, int, int, uint16_t*) { return false; }
 void packed_products(int, int, int, float, const float*, int, const float*, float, float*, int) {
   std::abort();  // unreachable: pack_panels packs nothing on these builds
+}
+void packed_products(int, int, int, float, const float*, int, const uint16_t*, float, float*,
+                     int) {
+  std::abort();
 }
 }  // namespace cemlm
 

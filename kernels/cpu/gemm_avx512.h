@@ -13,20 +13,27 @@ constexpr int kSmallGemmMaxRows = 256;
 bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                 const float* B, int ldb, float beta, float* C, int ldc);
 
-// Floats pack_panels writes for op(B) [K, N]: whole 32-column panels.
-int64_t packed_panels_floats(int N, int K);
+// Weights pack_panels writes for op(B) [K, N]: whole 32-column panels.
+int64_t packed_panels_size(int N, int K);
 
 // Writes op(B) [K, N] (B [N, K] when trans_b, else B [K, N]) in small_gemm's panel layout: panel p
-// holds columns [32p, 32p + 32) (zeros past N) as K rows of 32 floats, panels one after another.
-// Returns false, writing nothing, on a build without AVX-512.
+// holds columns [32p, 32p + 32) (zeros past N) as K rows of 32 weights, panels one after another.
+// The uint16_t overload stores each weight rounded to bf16 (nearest-even), a row's 32 as 16 pairs
+// (column j, column j + 16): half the bytes to stream, the products still in fp32. Returns false,
+// writing nothing, on a build without AVX-512.
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out);
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint16_t* out);
 
 // small_gemm with op(B) already in pack_panels' layout (no per-call transposes), for any M ≥ 1:
 // each output is one k-ordered chain of FMAs whatever M and the thread count, so a row's result
 // has the same bits alone or among other rows (batch invariance; one row takes several panels at
-// once to hide the FMA latency). Only for panels pack_panels wrote (an AVX-512 build).
+// once to hide the FMA latency). With bf16 panels each weight is widened to fp32 exactly, so the
+// result has the bits of the fp32 panels of the bf16-rounded weight. Only for panels pack_panels
+// wrote (an AVX-512 build).
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const float* panels, float beta, float* C, int ldc);
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const uint16_t* panels, float beta, float* C, int ldc);
 
 // c[N] = beta·c + alpha·op(B)ᵀ·a, one row of A times op(B): B [N, K] (trans_b: c[n] = B[n]·a)
 // or B [K, N]. Returns false, touching nothing, on a build without AVX-512. Memory-bound: it

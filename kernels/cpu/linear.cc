@@ -41,23 +41,43 @@ void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W
   gemm(false, false, N, in, out, 1.0f, x.data, out, W.data, in, beta, y.data, in);
 }
 
-PackedLinear::PackedLinear(const Tensor& W, Use use) : w_(W), use_(use) {
+PackedLinear::PackedLinear(const Tensor& W, Use use, WeightDtype dtype) : w_(W), use_(use) {
   if (W.empty()) return;
   const int out = int(W.dim(0)), in = int(W.dim(1));
   // op(B) is Wᵀ [in, out] for W·x and W [out, in] for Wᵀ·x.
   const bool forward = use == Use::kForward;
-  panels_.resize(size_t(forward ? packed_panels_floats(out, in) : packed_panels_floats(in, out)));
-  if (!pack_panels(forward, W.data, in, forward ? out : in, forward ? in : out, panels_.data()))
-    panels_ = {};
+  const int n = forward ? out : in, k = forward ? in : out;
+  auto pack = [&](auto& panels) {
+    panels.resize(size_t(packed_panels_size(n, k)));
+    if (!pack_panels(forward, W.data, in, n, k, panels.data())) panels = {};
+  };
+  if (dtype == WeightDtype::kBf16) {
+    CEMLM_CHECK(packed_weights_available());  // runners refuse bf16 weights before this
+    pack(panels_bf16_);
+  } else {
+    pack(panels_);
+  }
 }
 
 bool PackedLinear::apply(Use use, Tensor y, const Tensor& x, float beta) const {
   const bool forward = use == Use::kForward;
   const int N = int(x.dim(0)), inner = int(w_.dim(forward ? 1 : 0)), cols = int(w_.dim(forward ? 0 : 1));
   CEMLM_CHECK(use_ == use && x.dim(-1) == inner && y.dim(-1) == cols && y.dim(0) == N);
-  if (!packed()) return false;
-  packed_products(N, cols, inner, 1.0f, x.data, inner, panels_.data(), beta, y.data, cols);
+  if (!panels_bf16_.empty())
+    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_bf16_.data(), beta, y.data, cols);
+  else if (!panels_.empty())
+    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_.data(), beta, y.data, cols);
+  else
+    return false;
   return true;
+}
+
+bool packed_weights_available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 void linear_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,

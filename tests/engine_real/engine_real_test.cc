@@ -20,6 +20,7 @@
 #include "cemlm/engine/cpu_model.h"
 #include "cemlm/engine/engine.h"
 #include "cemlm/engine/sampler.h"
+#include "cemlm/kernels/bf16.h"
 #include "tiny_models.h"
 #include "temp_dir.h"
 
@@ -192,9 +193,11 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
 
   // An fp32 cache of n_blocks; a bf16 cache gets the same bytes, so twice the blocks.
   std::unique_ptr<Engine> engine(int64_t n_blocks = 256, bool prefix_caching = true,
-                                 const std::string& kv_dtype = "fp32") {
+                                 const std::string& kv_dtype = "fp32",
+                                 const std::string& device = "cpu") {
     EngineOptions o;
     o.model_dir = dir_;
+    o.device = device;
     o.block_size = kBlockSize;
     o.kv_cache_memory = n_blocks * kBlockSize * cfg_.kv_bytes_per_token();
     o.kv_cache_dtype = kv_dtype;
@@ -208,9 +211,13 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
     return std::move(e).value();
   }
 
-  // log p(ids[i] | ids[<i]) for i ≥ 1 from the full-sequence forward ([0] unused).
+  // log p(ids[i] | ids[<i]) for i ≥ 1 from the full-sequence forward ([0] unused), with the
+  // checkpoint's weights or others of the same model.
   std::vector<double> oracle_logprobs(const std::vector<int>& ids, int T) const {
-    const std::vector<float> logits = full_forward(cfg_, w_, ids, T);
+    return oracle_logprobs(ids, T, w_);
+  }
+  std::vector<double> oracle_logprobs(const std::vector<int>& ids, int T, const Weights& w) const {
+    const std::vector<float> logits = full_forward(cfg_, w, ids, T);
     const size_t V = size_t(cfg_.vocab_size);
     std::vector<double> lp(ids.size(), 0.0);
     for (size_t i = 1; i < ids.size(); ++i) {
@@ -218,6 +225,30 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
       lp[i] = double(row[size_t(ids[i])]) - log_sum_exp(row);
     }
     return lp;
+  }
+
+  // A greedy request of n_new tokens at depth T after a 7-token prompt drawn from `seed`: its
+  // logprobs match the full-sequence forward with weights `w` and each token is that forward's
+  // argmax. Returns the largest gap between its logprobs and the checkpoint weights' oracle.
+  double expect_greedy_matches(Engine& e, int T, uint64_t seed, int n_new, const Weights& w) {
+    const std::vector<int> prompt = random_ids(7, cfg_.vocab_size, seed);
+    const Output o = run_all(e, {request(prompt, n_new, T)})[0];
+    EXPECT_EQ(o.ids.size(), size_t(n_new)) << "T=" << T;
+    std::vector<int> seq = prompt;
+    seq.insert(seq.end(), o.ids.begin(), o.ids.end());
+    const std::vector<float> logits = full_forward(cfg_, w, seq, T);
+    const auto lp = oracle_logprobs(seq, T, w), lp_checkpoint = oracle_logprobs(seq, T);
+    const size_t V = size_t(cfg_.vocab_size);
+    double off_checkpoint = 0;
+    for (size_t i = 0; i < o.ids.size() && i < o.logprobs.size(); ++i) {
+      const size_t pos = prompt.size() + i;  // the generated token's position in seq
+      EXPECT_NEAR(o.logprobs[i], lp[pos], kOracleTol) << "T=" << T << " token " << i;
+      off_checkpoint = std::max(off_checkpoint, std::fabs(o.logprobs[i] - lp_checkpoint[pos]));
+      const float* row = logits.data() + (pos - 1) * V;
+      EXPECT_GE(row[o.ids[i]], *std::max_element(row, row + V) - kOracleTol)
+          << "T=" << T << " token " << i << " is not the argmax";
+    }
+    return off_checkpoint;
   }
 
   ModelConfig cfg_;
@@ -371,23 +402,7 @@ TEST_P(EngineRealTest, PrefixCacheServesSharedPromptsWithIdenticalOutput) {
 TEST_P(EngineRealTest, GreedyLogprobsMatchTheFullForward) {
   auto e = engine();
   ASSERT_NE(e, nullptr);
-  for (int T : {1, 2, 4}) {
-    const std::vector<int> prompt = random_ids(7, cfg_.vocab_size, 400 + uint64_t(T));
-    const Output o = run_all(*e, {request(prompt, 14, T)})[0];
-    ASSERT_EQ(o.ids.size(), 14u);
-    std::vector<int> seq = prompt;
-    seq.insert(seq.end(), o.ids.begin(), o.ids.end());
-    const std::vector<float> logits = full_forward(cfg_, w_, seq, T);
-    const auto lp = oracle_logprobs(seq, T);
-    const size_t V = size_t(cfg_.vocab_size);
-    for (size_t i = 0; i < o.ids.size(); ++i) {
-      const size_t pos = prompt.size() + i;  // the generated token's position in seq
-      EXPECT_NEAR(o.logprobs[i], lp[pos], kOracleTol) << "T=" << T << " token " << i;
-      const float* row = logits.data() + (pos - 1) * V;
-      EXPECT_GE(row[o.ids[i]], *std::max_element(row, row + V) - kOracleTol)
-          << "T=" << T << " token " << i << " is not the argmax";
-    }
-  }
+  for (int T : {1, 2, 4}) expect_greedy_matches(*e, T, 400 + uint64_t(T), 14, w_);
   expect_all_blocks_available(*e);
 }
 
@@ -440,6 +455,60 @@ TEST_P(EngineRealTest, Bf16CacheHoldsTwiceTheTokensAndStaysClose) {
   EXPECT_LT(worst, 3e-2);
   EXPECT_GT(worst, 0.0) << "the bf16 cache changed nothing: is it used?";
   expect_all_blocks_available(*batched);
+}
+
+// Weights of `store` (a copy of the checkpoint's) with every product weight rounded to bf16, as a
+// --device cpu:bf16 runner holds them; the head gets a copy of its own (`head`), since a tied
+// head aliases the embedding table, which stays fp32.
+Weights bf16_product_weights(const ModelConfig& c, ParamStore& store, std::vector<float>* head) {
+  Weights w = bind_weights(c, store);
+  auto round = [](const Tensor& t) {
+    for (int64_t i = 0; i < t.numel(); ++i) t.data[i] = bf16_to_f32(f32_to_bf16(t.data[i]));
+  };
+  for (LayerWeights& lw : w.layers)
+    for (Tensor* t : {&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.w_gate, &lw.w_up, &lw.w_down})
+      if (!t->empty()) round(*t);
+  head->assign(w.lm_head.data, w.lm_head.data + w.lm_head.numel());
+  w.lm_head = Tensor(head->data(), {w.lm_head.dim(0), w.lm_head.dim(1)});
+  round(w.lm_head);
+  return w;
+}
+
+// --device cpu:bf16 (bf16 product weights, fp32 arithmetic) computes the model whose product
+// weights are the checkpoint's rounded to bf16: greedy logprobs, the argmax and score() match
+// full_forward on those weights at the fp32 oracle's tolerance, for T ∈ {1, 2, 4}; requests give
+// the same bits alone and batched; and the logprobs do move off the unrounded model's (the test
+// would notice bf16 weights not being used).
+TEST_P(EngineRealTest, Bf16WeightsComputeTheModelWithRoundedWeights) {
+  if (!packed_weights_available()) GTEST_SKIP() << "bf16 weights need an AVX-512 build";
+  ParamStore rounded_store(cfg_);
+  std::copy(store_.flat().begin(), store_.flat().end(), rounded_store.flat().begin());
+  std::vector<float> head;
+  const Weights rounded = bf16_product_weights(cfg_, rounded_store, &head);
+  auto e = engine(256, true, "fp32", "cpu:bf16");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->info().device, "cpu:bf16");
+  double off_unrounded = 0;
+  for (int T : {1, 2, 4}) {
+    off_unrounded =
+        std::max(off_unrounded, expect_greedy_matches(*e, T, 600 + uint64_t(T), 12, rounded));
+    const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 610 + uint64_t(T));
+    auto got = e->score({ids, T});
+    ASSERT_TRUE(got.ok()) << got.status();
+    const auto slp = oracle_logprobs(ids, T, rounded);
+    for (size_t i = 1; i < ids.size(); ++i)
+      EXPECT_NEAR(got->logprobs[i], slp[i], kOracleTol) << "score T=" << T << " position " << i;
+  }
+  EXPECT_GT(off_unrounded, 10 * kOracleTol) << "bf16 weights changed nothing: are they used?";
+
+  const auto reqs = mixed_requests(cfg_.vocab_size);
+  const auto together = run_all(*e, reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto alone = engine(256, true, "fp32", "cpu:bf16");
+    ASSERT_NE(alone, nullptr);
+    expect_same(together[i], run_all(*alone, {reqs[i]})[0], "request " + std::to_string(i));
+  }
+  expect_all_blocks_available(*e);
 }
 
 // The step thread (which runs the request callbacks) takes step_thread_nice on top of the
@@ -533,16 +602,22 @@ TEST_P(EngineRealTest, KvBudgetBeyondMemoryIsRefusedNotACrash) {
   EXPECT_NE(e.status().message().find("--kv-cache-memory"), std::string::npos) << e.status();
 }
 
-TEST_P(EngineRealTest, UnknownKvCacheDtypeIsRefused) {
-  EngineOptions o;
-  o.model_dir = dir_;
-  o.kv_cache_dtype = "fp16";
-  auto e = Engine::create(o);
-  ASSERT_FALSE(e.ok());
-  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(e.status().message().find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16"),
-            std::string::npos)
-      << e.status();
+// An unknown device or KV-cache dtype is refused naming the flag and the choices.
+TEST_P(EngineRealTest, UnknownKvCacheDtypeOrDeviceIsRefused) {
+  for (auto [device, dtype, message] :
+       {std::tuple{"cpu", "fp16", "--kv-cache-dtype \"fp16\" is not one of fp32, bf16"},
+        {"cpu:fp16", "fp32",
+         "--device \"cpu:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cuda, cuda:bf16, "
+         "cuda:fp32"}}) {
+    EngineOptions o;
+    o.model_dir = dir_;
+    o.device = device;
+    o.kv_cache_dtype = dtype;
+    auto e = Engine::create(o);
+    ASSERT_FALSE(e.ok());
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(e.status().message().find(message), std::string::npos) << e.status();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, EngineRealTest, ::testing::ValuesIn(engine_variants()),

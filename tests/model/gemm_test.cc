@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cemlm/engine/params.h"
+#include "cemlm/kernels/bf16.h"
 #include "cemlm/kernels/blas_select.h"
 #include "cemlm/kernels/linear.h"
 
@@ -91,6 +92,17 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest, ::testing::ValuesIn(cases()));
 
+// y[r0, r0 + n) = beta·y + x[r0, r0 + n) · op(W) through a packed weight (linear_t_forward when
+// it was packed transposed); x and y have xw and yw columns.
+void packed_rows(const PackedLinear& w, bool transposed, std::vector<float>& x, int xw, int r0, int n,
+                 float beta, std::vector<float>* y, int yw) {
+  const Tensor xt(x.data() + size_t(r0) * xw, {n, xw}), yt(y->data() + size_t(r0) * yw, {n, yw});
+  if (transposed)
+    linear_t_forward(ExecCtx{}, yt, xt, w, beta);
+  else
+    linear_forward(ExecCtx{}, yt, xt, w, beta);
+}
+
 // A PackedLinear gives linear_forward's (Use::kForward) or linear_t_forward's (Use::kTransposed)
 // product to within rounding (a double-precision loop), for one row, few rows, more than 256 rows,
 // whole and ragged panels, K off the transpose grid, beta ≠ 0; and, where it packs (AVX-512), each
@@ -111,13 +123,8 @@ TEST(PackedLinear, MatchesTheWeightAndEachRowsBitsIgnoreTheOtherRows) {
       const Tensor Wt(W.data(), {out, in});
       const PackedLinear packed(
           Wt, transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward);
-      // y[r0, r0 + n) = beta·y0 + x[r0, r0 + n) · op(W), through the packed weight.
       auto product = [&](int r0, int n, float beta, std::vector<float>* y) {
-        const Tensor xt(x.data() + size_t(r0) * xw, {n, xw}), yt(y->data() + size_t(r0) * yw, {n, yw});
-        if (transposed)
-          linear_t_forward(ExecCtx{}, yt, xt, packed, beta);
-        else
-          linear_forward(ExecCtx{}, yt, xt, packed, beta);
+        packed_rows(packed, transposed, x, xw, r0, n, beta, y, yw);
       };
       for (float beta : {0.0f, 1.0f}) {
         std::vector<float> got = y0;
@@ -136,6 +143,46 @@ TEST(PackedLinear, MatchesTheWeightAndEachRowsBitsIgnoreTheOtherRows) {
           std::vector<float> slices = y0;
           for (int r0 = 0; r0 < M; r0 += n) product(r0, std::min(n, M - r0), beta, &slices);
           ASSERT_EQ(std::memcmp(slices.data(), got.data(), sizeof(float) * got.size()), 0)
+              << "transposed=" << transposed << " M=" << M << " out=" << out << " in=" << in
+              << " beta=" << beta << ": rows in slices of " << n;
+        }
+      }
+    }
+}
+
+// A bf16 PackedLinear gives, bit for bit, the fp32 PackedLinear of the weight rounded to bf16
+// (nearest-even): the panels widen each weight exactly and keep the fp32 panels' FMA chains. For
+// one row, few rows, ragged panels, both uses, beta ≠ 0, and rows taken in slices of 1..9 (batch
+// invariance). Checked against rounding the weight here, so a missed or wrong rounding, a swapped
+// pair of columns or a panel read at the fp32 stride all fail it.
+TEST(PackedLinear, Bf16WeightsGiveTheFp32ProductsOfTheRoundedWeight) {
+  if (!packed_weights_available()) GTEST_SKIP() << "a build without AVX-512 packs no weights";
+  for (const bool transposed : {false, true})
+    for (auto [M, out, in] : {std::tuple{1, 64, 32}, {1, 200, 1400}, {2, 71, 37}, {8, 64, 48},
+                              {9, 100, 700}, {33, 256, 256}, {300, 40, 20}}) {
+      Rng rng(uint64_t(M * 13 + out));
+      const int xw = transposed ? out : in, yw = transposed ? in : out;
+      std::vector<float> W(size_t(out) * in), rounded(W.size()), x(size_t(M) * xw),
+          y0(size_t(M) * yw);
+      for (float& v : W) v = float(rng.normal());
+      for (size_t i = 0; i < W.size(); ++i) rounded[i] = bf16_to_f32(f32_to_bf16(W[i]));
+      for (float& v : x) v = float(rng.normal());
+      for (float& v : y0) v = float(rng.normal());
+      const auto use = transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward;
+      const PackedLinear bf16(Tensor(W.data(), {out, in}), use, WeightDtype::kBf16);
+      const PackedLinear reference(Tensor(rounded.data(), {out, in}), use, WeightDtype::kFp32);
+      ASSERT_TRUE(bf16.packed());
+      auto product = [&](const PackedLinear& w, int r0, int n, float beta, std::vector<float>* y) {
+        packed_rows(w, transposed, x, xw, r0, n, beta, y, yw);
+      };
+      for (float beta : {0.0f, 1.0f}) {
+        std::vector<float> want = y0;
+        product(reference, 0, M, beta, &want);
+        for (int n : {M, 1, 2, 3, 8, 9}) {
+          if (n > M) continue;
+          std::vector<float> got = y0;
+          for (int r0 = 0; r0 < M; r0 += n) product(bf16, r0, std::min(n, M - r0), beta, &got);
+          ASSERT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0)
               << "transposed=" << transposed << " M=" << M << " out=" << out << " in=" << in
               << " beta=" << beta << ": rows in slices of " << n;
         }

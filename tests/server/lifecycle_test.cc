@@ -154,15 +154,19 @@ std::string refused_serve(const std::string& model, const std::string& flags) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-// --kv-cache-dtype bf16 serves with half the cache bytes per token; an unknown dtype, an
-// --engine-nice out of range or a zero --max-running/--max-waiting/--max-batch-tokens is refused
-// at start with a message naming the flag.
-TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
-  auto bf16 = ServerProcess::start(model_, {"--kv-cache-dtype", "bf16", "--engine-nice", "0"});
+// --kv-cache-dtype bf16 serves with half the cache bytes per token, --device cpu:bf16 with bf16
+// weights (ModelInfo says which device); an unknown dtype or device, an --engine-nice out of
+// range or a zero --max-running/--max-waiting/--max-batch-tokens is refused at start with a
+// message naming the flag.
+TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
+  auto bf16 = ServerProcess::start(
+      model_, {"--kv-cache-dtype", "bf16", "--device", "cpu:bf16", "--engine-nice", "0"});
   ASSERT_TRUE(bf16);
   const int64_t fp32_bytes = model_info(*server_).kv_bytes_per_token();
   EXPECT_GT(fp32_bytes, 0);
   EXPECT_EQ(model_info(*bf16).kv_bytes_per_token() * 2, fp32_bytes);
+  EXPECT_EQ(model_info(*bf16).device(), "cpu:bf16");
+  EXPECT_EQ(model_info(*server_).device(), "cpu");
   const Stream s = generate(bf16->channel(), ids_request(prompt(9), 5, 2));
   EXPECT_TRUE(s.status.ok()) << s.status.error_message();
   std::string err = refused_serve(model_, "--kv-cache-dtype fp16");
@@ -179,7 +183,7 @@ TEST_F(ServerLifecycle, KvCacheDtypeAndEngineNiceFlags) {
       {"--port -5", "--port -5 is not a port"},
       {"--metrics-port 70000", "--metrics-port 70000 is not a port"},
       {"--shutdown-timeout -1", "--shutdown-timeout -1 must be >= 0"},
-      {"--device cuda:fp16", "--device \"cuda:fp16\" is not one of cpu, cuda"},
+      {"--device cuda:fp16", "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cuda"},
       {"--model-name m\xFFx", "--model-name is not valid UTF-8 (bad byte at offset 1)"}};
   for (const auto& [flags, message] : bad) {
     err = refused_serve(model_, flags);

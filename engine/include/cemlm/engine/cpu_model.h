@@ -52,8 +52,12 @@ class CpuModel {
   // engine's runner): each row's logits and cache entries have the same bits whatever else is in
   // the batch or how its prompt was chunked (ExecCtx::batch_invariant), so that a seeded request
   // samples the same tokens alone or batched; off (the full-sequence oracle, the trainer's
-  // evaluation), a prefill chunk's attention runs as sgemms, which round differently.
-  CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant = false);
+  // evaluation), a prefill chunk's attention runs as sgemms, which round differently. weights:
+  // the packed copies' dtype (kBf16: every product weight — W_Q, W_K, W_V, W_O, the MLP's and
+  // the head — rounded to bf16, half the bytes; embeddings, norms, diagonals and preconditioners
+  // stay fp32); kBf16 needs packed_weights_available().
+  CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant = false,
+           WeightDtype weights = WeightDtype::kFp32);
   const ModelConfig& config() const { return cfg_; }
   // See ModelRunner::forward.
   void forward(const Batch& batch, KvPool& kv, std::vector<float>* logits);

@@ -62,7 +62,10 @@ absl::Status check_runner_options(const RunnerOptions& opts);
 using CudaRunnerFactory = absl::StatusOr<std::unique_ptr<ModelRunner>> (*)(
     const std::string& model_dir, const RunnerOptions& opts);
 
-// CPU runner over a loaded checkpoint; "cuda", "cuda:bf16", "cuda:fp32" load the CUDA plugin.
+// "cpu", "cpu:fp32", "cpu:bf16": the CPU runner over a loaded checkpoint (cpu:bf16: the product
+// weights held in bf16, half the bytes, computed in fp32; see CpuModel); "cuda", "cuda:bf16",
+// "cuda:fp32" load the CUDA plugin.
+bool is_cpu_device(const std::string& device);
 absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
                                                                const RunnerOptions& opts);
 

@@ -20,13 +20,19 @@ void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W
 // stream contiguous panels instead of transposing W on every call (W·x) or reading 128 bytes per
 // row of W (Wᵀ·x, which on weights beyond the caches runs at a third of the packed rate): a second
 // copy of W's bytes. Holds a view of W, which must outlive it; without AVX-512, W is used.
+// With WeightDtype::kBf16 the copy holds W rounded to bf16 (half the bytes: a memory-bound
+// decode streams half as much; products still accumulate in fp32), and W itself is never read:
+// the results are those of the fp32 products with the bf16-rounded W. Needs the panels:
+// packed_weights_available().
+enum class WeightDtype { kFp32, kBf16 };
 class PackedLinear {
  public:
   enum class Use { kForward, kTransposed };
   PackedLinear() = default;
-  explicit PackedLinear(const Tensor& W, Use use = Use::kForward);
+  explicit PackedLinear(const Tensor& W, Use use = Use::kForward,
+                        WeightDtype dtype = WeightDtype::kFp32);
   const Tensor& weight() const { return w_; }
-  bool packed() const { return !panels_.empty(); }
+  bool packed() const { return !panels_.empty() || !panels_bf16_.empty(); }
 
  private:
   friend void linear_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
@@ -36,8 +42,11 @@ class PackedLinear {
   bool apply(Use use, Tensor y, const Tensor& x, float beta) const;
   Tensor w_;
   Use use_ = Use::kForward;
-  HugePageVector<float> panels_;
+  HugePageVector<float> panels_;          // WeightDtype::kFp32
+  HugePageVector<uint16_t> panels_bf16_;  // WeightDtype::kBf16
 };
+// Whether this build packs weights (AVX-512): without it PackedLinear uses W unpacked, in fp32.
+bool packed_weights_available();
 // linear_forward / linear_t_forward with W.weight(), W packed for that use (Use::kForward /
 // Use::kTransposed). Where W is packed (AVX-512 builds) each row's result has the same bits
 // whatever the other rows of x (batch invariance: the engine's outputs do not depend on what else

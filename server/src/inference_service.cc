@@ -67,6 +67,8 @@ void ServerState::cancel_stale_unread(std::unique_lock<std::mutex>& lock) {
     // (inside an earlier one's cancel_unread(); gRPC 1.51 runs a reactor's callbacks on its
     // executor's threads, but may run them inline when it has none, as at its shutdown).
     if (!unread_.at(s).done_inside) {
+      // Counted first: its client may see CANCELLED (and scrape) before cancel_unread() returns.
+      metrics_->count_unread_cancelled();
       lock.unlock();
       s->cancel_unread();
       lock.lock();

@@ -35,6 +35,11 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
   unread_ = gauge("cemlm:num_unread_streams",
                   "Finished Generate streams whose clients have not read all of them (each holds "
                   "its output; at --max-running + --max-waiting new streams are refused).");
+  unread_cancelled_ = counter(
+      "cemlm:unread_streams_cancelled_total",
+      "Finished Generate streams the server cancelled because their client had not read them "
+      "for --unread-timeout; they are also counted in requests_total, as OK when the engine "
+      "finished them normally.");
   preemptions_ = counter("cemlm:num_preemptions_total", "Requests preempted by recompute.");
   prompt_tokens_ = counter("cemlm:prompt_tokens_total",
                            "Prompt tokens of generations, counted at their first token.");
@@ -103,6 +108,7 @@ void ServerMetrics::count_rpc(const char* method, grpc::StatusCode code) {
 }
 
 void ServerMetrics::set_unread_streams(int n) { unread_->Set(n); }
+void ServerMetrics::count_unread_cancelled() { unread_cancelled_->Increment(); }
 
 void ServerMetrics::refresh_gauges() const {
   std::lock_guard lock(stats_mu_);

@@ -413,12 +413,18 @@ TEST(ServerQueue, StreamsNotYetReadCountAgainstTheBound) {
 
 // One client that stopped reading cannot keep other clients' streams out for as long as its
 // connection lasts: at the bound, streams unread for --unread-timeout are cancelled (their output
-// undelivered, as their log lines say) and new streams get in.
+// undelivered, as their log lines say and cemlm:unread_streams_cancelled_total counts) and new
+// streams get in.
 TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(
       model, {"--max-running", "1", "--max-waiting", "1", "--unread-timeout", "1"});
   ASSERT_TRUE(server);
+  const char* const kCancelledTotal = "cemlm:unread_streams_cancelled_total";
+  // There from the start, at 0, so that a dashboard's rate of it needs no `or`.
+  const std::string fresh = server->metrics_text();
+  EXPECT_NE(fresh.find(std::string("\n") + kCancelledTotal + "{"), std::string::npos) << fresh;
+  EXPECT_EQ(metric(parse_metrics(fresh), kCancelledTotal), 0);
   UnreadStreams unread(*server);
   const Stream after = generate_once_admitted(*server);  // refused until they waited 1 s
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
@@ -433,6 +439,8 @@ TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
     cancelled += code == grpc::StatusCode::CANCELLED;
   }
   EXPECT_GE(cancelled, 1);
+  // Each counted before its cancellation reached the client, so by now.
+  EXPECT_EQ(metric(parse_metrics(server->metrics_text()), kCancelledTotal), cancelled);
   const std::string log = log_with(*server, "undelivered=unread_timeout");
   // Logged as its client saw it.
   EXPECT_NE(log.find("finish=length status=CANCELLED latency_ms="), std::string::npos) << log;

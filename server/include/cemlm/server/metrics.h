@@ -46,6 +46,9 @@ class ServerMetrics : public prometheus::Collectable {
   void count_rpc(const char* method, grpc::StatusCode code);
   // Finished Generate streams whose clients have not read all of them (they hold their output).
   void set_unread_streams(int n);
+  // One of those cancelled unread after --unread-timeout (at the bound or in a drain): its client
+  // sees CANCELLED, but requests_total counted it already, as the engine finished it.
+  void count_unread_cancelled();
 
   // Refreshes the engine gauges, then returns every family (called by the /metrics exposer).
   std::vector<prometheus::MetricFamily> Collect() const override;
@@ -56,7 +59,8 @@ class ServerMetrics : public prometheus::Collectable {
   std::string model_name_;
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Gauge *running_, *waiting_, *kv_usage_, *unread_;
-  prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_;
+  prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_,
+      *unread_cancelled_;
   prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_;
   prometheus::Family<prometheus::Counter>* success_;
   prometheus::Family<prometheus::Counter>* errors_;

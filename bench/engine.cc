@@ -56,7 +56,7 @@ struct Settings {
   int threads = 0;           // 0: the runner's default (cpu_threads)
   std::string cell;          // "--cell MODEL:T:B": time only that decode cell (for profilers)
   std::string kv_dtype = "fp32";
-  std::string device = "cpu";  // cpu or cpu:bf16 (bf16 weights)
+  std::string device = "cpu";  // cpu, cpu:bf16 or cpu:int8 (the weights' dtype)
   std::string shape = "small";
 };
 
@@ -384,13 +384,13 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
 void print_help() {
   std::printf(
       "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape small|base]\n"
-      "                    [--device cpu|cpu:bf16] [--cell M:T:B]\n"
+      "                    [--device cpu|cpu:bf16|cpu:int8] [--cell M:T:B]\n"
       "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
       "  --threads N  compute threads (default 0: as serve; 1 is steadier on a busy machine)\n"
       "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
-      "  --device cpu|cpu:bf16  the runners' weights: fp32 (default) or bf16\n"
+      "  --device cpu|cpu:bf16|cpu:int8  the runners' weights: fp32 (default), bf16 or int8\n"
       "  --shape small|base  the models' size: small (default) D=256 L=4 V=4096, weights in\n"
       "               cache; base D=1024 L=12 V=32000, 127M/218M parameters, weights in memory\n"
       "  --cell M:T:B decode only model M (standard|cem|cem-L<half the layers>) at depth T,\n"
@@ -417,7 +417,7 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--device") && i + 1 < argc) {
       s.device = argv[++i];
       if (!is_cpu_device(s.device)) {
-        std::fprintf(stderr, "--device %s: expected cpu, cpu:fp32 or cpu:bf16\n", argv[i]);
+        std::fprintf(stderr, "--device %s: expected cpu, cpu:fp32, cpu:bf16 or cpu:int8\n", argv[i]);
         return 2;
       }
     } else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) {

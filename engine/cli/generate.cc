@@ -15,6 +15,7 @@
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/engine.h"
 #include "cemlm/engine/tokenizer.h"
 #include "cemlm/engine/utf8.h"
@@ -69,7 +70,7 @@ int cmd_generate(int argc, char** argv) {
   std::string model, prompt, prompt_ids, seed_text, device = "cpu", kv_dtype = "fp32";
   std::string kv_memory = "256M", stop_token_ids;
   std::vector<std::string> stop;
-  int T = 0, max_new = 64, top_k = 0, top_logprobs = 0;
+  int T = 0, max_new = 64, top_k = 0, top_logprobs = 0, threads = 0;
   float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f;
   float repetition_penalty = 1.0f, presence_penalty = 0.0f, frequency_penalty = 0.0f;
   bool json = false, no_bos = false, ignore_eos = false;
@@ -110,12 +111,13 @@ int cmd_generate(int argc, char** argv) {
   f.add("top-logprobs", &top_logprobs, "alternatives reported per token with --json, 0-20");
   f.add("seed", &seed_text, "sampling seed, an integer in [0, 2^64) (random when not given)");
   f.add("device", &device,
-        "cpu | cpu:bf16 (weights in bf16: half the memory, faster decode; logprobs move by ~1e-2) "
-        "| cuda (= cuda:bf16) | cuda:fp32");
+        "cpu | cpu:bf16 | cpu:int8 (weights in bf16 or block-scaled int8: less memory, faster "
+        "decode, logprobs move a little) | cuda (= cuda:bf16) | cuda:fp32");
   f.add("kv-cache-memory", &kv_memory,
         "KV-cache budget in bytes (K/M/G/T suffixes); a model whose max_seq_len does not fit "
         "needs more");
   f.add("kv-cache-dtype", &kv_dtype, "fp32 | bf16 (CPU: half the cache bytes, keys rounded)");
+  f.add("threads", &threads, kThreadsHelp);
   f.add_bool("json", &json, "print one JSON object instead of streaming text");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   if (f.given("prompt") == f.given("prompt-ids"))
@@ -138,6 +140,7 @@ int cmd_generate(int argc, char** argv) {
   eo.model_dir = model;
   eo.device = device;
   eo.kv_cache_dtype = kv_dtype;
+  eo.threads = threads;
   eo.kv_cache_memory = kv_bytes;
   auto engine = Engine::create(eo);
   if (!engine.ok()) return fail(std::string(engine.status().message()));

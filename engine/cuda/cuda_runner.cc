@@ -754,7 +754,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_cuda_model_runner(const std::s
   else
     return absl::InvalidArgumentError(
         absl::StrCat("device \"", opts.device,
-                     "\" is not one of cpu, cpu:fp32, cpu:bf16, cuda, cuda:bf16, cuda:fp32"));
+                     "\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:int8, cuda, cuda:bf16, "
+                     "cuda:fp32"));
   CEMLM_RETURN_IF_ERROR(check_runner_options(opts));  // the KV cache here is fp32 only
   co.kv_cache_memory = opts.kv_cache_memory;
   co.block_size = opts.block_size;

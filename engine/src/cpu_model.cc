@@ -153,11 +153,10 @@ Tensor view(float* p, int64_t r, int64_t c) { return Tensor(p, {r, c}); }
 }  // namespace
 
 CpuModel::CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant,
-                   WeightDtype weights)
+                   WeightDtype weights, bool release_unread)
     : cfg_(c),
       w_(w),
       batch_invariant_(batch_invariant),
-      lm_head_(w.lm_head, PackedLinear::Use::kForward, weights),
       bufs_(kNumBufs) {
   for (const LayerWeights& lw : w.layers) {
     auto fwd = [&](const Tensor& W) { return PackedLinear(W, PackedLinear::Use::kForward, weights); };
@@ -172,7 +171,13 @@ CpuModel::CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant,
         PackedPrecond()});
     if (c.attn_precond_rank > 0) pl.attn_precond = PackedPrecond(lw.attn_p, lw.attn_u, lw.attn_v);
     if (c.mlp_precond_rank > 0) pl.mlp_precond = PackedPrecond(lw.mlp_p, lw.mlp_u, lw.mlp_v);
+    // Layer by layer, so that the process never holds a whole second copy of the weights.
+    if (release_unread)
+      for (const Tensor& t : unread_weights(pl)) release_pages(t.data, t.numel() * sizeof(float));
   }
+  lm_head_ = PackedLinear(w.lm_head, PackedLinear::Use::kForward, weights);
+  if (release_unread)
+    for (const Tensor& t : unread_weights({&lm_head_})) release_pages(t.data, t.numel() * sizeof(float));
   rope_.resize(size_t(c.max_seq_len) * c.head_dim);
   rope_table_init(Tensor(rope_.data(), {c.max_seq_len, c.head_dim}), c.rope_theta);
   if (c.embedding == EmbeddingType::kLev) {
@@ -194,6 +199,31 @@ DiagKind diag_kind(const ModelConfig& c) {
 LevWeights lev_weights(const Weights& w) {
   return LevWeights{w.lev_codebooks, w.lev_seed_proj, w.lev_ln_weight,
                     w.lev_ln_bias,   w.lev_spline,    w.lev_out_proj};
+}
+
+std::vector<Tensor> CpuModel::unread_weights(std::initializer_list<const PackedLinear*> packed) const {
+  std::vector<Tensor> out;
+  for (const PackedLinear* p : packed) {
+    const Tensor& w = p->weight();
+    if (!p->packed() || w.empty() || w.data == w_.embed.data) continue;
+    if (std::none_of(out.begin(), out.end(), [&](const Tensor& t) { return t.data == w.data; }))
+      out.push_back(w);  // once: a tied W_Q or W_up is packed for both uses
+  }
+  return out;
+}
+
+std::vector<Tensor> CpuModel::unread_weights(const PackedLayer& pl) const {
+  return unread_weights({&pl.wq, &pl.wk, &pl.wv, &pl.wo, &pl.w_gate, &pl.w_up, &pl.w_down,
+                         &pl.wq_t, &pl.w_up_t});
+}
+
+std::vector<Tensor> CpuModel::weights_left_unread() const {
+  std::vector<Tensor> out = unread_weights({&lm_head_});
+  for (const PackedLayer& pl : packed_) {
+    const std::vector<Tensor> layer = unread_weights(pl);
+    out.insert(out.end(), layer.begin(), layer.end());
+  }
+  return out;
 }
 
 const float* CpuModel::embedding(int token) const {

@@ -22,7 +22,9 @@ class CpuRunner final : public ModelRunner {
       : threads_(threads),
         ck_(std::move(ck)),
         weights_(bind_weights(ck_.config, ck_.params)),
-        model_(ck_.config, weights_, /*batch_invariant=*/true, weight_dtype),
+        // The checkpoint's copies of the packed weights, most of its bytes, are never read again.
+        model_(ck_.config, weights_, /*batch_invariant=*/true, weight_dtype,
+               /*release_unread=*/true),
         kv_(ck_.config, block_size, n_blocks, bf16_kv) {}
   const ModelConfig& config() const override { return ck_.config; }
   int block_size() const override { return kv_.block_size(); }
@@ -48,7 +50,7 @@ class CpuRunner final : public ModelRunner {
 }  // namespace
 
 bool is_cpu_device(const std::string& device) {
-  return device == "cpu" || device == "cpu:fp32" || device == "cpu:bf16";
+  return device == "cpu" || device == "cpu:fp32" || device == "cpu:bf16" || device == "cpu:int8";
 }
 
 absl::Status check_runner_options(const RunnerOptions& opts) {
@@ -56,11 +58,12 @@ absl::Status check_runner_options(const RunnerOptions& opts) {
   if (!cuda && !is_cpu_device(opts.device))
     return absl::InvalidArgumentError(
         absl::StrCat("--device \"", opts.device,
-                     "\" is not one of cpu, cpu:fp32, cpu:bf16, cuda, cuda:bf16, cuda:fp32"));
-  if (opts.device == "cpu:bf16" && !packed_weights_available())
-    return absl::InvalidArgumentError(
-        "--device cpu:bf16: this build has no AVX-512 kernels, which bf16 weights need; use "
-        "--device cpu (fp32 weights)");
+                     "\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:int8, cuda, cuda:bf16, "
+                     "cuda:fp32"));
+  if ((opts.device == "cpu:bf16" || opts.device == "cpu:int8") && !packed_weights_available())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device ", opts.device, ": this build has no AVX-512 kernels, which ",
+        opts.device.substr(4), " weights need; use --device cpu (fp32 weights)"));
   if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
@@ -68,6 +71,10 @@ absl::Status check_runner_options(const RunnerOptions& opts) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv-cache-dtype \"", opts.kv_cache_dtype,
         "\": the CUDA runner keeps its KV cache in fp32; use fp32 (bf16 is for --device cpu)"));
+  if (opts.threads < 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--threads ", opts.threads,
+        " must be >= 0 (0: OMP_NUM_THREADS if set, else the CPUs this process may use)"));
   if (opts.block_size < 1 || opts.block_size > 1024)
     return absl::InvalidArgumentError(
         absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));
@@ -102,7 +109,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
   const int threads = use_cpu_threads(opts.threads).threads;
   return std::unique_ptr<ModelRunner>(
       new CpuRunner(std::move(ck), opts.block_size, blocks, threads, bf16_kv,
-                    opts.device == "cpu:bf16" ? WeightDtype::kBf16 : WeightDtype::kFp32));
+                    opts.device == "cpu:bf16"   ? WeightDtype::kBf16
+                    : opts.device == "cpu:int8" ? WeightDtype::kInt8
+                                                : WeightDtype::kFp32));
 }
 
 }  // namespace cemlm

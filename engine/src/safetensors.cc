@@ -22,6 +22,7 @@
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/strict_json.h"
 #include "cemlm/kernels/bf16.h"
+#include "cemlm/kernels/huge_pages.h"
 #include "nlohmann/json.hpp"
 
 namespace cemlm {
@@ -296,6 +297,9 @@ absl::Status SafetensorsFile::read_f32(const TensorInfo& t, std::span<float> out
       out[i] = t.dtype == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
     }
   }
+  // Copied out: a checkpoint's mapping need not stay resident beside the copy (it would double the
+  // memory a model takes while it loads). Read again, the pages come back from the file.
+  release_pages(const_cast<uint8_t*>(src), size_t(t.end - t.begin));
   for (size_t i = 0; i < out.size(); ++i)
     if (!std::isfinite(out[i]))
       return tensor_error(

@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -99,25 +100,39 @@ void pack_panel(bool trans_b, const float* B, int ldb, int K, int n0, int width,
   }
 }
 
-// A panel: row k's 32 weights start at p + k·stride. W = float, or uint16_t for bf16 panels
+// A panel: row k's 32 weights start at p + k·stride. W = float; uint16_t for bf16 panels
 // (pack_panels' bf16 layout: 16 pairs per row, the low half of pair j column j, the high half
-// column j + 16, so that two integer ops give both vectors of floats).
+// column j + 16, so that two integer ops give both vectors of floats); int8_t for int8 panels,
+// whose rows k of block k / 32 share the scale scales[k / 32].
 template <typename W>
 struct PanelOf {
   const W* p;
   size_t stride;
+  const float* scales = nullptr;  // int8 panels only
 };
 using Panel = PanelOf<float>;
 
-// Row `row`'s 32 weights as two vectors of 16 floats (columns 0–15, 16–31).
-inline void load_row(const float* row, __m512& y0, __m512& y1) {
+// Row k of panel P as two vectors of 16 floats (columns 0–15, 16–31).
+inline void load_row(const PanelOf<float>& P, int k, __m512& y0, __m512& y1) {
+  const float* row = P.p + size_t(k) * P.stride;
   y0 = _mm512_loadu_ps(row);
   y1 = _mm512_loadu_ps(row + 16);
 }
-inline void load_row(const uint16_t* row, __m512& y0, __m512& y1) {
-  const __m512i v = _mm512_loadu_si512(row);
+inline void load_row(const PanelOf<uint16_t>& P, int k, __m512& y0, __m512& y1) {
+  const __m512i v = _mm512_loadu_si512(P.p + size_t(k) * P.stride);
   y0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   y1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+// q · scale rounded to fp32 once, as a dequantized weight stored in fp32 would be.
+inline void load_row(const PanelOf<int8_t>& P, int k, __m512& y0, __m512& y1) {
+  const int8_t* row = P.p + size_t(k) * P.stride;
+  const __m512 s = _mm512_set1_ps(P.scales[k / kQuantBlock]);
+  y0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                         reinterpret_cast<const __m128i*>(row)))),
+                     s);
+  y1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                         reinterpret_cast<const __m128i*>(row + 16)))),
+                     s);
 }
 
 // C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P; with kPrefetch, also pulls
@@ -130,14 +145,13 @@ void tile(int K, const float* a, int lda, PanelOf<W> P, PanelOf<W> next, float a
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
   for (int k = 0; k < K; ++k) {
-    const W* row = P.p + size_t(k) * P.stride;
     if constexpr (kPrefetch) {
       const char* ahead = reinterpret_cast<const char*>(next.p + size_t(k) * next.stride);
       for (size_t line = 0; line < sizeof(W) * kPanel; line += 64)
         _mm_prefetch(ahead + line, _MM_HINT_T1);
     }
     __m512 y0, y1;
-    load_row(row, y0, y1);
+    load_row(P, k, y0, y1);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m512 x = _mm512_set1_ps(a[size_t(i) * lda + k]);
@@ -163,19 +177,24 @@ void tile(int K, const float* a, int lda, PanelOf<W> P, PanelOf<W> next, float a
 // FMA units busy where one panel's two would wait on their latency). Each output is the same
 // k-ordered chain of FMAs, then the same alpha/beta step, as tile<R>'s for any R: a row's product
 // has the same bits whatever the number of rows it came with. masks: P pairs, for ragged N.
+// Panel p is first's data + p·panel_size (and its scales first's + p·scales_size).
 template <int P, typename W>
-void row_panels(int K, const float* a, const W* panels, int64_t panel_size, float alpha,
-                float beta, float* c, const __mmask16* masks) {
+void row_panels(int K, const float* a, PanelOf<W> first, int64_t panel_size, int64_t scales_size,
+                float alpha, float beta, float* c, const __mmask16* masks) {
+  PanelOf<W> panel[P];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p)
+    panel[p] = {first.p + p * panel_size, first.stride,
+                first.scales ? first.scales + p * scales_size : nullptr};
   __m512 acc[2 * P];
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * P; ++i) acc[i] = _mm512_setzero_ps();
   for (int k = 0; k < K; ++k) {
     const __m512 x = _mm512_set1_ps(a[k]);
-    const W* row = panels + size_t(k) * kPanel;
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
       __m512 y0, y1;
-      load_row(row + p * panel_size, y0, y1);
+      load_row(panel[p], k, y0, y1);
       acc[2 * p] = _mm512_fmadd_ps(x, y0, acc[2 * p]);
       acc[2 * p + 1] = _mm512_fmadd_ps(x, y1, acc[2 * p + 1]);
     }
@@ -197,7 +216,7 @@ void row_panels(int K, const float* a, const W* panels, int64_t panel_size, floa
 
 constexpr int kRowPanels = 4;  // panels per row_panels call
 template <typename W>
-using RowPanelsFn = void (*)(int, const float*, const W*, int64_t, float, float, float*,
+using RowPanelsFn = void (*)(int, const float*, PanelOf<W>, int64_t, int64_t, float, float, float*,
                              const __mmask16*);
 template <typename W>
 constexpr RowPanelsFn<W> kRowPanelsFns[kRowPanels + 1] = {
@@ -329,12 +348,42 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint16_t* 
   return true;
 }
 
+int64_t packed_scales_size(int N, int K) {
+  return int64_t((N + kPanel - 1) / kPanel) * ((K + kQuantBlock - 1) / kQuantBlock);
+}
+
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, int8_t* out, float* scales) {
+  std::vector<float> panel(size_t(K) * kPanel);
+  const int blocks = (K + kQuantBlock - 1) / kQuantBlock;
+  for (int n0 = 0; n0 < N; n0 += kPanel) {
+    pack_panel(trans_b, B, ldb, K, n0, std::min(kPanel, N - n0), panel.data());
+    int8_t* o = out + int64_t(n0) * K;
+    float* panel_scales = scales + int64_t(n0 / kPanel) * blocks;
+    for (int b = 0; b < blocks; ++b) {
+      const size_t first = size_t(b) * kQuantBlock * kPanel;
+      const size_t last = std::min(size_t(b + 1) * kQuantBlock, size_t(K)) * kPanel;
+      float absmax = 0;
+      for (size_t i = first; i < last; ++i) absmax = std::max(absmax, std::fabs(panel[i]));
+      const float scale = absmax / 127.0f;
+      panel_scales[b] = scale;
+      for (size_t i = first; i < last; ++i)
+        o[i] = scale > 0 ? int8_t(std::clamp(std::nearbyint(panel[i] / scale), -127.0f, 127.0f)) : 0;
+    }
+  }
+  return true;
+}
+
 namespace {
 template <typename W>
 void packed_products_of(int M, int N, int K, float alpha, const float* A, int lda, const W* panels,
-                        float beta, float* C, int ldc) {
+                        const float* scales, float beta, float* C, int ldc) {
   if (M <= 0 || N <= 0) return;
   const int64_t panel_size = int64_t(kPanel) * K;
+  const int64_t scales_size = scales ? (K + kQuantBlock - 1) / kQuantBlock : 0;
+  auto panel = [&](int p) {
+    return PanelOf<W>{panels + p * panel_size, size_t(kPanel),
+                      scales ? scales + p * scales_size : nullptr};
+  };
   if (M == 1) {  // groups of kRowPanels panels, split over threads like a one-row product's
     const int n_panels = (N + kPanel - 1) / kPanel;
     const int groups = (n_panels + kRowPanels - 1) / kRowPanels;
@@ -347,24 +396,28 @@ void packed_products_of(int M, int N, int K, float alpha, const float* A, int ld
         const int width = std::min(kPanel, N - (p0 + p) * kPanel);
         masks[2 * p] = lane_mask(width), masks[2 * p + 1] = lane_mask(width - 16);
       }
-      kRowPanelsFns<W>[np](K, A, panels + p0 * panel_size, panel_size, alpha, beta,
+      kRowPanelsFns<W>[np](K, A, panel(p0), panel_size, scales_size, alpha, beta,
                            C + int64_t(p0) * kPanel, masks);
     }
     return;
   }
-  auto panel = [&](int p) { return PanelOf<W>{panels + p * panel_size, size_t(kPanel)}; };
   panel_products<W>(M, N, K, alpha, A, lda, beta, C, ldc, panel, panel);
 }
 }  // namespace
 
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const float* panels, float beta, float* C, int ldc) {
-  packed_products_of(M, N, K, alpha, A, lda, panels, beta, C, ldc);
+  packed_products_of(M, N, K, alpha, A, lda, panels, nullptr, beta, C, ldc);
 }
 
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const uint16_t* panels, float beta, float* C, int ldc) {
-  packed_products_of(M, N, K, alpha, A, lda, panels, beta, C, ldc);
+  packed_products_of(M, N, K, alpha, A, lda, panels, nullptr, beta, C, ldc);
+}
+
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const int8_t* panels, const float* scales, float beta, float* C, int ldc) {
+  packed_products_of(M, N, K, alpha, A, lda, panels, scales, beta, C, ldc);
 }
 
 bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const float* B, int ldb,
@@ -413,6 +466,12 @@ void packed_products(int, int, int, float, const float*, int, const float*, floa
 }
 void packed_products(int, int, int, float, const float*, int, const uint16_t*, float, float*,
                      int) {
+  std::abort();
+}
+int64_t packed_scales_size(int, int) { return 0; }
+bool pack_panels(bool, const float*, int, int, int, int8_t*, float*) { return false; }
+void packed_products(int, int, int, float, const float*, int, const int8_t*, const float*, float,
+                     float*, int) {
   std::abort();
 }
 }  // namespace cemlm

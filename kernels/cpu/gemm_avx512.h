@@ -24,6 +24,17 @@ int64_t packed_panels_size(int N, int K);
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, float* out);
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint16_t* out);
 
+// Rows of op(B) (its inner dimension K) that share one int8 scale per panel.
+constexpr int kQuantBlock = 32;
+// Scales pack_panels' int8 overload writes: one per panel and block of kQuantBlock rows.
+int64_t packed_scales_size(int N, int K);
+// int8 panels: each block of a panel (32 columns × 32 rows of op(B), fewer at the edges) is
+// stored as q = round-to-nearest-even(w / s), s = the block's largest |w| / 127 (q = 0 where s = 0),
+// one byte per weight, and s in `scales`. The products use w' = fp32(q · s): a quarter of the
+// fp32 bytes. The blocks are 32 × 32 squares of B whichever way it is packed, so a weight packed
+// for W·x and for Wᵀ·x (the tied W_Q and W_up) is quantized the same both ways.
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, int8_t* out, float* scales);
+
 // small_gemm with op(B) already in pack_panels' layout (no per-call transposes), for any M ≥ 1:
 // each output is one k-ordered chain of FMAs whatever M and the thread count, so a row's result
 // has the same bits alone or among other rows (batch invariance; one row takes several panels at
@@ -34,6 +45,9 @@ void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const float* panels, float beta, float* C, int ldc);
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const uint16_t* panels, float beta, float* C, int ldc);
+// int8 panels: the bits of the fp32 panels of the dequantized weight fp32(q · s).
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const int8_t* panels, const float* scales, float beta, float* C, int ldc);
 
 // c[N] = beta·c + alpha·op(B)ᵀ·a, one row of A times op(B): B [N, K] (trans_b: c[n] = B[n]·a)
 // or B [K, N]. Returns false, touching nothing, on a build without AVX-512. Memory-bound: it

@@ -51,11 +51,20 @@ PackedLinear::PackedLinear(const Tensor& W, Use use, WeightDtype dtype) : w_(W),
     panels.resize(size_t(packed_panels_size(n, k)));
     if (!pack_panels(forward, W.data, in, n, k, panels.data())) panels = {};
   };
-  if (dtype == WeightDtype::kBf16) {
-    CEMLM_CHECK(packed_weights_available());  // runners refuse bf16 weights before this
-    pack(panels_bf16_);
-  } else {
-    pack(panels_);
+  switch (dtype) {
+    case WeightDtype::kFp32:
+      pack(panels_);
+      break;
+    case WeightDtype::kBf16:
+      CEMLM_CHECK(packed_weights_available());  // runners refuse bf16/int8 weights before this
+      pack(panels_bf16_);
+      break;
+    case WeightDtype::kInt8:
+      CEMLM_CHECK(packed_weights_available());
+      panels_int8_.resize(size_t(packed_panels_size(n, k)));
+      scales_.resize(size_t(packed_scales_size(n, k)));
+      pack_panels(forward, W.data, in, n, k, panels_int8_.data(), scales_.data());
+      break;
   }
 }
 
@@ -63,7 +72,10 @@ bool PackedLinear::apply(Use use, Tensor y, const Tensor& x, float beta) const {
   const bool forward = use == Use::kForward;
   const int N = int(x.dim(0)), inner = int(w_.dim(forward ? 1 : 0)), cols = int(w_.dim(forward ? 0 : 1));
   CEMLM_CHECK(use_ == use && x.dim(-1) == inner && y.dim(-1) == cols && y.dim(0) == N);
-  if (!panels_bf16_.empty())
+  if (!panels_int8_.empty())
+    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_int8_.data(), scales_.data(), beta,
+                    y.data, cols);
+  else if (!panels_bf16_.empty())
     packed_products(N, cols, inner, 1.0f, x.data, inner, panels_bf16_.data(), beta, y.data, cols);
   else if (!panels_.empty())
     packed_products(N, cols, inner, 1.0f, x.data, inner, panels_.data(), beta, y.data, cols);

@@ -111,6 +111,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   RunnerOptions runner;  // what needs no checkpoint, before listening
   runner.device = f.device;
   runner.kv_cache_dtype = f.kv_cache_dtype;
+  runner.threads = f.threads;
   if (absl::Status st = check_runner_options(runner); !st.ok()) return fail(st);
   const std::pair<const char*, int> at_least_one[] = {{"--max-batch-tokens", f.max_batch_tokens},
                                                       {"--max-running", f.max_running},
@@ -260,9 +261,9 @@ int cmd_serve(int argc, char** argv) {
             "model loads: health says SERVING once requests are served)");
   flags.add("metrics-port", &f.metrics_port, "HTTP port of /metrics; 0 picks a free one");
   flags.add("device", &f.device,
-            "cpu (= cpu:fp32) | cpu:bf16 (product weights held in bf16, computed in fp32: half "
-            "the weight memory, faster decode; logprobs move by ~1e-2) | cuda (= cuda:bf16) | "
-            "cuda:fp32");
+            "cpu (= cpu:fp32) | cpu:bf16 | cpu:int8 (product weights held in bf16, or in int8 "
+            "with a scale per 32x32 block, computed in fp32: a half or a quarter of the weight "
+            "bytes, faster decode, logprobs move a little) | cuda (= cuda:bf16) | cuda:fp32");
   flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");
   flags.add("kv-cache-dtype", &f.kv_cache_dtype,
             "fp32 | bf16: bf16 (CPU) holds twice the tokens and reads half the bytes per decode "

@@ -20,7 +20,7 @@
 #include "cemlm/engine/cpu_model.h"
 #include "cemlm/engine/engine.h"
 #include "cemlm/engine/sampler.h"
-#include "cemlm/kernels/bf16.h"
+#include "packed_weights.h"
 #include "tiny_models.h"
 #include "temp_dir.h"
 
@@ -457,13 +457,14 @@ TEST_P(EngineRealTest, Bf16CacheHoldsTwiceTheTokensAndStaysClose) {
   expect_all_blocks_available(*batched);
 }
 
-// Weights of `store` (a copy of the checkpoint's) with every product weight rounded to bf16, as a
-// --device cpu:bf16 runner holds them; the head gets a copy of its own (`head`), since a tied
-// head aliases the embedding table, which stays fp32.
-Weights bf16_product_weights(const ModelConfig& c, ParamStore& store, std::vector<float>* head) {
+// Weights of `store` (a copy of the checkpoint's) with every product weight replaced by what a
+// runner with `dtype` weights computes with (tests/common/packed_weights.h); the head gets a copy
+// of its own (`head`), since a tied head aliases the embedding table, which stays fp32.
+Weights low_precision_weights(const ModelConfig& c, ParamStore& store, WeightDtype dtype,
+                              std::vector<float>* head) {
   Weights w = bind_weights(c, store);
-  auto round = [](const Tensor& t) {
-    for (int64_t i = 0; i < t.numel(); ++i) t.data[i] = bf16_to_f32(f32_to_bf16(t.data[i]));
+  auto round = [&](const Tensor& t) {
+    testing_weights::round_like_packed(dtype, t.data, t.dim(0), t.dim(1));
   };
   for (LayerWeights& lw : w.layers)
     for (Tensor* t : {&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.w_gate, &lw.w_up, &lw.w_down})
@@ -474,41 +475,45 @@ Weights bf16_product_weights(const ModelConfig& c, ParamStore& store, std::vecto
   return w;
 }
 
-// --device cpu:bf16 (bf16 product weights, fp32 arithmetic) computes the model whose product
-// weights are the checkpoint's rounded to bf16: greedy logprobs, the argmax and score() match
-// full_forward on those weights at the fp32 oracle's tolerance, for T ∈ {1, 2, 4}; requests give
-// the same bits alone and batched; and the logprobs do move off the unrounded model's (the test
-// would notice bf16 weights not being used).
-TEST_P(EngineRealTest, Bf16WeightsComputeTheModelWithRoundedWeights) {
-  if (!packed_weights_available()) GTEST_SKIP() << "bf16 weights need an AVX-512 build";
-  ParamStore rounded_store(cfg_);
-  std::copy(store_.flat().begin(), store_.flat().end(), rounded_store.flat().begin());
-  std::vector<float> head;
-  const Weights rounded = bf16_product_weights(cfg_, rounded_store, &head);
-  auto e = engine(256, true, "fp32", "cpu:bf16");
-  ASSERT_NE(e, nullptr);
-  EXPECT_EQ(e->info().device, "cpu:bf16");
-  double off_unrounded = 0;
-  for (int T : {1, 2, 4}) {
-    off_unrounded =
-        std::max(off_unrounded, expect_greedy_matches(*e, T, 600 + uint64_t(T), 12, rounded));
-    const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 610 + uint64_t(T));
-    auto got = e->score({ids, T});
-    ASSERT_TRUE(got.ok()) << got.status();
-    const auto slp = oracle_logprobs(ids, T, rounded);
-    for (size_t i = 1; i < ids.size(); ++i)
-      EXPECT_NEAR(got->logprobs[i], slp[i], kOracleTol) << "score T=" << T << " position " << i;
-  }
-  EXPECT_GT(off_unrounded, 10 * kOracleTol) << "bf16 weights changed nothing: are they used?";
+// --device cpu:bf16 and cpu:int8 (product weights in bf16, or int8 with block scales; fp32
+// arithmetic) compute the model whose product weights are the checkpoint's rounded that way:
+// greedy logprobs, the argmax and score() match full_forward on those weights at the fp32
+// oracle's tolerance, for T ∈ {1, 2, 4}; requests give the same bits alone and batched; and the
+// logprobs do move off the unrounded model's (the test would notice the weights not being used).
+TEST_P(EngineRealTest, LowPrecisionWeightsComputeTheModelWithRoundedWeights) {
+  if (!packed_weights_available()) GTEST_SKIP() << "bf16 and int8 weights need an AVX-512 build";
+  for (auto [device, dtype] : {std::pair{"cpu:bf16", WeightDtype::kBf16},
+                               std::pair{"cpu:int8", WeightDtype::kInt8}}) {
+    SCOPED_TRACE(device);
+    ParamStore rounded_store(cfg_);
+    std::copy(store_.flat().begin(), store_.flat().end(), rounded_store.flat().begin());
+    std::vector<float> head;
+    const Weights rounded = low_precision_weights(cfg_, rounded_store, dtype, &head);
+    auto e = engine(256, true, "fp32", device);
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(e->info().device, device);
+    double off_unrounded = 0;
+    for (int T : {1, 2, 4}) {
+      off_unrounded =
+          std::max(off_unrounded, expect_greedy_matches(*e, T, 600 + uint64_t(T), 12, rounded));
+      const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 610 + uint64_t(T));
+      auto got = e->score({ids, T});
+      ASSERT_TRUE(got.ok()) << got.status();
+      const auto slp = oracle_logprobs(ids, T, rounded);
+      for (size_t i = 1; i < ids.size(); ++i)
+        EXPECT_NEAR(got->logprobs[i], slp[i], kOracleTol) << "score T=" << T << " position " << i;
+    }
+    EXPECT_GT(off_unrounded, 10 * kOracleTol) << "the weights changed nothing: are they used?";
 
-  const auto reqs = mixed_requests(cfg_.vocab_size);
-  const auto together = run_all(*e, reqs);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    auto alone = engine(256, true, "fp32", "cpu:bf16");
-    ASSERT_NE(alone, nullptr);
-    expect_same(together[i], run_all(*alone, {reqs[i]})[0], "request " + std::to_string(i));
+    const auto reqs = mixed_requests(cfg_.vocab_size);
+    const auto together = run_all(*e, reqs);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      auto alone = engine(256, true, "fp32", device);
+      ASSERT_NE(alone, nullptr);
+      expect_same(together[i], run_all(*alone, {reqs[i]})[0], "request " + std::to_string(i));
+    }
+    expect_all_blocks_available(*e);
   }
-  expect_all_blocks_available(*e);
 }
 
 // The step thread (which runs the request callbacks) takes step_thread_nice on top of the
@@ -607,8 +612,8 @@ TEST_P(EngineRealTest, UnknownKvCacheDtypeOrDeviceIsRefused) {
   for (auto [device, dtype, message] :
        {std::tuple{"cpu", "fp16", "--kv-cache-dtype \"fp16\" is not one of fp32, bf16"},
         {"cpu:fp16", "fp32",
-         "--device \"cpu:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cuda, cuda:bf16, "
-         "cuda:fp32"}}) {
+         "--device \"cpu:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:int8, cuda, "
+         "cuda:bf16, cuda:fp32"}}) {
     EngineOptions o;
     o.model_dir = dir_;
     o.device = device;

@@ -112,12 +112,25 @@ TEST_F(GenerateCli, JsonLogprobsAreTheModelsAtEachDepth) {
   EXPECT_EQ(replay["ids"], drawn["ids"]);
 }
 
-TEST_F(GenerateCli, Bf16CacheStaysCloseToTheModel) {
-  const nlohmann::json j = generate({"--temperature", "0", "--kv-cache-dtype", "bf16"});
-  ASSERT_FALSE(j.is_null());
-  const std::vector<double> lp = j["logprobs"];
-  const std::vector<double> want = oracle({3, 9, 4, 20}, j["ids"].get<std::vector<int>>(), 2);
-  for (size_t i = 0; i < lp.size(); ++i) EXPECT_NEAR(lp[i], want[i], 3e-2) << "token " << i;
+// A bf16 cache, bf16 or int8 weights (--device cpu:bf16 / cpu:int8): logprobs near the fp32
+// model's, and not equal to them (the flag reached the runner). The tests against the oracle on
+// rounded weights are in engine_real_test.cc.
+TEST_F(GenerateCli, Bf16CacheAndLowPrecisionWeightsStayCloseToTheModel) {
+  for (const std::vector<std::string>& flags : std::vector<std::vector<std::string>>{
+           {"--kv-cache-dtype", "bf16"}, {"--device", "cpu:bf16"}, {"--device", "cpu:int8"}}) {
+    std::vector<std::string> args = {"--temperature", "0"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const nlohmann::json j = generate(args);
+    ASSERT_FALSE(j.is_null()) << flags[1];
+    const std::vector<double> lp = j["logprobs"];
+    const std::vector<double> want = oracle({3, 9, 4, 20}, j["ids"].get<std::vector<int>>(), 2);
+    double off = 0;
+    for (size_t i = 0; i < lp.size(); ++i) {
+      EXPECT_NEAR(lp[i], want[i], 3e-2) << flags[1] << " token " << i;
+      off = std::max(off, std::fabs(lp[i] - want[i]));
+    }
+    EXPECT_GT(off, 0.0) << flags[1] << " changed nothing";
+  }
 }
 
 TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
@@ -127,6 +140,8 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
   };
   const std::vector<Bad> bad = {
       {{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype \"fp8\" is not one of fp32, bf16"},
+      {{"--device", "cpu:int4"}, "--device \"cpu:int4\" is not one of cpu, cpu:fp32, cpu:bf16"},
+      {{"--threads", "-2"}, "--threads -2 must be >= 0"},
       {{"--prompt", "hello"}, "give exactly one of --prompt and --prompt-ids"},
       {{"--seed", "-3"}, "--seed: expected an integer"},
       {{"--no-bos"}, "--no-bos applies to --prompt only"},

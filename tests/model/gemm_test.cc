@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "cemlm/engine/params.h"
-#include "cemlm/kernels/bf16.h"
 #include "cemlm/kernels/blas_select.h"
 #include "cemlm/kernels/linear.h"
+#include "packed_weights.h"
 
 namespace cemlm {
 namespace {
@@ -150,44 +150,51 @@ TEST(PackedLinear, MatchesTheWeightAndEachRowsBitsIgnoreTheOtherRows) {
     }
 }
 
-// A bf16 PackedLinear gives, bit for bit, the fp32 PackedLinear of the weight rounded to bf16
-// (nearest-even): the panels widen each weight exactly and keep the fp32 panels' FMA chains. For
-// one row, few rows, ragged panels, both uses, beta ≠ 0, and rows taken in slices of 1..9 (batch
-// invariance). Checked against rounding the weight here, so a missed or wrong rounding, a swapped
-// pair of columns or a panel read at the fp32 stride all fail it.
-TEST(PackedLinear, Bf16WeightsGiveTheFp32ProductsOfTheRoundedWeight) {
+// A bf16 or int8 PackedLinear gives, bit for bit, the fp32 PackedLinear of the weight it stands
+// for (bf16: rounded to nearest-even; int8: dequantized per 32 × 32 block of W, whichever the
+// use): the panels widen each weight exactly and keep the fp32 panels' FMA chains. For one row,
+// few rows, ragged panels and blocks, both uses, beta ≠ 0, and rows taken in slices of 1..9
+// (batch invariance). Checked against weights rounded here (tests/common/packed_weights.h), so a
+// missed or wrong rounding, a swapped pair of columns, a block's scale applied to another block or
+// a panel read at the wrong stride all fail it; one weight per block of a few times the others'
+// size makes the int8 blocks' scales differ.
+TEST(PackedLinear, LowPrecisionWeightsGiveTheFp32ProductsOfTheWeightTheyStandFor) {
   if (!packed_weights_available()) GTEST_SKIP() << "a build without AVX-512 packs no weights";
-  for (const bool transposed : {false, true})
-    for (auto [M, out, in] : {std::tuple{1, 64, 32}, {1, 200, 1400}, {2, 71, 37}, {8, 64, 48},
-                              {9, 100, 700}, {33, 256, 256}, {300, 40, 20}}) {
-      Rng rng(uint64_t(M * 13 + out));
-      const int xw = transposed ? out : in, yw = transposed ? in : out;
-      std::vector<float> W(size_t(out) * in), rounded(W.size()), x(size_t(M) * xw),
-          y0(size_t(M) * yw);
-      for (float& v : W) v = float(rng.normal());
-      for (size_t i = 0; i < W.size(); ++i) rounded[i] = bf16_to_f32(f32_to_bf16(W[i]));
-      for (float& v : x) v = float(rng.normal());
-      for (float& v : y0) v = float(rng.normal());
-      const auto use = transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward;
-      const PackedLinear bf16(Tensor(W.data(), {out, in}), use, WeightDtype::kBf16);
-      const PackedLinear reference(Tensor(rounded.data(), {out, in}), use, WeightDtype::kFp32);
-      ASSERT_TRUE(bf16.packed());
-      auto product = [&](const PackedLinear& w, int r0, int n, float beta, std::vector<float>* y) {
-        packed_rows(w, transposed, x, xw, r0, n, beta, y, yw);
-      };
-      for (float beta : {0.0f, 1.0f}) {
-        std::vector<float> want = y0;
-        product(reference, 0, M, beta, &want);
-        for (int n : {M, 1, 2, 3, 8, 9}) {
-          if (n > M) continue;
-          std::vector<float> got = y0;
-          for (int r0 = 0; r0 < M; r0 += n) product(bf16, r0, std::min(n, M - r0), beta, &got);
-          ASSERT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0)
-              << "transposed=" << transposed << " M=" << M << " out=" << out << " in=" << in
-              << " beta=" << beta << ": rows in slices of " << n;
+  for (const WeightDtype dtype : {WeightDtype::kBf16, WeightDtype::kInt8})
+    for (const bool transposed : {false, true})
+      for (auto [M, out, in] : {std::tuple{1, 64, 32}, {1, 200, 1400}, {2, 71, 37}, {8, 64, 48},
+                                {9, 100, 700}, {33, 256, 256}, {300, 40, 20}}) {
+        Rng rng(uint64_t(M * 13 + out));
+        const int xw = transposed ? out : in, yw = transposed ? in : out;
+        std::vector<float> W(size_t(out) * in), x(size_t(M) * xw), y0(size_t(M) * yw);
+        for (float& v : W) v = float(rng.normal());
+        for (size_t i = 0; i < W.size(); i += 97) W[i] *= 4.0f;
+        std::vector<float> rounded = W;
+        testing_weights::round_like_packed(dtype, rounded.data(), out, in);
+        for (float& v : x) v = float(rng.normal());
+        for (float& v : y0) v = float(rng.normal());
+        const auto use = transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward;
+        const PackedLinear low(Tensor(W.data(), {out, in}), use, dtype);
+        const PackedLinear reference(Tensor(rounded.data(), {out, in}), use, WeightDtype::kFp32);
+        ASSERT_TRUE(low.packed());
+        auto product = [&](const PackedLinear& w, int r0, int n, float beta,
+                           std::vector<float>* y) {
+          packed_rows(w, transposed, x, xw, r0, n, beta, y, yw);
+        };
+        for (float beta : {0.0f, 1.0f}) {
+          std::vector<float> want = y0;
+          product(reference, 0, M, beta, &want);
+          for (int n : {M, 1, 2, 3, 8, 9}) {
+            if (n > M) continue;
+            std::vector<float> got = y0;
+            for (int r0 = 0; r0 < M; r0 += n) product(low, r0, std::min(n, M - r0), beta, &got);
+            ASSERT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0)
+                << "dtype=" << int(dtype) << " transposed=" << transposed << " M=" << M
+                << " out=" << out << " in=" << in
+                << " beta=" << beta << ": rows in slices of " << n;
+          }
         }
       }
-    }
 }
 
 // Only AVX-512 processors left with OpenBLAS's generic or AVX2 kernels get other ones.

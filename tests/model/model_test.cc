@@ -7,6 +7,8 @@
 #include <numeric>
 
 #include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "cemlm/engine/cpu_model.h"
 #include "tiny_models.h"
@@ -17,6 +19,7 @@ namespace {
 using testing_models::all_variants;
 using testing_models::make_config;
 using testing_models::randomize;
+using testing_models::Variant;
 
 std::vector<int> random_ids(int n, int vocab, uint64_t seed) {
   Rng rng(seed);
@@ -173,6 +176,69 @@ TEST_P(ModelTest, GroupedDecodeStepEqualsFullForward) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, ModelTest, ::testing::ValuesIn(all_variants()),
                          [](const auto& info) { return info.param.name; });
+
+// Whole pages inside t that are resident (mincore), and how many there are.
+std::pair<int64_t, int64_t> resident_pages(const Tensor& t) {
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(t.data) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(t.data + t.numel())) & ~(page - 1);
+  if (end <= begin) return {0, 0};
+  std::vector<unsigned char> vec((end - begin) / page);
+  if (mincore(reinterpret_cast<void*>(begin), end - begin, vec.data()) != 0) return {-1, 0};
+  int64_t resident = 0;
+  for (unsigned char v : vec) resident += v & 1;
+  return {resident, int64_t(vec.size())};
+}
+
+// A CpuModel that owns its weights' memory (release_unread, as the engine's runner builds it)
+// gives back the pages of exactly the weights it applies only through packed copies — every
+// product weight, except a tied head, which is the embedding table — and its logits keep the
+// bits of a model that keeps them (so it never reads what it released). Every variant, at a size
+// where each weight spans whole pages.
+TEST(CpuModelMemory, ReleasesTheCheckpointCopiesOfPackedWeightsOnly) {
+  for (const Variant& v : all_variants()) {
+    SCOPED_TRACE(v.name);
+    ModelConfig c = make_config(v, 2048);
+    c.d_model = 256, c.n_heads = 4, c.head_dim = 64, c.d_ff = 1024;
+    ParamStore kept_store(c), released_store(c);
+    randomize(kept_store, 5);
+    std::copy(kept_store.flat().begin(), kept_store.flat().end(), released_store.flat().begin());
+    const Weights kept_w = bind_weights(c, kept_store), released_w = bind_weights(c, released_store);
+    const CpuModel kept(c, kept_w, true), released(c, released_w, true, WeightDtype::kFp32, true);
+    std::vector<const float*> want;
+    if (packed_weights_available()) {
+      for (const LayerWeights& lw : released_w.layers)
+        for (const Tensor* t : {&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.w_gate, &lw.w_up, &lw.w_down})
+          if (!t->empty()) want.push_back(t->data);
+      if (!c.tie_output) want.push_back(released_w.lm_head.data);
+    }
+    std::vector<const float*> got;
+    for (const Tensor& t : released.weights_left_unread()) {
+      got.push_back(t.data);
+      const auto [resident, pages] = resident_pages(t);
+      EXPECT_GT(pages, 0);
+      EXPECT_EQ(resident, 0) << "of " << pages << " pages";
+    }
+    std::sort(want.begin(), want.end());
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, want);
+    // The kept model's copies are resident (mincore sees them), and its logits are the same.
+    for (const Tensor& t : kept.weights_left_unread()) EXPECT_GT(resident_pages(t).first, 0);
+    for (int T : {1, 3}) {
+      const std::vector<int> ids = random_ids(9, c.vocab_size, 70 + T);
+      std::vector<std::vector<float>> logits(2);
+      for (int m = 0; m < 2; ++m) {
+        KvPool kv(c, 4, 4);
+        std::vector<int32_t> table = {0, 1, 2, 3};
+        Batch b;
+        b.seqs.push_back(BatchSeq{ids.data(), 9, 0, T, table.data(), 4, false, true});
+        const_cast<CpuModel&>(m == 0 ? kept : released).forward(b, kv, &logits[m]);
+      }
+      ASSERT_EQ(logits[0].size(), logits[1].size());
+      EXPECT_EQ(logits[0], logits[1]) << "T=" << T;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace cemlm

@@ -183,7 +183,9 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       {"--port -5", "--port -5 is not a port"},
       {"--metrics-port 70000", "--metrics-port 70000 is not a port"},
       {"--shutdown-timeout -1", "--shutdown-timeout -1 must be >= 0"},
-      {"--device cuda:fp16", "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cuda"},
+      {"--threads -3", "--threads -3 must be >= 0"},
+      {"--device cuda:fp16",
+       "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:int8, cuda"},
       {"--model-name m\xFFx", "--model-name is not valid UTF-8 (bad byte at offset 1)"}};
   for (const auto& [flags, message] : bad) {
     err = refused_serve(model_, flags);

@@ -4,6 +4,7 @@
 // by T descending so the rows still updating at step t form a prefix). Keys are written once.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "cemlm/engine/config.h"
@@ -55,14 +56,20 @@ class CpuModel {
   // evaluation), a prefill chunk's attention runs as sgemms, which round differently. weights:
   // the packed copies' dtype (kBf16: every product weight — W_Q, W_K, W_V, W_O, the MLP's and
   // the head — rounded to bf16, half the bytes; embeddings, norms, diagonals and preconditioners
-  // stay fp32); kBf16 needs packed_weights_available().
+  // stay fp32); kInt8: the same weights in int8 with block scales. Both need
+  // packed_weights_available(). release_unread (a runner that owns `w`): give the pages of
+  // weights_left_unread() back to the system as they are packed (reading them later gives zeros).
   CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant = false,
-           WeightDtype weights = WeightDtype::kFp32);
+           WeightDtype weights = WeightDtype::kFp32, bool release_unread = false);
   const ModelConfig& config() const { return cfg_; }
   // See ModelRunner::forward.
   void forward(const Batch& batch, KvPool& kv, std::vector<float>* logits);
   // Embedding rows for ids (the precomputed table, or the table weight).
   const float* embedding(int token) const;
+  // The weights of `w` this model never reads after construction: those it applies only through
+  // packed copies (all product weights on AVX-512 builds), except one that aliases a weight it
+  // does read (a tied head is the embedding table).
+  std::vector<Tensor> weights_left_unread() const;
 
  private:
   struct Rows;
@@ -81,6 +88,10 @@ class CpuModel {
     PackedLinear wq, wk, wv, wo, w_gate, w_up, w_down, wq_t, w_up_t;
     PackedPrecond attn_precond, mlp_precond;
   };
+
+  // The weights behind these packed ones that the model never reads (see weights_left_unread).
+  std::vector<Tensor> unread_weights(std::initializer_list<const PackedLinear*> packed) const;
+  std::vector<Tensor> unread_weights(const PackedLayer& pl) const;
 
   ModelConfig cfg_;
   const Weights& w_;

@@ -23,7 +23,7 @@ using RequestId = uint64_t;
 
 struct EngineOptions {
   std::string model_dir;
-  std::string device = "cpu";           // see make_model_runner: cpu[:fp32|:bf16], cuda[…]
+  std::string device = "cpu";           // see make_model_runner: cpu[:fp32|:bf16|:int8], cuda[…]
   int64_t kv_cache_memory = 256 << 20;   // bytes for the paged KV cache
   int block_size = 16;                   // tokens per KV block
   int max_batch_tokens = 512;            // tokens per engine step (chunked prefill budget)

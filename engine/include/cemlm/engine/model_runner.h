@@ -55,16 +55,17 @@ struct RunnerOptions {
 };
 
 // Checks what needs no checkpoint: the device name, the KV-cache dtype (and that it suits the
-// device), the block size. Errors name the flag (--device, --kv-cache-dtype).
+// device), the thread count, the block size. Errors name the flag (--device, --kv-cache-dtype,
+// --threads).
 absl::Status check_runner_options(const RunnerOptions& opts);
 
 // The CUDA runner's factory, as exported by the libcemlm_cuda.so plugin.
 using CudaRunnerFactory = absl::StatusOr<std::unique_ptr<ModelRunner>> (*)(
     const std::string& model_dir, const RunnerOptions& opts);
 
-// "cpu", "cpu:fp32", "cpu:bf16": the CPU runner over a loaded checkpoint (cpu:bf16: the product
-// weights held in bf16, half the bytes, computed in fp32; see CpuModel); "cuda", "cuda:bf16",
-// "cuda:fp32" load the CUDA plugin.
+// "cpu", "cpu:fp32", "cpu:bf16", "cpu:int8": the CPU runner over a loaded checkpoint (bf16, int8:
+// the product weights held in bf16 or in int8 with block scales, half or a quarter of the bytes,
+// computed in fp32; see WeightDtype); "cuda", "cuda:bf16", "cuda:fp32" load the CUDA plugin.
 bool is_cpu_device(const std::string& device);
 absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,
                                                                const RunnerOptions& opts);

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 #include <vector>
@@ -43,5 +44,16 @@ struct HugePageAllocator {
 
 template <typename T>
 using HugePageVector = std::vector<T, HugePageAllocator<T>>;
+
+// Gives the whole pages inside [p, p + bytes) back to the kernel (MADV_DONTNEED): for memory that
+// will not be read again, such as a weight whose packed copy is all that is used, or a file
+// mapping already copied out. Reading them afterwards gives zeros in private anonymous memory
+// (not the old contents) and the file's bytes again in a file mapping.
+inline void release_pages(void* p, size_t bytes) {
+  constexpr uintptr_t kPage = 4096;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kPage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
 
 }  // namespace cemlm

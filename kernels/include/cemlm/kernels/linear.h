@@ -22,9 +22,12 @@ void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W
 // copy of W's bytes. Holds a view of W, which must outlive it; without AVX-512, W is used.
 // With WeightDtype::kBf16 the copy holds W rounded to bf16 (half the bytes: a memory-bound
 // decode streams half as much; products still accumulate in fp32), and W itself is never read:
-// the results are those of the fp32 products with the bf16-rounded W. Needs the panels:
-// packed_weights_available().
-enum class WeightDtype { kFp32, kBf16 };
+// the results are those of the fp32 products with the bf16-rounded W. kInt8: W quantized in
+// 32 × 32 blocks of W, one fp32 scale each (a block's largest |w| / 127, weights rounded to the
+// nearest multiple), a quarter of the bytes; the results are those of the fp32 products with the
+// dequantized W (q · scale in fp32), the same W for both uses of a tied weight. Both need the
+// panels: packed_weights_available().
+enum class WeightDtype { kFp32, kBf16, kInt8 };
 class PackedLinear {
  public:
   enum class Use { kForward, kTransposed };
@@ -32,7 +35,7 @@ class PackedLinear {
   explicit PackedLinear(const Tensor& W, Use use = Use::kForward,
                         WeightDtype dtype = WeightDtype::kFp32);
   const Tensor& weight() const { return w_; }
-  bool packed() const { return !panels_.empty() || !panels_bf16_.empty(); }
+  bool packed() const { return !panels_.empty() || !panels_bf16_.empty() || !panels_int8_.empty(); }
 
  private:
   friend void linear_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
@@ -44,6 +47,8 @@ class PackedLinear {
   Use use_ = Use::kForward;
   HugePageVector<float> panels_;          // WeightDtype::kFp32
   HugePageVector<uint16_t> panels_bf16_;  // WeightDtype::kBf16
+  HugePageVector<int8_t> panels_int8_;    // WeightDtype::kInt8, with
+  std::vector<float> scales_;             // one scale per panel and block of 32 rows
 };
 // Whether this build packs weights (AVX-512): without it PackedLinear uses W unpacked, in fp32.
 bool packed_weights_available();

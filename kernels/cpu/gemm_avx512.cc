@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cemlm/kernels/bf16.h"
@@ -363,8 +364,13 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, int8_t* ou
       const size_t first = size_t(b) * kQuantBlock * kPanel;
       const size_t last = std::min(size_t(b + 1) * kQuantBlock, size_t(K)) * kPanel;
       float absmax = 0;
-      for (size_t i = first; i < last; ++i) absmax = std::max(absmax, std::fabs(panel[i]));
-      const float scale = absmax / 127.0f;
+      bool finite = true;
+      for (size_t i = first; i < last; ++i) {
+        finite = finite && std::isfinite(panel[i]);
+        absmax = std::max(absmax, std::fabs(panel[i]));
+      }
+      // A block holding a NaN or an infinity stands for NaNs, as it would poison an fp32 product.
+      const float scale = finite ? absmax / 127.0f : std::numeric_limits<float>::quiet_NaN();
       panel_scales[b] = scale;
       for (size_t i = first; i < last; ++i)
         o[i] = scale > 0 ? int8_t(std::clamp(std::nearbyint(panel[i] / scale), -127.0f, 127.0f)) : 0;

@@ -30,7 +30,8 @@ constexpr int kQuantBlock = 32;
 int64_t packed_scales_size(int N, int K);
 // int8 panels: each block of a panel (32 columns × 32 rows of op(B), fewer at the edges) is
 // stored as q = round-to-nearest-even(w / s), s = the block's largest |w| / 127 (q = 0 where s = 0),
-// one byte per weight, and s in `scales`. The products use w' = fp32(q · s): a quarter of the
+// one byte per weight, and s in `scales` (NaN for a block holding a non-finite weight, which
+// then stands for NaNs). The products use w' = fp32(q · s): a quarter of the
 // fp32 bytes. The blocks are 32 × 32 squares of B whichever way it is packed, so a weight packed
 // for W·x and for Wᵀ·x (the tied W_Q and W_up) is quantized the same both ways.
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, int8_t* out, float* scales);

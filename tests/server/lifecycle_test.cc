@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "cemlm/kernels/blas_select.h"
+#include "cemlm/kernels/linear.h"
 #include "client_util.h"
 #include "server_process.h"
 
@@ -159,14 +160,21 @@ std::string refused_serve(const std::string& model, const std::string& flags) {
 // range or a zero --max-running/--max-waiting/--max-batch-tokens is refused at start with a
 // message naming the flag.
 TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
+  // bf16 weights need the AVX-512 kernels; a build without them refuses the device (below).
+  const std::string device = packed_weights_available() ? "cpu:bf16" : "cpu";
   auto bf16 = ServerProcess::start(
-      model_, {"--kv-cache-dtype", "bf16", "--device", "cpu:bf16", "--engine-nice", "0"});
+      model_, {"--kv-cache-dtype", "bf16", "--device", device, "--engine-nice", "0"});
   ASSERT_TRUE(bf16);
   const int64_t fp32_bytes = model_info(*server_).kv_bytes_per_token();
   EXPECT_GT(fp32_bytes, 0);
   EXPECT_EQ(model_info(*bf16).kv_bytes_per_token() * 2, fp32_bytes);
-  EXPECT_EQ(model_info(*bf16).device(), "cpu:bf16");
+  EXPECT_EQ(model_info(*bf16).device(), device);
   EXPECT_EQ(model_info(*server_).device(), "cpu");
+  if (!packed_weights_available()) {
+    const std::string err = refused_serve(model_, "--device cpu:int8");
+    EXPECT_NE(err.find("--device cpu:int8: this build has no AVX-512 kernels"), std::string::npos)
+        << err;
+  }
   const Stream s = generate(bf16->channel(), ids_request(prompt(9), 5, 2));
   EXPECT_TRUE(s.status.ok()) << s.status.error_message();
   std::string err = refused_serve(model_, "--kv-cache-dtype fp16");

@@ -5,6 +5,7 @@
 // smaller ones, and kernels that refuse, get ordinary pages. Contents are untouched.
 #pragma once
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -50,10 +51,14 @@ using HugePageVector = std::vector<T, HugePageAllocator<T>>;
 // mapping already copied out. Reading them afterwards gives zeros in private anonymous memory
 // (not the old contents) and the file's bytes again in a file mapping.
 inline void release_pages(void* p, size_t bytes) {
-  constexpr uintptr_t kPage = 4096;
+  static const uintptr_t kPage = uintptr_t(sysconf(_SC_PAGESIZE));
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kPage - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  if (end <= begin) return;
+  // Not a huge-page candidate any more: khugepaged fills a 2 MiB range with zero pages around the
+  // few it finds present there, which would bring released memory back.
+  madvise(reinterpret_cast<void*>(begin), end - begin, MADV_NOHUGEPAGE);
+  madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 }  // namespace cemlm

@@ -197,6 +197,22 @@ TEST(PackedLinear, LowPrecisionWeightsGiveTheFp32ProductsOfTheWeightTheyStandFor
       }
 }
 
+// An int8 block holding a NaN or an infinity stands for NaNs (as the weight would poison an fp32
+// product) rather than for an undefined conversion: the outputs that block feeds are NaN, the
+// others finite.
+TEST(PackedLinear, Int8BlockWithANonFiniteWeightGivesNaNsWhereItIsUsed) {
+  if (!packed_weights_available()) GTEST_SKIP() << "a build without AVX-512 packs no weights";
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    std::vector<float> W(64 * 64, 0.5f), x(64, 1.0f), y(64);
+    W[5 * 64 + 40] = bad;  // block (rows 0-31, columns 32-63) of W
+    const PackedLinear packed(Tensor(W.data(), {64, 64}), PackedLinear::Use::kForward,
+                              WeightDtype::kInt8);
+    linear_forward(ExecCtx{}, Tensor(y.data(), {1, 64}), Tensor(x.data(), {1, 64}), packed);
+    for (int n = 0; n < 64; ++n)  // outputs 0-31 read that block, 32-63 do not
+      EXPECT_EQ(std::isnan(y[n]), n < 32) << "bad=" << bad << " output " << n << " = " << y[n];
+  }
+}
+
 // Only AVX-512 processors left with OpenBLAS's generic or AVX2 kernels get other ones.
 TEST(BlasSelect, BetterKernelsOnlyForAvx512LeftBelowIt) {
   EXPECT_EQ(better_openblas_core("Prescott", true, true), "Cooperlake");

@@ -46,6 +46,7 @@ constexpr int kContext = 128;     // cached tokens per sequence before the timed
 constexpr int kDecodeSpan = 16;   // decode steps cycle over positions [kContext, kContext + span)
 constexpr int kMaxBatch = 128;
 constexpr int kLongContext = 1000;  // batch-1 decode at long context (max_seq_len is 1024)
+constexpr int kMaxCellContext = 1024 - kDecodeSpan;  // --context: a multiple of the block size
 
 struct Settings {
   std::vector<int> batches{1, 8, 32, 128};
@@ -55,6 +56,9 @@ struct Settings {
   int prefill_reps = 2;
   int threads = 0;           // 0: the runner's default (cpu_threads)
   std::string cell;          // "--cell MODEL:T:B": time only that decode cell (for profilers)
+  std::string cell_model;
+  int cell_T = 0, cell_B = 0;
+  int cell_context = kContext;  // --context: the cell's cached tokens per sequence
   std::string kv_dtype = "fp32";
   std::string device = "cpu";  // cpu, cpu:bf16 or cpu:int8 (the weights' dtype)
   std::string shape = "small";
@@ -126,8 +130,11 @@ double product_peak_flops() {
       0.5);
   return 2.0 * M * N * K / sec;
 }
-int64_t kv_budget(const ModelConfig& c, int prompt) {
-  const int64_t blocks = kMaxBatch * blocks_per_decode_seq() + (prompt + kBlockSize) / kBlockSize;
+// Room for n_seqs decoding sequences at `context` and one prompt.
+int64_t kv_budget(const ModelConfig& c, int prompt, int context = kContext,
+                  int n_seqs = kMaxBatch) {
+  const int64_t blocks =
+      n_seqs * blocks_per_decode_seq(context) + (prompt + kBlockSize) / kBlockSize;
   return std::max<int64_t>(blocks, c.max_seq_len / kBlockSize) * kBlockSize * c.kv_bytes_per_token();
 }
 
@@ -140,8 +147,10 @@ Model load_model(const std::string& name, const ModelConfig& c, const std::strin
     std::fprintf(stderr, "saving %s: %s\n", m.dir.c_str(), st.ToString().c_str());
     std::exit(1);
   }
-  auto r = make_model_runner(
-      m.dir, RunnerOptions{s.device, kv_budget(c, s.prompt), kBlockSize, s.threads, s.kv_dtype});
+  const int64_t budget = s.cell.empty() ? kv_budget(c, s.prompt)
+                                        : kv_budget(c, s.prompt, s.cell_context, s.cell_B);
+  auto r = make_model_runner(m.dir,
+                             RunnerOptions{s.device, budget, kBlockSize, s.threads, s.kv_dtype});
   if (!r.ok()) {
     std::fprintf(stderr, "runner for %s: %s\n", name.c_str(), r.status().ToString().c_str());
     std::exit(1);
@@ -362,29 +371,25 @@ std::string load_average() {
 
 // --cell: one decode cell in a loop for 10 s, then its fastest step.
 int profile_cell(std::vector<Model>& models, const Settings& s) {
-  char name[32] = {};
-  int T = 0, B = 0;
-  if (std::sscanf(s.cell.c_str(), "%31[^:]:%d:%d", name, &T, &B) != 3 || T < 1 || B < 1 ||
-      B > kMaxBatch) {
-    std::fprintf(stderr, "--cell %s: expected MODEL:T:B with T >= 1 and 1 <= B <= %d\n",
-                 s.cell.c_str(), kMaxBatch);
-    return 2;
-  }
   for (Model& m : models)
-    if (m.name == name) {
-      const double sec = on_own_thread([&] { return DecodeBench(*m.runner, T).step_seconds(B, 10.0); });
-      std::printf("%s T=%d B=%d: %.3f ms/step, %.0f tokens/s\n", name, T, B, sec * 1e3, B / sec);
+    if (m.name == s.cell_model) {
+      const double sec = on_own_thread([&] {
+        return DecodeBench(*m.runner, s.cell_T, s.cell_context, s.cell_B)
+            .step_seconds(s.cell_B, 10.0);
+      });
+      std::printf("%s T=%d B=%d context %d: %.3f ms/step, %.0f tokens/s\n", m.name.c_str(),
+                  s.cell_T, s.cell_B, s.cell_context, sec * 1e3, s.cell_B / sec);
       return 0;
     }
-  std::fprintf(stderr, "--cell %s: no model named %s (standard, cem, %s)\n", s.cell.c_str(), name,
-               models.back().name.c_str());
+  std::fprintf(stderr, "--cell %s: no model named %s (standard, cem, %s)\n", s.cell.c_str(),
+               s.cell_model.c_str(), models.back().name.c_str());
   return 2;
 }
 
 void print_help() {
   std::printf(
       "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape small|base]\n"
-      "                    [--device cpu|cpu:bf16|cpu:int8] [--cell M:T:B]\n"
+      "                    [--device cpu|cpu:bf16|cpu:int8] [--cell M:T:B [--context N]]\n"
       "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
@@ -394,7 +399,10 @@ void print_help() {
       "  --shape small|base  the models' size: small (default) D=256 L=4 V=4096, weights in\n"
       "               cache; base D=1024 L=12 V=32000, 127M/218M parameters, weights in memory\n"
       "  --cell M:T:B decode only model M (standard|cem|cem-L<half the layers>) at depth T,\n"
-      "               batch B, for 10 s: a steady loop to run under a profiler (perf record)\n");
+      "               batch B, for 10 s: a steady loop to run under a profiler (perf record)\n"
+      "  --context N  the --cell's cached tokens per sequence (default %d; a multiple of %d,\n"
+      "               at most %d)\n",
+      kContext, kBlockSize, kMaxCellContext);
 }
 
 }  // namespace
@@ -428,6 +436,22 @@ int main(int argc, char** argv) {
       }
     } else if (!std::strcmp(argv[i], "--cell") && i + 1 < argc) {
       s.cell = argv[++i];
+      char name[32] = {};
+      if (std::sscanf(s.cell.c_str(), "%31[^:]:%d:%d", name, &s.cell_T, &s.cell_B) != 3 ||
+          s.cell_T < 1 || s.cell_B < 1 || s.cell_B > kMaxBatch) {
+        std::fprintf(stderr, "--cell %s: expected MODEL:T:B with T >= 1 and 1 <= B <= %d\n",
+                     s.cell.c_str(), kMaxBatch);
+        return 2;
+      }
+      s.cell_model = name;
+    } else if (!std::strcmp(argv[i], "--context") && i + 1 < argc) {
+      s.cell_context = std::atoi(argv[++i]);
+      if (s.cell_context < kBlockSize || s.cell_context > kMaxCellContext ||
+          s.cell_context % kBlockSize) {
+        std::fprintf(stderr, "--context %s: expected a multiple of %d from %d to %d\n", argv[i],
+                     kBlockSize, kBlockSize, kMaxCellContext);
+        return 2;
+      }
     } else if (!std::strcmp(argv[i], "--help")) {
       print_help();
       return 0;
@@ -435,6 +459,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "unknown argument %s; see --help\n", argv[i]);
       return 2;
     }
+  }
+  if (s.cell.empty() && s.cell_context != kContext) {
+    std::fprintf(stderr, "--context applies to a --cell run only\n");
+    return 2;
   }
   const auto started = BenchClock::now();
   const std::string root = (std::filesystem::temp_directory_path() /

@@ -43,7 +43,9 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-// `red` is __shared__ storage of 32 elements; the call ends with the block synchronized.
+// `red` is __shared__ storage of 32 elements. The call starts with a barrier (a previous call may
+// still be reading `red`) but does not end with one: threads may still read `red` after some
+// have returned, so a caller must synchronize before writing `red` itself.
 template <typename T>
 __device__ T block_sum(T v, T* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

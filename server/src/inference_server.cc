@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "inference_service.h"
@@ -60,6 +61,9 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
                                ms(opts.max_connection_age_grace_s));
   }
   builder.RegisterService(s->service_.get());
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(malformed_body_interceptors(s->state_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0)
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address,

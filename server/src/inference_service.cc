@@ -83,15 +83,15 @@ void ServerState::cancel_stale_unread(std::unique_lock<std::mutex>& lock) {
   }
 }
 
-bool ServerState::log_refused_key(int64_t* left_out) {
+bool LogLimiter::allow(int64_t* left_out) {
   std::lock_guard lock(mu_);
   const Clock::time_point now = Clock::now();
-  if (now - last_refusal_logged_ < std::chrono::seconds(1)) {
-    ++refusals_left_out_;
+  if (now - last_ < std::chrono::seconds(1)) {
+    ++left_out_;
     return false;
   }
-  last_refusal_logged_ = now;
-  *left_out = std::exchange(refusals_left_out_, 0);
+  last_ = now;
+  *left_out = std::exchange(left_out_, 0);
   return true;
 }
 
@@ -409,7 +409,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
   void log() {
     if (final_status_.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
       // Nothing of the caller's own (its client id) is written, and at most a line a second.
-      if (int64_t left_out = 0; state_->log_refused_key(&left_out))
+      if (int64_t left_out = 0; state_->refused_key_log().allow(&left_out))
         spdlog::info("generate rejected peer={} status=UNAUTHENTICATED message=\"{}\" "
                      "refused_since_last_line={}",
                      peer_, log_escaped(final_status_.error_message()), left_out);
@@ -484,7 +484,7 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
   state_->metrics().count_rpc(method, status.error_code());
   int64_t left_out = 0;
   if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
-    if (state_->log_refused_key(&left_out))
+    if (state_->refused_key_log().allow(&left_out))
       spdlog::info("{} peer={} status=UNAUTHENTICATED message=\"{}\" refused_since_last_line={}",
                    method, context->peer(), log_escaped(status.error_message()), left_out);
     return status;
@@ -551,6 +551,75 @@ grpc::Status InferenceService::GetModelInfo(grpc::ServerContext* context,
     *response = model_info(engine, state_->model_name());
     return absl::OkStatus();
   });
+}
+
+namespace {
+
+class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  MalformedBodyInterceptor(ServerState* state, grpc::experimental::ServerRpcInfo* info,
+                           std::string method, std::string message)
+      : state_(state), info_(info), method_(std::move(method)), message_(std::move(message)) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    using Hook = grpc::experimental::InterceptionHookPoints;
+    // A body that did not parse reaches the interceptors as no message at all.
+    if (m->QueryInterceptionHookPoint(Hook::POST_RECV_MESSAGE) && !m->GetRecvMessage())
+      malformed_ = true;
+    if (malformed_ && m->QueryInterceptionHookPoint(Hook::PRE_SEND_STATUS)) {
+      const grpc::Status status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("the request body is not a valid ", message_,
+                       " message (bytes that do not parse, or a string field such as request_id "
+                       "that is not UTF-8); build the client from this server's "
+                       "cemlm/v1/inference.proto (server reflection serves it)"));
+      m->ModifySendStatus(status);
+      state_->metrics().count_rpc(method_.c_str(), status.error_code());
+      if (int64_t left_out = 0; state_->malformed_body_log().allow(&left_out))
+        spdlog::info(
+            "{} peer={} status=INVALID_ARGUMENT message=\"{}\" malformed_since_last_line={}",
+            method_, info_->server_context()->peer(), log_escaped(status.error_message()),
+            left_out);
+    }
+    m->Proceed();
+  }
+
+ private:
+  ServerState* const state_;
+  grpc::experimental::ServerRpcInfo* const info_;
+  const std::string method_, message_;
+  bool malformed_ = false;
+};
+
+class MalformedBodyInterceptors final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit MalformedBodyInterceptors(ServerState* state) : state_(state) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    // Only the service's own methods (their names are its proto's, so the metric's method label
+    // stays within them); health checks and reflection are left alone.
+    const std::string_view path = info->method();
+    const std::string prefix = absl::StrCat("/", v1::Inference::service_full_name(), "/");
+    if (path.substr(0, prefix.size()) != prefix) return nullptr;
+    const std::string method(path.substr(prefix.size()));
+    const google::protobuf::MethodDescriptor* d = v1::GenerateRequest::descriptor()
+                                                      ->file()
+                                                      ->FindServiceByName("Inference")
+                                                      ->FindMethodByName(method);
+    if (!d) return nullptr;
+    return new MalformedBodyInterceptor(state_, info, method, d->input_type()->full_name());
+  }
+
+ private:
+  ServerState* const state_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> malformed_body_interceptors(
+    ServerState* state) {
+  return std::make_unique<MalformedBodyInterceptors>(state);
 }
 
 }  // namespace cemlm::server

@@ -2,6 +2,8 @@
 // fed by the engine thread without blocking, so thousands of streams need no thread each. The
 // unary RPCs use the synchronous API because Score blocks for a whole prefill.
 #pragma once
+#include <grpcpp/support/server_interceptor.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -16,6 +18,19 @@
 #include "cemlm/v1/inference.grpc.pb.h"
 
 namespace cemlm::server {
+
+// At most one log line a second for a refusal that a client can repeat at will (a missing API
+// key, a request body that does not parse), so that it cannot fill the disk.
+class LogLimiter {
+ public:
+  // Whether to log this one; *left_out: how many were not logged since the last line.
+  bool allow(int64_t* left_out);
+
+ private:
+  std::mutex mu_;
+  Clock::time_point last_{};
+  int64_t left_out_ = 0;
+};
 
 // What every handler shares: the engine (null while loading), admission and drain state.
 // A Generate stream the engine has finished whose client has not read all of it yet.
@@ -63,10 +78,9 @@ class ServerState {
   // Refuses new calls from now on; true once no admitted call is left, false at the timeout.
   bool drain(Clock::duration timeout);
 
-  // Whether to log a call refused for its API key: at most one such line a second, so that a
-  // client without a key cannot fill the disk. *left_out: how many were not logged since the
-  // last one.
-  bool log_refused_key(int64_t* left_out);
+  // Whether to log a call refused for its API key, or one whose request body does not parse.
+  LogLimiter& refused_key_log() { return refused_key_log_; }
+  LogLimiter& malformed_body_log() { return malformed_body_log_; }
 
   const std::string& model_name() const { return model_name_; }
   ServerMetrics& metrics() const { return *metrics_; }
@@ -95,9 +109,15 @@ class ServerState {
   std::unordered_map<UnreadStream*, Held> unread_;
   int unread_counted_ = 0;  // those not cancelled
   std::condition_variable uncancelling_;  // a cancel_unread() returned
-  Clock::time_point last_refusal_logged_{};  // guarded by mu_, as is:
-  int64_t refusals_left_out_ = 0;
+  LogLimiter refused_key_log_, malformed_body_log_;
 };
+
+// Calls of cemlm.v1.Inference whose request body does not parse as the method's message: gRPC
+// answers those itself, without running a handler (UNIMPLEMENTED for Generate, INTERNAL for the
+// others, no message). The interceptors made here answer INVALID_ARGUMENT naming the message type
+// instead, count the call in requests_total and log it.
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> malformed_body_interceptors(
+    ServerState* state);
 
 // A stream with something to write while none of its writes is in flight.
 class IdleStream {

@@ -1,6 +1,7 @@
 // Every bad input gets INVALID_ARGUMENT with a message naming the field, counted in
 // cemlm:request_errors_total{code="INVALID_ARGUMENT"}; API keys on and off; TLS.
 #include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 
@@ -369,6 +370,71 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
 
 TEST_F(ServerValidation, WithoutKeysAnyAuthorizationIsIgnored) {
   EXPECT_TRUE(generate(server_->channel(), valid_request(), {"whatever"}).status.ok());
+  EXPECT_TRUE(generate(server_->channel(), valid_request()).status.ok());
+}
+
+// One call of `method` with `body` as its serialized request, whatever the method's type.
+grpc::Status raw_call(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                      const std::string& body) {
+  grpc::GenericStub stub(channel);
+  grpc::Slice slice(body);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::CompletionQueue cq;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+      stub.PrepareUnaryCall(&ctx, method, request, &cq);
+  call->StartCall();
+  grpc::ByteBuffer reply;
+  grpc::Status status;
+  call->Finish(&reply, &status, nullptr);
+  void* tag = nullptr;
+  bool ok = false;
+  if (!cq.Next(&tag, &ok)) return grpc::Status(grpc::StatusCode::UNKNOWN, "no completion");
+  return status;
+}
+
+// A body that does not parse as the method's message (gRPC itself answered UNIMPLEMENTED or
+// INTERNAL without a message, uncounted and unlogged): INVALID_ARGUMENT naming the message type,
+// counted per method, logged at most once a second; the server serves on.
+TEST_F(ServerValidation, UnparseableRequestBodyNamesTheMessageType) {
+  const auto before = parse_metrics(server_->metrics_text());
+  const std::vector<std::string> methods = {"Generate", "Score", "Tokenize", "Detokenize",
+                                            "GetModelInfo"};
+  for (const std::string& m : methods) {
+    // Field 1 as a varint of ten 0xff bytes: longer than any varint may be.
+    const grpc::Status st =
+        raw_call(server_->channel(), "/cemlm.v1.Inference/" + m, "\x08" + std::string(10, '\xff'));
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << m << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find("not a valid cemlm.v1." + m + "Request message"),
+              std::string::npos)
+        << st.error_message();
+  }
+  ASSERT_TRUE(wait_for_metrics(*server_, [&](const auto& now) {
+    for (const std::string& m : methods) {
+      const std::string labels = "code=\"INVALID_ARGUMENT\",method=\"" + m + "\"";
+      if (metric(now, "cemlm:requests_total", labels) !=
+          metric(before, "cemlm:requests_total", labels) + 1)
+        return false;
+    }
+    return true;
+  }));
+  // A Generate request whose request_id (a proto string) is not UTF-8 does not parse either.
+  v1::GenerateRequest req = valid_request();
+  std::string body;
+  ASSERT_TRUE(req.SerializeToString(&body));
+  body += std::string("\x3a\x02\xc3\x28", 4);  // field 7, 2 bytes: a broken UTF-8 sequence
+  const grpc::Status st = raw_call(server_->channel(), "/cemlm.v1.Inference/Generate", body);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("request_id"), std::string::npos) << st.error_message();
+  // Logged (the first call at least: later ones within a second of a line are left out).
+  const std::string log = server_->log();
+  EXPECT_NE(log.find("Generate peer="), std::string::npos) << log;
+  EXPECT_NE(log.find("status=INVALID_ARGUMENT message=\"the request body is not a valid "
+                     "cemlm.v1.GenerateRequest"),
+            std::string::npos)
+      << log;
   EXPECT_TRUE(generate(server_->channel(), valid_request()).status.ok());
 }
 

@@ -207,11 +207,19 @@ void SafetensorsFile::unmap() {
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO would otherwise wait forever for a writer (it is refused below,
+  // as anything but a regular file is: none can be mapped).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     return absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
   struct stat sb {};
   const bool stat_ok = ::fstat(fd, &sb) == 0;
+  if (stat_ok && !S_ISREG(sb.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", path, "' is ", S_ISDIR(sb.st_mode) ? "a directory" : "not a regular file",
+                     ", not a safetensors file: point at the .safetensors file itself"));
+  }
   const uint64_t size = stat_ok ? uint64_t(sb.st_size) : 0;
   if (stat_ok && size < 8) {
     ::close(fd);
@@ -228,7 +236,10 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   f.map_size_ = size;
   uint64_t n = 0;
   std::memcpy(&n, f.map_, 8);
-  if (n > size - 8 || n > kMaxHeaderBytes)
+  if (n > kMaxHeaderBytes && n <= size - 8)
+    return header_error(path, absl::StrCat("header length ", n, " is over the format's limit of ",
+                                           kMaxHeaderBytes, " bytes: not a safetensors file"));
+  if (n > size - 8)
     return header_error(path, absl::StrCat("header length ", n, " is beyond the end of the file (",
                                            size, " bytes): truncated or not a safetensors file"));
   // Strict: a tensor named twice would otherwise be silently the last one.

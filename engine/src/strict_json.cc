@@ -14,10 +14,12 @@ namespace {
 
 using nlohmann::json;
 
-// One open object or array, as the parser callback sees them.
+// One open object or array, as the parser callback sees them. A frame keeps only its own name in
+// its parent, not its whole path: copying the path into every frame costs memory quadratic in the
+// nesting depth (a 40 KB file of "[[[[..." took a gigabyte). The path is built only for an error.
 struct Frame {
   bool is_object = false;
-  std::string path;          // dotted path of this container ("" at the root)
+  std::string name;  // "key" or "[i]" in the parent ("" at the root)
   std::set<std::string> keys;
   std::string last_key;      // (objects) the key whose value comes next
   size_t count = 0;          // (arrays) elements seen so far
@@ -28,17 +30,67 @@ std::string child_path(const std::string& parent, const std::string& name, bool 
   return parent.empty() ? name : absl::StrCat(parent, ".", name);
 }
 
+// The dotted path of the innermost open container.
+std::string path_of(const std::vector<Frame>& stack) {
+  std::string path;
+  for (size_t i = 1; i < stack.size(); ++i)
+    path = child_path(path, stack[i].name, !stack[i - 1].is_object);
+  return path;
+}
+
+// The files read through here nest three levels deep; a deeper value is refused before parsing,
+// so that neither the parser's tree nor anything that walks it recursively (dump()) can be made
+// to exhaust memory or the stack by a file of brackets.
+constexpr size_t kMaxDepth = 64;
+
+// The offset of the bracket that opens level kMaxDepth + 1, or npos. Brackets inside strings do
+// not count; a malformed text is left to the parser to describe.
+size_t too_deep_at(std::string_view text) {
+  size_t depth = 0;
+  bool in_string = false, escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxDepth) return i;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return std::string_view::npos;
+}
+
+// "line L, column C (byte B)" for the 0-based offset `at` (L and C from 1, C in bytes).
+std::string position(std::string_view text, size_t at) {
+  const size_t line_start = at == 0 ? std::string_view::npos : text.rfind('\n', at - 1);
+  const size_t line = 1 + size_t(std::count(text.begin(), text.begin() + long(at), '\n'));
+  const size_t column = line_start == std::string_view::npos ? at + 1 : at - line_start;
+  return absl::StrCat("line ", line, ", column ", column, " (byte ", at, ")");
+}
+
 }  // namespace
 
 absl::StatusOr<json> parse_json_strict(std::string_view text) {
+  if (const size_t at = too_deep_at(text); at != std::string_view::npos)
+    return absl::InvalidArgumentError(
+        absl::StrCat("not valid JSON at ", position(text, at), ": nested more than ", kMaxDepth,
+                     " arrays/objects deep (a config.json or safetensors header needs 3)"));
   std::vector<Frame> stack;
   std::string duplicate;  // path of the first repeated key; empty while none
-  // Where the container or value starting now sits, relative to the enclosing frame.
-  auto next_path = [&stack]() -> std::string {
+  // How the container starting now is named in the enclosing frame.
+  auto next_name = [&stack]() -> std::string {
     if (stack.empty()) return "";
     Frame& top = stack.back();
-    if (top.is_object) return child_path(top.path, top.last_key, false);
-    return child_path(top.path, absl::StrCat("[", top.count++, "]"), true);
+    if (top.is_object) return top.last_key;
+    return absl::StrCat("[", top.count++, "]");
   };
   const json::parser_callback_t cb = [&](int /*depth*/, json::parse_event_t event,
                                          json& parsed) -> bool {
@@ -47,7 +99,7 @@ absl::StatusOr<json> parse_json_strict(std::string_view text) {
       case json::parse_event_t::array_start: {
         Frame f;
         f.is_object = event == json::parse_event_t::object_start;
-        f.path = next_path();
+        f.name = next_name();
         stack.push_back(std::move(f));
         break;
       }
@@ -60,7 +112,7 @@ absl::StatusOr<json> parse_json_strict(std::string_view text) {
         Frame& top = stack.back();
         top.last_key = parsed.get<std::string>();
         if (!top.keys.insert(top.last_key).second && duplicate.empty())
-          duplicate = child_path(top.path, top.last_key, false);
+          duplicate = child_path(path_of(stack), top.last_key, false);
         break;
       }
       case json::parse_event_t::value:
@@ -76,14 +128,11 @@ absl::StatusOr<json> parse_json_strict(std::string_view text) {
     // e.byte counts the characters read, the offending one included; nlohmann's own line and
     // column are not reliable (a column 0 mid-line), so both come from the offset here.
     const size_t at = std::min<size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
-    const size_t line_start = at == 0 ? std::string_view::npos : text.rfind('\n', at - 1);
-    const size_t line = 1 + size_t(std::count(text.begin(), text.begin() + long(at), '\n'));
-    const size_t column = line_start == std::string_view::npos ? at + 1 : at - line_start;
     // what(): "[json.exception.parse_error.101] parse error at line 1, column 2: syntax error ..."
     std::string what = e.what();
     if (const size_t colon = what.find(": "); colon != std::string::npos) what.erase(0, colon + 2);
-    return absl::InvalidArgumentError(absl::StrCat("not valid JSON at line ", line, ", column ",
-                                                   column, " (byte ", at, "): ", what));
+    return absl::InvalidArgumentError(
+        absl::StrCat("not valid JSON at ", position(text, at), ": ", what));
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("not valid JSON: ", e.what()));
   }

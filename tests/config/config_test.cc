@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "cemlm/engine/params.h"
+#include "cemlm/engine/strict_json.h"
 #include "nlohmann/json.hpp"
 #include "temp_dir.h"
 
@@ -304,6 +305,42 @@ TEST(Config, DuplicateKeysAreRefusedByName) {
       << c.status();
   // The same key in different objects is no duplicate.
   EXPECT_TRUE(parse_config(base().dump()).ok());
+}
+
+TEST(Config, DuplicateKeysInsideArraysAreNamedWithTheirIndex) {
+  auto j = parse_json_strict(R"({"a": [{"b": 1}, {"c": [[], {"d": 1, "d": 2}]}]})");
+  ASSERT_FALSE(j.ok());
+  EXPECT_NE(j.status().message().find("duplicate key \"a[1].c[1].d\""), std::string::npos)
+      << j.status();
+}
+
+// Every open array or object kept a copy of its whole path, so memory grew with the square of
+// the depth (40 KB of "[[[..." took a gigabyte, 120 KB more than two), and a deep tree could
+// overflow the stack when printed. Nesting is capped at 64, far beyond the 3 levels of a
+// config.json or a safetensors header, and refused before anything is allocated.
+TEST(Config, DeepNestingIsRefusedWhereItStarts) {
+  const auto nested = [](size_t depth) {
+    return std::string(depth, '[') + std::string(depth, ']');
+  };
+  EXPECT_TRUE(parse_json_strict(nested(64)).ok());
+  auto j = parse_json_strict(nested(65));
+  ASSERT_FALSE(j.ok());
+  EXPECT_NE(j.status().message().find("line 1, column 65 (byte 64): nested more than 64"),
+            std::string::npos)
+      << j.status();
+  // Brackets inside strings are text, not nesting.
+  EXPECT_TRUE(parse_json_strict("[\"" + std::string(1000, '[') + "\\\"\"]").ok());
+  // 10^4 levels took 150 MB before the cap; now they are refused at the 65th bracket.
+  j = parse_json_strict(nested(10000));
+  ASSERT_FALSE(j.ok());
+  EXPECT_NE(j.status().message().find("nested more than 64"), std::string::npos) << j.status();
+  std::string text = base().dump();
+  text.insert(text.rfind('}'), ", \"x\": " + std::string(100, '{'));
+  auto c = parse_config(text);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("config: not valid JSON at line 1"), std::string::npos)
+      << c.status();
+  EXPECT_NE(c.status().message().find("nested more than 64"), std::string::npos) << c.status();
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include "cemlm/engine/safetensors.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <limits>
@@ -152,6 +153,12 @@ std::vector<BadFile> bad_files() {
                          body(12)),
        "'w'"},
       {"body without tensors", safetensors_bytes("{}", body(4)), "describe 0 bytes"},
+      // A deep header cost memory quadratic in its depth before it was refused.
+      {"nested too deep",
+       one(R"({"dtype":)" + std::string(1000, '[') + std::string(1000, ']') +
+               R"(,"shape":[1],"data_offsets":[0,4]})",
+           body(4)),
+       "header: not valid JSON at line 1, column 77 (byte 76): nested more than 64"},
   };
 }
 
@@ -165,6 +172,38 @@ TEST(Safetensors, MalformedFilesAreRefusedByName) {
     EXPECT_NE(f.status().message().find(b.expect), std::string::npos)
         << b.what << ": " << f.status().message();
   }
+}
+
+// A directory in place of the file was "cannot map: No such device", and a FIFO (no writer) hung
+// the open for good: anything but a regular file is refused, without blocking.
+TEST(Safetensors, NonRegularFilesAreRefused) {
+  const std::string dir = fresh_dir();
+  std::filesystem::create_directory(dir + "/d.safetensors");
+  ASSERT_EQ(::mkfifo((dir + "/f.safetensors").c_str(), 0600), 0);
+  for (const char* name : {"/d.safetensors", "/f.safetensors"}) {
+    auto f = SafetensorsFile::open(dir + name);
+    ASSERT_FALSE(f.ok()) << name;
+    EXPECT_TRUE(absl::IsInvalidArgument(f.status())) << f.status();
+    EXPECT_NE(f.status().message().find("not a safetensors file"), std::string::npos) << f.status();
+  }
+  auto f = SafetensorsFile::open(dir + "/d.safetensors");
+  EXPECT_NE(f.status().message().find("is a directory"), std::string::npos) << f.status();
+}
+
+// A header length over the format's 100 MiB limit was reported as "beyond the end of the file"
+// even when the file is that long.
+TEST(Safetensors, HeaderOverTheLimitIsSaidSo) {
+  const std::string path = fresh_dir() + "/big.safetensors";
+  const uint64_t n = (uint64_t(100) << 20) + 8;
+  std::string len(8, '\0');
+  std::memcpy(len.data(), &n, 8);
+  write_bytes(path, len);
+  std::filesystem::resize_file(path, 8 + n);  // sparse: no disk used
+  auto f = SafetensorsFile::open(path);
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("over the format's limit of 104857600 bytes"),
+            std::string::npos)
+      << f.status();
 }
 
 TEST(Safetensors, NonFiniteValuesAreRefusedByName) {

@@ -281,15 +281,23 @@ absl::StatusOr<ModelConfig> load_config(const std::string& path) {
     if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
     return absl::FailedPreconditionError(msg);
   }
+  // A config.json is a few hundred bytes; reading stops past kMaxConfigBytes (a mistaken path
+  // such as a checkpoint's weights, or /dev/zero, is not read into memory whole).
+  constexpr size_t kMaxConfigBytes = 1 << 20;
   std::string text;
   char buf[1 << 16];
   size_t got = 0;
-  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
+  while (text.size() <= kMaxConfigBytes && (got = std::fread(buf, 1, sizeof buf, f)) > 0)
+    text.append(buf, got);
   const int read_err = std::ferror(f) ? errno : 0;
   std::fclose(f);
   if (read_err != 0)
     return absl::FailedPreconditionError(
         absl::StrCat("config: cannot read '", path, "': ", std::strerror(read_err)));
+  if (text.size() > kMaxConfigBytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: '", path, "' is over ", kMaxConfigBytes,
+                     " bytes, not a config.json (which is a few hundred): check the path"));
   auto c = parse_config(text);
   if (!c.ok()) return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
   return c;

@@ -278,6 +278,24 @@ TEST(Config, LoadConfigSaysWhyItCannotRead) {
   }
 }
 
+TEST(Config, LoadConfigRefusesWhatIsTooLargeToBeOne) {
+  const std::filesystem::path dir = testing_temp::fresh_dir("config");
+  // A valid config padded with spaces past 1 MiB: refused on its size, not parsed.
+  const std::string padded = base().dump() + std::string((1 << 20) + 1, ' ');
+  std::ofstream(dir / "config.json") << padded;
+  auto c = load_config((dir / "config.json").string());
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(c.status())) << c.status();
+  EXPECT_NE(c.status().message().find("is over 1048576 bytes"), std::string::npos) << c.status();
+  // An endless device is read only that far.
+  auto z = load_config("/dev/zero");
+  ASSERT_FALSE(z.ok());
+  EXPECT_NE(z.status().message().find("is over 1048576 bytes"), std::string::npos) << z.status();
+  // Trailing whitespace well under the bound is still an ordinary config.
+  std::ofstream(dir / "config.json", std::ios::trunc) << base().dump() + std::string(1000, ' ');
+  EXPECT_TRUE(load_config((dir / "config.json").string()).ok());
+}
+
 TEST(Config, SyntaxErrorsSayWhere) {
   auto c = parse_config("{\n  \"d_model\": 256,\n  \"n_layers\" 4\n}\n");
   ASSERT_FALSE(c.ok());

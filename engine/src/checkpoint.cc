@@ -4,6 +4,7 @@
 #include "cemlm/engine/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -147,6 +148,12 @@ void sync_dir(const fs::path& dir) {
 absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   const fs::path root(dir);
   Checkpoint ck;
+  // As for the weights: a FIFO as config.json would make the load wait forever for a writer.
+  // (load_config itself does not refuse one: a --config given to init or train may be a pipe.)
+  if (struct stat sb{}; ::stat((root / kConfigFile).c_str(), &sb) == 0 && !S_ISREG(sb.st_mode) &&
+                        !S_ISDIR(sb.st_mode))
+    return absl::InvalidArgumentError(absl::StrCat("config: '", (root / kConfigFile).string(),
+                                                   "' is not a regular file, not a config.json"));
   CEMLM_ASSIGN_OR_RETURN(ck.config, load_config((root / kConfigFile).string()));
   CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file,
                          SafetensorsFile::open((root / kWeightsFile).string()));

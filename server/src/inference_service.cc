@@ -563,15 +563,19 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
     using Hook = grpc::experimental::InterceptionHookPoints;
-    // A body that did not parse reaches the interceptors as no message at all.
+    // A body that did not parse (or no body) reaches the interceptors as no message at all; gRPC
+    // then answers INTERNAL or UNIMPLEMENTED. Any other status it sends (RESOURCE_EXHAUSTED when
+    // it has no thread for the call, say) is left as it is.
     if (m->QueryInterceptionHookPoint(Hook::POST_RECV_MESSAGE) && !m->GetRecvMessage())
       malformed_ = true;
-    if (malformed_ && m->QueryInterceptionHookPoint(Hook::PRE_SEND_STATUS)) {
+    if (malformed_ && m->QueryInterceptionHookPoint(Hook::PRE_SEND_STATUS) &&
+        (m->GetSendStatus().error_code() == grpc::StatusCode::INTERNAL ||
+         m->GetSendStatus().error_code() == grpc::StatusCode::UNIMPLEMENTED)) {
       const grpc::Status status(
           grpc::StatusCode::INVALID_ARGUMENT,
           absl::StrCat("the request body is not a valid ", message_,
-                       " message (bytes that do not parse, or a string field such as request_id "
-                       "that is not UTF-8); build the client from this server's "
+                       " message (missing, bytes that do not parse, or a string field such as "
+                       "request_id that is not UTF-8); build the client from this server's "
                        "cemlm/v1/inference.proto (server reflection serves it)"));
       m->ModifySendStatus(status);
       state_->metrics().count_rpc(method_.c_str(), status.error_code());

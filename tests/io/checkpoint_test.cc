@@ -2,11 +2,17 @@
 // missing/extra/mis-shaped/truncated/non-finite tensors by name, and atomic replacement.
 #include "cemlm/engine/checkpoint.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <future>
 
 #include "cemlm/engine/safetensors.h"
 #include "io_test_util.h"
@@ -202,6 +208,28 @@ TEST(Checkpoint, ConfigThatDoesNotMatchTheWeightsIsRefusedByName) {
 // A config.json far larger than its weights (here ~100 GB of parameters beside a few KB) is
 // refused naming the tensor whose shape differs, before the parameters are allocated: it once
 // allocated them first and died of out-of-memory.
+// A FIFO as config.json (as for model.safetensors): refused by name at once; opening it would
+// wait for a writer forever.
+TEST(Checkpoint, FifoConfigIsRefusedWithoutWaiting) {
+  const std::string ck = fresh_dir() + "/ck";
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 5)).ok());
+  const std::string config = ck + "/config.json";
+  ASSERT_TRUE(std::filesystem::remove(config));
+  ASSERT_EQ(::mkfifo(config.c_str(), 0600), 0) << std::strerror(errno);
+  auto pending = std::async(std::launch::async, [&] { return load_checkpoint(ck); });
+  if (pending.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    ADD_FAILURE() << "loading a checkpoint whose config.json is a FIFO still waits after 5 s";
+    const int w = ::open(config.c_str(), O_WRONLY | O_NONBLOCK);  // unblock it: empty input
+    if (w >= 0) ::close(w);
+  }
+  auto loaded = pending.get();
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(loaded.status())) << loaded.status();
+  EXPECT_NE(loaded.status().message().find("config.json' is not a regular file"), std::string::npos)
+      << loaded.status();
+}
+
 TEST(Checkpoint, ConfigFarLargerThanTheWeightsIsRefusedBeforeAllocating) {
   const std::string ck = fresh_dir() + "/ck";
   const ModelConfig c = config_of(small_config());

@@ -9,10 +9,15 @@
 // into a [K, 32] buffer, a cost shared by every row tile — or packed once ahead (pack_panels, for
 // weights: PackedLinear), then read in place by small_gemm_packed.
 //
-// A panel's first row tile also prefetches the thread's next panel into L2: without it, a weight
-// beyond the caches arrives only while the first tile asks for it — faster than memory delivers, so
-// that tile waits — and then the other tiles compute with memory idle. Measured on cold weights
-// (two threads, 32 × [2816, 1024]): 107 → 142 GFLOP/s packed; unchanged on hot ones.
+// A panel's row tiles also prefetch the thread's next panel into L2, shared out over them (tile t
+// of n pulls rows t, t + n, …): without it, a weight beyond the caches arrives only while the
+// first tile asks for it — faster than memory delivers, so that tile waits — and then the other
+// tiles compute with memory idle. Measured on cold weights (two threads, 32 × [2816, 1024]):
+// 107 → 142 GFLOP/s packed; unchanged on hot ones. Pulling the whole next panel during the first
+// tile, as it first did, asks memory for it at n times the rate the products use it, in bursts:
+// spread over the tiles, 32 × [2816, 1024] cold went from 282–295 to 317–352 GFLOP/s on a
+// full-rate Zen 5 (hot: 385–398), and batch-32 decode steps from 60–64 to 50–60 ms
+// (docs/BENCHMARKS.md, session 17).
 #include "gemm_avx512.h"
 
 #if defined(__AVX512F__)
@@ -137,19 +142,25 @@ inline void load_row(const PanelOf<int8_t>& P, int k, __m512& y0, __m512& y1) {
 }
 
 // C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P; with kPrefetch, also pulls
-// panel `next` into L2, one row per row of P.
+// rows pf_first, pf_first + pf_every, … of panel `next` into L2, one at each of those rows of P.
 template <int R, bool kPrefetch, typename W>
-void tile(int K, const float* a, int lda, PanelOf<W> P, PanelOf<W> next, float alpha, float beta,
-          float* c, int ldc, __mmask16 m0, __mmask16 m1) {
+void tile(int K, const float* a, int lda, PanelOf<W> P, PanelOf<W> next, int pf_first, int pf_every,
+          float alpha, float beta, float* c, int ldc, __mmask16 m0, __mmask16 m1) {
   // The loops over R must be unrolled for acc to live in registers (-O2 does not unroll them).
   __m512 acc[2 * R];
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
+  const char* ahead =
+      kPrefetch ? reinterpret_cast<const char*>(next.p + size_t(pf_first) * next.stride) : nullptr;
+  int countdown = pf_first;
   for (int k = 0; k < K; ++k) {
     if constexpr (kPrefetch) {
-      const char* ahead = reinterpret_cast<const char*>(next.p + size_t(k) * next.stride);
-      for (size_t line = 0; line < sizeof(W) * kPanel; line += 64)
-        _mm_prefetch(ahead + line, _MM_HINT_T1);
+      if (countdown-- == 0) {
+        for (size_t line = 0; line < sizeof(W) * kPanel; line += 64)
+          _mm_prefetch(ahead + line, _MM_HINT_T1);
+        ahead += sizeof(W) * size_t(pf_every) * next.stride;
+        countdown = pf_every - 1;
+      }
     }
     __m512 y0, y1;
     load_row(P, k, y0, y1);
@@ -224,8 +235,8 @@ constexpr RowPanelsFn<W> kRowPanelsFns[kRowPanels + 1] = {
     nullptr, &row_panels<1, W>, &row_panels<2, W>, &row_panels<3, W>, &row_panels<4, W>};
 
 template <typename W>
-using TileFn = void (*)(int, const float*, int, PanelOf<W>, PanelOf<W>, float, float, float*, int,
-                        __mmask16, __mmask16);
+using TileFn = void (*)(int, const float*, int, PanelOf<W>, PanelOf<W>, int, int, float, float,
+                        float*, int, __mmask16, __mmask16);
 // kTiles<W>[prefetch][rows]
 template <typename W>
 constexpr TileFn<W> kTiles[2][kTileRows + 1] = {
@@ -291,10 +302,13 @@ void panel_products(int M, int N, int K, float alpha, const float* A, int lda, f
     const PanelOf<W> panel = panel_of(p);
     const PanelOf<W> next = p + 1 < panels ? stored(p + 1) : PanelOf<W>{nullptr, 0};
     const __mmask16 m0 = lane_mask(width), m1 = lane_mask(width - 16);
-    for (int m = 0; m < M; m += kTileRows)
-      kTiles<W>[m == 0 && next.p][std::min(kTileRows, M - m)](
-          K, A + size_t(m) * lda, lda, panel, next, alpha, beta, C + size_t(m) * ldc + n0, ldc, m0,
-          m1);
+    const int tiles = (M + kTileRows - 1) / kTileRows;
+    for (int t = 0; t < tiles; ++t) {
+      const int m = t * kTileRows;
+      kTiles<W>[next.p != nullptr && t < K][std::min(kTileRows, M - m)](
+          K, A + size_t(m) * lda, lda, panel, next, t, tiles, alpha, beta, C + size_t(m) * ldc + n0,
+          ldc, m0, m1);
+    }
   }
 }
 

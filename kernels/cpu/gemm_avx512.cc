@@ -150,15 +150,14 @@ void tile(int K, const float* a, int lda, PanelOf<W> P, PanelOf<W> next, int pf_
   __m512 acc[2 * R];
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
-  const char* ahead =
-      kPrefetch ? reinterpret_cast<const char*>(next.p + size_t(pf_first) * next.stride) : nullptr;
+  // Iterations until the next row of `next` to prefetch (k = pf_first, pf_first + pf_every, …).
   int countdown = pf_first;
   for (int k = 0; k < K; ++k) {
     if constexpr (kPrefetch) {
       if (countdown-- == 0) {
+        const char* ahead = reinterpret_cast<const char*>(next.p + size_t(k) * next.stride);
         for (size_t line = 0; line < sizeof(W) * kPanel; line += 64)
           _mm_prefetch(ahead + line, _MM_HINT_T1);
-        ahead += sizeof(W) * size_t(pf_every) * next.stride;
         countdown = pf_every - 1;
       }
     }

@@ -79,6 +79,13 @@ std::string position(std::string_view text, size_t at) {
 }  // namespace
 
 absl::StatusOr<json> parse_json_strict(std::string_view text) {
+  // nlohmann's lexer takes a NUL byte for the end of the input, so `{...}` followed by a NUL and
+  // anything at all parsed as valid. No NUL belongs in JSON text (inside a string it must be
+  // written \u0000), so one is refused wherever it is.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos)
+    return absl::InvalidArgumentError(
+        absl::StrCat("not valid JSON at ", position(text, nul),
+                     ": a NUL byte (JSON text never holds one; is this a binary file?)"));
   if (const size_t at = too_deep_at(text); at != std::string_view::npos)
     return absl::InvalidArgumentError(
         absl::StrCat("not valid JSON at ", position(text, at), ": nested more than ", kMaxDepth,

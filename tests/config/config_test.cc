@@ -305,6 +305,24 @@ TEST(Config, SyntaxErrorsSayWhere) {
   EXPECT_NE(msg.find("(byte 33)"), std::string::npos) << msg;
 }
 
+// nlohmann's lexer ends the input at a NUL byte, so a config followed by a NUL and anything
+// else (a half-overwritten file, a binary file whose first bytes are JSON) read as valid.
+TEST(Config, NulBytesAreRefusedWhereTheyAre) {
+  const std::string text = base().dump();
+  auto c = parse_config(text + std::string(1, '\0') + "garbage");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("not valid JSON at line 1, column " +
+                                      std::to_string(text.size() + 1) + " (byte " +
+                                      std::to_string(text.size()) + "): a NUL byte"),
+            std::string::npos)
+      << c.status();
+  // Inside a string too: a raw NUL is never JSON; the escape \u0000 is.
+  EXPECT_FALSE(parse_json_strict(std::string("[\"a\0b\"]", 7)).ok());
+  auto escaped = parse_json_strict(R"(["a\u0000b"])");
+  ASSERT_TRUE(escaped.ok()) << escaped.status();
+  EXPECT_EQ((*escaped)[0].get<std::string>(), std::string("a\0b", 3));
+}
+
 TEST(Config, DuplicateKeysAreRefusedByName) {
   // "Last one wins" would silently drop the first value; nested objects are checked too.
   std::string text = base().dump();

@@ -141,6 +141,9 @@ std::vector<BadFile> bad_files() {
        "duplicate key \"__metadata__.format\""},
       {"syntax error position", safetensors_bytes("{\"w\" 1}", ""), "line 1, column 6"},
       {"bad first byte", safetensors_bytes("#\n{}", ""), "line 1, column 1 (byte 0)"},
+      // The JSON parser alone stops at a NUL: the tensor after it was dropped without a word.
+      {"NUL inside the header", safetensors_bytes(std::string("{}\0{\"w\":{}}", 11), ""),
+       "header: not valid JSON at line 1, column 3 (byte 2): a NUL byte"},
       // The body must be the tensors back to back: a gap or trailing bytes mean a header that
       // does not describe the file.
       {"trailing bytes", one(R"({"dtype":"F32","shape":[1],"data_offsets":[0,4]})", body(5)),

@@ -15,6 +15,8 @@ namespace cemlm {
 //   - arrays/objects nested more than 64 deep: "not valid JSON at line L, column C (byte B):
 //     nested more than 64 arrays/objects deep ..." at the bracket that opens level 65 (checked
 //     before parsing, so a file of brackets costs neither memory nor stack);
+//   - a NUL byte anywhere: "not valid JSON at line L, column C (byte B): a NUL byte ..." (the
+//     parser alone would stop reading at it and accept what came before);
 //   - a repeated key: "duplicate key \"a.b\"" (the dotted path of the key; array elements as
 //     "[i]"), the first one found.
 absl::StatusOr<nlohmann::json> parse_json_strict(std::string_view text);

@@ -61,7 +61,7 @@ struct Settings {
   int cell_T = 0, cell_B = 0;
   int cell_context = kContext;  // --context: the cell's cached tokens per sequence
   std::string kv_dtype = "fp32";
-  std::string device = "cpu";  // cpu, cpu:bf16 or cpu:int8 (the weights' dtype)
+  std::string device = "cpu";  // a CPU device: the weights' dtype (cpu_weight_dtype)
   std::string shape = "small";
 };
 
@@ -127,9 +127,7 @@ struct ProductRates {
 };
 ProductRates product_rates(const ModelConfig& c, const std::string& device) {
   const int M = 32, N = c.d_ff, K = c.d_model;
-  const WeightDtype dtype = device == "cpu:bf16"   ? WeightDtype::kBf16
-                            : device == "cpu:int8" ? WeightDtype::kInt8
-                                                   : WeightDtype::kFp32;
+  const WeightDtype dtype = *cpu_weight_dtype(device);
   std::vector<float> w(size_t(N) * K, 0.01f), x(size_t(M) * K, 0.5f), y(size_t(M) * N);
   const Tensor W(w.data(), {N, K});
   const size_t copies = std::max<size_t>(2, (size_t(256) << 20) / (sizeof(float) * N * K));
@@ -403,14 +401,17 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
 
 void print_help() {
   std::printf(
-      "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape small|base]\n"
-      "                    [--device cpu|cpu:bf16|cpu:int8] [--cell M:T:B [--context N]]\n"
+      "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape "
+      "small|base]\n"
+      "                    [--device cpu|cpu:bf16|cpu:bf16dot|cpu:int8] [--cell M:T:B [--context "
+      "N]]\n"
       "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
       "  --threads N  compute threads (default 0: as serve; 1 is steadier on a busy machine)\n"
       "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
-      "  --device cpu|cpu:bf16|cpu:int8  the runners' weights: fp32 (default), bf16 or int8\n"
+      "  --device cpu|cpu:bf16|cpu:bf16dot|cpu:int8  the runners' weights: fp32 (default), bf16,\n"
+      "                  bf16 with bf16 inputs and AVX512-BF16 dot products, or int8\n"
       "  --shape small|base  the models' size: small (default) D=256 L=4 V=4096, weights in\n"
       "               cache; base D=1024 L=12 V=32000, 127M/218M parameters, weights in memory\n"
       "  --cell M:T:B decode only model M (standard|cem|cem-L<half the layers>) at depth T,\n"
@@ -440,7 +441,9 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--device") && i + 1 < argc) {
       s.device = argv[++i];
       if (!is_cpu_device(s.device)) {
-        std::fprintf(stderr, "--device %s: expected cpu, cpu:fp32, cpu:bf16 or cpu:int8\n", argv[i]);
+        std::fprintf(stderr,
+                     "--device %s: expected cpu, cpu:fp32, cpu:bf16, cpu:bf16dot or cpu:int8\n",
+                     argv[i]);
         return 2;
       }
     } else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) {

@@ -753,9 +753,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_cuda_model_runner(const std::s
     co.precision = CudaPrecision::kFp32;
   else
     return absl::InvalidArgumentError(
-        absl::StrCat("device \"", opts.device,
-                     "\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:int8, cuda, cuda:bf16, "
-                     "cuda:fp32"));
+        absl::StrCat("device \"", opts.device, "\" is not one of ", kDeviceNames));
   CEMLM_RETURN_IF_ERROR(check_runner_options(opts));  // the KV cache here is fp32 only
   co.kv_cache_memory = opts.kv_cache_memory;
   co.block_size = opts.block_size;

@@ -49,21 +49,35 @@ class CpuRunner final : public ModelRunner {
 
 }  // namespace
 
-bool is_cpu_device(const std::string& device) {
-  return device == "cpu" || device == "cpu:fp32" || device == "cpu:bf16" || device == "cpu:int8";
+const char* const kDeviceNames =
+    "cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, cuda, cuda:bf16, cuda:fp32";
+
+std::optional<WeightDtype> cpu_weight_dtype(const std::string& device) {
+  if (device == "cpu" || device == "cpu:fp32") return WeightDtype::kFp32;
+  if (device == "cpu:bf16") return WeightDtype::kBf16;
+  if (device == "cpu:bf16dot") return WeightDtype::kBf16Dot;
+  if (device == "cpu:int8") return WeightDtype::kInt8;
+  return std::nullopt;
 }
+
+bool is_cpu_device(const std::string& device) { return cpu_weight_dtype(device).has_value(); }
 
 absl::Status check_runner_options(const RunnerOptions& opts) {
   const bool cuda = opts.device == "cuda" || opts.device == "cuda:bf16" || opts.device == "cuda:fp32";
   if (!cuda && !is_cpu_device(opts.device))
     return absl::InvalidArgumentError(
-        absl::StrCat("--device \"", opts.device,
-                     "\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:int8, cuda, cuda:bf16, "
-                     "cuda:fp32"));
-  if ((opts.device == "cpu:bf16" || opts.device == "cpu:int8") && !packed_weights_available())
+        absl::StrCat("--device \"", opts.device, "\" is not one of ", kDeviceNames));
+  const std::optional<WeightDtype> weights = cpu_weight_dtype(opts.device);
+  if (weights && *weights != WeightDtype::kFp32 && !packed_weights_available())
     return absl::InvalidArgumentError(absl::StrCat(
         "--device ", opts.device, ": this build has no AVX-512 kernels, which ",
         opts.device.substr(4), " weights need; use --device cpu (fp32 weights)"));
+  if (weights == WeightDtype::kBf16Dot && !bf16_dot_available())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device ", opts.device,
+        ": this CPU has no AVX512-BF16 dot products (AMD Zen 4 and later, Intel Cooper Lake "
+        "and Sapphire Rapids and later have them); use --device cpu:bf16 (the same weights, "
+        "fp32 arithmetic)"));
   if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
@@ -107,11 +121,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
                      needed * opts.block_size * ck.config.kv_bytes_per_token(bf16_kv ? 2 : 4),
                      " bytes); raise --kv-cache-memory"));
   const int threads = use_cpu_threads(opts.threads).threads;
-  return std::unique_ptr<ModelRunner>(
-      new CpuRunner(std::move(ck), opts.block_size, blocks, threads, bf16_kv,
-                    opts.device == "cpu:bf16"   ? WeightDtype::kBf16
-                    : opts.device == "cpu:int8" ? WeightDtype::kInt8
-                                                : WeightDtype::kFp32));
+  return std::unique_ptr<ModelRunner>(new CpuRunner(std::move(ck), opts.block_size, blocks, threads,
+                                                    bf16_kv, *cpu_weight_dtype(opts.device)));
 }
 
 }  // namespace cemlm

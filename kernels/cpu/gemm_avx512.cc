@@ -22,16 +22,16 @@
 
 #if defined(__AVX512F__)
 
-#include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
-
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 #include "cemlm/kernels/bf16.h"
 
 namespace cemlm {
@@ -109,7 +109,9 @@ void pack_panel(bool trans_b, const float* B, int ldb, int K, int n0, int width,
 // A panel: row k's 32 weights start at p + k·stride. W = float; uint16_t for bf16 panels
 // (pack_panels' bf16 layout: 16 pairs per row, the low half of pair j column j, the high half
 // column j + 16, so that two integer ops give both vectors of floats); int8_t for int8 panels,
-// whose rows k of block k / 32 share the scale scales[k / 32].
+// whose rows k of block k / 32 share the scale scales[k / 32]; uint32_t for bf16 pair panels
+// (row kk: rows 2kk and 2kk + 1 of op(B) as 32 pairs, column j's pair in element j), which the
+// products take with A in bf16 pairs too (InputOf), K counting pairs.
 template <typename W>
 struct PanelOf {
   const W* p;
@@ -129,6 +131,13 @@ inline void load_row(const PanelOf<uint16_t>& P, int k, __m512& y0, __m512& y1) 
   y0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   y1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
 }
+#if defined(__AVX512BF16__)
+inline void load_row(const PanelOf<uint32_t>& P, int k, __m512i& y0, __m512i& y1) {
+  const uint32_t* row = P.p + size_t(k) * P.stride;
+  y0 = _mm512_loadu_si512(row);
+  y1 = _mm512_loadu_si512(row + 16);
+}
+#endif
 // q · scale rounded to fp32 once, as a dequantized weight stored in fp32 would be.
 inline void load_row(const PanelOf<int8_t>& P, int k, __m512& y0, __m512& y1) {
   const int8_t* row = P.p + size_t(k) * P.stride;
@@ -141,11 +150,44 @@ inline void load_row(const PanelOf<int8_t>& P, int k, __m512& y0, __m512& y1) {
                      s);
 }
 
+// What a product takes A as: fp32 for the fp32-arithmetic panels, bf16 pairs (the low half the
+// even k) for the pair panels. broadcast() spreads one A value (one k, or one pair of k) over a
+// vector, madd() adds its products with a panel row's 16 columns to acc: one FMA, or one
+// AVX512-BF16 dot product of the pair (both products exact in fp32, each added with one rounding).
+template <typename W>
+using InputOf = std::conditional_t<std::is_same_v<W, uint32_t>, uint32_t, float>;
+inline __m512 broadcast(float a) { return _mm512_set1_ps(a); }
+inline __m512 madd(__m512 x, __m512 y, __m512 acc) { return _mm512_fmadd_ps(x, y, acc); }
+#if defined(__AVX512BF16__)
+inline __m512i broadcast(uint32_t a) { return _mm512_set1_epi32(int(a)); }
+inline __m512 madd(__m512i x, __m512i y, __m512 acc) {
+  return _mm512_dpbf16_ps(acc, __m512bh(x), __m512bh(y));
+}
+#endif
+
+// Stores the R rows of results acc (two vectors a row) as C = beta·C + alpha·acc.
+template <int R>
+[[gnu::always_inline]] inline void store_rows(const __m512* acc, float alpha, float beta, float* c,
+                                              int ldc, __mmask16 m0, __mmask16 m1) {
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    float* ci = c + size_t(i) * ldc;
+    __m512 r0 = _mm512_mul_ps(va, acc[2 * i]), r1 = _mm512_mul_ps(va, acc[2 * i + 1]);
+    if (beta != 0.0f) {  // beta = 0 never reads C, which may hold garbage
+      r0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, ci), r0);
+      r1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, ci + 16), r1);
+    }
+    _mm512_mask_storeu_ps(ci, m0, r0);
+    _mm512_mask_storeu_ps(ci + 16, m1, r1);
+  }
+}
+
 // C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P; with kPrefetch, also pulls
 // rows pf_first, pf_first + pf_every, … of panel `next` into L2, one at each of those rows of P.
 template <int R, bool kPrefetch, typename W>
-void tile(int K, const float* a, int lda, PanelOf<W> P, PanelOf<W> next, int pf_first, int pf_every,
-          float alpha, float beta, float* c, int ldc, __mmask16 m0, __mmask16 m1) {
+void tile(int K, const InputOf<W>* a, int lda, PanelOf<W> P, PanelOf<W> next, int pf_first,
+          int pf_every, float alpha, float beta, float* c, int ldc, __mmask16 m0, __mmask16 m1) {
   // The loops over R must be unrolled for acc to live in registers (-O2 does not unroll them).
   __m512 acc[2 * R];
 #pragma GCC unroll 16
@@ -161,37 +203,26 @@ void tile(int K, const float* a, int lda, PanelOf<W> P, PanelOf<W> next, int pf_
         countdown = pf_every - 1;
       }
     }
-    __m512 y0, y1;
+    decltype(broadcast(*a)) y0, y1;
     load_row(P, k, y0, y1);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      const __m512 x = _mm512_set1_ps(a[size_t(i) * lda + k]);
-      acc[2 * i] = _mm512_fmadd_ps(x, y0, acc[2 * i]);
-      acc[2 * i + 1] = _mm512_fmadd_ps(x, y1, acc[2 * i + 1]);
+      const auto x = broadcast(a[size_t(i) * lda + k]);
+      acc[2 * i] = madd(x, y0, acc[2 * i]);
+      acc[2 * i + 1] = madd(x, y1, acc[2 * i + 1]);
     }
   }
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    float* ci = c + size_t(i) * ldc;
-    __m512 r0 = _mm512_mul_ps(va, acc[2 * i]), r1 = _mm512_mul_ps(va, acc[2 * i + 1]);
-    if (beta != 0.0f) {  // beta = 0 never reads C, which may hold garbage
-      r0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, ci), r0);
-      r1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, ci + 16), r1);
-    }
-    _mm512_mask_storeu_ps(ci, m0, r0);
-    _mm512_mask_storeu_ps(ci + 16, m1, r1);
-  }
+  store_rows<R>(acc, alpha, beta, c, ldc, m0, m1);
 }
 
 // One row of A against P consecutive packed panels (2P accumulators: P independent chains keep the
 // FMA units busy where one panel's two would wait on their latency). Each output is the same
-// k-ordered chain of FMAs, then the same alpha/beta step, as tile<R>'s for any R: a row's product
-// has the same bits whatever the number of rows it came with. masks: P pairs, for ragged N.
-// Panel p is first's data + p·panel_size (and its scales first's + p·scales_size).
+// k-ordered chain of madd()s, then the same alpha/beta step, as tile<R>'s for any R: a row's
+// product has the same bits whatever the number of rows it came with. masks: P pairs, for ragged
+// N. Panel p is first's data + p·panel_size (and its scales first's + p·scales_size).
 template <int P, typename W>
-void row_panels(int K, const float* a, PanelOf<W> first, int64_t panel_size, int64_t scales_size,
-                float alpha, float beta, float* c, const __mmask16* masks) {
+void row_panels(int K, const InputOf<W>* a, PanelOf<W> first, int64_t panel_size,
+                int64_t scales_size, float alpha, float beta, float* c, const __mmask16* masks) {
   PanelOf<W> panel[P];
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p)
@@ -201,40 +232,30 @@ void row_panels(int K, const float* a, PanelOf<W> first, int64_t panel_size, int
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * P; ++i) acc[i] = _mm512_setzero_ps();
   for (int k = 0; k < K; ++k) {
-    const __m512 x = _mm512_set1_ps(a[k]);
+    const auto x = broadcast(a[k]);
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
-      __m512 y0, y1;
+      std::remove_const_t<decltype(x)> y0, y1;
       load_row(panel[p], k, y0, y1);
-      acc[2 * p] = _mm512_fmadd_ps(x, y0, acc[2 * p]);
-      acc[2 * p + 1] = _mm512_fmadd_ps(x, y1, acc[2 * p + 1]);
+      acc[2 * p] = madd(x, y0, acc[2 * p]);
+      acc[2 * p + 1] = madd(x, y1, acc[2 * p + 1]);
     }
   }
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
 #pragma GCC unroll 8
-  for (int p = 0; p < P; ++p) {
-    float* cp = c + p * kPanel;
-    const __mmask16 m0 = masks[2 * p], m1 = masks[2 * p + 1];
-    __m512 r0 = _mm512_mul_ps(va, acc[2 * p]), r1 = _mm512_mul_ps(va, acc[2 * p + 1]);
-    if (beta != 0.0f) {
-      r0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, cp), r0);
-      r1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, cp + 16), r1);
-    }
-    _mm512_mask_storeu_ps(cp, m0, r0);
-    _mm512_mask_storeu_ps(cp + 16, m1, r1);
-  }
+  for (int p = 0; p < P; ++p)  // panel p's results are one row of 32 columns
+    store_rows<1>(acc + 2 * p, alpha, beta, c + p * kPanel, 0, masks[2 * p], masks[2 * p + 1]);
 }
 
 constexpr int kRowPanels = 4;  // panels per row_panels call
 template <typename W>
-using RowPanelsFn = void (*)(int, const float*, PanelOf<W>, int64_t, int64_t, float, float, float*,
-                             const __mmask16*);
+using RowPanelsFn = void (*)(int, const InputOf<W>*, PanelOf<W>, int64_t, int64_t, float, float,
+                             float*, const __mmask16*);
 template <typename W>
 constexpr RowPanelsFn<W> kRowPanelsFns[kRowPanels + 1] = {
     nullptr, &row_panels<1, W>, &row_panels<2, W>, &row_panels<3, W>, &row_panels<4, W>};
 
 template <typename W>
-using TileFn = void (*)(int, const float*, int, PanelOf<W>, PanelOf<W>, int, int, float, float,
+using TileFn = void (*)(int, const InputOf<W>*, int, PanelOf<W>, PanelOf<W>, int, int, float, float,
                         float*, int, __mmask16, __mmask16);
 // kTiles<W>[prefetch][rows]
 template <typename W>
@@ -291,8 +312,8 @@ constexpr double kParallelGemvBytes = 1 << 18;
 // product is big enough. panel_of(p) gives panel p (packing it if need be); stored(p) gives it
 // only where it is already in memory as it will be read ({nullptr, 0} otherwise), for the prefetch.
 template <typename W, typename GetPanel, typename Stored>
-void panel_products(int M, int N, int K, float alpha, const float* A, int lda, float beta, float* C,
-                    int ldc, GetPanel panel_of, Stored stored) {
+void panel_products(int M, int N, int K, float alpha, const InputOf<W>* A, int lda, float beta,
+                    float* C, int ldc, GetPanel panel_of, Stored stored) {
   const int panels = (N + kPanel - 1) / kPanel;
   const bool parallel = 2.0 * M * N * K >= kParallelFlops && panels > 1 && !omp_in_parallel();
 #pragma omp parallel for schedule(static) if (parallel)
@@ -362,6 +383,38 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint16_t* 
   return true;
 }
 
+bool bf16_dot_supported() {
+#if defined(__AVX512BF16__)
+  static const bool cpu_has_it = __builtin_cpu_supports("avx512bf16");
+  return cpu_has_it;
+#else
+  return false;
+#endif
+}
+
+int64_t packed_pair_panels_size(int N, int K) {
+  return int64_t((N + kPanel - 1) / kPanel) * kPanel * ((K + 1) / 2);
+}
+
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint32_t* out) {
+#if defined(__AVX512BF16__)
+  const int pairs = (K + 1) / 2;
+  std::vector<float> panel(size_t(2 * pairs) * kPanel);  // an odd K's last row stays zero
+  for (int n0 = 0; n0 < N; n0 += kPanel) {
+    pack_panel(trans_b, B, ldb, K, n0, std::min(kPanel, N - n0), panel.data());
+    uint32_t* o = out + int64_t(n0) * pairs;
+    for (size_t kk = 0; kk < size_t(pairs); ++kk)
+      for (size_t j = 0; j < kPanel; ++j)
+        o[kk * kPanel + j] = f32_to_bf16(panel[2 * kk * kPanel + j]) |
+                             uint32_t(f32_to_bf16(panel[(2 * kk + 1) * kPanel + j])) << 16;
+  }
+  return true;
+#else
+  (void)trans_b, (void)B, (void)ldb, (void)N, (void)K, (void)out;
+  return false;
+#endif
+}
+
 int64_t packed_scales_size(int N, int K) {
   return int64_t((N + kPanel - 1) / kPanel) * ((K + kQuantBlock - 1) / kQuantBlock);
 }
@@ -394,8 +447,8 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, int8_t* ou
 
 namespace {
 template <typename W>
-void packed_products_of(int M, int N, int K, float alpha, const float* A, int lda, const W* panels,
-                        const float* scales, float beta, float* C, int ldc) {
+void packed_products_of(int M, int N, int K, float alpha, const InputOf<W>* A, int lda,
+                        const W* panels, const float* scales, float beta, float* C, int ldc) {
   if (M <= 0 || N <= 0) return;
   const int64_t panel_size = int64_t(kPanel) * K;
   const int64_t scales_size = scales ? (K + kQuantBlock - 1) / kQuantBlock : 0;
@@ -437,6 +490,32 @@ void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const int8_t* panels, const float* scales, float beta, float* C, int ldc) {
   packed_products_of(M, N, K, alpha, A, lda, panels, scales, beta, C, ldc);
+}
+
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const uint32_t* panels, float beta, float* C, int ldc) {
+#if defined(__AVX512BF16__)
+  if (M <= 0 || N <= 0) return;
+  // Each row of A as bf16 pairs, converted once for every panel (vcvtneps2bf16: nearest-even,
+  // subnormals to zero); an odd K's last pair is (a[K - 1], 0).
+  const int pairs = (K + 1) / 2;
+  thread_local std::vector<uint32_t> a;  // kept between calls: no allocation per product
+  a.resize(size_t(M) * size_t(pairs));
+  for (int m = 0; m < M; ++m) {
+    uint32_t* row = a.data() + size_t(m) * size_t(pairs);
+    if (K % 2) row[K / 2] = 0;
+    for (int k = 0; k < K; k += 16) {
+      const __mmask16 mask = lane_mask(K - k);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, A + size_t(m) * lda + k));
+      _mm256_mask_storeu_epi16(reinterpret_cast<char*>(row) + 2 * size_t(k), mask, __m256i(h));
+    }
+  }
+  packed_products_of(M, N, pairs, alpha, a.data(), pairs, panels, nullptr, beta, C, ldc);
+#else
+  (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)lda, (void)panels, (void)beta, (void)C,
+      (void)ldc;
+  std::abort();  // unreachable: pack_panels packs no pairs on these builds
+#endif
 }
 
 bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const float* B, int ldb,
@@ -491,6 +570,12 @@ int64_t packed_scales_size(int, int) { return 0; }
 bool pack_panels(bool, const float*, int, int, int, int8_t*, float*) { return false; }
 void packed_products(int, int, int, float, const float*, int, const int8_t*, const float*, float,
                      float*, int) {
+  std::abort();
+}
+bool bf16_dot_supported() { return false; }
+int64_t packed_pair_panels_size(int, int) { return 0; }
+bool pack_panels(bool, const float*, int, int, int, uint32_t*) { return false; }
+void packed_products(int, int, int, float, const float*, int, const uint32_t*, float, float*, int) {
   std::abort();
 }
 }  // namespace cemlm

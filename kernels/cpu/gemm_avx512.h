@@ -36,6 +36,18 @@ int64_t packed_scales_size(int N, int K);
 // for W·x and for Wᵀ·x (the tied W_Q and W_up) is quantized the same both ways.
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, int8_t* out, float* scales);
 
+// Whether the bf16 pair panels below can be multiplied: this build compiled the AVX512-BF16 dot
+// products (with its AVX-512 kernels) and this CPU has them.
+bool bf16_dot_supported();
+
+// bf16 pair panels, for products whose inputs are rounded to bf16 too (AVX512-BF16 dot products):
+// panel p holds columns [32p, 32p + 32) as ceil(K / 2) rows of 32 pairs, row kk's element j the
+// bf16 weights of rows 2kk (low half) and 2kk + 1 (high half; zero past K) of op(B) in column j,
+// each rounded to nearest-even as in the uint16_t layout. Returns false, writing nothing, on a
+// build without AVX512-BF16.
+int64_t packed_pair_panels_size(int N, int K);
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint32_t* out);
+
 // small_gemm with op(B) already in pack_panels' layout (no per-call transposes), for any M ≥ 1:
 // each output is one k-ordered chain of FMAs whatever M and the thread count, so a row's result
 // has the same bits alone or among other rows (batch invariance; one row takes several panels at
@@ -49,6 +61,12 @@ void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
 // int8 panels: the bits of the fp32 panels of the dequantized weight fp32(q · s).
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const int8_t* panels, const float* scales, float beta, float* C, int ldc);
+// bf16 pair panels: A's rows are rounded to bf16 (nearest-even, subnormals to zero) and each
+// output is one chain, in k order, of AVX512-BF16 dot products of pairs (a[2kk], a[2kk + 1]) with
+// the weights' pairs, accumulated in fp32: not the fp32 product, but the same bits for a row alone
+// or among others, as above. Only for panels pack_panels wrote (an AVX512-BF16 build).
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const uint32_t* panels, float beta, float* C, int ldc);
 
 // c[N] = beta·c + alpha·op(B)ᵀ·a, one row of A times op(B): B [N, K] (trans_b: c[n] = B[n]·a)
 // or B [K, N]. Returns false, touching nothing, on a build without AVX-512. Memory-bound: it

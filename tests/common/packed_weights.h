@@ -13,10 +13,11 @@
 namespace cemlm::testing_weights {
 
 // Replaces W [out, in] (row-major) by the weight `dtype` computes with: bf16 rounding to nearest
-// even; int8: 32 × 32 blocks of W, each weight q·s in fp32 with s = the block's largest |w| / 127
-// and q = w / s rounded to the nearest integer (ties to even), q = 0 where s = 0.
+// even (kBf16 and kBf16Dot, which also rounds the products' inputs); int8: 32 × 32 blocks of W,
+// each weight q·s in fp32 with s = the block's largest |w| / 127 and q = w / s rounded to the
+// nearest integer (ties to even), q = 0 where s = 0.
 inline void round_like_packed(WeightDtype dtype, float* W, int64_t out, int64_t in) {
-  if (dtype == WeightDtype::kBf16) {
+  if (dtype == WeightDtype::kBf16 || dtype == WeightDtype::kBf16Dot) {
     for (int64_t i = 0; i < out * in; ++i) W[i] = bf16_to_f32(f32_to_bf16(W[i]));
     return;
   }

@@ -197,6 +197,66 @@ TEST(PackedLinear, LowPrecisionWeightsGiveTheFp32ProductsOfTheWeightTheyStandFor
       }
 }
 
+// A kBf16Dot PackedLinear multiplies the bf16-rounded weight by the bf16-rounded input, summing
+// in fp32: within 2e-5 of Σ|terms| (K ≤ 1400 fp32 additions of exact bf16 products) of that
+// product taken in double, for one row, few rows, ragged panels, odd K (a last pair half empty),
+// both uses, beta ≠ 0; and far from it with the input left in fp32 (the input is rounded: the
+// tolerance could not hide that). Rows in slices of 1..9 give the same bits (batch invariance).
+TEST(PackedLinear, Bf16DotMultipliesBf16InputsByBf16Weights) {
+  if (!bf16_dot_available()) GTEST_SKIP() << "this build has no AVX512-BF16";
+  for (const bool transposed : {false, true})
+    for (auto [M, out, in] : {std::tuple{1, 64, 32},
+                              {1, 200, 1400},
+                              {2, 71, 37},
+                              {8, 64, 48},
+                              {9, 100, 700},
+                              {33, 256, 256},
+                              {300, 40, 21}}) {
+      Rng rng(uint64_t(M * 11 + out));
+      const int xw = transposed ? out : in, yw = transposed ? in : out;
+      std::vector<float> W(size_t(out) * in), x(size_t(M) * xw), y0(size_t(M) * yw);
+      for (float& v : W) v = float(rng.normal());
+      for (float& v : x) v = float(rng.normal());
+      for (float& v : y0) v = float(rng.normal());
+      std::vector<float> Wr = W, xr = x;
+      testing_weights::round_like_packed(WeightDtype::kBf16Dot, Wr.data(), out, in);
+      testing_weights::round_like_packed(WeightDtype::kBf16, xr.data(), M, xw);
+      const auto use = transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward;
+      const PackedLinear packed(Tensor(W.data(), {out, in}), use, WeightDtype::kBf16Dot);
+      ASSERT_TRUE(packed.packed());
+      for (float beta : {0.0f, 1.0f}) {
+        std::vector<float> want = y0;
+        packed_rows(packed, transposed, x, xw, 0, M, beta, &want, yw);
+        double far_from_fp32_x = 0;
+        for (int i = 0; i < M; ++i)
+          for (int j = 0; j < yw; ++j) {
+            double s = beta * y0[size_t(i) * yw + j], s_fp32_x = s, magnitude = std::fabs(s);
+            for (int k = 0; k < xw; ++k) {
+              const double w = transposed ? Wr[size_t(k) * in + j] : Wr[size_t(j) * in + k];
+              s += double(xr[size_t(i) * xw + k]) * w;
+              s_fp32_x += double(x[size_t(i) * xw + k]) * w;
+              magnitude += std::fabs(double(xr[size_t(i) * xw + k]) * w);
+            }
+            const double tol = 2e-5 * magnitude;
+            ASSERT_NEAR(want[size_t(i) * yw + j], s, tol)
+                << "transposed=" << transposed << " M=" << M << " out=" << out << " in=" << in
+                << " beta=" << beta << " row " << i << " column " << j;
+            far_from_fp32_x = std::max(far_from_fp32_x, std::fabs(s_fp32_x - s) / tol);
+          }
+        EXPECT_GT(far_from_fp32_x, 10) << "the inputs were not rounded to bf16?";
+        for (int n : {1, 2, 3, 8, 9}) {
+          if (n > M) continue;
+          std::vector<float> got = y0;
+          for (int r0 = 0; r0 < M; r0 += n)
+            packed_rows(packed, transposed, x, xw, r0, std::min(n, M - r0), beta, &got, yw);
+          ASSERT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0)
+              << "transposed=" << transposed << " M=" << M << " out=" << out << " in=" << in
+              << " beta=" << beta << ": rows in slices of " << n;
+        }
+      }
+    }
+}
+
 // An int8 block holding a NaN or an infinity stands for NaNs (as the weight would poison an fp32
 // product) rather than for an undefined conversion: the outputs that block feeds are NaN, the
 // others finite.

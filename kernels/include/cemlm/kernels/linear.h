@@ -26,8 +26,13 @@ void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W
 // 32 × 32 blocks of W, one fp32 scale each (a block's largest |w| / 127, weights rounded to the
 // nearest multiple), a quarter of the bytes; the results are those of the fp32 products with the
 // dequantized W (q · scale in fp32), the same W for both uses of a tied weight. Both need the
-// panels: packed_weights_available().
-enum class WeightDtype { kFp32, kBf16, kInt8 };
+// panels: packed_weights_available(). kBf16Dot: the same bf16 W as kBf16, and the products round
+// their inputs x to bf16 too (nearest-even, subnormals to zero) and sum the bf16 products in fp32
+// with AVX512-BF16 dot products, two k at a time — twice kBf16's arithmetic rate where a product
+// is arithmetic-bound (batches, prefill), and no longer the fp32 product of any weight: each sum
+// differs from kBf16's by about x's rounding (2⁻⁹ relative). Each row's bits still do not depend
+// on the other rows. Needs bf16_dot_available().
+enum class WeightDtype { kFp32, kBf16, kInt8, kBf16Dot };
 class PackedLinear {
  public:
   enum class Use { kForward, kTransposed };
@@ -35,7 +40,10 @@ class PackedLinear {
   explicit PackedLinear(const Tensor& W, Use use = Use::kForward,
                         WeightDtype dtype = WeightDtype::kFp32);
   const Tensor& weight() const { return w_; }
-  bool packed() const { return !panels_.empty() || !panels_bf16_.empty() || !panels_int8_.empty(); }
+  bool packed() const {
+    return !panels_.empty() || !panels_bf16_.empty() || !panels_int8_.empty() ||
+           !panels_bf16x2_.empty();
+  }
 
  private:
   friend void linear_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
@@ -49,9 +57,14 @@ class PackedLinear {
   HugePageVector<uint16_t> panels_bf16_;  // WeightDtype::kBf16
   HugePageVector<int8_t> panels_int8_;    // WeightDtype::kInt8, with
   std::vector<float> scales_;             // one scale per panel and block of 32 rows
+  HugePageVector<uint32_t> panels_bf16x2_;  // WeightDtype::kBf16Dot
 };
 // Whether this build packs weights (AVX-512): without it PackedLinear uses W unpacked, in fp32.
 bool packed_weights_available();
+// Whether WeightDtype::kBf16Dot can be used: an AVX-512 build (which compiles its AVX512-BF16 dot
+// products whatever the -march) on a CPU that has them (AMD Zen 4 and later, Intel Cooper Lake,
+// Sapphire Rapids and later).
+bool bf16_dot_available();
 // linear_forward / linear_t_forward with W.weight(), W packed for that use (Use::kForward /
 // Use::kTransposed). Where W is packed (AVX-512 builds) each row's result has the same bits
 // whatever the other rows of x (batch invariance: the engine's outputs do not depend on what else

@@ -403,15 +403,15 @@ void print_help() {
   std::printf(
       "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape "
       "small|base]\n"
-      "                    [--device cpu|cpu:bf16|cpu:bf16dot|cpu:int8] [--cell M:T:B [--context "
-      "N]]\n"
+      "                    [--device cpu|cpu:DTYPE] [--cell M:T:B [--context N]]\n"
       "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
       "  --threads N  compute threads (default 0: as serve; 1 is steadier on a busy machine)\n"
       "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
-      "  --device cpu|cpu:bf16|cpu:bf16dot|cpu:int8  the runners' weights: fp32 (default), bf16,\n"
-      "                  bf16 with bf16 inputs and AVX512-BF16 dot products, or int8\n"
+      "  --device cpu|cpu:bf16|cpu:bf16dot|cpu:int8|cpu:int8dot  the runners' weights: fp32\n"
+      "                  (default), bf16, int8; …dot: those weights, and products that round\n"
+      "                  their inputs to them too, with dot-product instructions\n"
       "  --shape small|base  the models' size: small (default) D=256 L=4 V=4096, weights in\n"
       "               cache; base D=1024 L=12 V=32000, 127M/218M parameters, weights in memory\n"
       "  --cell M:T:B decode only model M (standard|cem|cem-L<half the layers>) at depth T,\n"
@@ -442,7 +442,8 @@ int main(int argc, char** argv) {
       s.device = argv[++i];
       if (!is_cpu_device(s.device)) {
         std::fprintf(stderr,
-                     "--device %s: expected cpu, cpu:fp32, cpu:bf16, cpu:bf16dot or cpu:int8\n",
+                     "--device %s: expected cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8 or "
+                     "cpu:int8dot\n",
                      argv[i]);
         return 2;
       }

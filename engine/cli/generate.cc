@@ -112,8 +112,9 @@ int cmd_generate(int argc, char** argv) {
   f.add("seed", &seed_text, "sampling seed, an integer in [0, 2^64) (random when not given)");
   f.add("device", &device,
         "cpu | cpu:bf16 | cpu:int8 (weights in bf16 or block-scaled int8: less memory, faster "
-        "decode, logprobs move a little) | cpu:bf16dot (bf16 weights and product inputs, "
-        "AVX512-BF16: faster batches and prefill) | cuda (= cuda:bf16) | cuda:fp32");
+        "decode, logprobs move a little) | cpu:bf16dot | cpu:int8dot (those weights and product "
+        "inputs, with dot-product instructions: faster batches and prefill) | cuda (= cuda:bf16) "
+        "| cuda:fp32");
   f.add("kv-cache-memory", &kv_memory,
         "KV-cache budget in bytes (K/M/G/T suffixes); a model whose max_seq_len does not fit "
         "needs more");

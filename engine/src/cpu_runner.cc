@@ -50,13 +50,14 @@ class CpuRunner final : public ModelRunner {
 }  // namespace
 
 const char* const kDeviceNames =
-    "cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, cuda, cuda:bf16, cuda:fp32";
+    "cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, cpu:int8dot, cuda, cuda:bf16, cuda:fp32";
 
 std::optional<WeightDtype> cpu_weight_dtype(const std::string& device) {
   if (device == "cpu" || device == "cpu:fp32") return WeightDtype::kFp32;
   if (device == "cpu:bf16") return WeightDtype::kBf16;
   if (device == "cpu:bf16dot") return WeightDtype::kBf16Dot;
   if (device == "cpu:int8") return WeightDtype::kInt8;
+  if (device == "cpu:int8dot") return WeightDtype::kInt8Dot;
   return std::nullopt;
 }
 
@@ -78,6 +79,12 @@ absl::Status check_runner_options(const RunnerOptions& opts) {
         ": this CPU has no AVX512-BF16 dot products (AMD Zen 4 and later, Intel Cooper Lake "
         "and Sapphire Rapids and later have them); use --device cpu:bf16 (the same weights, "
         "fp32 arithmetic)"));
+  if (weights == WeightDtype::kInt8Dot && !int8_dot_available())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device ", opts.device,
+        ": this CPU has no AVX512-VNNI dot products (AMD Zen 4 and later, Intel Cascade Lake, "
+        "Ice Lake and later have them); use --device cpu:int8 (the same weights, fp32 "
+        "arithmetic)"));
   if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));

@@ -18,6 +18,11 @@
 // spread over the tiles, 32 × [2816, 1024] cold went from 282–295 to 317–352 GFLOP/s on a
 // full-rate Zen 5 (hot: 385–398), and batch-32 decode steps from 60–64 to 50–60 ms
 // (docs/BENCHMARKS.md, session 17).
+//
+// The same tiles also run on bf16 pair panels with AVX512-BF16 dot products (two k per
+// instruction, A rounded to bf16) and on int8 quad panels with AVX512-VNNI (four k per
+// instruction, A quantized per 32-k block, each block's exact integer sum scaled into fp32): on a
+// Zen 4, 32 × [2816, 1024] ran at 416 and 493 GFLOP/s against fp32's 208 (session 19).
 #include "gemm_avx512.h"
 
 #if defined(__AVX512F__)
@@ -111,7 +116,10 @@ void pack_panel(bool trans_b, const float* B, int ldb, int K, int n0, int width,
 // column j + 16, so that two integer ops give both vectors of floats); int8_t for int8 panels,
 // whose rows k of block k / 32 share the scale scales[k / 32]; uint32_t for bf16 pair panels
 // (row kk: rows 2kk and 2kk + 1 of op(B) as 32 pairs, column j's pair in element j), which the
-// products take with A in bf16 pairs too (InputOf), K counting pairs.
+// products take with A in bf16 pairs too (InputOf), K counting pairs; uint8_t for int8 quad
+// panels (row g: rows 4g … 4g + 3 of op(B) as 32 quads of bytes q + 128, column j's in bytes
+// 4j … 4j + 3; the scales of int8_t's, rows g of block g / 8 sharing one), which the products take
+// with A quantized too (Q8Row), K counting quads.
 template <typename W>
 struct PanelOf {
   const W* p;
@@ -150,12 +158,30 @@ inline void load_row(const PanelOf<int8_t>& P, int k, __m512& y0, __m512& y1) {
                      s);
 }
 
-// What a product takes A as: fp32 for the fp32-arithmetic panels, bf16 pairs (the low half the
-// even k) for the pair panels. broadcast() spreads one A value (one k, or one pair of k) over a
-// vector, madd() adds its products with a panel row's 16 columns to acc: one FMA, or one
-// AVX512-BF16 dot product of the pair (both products exact in fp32, each added with one rounding).
+// One row of A quantized for the int8 quad panels, per block b of 32 k: q[g] holds k = 4g … 4g + 3
+// as int8 (low byte first; zero past K), q = a / s rounded to nearest-even with s = scale[b] =
+// the block's largest |a| / 127 (q = 0 where s = 0; s = NaN where the block holds a non-finite a),
+// and corr[b] = 128 · Σ q over the block, which the unsigned weights q_w + 128 add to the sums.
+struct Q8Row {
+  const uint32_t* q;
+  const float* scale;
+  const int32_t* corr;
+};
+
+// Elements per panel row, and panel rows per block of kQuantBlock k (int8 and quad panels).
 template <typename W>
-using InputOf = std::conditional_t<std::is_same_v<W, uint32_t>, uint32_t, float>;
+constexpr int kRowWidth = std::is_same_v<W, uint8_t> ? 4 * kPanel : kPanel;
+template <typename W>
+constexpr int kBlockRows = std::is_same_v<W, uint8_t> ? kQuantBlock / 4 : kQuantBlock;
+
+// What a product takes A as: fp32 for the fp32-arithmetic panels, bf16 pairs (the low half the
+// even k) for the pair panels, Q8Row (lda 1) for the quad panels. broadcast() spreads one A value
+// (one k, or one pair of k) over a vector, madd() adds its products with a panel row's 16 columns
+// to acc: one FMA, or one AVX512-BF16 dot product of the pair (both products exact in fp32, each
+// added with one rounding).
+template <typename W>
+using InputOf = std::conditional_t<std::is_same_v<W, uint32_t>, uint32_t,
+                                   std::conditional_t<std::is_same_v<W, uint8_t>, Q8Row, float>>;
 inline __m512 broadcast(float a) { return _mm512_set1_ps(a); }
 inline __m512 madd(__m512 x, __m512 y, __m512 acc) { return _mm512_fmadd_ps(x, y, acc); }
 #if defined(__AVX512BF16__)
@@ -183,6 +209,61 @@ template <int R>
   }
 }
 
+#if defined(__AVX512VNNI__)
+// S rows of A against quad panels: per block of 8 panel rows (32 k), the integer sums of
+// (q_w + 128) · q_a by vpdpbusd, exact in int32; corr taken off; converted to fp32 (exact: below
+// 2^24) and added as acc = fma(sum, s_a · s_w, acc), blocks in k order. panels[p] is row i's p-th
+// panel (S = 1: P panels of one row; P = 1: one panel for S rows). Each output has the same bits
+// whatever S and P.
+template <int S, int P, bool kPrefetch>
+[[gnu::always_inline]] inline void q8_rows(int K, const Q8Row* a, const PanelOf<uint8_t>* panels,
+                                           PanelOf<uint8_t> next, int pf_first, int pf_every,
+                                           __m512* acc) {
+  static_assert(S == 1 || P == 1);
+  int countdown = pf_first;
+  for (int g0 = 0, b = 0; g0 < K; g0 += kBlockRows<uint8_t>, ++b) {
+    __m512i sum[2 * S * P];
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * S * P; ++i) sum[i] = _mm512_setzero_si512();
+    const int g1 = std::min(K, g0 + kBlockRows<uint8_t>);
+    for (int g = g0; g < g1; ++g) {
+      if constexpr (kPrefetch) {
+        if (countdown-- == 0) {
+          const char* ahead = reinterpret_cast<const char*>(next.p + size_t(g) * next.stride);
+          _mm_prefetch(ahead, _MM_HINT_T1);
+          _mm_prefetch(ahead + 64, _MM_HINT_T1);
+          countdown = pf_every - 1;
+        }
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* row = panels[p].p + size_t(g) * panels[p].stride;
+        const __m512i y0 = _mm512_loadu_si512(row), y1 = _mm512_loadu_si512(row + 64);
+#pragma GCC unroll 4
+        for (int i = 0; i < S; ++i) {
+          const __m512i x = _mm512_set1_epi32(int(a[S == 1 ? 0 : i].q[g]));
+          sum[2 * (i + p)] = _mm512_dpbusd_epi32(sum[2 * (i + p)], y0, x);
+          sum[2 * (i + p) + 1] = _mm512_dpbusd_epi32(sum[2 * (i + p) + 1], y1, x);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+      for (int i = 0; i < S; ++i) {
+        const Q8Row& r = a[S == 1 ? 0 : i];
+        const __m512i corr = _mm512_set1_epi32(r.corr[b]);
+        const __m512 scale = _mm512_set1_ps(r.scale[b] * panels[p].scales[b]);
+        for (int h = 0; h < 2; ++h) {
+          __m512& out = acc[2 * (i + p) + h];
+          out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[2 * (i + p) + h], corr)),
+                                scale, out);
+        }
+      }
+  }
+}
+#endif
+
 // C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P; with kPrefetch, also pulls
 // rows pf_first, pf_first + pf_every, … of panel `next` into L2, one at each of those rows of P.
 template <int R, bool kPrefetch, typename W>
@@ -192,27 +273,39 @@ void tile(int K, const InputOf<W>* a, int lda, PanelOf<W> P, PanelOf<W> next, in
   __m512 acc[2 * R];
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
-  // Iterations until the next row of `next` to prefetch (k = pf_first, pf_first + pf_every, …).
-  int countdown = pf_first;
-  for (int k = 0; k < K; ++k) {
-    if constexpr (kPrefetch) {
-      if (countdown-- == 0) {
-        const char* ahead = reinterpret_cast<const char*>(next.p + size_t(k) * next.stride);
-        for (size_t line = 0; line < sizeof(W) * kPanel; line += 64)
-          _mm_prefetch(ahead + line, _MM_HINT_T1);
-        countdown = pf_every - 1;
+  if constexpr (std::is_same_v<W, uint8_t>) {
+#if defined(__AVX512VNNI__)
+    // Four rows at a time (their fp32 and int32 sums fill 16 registers), the panel re-read from
+    // L1 by the second four; only the first prefetches.
+    constexpr int S0 = std::min(R, 4);
+    q8_rows<S0, 1, kPrefetch>(K, a, &P, next, pf_first, pf_every, acc);
+    if constexpr (R > 4) q8_rows<R - 4, 1, false>(K, a + 4 * lda, &P, next, 0, 1, acc + 8);
+    store_rows<R>(acc, alpha, beta, c, ldc, m0, m1);
+#endif
+    return;
+  } else {
+    // Iterations until the next row of `next` to prefetch (k = pf_first, pf_first + pf_every, …).
+    int countdown = pf_first;
+    for (int k = 0; k < K; ++k) {
+      if constexpr (kPrefetch) {
+        if (countdown-- == 0) {
+          const char* ahead = reinterpret_cast<const char*>(next.p + size_t(k) * next.stride);
+          for (size_t line = 0; line < sizeof(W) * kRowWidth<W>; line += 64)
+            _mm_prefetch(ahead + line, _MM_HINT_T1);
+          countdown = pf_every - 1;
+        }
       }
-    }
-    decltype(broadcast(*a)) y0, y1;
-    load_row(P, k, y0, y1);
+      decltype(broadcast(*a)) y0, y1;
+      load_row(P, k, y0, y1);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const auto x = broadcast(a[size_t(i) * lda + k]);
       acc[2 * i] = madd(x, y0, acc[2 * i]);
       acc[2 * i + 1] = madd(x, y1, acc[2 * i + 1]);
     }
-  }
+    }
   store_rows<R>(acc, alpha, beta, c, ldc, m0, m1);
+  }
 }
 
 // One row of A against P consecutive packed panels (2P accumulators: P independent chains keep the
@@ -231,14 +324,20 @@ void row_panels(int K, const InputOf<W>* a, PanelOf<W> first, int64_t panel_size
   __m512 acc[2 * P];
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * P; ++i) acc[i] = _mm512_setzero_ps();
-  for (int k = 0; k < K; ++k) {
-    const auto x = broadcast(a[k]);
+  if constexpr (std::is_same_v<W, uint8_t>) {
+#if defined(__AVX512VNNI__)
+    q8_rows<1, P, false>(K, a, panel, PanelOf<W>{nullptr, 0}, 0, 1, acc);
+#endif
+  } else {
+    for (int k = 0; k < K; ++k) {
+      const auto x = broadcast(a[k]);
 #pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      std::remove_const_t<decltype(x)> y0, y1;
-      load_row(panel[p], k, y0, y1);
-      acc[2 * p] = madd(x, y0, acc[2 * p]);
-      acc[2 * p + 1] = madd(x, y1, acc[2 * p + 1]);
+      for (int p = 0; p < P; ++p) {
+        std::remove_const_t<decltype(x)> y0, y1;
+        load_row(panel[p], k, y0, y1);
+        acc[2 * p] = madd(x, y0, acc[2 * p]);
+        acc[2 * p + 1] = madd(x, y1, acc[2 * p + 1]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -445,21 +544,90 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, int8_t* ou
   return true;
 }
 
+bool int8_dot_supported() {
+#if defined(__AVX512VNNI__)
+  static const bool cpu_has_it = __builtin_cpu_supports("avx512vnni");
+  return cpu_has_it;
+#else
+  return false;
+#endif
+}
+
+int64_t packed_quad_panels_size(int N, int K) {
+  return int64_t((N + kPanel - 1) / kPanel) * kPanel * 4 * ((K + 3) / 4);
+}
+
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint8_t* out, float* scales) {
+#if defined(__AVX512VNNI__)
+  // Each panel quantized as the int8 panels are (the same q and scales), then regrouped by quads.
+  const int quads = (K + 3) / 4, blocks = (K + kQuantBlock - 1) / kQuantBlock;
+  std::vector<int8_t> q(size_t(K) * kPanel);
+  for (int n0 = 0; n0 < N; n0 += kPanel) {
+    pack_panels(trans_b, trans_b ? B + size_t(n0) * size_t(ldb) : B + n0, ldb,
+                std::min(kPanel, N - n0), K, q.data(), scales + int64_t(n0 / kPanel) * blocks);
+    uint8_t* o = out + int64_t(n0) * 4 * quads;
+    for (size_t g = 0; g < size_t(quads); ++g)
+      for (size_t j = 0; j < kPanel; ++j)
+        for (size_t t = 0; t < 4; ++t) {
+          const size_t k = 4 * g + t;
+          o[(g * kPanel + j) * 4 + t] = uint8_t((k < size_t(K) ? q[k * kPanel + j] : 0) + 128);
+        }
+  }
+  return true;
+#else
+  (void)trans_b, (void)B, (void)ldb, (void)N, (void)K, (void)out, (void)scales;
+  return false;
+#endif
+}
+
 namespace {
+#if defined(__AVX512VNNI__)
+// a[0, K) as Q8Row's q (quads), scale and corr, per block of kQuantBlock.
+void quantize_row(const float* a, int K, uint32_t* q, float* scale, int32_t* corr) {
+  q[(K + 3) / 4 - 1] = 0;  // the bytes past K of a last, partial quad
+  char* bytes = reinterpret_cast<char*>(q);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int k0 = 0, b = 0; k0 < K; k0 += kQuantBlock, ++b) {
+    const __mmask16 m0 = lane_mask(K - k0), m1 = lane_mask(K - k0 - 16);
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, a + k0),
+                 v1 = _mm512_maskz_loadu_ps(m1, a + k0 + 16);
+    constexpr int kNonFinite = 0x01 | 0x08 | 0x10 | 0x80;  // quiet NaN, ±infinity, signaling NaN
+    const bool finite =
+        (_mm512_fpclass_ps_mask(v0, kNonFinite) | _mm512_fpclass_ps_mask(v1, kNonFinite)) == 0;
+    const float absmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float s = finite ? absmax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+    if (s > 0) {
+      const __m512 vs = _mm512_set1_ps(s);
+      constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v0, vs), kNearest));
+      q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v1, vs), kNearest));
+      q0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi);
+      q1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+    }
+    scale[b] = s;
+    corr[b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    _mm_mask_storeu_epi8(bytes + k0, m0, _mm512_cvtepi32_epi8(q0));
+    _mm_mask_storeu_epi8(bytes + k0 + 16, m1, _mm512_cvtepi32_epi8(q1));
+  }
+}
+#endif
+
 template <typename W>
 void packed_products_of(int M, int N, int K, float alpha, const InputOf<W>* A, int lda,
                         const W* panels, const float* scales, float beta, float* C, int ldc) {
   if (M <= 0 || N <= 0) return;
-  const int64_t panel_size = int64_t(kPanel) * K;
-  const int64_t scales_size = scales ? (K + kQuantBlock - 1) / kQuantBlock : 0;
+  const int64_t panel_size = int64_t(kRowWidth<W>) * K;
+  const int64_t scales_size = scales ? (K + kBlockRows<W> - 1) / kBlockRows<W> : 0;
   auto panel = [&](int p) {
-    return PanelOf<W>{panels + p * panel_size, size_t(kPanel),
+    return PanelOf<W>{panels + p * panel_size, size_t(kRowWidth<W>),
                       scales ? scales + p * scales_size : nullptr};
   };
   if (M == 1) {  // groups of kRowPanels panels, split over threads like a one-row product's
     const int n_panels = (N + kPanel - 1) / kPanel;
     const int groups = (n_panels + kRowPanels - 1) / kRowPanels;
-    const int threads = std::min(groups, gemv_threads(double(sizeof(W)) * N * K));
+    const int threads =
+        std::min(groups, gemv_threads(double(sizeof(W)) * kRowWidth<W> / kPanel * N * K));
 #pragma omp parallel for schedule(static) if (threads > 1) num_threads(threads)
     for (int g = 0; g < groups; ++g) {
       const int p0 = g * kRowPanels, np = std::min(kRowPanels, n_panels - p0);
@@ -490,6 +658,33 @@ void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const int8_t* panels, const float* scales, float beta, float* C, int ldc) {
   packed_products_of(M, N, K, alpha, A, lda, panels, scales, beta, C, ldc);
+}
+
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const uint8_t* panels, const float* scales, float beta, float* C, int ldc) {
+#if defined(__AVX512VNNI__)
+  if (M <= 0 || N <= 0) return;
+  // Each row of A quantized once for every panel.
+  const int quads = (K + 3) / 4, blocks = (K + kQuantBlock - 1) / kQuantBlock;
+  thread_local std::vector<uint32_t> q;  // kept between calls: no allocation per product
+  thread_local std::vector<float> scale;
+  thread_local std::vector<int32_t> corr;
+  thread_local std::vector<Q8Row> rows;
+  q.resize(size_t(M) * size_t(quads));
+  scale.resize(size_t(M) * size_t(blocks));
+  corr.resize(size_t(M) * size_t(blocks));
+  rows.resize(size_t(M));
+  for (int m = 0; m < M; ++m) {
+    const size_t qm = size_t(m) * size_t(quads), bm = size_t(m) * size_t(blocks);
+    quantize_row(A + size_t(m) * lda, K, q.data() + qm, scale.data() + bm, corr.data() + bm);
+    rows[size_t(m)] = {q.data() + qm, scale.data() + bm, corr.data() + bm};
+  }
+  packed_products_of(M, N, quads, alpha, rows.data(), 1, panels, scales, beta, C, ldc);
+#else
+  (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)lda, (void)panels, (void)scales,
+      (void)beta, (void)C, (void)ldc;
+  std::abort();  // unreachable: pack_panels packs no quads on these builds
+#endif
 }
 
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
@@ -575,6 +770,13 @@ void packed_products(int, int, int, float, const float*, int, const int8_t*, con
 bool bf16_dot_supported() { return false; }
 int64_t packed_pair_panels_size(int, int) { return 0; }
 bool pack_panels(bool, const float*, int, int, int, uint32_t*) { return false; }
+bool int8_dot_supported() { return false; }
+int64_t packed_quad_panels_size(int, int) { return 0; }
+bool pack_panels(bool, const float*, int, int, int, uint8_t*, float*) { return false; }
+void packed_products(int, int, int, float, const float*, int, const uint8_t*, const float*, float,
+                     float*, int) {
+  std::abort();
+}
 void packed_products(int, int, int, float, const float*, int, const uint32_t*, float, float*, int) {
   std::abort();
 }

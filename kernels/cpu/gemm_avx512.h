@@ -48,6 +48,18 @@ bool bf16_dot_supported();
 int64_t packed_pair_panels_size(int N, int K);
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint32_t* out);
 
+// Whether the int8 quad panels below can be multiplied: this build compiled the AVX512-VNNI dot
+// products (with its AVX-512 kernels) and this CPU has them.
+bool int8_dot_supported();
+
+// int8 quad panels, for products whose inputs are quantized to int8 too (AVX512-VNNI dot
+// products): the q and scales of the int8 panels (same blocks), panel p holding columns
+// [32p, 32p + 32) as ceil(K / 4) rows of 32 quads, row g's quad j the bytes q + 128 of rows
+// 4g … 4g + 3 (zero q past K) of op(B) in column j. Returns false, writing nothing, on a build
+// without AVX512-VNNI.
+int64_t packed_quad_panels_size(int N, int K);
+bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint8_t* out, float* scales);
+
 // small_gemm with op(B) already in pack_panels' layout (no per-call transposes), for any M ≥ 1:
 // each output is one k-ordered chain of FMAs whatever M and the thread count, so a row's result
 // has the same bits alone or among other rows (batch invariance; one row takes several panels at
@@ -67,6 +79,14 @@ void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
 // or among others, as above. Only for panels pack_panels wrote (an AVX512-BF16 build).
 void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
                      const uint32_t* panels, float beta, float* C, int ldc);
+// int8 quad panels: each row of A is quantized per block b of 32 k as the weights are (s_a = the
+// block's largest |a| / 127, q_a = a / s_a rounded to nearest-even, 0 where s_a = 0, s_a = NaN
+// for a block with a non-finite a), and each output is, over the blocks in k order,
+// acc = fma(fp32(Σ_k q_a · q_w), s_a · s_w, acc) with the integer sums exact (AVX512-VNNI), then
+// the alpha/beta step: the same bits for a row alone or among others. Only for panels
+// pack_panels wrote (an AVX512-VNNI build).
+void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
+                     const uint8_t* panels, const float* scales, float beta, float* C, int ldc);
 
 // c[N] = beta·c + alpha·op(B)ᵀ·a, one row of A times op(B): B [N, K] (trans_b: c[n] = B[n]·a)
 // or B [K, N]. Returns false, touching nothing, on a build without AVX-512. Memory-bound: it

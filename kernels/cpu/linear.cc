@@ -65,6 +65,12 @@ PackedLinear::PackedLinear(const Tensor& W, Use use, WeightDtype dtype) : w_(W),
       scales_.resize(size_t(packed_scales_size(n, k)));
       pack_panels(forward, W.data, in, n, k, panels_int8_.data(), scales_.data());
       break;
+    case WeightDtype::kInt8Dot:
+      CEMLM_CHECK(int8_dot_available());
+      panels_int8x4_.resize(size_t(packed_quad_panels_size(n, k)));
+      scales_.resize(size_t(packed_scales_size(n, k)));
+      pack_panels(forward, W.data, in, n, k, panels_int8x4_.data(), scales_.data());
+      break;
     case WeightDtype::kBf16Dot:
       CEMLM_CHECK(bf16_dot_available());
       panels_bf16x2_.resize(size_t(packed_pair_panels_size(n, k)));
@@ -80,6 +86,9 @@ bool PackedLinear::apply(Use use, Tensor y, const Tensor& x, float beta) const {
   if (!panels_int8_.empty())
     packed_products(N, cols, inner, 1.0f, x.data, inner, panels_int8_.data(), scales_.data(), beta,
                     y.data, cols);
+  else if (!panels_int8x4_.empty())
+    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_int8x4_.data(), scales_.data(),
+                    beta, y.data, cols);
   else if (!panels_bf16x2_.empty())
     packed_products(N, cols, inner, 1.0f, x.data, inner, panels_bf16x2_.data(), beta, y.data, cols);
   else if (!panels_bf16_.empty())
@@ -100,6 +109,7 @@ bool packed_weights_available() {
 }
 
 bool bf16_dot_available() { return bf16_dot_supported(); }
+bool int8_dot_available() { return int8_dot_supported(); }
 
 void linear_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,
                     float beta) {

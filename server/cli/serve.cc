@@ -263,9 +263,10 @@ int cmd_serve(int argc, char** argv) {
   flags.add("device", &f.device,
             "cpu (= cpu:fp32) | cpu:bf16 | cpu:int8 (product weights held in bf16, or in int8 "
             "with a scale per 32x32 block, computed in fp32: a half or a quarter of the weight "
-            "bytes, faster decode, logprobs move a little) | cpu:bf16dot (bf16 weights, and "
-            "products that round their inputs to bf16 too, with AVX512-BF16: batches and "
-            "prefill faster again, logprobs move more) | cuda (= cuda:bf16) | cuda:fp32");
+            "bytes, faster decode, logprobs move a little) | cpu:bf16dot | cpu:int8dot (the same "
+            "weights, and products that round their inputs to bf16 / int8 too, with AVX512-BF16 "
+            "/ VNNI dot products: batches and prefill faster again, logprobs move more) | cuda "
+            "(= cuda:bf16) | cuda:fp32");
   flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");
   flags.add("kv-cache-dtype", &f.kv_cache_dtype,
             "fp32 | bf16: bf16 (CPU) holds twice the tokens and reads half the bytes per decode "

@@ -13,15 +13,15 @@
 namespace cemlm::testing_weights {
 
 // Replaces W [out, in] (row-major) by the weight `dtype` computes with: bf16 rounding to nearest
-// even (kBf16 and kBf16Dot, which also rounds the products' inputs); int8: 32 × 32 blocks of W,
-// each weight q·s in fp32 with s = the block's largest |w| / 127 and q = w / s rounded to the
-// nearest integer (ties to even), q = 0 where s = 0.
+// even (kBf16 and kBf16Dot, which also rounds the products' inputs); int8 (kInt8 and kInt8Dot): 32
+// × 32 blocks of W, each weight q·s in fp32 with s = the block's largest |w| / 127 and q = w / s
+// rounded to the nearest integer (ties to even), q = 0 where s = 0.
 inline void round_like_packed(WeightDtype dtype, float* W, int64_t out, int64_t in) {
   if (dtype == WeightDtype::kBf16 || dtype == WeightDtype::kBf16Dot) {
     for (int64_t i = 0; i < out * in; ++i) W[i] = bf16_to_f32(f32_to_bf16(W[i]));
     return;
   }
-  if (dtype != WeightDtype::kInt8) return;
+  if (dtype != WeightDtype::kInt8 && dtype != WeightDtype::kInt8Dot) return;
   constexpr int64_t kB = 32;
   for (int64_t r0 = 0; r0 < out; r0 += kB)
     for (int64_t c0 = 0; c0 < in; c0 += kB) {

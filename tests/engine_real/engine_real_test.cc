@@ -516,47 +516,58 @@ TEST_P(EngineRealTest, LowPrecisionWeightsComputeTheModelWithRoundedWeights) {
   }
 }
 
-// --device cpu:bf16dot (bf16 weights, product inputs rounded to bf16, AVX512-BF16 sums in fp32):
-// score() and greedy logprobs stay within 3e-2 of the fp32 oracle on the bf16-rounded weights,
-// for T ∈ {1, 2, 4}, and move off it by more than the oracle's tolerance, which cpu:bf16 keeps
-// (the inputs are rounded); a request's tokens are the same alone and batched and its logprobs
-// within 1e-3 (a chunked prefill's other fp32 rounding can tip an input's bf16 rounding).
-TEST_P(EngineRealTest, Bf16DotStaysCloseToTheBf16WeightModel) {
-  if (!bf16_dot_available()) GTEST_SKIP() << "this build has no AVX512-BF16";
-  ParamStore rounded_store(cfg_);
-  std::copy(store_.flat().begin(), store_.flat().end(), rounded_store.flat().begin());
-  std::vector<float> head;
-  const Weights rounded = low_precision_weights(cfg_, rounded_store, WeightDtype::kBf16Dot, &head);
-  auto e = engine(256, true, "fp32", "cpu:bf16dot");
-  ASSERT_NE(e, nullptr);
-  EXPECT_EQ(e->info().device, "cpu:bf16dot");
-  double worst = 0;
-  for (int T : {1, 2, 4}) {
-    const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 620 + uint64_t(T));
-    auto got = e->score({ids, T});
-    ASSERT_TRUE(got.ok()) << got.status();
-    const auto lp = oracle_logprobs(ids, T, rounded);
-    for (size_t i = 1; i < ids.size(); ++i)
-      worst = std::max(worst, std::fabs(got->logprobs[i] - lp[i]));
-    const std::vector<int> prompt = random_ids(7, cfg_.vocab_size, 630 + uint64_t(T));
-    const Output o = run_all(*e, {request(prompt, 12, T)})[0];
-    ASSERT_EQ(o.ids.size(), 12u) << "T=" << T;
-    std::vector<int> seq = prompt;
-    seq.insert(seq.end(), o.ids.begin(), o.ids.end());
-    const auto glp = oracle_logprobs(seq, T, rounded);
-    for (size_t i = 0; i < o.ids.size(); ++i)
-      worst = std::max(worst, std::fabs(o.logprobs[i] - glp[prompt.size() + i]));
+// --device cpu:bf16dot and cpu:int8dot (the weights of cpu:bf16 / cpu:int8, and the products'
+// inputs rounded to bf16 / quantized to int8 too, summed with dot-product instructions): score()
+// and greedy logprobs stay within 3e-2 (bf16) / 1e-1 (int8) of the fp32 oracle on the rounded
+// weights, for T ∈ {1, 2, 4}, and move off it by more than the oracle's tolerance, which cpu:bf16
+// and cpu:int8 keep (the inputs are rounded); a request's tokens and logprobs are the same alone
+// and batched (the rounded inputs are, being those of batch-invariant fp32 values).
+TEST_P(EngineRealTest, DotDevicesStayCloseToTheirWeightsModel) {
+  struct Case {
+    const char* device;
+    WeightDtype dtype;
+    bool available;
+    double tol;
+  };
+  for (const Case& c : {Case{"cpu:bf16dot", WeightDtype::kBf16Dot, bf16_dot_available(), 3e-2},
+                        Case{"cpu:int8dot", WeightDtype::kInt8Dot, int8_dot_available(), 1e-1}}) {
+    SCOPED_TRACE(c.device);
+    if (!c.available) continue;  // refused instead: UnknownKvCacheDtypeOrDeviceIsRefused
+    ParamStore rounded_store(cfg_);
+    std::copy(store_.flat().begin(), store_.flat().end(), rounded_store.flat().begin());
+    std::vector<float> head;
+    const Weights rounded = low_precision_weights(cfg_, rounded_store, c.dtype, &head);
+    auto e = engine(256, true, "fp32", c.device);
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(e->info().device, c.device);
+    double worst = 0;
+    for (int T : {1, 2, 4}) {
+      const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 620 + uint64_t(T));
+      auto got = e->score({ids, T});
+      ASSERT_TRUE(got.ok()) << got.status();
+      const auto lp = oracle_logprobs(ids, T, rounded);
+      for (size_t i = 1; i < ids.size(); ++i)
+        worst = std::max(worst, std::fabs(got->logprobs[i] - lp[i]));
+      const std::vector<int> prompt = random_ids(7, cfg_.vocab_size, 630 + uint64_t(T));
+      const Output o = run_all(*e, {request(prompt, 12, T)})[0];
+      ASSERT_EQ(o.ids.size(), 12u) << "T=" << T;
+      std::vector<int> seq = prompt;
+      seq.insert(seq.end(), o.ids.begin(), o.ids.end());
+      const auto glp = oracle_logprobs(seq, T, rounded);
+      for (size_t i = 0; i < o.ids.size(); ++i)
+        worst = std::max(worst, std::fabs(o.logprobs[i] - glp[prompt.size() + i]));
+    }
+    EXPECT_LT(worst, c.tol);
+    EXPECT_GT(worst, 10 * kOracleTol) << "the inputs were not rounded?";
+    const auto reqs = mixed_requests(cfg_.vocab_size);
+    const auto together = run_all(*e, reqs);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      auto alone = engine(256, true, "fp32", c.device);
+      ASSERT_NE(alone, nullptr);
+      expect_same(together[i], run_all(*alone, {reqs[i]})[0], "request " + std::to_string(i));
+    }
+    expect_all_blocks_available(*e);
   }
-  EXPECT_LT(worst, 3e-2);
-  EXPECT_GT(worst, 10 * kOracleTol) << "cpu:bf16dot computed cpu:bf16's model: inputs not rounded?";
-  const auto reqs = mixed_requests(cfg_.vocab_size);
-  const auto together = run_all(*e, reqs);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    auto alone = engine(256, true, "fp32", "cpu:bf16dot");
-    ASSERT_NE(alone, nullptr);
-    expect_same(together[i], run_all(*alone, {reqs[i]})[0], "request " + std::to_string(i), 1e-3);
-  }
-  expect_all_blocks_available(*e);
 }
 
 // The step thread (which runs the request callbacks) takes step_thread_nice on top of the
@@ -657,12 +668,15 @@ TEST_P(EngineRealTest, UnknownKvCacheDtypeOrDeviceIsRefused) {
       {"cpu", "fp16", "--kv-cache-dtype \"fp16\" is not one of fp32, bf16"},
       {"cpu:fp16", "fp32",
        "--device \"cpu:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, "
-       "cuda, cuda:bf16, cuda:fp32"}};
+       "cpu:int8dot, cuda, cuda:bf16, cuda:fp32"}};
   if (!packed_weights_available())
     cases.emplace_back("cpu:int8", "fp32", "--device cpu:int8: this build has no AVX-512 kernels");
-  else if (!bf16_dot_available())
+  if (packed_weights_available() && !bf16_dot_available())
     cases.emplace_back("cpu:bf16dot", "fp32",
                        "--device cpu:bf16dot: this CPU has no AVX512-BF16 dot products");
+  if (packed_weights_available() && !int8_dot_available())
+    cases.emplace_back("cpu:int8dot", "fp32",
+                       "--device cpu:int8dot: this CPU has no AVX512-VNNI dot products");
   for (auto [device, dtype, message] : cases) {
     EngineOptions o;
     o.model_dir = dir_;

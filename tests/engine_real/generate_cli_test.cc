@@ -112,14 +112,16 @@ TEST_F(GenerateCli, JsonLogprobsAreTheModelsAtEachDepth) {
   EXPECT_EQ(replay["ids"], drawn["ids"]);
 }
 
-// A bf16 cache, bf16 or int8 weights, bf16 weights and inputs (--device cpu:bf16 / cpu:int8 /
-// cpu:bf16dot): logprobs near the fp32 model's, and not equal to them (the flag reached the
-// runner). The tests against the oracle on rounded weights are in engine_real_test.cc.
+// A bf16 cache, bf16 or int8 weights, bf16 or int8 weights and inputs (--device cpu:bf16 /
+// cpu:int8 / cpu:bf16dot / cpu:int8dot): logprobs near the fp32 model's, and not equal to them (the
+// flag reached the runner). The tests against the oracle on rounded weights are in
+// engine_real_test.cc.
 TEST_F(GenerateCli, Bf16CacheAndLowPrecisionWeightsStayCloseToTheModel) {
   std::vector<std::vector<std::string>> cases = {{"--kv-cache-dtype", "bf16"}};
   if (packed_weights_available())  // else refused: see LowPrecisionWeights… in engine_real_test
     cases.insert(cases.end(), {{"--device", "cpu:bf16"}, {"--device", "cpu:int8"}});
   if (bf16_dot_available()) cases.push_back({"--device", "cpu:bf16dot"});
+  if (int8_dot_available()) cases.push_back({"--device", "cpu:int8dot"});
   for (const std::vector<std::string>& flags : cases) {
     std::vector<std::string> args = {"--temperature", "0"};
     args.insert(args.end(), flags.begin(), flags.end());

@@ -6,9 +6,12 @@
 // one-row groups of small_gemv (ragged 16-row and 128-column groups, K tails, the threaded split).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -150,60 +153,28 @@ TEST(PackedLinear, MatchesTheWeightAndEachRowsBitsIgnoreTheOtherRows) {
     }
 }
 
-// A bf16 or int8 PackedLinear gives, bit for bit, the fp32 PackedLinear of the weight it stands
-// for (bf16: rounded to nearest-even; int8: dequantized per 32 × 32 block of W, whichever the
-// use): the panels widen each weight exactly and keep the fp32 panels' FMA chains. For one row,
-// few rows, ragged panels and blocks, both uses, beta ≠ 0, and rows taken in slices of 1..9
-// (batch invariance). Checked against weights rounded here (tests/common/packed_weights.h), so a
-// missed or wrong rounding, a swapped pair of columns, a block's scale applied to another block or
-// a panel read at the wrong stride all fail it; one weight per block of a few times the others'
-// size makes the int8 blocks' scales differ.
-TEST(PackedLinear, LowPrecisionWeightsGiveTheFp32ProductsOfTheWeightTheyStandFor) {
-  if (!packed_weights_available()) GTEST_SKIP() << "a build without AVX-512 packs no weights";
-  for (const WeightDtype dtype : {WeightDtype::kBf16, WeightDtype::kInt8})
-    for (const bool transposed : {false, true})
-      for (auto [M, out, in] : {std::tuple{1, 64, 32}, {1, 200, 1400}, {2, 71, 37}, {8, 64, 48},
-                                {9, 100, 700}, {33, 256, 256}, {300, 40, 20}}) {
-        Rng rng(uint64_t(M * 13 + out));
-        const int xw = transposed ? out : in, yw = transposed ? in : out;
-        std::vector<float> W(size_t(out) * in), x(size_t(M) * xw), y0(size_t(M) * yw);
-        for (float& v : W) v = float(rng.normal());
-        for (size_t i = 0; i < W.size(); i += 97) W[i] *= 4.0f;
-        std::vector<float> rounded = W;
-        testing_weights::round_like_packed(dtype, rounded.data(), out, in);
-        for (float& v : x) v = float(rng.normal());
-        for (float& v : y0) v = float(rng.normal());
-        const auto use = transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward;
-        const PackedLinear low(Tensor(W.data(), {out, in}), use, dtype);
-        const PackedLinear reference(Tensor(rounded.data(), {out, in}), use, WeightDtype::kFp32);
-        ASSERT_TRUE(low.packed());
-        auto product = [&](const PackedLinear& w, int r0, int n, float beta,
-                           std::vector<float>* y) {
-          packed_rows(w, transposed, x, xw, r0, n, beta, y, yw);
-        };
-        for (float beta : {0.0f, 1.0f}) {
-          std::vector<float> want = y0;
-          product(reference, 0, M, beta, &want);
-          for (int n : {M, 1, 2, 3, 8, 9}) {
-            if (n > M) continue;
-            std::vector<float> got = y0;
-            for (int r0 = 0; r0 < M; r0 += n) product(low, r0, std::min(n, M - r0), beta, &got);
-            ASSERT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0)
-                << "dtype=" << int(dtype) << " transposed=" << transposed << " M=" << M
-                << " out=" << out << " in=" << in
-                << " beta=" << beta << ": rows in slices of " << n;
-          }
-        }
-      }
-}
+// x · op(W) for W [out, in] (every 97th weight 4× the others, so that int8 blocks' scales differ)
+// and x [M, xw] (every 31st input 8×), y0 [M, yw]: random, with y = W x per row (kForward) or
+// y = Wᵀ x (kTransposed).
+struct ProductCase {
+  int M, out, in;
+  bool transposed;
+  int xw, yw;
+  std::vector<float> W, x, y0;
+  PackedLinear::Use use() const {
+    return transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward;
+  }
+  std::string name() const {
+    return "transposed=" + std::to_string(transposed) + " M=" + std::to_string(M) +
+           " out=" + std::to_string(out) + " in=" + std::to_string(in);
+  }
+};
 
-// A kBf16Dot PackedLinear multiplies the bf16-rounded weight by the bf16-rounded input, summing
-// in fp32: within 2e-5 of Σ|terms| (K ≤ 1400 fp32 additions of exact bf16 products) of that
-// product taken in double, for one row, few rows, ragged panels, odd K (a last pair half empty),
-// both uses, beta ≠ 0; and far from it with the input left in fp32 (the input is rounded: the
-// tolerance could not hide that). Rows in slices of 1..9 give the same bits (batch invariance).
-TEST(PackedLinear, Bf16DotMultipliesBf16InputsByBf16Weights) {
-  if (!bf16_dot_available()) GTEST_SKIP() << "this build has no AVX512-BF16";
+// Calls check(c) on the shapes the low-precision products are checked on, both uses: one row, few
+// rows, ragged panels and quantization blocks, K odd and off the multiples of 4 and 32, more rows
+// than a tile holds.
+template <typename Check>
+void for_each_product_case(uint64_t seed, Check check) {
   for (const bool transposed : {false, true})
     for (auto [M, out, in] : {std::tuple{1, 64, 32},
                               {1, 200, 1400},
@@ -212,49 +183,174 @@ TEST(PackedLinear, Bf16DotMultipliesBf16InputsByBf16Weights) {
                               {9, 100, 700},
                               {33, 256, 256},
                               {300, 40, 21}}) {
-      Rng rng(uint64_t(M * 11 + out));
-      const int xw = transposed ? out : in, yw = transposed ? in : out;
-      std::vector<float> W(size_t(out) * in), x(size_t(M) * xw), y0(size_t(M) * yw);
-      for (float& v : W) v = float(rng.normal());
-      for (float& v : x) v = float(rng.normal());
-      for (float& v : y0) v = float(rng.normal());
-      std::vector<float> Wr = W, xr = x;
-      testing_weights::round_like_packed(WeightDtype::kBf16Dot, Wr.data(), out, in);
-      testing_weights::round_like_packed(WeightDtype::kBf16, xr.data(), M, xw);
-      const auto use = transposed ? PackedLinear::Use::kTransposed : PackedLinear::Use::kForward;
-      const PackedLinear packed(Tensor(W.data(), {out, in}), use, WeightDtype::kBf16Dot);
-      ASSERT_TRUE(packed.packed());
+      Rng rng(seed + uint64_t(M * 13 + out));
+      ProductCase c{M,  out, in, transposed, transposed ? out : in, transposed ? in : out,
+                    {}, {},  {}};
+      c.W.resize(size_t(out) * in), c.x.resize(size_t(M) * c.xw), c.y0.resize(size_t(M) * c.yw);
+      for (float& v : c.W) v = float(rng.normal());
+      for (size_t i = 0; i < c.W.size(); i += 97) c.W[i] *= 4.0f;
+      for (float& v : c.x) v = float(rng.normal());
+      for (size_t i = 0; i < c.x.size(); i += 31) c.x[i] *= 8.0f;
+      for (float& v : c.y0) v = float(rng.normal());
+      check(c);
+    }
+}
+
+// `w`'s products of c.x's rows taken all at once and in slices of 1, 2, 3, 8 and 9 rows (onto
+// c.y0, beta) all have the bits of `want`: batch invariance.
+void expect_rows_in_slices_give(const PackedLinear& w, ProductCase& c, float beta,
+                                const std::vector<float>& want, const std::string& what) {
+  for (int n : {c.M, 1, 2, 3, 8, 9}) {
+    if (n > c.M) continue;
+    std::vector<float> got = c.y0;
+    for (int r0 = 0; r0 < c.M; r0 += n)
+      packed_rows(w, c.transposed, c.x, c.xw, r0, std::min(n, c.M - r0), beta, &got, c.yw);
+    for (size_t e = 0; e < got.size(); ++e)
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[e]), std::bit_cast<uint32_t>(want[e]))
+          << what << " " << c.name() << " beta=" << beta << ", rows in slices of " << n
+          << ": element " << e << " is " << got[e] << ", not " << want[e];
+  }
+}
+
+// A bf16 or int8 PackedLinear gives, bit for bit, the fp32 PackedLinear of the weight it stands
+// for (bf16: rounded to nearest-even; int8: dequantized per 32 × 32 block of W, whichever the
+// use): the panels widen each weight exactly and keep the fp32 panels' FMA chains. For each
+// product case, beta ≠ 0, and rows taken in slices of 1..9 (batch invariance). Checked against
+// weights rounded here (tests/common/packed_weights.h), so a missed or wrong rounding, a swapped
+// pair of columns, a block's scale applied to another block or a panel read at the wrong stride
+// all fail it.
+TEST(PackedLinear, LowPrecisionWeightsGiveTheFp32ProductsOfTheWeightTheyStandFor) {
+  if (!packed_weights_available()) GTEST_SKIP() << "a build without AVX-512 packs no weights";
+  for (const WeightDtype dtype : {WeightDtype::kBf16, WeightDtype::kInt8})
+    for_each_product_case(13, [&](ProductCase& c) {
+      std::vector<float> rounded = c.W;
+      testing_weights::round_like_packed(dtype, rounded.data(), c.out, c.in);
+      const PackedLinear low(Tensor(c.W.data(), {c.out, c.in}), c.use(), dtype);
+      const PackedLinear reference(Tensor(rounded.data(), {c.out, c.in}), c.use(),
+                                   WeightDtype::kFp32);
+      ASSERT_TRUE(low.packed());
       for (float beta : {0.0f, 1.0f}) {
-        std::vector<float> want = y0;
-        packed_rows(packed, transposed, x, xw, 0, M, beta, &want, yw);
-        double far_from_fp32_x = 0;
-        for (int i = 0; i < M; ++i)
-          for (int j = 0; j < yw; ++j) {
-            double s = beta * y0[size_t(i) * yw + j], s_fp32_x = s, magnitude = std::fabs(s);
-            for (int k = 0; k < xw; ++k) {
-              const double w = transposed ? Wr[size_t(k) * in + j] : Wr[size_t(j) * in + k];
-              s += double(xr[size_t(i) * xw + k]) * w;
-              s_fp32_x += double(x[size_t(i) * xw + k]) * w;
-              magnitude += std::fabs(double(xr[size_t(i) * xw + k]) * w);
-            }
-            const double tol = 2e-5 * magnitude;
-            ASSERT_NEAR(want[size_t(i) * yw + j], s, tol)
-                << "transposed=" << transposed << " M=" << M << " out=" << out << " in=" << in
-                << " beta=" << beta << " row " << i << " column " << j;
-            far_from_fp32_x = std::max(far_from_fp32_x, std::fabs(s_fp32_x - s) / tol);
+        std::vector<float> want = c.y0;
+        packed_rows(reference, c.transposed, c.x, c.xw, 0, c.M, beta, &want, c.yw);
+        expect_rows_in_slices_give(low, c, beta, want, "dtype=" + std::to_string(int(dtype)));
+      }
+    });
+}
+
+// A kBf16Dot PackedLinear multiplies the bf16-rounded weight by the bf16-rounded input, summing
+// in fp32: within 2e-5 of Σ|terms| (K ≤ 1400 fp32 additions of exact bf16 products) of that
+// product taken in double, for each product case (odd K: a last pair half empty), beta ≠ 0; and
+// far from it with the input left in fp32 (the input is rounded: the tolerance could not hide
+// that). Rows in slices of 1..9 give the same bits (batch invariance).
+TEST(PackedLinear, Bf16DotMultipliesBf16InputsByBf16Weights) {
+  if (!bf16_dot_available()) GTEST_SKIP() << "this build has no AVX512-BF16";
+  for_each_product_case(11, [&](ProductCase& c) {
+    std::vector<float> Wr = c.W, xr = c.x;
+    testing_weights::round_like_packed(WeightDtype::kBf16Dot, Wr.data(), c.out, c.in);
+    testing_weights::round_like_packed(WeightDtype::kBf16, xr.data(), c.M, c.xw);
+    const PackedLinear packed(Tensor(c.W.data(), {c.out, c.in}), c.use(), WeightDtype::kBf16Dot);
+    ASSERT_TRUE(packed.packed());
+    for (float beta : {0.0f, 1.0f}) {
+      std::vector<float> want = c.y0;
+      packed_rows(packed, c.transposed, c.x, c.xw, 0, c.M, beta, &want, c.yw);
+      double far_from_fp32_x = 0;
+      for (int i = 0; i < c.M; ++i)
+        for (int j = 0; j < c.yw; ++j) {
+          double s = beta * c.y0[size_t(i) * c.yw + j], s_fp32_x = s, magnitude = std::fabs(s);
+          for (int k = 0; k < c.xw; ++k) {
+            const double w = c.transposed ? Wr[size_t(k) * c.in + j] : Wr[size_t(j) * c.in + k];
+            s += double(xr[size_t(i) * c.xw + k]) * w;
+            s_fp32_x += double(c.x[size_t(i) * c.xw + k]) * w;
+            magnitude += std::fabs(double(xr[size_t(i) * c.xw + k]) * w);
           }
-        EXPECT_GT(far_from_fp32_x, 10) << "the inputs were not rounded to bf16?";
-        for (int n : {1, 2, 3, 8, 9}) {
-          if (n > M) continue;
-          std::vector<float> got = y0;
-          for (int r0 = 0; r0 < M; r0 += n)
-            packed_rows(packed, transposed, x, xw, r0, std::min(n, M - r0), beta, &got, yw);
-          ASSERT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0)
-              << "transposed=" << transposed << " M=" << M << " out=" << out << " in=" << in
-              << " beta=" << beta << ": rows in slices of " << n;
+          const double tol = 2e-5 * magnitude;
+          ASSERT_NEAR(want[size_t(i) * c.yw + j], s, tol)
+              << c.name() << " beta=" << beta << " row " << i << " column " << j;
+          far_from_fp32_x = std::max(far_from_fp32_x, std::fabs(s_fp32_x - s) / tol);
+        }
+      EXPECT_GT(far_from_fp32_x, 10) << "the inputs were not rounded to bf16?";
+      expect_rows_in_slices_give(packed, c, beta, want, "bf16dot");
+    }
+  });
+}
+
+// int8 quantization of a block of values as WeightDtype::kInt8 and kInt8Dot define it: the scale
+// is the largest |v| / 127, q = v / scale rounded to nearest-even (0 where the scale is 0).
+float int8_scale(const std::vector<float>& block) {
+  float absmax = 0;
+  for (float v : block) absmax = std::max(absmax, std::fabs(v));
+  return absmax / 127.0f;
+}
+int int8_q(float v, float scale) {
+  return scale > 0 ? int(std::clamp(std::nearbyint(v / scale), -127.0f, 127.0f)) : 0;
+}
+
+// A kInt8Dot PackedLinear gives, bit for bit, what its definition (linear.h, gemm_avx512.h) says,
+// computed here in scalar code: W quantized per 32 × 32 block, each row of x per block of 32 k,
+// the blocks' integer sums Σ q_x · q_w exact, and acc = fma(sum, s_x · s_w, acc) over the blocks
+// in k order; for one row, few rows, ragged panels, K not a multiple of 4 or 32, both uses,
+// beta ≠ 0; rows in slices of 1..9 give the same bits (batch invariance).
+TEST(PackedLinear, Int8DotIsTheExactSumOfQuantizedBlocks) {
+  if (!int8_dot_available()) GTEST_SKIP() << "this build or CPU has no AVX512-VNNI";
+  for_each_product_case(17, [&](ProductCase& c) {
+    const int out = c.out, in = c.in;
+    // W's q and scales, per 32 × 32 block of W.
+    const int bw = (in + 31) / 32;
+    std::vector<float> w_scale(size_t((out + 31) / 32) * bw);
+    std::vector<int> w_q(c.W.size());
+    for (int r0 = 0; r0 < out; r0 += 32)
+      for (int c0 = 0; c0 < in; c0 += 32) {
+        std::vector<float> block;
+        for (int r = r0; r < std::min(out, r0 + 32); ++r)
+          for (int k = c0; k < std::min(in, c0 + 32); ++k) block.push_back(c.W[size_t(r) * in + k]);
+        const float s = w_scale[size_t(r0 / 32) * bw + c0 / 32] = int8_scale(block);
+        for (int r = r0; r < std::min(out, r0 + 32); ++r)
+          for (int k = c0; k < std::min(in, c0 + 32); ++k)
+            w_q[size_t(r) * in + k] = int8_q(c.W[size_t(r) * in + k], s);
+      }
+    const PackedLinear packed(Tensor(c.W.data(), {out, in}), c.use(), WeightDtype::kInt8Dot);
+    ASSERT_TRUE(packed.packed());
+    for (float beta : {0.0f, 1.0f}) {
+      std::vector<float> want(c.y0.size());
+      for (int i = 0; i < c.M; ++i) {
+        const float* xi = c.x.data() + size_t(i) * c.xw;
+        for (int j = 0; j < c.yw; ++j) {
+          float acc = 0;
+          for (int k0 = 0; k0 < c.xw; k0 += 32) {
+            const int k1 = std::min(c.xw, k0 + 32);
+            const float sx = int8_scale(std::vector<float>(xi + k0, xi + k1));
+            int64_t sum = 0;
+            for (int k = k0; k < k1; ++k)  // op(W)[k][j]: W[j][k], or W[k][j] transposed
+              sum += int64_t(int8_q(xi[k], sx)) *
+                     w_q[c.transposed ? size_t(k) * in + j : size_t(j) * in + k];
+            const float sw = c.transposed ? w_scale[size_t(k0 / 32) * bw + j / 32]
+                                          : w_scale[size_t(j / 32) * bw + k0 / 32];
+            acc = std::fma(float(sum), sx * sw, acc);
+          }
+          const float y = c.y0[size_t(i) * c.yw + j];
+          want[size_t(i) * c.yw + j] = beta != 0.0f ? std::fma(beta, y, acc) : acc;
         }
       }
+      expect_rows_in_slices_give(packed, c, beta, want, "int8dot");
     }
+  });
+}
+
+// A kInt8Dot input block holding a NaN or an infinity makes its row's outputs NaN (it would
+// poison an fp32 product) rather than an undefined quantization; the other rows stay finite.
+TEST(PackedLinear, Int8DotInputBlockWithANonFiniteValueGivesNaNsInItsRow) {
+  if (!int8_dot_available()) GTEST_SKIP() << "this build or CPU has no AVX512-VNNI";
+  std::vector<float> W(64 * 64, 0.5f), y(3 * 64);
+  const PackedLinear packed(Tensor(W.data(), {64, 64}), PackedLinear::Use::kForward,
+                            WeightDtype::kInt8Dot);
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    std::vector<float> x(3 * 64, 1.0f);
+    x[64 + 40] = bad;  // row 1, second block
+    linear_forward(ExecCtx{}, Tensor(y.data(), {3, 64}), Tensor(x.data(), {3, 64}), packed);
+    for (int i = 0; i < 3; ++i)
+      for (int n = 0; n < 64; ++n)
+        EXPECT_EQ(std::isnan(y[size_t(i) * 64 + n]), i == 1) << "bad=" << bad << " row " << i;
+  }
 }
 
 // An int8 block holding a NaN or an infinity stands for NaNs (as the weight would poison an fp32

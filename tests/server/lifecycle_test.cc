@@ -193,7 +193,8 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       {"--shutdown-timeout -1", "--shutdown-timeout -1 must be >= 0"},
       {"--threads -3", "--threads -3 must be >= 0"},
       {"--device cuda:fp16",
-       "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, cuda"},
+       "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, "
+       "cpu:int8dot, cuda"},
       {"--model-name m\xFFx", "--model-name is not valid UTF-8 (bad byte at offset 1)"}};
   for (const auto& [flags, message] : bad) {
     err = refused_serve(model_, flags);

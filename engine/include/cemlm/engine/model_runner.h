@@ -65,10 +65,11 @@ absl::Status check_runner_options(const RunnerOptions& opts);
 using CudaRunnerFactory = absl::StatusOr<std::unique_ptr<ModelRunner>> (*)(
     const std::string& model_dir, const RunnerOptions& opts);
 
-// "cpu", "cpu:fp32", "cpu:bf16", "cpu:bf16dot", "cpu:int8": the CPU runner over a loaded
-// checkpoint (bf16, int8: the product weights held in bf16 or in int8 with block scales, half or a
-// quarter of the bytes, computed in fp32; bf16dot: bf16 weights and inputs, products summed in
-// fp32; see WeightDtype); "cuda", "cuda:bf16", "cuda:fp32" load the CUDA plugin.
+// "cpu", "cpu:fp32", "cpu:bf16", "cpu:bf16dot", "cpu:int8", "cpu:int8dot": the CPU runner over a
+// loaded checkpoint (bf16, int8: the product weights held in bf16 or in int8 with block scales,
+// half or a quarter of the bytes, computed in fp32; bf16dot, int8dot: the same weights, and the
+// products' inputs rounded to bf16 / quantized to int8 too, with dot-product instructions; see
+// WeightDtype); "cuda", "cuda:bf16", "cuda:fp32" load the CUDA plugin.
 bool is_cpu_device(const std::string& device);
 // The weights a CPU device computes with; nullopt for a name that is no CPU device.
 std::optional<WeightDtype> cpu_weight_dtype(const std::string& device);

@@ -31,8 +31,15 @@ void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W
 // with AVX512-BF16 dot products, two k at a time — twice kBf16's arithmetic rate where a product
 // is arithmetic-bound (batches, prefill), and no longer the fp32 product of any weight: each sum
 // differs from kBf16's by about x's rounding (2⁻⁹ relative). Each row's bits still do not depend
-// on the other rows. Needs bf16_dot_available().
-enum class WeightDtype { kFp32, kBf16, kInt8, kBf16Dot };
+// on the other rows. Needs bf16_dot_available(). kInt8Dot: the same int8 W as kInt8, and the
+// products quantize their inputs x the same way (per row, per block of 32 along the product's
+// inner dimension, aligned with W's blocks: scale = the block's largest |x| / 127) and sum q_x ·
+// q_w exactly in int32 with AVX512-VNNI dot products, four k at a time, each block's sum then
+// scaled into an fp32 accumulator: a quarter of the fp32 bytes and no widening, so batch 1 runs
+// at the memory's rate; each sum differs from kInt8's by about x's quantization (~1/254 of a
+// block's largest |x|). Each row's bits do not depend on the other rows. Needs
+// int8_dot_available().
+enum class WeightDtype { kFp32, kBf16, kInt8, kBf16Dot, kInt8Dot };
 class PackedLinear {
  public:
   enum class Use { kForward, kTransposed };
@@ -42,7 +49,7 @@ class PackedLinear {
   const Tensor& weight() const { return w_; }
   bool packed() const {
     return !panels_.empty() || !panels_bf16_.empty() || !panels_int8_.empty() ||
-           !panels_bf16x2_.empty();
+           !panels_bf16x2_.empty() || !panels_int8x4_.empty();
   }
 
  private:
@@ -58,6 +65,7 @@ class PackedLinear {
   HugePageVector<int8_t> panels_int8_;    // WeightDtype::kInt8, with
   std::vector<float> scales_;             // one scale per panel and block of 32 rows
   HugePageVector<uint32_t> panels_bf16x2_;  // WeightDtype::kBf16Dot
+  HugePageVector<uint8_t> panels_int8x4_;   // WeightDtype::kInt8Dot, with scales_
 };
 // Whether this build packs weights (AVX-512): without it PackedLinear uses W unpacked, in fp32.
 bool packed_weights_available();
@@ -65,6 +73,9 @@ bool packed_weights_available();
 // products whatever the -march) on a CPU that has them (AMD Zen 4 and later, Intel Cooper Lake,
 // Sapphire Rapids and later).
 bool bf16_dot_available();
+// Whether WeightDtype::kInt8Dot can be used: an AVX-512 build on a CPU with AVX512-VNNI (AMD Zen 4
+// and later, Intel Cascade Lake, Ice Lake and later).
+bool int8_dot_available();
 // linear_forward / linear_t_forward with W.weight(), W packed for that use (Use::kForward /
 // Use::kTransposed). Where W is packed (AVX-512 builds) each row's result has the same bits
 // whatever the other rows of x (batch invariance: the engine's outputs do not depend on what else

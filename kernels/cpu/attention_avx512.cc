@@ -1,15 +1,20 @@
 // AVX-512 passes of the decode attention row (see attention_avx512.h). Scores: 16 tokens' dot
-// products accumulate side by side and are reduced together, one vector of 16 scores per head.
+// products accumulate side by side and are reduced together, one vector of 16 scores per head;
+// the cache is read token by token, each token's key row and context whole and in order (16
+// heads' dot products reduced together, then a 16 × 16 transpose to per-head vectors): reading
+// one head's 256 bytes of 16 tokens 4 KB apart, then the next head's, took 2–15% longer at batch
+// 32 (docs/BENCHMARKS.md, session 19), for the same bits.
 // Sums: each head's output (≤ 256 floats) stays in registers while the tokens stream by; the
 // shared diagonal's context sum likewise, 256 columns at a time.
 #include "attention_avx512.h"
 
 #if defined(__AVX512F__)
 
-#include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
-
 #include <algorithm>
 #include <utility>
+#include <vector>
+
+#include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 
 namespace cemlm {
 namespace {
@@ -18,6 +23,7 @@ using avx512::lane_mask;
 using avx512::load_row;
 using avx512::reduce16;
 using avx512::RowSum;
+using avx512::transpose16;
 
 // Lane t = x[0, n) · rows[t][col0, col0 + n) for n ≤ 16·V: token by token (one row pointer live
 // at a time, two FMA chains each, 16 tokens side by side), then reduced together.
@@ -40,16 +46,49 @@ __m512 dots16_v(const float* x, const E* const* rows, int col0, int n) {
   return reduce16(acc);
 }
 
-// dots16_v<V> for V = 1 … 16 (a struct: __m512's attributes do not survive std::array).
+// Lane h = q[h·dh, …) · key[h·dh, …) for heads h < `heads` (≤ 16) of one token's key row, dh ≤
+// 16·V; lanes from `heads` on are 0. Each head's dot product is dots16_v's (the same two FMA chains
+// and reduction), so its bits are too; the key row is read in order.
+template <int V, typename E>
+__m512 head_dots_v(const float* q, const E* key, int dh, int heads) {
+  const __mmask16 last = lane_mask(dh - 16 * (V - 1));
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int h = 0; h < 16; ++h) {
+    __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (h < heads) {
+#pragma GCC unroll 16
+      for (int i = 0; i < V; ++i) {
+        const __mmask16 m = i == V - 1 ? last : __mmask16(0xFFFF);
+        a[i % 2] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + h * dh + 16 * i),
+                                   load_row(m, key + h * dh + 16 * i), a[i % 2]);
+      }
+    }
+    acc[h] = _mm512_add_ps(a[0], a[1]);
+  }
+  return reduce16(acc);
+}
+
+// dots16_v<V> and head_dots_v<V> for V = 1 … 16 (structs: __m512's attributes do not survive
+// std::array, nor a function pointer type as a template argument).
 template <typename E>
 struct DotsTable {
   __m512 (*fn[16])(const float*, const E* const*, int, int);
   auto operator[](int i) const { return fn[i]; }
 };
+template <typename E>
+struct HeadDotsTable {
+  __m512 (*fn[16])(const float*, const E*, int, int);
+  auto operator[](int i) const { return fn[i]; }
+};
 
 template <typename E, int... I>
 constexpr DotsTable<E> dots_table(std::integer_sequence<int, I...>) {
-  return DotsTable<E>{{&dots16_v<I + 1, E>...}};
+  return {{&dots16_v<I + 1, E>...}};
+}
+template <typename E, int... I>
+constexpr HeadDotsTable<E> head_dots_table(std::integer_sequence<int, I...>) {
+  return {{&head_dots_v<I + 1, E>...}};
 }
 
 // Lane t = x[0, n) · rows[t][0, n), 256 columns at a time.
@@ -60,6 +99,42 @@ inline __m512 dots16(const float* x, const E* const* rows, int n) {
   for (int c0 = 0; c0 < n; c0 += 256) {
     const int w = std::min(256, n - c0);
     s = _mm512_add_ps(s, kDots[(w + 15) / 16 - 1](x + c0, rows, c0, w));
+  }
+  return s;
+}
+
+// dots16's lanes with each row read whole and in order, one row after the other: a row's partial
+// dot product over each 256-column chunk is dots16_v's (two FMA chains), kept until every row is
+// done, and the chunks are reduced and added in dots16's order: the same bits. part: 16·16·
+// ceil(n / 256) floats.
+template <typename E>
+__m512 dots16_by_row(const float* x, const E* const* rows, int n, float* part) {
+  const int chunks = (n + 255) / 256;
+  for (int t = 0; t < 16; ++t)
+    for (int c = 0; c < chunks; ++c) {
+      const int c0 = 256 * c, V = (std::min(256, n - c0) + 15) / 16;
+      const __mmask16 last = lane_mask(n - c0 - 16 * (V - 1));
+      const float* xc = x + c0;
+      const E* row = rows[t] + c0;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int i = 0;
+      for (; i + 1 < V; i += 2) {
+        const __mmask16 m1 = i + 1 == V - 1 ? last : __mmask16(0xFFFF);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xc + 16 * i), load_row(0xFFFF, row + 16 * i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, xc + 16 * (i + 1)),
+                             load_row(m1, row + 16 * (i + 1)), a1);
+      }
+      if (i < V)  // V odd: the last vector, on the first chain
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(last, xc + 16 * i), load_row(last, row + 16 * i),
+                             a0);
+      _mm512_storeu_ps(part + 16 * (16 * c + t), _mm512_add_ps(a0, a1));
+    }
+  __m512 s = _mm512_setzero_ps();
+  for (int c = 0; c < chunks; ++c) {
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_loadu_ps(part + 16 * (16 * c + t));
+    s = _mm512_add_ps(s, reduce16(acc));
   }
   return s;
 }
@@ -103,6 +178,9 @@ void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t
   const __m512 vscale = _mm512_set1_ps(scale);
   const E* keys[16];
   const E* ctx[16];
+  thread_local std::vector<float> part_buffer;  // dots16_by_row's partial sums
+  part_buffer.resize(size_t(256) * ((D + 255) / 256));
+  float* part = part_buffer.data();
   for (int j0 = 0; j0 < n_ctx; j0 += 16) {
     const int n = std::min(16, n_ctx - j0);
     int b = j0 / kv.block_size, o = j0 % kv.block_size;  // walked, not divided, per token
@@ -112,8 +190,26 @@ void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t
       ctx[t] = shared_diag ? cpool + slot * D : nullptr;
       if (t + 1 < n && ++o == kv.block_size) o = 0, ++b;
     }
-    const __m512 shared = shared_diag ? dots16(qd, ctx, D) : _mm512_setzero_ps();
+    const __m512 shared = shared_diag ? dots16_by_row(qd, ctx, D, part) : _mm512_setzero_ps();
     const __mmask16 m = lane_mask(n);
+    if (dh <= 256) {  // token by token, each key row read in order; 16 heads at a time
+      static constexpr HeadDotsTable<E> kHeadDots =
+          head_dots_table<E>(std::make_integer_sequence<int, 16>{});
+      const auto head_dots = kHeadDots[(dh + 15) / 16 - 1];
+      alignas(64) float by_token[16 * 16], by_head[16 * 16];
+      for (int h0 = 0; h0 < H; h0 += 16) {
+        const int heads = std::min(16, H - h0);
+        for (int t = 0; t < 16; ++t)
+          _mm512_store_ps(by_token + 16 * t, head_dots(q + h0 * dh, keys[t] + h0 * dh, dh, heads));
+        transpose16(by_token, 16, by_head, 16);
+        for (int h = 0; h < heads; ++h) {
+          const __m512 s =
+              _mm512_mul_ps(vscale, _mm512_add_ps(_mm512_load_ps(by_head + 16 * h), shared));
+          _mm512_mask_storeu_ps(sc + int64_t(h0 + h) * n_ctx + j0, m, s);
+        }
+      }
+      continue;
+    }
     for (int h = 0; h < H; ++h) {
       const E* kh[16];
       for (int t = 0; t < 16; ++t) kh[t] = keys[t] + h * dh;

@@ -44,48 +44,12 @@ namespace {
 
 using avx512::lane_mask;
 using avx512::reduce16;
+using avx512::transpose16;
 
 constexpr int kPanel = 32;  // columns per panel: two vectors of 16 floats
 constexpr int kTileRows = 8;
 // Products smaller than this many flops run on the calling thread (a fork costs more).
 constexpr double kParallelFlops = 4e6;
-
-// dst[j·ldd + i] = src[i·lds + j] for a 16 × 16 tile.
-inline void transpose16(const float* src, size_t lds, float* dst, size_t ldd) {
-  __m512 r[16], t[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + size_t(i) * lds);
-  // Interleave pairs of rows, then pairs of pairs: lane L of r[4q + j] becomes column 4L + j of
-  // rows 4q..4q+3.
-#pragma GCC unroll 8
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 16; i += 4) {
-    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  // Gather lane L of the four row groups: column 4L + j.
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    const __m512 even01 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
-    const __m512 odd01 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
-    const __m512 even23 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-    const __m512 odd23 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
-    t[j] = _mm512_shuffle_f32x4(even01, even23, 0x88);
-    t[8 + j] = _mm512_shuffle_f32x4(even01, even23, 0xdd);
-    t[4 + j] = _mm512_shuffle_f32x4(odd01, odd23, 0x88);
-    t[12 + j] = _mm512_shuffle_f32x4(odd01, odd23, 0xdd);
-  }
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + size_t(j) * ldd, t[j]);
-}
 
 // panel[k][j] = op(B)[k][n0 + j] for j < width, 0 beyond.
 void pack_panel(bool trans_b, const float* B, int ldb, int K, int n0, int width, float* panel) {

@@ -265,7 +265,10 @@ void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
 // chunk's weighted sums go to a partial output, and the partials are added in chunk order. Run on
 // one thread (attend_row) or with the chunks shared out over a team (attend_row_split), a row
 // does the same arithmetic: its bits do not depend on the threads or on the rest of the batch.
-constexpr int kChunkTokens = 256;
+// 64 tokens (it was 256) lets a lone decode row of 128 tokens or more share its context out: a
+// batch-1 step of the base shape at T = 4 with int8 weights ran 4–5% faster; batch 32 (no split)
+// and the small shape were unchanged (docs/BENCHMARKS.md, session 19).
+constexpr int kChunkTokens = 64;
 
 int chunk_tokens(int block_size) { return std::max(1, kChunkTokens / block_size) * block_size; }
 

@@ -159,10 +159,12 @@ std::vector<Case> cases() {
     v.push_back({true, DiagKind::kNone, 20, 16, 32, 16, 45, 1, bf16});
     v.push_back({false, DiagKind::kNone, 7, 48, 32, 16, 40, 1, bf16});
     v.push_back({false, DiagKind::kShared, 1, 272, 24, 16, 20, 1, bf16});
-    // Long contexts with fewer rows than threads: 256-token chunks shared out over 2, 3 (uneven
+    // Long contexts with fewer rows than threads: 64-token chunks shared out over 2, 3 (uneven
     // shares) and 4 threads (512-token blocks make 512-token chunks, 3 over 4 threads: one share
-    // is empty); each also against one thread, bit for bit.
+    // is empty); each also against one thread, bit for bit. 130 tokens: the shortest split, two
+    // chunks and a third of two tokens.
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 700, 1, bf16, 2});
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 130, 1, bf16, 2});
     v.push_back({false, DiagKind::kShared, 2, 40, 48, 16, 1000, 2, bf16, 3});
     v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 800, 1, bf16, 3});
     v.push_back({true, DiagKind::kNone, 3, 6, 16, 512, 1100, 1, bf16, 4});

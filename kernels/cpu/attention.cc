@@ -266,7 +266,7 @@ void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
 // one thread (attend_row) or with the chunks shared out over a team (attend_row_split), a row
 // does the same arithmetic: its bits do not depend on the threads or on the rest of the batch.
 // 64 tokens (it was 256) lets a lone decode row of 128 tokens or more share its context out: a
-// batch-1 step of the base shape at T = 4 with int8 weights ran 4–5% faster; batch 32 (no split)
+// batch-1 step of the base shape at T = 4 on cpu:int8dot ran 4–5% faster; batch 32 (no split)
 // and the small shape were unchanged (docs/BENCHMARKS.md, session 19).
 constexpr int kChunkTokens = 64;
 

@@ -548,7 +548,7 @@ namespace {
 #if defined(__AVX512VNNI__)
 // a[0, K) as Q8Row's q (quads), scale and corr, per block of kQuantBlock.
 void quantize_row(const float* a, int K, uint32_t* q, float* scale, int32_t* corr) {
-  q[(K + 3) / 4 - 1] = 0;  // the bytes past K of a last, partial quad
+  if (K % 4) q[K / 4] = 0;  // the bytes past K of a last, partial quad
   char* bytes = reinterpret_cast<char*>(q);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   for (int k0 = 0, b = 0; k0 < K; k0 += kQuantBlock, ++b) {

@@ -20,6 +20,10 @@ namespace {
 constexpr int kMaxStreamsPerConnection = 1000;      // a client opens more connections for more
 constexpr int kMaxConnectionIdleMs = 10 * 60 * 1000;  // clients reconnect when they call again
 constexpr int kHandshakeTimeoutMs = 10 * 1000;
+// gRPC's default, set here so that it is a choice: no valid request comes near it (a prompt holds
+// at most the model's max_seq_len tokens). gRPC refuses a larger body itself, RESOURCE_EXHAUSTED,
+// before any interceptor or handler sees the call.
+constexpr int kMaxRequestBytes = 4 << 20;
 
 std::shared_ptr<grpc::ServerCredentials> credentials(const ServerOptions& opts) {
   if (opts.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
@@ -54,6 +58,7 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kMaxConnectionIdleMs);
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   if (opts.max_connection_age_s > 0) {
     auto ms = [](double s) { return int(std::min(s * 1e3, double(INT_MAX))); };
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, ms(opts.max_connection_age_s));

@@ -438,6 +438,24 @@ TEST_F(ServerValidation, UnparseableRequestBodyNamesTheMessageType) {
   EXPECT_TRUE(generate(server_->channel(), valid_request()).status.ok());
 }
 
+// A body over the 4 MiB the server reads is refused by gRPC itself, before any interceptor or
+// handler (so it is not in requests_total: gRPC 1.51 offers no hook there), and the server serves
+// on; just under the limit, the service answers (the prompt is too long for the model).
+TEST_F(ServerValidation, OversizeRequestBodyIsRefused) {
+  v1::GenerateRequest req = valid_request();
+  req.set_prompt_text(std::string(5 << 20, 'a'));
+  std::string body;
+  ASSERT_TRUE(req.SerializeToString(&body));
+  const grpc::Status st = raw_call(server_->channel(), "/cemlm.v1.Inference/Generate", body);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_NE(st.error_message().find("larger than max"), std::string::npos) << st.error_message();
+  req.set_prompt_text(std::string((4 << 20) - 64, 'a'));
+  ASSERT_TRUE(req.SerializeToString(&body));
+  const grpc::Status under = raw_call(server_->channel(), "/cemlm.v1.Inference/Generate", body);
+  EXPECT_EQ(under.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << under.error_message();
+  EXPECT_TRUE(generate(server_->channel(), valid_request()).status.ok());
+}
+
 TEST(ServerTls, ServesOverTls) {
   const std::string dir = fresh_temp_dir();
   const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";

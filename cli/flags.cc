@@ -1,6 +1,7 @@
 // Flag parser implementation (see flags.h).
 #include "cemlm/cli/flags.h"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cstdint>
@@ -203,6 +204,23 @@ bool parse_id_list(const std::string& s, std::vector<int>* out) {
     int v = 0;
     if (!parse_number(item, &v)) return false;
     out->push_back(v);
+    pos = comma + 1;
+  }
+  return !out->empty();
+}
+
+bool parse_logit_bias(const std::string& s, std::vector<std::pair<int, float>>* out) {
+  out->clear();
+  for (size_t pos = 0; pos <= s.size();) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    const std::string item = s.substr(pos, comma - pos);
+    const size_t colon = item.find(':');
+    int id = 0;
+    float bias = 0;
+    if (colon == std::string::npos || !parse_number(item.substr(0, colon), &id) ||
+        !parse_number(item.substr(colon + 1), &bias))
+      return false;
+    out->push_back({id, bias});
     pos = comma + 1;
   }
   return !out->empty();

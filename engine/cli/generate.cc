@@ -33,6 +33,8 @@ int fail(const std::string& msg) {
 std::string in_flag_terms(std::string msg) {
   static const std::pair<std::string_view, std::string_view> kFlags[] = {
       {"sampling.max_new_tokens", "--max-new-tokens"},
+      {"sampling.min_new_tokens", "--min-new-tokens"},
+      {"sampling.logit_bias", "--logit-bias"},
       {"sampling.temperature", "--temperature"},
       {"sampling.top_k", "--top-k"},
       {"sampling.top_p", "--top-p"},
@@ -68,9 +70,9 @@ struct Outcome {
 
 int cmd_generate(int argc, char** argv) {
   std::string model, prompt, prompt_ids, seed_text, device = "cpu", kv_dtype = "fp32";
-  std::string kv_memory = "256M", stop_token_ids;
+  std::string kv_memory = "256M", stop_token_ids, logit_bias;
   std::vector<std::string> stop;
-  int T = 0, max_new = 64, top_k = 0, top_logprobs = 0, threads = 0;
+  int T = 0, max_new = 64, min_new = 0, top_k = 0, top_logprobs = 0, threads = 0;
   float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f;
   float repetition_penalty = 1.0f, presence_penalty = 0.0f, frequency_penalty = 0.0f;
   bool json = false, no_bos = false, ignore_eos = false;
@@ -92,6 +94,9 @@ int cmd_generate(int argc, char** argv) {
   f.add("max-new-tokens", &max_new,
         "tokens to generate at most; when not given, the default is capped to the room the "
         "prompt leaves below the model's max_seq_len");
+  f.add("min-new-tokens", &min_new,
+        "tokens to generate before end-of-sequence or --stop-token-ids may be drawn (--stop "
+        "strings still apply)");
   f.add("temperature", &temperature, "sampling temperature (0: greedy)");
   f.add("top-k", &top_k, "keep the K most likely tokens (0: off)");
   f.add("top-p", &top_p, "nucleus sampling mass (1: off)");
@@ -108,6 +113,9 @@ int cmd_generate(int argc, char** argv) {
   f.add("stop-token-ids", &stop_token_ids,
         "comma-separated token ids that end generation (not printed), like 2,7");
   f.add_bool("ignore-eos", &ignore_eos, "keep generating after the model's end-of-sequence id");
+  f.add("logit-bias", &logit_bias,
+        "ID:BIAS pairs like 17:-100,42:2.5: BIAS in [-100, 100] added to token ID's logit after "
+        "the penalties (-100 bans it); --json logprobs stay the unmodified model's");
   f.add("top-logprobs", &top_logprobs, "alternatives reported per token with --json, 0-20");
   f.add("seed", &seed_text, "sampling seed, an integer in [0, 2^64) (random when not given)");
   f.add("device", &device,
@@ -133,6 +141,10 @@ int cmd_generate(int argc, char** argv) {
   if (f.given("stop-token-ids") && !parse_id_list(stop_token_ids, &stop_ids))
     return fail("--stop-token-ids: expected comma-separated integers like 2,7, got '" +
                 stop_token_ids + "'");
+  std::vector<std::pair<int, float>> bias;
+  if (f.given("logit-bias") && !parse_logit_bias(logit_bias, &bias))
+    return fail("--logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '" + logit_bias +
+                "'");
   int64_t kv_bytes = 0;
   if (!parse_bytes(kv_memory, &kv_bytes) || kv_bytes <= 0)
     return fail("--kv-cache-memory: expected bytes like 4G, 512M or 1048576, got '" + kv_memory +
@@ -173,6 +185,8 @@ int cmd_generate(int argc, char** argv) {
   }
   req.recursion_depth = T;
   req.sampling.max_new_tokens = max_new;
+  req.sampling.min_new_tokens = min_new;
+  req.sampling.logit_bias = bias;
   req.sampling.temperature = temperature;
   req.sampling.top_k = top_k;
   req.sampling.top_p = top_p;

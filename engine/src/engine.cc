@@ -294,7 +294,7 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
   const std::string& field = req.prompt_field;
   CEMLM_RETURN_IF_ERROR(validate_ids(req.prompt_ids, field));
   CEMLM_RETURN_IF_ERROR(validate_recursion(req.recursion_depth));
-  CEMLM_RETURN_IF_ERROR(validate_sampling(req.sampling, config_.vocab_size));
+  CEMLM_RETURN_IF_ERROR(validate_sampling(req.sampling, config_.vocab_size, eos_id_));
   if (!req.sampling.stop.empty() && !tokenizer_)
     return absl::InvalidArgumentError(
         "sampling.stop needs a tokenizer and this model has none (no tokenizer.model); use "

@@ -91,6 +91,15 @@ absl::StatusOr<SampleResult> Sampler::sample(std::span<const float> logits,
   work_.assign(logits.begin(), logits.end());
   counts_.resize(logits.size(), 0);
   apply_penalties(tokens, n_prompt);
+  for (const auto& [id, bias] : params_.logit_bias)
+    work_[size_t(id)] = finite(work_[size_t(id)] + bias);
+  if (int64_t(tokens.size()) - n_prompt < params_.min_new_tokens) {
+    // Not yet: the tokens that would end generation get no chance (validation left others).
+    constexpr float kOut = -std::numeric_limits<float>::infinity();
+    for (int id : params_.stop_token_ids) work_[size_t(id)] = kOut;
+    if (!params_.ignore_eos && eos_id_ >= 0 && size_t(eos_id_) < work_.size())
+      work_[size_t(eos_id_)] = kOut;
+  }
   r.token = draw();
   r.logprob = logits[size_t(r.token)] - lse;
   return r;
@@ -139,7 +148,7 @@ int Sampler::draw() {
   const bool top_k = params_.top_k > 0 && size_t(params_.top_k) < V;
   const bool filtered = top_k || params_.top_p < 1 || params_.min_p > 0;
   double sum = total;
-  size_t last = V - 1;  // the last kept id
+  size_t last = V - 1;  // the last id the draw can land on (kept, with a share above 0)
   if (filtered) {
     // The kept candidates as a set, never sorted: top-k, then the smallest best-first prefix
     // whose mass reaches top_p, then those with p ≥ min_p · p_max.
@@ -163,7 +172,10 @@ int Sampler::draw() {
     }
     sum = 0;
     for (size_t i = 0; i < V; ++i)
-      if (keep_[i]) sum += prob_[i], last = i;
+      if (keep_[i]) sum += prob_[i], last = prob_[i] > 0 ? i : last;
+  } else {
+    while (last > 0 && prob_[last] == 0)
+      --last;  // a token taken out (min_new_tokens) or underflowed
   }
   double u = rng_.uniform() * sum;
   for (size_t i = 0; i < last; ++i)

@@ -1,10 +1,14 @@
 // validate_sampling: range and finiteness checks of SamplingParams. Each message names the field
 // and the accepted range so a client can fix its request. Comparisons are written so that NaN fails.
+#include "cemlm/engine/sampling.h"
+
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "cemlm/engine/sampling.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/utf8.h"
 
@@ -56,9 +60,45 @@ absl::Status check_stops(const SamplingParams& p, int vocab_size) {
   return absl::OkStatus();
 }
 
+absl::Status check_logit_bias(const SamplingParams& p, int vocab_size) {
+  if (p.logit_bias.size() > size_t(kMaxLogitBias))
+    return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias has ", p.logit_bias.size(),
+                                                   " entries; at most ", kMaxLogitBias));
+  std::vector<uint8_t> seen(size_t(std::max(vocab_size, 0)), 0);
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0 || id >= vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias has the key ", id,
+                                                     ", not a token id in [0, ", vocab_size, ")"));
+    if (seen[size_t(id)]++)
+      return absl::InvalidArgumentError(
+          absl::StrCat("sampling.logit_bias has the token id ", id, " more than once"));
+    const std::string field = absl::StrCat("logit_bias[", id, "]");
+    CEMLM_RETURN_IF_ERROR(check(std::isfinite(bias) && std::fabs(bias) <= kMaxAbsLogitBias,
+                                field.c_str(), "in [-100, 100]", bias));
+  }
+  return absl::OkStatus();
+}
+
+// With min_new_tokens, the stop tokens are taken out of the draw until then: some other must stay.
+absl::Status check_min_new_tokens(const SamplingParams& p, int vocab_size, int eos_id) {
+  CEMLM_RETURN_IF_ERROR(check(
+      p.min_new_tokens >= 0 && p.min_new_tokens <= p.max_new_tokens, "min_new_tokens",
+      absl::StrCat("in [0, sampling.max_new_tokens = ", p.max_new_tokens, "]"), p.min_new_tokens));
+  if (p.min_new_tokens == 0) return absl::OkStatus();
+  std::vector<uint8_t> stops(size_t(std::max(vocab_size, 0)), 0);
+  for (int id : p.stop_token_ids) stops[size_t(id)] = 1;  // in range: checked before
+  if (!p.ignore_eos && eos_id >= 0 && eos_id < vocab_size) stops[size_t(eos_id)] = 1;
+  if (std::find(stops.begin(), stops.end(), 0) == stops.end())
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.min_new_tokens = ", p.min_new_tokens,
+                     " leaves no token to draw: every id in [0, ", vocab_size,
+                     ") ends generation (sampling.stop_token_ids and end-of-sequence)"));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::Status validate_sampling(const SamplingParams& p, int vocab_size) {
+absl::Status validate_sampling(const SamplingParams& p, int vocab_size, int eos_id) {
   CEMLM_RETURN_IF_ERROR(check(std::isfinite(p.temperature) && p.temperature >= 0, "temperature",
                               "a finite number >= 0 (0 = greedy, as is anything below 1e-5)",
                               p.temperature));
@@ -77,7 +117,9 @@ absl::Status validate_sampling(const SamplingParams& p, int vocab_size) {
   CEMLM_RETURN_IF_ERROR(check(p.top_logprobs >= 0 && p.top_logprobs <= kMaxTopLogprobs,
                               "top_logprobs", absl::StrCat("in [0, ", kMaxTopLogprobs, "]"),
                               p.top_logprobs));
-  return check_stops(p, vocab_size);
+  CEMLM_RETURN_IF_ERROR(check_stops(p, vocab_size));
+  CEMLM_RETURN_IF_ERROR(check_logit_bias(p, vocab_size));
+  return check_min_new_tokens(p, vocab_size, eos_id);
 }
 
 }  // namespace cemlm

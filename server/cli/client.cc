@@ -39,10 +39,12 @@ bool set_ids(const std::string& text, const char* flag,
 
 struct GenerateFlags {
   std::string prompt, prompt_ids, request_id;
-  int recursion = 0, max_new_tokens = 64, top_k = 0, top_logprobs = 0, priority = 0;
+  int recursion = 0, max_new_tokens = 64, min_new_tokens = 0, top_k = 0, top_logprobs = 0,
+      priority = 0;
   float temperature = 1, top_p = 1, min_p = 0;
   std::string seed;
   std::vector<std::string> stop;
+  std::vector<std::pair<int, float>> logit_bias;
   bool logprobs = false, ignore_eos = false, json = false, no_bos = false;
 };
 
@@ -56,6 +58,8 @@ v1::GenerateRequest generate_request(const GenerateFlags& g, const Flags& flags)
   req.set_request_id(g.request_id);
   v1::SamplingParams* s = req.mutable_sampling();
   s->set_max_new_tokens(g.max_new_tokens);
+  s->set_min_new_tokens(g.min_new_tokens);
+  for (const auto& [id, bias] : g.logit_bias) (*s->mutable_logit_bias())[id] = bias;
   if (flags.given("temperature")) s->set_temperature(g.temperature);
   if (flags.given("top-k")) s->set_top_k(g.top_k);
   if (flags.given("top-p")) s->set_top_p(g.top_p);
@@ -94,6 +98,8 @@ int client_generate(int argc, char** argv) {
   flags.add_bool("no-bos", &g.no_bos, "do not start --prompt with the model's BOS");
   flags.add("recursion", &g.recursion, "recursion depth T; 0 = the model's default");
   flags.add("max-new-tokens", &g.max_new_tokens, "tokens to generate at most");
+  flags.add("min-new-tokens", &g.min_new_tokens,
+            "tokens to generate before end-of-sequence or stop token ids may be drawn");
   flags.add("temperature", &g.temperature, "0 = greedy");
   flags.add("top-k", &g.top_k, "0 = off");
   flags.add("top-p", &g.top_p, "1 = off");
@@ -102,6 +108,10 @@ int client_generate(int argc, char** argv) {
             "sampling seed in [0, 2^64): same seed, same output (random when not given)");
   flags.add_list("stop", &g.stop, "stop strings (at most 16, each at most 1024 bytes)");
   flags.add_bool("ignore-eos", &g.ignore_eos, "keep generating after end-of-sequence");
+  std::string logit_bias;
+  flags.add("logit-bias", &logit_bias,
+            "ID:BIAS pairs like 17:-100,42:2.5: BIAS in [-100, 100] added to token ID's logit "
+            "(-100 bans it)");
   flags.add_bool("logprobs", &g.logprobs, "report the logprob of each token (with --json)");
   flags.add("top-logprobs", &g.top_logprobs, "alternatives per token (with --json)");
   flags.add("priority", &g.priority, "larger runs first");
@@ -113,6 +123,12 @@ int client_generate(int argc, char** argv) {
   if (uint64_t seed = 0; flags.given("seed") && !parse_uint64(g.seed, &seed)) {
     std::fprintf(stderr, "error: --seed: expected an integer in [0, 2^64), got '%s'\n",
                  g.seed.c_str());
+    return 2;
+  }
+  if (flags.given("logit-bias") && !parse_logit_bias(logit_bias, &g.logit_bias)) {
+    std::fprintf(stderr,
+                 "error: --logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '%s'\n",
+                 logit_bias.c_str());
     return 2;
   }
   if (g.no_bos && flags.given("prompt-ids")) {

@@ -58,6 +58,9 @@ SamplingParams to_engine(const v1::SamplingParams& p) {
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   s.ignore_eos = p.ignore_eos();
   s.top_logprobs = p.top_logprobs();
+  s.min_new_tokens = p.min_new_tokens();
+  s.logit_bias.assign(p.logit_bias().begin(), p.logit_bias().end());
+  std::sort(s.logit_bias.begin(), s.logit_bias.end());  // a map's order is unspecified
   return s;
 }
 

@@ -364,6 +364,97 @@ TEST(Sampler, StopTokensAndEos) {
   EXPECT_TRUE(t.is_stop_token(6));
 }
 
+TEST(Sampler, LogitBiasMovesTheDrawNotTheLogprob) {
+  const float lse = log_sum_exp(kRow);
+  SamplingParams p = greedy();
+  p.logit_bias = {{5, 100.0f}};  // the worst token (-2) forced
+  auto r = Sampler(p, -1, 1).sample(kRow, {}, 0);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->token, 5);
+  EXPECT_NEAR(r->logprob, -2.0f - lse, 1e-6);  // the unmodified distribution's
+  p.logit_bias = {{3, -100.0f}};               // the best banned: the second best
+  EXPECT_EQ(pick(p), 1);
+  p.logit_bias = {{3, -0.5f}, {1, 0.6f}};  // 2.5 against 2.6
+  EXPECT_EQ(pick(p), 1);
+  // Sampled: -100 takes a token out of the support; every other token is still drawn.
+  p.temperature = 1;
+  p.logit_bias = {{3, -100.0f}, {1, -100.0f}};
+  EXPECT_EQ(support(p, 2000), (std::set<int>{0, 2, 4, 5, 6, 7}));
+  // After the penalties: a repetition penalty below 1 does not shrink a ban, so -100 still holds.
+  p.repetition_penalty = 0.01f;
+  p.logit_bias = {{5, -100.0f}};
+  for (uint64_t seed = 0; seed < 500; ++seed)
+    EXPECT_NE(pick(p, kRow, {5}, 1, seed), 5) << "seed " << seed;
+}
+
+// The shares of a biased draw are those of softmax(logits + bias): counts over many seeds against
+// the exact probabilities (a 4.5-sigma band per token).
+TEST(Sampler, LogitBiasGivesTheBiasedDistribution) {
+  SamplingParams p;
+  p.logit_bias = {{5, 4.0f}, {3, -1.5f}};
+  std::vector<double> want(kRow.size());
+  double z = 0;
+  for (size_t i = 0; i < kRow.size(); ++i) {
+    double x = kRow[i];
+    for (const auto& [id, b] : p.logit_bias) x += id == int(i) ? b : 0;
+    z += want[i] = std::exp(x);
+  }
+  const int n = 20000;
+  std::vector<int> count(kRow.size(), 0);
+  for (int i = 0; i < n; ++i) ++count[size_t(pick(p, kRow, {}, 0, uint64_t(i)))];
+  for (size_t i = 0; i < kRow.size(); ++i) {
+    const double q = want[i] / z, sd = std::sqrt(n * q * (1 - q));
+    EXPECT_NEAR(count[i], n * q, 4.5 * sd + 1) << "token " << i;
+  }
+}
+
+// Before min_new_tokens generated tokens, end-of-sequence and the stop ids are not drawn, greedy
+// or sampled, filtered or not; from then on they are. Tokens given as the prompt do not count.
+TEST(Sampler, MinNewTokensHoldsBackTheStopTokens) {
+  SamplingParams p = greedy();
+  p.min_new_tokens = 2;
+  p.stop_token_ids = {1};
+  const int eos = 3;  // the argmax; 1 is the second best
+  auto draw = [&](const SamplingParams& q, int generated, uint64_t seed = 1) {
+    std::vector<int> tokens = {0, 0, 0};  // the prompt
+    tokens.resize(3 + size_t(generated), 4);
+    auto r = Sampler(q, eos, seed).sample(kRow, tokens, 3);
+    EXPECT_TRUE(r.ok());
+    return r.ok() ? r->token : -1;
+  };
+  EXPECT_EQ(draw(p, 0), 6);  // 3 and 1 held back: the third best
+  EXPECT_EQ(draw(p, 1), 6);
+  EXPECT_EQ(draw(p, 2), 3);
+  p.ignore_eos = true;  // eos is then an ordinary token
+  EXPECT_EQ(draw(p, 0), 3);
+  p.ignore_eos = false;
+  {  // the reported logprob stays the unmodified one
+    auto r = Sampler(p, eos, 1).sample(kRow, std::vector<int>{0}, 1);
+    ASSERT_TRUE(r.ok());
+    EXPECT_NEAR(r->logprob, 1.0f - log_sum_exp(kRow), 1e-6);
+  }
+  for (const int top_k : {0, 2}) {
+    p.temperature = 1, p.top_k = top_k;
+    std::set<int> seen;
+    for (uint64_t seed = 0; seed < 400; ++seed) seen.insert(draw(p, 1, seed));
+    EXPECT_EQ(seen.count(3) + seen.count(1), 0u) << "top_k " << top_k;
+    EXPECT_GT(seen.size(), top_k ? 1u : 4u) << "top_k " << top_k;
+  }
+}
+
+// A held-back token that is the last id is not drawn either (the draw's fall-through, for a sum
+// rounded above the tokens' shares, lands on the last id with a share, not on the last id).
+TEST(Sampler, AHeldBackLastIdIsNotDrawn) {
+  SamplingParams p;
+  p.min_new_tokens = 1;
+  const std::vector<float> flat(16, 0.0f);
+  for (uint64_t seed = 0; seed < 3000; ++seed) {
+    auto r = Sampler(p, 15, seed).sample(flat, {}, 0);
+    ASSERT_TRUE(r.ok());
+    ASSERT_NE(r->token, 15) << "seed " << seed;
+  }
+}
+
 TEST(StopMatcher, MatchesAcrossPiecesAndHoldsBackPossiblePrefixes) {
   StopMatcher m({"END", "xyz"});
   bool stopped = false;
@@ -435,14 +526,31 @@ TEST(ValidateSampling, EveryBoundIsAccepted) {
       [](SamplingParams& p) { p.top_logprobs = kMaxTopLogprobs; },
       [](SamplingParams& p) { p.stop.assign(kMaxStopStrings, "x"); },
       [](SamplingParams& p) { p.stop = {std::string(kMaxStopBytes, 'a')}; },
-      [](SamplingParams& p) { p.stop_token_ids = {0, 99}; },
+      [](SamplingParams& p) {
+        p.stop_token_ids = {0, 99};
+      },
       [](SamplingParams& p) { p.stop_token_ids.assign(kMaxStopTokenIds, 7); },
+      [](SamplingParams& p) { p.min_new_tokens = p.max_new_tokens; },
+      [](SamplingParams& p) {
+        p.logit_bias = {{0, -100.0f}, {99, 100.0f}};
+      },
+      [](SamplingParams& p) {  // every id of the vocabulary once
+        for (int i = 0; i < 100; ++i) p.logit_bias.push_back({i, 1.0f});
+      },
+      // Every id but one ends generation: min_new_tokens still leaves that one.
+      [](SamplingParams& p) {
+        p.min_new_tokens = 3;
+        for (int i = 0; i < 99; ++i) p.stop_token_ids.push_back(i);
+      },
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SamplingParams p;
     cases[i](p);
     EXPECT_TRUE(validate_sampling(p, 100).ok()) << "case " << i << ": " << validate_sampling(p, 100);
   }
+  SamplingParams p;  // as many biases as allowed, in a larger vocabulary
+  for (int i = 0; i < kMaxLogitBias; ++i) p.logit_bias.push_back({i, -1.0f});
+  EXPECT_TRUE(validate_sampling(p, 4096).ok()) << validate_sampling(p, 4096);
 }
 
 TEST(ValidateSampling, EveryBadFieldIsNamed) {
@@ -468,21 +576,80 @@ TEST(ValidateSampling, EveryBadFieldIsNamed) {
       {"sampling.top_logprobs", [](SamplingParams& p) { p.top_logprobs = 21; }},
       {"sampling.top_logprobs", [](SamplingParams& p) { p.top_logprobs = -1; }},
       {"sampling.stop has 17", [](SamplingParams& p) { p.stop.assign(17, "x"); }},
-      {"sampling.stop[1] is empty", [](SamplingParams& p) { p.stop = {"a", ""}; }},
+      {"sampling.stop[1] is empty",
+       [](SamplingParams& p) {
+         p.stop = {"a", ""};
+       }},
       {"sampling.stop[0] is not valid UTF-8", [](SamplingParams& p) { p.stop = {"\xff"}; }},
       {"sampling.stop[1] is 1025 bytes; at most 1024",
-       [](SamplingParams& p) { p.stop = {std::string(1024, 'a'), std::string(1025, 'b')}; }},
-      {"sampling.stop_token_ids[1] = 100", [](SamplingParams& p) { p.stop_token_ids = {1, 100}; }},
+       [](SamplingParams& p) {
+         p.stop = {std::string(1024, 'a'), std::string(1025, 'b')};
+       }},
+      {"sampling.stop_token_ids[1] = 100",
+       [](SamplingParams& p) {
+         p.stop_token_ids = {1, 100};
+       }},
       {"sampling.stop_token_ids[0] = -1", [](SamplingParams& p) { p.stop_token_ids = {-1}; }},
       // A client's 4 million ids held ~300 MB and were scanned at every token (a fuzzing run).
       {"sampling.stop_token_ids has 1025 ids; at most 1024",
        [](SamplingParams& p) { p.stop_token_ids.assign(1025, 7); }},
+      {"sampling.min_new_tokens must be in [0, sampling.max_new_tokens = 64] (got 65)",
+       [](SamplingParams& p) { p.min_new_tokens = 65; }},
+      {"sampling.min_new_tokens must be in [0, sampling.max_new_tokens = 64] (got -1)",
+       [](SamplingParams& p) { p.min_new_tokens = -1; }},
+      {"sampling.logit_bias has the key 100, not a token id in [0, 100)",
+       [](SamplingParams& p) {
+         p.logit_bias = {{3, 1.0f}, {100, 1.0f}};
+       }},
+      {"sampling.logit_bias has the key -1",
+       [](SamplingParams& p) {
+         p.logit_bias = {{-1, 1.0f}};
+       }},
+      {"sampling.logit_bias has the token id 7 more than once",
+       [](SamplingParams& p) {
+         p.logit_bias = {{7, 1.0f}, {8, 1.0f}, {7, 2.0f}};
+       }},
+      {"sampling.logit_bias[7] must be in [-100, 100] (got 100.000008)",
+       [](SamplingParams& p) {
+         p.logit_bias = {{7, 100.00001f}};
+       }},
+      {"sampling.logit_bias[7] must be in [-100, 100] (got nan)",
+       [](SamplingParams& p) {
+         p.logit_bias = {{7, NAN}};
+       }},
+      {"sampling.logit_bias[7] must be in [-100, 100] (got -inf)",
+       [](SamplingParams& p) {
+         p.logit_bias = {{7, -INFINITY}};
+       }},
+      {"sampling.logit_bias has 1025 entries; at most 1024",
+       [](SamplingParams& p) {
+         p.logit_bias.assign(1025, {7, 1.0f});
+       }},
   };
   for (const auto& [want, edit] : cases) {
     SamplingParams p;
     edit(p);
     EXPECT_NE(error_of(p).find(want), std::string::npos) << want << " vs " << error_of(p);
   }
+}
+
+// With min_new_tokens, stop ids and end-of-sequence that cover the whole vocabulary leave nothing
+// to draw; without it, or with ignore_eos, they are fine.
+TEST(ValidateSampling, MinNewTokensMustLeaveATokenToDraw) {
+  SamplingParams p;
+  for (int i = 0; i < 100; ++i)
+    if (i != 42) p.stop_token_ids.push_back(i);
+  p.min_new_tokens = 1;
+  const absl::Status st = validate_sampling(p, 100, 42);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("sampling.min_new_tokens = 1 leaves no token to draw"),
+            std::string::npos)
+      << st;
+  EXPECT_TRUE(validate_sampling(p, 100, -1).ok());
+  p.ignore_eos = true;
+  EXPECT_TRUE(validate_sampling(p, 100, 42).ok());
+  p.ignore_eos = false, p.min_new_tokens = 0;
+  EXPECT_TRUE(validate_sampling(p, 100, 42).ok());
 }
 
 TEST(ValidateSampling, ValuesPrintWithEnoughDigitsToTellThemFromTheBound) {

@@ -163,6 +163,12 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--stop-token-ids", "5,x"}, "--stop-token-ids: expected comma-separated integers"},
       {{"--stop-token-ids", "5,61"}, "--stop-token-ids[1] = 61 is not a token id in [0, 61)"},
       {{"--stop", "ab"}, "--stop needs a tokenizer and this model has none"},
+      {{"--min-new-tokens", "63"},
+       "--min-new-tokens must be in [0, --max-new-tokens = 62] (got 63)"},
+      {{"--logit-bias", "5"}, "--logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '5'"},
+      {{"--logit-bias", "5:1,x:2"}, "--logit-bias: expected ID:BIAS pairs"},
+      {{"--logit-bias", "5:200"}, "--logit-bias[5] must be in [-100, 100] (got 200)"},
+      {{"--logit-bias", "61:1"}, "--logit-bias has the key 61, not a token id in [0, 61)"},
       {{"--kv-cache-memory", "12Q"}, "--kv-cache-memory: expected bytes like 4G"},
       {{"--kv-cache-memory", "0"}, "--kv-cache-memory: expected bytes like 4G"},
       {{"--kv-cache-memory", "999999999999999T"}, "--kv-cache-memory: expected bytes like 4G"},
@@ -274,6 +280,43 @@ TEST_F(GenerateCli, StopTokenIdsPenaltiesAndTopLogprobs) {
   const std::vector<double> want = oracle({3, 9, 4, 20}, pen_ids, 2);
   for (size_t i = 0; i < pen_ids.size(); ++i)
     EXPECT_NEAR(pen["logprobs"][i].get<double>(), want[i], 1e-4) << "token " << i;
+}
+
+// --min-new-tokens keeps the stop ids out of the first tokens; --logit-bias moves the draw. Both
+// reach the engine through the flags, and the logprobs stay the unmodified model's.
+TEST_F(GenerateCli, MinNewTokensAndLogitBias) {
+  const nlohmann::json base = generate({"--temperature", "0"});
+  ASSERT_FALSE(base.is_null());
+  const std::vector<int> ids = base["ids"];
+  const std::string first = std::to_string(ids[0]);
+  // Stopping on the first greedy token: one token; with --min-new-tokens 3, at least 3, none of
+  // the first 3 that token.
+  const nlohmann::json one = generate({"--temperature", "0", "--stop-token-ids", first});
+  ASSERT_FALSE(one.is_null());
+  EXPECT_EQ(one["ids"].size(), 1u);
+  const nlohmann::json held =
+      generate({"--temperature", "0", "--stop-token-ids", first, "--min-new-tokens", "3"});
+  ASSERT_FALSE(held.is_null());
+  const std::vector<int> held_ids = held["ids"];
+  ASSERT_GE(held_ids.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NE(held_ids[i], ids[0]) << "token " << i;
+  if (held_ids.size() < 7) {  // a stop, from the 4th token on
+    EXPECT_EQ(held_ids.back(), ids[0]);
+  }
+  std::vector<double> want = oracle({3, 9, 4, 20}, held_ids, 2);
+  for (size_t i = 0; i < held_ids.size(); ++i)
+    EXPECT_NEAR(held["logprobs"][i].get<double>(), want[i], 1e-4) << "token " << i;
+  // A bias of 100 on a token the model never picked makes every greedy token that one.
+  int forced = 0;
+  while (std::find(ids.begin(), ids.end(), forced) != ids.end()) ++forced;
+  const nlohmann::json biased =
+      generate({"--temperature", "0", "--logit-bias", std::to_string(forced) + ":100"});
+  ASSERT_FALSE(biased.is_null());
+  const std::vector<int> biased_ids = biased["ids"];
+  EXPECT_EQ(biased_ids, std::vector<int>(7, forced));
+  want = oracle({3, 9, 4, 20}, biased_ids, 2);
+  for (size_t i = 0; i < biased_ids.size(); ++i)
+    EXPECT_NEAR(biased["logprobs"][i].get<double>(), want[i], 1e-4) << "token " << i;
 }
 
 // A checkpoint with a byte-fallback tokenizer: stop strings, and streamed text that must come

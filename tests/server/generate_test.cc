@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "client_util.h"
@@ -160,6 +161,38 @@ TEST_F(ServerGenerate, StreamsTokensLogprobsAndFinalUsage) {
   ASSERT_TRUE(v1::Inference::NewStub(server_->channel())->Detokenize(&context, dreq, &dresp).ok());
   EXPECT_EQ(s.text(), dresp.text());
   EXPECT_EQ(generate(server_->channel(), req).ids(), ids);
+}
+
+// logit_bias and min_new_tokens reach the engine: a +100 bias makes every greedy token its id,
+// and the greedy first token, made a stop id, is held back for min_new_tokens tokens.
+TEST_F(ServerGenerate, LogitBiasAndMinNewTokensTakeEffect) {
+  v1::GenerateRequest req;
+  req.set_prompt_text("The cat sat on the mat.");
+  req.mutable_sampling()->set_temperature(0);
+  req.mutable_sampling()->set_max_new_tokens(6);
+  req.mutable_sampling()->set_ignore_eos(true);
+  const Stream base = generate(server_->channel(), req);
+  ASSERT_TRUE(base.status.ok()) << base.status.error_message();
+  const std::vector<int> ids = base.ids();
+  ASSERT_EQ(ids.size(), 6u);
+  int forced = 5;
+  while (std::find(ids.begin(), ids.end(), forced) != ids.end()) ++forced;
+  v1::GenerateRequest biased = req;
+  (*biased.mutable_sampling()->mutable_logit_bias())[forced] = 100;
+  const Stream b = generate(server_->channel(), biased);
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_EQ(b.ids(), std::vector<int>(6, forced));
+  v1::GenerateRequest held = req;
+  held.mutable_sampling()->add_stop_token_ids(ids[0]);
+  const Stream stopped = generate(server_->channel(), held);
+  ASSERT_TRUE(stopped.status.ok()) << stopped.status.error_message();
+  EXPECT_EQ(stopped.ids(), std::vector<int>{ids[0]});
+  held.mutable_sampling()->set_min_new_tokens(4);
+  const Stream h = generate(server_->channel(), held);
+  ASSERT_TRUE(h.status.ok()) << h.status.error_message();
+  const std::vector<int> h_ids = h.ids();
+  ASSERT_GE(h_ids.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NE(h_ids[i], ids[0]) << "token " << i;
 }
 
 // A deadline centuries away (grpc-timeout allows up to 99999999 hours, ~11400 years) is as good

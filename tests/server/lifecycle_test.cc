@@ -471,6 +471,23 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
             2);
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--no-bos"}), 2);
   EXPECT_EQ(run_cemlm({"client", "score", "--addr", addr, "--ids", "5,6", "--no-bos"}), 2);
+  // --logit-bias and --min-new-tokens reach the server: a +100 bias makes every greedy token its
+  // id; a malformed bias is refused here, an out-of-range one by the server.
+  ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5,6,7",
+                       "--max-new-tokens", "4", "--min-new-tokens", "4", "--temperature", "0",
+                       "--logit-bias", "9:100,11:-5", "--json"},
+                      &out),
+            0);
+  EXPECT_EQ(nlohmann::json::parse(out)["ids"], nlohmann::json::array({9, 9, 9, 9})) << out;
+  EXPECT_EQ(
+      run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--logit-bias", "9=1"}),
+      2);
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--logit-bias",
+                       "9:101"}),
+            1);
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5",
+                       "--max-new-tokens", "2", "--min-new-tokens", "3"}),
+            1);
 
   ASSERT_EQ(run_cemlm({"client", "info", "--addr", addr}, &out), 0);
   EXPECT_EQ(nlohmann::json::parse(out)["vocab_size"], 400);

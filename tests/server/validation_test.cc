@@ -128,6 +128,21 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
        "sampling.stop_token_ids[0]"},
       {"too many top logprobs", [](auto* r) { r->mutable_sampling()->set_top_logprobs(21); },
        "sampling.top_logprobs"},
+      {"min_new_tokens above max_new_tokens",
+       [](auto* r) { r->mutable_sampling()->set_min_new_tokens(5); },
+       "sampling.min_new_tokens must be in [0, sampling.max_new_tokens = 4] (got 5)"},
+      {"logit_bias key out of range",
+       [](auto* r) { (*r->mutable_sampling()->mutable_logit_bias())[999] = 1; },
+       "sampling.logit_bias has the key 999"},
+      {"logit_bias beyond 100",
+       [](auto* r) { (*r->mutable_sampling()->mutable_logit_bias())[7] = -101; },
+       "sampling.logit_bias[7] must be in [-100, 100] (got -101)"},
+      // The lowest bad key is named, whatever order the map arrives in.
+      {"two logit_bias keys out of range",
+       [](auto* r) {
+         for (int id : {2000, 999, 1500}) (*r->mutable_sampling()->mutable_logit_bias())[id] = 1;
+       },
+       "sampling.logit_bias has the key 999"},
   };
   for (const BadGenerate& c : cases) {
     v1::GenerateRequest req = valid_request();

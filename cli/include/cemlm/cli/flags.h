@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cemlm::cli {
@@ -45,6 +46,8 @@ class Flags {
 
 // Parses "3,17,42" into ids; false on anything that is not a comma-separated integer list.
 bool parse_id_list(const std::string& s, std::vector<int>* out);
+// Parses "17:-100,42:2.5" (token id:bias pairs) into out; false on anything else.
+bool parse_logit_bias(const std::string& s, std::vector<std::pair<int, float>>* out);
 // Parses an integer in [0, 2^64) (a seed); false on anything else, a sign included.
 bool parse_uint64(const std::string& s, uint64_t* out);
 // Parses a byte count: "4G", "512M", "64K", "64KB" or plain bytes (powers of 1024); false on

@@ -26,7 +26,8 @@ struct SampleResult {
 };
 
 // Order of operations: repetition penalty (prompt + generated), presence and frequency
-// penalties (generated), then temperature 0 → argmax (lowest id on ties); otherwise divide by
+// penalties (generated), logit bias, then (before min_new_tokens generated tokens) the stop
+// tokens taken out, then temperature 0 → argmax (lowest id on ties); otherwise divide by
 // the temperature, keep top-k, then the top-p nucleus, then tokens with p ≥ min_p · p_max, and
 // draw exactly one uniform u from the request's RNG: the token is where u · Σp falls in the
 // cumulative sum of the kept candidates, walked in id order. "Best" orders candidates by scaled

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,10 +20,15 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;
   std::optional<uint64_t> seed;    // same seed ⇒ same output, alone or batched (docs/API.md)
   int max_new_tokens = 64;
+  int min_new_tokens = 0;          // end-of-sequence and stop_token_ids are not drawn before this
+                                   // many tokens (stop strings still apply)
   std::vector<std::string> stop;   // stop strings (not included in the output)
   std::vector<int> stop_token_ids; // generation ends after such a token (not included in text)
   bool ignore_eos = false;
   int top_logprobs = 0;            // alternatives reported per token (0–20)
+  // (token id, bias): added to the id's logit after the penalties, before the temperature and the
+  // filters; each id at most once, each bias in [-100, 100] (-100 in practice bans the token).
+  std::vector<std::pair<int, float>> logit_bias;
 };
 
 // One alternative token reported with a generated token.
@@ -42,8 +48,11 @@ inline constexpr int kMaxStopStrings = 16;
 inline constexpr int kMaxStopBytes = 1024;  // per stop string: each is held and matched per token
 inline constexpr int kMaxStopTokenIds = 1024;  // each is held and compared per token
 inline constexpr int kMaxTopLogprobs = 20;
+inline constexpr int kMaxLogitBias = 1024;      // entries, each applied per token
+inline constexpr float kMaxAbsLogitBias = 100;  // OpenAI's range
 
-// Checks ranges and finiteness; the message names the field, e.g. "sampling.top_p".
-absl::Status validate_sampling(const SamplingParams& p, int vocab_size);
+// Checks ranges and finiteness; the message names the field, e.g. "sampling.top_p". eos_id (-1:
+// none) takes part in the check that min_new_tokens leaves some token to draw.
+absl::Status validate_sampling(const SamplingParams& p, int vocab_size, int eos_id = -1);
 
 }  // namespace cemlm

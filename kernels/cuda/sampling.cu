@@ -242,11 +242,11 @@ __global__ void __launch_bounds__(kSampleThreads)
     auto kept = [key, kc, ic](int i) { return key[i] > kc || (key[i] == kc && i <= ic); };
     auto e = [key, kept](int i) { return kept(i) ? expf(key[i]) : 0.0f; };
     // As the host Sampler draws: the kept candidates walked in id order.
-    if (threadIdx.x == 0) last_kept = -1;
+    if (threadIdx.x == 0) last_kept = 0;
     double sum = 0;
     int last = -1;
     for (int i = threadIdx.x; i < V; i += blockDim.x)
-      if (kept(i)) sum += e(i), last = i;
+      if (const float ei = e(i); ei > 0) sum += ei, last = i;  // the last with a share
     __syncthreads();
     atomicMax(&last_kept, last);
     sum = detail::block_sum(sum, redd);  // synchronizes the block: last_kept is final

@@ -331,20 +331,24 @@ void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r
 }
 
 // One query row against its sequence's first n_ctx cached tokens, on the calling thread.
-// sc: H·n_ctx floats; mem: row_chunks_floats(n_chunks, H, stride, 1).
+// sc: H·n_ctx floats; mem: row_chunks_floats(n_chunks, H, stride, n_chunks).
 void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                 const float* q, const float* qd, float scale, float* sc, float* mem, float* out,
                 float* oc, int64_t oc_width) {
   const RowChunks r = row_chunks(kv, n_ctx, oc_width, mem);
   for (int c = 0; c < r.n_chunks; ++c)
     chunk_scores(kv, blocks, r, c, diag, q, qd, scale, sc + int64_t(r.H) * r.begin(c));
+  // The weighted sums from the last chunk back: the score pass left the last chunks' cache rows
+  // in L2 (5–7% off the attention of 32 rows at 256–1024 tokens, docs/BENCHMARKS.md session 20).
+  // Each chunk has its own partial, added in chunk order: the same bits in either order.
+  for (int c = r.n_chunks - 1; c >= 0; --c)
+    chunk_sums(kv, blocks, r, c, diag, sc + int64_t(r.H) * r.begin(c), r.parts + c * r.stride);
   const int W = kv.k_width;
   std::fill(out, out + W, 0.0f);
   if (oc_width) std::fill(oc, oc + oc_width, 0.0f);
-  for (int c = 0; c < r.n_chunks; ++c) {
-    chunk_sums(kv, blocks, r, c, diag, sc + int64_t(r.H) * r.begin(c), r.parts);
-    for (int64_t i = 0; i < r.stride; ++i) (i < W ? out[i] : oc[i - W]) += r.parts[i];
-  }
+  for (int c = 0; c < r.n_chunks; ++c)
+    for (int64_t i = 0; i < r.stride; ++i)
+      (i < W ? out[i] : oc[i - W]) += r.parts[c * r.stride + i];
 }
 
 // attend_row with the chunks shared out over the calling parallel region's threads (a batch-1
@@ -433,7 +437,8 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   {
     float* sc = ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num();
     thread_local std::vector<float> mem;
-    mem.resize(size_t(row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride, 1)));
+    const int most = chunks_of(std::max(max_ctx, 1));
+    mem.resize(size_t(row_chunks_floats(most, H, stride, most)));
 #pragma omp for schedule(dynamic, 2)
     for (int i = 0; i < n_rows; ++i) {
       const int s = owner[i];

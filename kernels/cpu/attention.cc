@@ -216,8 +216,9 @@ void row_scores(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
   }
 }
 
-// Portable weighted sums of one row from the probabilities in sc; the shared diagonal's weight of
-// token j is the sum of its heads' weights. oc: [D] (shared) or [H, D] (per-head).
+// Portable weighted sums of one row from the weights in sc; the shared diagonal's weight of token
+// j is the sum of its heads' weights. out (the keys' or values' sums) or oc (the contexts': [D]
+// shared, [H, D] per-head) may be null, and that part is skipped.
 void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
               const float* sc, float* out, float* oc) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H, bs = kv.block_size;
@@ -225,23 +226,25 @@ void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
   const uint16_t* v16 = kv.has_values() ? kv.v16 : kv.k16;
   float* tv = row_buffers(kv);
   float* tc = tv + W;
-  std::memset(out, 0, sizeof(float) * W);
-  if (oc) std::memset(oc, 0, sizeof(float) * (diag == DiagKind::kPerHead ? int64_t(H) * D : D));
+  const bool contexts = oc && diag != DiagKind::kNone;
+  if (out) std::memset(out, 0, sizeof(float) * W);
+  if (contexts)
+    std::memset(oc, 0, sizeof(float) * (diag == DiagKind::kPerHead ? int64_t(H) * D : D));
   for (int j0 = 0; j0 < n_ctx; j0 += bs) {
     const int64_t slot0 = int64_t(blocks[j0 / bs]) * bs;
     const int n = std::min(bs, n_ctx - j0);
     for (int t = 0; t < n; ++t) {
       const int j = j0 + t;
-      const float* vj = row_f32(v32, v16, slot0 + t, W, tv);
-      const float* cj = diag == DiagKind::kNone ? nullptr : row_f32(kv.c, kv.c16, slot0 + t, D, tc);
+      const float* vj = out ? row_f32(v32, v16, slot0 + t, W, tv) : nullptr;
+      const float* cj = contexts ? row_f32(kv.c, kv.c16, slot0 + t, D, tc) : nullptr;
       float w = 0.0f;
       for (int h = 0; h < H; ++h) {
         const float p = sc[int64_t(h) * n_ctx + j];
-        axpy(p, vj + h * dh, out + h * dh, dh);
-        if (diag == DiagKind::kPerHead) axpy(p, cj, oc + int64_t(h) * D, D);
+        if (out) axpy(p, vj + h * dh, out + h * dh, dh);
+        if (contexts && diag == DiagKind::kPerHead) axpy(p, cj, oc + int64_t(h) * D, D);
         w += p;
       }
-      if (diag == DiagKind::kShared) axpy(w, cj, oc, D);
+      if (contexts && diag == DiagKind::kShared) axpy(w, cj, oc, D);
     }
   }
 }
@@ -297,11 +300,15 @@ RowChunks row_chunks(const KvLayerView& kv, int n_ctx, int64_t oc_width, float* 
   return r;
 }
 
-// Chunk c's scores into s (H·size floats), exponentiated against each head's maximum.
+// Chunk c's scores into s (H·size floats), exponentiated against each head's maximum, and the
+// values' sums with those weights into part[0, W) while the chunk's rows are still in L2 (read
+// again after every chunk's scores, from L3 or memory, they took a fifth of a long row's time).
 void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r, int c,
-                  DiagKind diag, const float* q, const float* qd, float scale, float* s) {
+                  DiagKind diag, const float* q, const float* qd, float scale, float* s,
+                  float* part) {
   const int n = r.size(c);
-  score_pass(kv, blocks + r.begin(c) / kv.block_size, n, diag, q, qd, scale, s);
+  const int32_t* chunk_blocks = blocks + r.begin(c) / kv.block_size;
+  score_pass(kv, chunk_blocks, n, diag, q, qd, scale, s);
   for (int h = 0; h < r.H; ++h) {
     float* sh = s + int64_t(h) * n;
     float m = sh[0];
@@ -309,13 +316,16 @@ void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks&
     r.maxima[int64_t(c) * r.H + h] = m;
     r.sums[int64_t(c) * r.H + h] = float(simd::exp_shifted(sh, n, m));
   }
+  sum_pass(kv, chunk_blocks, n, diag, s, part, nullptr);
 }
 
-// Chunk c's exponentiated scores s made probabilities of the whole row's softmax, then its
-// weighted sums into `part` (stride floats).
+// Chunk c's share of the whole row's softmax, per head: its value sums in part[0, W) scaled by it
+// and, with a diagonal, its exponentiated scores s made probabilities and the contexts' sums taken
+// into part[W, stride).
 void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r, int c,
                 DiagKind diag, float* s, float* part) {
-  const int n = r.size(c);
+  const int n = r.size(c), dh = kv.k_width / r.H;
+  const bool contexts = r.stride > kv.k_width;
   for (int h = 0; h < r.H; ++h) {
     float M = -INFINITY;
     for (int u = 0; u < r.n_chunks; ++u) M = std::max(M, r.maxima[int64_t(u) * r.H + h]);
@@ -323,11 +333,13 @@ void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r
     for (int u = 0; u < r.n_chunks; ++u)
       L += double(r.sums[int64_t(u) * r.H + h]) * std::exp(double(r.maxima[int64_t(u) * r.H + h] - M));
     const float f = float(std::exp(double(r.maxima[int64_t(c) * r.H + h] - M)) / L);
+    for (int i = 0; i < dh; ++i) part[h * dh + i] *= f;
+    if (!contexts) continue;
     float* sh = s + int64_t(h) * n;
     for (int j = 0; j < n; ++j) sh[j] *= f;
   }
-  sum_pass(kv, blocks + r.begin(c) / kv.block_size, n, diag, s, part,
-           r.stride > kv.k_width ? part + kv.k_width : nullptr);
+  if (contexts)
+    sum_pass(kv, blocks + r.begin(c) / kv.block_size, n, diag, s, nullptr, part + kv.k_width);
 }
 
 // One query row against its sequence's first n_ctx cached tokens, on the calling thread.
@@ -337,8 +349,9 @@ void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
                 float* oc, int64_t oc_width) {
   const RowChunks r = row_chunks(kv, n_ctx, oc_width, mem);
   for (int c = 0; c < r.n_chunks; ++c)
-    chunk_scores(kv, blocks, r, c, diag, q, qd, scale, sc + int64_t(r.H) * r.begin(c));
-  // The weighted sums from the last chunk back: the score pass left the last chunks' cache rows
+    chunk_scores(kv, blocks, r, c, diag, q, qd, scale, sc + int64_t(r.H) * r.begin(c),
+                 r.parts + c * r.stride);
+  // The contexts' sums from the last chunk back: the score pass left the last chunks' cache rows
   // in L2 (5–7% off the attention of 32 rows at 256–1024 tokens, docs/BENCHMARKS.md session 20).
   // Each chunk has its own partial, added in chunk order: the same bits in either order.
   for (int c = r.n_chunks - 1; c >= 0; --c)
@@ -362,7 +375,8 @@ void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, D
   const RowChunks r = row_chunks(kv, n_ctx, oc_width, mem);
   const int c0 = int(int64_t(r.n_chunks) * t / P), c1 = int(int64_t(r.n_chunks) * (t + 1) / P);
   auto mine = [&](int c) { return sc + int64_t(r.H) * (r.begin(c) - r.begin(c0)); };
-  for (int c = c0; c < c1; ++c) chunk_scores(kv, blocks, r, c, diag, q, qd, scale, mine(c));
+  for (int c = c0; c < c1; ++c)
+    chunk_scores(kv, blocks, r, c, diag, q, qd, scale, mine(c), r.parts + c * r.stride);
 #pragma omp barrier
   for (int c = c0; c < c1; ++c) chunk_sums(kv, blocks, r, c, diag, mine(c), r.parts + c * r.stride);
 #pragma omp barrier

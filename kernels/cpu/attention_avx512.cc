@@ -223,9 +223,10 @@ template <typename E>
 void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* blocks, int n_ctx,
           bool shared_diag, float* sc, float* out, float* oc) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
-  for (int h = 0; h < H; ++h)
-    weighted_sum(kv, blocks, n_ctx, sc + int64_t(h) * n_ctx, vpool, W, h * dh, dh, out + h * dh);
-  if (!shared_diag) return;
+  if (out)
+    for (int h = 0; h < H; ++h)
+      weighted_sum(kv, blocks, n_ctx, sc + int64_t(h) * n_ctx, vpool, W, h * dh, dh, out + h * dh);
+  if (!shared_diag || !oc) return;
   // The shared diagonal weighs token j by the sum of its heads' probabilities.
   for (int h = 1; h < H; ++h)
     for (int j = 0; j < n_ctx; j += 16) {

@@ -13,8 +13,9 @@ bool row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, 
                        const float* q, const float* qd, float scale, float* sc);
 
 // out = Σ_j p_{h,j} v_{h,j} per head and, for the shared diagonal, oc = Σ_j (Σ_h p_{h,j}) c_j, from
-// the probabilities sc[h·n_ctx + j] (row 0 of sc is overwritten by the head sums). Returns false,
-// touching nothing, where row_scores_avx512 does, or for heads wider than 256.
+// the weights sc[h·n_ctx + j] (the contexts' sums overwrite row 0 of sc with the head sums); a null
+// out or oc skips that part. Returns false, touching nothing, where row_scores_avx512 does, or
+// for heads wider than 256.
 bool row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                      float* sc, float* out, float* oc);
 

@@ -1,0 +1,131 @@
+// Decode attention alone, as the engine's CEM sub-layers run it: B decode rows, each attending to
+// its own context of C cached tokens through a shuffled block table, over the base shape's 12
+// layers (16 heads × 64, D 1024, shared diagonal: a key row and a context row per token), each
+// layer's cache its own. Prints ms per 12 layers and the rate at which the cache's bytes go by
+// (each read once), for the fp32 or the bf16 cache. No model, no products: changes to the
+// attention passes show here without the step's other 60–90%.
+#include "cemlm/kernels/attention.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cemlm/kernels/bf16.h"
+#include "cemlm/kernels/huge_pages.h"
+#include "machine.h"
+
+using namespace cemlm;
+
+namespace {
+
+constexpr int kLayers = 12, kHeads = 16, kWidth = 1024, kBlock = 16;
+
+struct Pools {
+  HugePageVector<float> k, c;
+  HugePageVector<uint16_t> k16, c16;
+};
+
+double ms_per_step(int rows, int context, bool bf16) {
+  const int per_row = (context + kBlock - 1) / kBlock, n_blocks = rows * per_row;
+  const size_t floats = size_t(n_blocks) * kBlock * kWidth;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  std::vector<Pools> layers(kLayers);
+  std::vector<float> fill(floats);
+  for (Pools& p : layers)
+    for (auto [f32, f16] : {std::pair{&p.k, &p.k16}, std::pair{&p.c, &p.c16}}) {
+      for (float& x : fill) x = normal(rng);
+      if (bf16) {
+        f16->resize(floats);
+        f32_to_bf16(fill.data(), f16->data(), int64_t(floats));
+      } else {
+        f32->assign(fill.begin(), fill.end());
+      }
+    }
+  std::vector<int32_t> blocks(static_cast<size_t>(n_blocks));
+  for (int i = 0; i < n_blocks; ++i) blocks[size_t(i)] = i;
+  std::shuffle(blocks.begin(), blocks.end(), rng);  // as after a while of serving
+  std::vector<AttnSeq> seqs(static_cast<size_t>(rows));
+  for (int s = 0; s < rows; ++s)
+    seqs[size_t(s)] = AttnSeq{s, 1, context - 1, blocks.data() + size_t(s) * per_row};
+  std::vector<float> q(size_t(rows) * kWidth), qd(q.size()), out(q.size()), oc(q.size());
+  for (float& x : q) x = 10 * normal(rng);
+  for (float& x : qd) x = normal(rng);
+  std::vector<KvLayerView> views(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    KvLayerView& v = views[size_t(l)];
+    v.block_size = kBlock, v.n_heads = kHeads, v.k_width = kWidth, v.c_width = kWidth;
+    if (bf16)
+      v.k16 = layers[size_t(l)].k16.data(), v.c16 = layers[size_t(l)].c16.data();
+    else
+      v.k = layers[size_t(l)].k.data(), v.c = layers[size_t(l)].c.data();
+  }
+  std::vector<float> scratch(
+      size_t(paged_attention_scratch_floats(seqs.data(), rows, views[0], DiagKind::kShared)));
+  ExecCtx ctx;
+  ctx.scratch = scratch.data();
+  ctx.scratch_floats = int64_t(scratch.size());
+  ctx.batch_invariant = true;  // the engine's setting: every row on the one-row path
+  const auto step = [&] {
+    for (const KvLayerView& v : views)
+      paged_attention_forward(ctx, Tensor(out.data(), {rows, kWidth}),
+                              Tensor(oc.data(), {rows, kWidth}), Tensor(q.data(), {rows, kWidth}),
+                              Tensor(qd.data(), {rows, kWidth}), DiagKind::kShared, v, seqs.data(),
+                              rows, 0.125f);
+  };
+  return 1e3 * bench::seconds_per_call(step, 2.0);
+}
+
+std::vector<int> int_list(const char* s) {
+  std::vector<int> out;
+  for (const char* p = s; *p;) {
+    char* end = nullptr;
+    const long v = std::strtol(p, &end, 10);
+    if (end == p || v < 1 || v > 1 << 16 || (*end && *end != ',')) return {};
+    out.push_back(int(v));
+    p = *end ? end + 1 : end;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> rows = {1, 32}, contexts = {128, 512, 1024};
+  bool bf16 = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--bf16") {
+      bf16 = true;
+    } else if ((a == "--rows" || a == "--contexts") && i + 1 < argc) {
+      std::vector<int>& list = a == "--rows" ? rows : contexts;
+      list = int_list(argv[++i]);
+      if (list.empty()) {
+        std::fprintf(stderr, "%s %s: expected comma-separated integers >= 1\n", a.c_str(), argv[i]);
+        return 2;
+      }
+    } else {
+      std::printf(
+          "usage: attention [--rows 1,32] [--contexts 128,512,1024] [--bf16]\n\n"
+          "Decode attention alone over the base shape's 12 layers (16 heads x 64, shared\n"
+          "diagonal): B decode rows, each with its own context of C cached tokens (fp32, or\n"
+          "bf16 with --bf16). Prints ms per 12 layers and the cache's bytes per second.\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  std::printf("%s\n", bench::machine_line().c_str());
+  std::printf("decode attention, 12 layers, %s cache\n\n", bf16 ? "bf16" : "fp32");
+  std::printf("| rows | context | ms per step | cache GB/s |\n|---|---|---|---|\n");
+  for (int r : rows)
+    for (int c : contexts) {
+      const double ms = ms_per_step(r, c, bf16);
+      const double bytes = double(kLayers) * r * c * 2 * kWidth * (bf16 ? 2 : 4);
+      std::printf("| %d | %d | %.2f | %.1f |\n", r, c, ms, bytes / ms / 1e6);
+      std::fflush(stdout);
+    }
+  return 0;
+}

@@ -282,13 +282,14 @@ struct RowChunks {
   int64_t stride;
   float* maxima;  // [n_chunks][H]
   float* sums;    // [n_chunks][H]: Σ exp(s − the chunk's maximum)
-  float* parts;   // [n_chunks or 1][stride]
+  float* shares;  // [n_chunks][H]: the chunk's share of the row's softmax, exp(m_c − M) / L
+  float* parts;   // [n_chunks][stride]
   int begin(int c) const { return c * chunk; }
   int size(int c) const { return std::min(chunk, n_ctx - c * chunk); }
 };
 
-int64_t row_chunks_floats(int n_chunks, int H, int64_t stride, int n_parts) {
-  return 2 * int64_t(n_chunks) * H + int64_t(n_parts) * stride;
+int64_t row_chunks_floats(int n_chunks, int H, int64_t stride) {
+  return 3 * int64_t(n_chunks) * H + int64_t(n_chunks) * stride;
 }
 
 RowChunks row_chunks(const KvLayerView& kv, int n_ctx, int64_t oc_width, float* mem) {
@@ -296,8 +297,25 @@ RowChunks row_chunks(const KvLayerView& kv, int n_ctx, int64_t oc_width, float* 
   r.n_ctx = n_ctx, r.chunk = chunk_tokens(kv.block_size), r.H = kv.n_heads;
   r.n_chunks = (n_ctx + r.chunk - 1) / r.chunk;
   r.stride = kv.k_width + oc_width;
-  r.maxima = mem, r.sums = mem + int64_t(r.n_chunks) * r.H, r.parts = r.sums + int64_t(r.n_chunks) * r.H;
+  const int64_t per = int64_t(r.n_chunks) * r.H;
+  r.maxima = mem, r.sums = mem + per, r.shares = mem + 2 * per, r.parts = mem + 3 * per;
   return r;
+}
+
+// The shares of chunks [c0, c1), once every chunk is scored: per head, M and L over all chunks
+// (in chunk order) once, not once per chunk (that took ~1000 exps per 512-token row and layer).
+void chunk_shares(const RowChunks& r, int c0, int c1) {
+  for (int h = 0; h < r.H; ++h) {
+    float M = -INFINITY;
+    for (int u = 0; u < r.n_chunks; ++u) M = std::max(M, r.maxima[int64_t(u) * r.H + h]);
+    double L = 0;
+    for (int u = 0; u < r.n_chunks; ++u)
+      L += double(r.sums[int64_t(u) * r.H + h]) *
+           std::exp(double(r.maxima[int64_t(u) * r.H + h] - M));
+    for (int c = c0; c < c1; ++c)
+      r.shares[int64_t(c) * r.H + h] =
+          float(std::exp(double(r.maxima[int64_t(c) * r.H + h] - M)) / L);
+  }
 }
 
 // Chunk c's scores into s (H·size floats), exponentiated against each head's maximum, and the
@@ -319,7 +337,8 @@ void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks&
   sum_pass(kv, chunk_blocks, n, diag, s, part, nullptr);
 }
 
-// Chunk c's share of the whole row's softmax, per head: its value sums in part[0, W) scaled by it
+// With chunk c's share of the whole row's softmax, per head (chunk_shares): its value sums in
+// part[0, W) scaled by it
 // and, with a diagonal, its exponentiated scores s made probabilities and the contexts' sums taken
 // into part[W, stride).
 void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r, int c,
@@ -327,12 +346,7 @@ void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r
   const int n = r.size(c), dh = kv.k_width / r.H;
   const bool contexts = r.stride > kv.k_width;
   for (int h = 0; h < r.H; ++h) {
-    float M = -INFINITY;
-    for (int u = 0; u < r.n_chunks; ++u) M = std::max(M, r.maxima[int64_t(u) * r.H + h]);
-    double L = 0;
-    for (int u = 0; u < r.n_chunks; ++u)
-      L += double(r.sums[int64_t(u) * r.H + h]) * std::exp(double(r.maxima[int64_t(u) * r.H + h] - M));
-    const float f = float(std::exp(double(r.maxima[int64_t(c) * r.H + h] - M)) / L);
+    const float f = r.shares[int64_t(c) * r.H + h];
     for (int i = 0; i < dh; ++i) part[h * dh + i] *= f;
     if (!contexts) continue;
     float* sh = s + int64_t(h) * n;
@@ -343,7 +357,7 @@ void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r
 }
 
 // One query row against its sequence's first n_ctx cached tokens, on the calling thread.
-// sc: H·n_ctx floats; mem: row_chunks_floats(n_chunks, H, stride, n_chunks).
+// sc: H·n_ctx floats; mem: row_chunks_floats(n_chunks, H, stride).
 void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                 const float* q, const float* qd, float scale, float* sc, float* mem, float* out,
                 float* oc, int64_t oc_width) {
@@ -351,6 +365,7 @@ void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
   for (int c = 0; c < r.n_chunks; ++c)
     chunk_scores(kv, blocks, r, c, diag, q, qd, scale, sc + int64_t(r.H) * r.begin(c),
                  r.parts + c * r.stride);
+  chunk_shares(r, 0, r.n_chunks);
   // The contexts' sums from the last chunk back: the score pass left the last chunks' cache rows
   // in L2 (5–7% off the attention of 32 rows at 256–1024 tokens, docs/BENCHMARKS.md session 20).
   // Each chunk has its own partial, added in chunk order: the same bits in either order.
@@ -367,7 +382,7 @@ void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
 // attend_row with the chunks shared out over the calling parallel region's threads (a batch-1
 // decode step would otherwise read a long cache on one thread), the partial outputs added up
 // with the columns split over the threads. sc: this thread's H·n_ctx floats; mem (shared by the
-// team): row_chunks_floats(n_chunks, H, stride, n_chunks).
+// team): row_chunks_floats(n_chunks, H, stride).
 void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                       const float* q, const float* qd, float scale, float* sc, float* mem,
                       float* out, float* oc, int64_t oc_width) {
@@ -378,6 +393,7 @@ void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, D
   for (int c = c0; c < c1; ++c)
     chunk_scores(kv, blocks, r, c, diag, q, qd, scale, mine(c), r.parts + c * r.stride);
 #pragma omp barrier
+  chunk_shares(r, c0, c1);
   for (int c = c0; c < c1; ++c) chunk_sums(kv, blocks, r, c, diag, mine(c), r.parts + c * r.stride);
 #pragma omp barrier
   const int W = kv.k_width;
@@ -437,7 +453,7 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
       const int P = std::min(threads, n_ctx / kChunkTokens);
       if (P < 2) continue;
       thread_local std::vector<float> mem;
-      mem.resize(size_t(row_chunks_floats(chunks_of(n_ctx), H, stride, chunks_of(n_ctx))));
+      mem.resize(size_t(row_chunks_floats(chunks_of(n_ctx), H, stride)));
       float* mem_data = mem.data();
 #pragma omp parallel num_threads(P)
       attend_row_split(kv, seqs[s].blocks, n_ctx, diag, q.data + int64_t(i) * W,
@@ -451,8 +467,7 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   {
     float* sc = ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num();
     thread_local std::vector<float> mem;
-    const int most = chunks_of(std::max(max_ctx, 1));
-    mem.resize(size_t(row_chunks_floats(most, H, stride, most)));
+    mem.resize(size_t(row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride)));
 #pragma omp for schedule(dynamic, 2)
     for (int i = 0; i < n_rows; ++i) {
       const int s = owner[i];

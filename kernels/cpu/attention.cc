@@ -264,10 +264,11 @@ void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
 
 // A row's context is attended in chunks of kChunkTokens tokens (rounded down to whole blocks,
 // one block at least) at fixed positions: each chunk's scores are exponentiated against its own
-// per-head maximum, the chunks' maxima and sums make the global softmax (in chunk order), each
-// chunk's weighted sums go to a partial output, and the partials are added in chunk order. Run on
-// one thread (attend_row) or with the chunks shared out over a team (attend_row_split), a row
-// does the same arithmetic: its bits do not depend on the threads or on the rest of the batch.
+// per-head maximum and its values summed with those weights at once; the chunks' maxima and sums
+// make the global softmax (in chunk order), which scales each chunk's value sums and weighs its
+// contexts' sums, each chunk's into a partial output, and the partials are added in chunk order.
+// Run on one thread (attend_row) or with the chunks shared out over a team (attend_row_split), a
+// row does the same arithmetic: its bits do not depend on the threads or on the rest of the batch.
 // 64 tokens (it was 256) lets a lone decode row of 128 tokens or more share its context out: a
 // batch-1 step of the base shape at T = 4 on cpu:int8dot ran 4–5% faster; batch 32 (no split)
 // and the small shape were unchanged (docs/BENCHMARKS.md, session 19).
@@ -338,9 +339,8 @@ void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks&
 }
 
 // With chunk c's share of the whole row's softmax, per head (chunk_shares): its value sums in
-// part[0, W) scaled by it
-// and, with a diagonal, its exponentiated scores s made probabilities and the contexts' sums taken
-// into part[W, stride).
+// part[0, W) scaled by it and, with a diagonal, its exponentiated scores s made probabilities and
+// the contexts' sums taken into part[W, stride).
 void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r, int c,
                 DiagKind diag, float* s, float* part) {
   const int n = r.size(c), dh = kv.k_width / r.H;

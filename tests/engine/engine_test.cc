@@ -807,14 +807,22 @@ TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
 // 5 ms forward), so that a 60-token score (15 blocks) must wait.
 struct BusyEngine {
   std::atomic<int> steps{0};
+  std::mutex mu;
+  std::vector<int> positions;  // of every logits row the runner made, in order
   Collector c;  // outlives the engine, which calls it
   Built b;
   explicit BusyEngine(int max_waiting)
-      : b(build({.num_blocks = 16, .favorite = [this](int) {
-                   ++steps;
-                   std::this_thread::sleep_for(std::chrono::milliseconds(5));
-                   return -1;
-                 }},
+      : b(build({.num_blocks = 16,
+                 .favorite =
+                     [this](int p) {
+                       ++steps;
+                       {
+                         std::lock_guard lock(mu);
+                         positions.push_back(p);
+                       }
+                       std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                       return -1;
+                     }},
                 {.max_waiting = max_waiting})) {
     EXPECT_TRUE(b.engine->submit(request(tokens(8, 1), 50), c.callback()).ok());
     while (steps.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -886,12 +894,26 @@ TEST(Engine, AWaitingScoringCallIsNotStarvedByLaterRequestsOfItsPriority) {
   Engine& e = *busy.b.engine;
   auto scored = std::async(std::launch::async, [&] { return e.score({tokens(60, 2), 1}); });
   ASSERT_TRUE(busy.waiting(1, scored));
-  const auto later = e.submit(request(tokens(8, 5), 50), busy.c.callback());
+  // A 3-token prompt: its logits rows are at positions 2 to 51; the scored text has rows at every
+  // position 0 to 59, the busy request at 7 to 56. The runner's order says which ran first,
+  // whenever this thread gets to look (counting the later request's tokens once the call returned
+  // raced a loaded machine's scheduler): at most the later request's first row may come before the
+  // scored text's, in the same step, right before it.
+  const auto later = e.submit(request(tokens(3, 5), 50), busy.c.callback());
   ASSERT_TRUE(later.ok()) << later.status();
   ASSERT_TRUE(scored.get().ok());
-  EXPECT_EQ(busy.c.get(*later).ids.size(), 0u) << "the later request ran before the waiting call";
   ASSERT_TRUE(busy.c.wait_finals(2));
   EXPECT_EQ(busy.c.get(*later).ids.size(), 50u);
+  std::lock_guard lock(busy.mu);
+  const std::vector<int>& p = busy.positions;
+  const size_t scored_first = size_t(std::find(p.begin(), p.end(), 0) - p.begin());
+  ASSERT_LT(scored_first, p.size());
+  const auto before = std::count_if(p.begin(), p.begin() + long(scored_first),
+                                    [](int x) { return x >= 2 && x <= 6; });
+  EXPECT_LE(before, 1) << "the later request ran steps before the waiting call";
+  if (before == 1) {
+    EXPECT_EQ(p[scored_first - 1], 2) << "not in the scored text's step";
+  }
 }
 
 // ---- validation ----

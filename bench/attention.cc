@@ -1,9 +1,10 @@
-// Decode attention alone, as the engine's CEM sub-layers run it: B decode rows, each attending to
-// its own context of C cached tokens through a shuffled block table, over the base shape's 12
-// layers (16 heads × 64, D 1024, shared diagonal: a key row and a context row per token), each
-// layer's cache its own. Prints ms per 12 layers and the rate at which the cache's bytes go by
-// (each read once), for the fp32 or the bf16 cache. No model, no products: changes to the
-// attention passes show here without the step's other 60–90%.
+// Attention alone, as the engine's CEM sub-layers run it: B decode rows, each attending to its own
+// context of C cached tokens through a shuffled block table, or (--prefill) one sequence's C rows
+// each attending to the tokens up to its own, over the base shape's 12 layers (16 heads × 64, D
+// 1024, shared diagonal: a key row and a context row per token), each layer's cache its own.
+// Prints ms per 12 layers and, for decode, the rate at which the cache's bytes go by (each read
+// once), for the fp32 or the bf16 cache. No model, no products: changes to the attention passes
+// show here without the step's other 60–90%.
 #include "cemlm/kernels/attention.h"
 
 #include <algorithm>
@@ -29,8 +30,10 @@ struct Pools {
   HugePageVector<uint16_t> k16, c16;
 };
 
+// rows = 0: one sequence's prefill of `context` rows.
 double ms_per_step(int rows, int context, bool bf16) {
-  const int per_row = (context + kBlock - 1) / kBlock, n_blocks = rows * per_row;
+  const bool prefill = rows == 0;
+  const int per_row = (context + kBlock - 1) / kBlock, n_blocks = std::max(rows, 1) * per_row;
   const size_t floats = size_t(n_blocks) * kBlock * kWidth;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 0.1f);
@@ -49,33 +52,36 @@ double ms_per_step(int rows, int context, bool bf16) {
   std::vector<int32_t> blocks(static_cast<size_t>(n_blocks));
   for (int i = 0; i < n_blocks; ++i) blocks[size_t(i)] = i;
   std::shuffle(blocks.begin(), blocks.end(), rng);  // as after a while of serving
-  std::vector<AttnSeq> seqs(static_cast<size_t>(rows));
+  std::vector<AttnSeq> seqs;
   for (int s = 0; s < rows; ++s)
-    seqs[size_t(s)] = AttnSeq{s, 1, context - 1, blocks.data() + size_t(s) * per_row};
-  std::vector<float> q(size_t(rows) * kWidth), qd(q.size()), out(q.size()), oc(q.size());
+    seqs.push_back(AttnSeq{s, 1, context - 1, blocks.data() + size_t(s) * per_row});
+  if (prefill) seqs.push_back(AttnSeq{0, context, 0, blocks.data()});
+  const int n_rows = prefill ? context : rows, n_seqs = int(seqs.size());
+  std::vector<float> q(size_t(n_rows) * kWidth), qd(q.size()), out(q.size()), oc(q.size());
   for (float& x : q) x = 10 * normal(rng);
   for (float& x : qd) x = normal(rng);
   std::vector<KvLayerView> views(kLayers);
   for (int l = 0; l < kLayers; ++l) {
     KvLayerView& v = views[size_t(l)];
     v.block_size = kBlock, v.n_heads = kHeads, v.k_width = kWidth, v.c_width = kWidth;
+    v.tiled = true;  // the CPU runner's layout
     if (bf16)
       v.k16 = layers[size_t(l)].k16.data(), v.c16 = layers[size_t(l)].c16.data();
     else
       v.k = layers[size_t(l)].k.data(), v.c = layers[size_t(l)].c.data();
   }
   std::vector<float> scratch(
-      size_t(paged_attention_scratch_floats(seqs.data(), rows, views[0], DiagKind::kShared)));
+      size_t(paged_attention_scratch_floats(seqs.data(), n_seqs, views[0], DiagKind::kShared)));
   ExecCtx ctx;
   ctx.scratch = scratch.data();
   ctx.scratch_floats = int64_t(scratch.size());
   ctx.batch_invariant = true;  // the engine's setting: every row on the one-row path
   const auto step = [&] {
     for (const KvLayerView& v : views)
-      paged_attention_forward(ctx, Tensor(out.data(), {rows, kWidth}),
-                              Tensor(oc.data(), {rows, kWidth}), Tensor(q.data(), {rows, kWidth}),
-                              Tensor(qd.data(), {rows, kWidth}), DiagKind::kShared, v, seqs.data(),
-                              rows, 0.125f);
+      paged_attention_forward(
+          ctx, Tensor(out.data(), {n_rows, kWidth}), Tensor(oc.data(), {n_rows, kWidth}),
+          Tensor(q.data(), {n_rows, kWidth}), Tensor(qd.data(), {n_rows, kWidth}),
+          DiagKind::kShared, v, seqs.data(), n_seqs, 0.125f);
   };
   return 1e3 * bench::seconds_per_call(step, 2.0);
 }
@@ -96,13 +102,15 @@ std::vector<int> int_list(const char* s) {
 
 int main(int argc, char** argv) {
   std::vector<int> rows = {1, 32}, contexts = {128, 512, 1024};
-  bool bf16 = false;
+  std::vector<int> prefills;
+  bool bf16 = false, rows_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--bf16") {
       bf16 = true;
-    } else if ((a == "--rows" || a == "--contexts") && i + 1 < argc) {
-      std::vector<int>& list = a == "--rows" ? rows : contexts;
+    } else if ((a == "--rows" || a == "--contexts" || a == "--prefill") && i + 1 < argc) {
+      std::vector<int>& list = a == "--rows" ? rows : a == "--contexts" ? contexts : prefills;
+      rows_given |= a == "--rows";
       list = int_list(argv[++i]);
       if (list.empty()) {
         std::fprintf(stderr, "%s %s: expected comma-separated integers >= 1\n", a.c_str(), argv[i]);
@@ -110,16 +118,19 @@ int main(int argc, char** argv) {
       }
     } else {
       std::printf(
-          "usage: attention [--rows 1,32] [--contexts 128,512,1024] [--bf16]\n\n"
-          "Decode attention alone over the base shape's 12 layers (16 heads x 64, shared\n"
-          "diagonal): B decode rows, each with its own context of C cached tokens (fp32, or\n"
-          "bf16 with --bf16). Prints ms per 12 layers and the cache's bytes per second.\n");
+          "usage: attention [--rows 1,32] [--contexts 128,512,1024] [--prefill N,…] [--bf16]\n\n"
+          "Attention alone over the base shape's 12 layers (16 heads x 64, shared diagonal):\n"
+          "B decode rows, each with its own context of C cached tokens (fp32, or bf16 with\n"
+          "--bf16), then with --prefill one sequence's N rows attending causally (the\n"
+          "engine's one-row path). Prints ms per 12 layers and, for decode, the cache's bytes\n"
+          "per second.\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
   std::printf("%s\n", bench::machine_line().c_str());
   std::printf("decode attention, 12 layers, %s cache\n\n", bf16 ? "bf16" : "fp32");
   std::printf("| rows | context | ms per step | cache GB/s |\n|---|---|---|---|\n");
+  if (!prefills.empty() && !rows_given) rows.clear();  // --prefill alone: no decode rows
   for (int r : rows)
     for (int c : contexts) {
       const double ms = ms_per_step(r, c, bf16);
@@ -127,5 +138,9 @@ int main(int argc, char** argv) {
       std::printf("| %d | %d | %.2f | %.1f |\n", r, c, ms, bytes / ms / 1e6);
       std::fflush(stdout);
     }
+  for (int n : prefills) {
+    std::printf("| prefill | %d | %.2f | |\n", n, ms_per_step(0, n, bf16));
+    std::fflush(stdout);
+  }
   return 0;
 }

@@ -1,10 +1,12 @@
 // CPU paged attention. Long sequences (prefill, training): gather the cached rows, then sgemm per
 // head with heads in parallel. Short ones (decode): one query row per work item, keys read in
-// place from their blocks; when there are fewer such rows than threads, a long context is split
-// over the threads instead. Either way the shared diagonal's scores are computed once per row.
-// A row's result does not depend on the threads (its context is attended in chunks at fixed
-// positions, whoever computes them); with ctx.batch_invariant (the engine) every row takes the
-// one-row path, so its bits do not depend on the batch or on how a prompt was chunked either.
+// place from their blocks (two neighbouring rows of one sequence together where the AVX-512
+// passes run, each vector of the cache loaded once for both); when there are fewer rows than
+// threads, a long context is split over the threads instead. Either way the shared diagonal's
+// scores are computed once per row. A row's result does not depend on the threads (its context
+// is attended in chunks at fixed positions, whoever computes them) nor on a neighbour; with
+// ctx.batch_invariant (the engine) every row takes the one-row path, so its bits do not depend on
+// the batch or on how a prompt was chunked either.
 #include "cemlm/kernels/attention.h"
 
 #include <omp.h>
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "attention_avx512.h"
@@ -48,12 +51,16 @@ inline void softmax_inplace(float* s, int n) {
   for (int j = 0; j < n; ++j) s[j] *= inv;
 }
 
-// One row of `width` numbers into slot `slot` of a pool, fp32 or rounded to bf16.
-void put_row(float* p32, uint16_t* p16, int64_t slot, int width, const float* row) {
-  if (p16)
-    f32_to_bf16(row, p16 + slot * width, width);
+// One row of `width` numbers into a pool at `at`, its columns `cs` apart, fp32 or rounded to bf16.
+void put_row(float* p32, uint16_t* p16, int64_t at, int cs, int width, const float* row) {
+  if (cs == 1 && p16)
+    f32_to_bf16(row, p16 + at, width);
+  else if (cs == 1)
+    std::memcpy(p32 + at, row, sizeof(float) * width);
+  else if (p16)
+    for (int i = 0; i < width; ++i) p16[at + int64_t(i) * cs] = f32_to_bf16(row[i]);
   else
-    std::memcpy(p32 + slot * width, row, sizeof(float) * width);
+    for (int i = 0; i < width; ++i) p32[at + int64_t(i) * cs] = row[i];
 }
 
 }  // namespace
@@ -63,13 +70,14 @@ void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_
   for (int s = 0; s < n_seqs; ++s) {
     const AttnSeq& sq = seqs[s];
     for (int r = 0; r < sq.n_rows; ++r) {
-      const int64_t slot = kv.slot(sq.blocks, sq.pos_begin + r);
-      const int64_t row = sq.row_begin + r;
-      put_row(kv.k, kv.k16, slot, kv.k_width, k.data + row * kv.k_width);
+      const int pos = sq.pos_begin + r, cs = kv.column_stride();
+      const int64_t row = sq.row_begin + r, at = kv.entry(sq.blocks, pos, kv.k_width);
+      put_row(kv.k, kv.k16, at, cs, kv.k_width, k.data + row * kv.k_width);
       if (kv.has_values() && !v.empty())
-        put_row(kv.v, kv.v16, slot, kv.k_width, v.data + row * kv.k_width);
+        put_row(kv.v, kv.v16, at, cs, kv.k_width, v.data + row * kv.k_width);
       if (kv.has_contexts() && !c.empty())
-        put_row(kv.c, kv.c16, slot, kv.c_width, c.data + row * kv.c_width);
+        put_row(kv.c, kv.c16, kv.entry(sq.blocks, pos, kv.c_width), cs, kv.c_width,
+                c.data + row * kv.c_width);
     }
   }
 }
@@ -88,9 +96,9 @@ bool in_region() { return omp_get_level() > 0; }
 // The threads this op's parallel regions use.
 int team(bool inside) { return inside ? 1 : omp_get_max_threads(); }
 
-// Per thread: every head's scores.
+// Per thread: every head's scores, for the two rows a thread may attend together.
 int64_t row_path_floats(int max_ctx, int n_heads, int threads) {
-  return int64_t(n_heads) * max_ctx * threads;
+  return 2 * int64_t(n_heads) * max_ctx * threads;
 }
 
 int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag, int threads) {
@@ -101,17 +109,35 @@ int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag,
   return f;
 }
 
+// Row `at` of a pool (its columns `cs` apart) as contiguous fp32: in place, or copied (widened
+// from bf16) into `tmp` (width floats).
+const float* row_f32(const float* p32, const uint16_t* p16, int64_t at, int cs, int width,
+                     float* tmp) {
+  if (cs == 1 && !p16) return p32 + at;
+  if (cs == 1) {
+    bf16_to_f32(p16 + at, tmp, width);
+  } else {
+    for (int i = 0; i < width; ++i)
+      tmp[i] = p16 ? bf16_to_f32(p16[at + int64_t(i) * cs]) : p32[at + int64_t(i) * cs];
+  }
+  return tmp;
+}
+
 // Copies a sequence's first n_ctx cached rows of one pool (fp32 p32, or bf16 p16 widened) into
 // contiguous fp32 [n_ctx, width].
 void gather(const float* p32, const uint16_t* p16, int width, const KvLayerView& kv,
             const int32_t* blocks, int n_ctx, float* out) {
   for (int j = 0; j < n_ctx; j += kv.block_size) {
     const int n = std::min(kv.block_size, n_ctx - j);
-    const int64_t at = kv.slot(blocks, j) * width;
-    if (p16)
+    const int64_t at = kv.entry(blocks, j, width);
+    if (kv.tiled) {
+      for (int t = 0; t < n; ++t)
+        row_f32(p32, p16, at + t, kv.block_size, width, out + int64_t(j + t) * width);
+    } else if (p16) {
       bf16_to_f32(p16 + at, out + int64_t(j) * width, int64_t(n) * width);
-    else
+    } else {
       std::memcpy(out + int64_t(j) * width, p32 + at, sizeof(float) * n * width);
+    }
   }
 }
 
@@ -179,13 +205,6 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
          out_c.data + int64_t(s.row_begin) * D, D);
 }
 
-// Row `slot` of a pool as fp32: in place, or widened from bf16 into `tmp` (width floats).
-const float* row_f32(const float* p32, const uint16_t* p16, int64_t slot, int width, float* tmp) {
-  if (!p16) return p32 + slot * width;
-  bf16_to_f32(p16 + slot * width, tmp, width);
-  return tmp;
-}
-
 // Per-thread room for one widened key (or value) row and one context row.
 float* row_buffers(const KvLayerView& kv) {
   thread_local std::vector<float> buf;
@@ -198,14 +217,17 @@ float* row_buffers(const KvLayerView& kv) {
 void row_scores(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                 const float* q, const float* qd, float scale, float* sc) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H, bs = kv.block_size;
+  const int cs = kv.column_stride();
   float* tk = row_buffers(kv);
   float* tc = tk + W;
   for (int j0 = 0; j0 < n_ctx; j0 += bs) {
-    const int64_t slot0 = int64_t(blocks[j0 / bs]) * bs;
+    const int64_t k0 = kv.entry(blocks, j0, W), c0 = kv.entry(blocks, j0, D);
     const int n = std::min(bs, n_ctx - j0);
     for (int t = 0; t < n; ++t) {
-      const float* kj = row_f32(kv.k, kv.k16, slot0 + t, W, tk);
-      const float* cj = diag == DiagKind::kNone ? nullptr : row_f32(kv.c, kv.c16, slot0 + t, D, tc);
+      const int64_t kt = kv.tiled ? k0 + t : k0 + int64_t(t) * W;
+      const int64_t ct = kv.tiled ? c0 + t : c0 + int64_t(t) * D;
+      const float* kj = row_f32(kv.k, kv.k16, kt, cs, W, tk);
+      const float* cj = diag == DiagKind::kNone ? nullptr : row_f32(kv.c, kv.c16, ct, cs, D, tc);
       const float shared = diag == DiagKind::kShared ? dot(qd, cj, D) : 0.0f;  // once, all heads
       for (int h = 0; h < H; ++h) {
         float e = dot(q + h * dh, kj + h * dh, dh) + shared;
@@ -222,6 +244,7 @@ void row_scores(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
 void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
               const float* sc, float* out, float* oc) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H, bs = kv.block_size;
+  const int cs = kv.column_stride();
   const float* v32 = kv.has_values() ? kv.v : kv.k;
   const uint16_t* v16 = kv.has_values() ? kv.v16 : kv.k16;
   float* tv = row_buffers(kv);
@@ -231,12 +254,14 @@ void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
   if (contexts)
     std::memset(oc, 0, sizeof(float) * (diag == DiagKind::kPerHead ? int64_t(H) * D : D));
   for (int j0 = 0; j0 < n_ctx; j0 += bs) {
-    const int64_t slot0 = int64_t(blocks[j0 / bs]) * bs;
+    const int64_t k0 = kv.entry(blocks, j0, W), c0 = kv.entry(blocks, j0, D);
     const int n = std::min(bs, n_ctx - j0);
     for (int t = 0; t < n; ++t) {
       const int j = j0 + t;
-      const float* vj = out ? row_f32(v32, v16, slot0 + t, W, tv) : nullptr;
-      const float* cj = contexts ? row_f32(kv.c, kv.c16, slot0 + t, D, tc) : nullptr;
+      const int64_t kt = kv.tiled ? k0 + t : k0 + int64_t(t) * W;
+      const int64_t ct = kv.tiled ? c0 + t : c0 + int64_t(t) * D;
+      const float* vj = out ? row_f32(v32, v16, kt, cs, W, tv) : nullptr;
+      const float* cj = contexts ? row_f32(kv.c, kv.c16, ct, cs, D, tc) : nullptr;
       float w = 0.0f;
       for (int h = 0; h < H; ++h) {
         const float p = sc[int64_t(h) * n_ctx + j];
@@ -249,17 +274,20 @@ void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
   }
 }
 
-// A row's two passes over n_ctx cached tokens from `blocks`, read in place block by block
-// (AVX-512 where the build and the diagonal kind allow). sc: H·n_ctx floats.
+// The two passes over n_ctx cached tokens from `blocks`, read in place block by block, for one
+// row or two (AVX-512 where the build, the layout and the diagonal kind allow; the portable loops
+// take the rows one by one).
 void score_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                const float* q, const float* qd, float scale, float* sc) {
-  if (!row_scores_avx512(kv, blocks, n_ctx, diag, q, qd, scale, sc))
-    row_scores(kv, blocks, n_ctx, diag, q, qd, scale, sc);
+                const AttnRows& rows, float scale) {
+  if (rows_avx512(kv, diag)) return row_scores_avx512(kv, blocks, n_ctx, diag, rows, scale);
+  for (int r = 0; r < rows.n; ++r)
+    row_scores(kv, blocks, n_ctx, diag, rows.q[r], rows.qd[r], scale, rows.sc[r]);
 }
-void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag, float* sc,
-              float* out, float* oc) {
-  if (!row_sums_avx512(kv, blocks, n_ctx, diag, sc, out, oc))
-    row_sums(kv, blocks, n_ctx, diag, sc, out, oc);
+void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+              const AttnRows& rows) {
+  if (rows_avx512(kv, diag)) return row_sums_avx512(kv, blocks, n_ctx, diag, rows);
+  for (int r = 0; r < rows.n; ++r)
+    row_sums(kv, blocks, n_ctx, diag, rows.sc[r], rows.out[r], rows.oc[r]);
 }
 
 // A row's context is attended in chunks of kChunkTokens tokens (rounded down to whole blocks,
@@ -267,8 +295,9 @@ void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
 // per-head maximum and its values summed with those weights at once; the chunks' maxima and sums
 // make the global softmax (in chunk order), which scales each chunk's value sums and weighs its
 // contexts' sums, each chunk's into a partial output, and the partials are added in chunk order.
-// Run on one thread (attend_row) or with the chunks shared out over a team (attend_row_split), a
-// row does the same arithmetic: its bits do not depend on the threads or on the rest of the batch.
+// Run on one thread (attend_rows), with the chunks shared out over a team (attend_row_split), or
+// beside its neighbour row of a prefill (attend_rows), a row does the same arithmetic: its bits do
+// not depend on the threads, on the rest of the batch or on how a prompt was chunked.
 // 64 tokens (it was 256) lets a lone decode row of 128 tokens or more share its context out: a
 // batch-1 step of the base shape at T = 4 on cpu:int8dot ran 4–5% faster; batch 32 (no split)
 // and the small shape were unchanged (docs/BENCHMARKS.md, session 19).
@@ -319,88 +348,130 @@ void chunk_shares(const RowChunks& r, int c0, int c1) {
   }
 }
 
-// Chunk c's scores into s (H·size floats), exponentiated against each head's maximum, and the
-// values' sums with those weights into part[0, W) while the chunk's rows are still in L2 (read
-// again after every chunk's scores, from L3 or memory, they took a fifth of a long row's time).
-void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r, int c,
-                  DiagKind diag, const float* q, const float* qd, float scale, float* s,
-                  float* part) {
-  const int n = r.size(c);
-  const int32_t* chunk_blocks = blocks + r.begin(c) / kv.block_size;
-  score_pass(kv, chunk_blocks, n, diag, q, qd, scale, s);
-  for (int h = 0; h < r.H; ++h) {
-    float* sh = s + int64_t(h) * n;
-    float m = sh[0];
-    for (int j = 1; j < n; ++j) m = std::max(m, sh[j]);
-    r.maxima[int64_t(c) * r.H + h] = m;
-    r.sums[int64_t(c) * r.H + h] = float(simd::exp_shifted(sh, n, m));
-  }
-  sum_pass(kv, chunk_blocks, n, diag, s, part, nullptr);
+// Chunk c of rows.n rows (row i's bookkeeping rc[i]) whose chunk c holds the same tokens: the
+// scores into rows.sc[i] (H·size floats), exponentiated against each head's maximum, and the
+// values' sums with those weights into rows.out[i] (the chunk's partial, W floats) while the
+// chunk's rows are still in L2 (read again after every chunk's scores, from L3 or memory, they
+// took a fifth of a long row's time).
+void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks* const* rc, int c,
+                  DiagKind diag, AttnRows rows, float scale) {
+  const int n = rc[0]->size(c), H = kv.n_heads;
+  const int32_t* chunk_blocks = blocks + rc[0]->begin(c) / kv.block_size;
+  score_pass(kv, chunk_blocks, n, diag, rows, scale);
+  for (int i = 0; i < rows.n; ++i)
+    for (int h = 0; h < H; ++h) {
+      float* sh = rows.sc[i] + int64_t(h) * n;
+      float m = sh[0];
+      for (int j = 1; j < n; ++j) m = std::max(m, sh[j]);
+      rc[i]->maxima[int64_t(c) * H + h] = m;
+      rc[i]->sums[int64_t(c) * H + h] = float(simd::exp_shifted(sh, n, m));
+    }
+  for (int i = 0; i < rows.n; ++i) rows.oc[i] = nullptr;
+  sum_pass(kv, chunk_blocks, n, diag, rows);
 }
 
-// With chunk c's share of the whole row's softmax, per head (chunk_shares): its value sums in
-// part[0, W) scaled by it and, with a diagonal, its exponentiated scores s made probabilities and
-// the contexts' sums taken into part[W, stride).
-void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks& r, int c,
-                DiagKind diag, float* s, float* part) {
-  const int n = r.size(c), dh = kv.k_width / r.H;
-  const bool contexts = r.stride > kv.k_width;
-  for (int h = 0; h < r.H; ++h) {
-    const float f = r.shares[int64_t(c) * r.H + h];
-    for (int i = 0; i < dh; ++i) part[h * dh + i] *= f;
-    if (!contexts) continue;
-    float* sh = s + int64_t(h) * n;
-    for (int j = 0; j < n; ++j) sh[j] *= f;
+// With chunk c's share of each row's whole softmax, per head (chunk_shares): its value sums in
+// rows.out[i] (the chunk's partial) scaled by it and, with a diagonal, its exponentiated scores
+// rows.sc[i] made probabilities and the contexts' sums taken into the partial's [W, stride).
+void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks* const* rc, int c,
+                DiagKind diag, AttnRows rows) {
+  const int n = rc[0]->size(c), H = kv.n_heads, W = kv.k_width, dh = W / H;
+  const bool contexts = rc[0]->stride > W;
+  for (int i = 0; i < rows.n; ++i) {
+    for (int h = 0; h < H; ++h) {
+      const float f = rc[i]->shares[int64_t(c) * H + h];
+      for (int k = 0; k < dh; ++k) rows.out[i][h * dh + k] *= f;
+      if (!contexts) continue;
+      float* sh = rows.sc[i] + int64_t(h) * n;
+      for (int j = 0; j < n; ++j) sh[j] *= f;
+    }
+    rows.oc[i] = rows.out[i] + W;
+    rows.out[i] = nullptr;
   }
-  if (contexts)
-    sum_pass(kv, blocks + r.begin(c) / kv.block_size, n, diag, s, nullptr, part + kv.k_width);
+  if (contexts) sum_pass(kv, blocks + rc[0]->begin(c) / kv.block_size, n, diag, rows);
 }
 
-// One query row against its sequence's first n_ctx cached tokens, on the calling thread.
-// sc: H·n_ctx floats; mem: row_chunks_floats(n_chunks, H, stride).
-void attend_row(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                const float* q, const float* qd, float scale, float* sc, float* mem, float* out,
-                float* oc, int64_t oc_width) {
-  const RowChunks r = row_chunks(kv, n_ctx, oc_width, mem);
-  for (int c = 0; c < r.n_chunks; ++c)
-    chunk_scores(kv, blocks, r, c, diag, q, qd, scale, sc + int64_t(r.H) * r.begin(c),
-                 r.parts + c * r.stride);
-  chunk_shares(r, 0, r.n_chunks);
+// One query row, or two neighbours of one sequence (rows.n = 2: the second at the next position,
+// attending to one token more), against the first n_ctx (+ 1) cached tokens, on the calling
+// thread. rows: q, qd, out, oc per row; sc[i]: H·n_ctx floats (+ H for the second);
+// mem[i]: row_chunks_floats(n_chunks, H, stride). The chunks that hold the same tokens for both
+// rows (all but the last) go through the passes together, each cache vector loaded once for both.
+void attend_rows(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                 const AttnRows& rows, float scale, float* const* mem, int64_t oc_width) {
+  const int W = kv.k_width, H = kv.n_heads;
+  RowChunks rc[2];
+  for (int i = 0; i < rows.n; ++i) rc[i] = row_chunks(kv, n_ctx + i, oc_width, mem[i]);
+  // Chunk c's rows [first, first + count): both where it holds the same tokens for both, else
+  // each row that has it alone.
+  auto each_set = [&](int c, auto&& pass) {
+    auto run = [&](int first, int count) {
+      AttnRows sub;
+      sub.n = count;
+      const RowChunks* set[2];
+      for (int k = 0; k < count; ++k) {
+        const int i = first + k;
+        set[k] = &rc[i];
+        sub.q[k] = rows.q[i], sub.qd[k] = rows.qd[i];
+        sub.sc[k] = rows.sc[i] + int64_t(H) * rc[i].begin(c);
+        sub.out[k] = rc[i].parts + c * rc[i].stride;
+      }
+      pass(set, sub);
+    };
+    if (rows.n == 2 && c < rc[0].n_chunks && rc[0].size(c) == rc[1].size(c)) return run(0, 2);
+    for (int i = 0; i < rows.n; ++i)
+      if (c < rc[i].n_chunks) run(i, 1);
+  };
+  const int n_chunks = rc[rows.n - 1].n_chunks;
+  for (int c = 0; c < n_chunks; ++c)
+    each_set(c, [&](const RowChunks* const* set, const AttnRows& sub) {
+      chunk_scores(kv, blocks, set, c, diag, sub, scale);
+    });
+  for (int i = 0; i < rows.n; ++i) chunk_shares(rc[i], 0, rc[i].n_chunks);
   // The contexts' sums from the last chunk back: the score pass left the last chunks' cache rows
   // in L2 (5–7% off the attention of 32 rows at 256–1024 tokens, docs/BENCHMARKS.md session 20).
   // Each chunk has its own partial, added in chunk order: the same bits in either order.
-  for (int c = r.n_chunks - 1; c >= 0; --c)
-    chunk_sums(kv, blocks, r, c, diag, sc + int64_t(r.H) * r.begin(c), r.parts + c * r.stride);
-  const int W = kv.k_width;
-  std::fill(out, out + W, 0.0f);
-  if (oc_width) std::fill(oc, oc + oc_width, 0.0f);
-  for (int c = 0; c < r.n_chunks; ++c)
-    for (int64_t i = 0; i < r.stride; ++i)
-      (i < W ? out[i] : oc[i - W]) += r.parts[c * r.stride + i];
+  for (int c = n_chunks - 1; c >= 0; --c)
+    each_set(c, [&](const RowChunks* const* set, const AttnRows& sub) {
+      chunk_sums(kv, blocks, set, c, diag, sub);
+    });
+  for (int i = 0; i < rows.n; ++i) {
+    const RowChunks& r = rc[i];
+    std::fill(rows.out[i], rows.out[i] + W, 0.0f);
+    if (oc_width) std::fill(rows.oc[i], rows.oc[i] + oc_width, 0.0f);
+    for (int c = 0; c < r.n_chunks; ++c) {
+      const float* part = r.parts + c * r.stride;
+      for (int k = 0; k < W; ++k) rows.out[i][k] += part[k];
+      for (int64_t k = 0; k < oc_width; ++k) rows.oc[i][k] += part[W + k];
+    }
+  }
 }
 
-// attend_row with the chunks shared out over the calling parallel region's threads (a batch-1
-// decode step would otherwise read a long cache on one thread), the partial outputs added up
-// with the columns split over the threads. sc: this thread's H·n_ctx floats; mem (shared by the
-// team): row_chunks_floats(n_chunks, H, stride).
+// attend_rows for one row with the chunks shared out over the calling parallel region's threads
+// (a batch-1 decode step would otherwise read a long cache on one thread), the partial outputs
+// added up with the columns split over the threads. row.sc[0]: this thread's H·n_ctx floats;
+// mem (shared by the team): row_chunks_floats(n_chunks, H, stride).
 void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                      const float* q, const float* qd, float scale, float* sc, float* mem,
-                      float* out, float* oc, int64_t oc_width) {
+                      const AttnRows& row, float scale, float* mem, int64_t oc_width) {
   const int P = omp_get_num_threads(), t = omp_get_thread_num();
   const RowChunks r = row_chunks(kv, n_ctx, oc_width, mem);
+  const RowChunks* set[1] = {&r};
   const int c0 = int(int64_t(r.n_chunks) * t / P), c1 = int(int64_t(r.n_chunks) * (t + 1) / P);
-  auto mine = [&](int c) { return sc + int64_t(r.H) * (r.begin(c) - r.begin(c0)); };
-  for (int c = c0; c < c1; ++c)
-    chunk_scores(kv, blocks, r, c, diag, q, qd, scale, mine(c), r.parts + c * r.stride);
+  auto chunk = [&](int c) {
+    AttnRows sub = row;
+    sub.sc[0] = row.sc[0] + int64_t(r.H) * (r.begin(c) - r.begin(c0));
+    sub.out[0] = r.parts + c * r.stride;
+    return sub;
+  };
+  for (int c = c0; c < c1; ++c) chunk_scores(kv, blocks, set, c, diag, chunk(c), scale);
 #pragma omp barrier
   chunk_shares(r, c0, c1);
-  for (int c = c0; c < c1; ++c) chunk_sums(kv, blocks, r, c, diag, mine(c), r.parts + c * r.stride);
+  for (int c = c0; c < c1; ++c) chunk_sums(kv, blocks, set, c, diag, chunk(c));
 #pragma omp barrier
   const int W = kv.k_width;
   for (int64_t i = r.stride * t / P; i < r.stride * (t + 1) / P; ++i) {
     float v = 0;
     for (int c = 0; c < r.n_chunks; ++c) v += r.parts[c * r.stride + i];
-    (i < W ? out[i] : oc[i - W]) = v;
+    (i < W ? row.out[0][i] : row.oc[0][i - W]) = v;
   }
 }
 
@@ -438,6 +509,19 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   const int64_t oc_width = diag == DiagKind::kNone      ? 0
                            : diag == DiagKind::kPerHead ? int64_t(H) * D
                                                         : D;
+  // Row i's pointers, as one row of an AttnRows.
+  auto row_of = [&](int i) {
+    AttnRows r;
+    r.q[0] = q.data + int64_t(i) * W;
+    r.qd[0] = oc_width ? qd.data + i * oc_width : nullptr;
+    r.out[0] = out.data + int64_t(i) * W;
+    r.oc[0] = oc_width ? out_c.data + i * oc_width : nullptr;
+    return r;
+  };
+  auto context_of = [&](int i) {
+    const AttnSeq& sq = seqs[owner[i]];
+    return sq.pos_begin + (i - sq.row_begin) + 1;
+  };
   // Rows too few to occupy every thread, with long contexts, share their chunks out over threads
   // (the same bits as on one thread).
   const int threads = omp_get_max_threads();
@@ -447,36 +531,51 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   auto chunks_of = [&](int n_ctx) { return (n_ctx + chunk - 1) / chunk; };
   if (threads > 1 && pending < threads && !in_region())
     for (int i = 0; i < n_rows; ++i) {
-      const int s = owner[i];
-      if (s < 0) continue;
-      const int n_ctx = seqs[s].pos_begin + (i - seqs[s].row_begin) + 1;
+      if (owner[i] < 0) continue;
+      const int n_ctx = context_of(i);
       const int P = std::min(threads, n_ctx / kChunkTokens);
       if (P < 2) continue;
       thread_local std::vector<float> mem;
       mem.resize(size_t(row_chunks_floats(chunks_of(n_ctx), H, stride)));
       float* mem_data = mem.data();
+      const AttnRows row = row_of(i);
 #pragma omp parallel num_threads(P)
-      attend_row_split(kv, seqs[s].blocks, n_ctx, diag, q.data + int64_t(i) * W,
-                       oc_width ? qd.data + i * oc_width : nullptr, scale,
-                       ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num(), mem_data,
-                       out.data + int64_t(i) * W, oc_width ? out_c.data + i * oc_width : nullptr,
-                       oc_width);
+      {
+        AttnRows mine = row;
+        mine.sc[0] = ctx.scratch + 2 * int64_t(H) * max_ctx * omp_get_thread_num();
+        attend_row_split(kv, seqs[owner[i]].blocks, n_ctx, diag, mine, scale, mem_data, oc_width);
+      }
       owner[i] = -1;
     }
+  // The rest one by one, or in pairs of neighbours of one sequence (a prefill's rows) where the
+  // AVX-512 passes can take two rows at once.
+  const bool pairs = rows_avx512(kv, diag);
+  std::vector<std::pair<int, int>> units;  // (first row, rows)
+  for (int i = 0; i < n_rows; ++i) {
+    if (owner[i] < 0) continue;
+    const bool pair = pairs && i + 1 < n_rows && owner[i + 1] == owner[i];
+    units.emplace_back(i, pair ? 2 : 1);
+    i += pair;
+  }
 #pragma omp parallel if (!in_region())
   {
-    float* sc = ctx.scratch + int64_t(H) * max_ctx * omp_get_thread_num();
+    float* sc = ctx.scratch + 2 * int64_t(H) * max_ctx * omp_get_thread_num();
     thread_local std::vector<float> mem;
-    mem.resize(size_t(row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride)));
-#pragma omp for schedule(dynamic, 2)
-    for (int i = 0; i < n_rows; ++i) {
-      const int s = owner[i];
-      if (s < 0) continue;
-      const AttnSeq& sq = seqs[s];
-      attend_row(kv, sq.blocks, sq.pos_begin + (i - sq.row_begin) + 1, diag, q.data + int64_t(i) * W,
-                 oc_width ? qd.data + i * oc_width : nullptr, scale, sc, mem.data(),
-                 out.data + int64_t(i) * W, oc_width ? out_c.data + i * oc_width : nullptr,
-                 oc_width);
+    const int64_t per_row = row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride);
+    mem.resize(size_t(2 * per_row));
+    float* row_mem[2] = {mem.data(), mem.data() + per_row};
+#pragma omp for schedule(dynamic, 1)
+    for (size_t u = 0; u < units.size(); ++u) {
+      const int i = units[u].first;
+      AttnRows rows = row_of(i);
+      rows.sc[0] = sc;
+      if (units[u].second == 2) {
+        const AttnRows next = row_of(i + 1);
+        rows.n = 2;
+        rows.q[1] = next.q[0], rows.qd[1] = next.qd[0], rows.out[1] = next.out[0],
+        rows.oc[1] = next.oc[0], rows.sc[1] = sc + int64_t(H) * max_ctx;
+      }
+      attend_rows(kv, seqs[owner[i]].blocks, context_of(i), diag, rows, scale, row_mem, oc_width);
     }
   }
 }

@@ -1,5 +1,6 @@
-// The AVX-512 passes of one decode row's attention (kernels/cpu/attention.cc): the scores of 16
-// cached tokens at a time, and the weighted sums with their accumulators held in registers.
+// The AVX-512 passes of one attention row (kernels/cpu/attention.cc) over a tiled cache
+// (KvLayerView::tiled): the scores of 16 cached tokens at a time, one per lane, and the weighted
+// sums of 16 columns at a time with their accumulators held in registers.
 #pragma once
 #include <cstdint>
 
@@ -7,16 +8,32 @@
 
 namespace cemlm {
 
-// sc[h·n_ctx + j] = scale·(q_h·κ_{h,j} + qd·c_j) (qd only for the shared diagonal). Returns false,
-// touching nothing, on a build without AVX-512 or for the per-head diagonal.
-bool row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                       const float* q, const float* qd, float scale, float* sc);
+// One query row, or two of one sequence attending to the same tokens (a prefill's neighbours: two
+// rows share each vector of the cache loaded, and each row's bits are those it has alone). Row r
+// uses q[r] (H·d_h), qd[r] (D, the shared diagonal's), sc[r] (H·n_ctx scores), out[r] (H·d_h) and
+// oc[r] (D); out or oc null (for every row) skips that part of the sums.
+struct AttnRows {
+  int n = 1;
+  const float* q[2] = {};
+  const float* qd[2] = {};
+  float* sc[2] = {};
+  float* out[2] = {};
+  float* oc[2] = {};
+};
 
-// out = Σ_j p_{h,j} v_{h,j} per head and, for the shared diagonal, oc = Σ_j (Σ_h p_{h,j}) c_j, from
-// the weights sc[h·n_ctx + j] (the contexts' sums overwrite row 0 of sc with the head sums); a null
-// out or oc skips that part. Returns false, touching nothing, where row_scores_avx512 does, or
-// for heads wider than 256.
-bool row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
-                     float* sc, float* out, float* oc);
+// Whether the AVX-512 passes take this cache and diagonal: a build with AVX-512, a tiled cache
+// whose blocks are multiples of 16 tokens, and the shared or no diagonal.
+bool rows_avx512(const KvLayerView& kv, DiagKind diag);
+
+// Where rows_avx512: sc[r][h·n_ctx + j] = scale·(q_h·κ_{h,j} + qd·c_j) (qd only for the shared
+// diagonal).
+void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                       const AttnRows& rows, float scale);
+
+// Where rows_avx512: out = Σ_j p_{h,j} v_{h,j} per head and, for the shared diagonal,
+// oc = Σ_j (Σ_h p_{h,j}) c_j, from the weights sc[h·n_ctx + j] (the contexts' sums overwrite row 0
+// of sc with the head sums).
+void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
+                     const AttnRows& rows);
 
 }  // namespace cemlm

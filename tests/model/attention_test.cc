@@ -4,8 +4,11 @@
 // CEM keys with diag none / shared / per-head, heads narrower and wider than a 16-lane vector
 // (and wider than 256), more than 16 heads, contexts wider than 256, token counts off the
 // 16-token score groups, blocks of 3 and 16 scattered in the pool, contexts shared out over
-// threads (the same bits as on one thread), and both cache dtypes: fp32, and bf16 (the reference
-// reads the same rounded entries, so both agree to fp32 rounding).
+// threads (the same bits as on one thread), both cache layouts (tiled where the block size is a
+// multiple of 16, as the CPU runner lays it out, and token-major), the engine's prefill chunks on
+// the one-row path (each row's bits equal to the row attended alone), and both cache dtypes: fp32,
+// and bf16 (the reference reads the same rounded entries, so both agree to fp32 rounding). Pool
+// entries no row wrote are NaN, so a read past a sequence's end fails the comparison.
 #include "cemlm/kernels/attention.h"
 
 #include <gtest/gtest.h>
@@ -31,6 +34,8 @@ struct Case {
   int heads, dh, D, block, n_ctx, rows;  // `rows` query rows at the sequence's last positions
   bool bf16;
   int threads = 0;  // OpenMP threads for the call (0: as set)
+  bool invariant = false;  // ExecCtx::batch_invariant (the engine's): every row on the one-row path
+  bool token_major = false;  // a token-major cache even where the CPU runner tiles it (block % 16)
 };
 
 std::string name_of(const Case& c) {
@@ -40,7 +45,8 @@ std::string name_of(const Case& c) {
   return std::string(c.values ? "std" : "cem") + "_" + d + "_h" + std::to_string(c.heads) + "x" +
          std::to_string(c.dh) + "_D" + std::to_string(c.D) + "_bs" + std::to_string(c.block) +
          "_ctx" + std::to_string(c.n_ctx) + "_r" + std::to_string(c.rows) +
-         (c.bf16 ? "_bf16" : "_f32") + (c.threads ? "_t" + std::to_string(c.threads) : "");
+         (c.bf16 ? "_bf16" : "_f32") + (c.threads ? "_t" + std::to_string(c.threads) : "") +
+         (c.invariant ? "_invariant" : "") + (c.token_major ? "_tokenmajor" : "");
 }
 
 class AttentionTest : public ::testing::TestWithParam<Case> {};
@@ -60,14 +66,17 @@ TEST_P(AttentionTest, MatchesReference) {
   if (c.bf16)
     for (auto* v : {&K, &V, &C})
       for (float& x : *v) x = bf16_to_f32(f32_to_bf16(x));
-  // Pools with the sequence's blocks scattered in reverse order.
+  // Pools with the sequence's blocks scattered in reverse order, NaN wherever nothing is written
+  // (a read past the sequence's end would show).
   const int64_t slots = int64_t(n_blocks) * bs;
-  std::vector<float> k32(slots * W), v32(slots * W), c32(slots * D);
-  std::vector<uint16_t> k16(slots * W), v16(slots * W), c16(slots * D);
+  const uint16_t nan16 = 0x7FC0;
+  std::vector<float> k32(slots * W, NAN), v32(slots * W, NAN), c32(slots * D, NAN);
+  std::vector<uint16_t> k16(slots * W, nan16), v16(slots * W, nan16), c16(slots * D, nan16);
   std::vector<int32_t> table(static_cast<size_t>(n_blocks));
   std::iota(table.rbegin(), table.rend(), 0);
   KvLayerView kv;
   kv.block_size = bs, kv.n_heads = c.heads, kv.k_width = W, kv.c_width = ctx ? D : 0;
+  kv.tiled = bs % 16 == 0 && !c.token_major;  // as the CPU runner lays its cache out
   if (c.bf16) {
     kv.k16 = k16.data(), kv.v16 = c.values ? v16.data() : nullptr,
     kv.c16 = ctx ? c16.data() : nullptr;
@@ -87,6 +96,7 @@ TEST_P(AttentionTest, MatchesReference) {
   const AttnSeq seq{0, R, c.n_ctx - R, table.data()};
   const float scale = 1.0f / std::sqrt(float(c.dh));
   ExecCtx ex;
+  ex.batch_invariant = c.invariant;
   const int threads_before = omp_get_max_threads();
   if (c.threads) omp_set_num_threads(c.threads);
   std::vector<float> scratch(size_t(paged_attention_scratch_floats(&seq, 1, kv, c.diag)));
@@ -95,7 +105,7 @@ TEST_P(AttentionTest, MatchesReference) {
                           ctx ? Tensor(oc.data(), {R, qd_w}) : Tensor{}, Tensor(q.data(), {R, W}),
                           ctx ? Tensor(qd.data(), {R, qd_w}) : Tensor{}, c.diag, kv, &seq, 1,
                           scale);
-  if (c.threads > 1 && R < 8) {
+  if (c.threads > 1 && (R < 8 || c.invariant)) {
     // The rows' context shared out over the threads gives the bits of one thread doing it all
     // (a batch-1 row must not round otherwise than the same row inside a batch).
     std::vector<float> out1(out.size(), NAN), oc1(oc.size(), NAN);
@@ -108,6 +118,24 @@ TEST_P(AttentionTest, MatchesReference) {
     EXPECT_TRUE(!ctx || std::memcmp(oc1.data(), oc.data(), sizeof(float) * oc.size()) == 0);
   }
   omp_set_num_threads(threads_before);
+  if (c.invariant) {
+    // Each row alone, as a decode step would attend it: the same bits as inside the chunk (a
+    // prompt's cache must not depend on how it was chunked).
+    for (int r = 0; r < R; ++r) {
+      std::vector<float> out1(W, NAN), oc1(qd_w, NAN);
+      const AttnSeq one{0, 1, c.n_ctx - R + r, table.data()};
+      paged_attention_forward(ex, Tensor(out1.data(), {1, W}),
+                              ctx ? Tensor(oc1.data(), {1, qd_w}) : Tensor{},
+                              Tensor(q.data() + size_t(r) * W, {1, W}),
+                              ctx ? Tensor(qd.data() + size_t(r) * qd_w, {1, qd_w}) : Tensor{},
+                              c.diag, kv, &one, 1, scale);
+      EXPECT_EQ(std::memcmp(out1.data(), out.data() + size_t(r) * W, sizeof(float) * W), 0)
+          << "row " << r;
+      EXPECT_TRUE(!ctx ||
+                  std::memcmp(oc1.data(), oc.data() + size_t(r) * qd_w, sizeof(float) * qd_w) == 0)
+          << "row " << r;
+    }
+  }
 
   for (int r = 0; r < R; ++r) {
     const int n = c.n_ctx - R + r + 1;  // causal: positions 0 … pos
@@ -168,6 +196,18 @@ std::vector<Case> cases() {
     v.push_back({false, DiagKind::kShared, 2, 40, 48, 16, 1000, 2, bf16, 3});
     v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 800, 1, bf16, 3});
     v.push_back({true, DiagKind::kNone, 3, 6, 16, 512, 1100, 1, bf16, 4});
+    // The engine's prefill chunks: many rows of one sequence, each on the one-row path, each
+    // against itself alone bit for bit; contexts across 64-token chunks, rows off any multiple.
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 150, 37, bf16, 0, true});
+    v.push_back({false, DiagKind::kShared, 16, 64, 1024, 32, 200, 70, bf16, 0, true});
+    v.push_back({false, DiagKind::kNone, 3, 40, 16, 16, 90, 23, bf16, 0, true});
+    v.push_back({true, DiagKind::kNone, 2, 16, 16, 48, 75, 10, bf16, 0, true});
+    v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 40, 12, bf16, 0, true});
+    v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 16, 40, 12, bf16, 0, true});
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 130, 20, bf16, 2, true});
+    // The token-major layout where the runner would tile (the portable passes read it).
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, bf16, 0, false, true});
+    v.push_back({true, DiagKind::kNone, 3, 6, 16, 16, 37, 9, bf16, 0, true, true});
   }
   return v;
 }

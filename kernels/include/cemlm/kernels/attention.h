@@ -13,7 +13,10 @@ namespace cemlm {
 // One layer's slice of the paged cache. Pools are [n_blocks, block_size, width]; block b of a
 // sequence's table holds its positions [b·block_size, (b+1)·block_size). The pools are fp32 (k, v,
 // c) or, for a bf16 cache (CPU only), bf16 bit patterns (k16, v16, c16): one of the two sets is
-// set.
+// set. Within a block, entries are token-major (token t's row contiguous: the CUDA cache, and the
+// CPU's for block sizes off a multiple of 16) or, when `tiled` (the CPU runner's for block sizes
+// that are multiples of 16), column-major: column i of the block's tokens contiguous, so that 16
+// tokens' values of one column fill a vector and the AVX-512 passes need no reductions per token.
 struct KvLayerView {
   float* k = nullptr;  // [.., H·d_h] rotated keys
   float* v = nullptr;  // [.., H·d_h] values; null for CEM (values are the keys)
@@ -25,12 +28,16 @@ struct KvLayerView {
   uint16_t* k16 = nullptr;  // the same pools stored as bf16
   uint16_t* v16 = nullptr;
   uint16_t* c16 = nullptr;
+  bool tiled = false;  // column-major blocks (above)
 
   bool bf16() const { return k16 != nullptr; }
-  // The pool row of a sequence's position `pos`, through its block table.
-  int64_t slot(const int32_t* blocks, int pos) const {
-    return int64_t(blocks[pos / block_size]) * block_size + pos % block_size;
+  // Where a sequence's position `pos` (through its block table) has its column 0 in a pool of
+  // `width` columns, and the distance from one column to the next.
+  int64_t entry(const int32_t* blocks, int pos, int width) const {
+    const int64_t b = blocks[pos / block_size], t = pos % block_size;
+    return tiled ? b * block_size * width + t : (b * block_size + t) * width;
   }
+  int column_stride() const { return tiled ? block_size : 1; }
   bool has_values() const { return v != nullptr || v16 != nullptr; }
   bool has_contexts() const { return c != nullptr || c16 != nullptr; }
 };

@@ -164,8 +164,11 @@ TEST_P(AttentionTest, MatchesReference) {
     for (int i = 0; i < W; ++i)
       ASSERT_NEAR(out[size_t(r) * W + i], want[i], 2e-5 * (1 + std::fabs(want[i])))
           << "row " << r << " out " << i;
+    // The shared diagonal's weights add up to H (each head's probabilities): its sums' rounding
+    // grows with H (16 heads over 1024 columns came within 10% of 2e-5 on the portable passes).
+    const double tol_c = 2e-5 * (c.diag == DiagKind::kShared ? c.heads : 1);
     for (int i = 0; ctx && i < qd_w; ++i)
-      ASSERT_NEAR(oc[size_t(r) * qd_w + i], want_c[i], 2e-5 * (1 + std::fabs(want_c[i])))
+      ASSERT_NEAR(oc[size_t(r) * qd_w + i], want_c[i], tol_c * (1 + std::fabs(want_c[i])))
           << "row " << r << " context sum " << i;
   }
 }

@@ -59,6 +59,7 @@ struct Settings {
   std::string cell;          // "--cell MODEL:T:B": time only that decode cell (for profilers)
   std::string cell_model;
   int cell_T = 0, cell_B = 0;
+  int cell_prefill = 0;         // "--prefill-cell MODEL:T:N": a prefill of N tokens instead
   int cell_context = kContext;  // --context: the cell's cached tokens per sequence
   std::string kv_dtype = "fp32";
   std::string device = "cpu";  // a CPU device: the weights' dtype (cpu_weight_dtype)
@@ -160,8 +161,9 @@ Model load_model(const std::string& name, const ModelConfig& c, const std::strin
     std::fprintf(stderr, "saving %s: %s\n", m.dir.c_str(), st.ToString().c_str());
     std::exit(1);
   }
-  const int64_t budget = s.cell.empty() ? kv_budget(c, s.prompt)
-                                        : kv_budget(c, s.prompt, s.cell_context, s.cell_B);
+  const int64_t budget = s.cell.empty() || s.cell_prefill
+                             ? kv_budget(c, s.prompt)
+                             : kv_budget(c, s.prompt, s.cell_context, s.cell_B);
   auto r = make_model_runner(m.dir,
                              RunnerOptions{s.device, budget, kBlockSize, s.threads, s.kv_dtype});
   if (!r.ok()) {
@@ -382,10 +384,19 @@ std::string load_average() {
   return first.empty() ? "unknown" : first;
 }
 
-// --cell: one decode cell in a loop for 10 s, then its fastest step.
+// --cell: one decode cell in a loop for 10 s, then its fastest step; --prefill-cell: one prefill
+// likewise.
 int profile_cell(std::vector<Model>& models, const Settings& s) {
   for (Model& m : models)
-    if (m.name == s.cell_model) {
+    if (m.name == s.cell_model && s.cell_prefill) {
+      const double sec = on_own_thread([&] {
+        const double once = prefill_seconds(*m.runner, s.prompt, s.cell_T, 1);
+        return prefill_seconds(*m.runner, s.prompt, s.cell_T, std::max(1, int(10.0 / once)));
+      });
+      std::printf("%s T=%d prefill of %d tokens: %.1f ms, %.0f tokens/s\n", m.name.c_str(),
+                  s.cell_T, s.prompt, sec * 1e3, s.prompt / sec);
+      return 0;
+    } else if (m.name == s.cell_model) {
       const double sec = on_own_thread([&] {
         return DecodeBench(*m.runner, s.cell_T, s.cell_context, s.cell_B)
             .step_seconds(s.cell_B, 10.0);
@@ -404,6 +415,7 @@ void print_help() {
       "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape "
       "small|base]\n"
       "                    [--device cpu|cpu:DTYPE] [--cell M:T:B [--context N]]\n"
+      "                    [--prefill-cell M:T:N]\n"
       "  CPU-runner serving benchmark (decode, batch-1 decode at long context, prefill, TTFT,\n"
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
@@ -417,7 +429,9 @@ void print_help() {
       "  --cell M:T:B decode only model M (standard|cem|cem-L<half the layers>) at depth T,\n"
       "               batch B, for 10 s: a steady loop to run under a profiler (perf record)\n"
       "  --context N  the --cell's cached tokens per sequence (default %d; a multiple of %d,\n"
-      "               at most %d)\n",
+      "               at most %d)\n"
+      "  --prefill-cell M:T:N  likewise, one N-token prefill of model M at depth T (1 <= N <=\n"
+      "               1024), best of 10 s\n",
       kContext, kBlockSize, kMaxCellContext);
 }
 
@@ -453,16 +467,23 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--shape %s: expected small or base\n", argv[i]);
         return 2;
       }
-    } else if (!std::strcmp(argv[i], "--cell") && i + 1 < argc) {
-      s.cell = argv[++i];
+    } else if ((!std::strcmp(argv[i], "--cell") || !std::strcmp(argv[i], "--prefill-cell")) &&
+               i + 1 < argc) {
+      const bool prefill = !std::strcmp(argv[i], "--prefill-cell");
+      const char* what = prefill ? "N" : "B";
+      const int most = prefill ? 1024 : kMaxBatch;
+      int n = 0;
       char name[32] = {};
-      if (std::sscanf(s.cell.c_str(), "%31[^:]:%d:%d", name, &s.cell_T, &s.cell_B) != 3 ||
-          s.cell_T < 1 || s.cell_B < 1 || s.cell_B > kMaxBatch) {
-        std::fprintf(stderr, "--cell %s: expected MODEL:T:B with T >= 1 and 1 <= B <= %d\n",
-                     s.cell.c_str(), kMaxBatch);
+      s.cell = argv[++i];
+      if (std::sscanf(s.cell.c_str(), "%31[^:]:%d:%d", name, &s.cell_T, &n) != 3 || s.cell_T < 1 ||
+          n < 1 || n > most) {
+        std::fprintf(stderr, "%s %s: expected MODEL:T:%s with T >= 1 and 1 <= %s <= %d\n",
+                     argv[i - 1], s.cell.c_str(), what, what, most);
         return 2;
       }
       s.cell_model = name;
+      (prefill ? s.cell_prefill : s.cell_B) = n;
+      if (prefill) s.prompt = n;
     } else if (!std::strcmp(argv[i], "--context") && i + 1 < argc) {
       s.cell_context = std::atoi(argv[++i]);
       if (s.cell_context < kBlockSize || s.cell_context > kMaxCellContext ||
@@ -479,7 +500,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (s.cell.empty() && s.cell_context != kContext) {
+  if ((s.cell.empty() || s.cell_prefill) && s.cell_context != kContext) {
     std::fprintf(stderr, "--context applies to a --cell run only\n");
     return 2;
   }

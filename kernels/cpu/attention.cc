@@ -96,9 +96,9 @@ bool in_region() { return omp_get_level() > 0; }
 // The threads this op's parallel regions use.
 int team(bool inside) { return inside ? 1 : omp_get_max_threads(); }
 
-// Per thread: every head's scores, for the two rows a thread may attend together.
+// Per thread: every head's scores, for the rows a thread may attend together.
 int64_t row_path_floats(int max_ctx, int n_heads, int threads) {
-  return 2 * int64_t(n_heads) * max_ctx * threads;
+  return kMaxAttnRows * int64_t(n_heads) * max_ctx * threads;
 }
 
 int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag, int threads) {
@@ -391,23 +391,23 @@ void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks* c
   if (contexts) sum_pass(kv, blocks + rc[0]->begin(c) / kv.block_size, n, diag, rows);
 }
 
-// One query row, or two neighbours of one sequence (rows.n = 2: the second at the next position,
-// attending to one token more), against the first n_ctx (+ 1) cached tokens, on the calling
-// thread. rows: q, qd, out, oc per row; sc[i]: H·n_ctx floats (+ H for the second);
-// mem[i]: row_chunks_floats(n_chunks, H, stride). The chunks that hold the same tokens for both
-// rows (all but the last) go through the passes together, each cache vector loaded once for both.
+// One query row, or up to four neighbours of one sequence (row i at the first's position + i,
+// attending to i tokens more), against the first n_ctx (+ i) cached tokens, on the calling
+// thread. rows: q, qd, out, oc per row; sc[i]: H·(n_ctx + i) floats; mem[i]:
+// row_chunks_floats(n_chunks, H, stride). Rows whose chunk holds the same tokens (all but the
+// last chunks) go through the passes together, two or four at a time, each cache vector loaded
+// once for them.
 void attend_rows(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                  const AttnRows& rows, float scale, float* const* mem, int64_t oc_width) {
   const int W = kv.k_width, H = kv.n_heads;
-  RowChunks rc[2];
+  RowChunks rc[kMaxAttnRows];
   for (int i = 0; i < rows.n; ++i) rc[i] = row_chunks(kv, n_ctx + i, oc_width, mem[i]);
-  // Chunk c's rows [first, first + count): both where it holds the same tokens for both, else
-  // each row that has it alone.
+  // Chunk c's rows in sets of 4, 2 or 1 among those for which it holds the same tokens.
   auto each_set = [&](int c, auto&& pass) {
     auto run = [&](int first, int count) {
       AttnRows sub;
       sub.n = count;
-      const RowChunks* set[2];
+      const RowChunks* set[kMaxAttnRows];
       for (int k = 0; k < count; ++k) {
         const int i = first + k;
         set[k] = &rc[i];
@@ -417,9 +417,17 @@ void attend_rows(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKi
       }
       pass(set, sub);
     };
-    if (rows.n == 2 && c < rc[0].n_chunks && rc[0].size(c) == rc[1].size(c)) return run(0, 2);
-    for (int i = 0; i < rows.n; ++i)
-      if (c < rc[i].n_chunks) run(i, 1);
+    for (int i = 0; i < rows.n;) {
+      int same = 1;  // the rows from i on whose chunk c is as long as row i's
+      while (i + same < rows.n && rc[i + same].size(c) == rc[i].size(c)) ++same;
+      if (c < rc[i].n_chunks)
+        for (int done = 0; done < same;) {
+          const int k = same - done >= 4 ? 4 : same - done >= 2 ? 2 : 1;
+          run(i + done, k);
+          done += k;
+        }
+      i += same;
+    }
   };
   const int n_chunks = rc[rows.n - 1].n_chunks;
   for (int c = 0; c < n_chunks; ++c)
@@ -542,38 +550,42 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
 #pragma omp parallel num_threads(P)
       {
         AttnRows mine = row;
-        mine.sc[0] = ctx.scratch + 2 * int64_t(H) * max_ctx * omp_get_thread_num();
+        mine.sc[0] = ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * omp_get_thread_num();
         attend_row_split(kv, seqs[owner[i]].blocks, n_ctx, diag, mine, scale, mem_data, oc_width);
       }
       owner[i] = -1;
     }
-  // The rest one by one, or in pairs of neighbours of one sequence (a prefill's rows) where the
-  // AVX-512 passes can take two rows at once.
-  const bool pairs = rows_avx512(kv, diag);
+  // The rest one by one, or in fours of neighbours of one sequence (a prefill's rows) where the
+  // AVX-512 passes can take several rows at once.
+  const int group = rows_avx512(kv, diag) ? kMaxAttnRows : 1;
   std::vector<std::pair<int, int>> units;  // (first row, rows)
-  for (int i = 0; i < n_rows; ++i) {
-    if (owner[i] < 0) continue;
-    const bool pair = pairs && i + 1 < n_rows && owner[i + 1] == owner[i];
-    units.emplace_back(i, pair ? 2 : 1);
-    i += pair;
+  for (int i = 0; i < n_rows;) {
+    if (owner[i] < 0) {
+      ++i;
+      continue;
+    }
+    int n = 1;
+    while (n < group && i + n < n_rows && owner[i + n] == owner[i]) ++n;
+    units.emplace_back(i, n);
+    i += n;
   }
 #pragma omp parallel if (!in_region())
   {
-    float* sc = ctx.scratch + 2 * int64_t(H) * max_ctx * omp_get_thread_num();
+    float* sc = ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * omp_get_thread_num();
     thread_local std::vector<float> mem;
     const int64_t per_row = row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride);
-    mem.resize(size_t(2 * per_row));
-    float* row_mem[2] = {mem.data(), mem.data() + per_row};
+    mem.resize(size_t(kMaxAttnRows * per_row));
+    float* row_mem[kMaxAttnRows];
+    for (int k = 0; k < kMaxAttnRows; ++k) row_mem[k] = mem.data() + k * per_row;
 #pragma omp for schedule(dynamic, 1)
     for (size_t u = 0; u < units.size(); ++u) {
       const int i = units[u].first;
-      AttnRows rows = row_of(i);
-      rows.sc[0] = sc;
-      if (units[u].second == 2) {
-        const AttnRows next = row_of(i + 1);
-        rows.n = 2;
-        rows.q[1] = next.q[0], rows.qd[1] = next.qd[0], rows.out[1] = next.out[0],
-        rows.oc[1] = next.oc[0], rows.sc[1] = sc + int64_t(H) * max_ctx;
+      AttnRows rows;
+      rows.n = units[u].second;
+      for (int k = 0; k < rows.n; ++k) {
+        const AttnRows one = row_of(i + k);
+        rows.q[k] = one.q[0], rows.qd[k] = one.qd[0], rows.out[k] = one.out[0],
+        rows.oc[k] = one.oc[0], rows.sc[k] = sc + k * int64_t(H) * max_ctx;
       }
       attend_rows(kv, seqs[owner[i]].blocks, context_of(i), diag, rows, scale, row_mem, oc_width);
     }

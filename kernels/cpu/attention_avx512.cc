@@ -44,38 +44,41 @@ Groups<E> groups(const KvLayerView& kv, const E* pool, int width, const int32_t*
   return g;
 }
 
-// out[r][k] lane t = x[r][0, n) · (column values of group k's token t), for R rows and G groups:
-// per block of 64 columns two FMA chains per row and group (even and odd columns), added to the
-// total block after block (a long context row's 1024 columns in one chain lost 4–8× the
-// accuracy). A row's lanes depend neither on G nor on the other row, so neither do its bits; two
-// rows share each vector of the cache loaded.
+// out[r][k0 + k] lane t = x[r][0, n) · (column values of group k0 + k's token t), for R rows and
+// G groups: per block of 64 columns two FMA chains per row and group (even and odd columns), added
+// to the total block after block (a long context row's 1024 columns in one chain lost 4–8× the
+// accuracy). A row's lanes depend neither on G nor on the other rows, so neither do its bits; the
+// rows share each vector of the cache loaded (a prefill's rows read the cache from L3: fewer reads
+// per row is most of their gain).
 template <int R, int G, typename E>
-void col_dots_g(const float* const* x, int n, const Groups<E>& g, int64_t col0, int64_t cs,
+void col_dots_g(const float* const* x, int n, const Groups<E>& g, int k0, int64_t col0, int64_t cs,
                 __m512 (*out)[kSideBySide]) {
   constexpr int kBlock = 64;
-#pragma GCC unroll 2
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int k = 0; k < G; ++k) out[r][k] = _mm512_setzero_ps();
+    for (int k = 0; k < G; ++k) out[r][k0 + k] = _mm512_setzero_ps();
+  const E* const* at = g.at + k0;
+  const __mmask16* lanes = g.lanes + k0;
   for (int b0 = 0; b0 < n; b0 += kBlock) {
     const int b1 = std::min(n, b0 + kBlock);
     __m512 a0[R][G], a1[R][G];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int k = 0; k < G; ++k) a0[r][k] = _mm512_setzero_ps(), a1[r][k] = _mm512_setzero_ps();
     int i = b0;
     for (; i + 2 <= b1; i += 2) {
       __m512 x0[R], x1[R];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
         x0[r] = _mm512_set1_ps(x[r][i]), x1[r] = _mm512_set1_ps(x[r][i + 1]);
       const int64_t o = (col0 + i) * cs;
 #pragma GCC unroll 4
       for (int k = 0; k < G; ++k) {
-        const __m512 v0 = load_row(g.lanes[k], g.at[k] + o);
-        const __m512 v1 = load_row(g.lanes[k], g.at[k] + o + cs);
-#pragma GCC unroll 2
+        const __m512 v0 = load_row(lanes[k], at[k] + o);
+        const __m512 v1 = load_row(lanes[k], at[k] + o + cs);
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           a0[r][k] = _mm512_fmadd_ps(x0[r], v0, a0[r][k]);
           a1[r][k] = _mm512_fmadd_ps(x1[r], v1, a1[r][k]);
@@ -85,33 +88,38 @@ void col_dots_g(const float* const* x, int n, const Groups<E>& g, int64_t col0, 
     if (i < b1) {
 #pragma GCC unroll 4
       for (int k = 0; k < G; ++k) {
-        const __m512 v0 = load_row(g.lanes[k], g.at[k] + (col0 + i) * cs);
-#pragma GCC unroll 2
+        const __m512 v0 = load_row(lanes[k], at[k] + (col0 + i) * cs);
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r)
           a0[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(x[r][i]), v0, a0[r][k]);
       }
     }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int k = 0; k < G; ++k)
-        out[r][k] = _mm512_add_ps(out[r][k], _mm512_add_ps(a0[r][k], a1[r][k]));
+        out[r][k0 + k] = _mm512_add_ps(out[r][k0 + k], _mm512_add_ps(a0[r][k], a1[r][k]));
+  }
+}
+
+// col_dots_g over the groups [k0, g.n), G at a time (the accumulators of R rows × G groups × 2
+// chains stay in registers: G = 4 for one or two rows, 2 for four).
+template <int R, int G, typename E>
+void col_dots_from(const float* const* x, int n, const Groups<E>& g, int k0, int64_t col0,
+                   int64_t cs, __m512 (*out)[kSideBySide]) {
+  const int left = g.n - k0;
+  if (left >= G) {
+    col_dots_g<R, G>(x, n, g, k0, col0, cs, out);
+    if (left > G) col_dots_from<R, G>(x, n, g, k0 + G, col0, cs, out);
+  } else if constexpr (G > 1) {
+    col_dots_from<R, G - 1>(x, n, g, k0, col0, cs, out);
   }
 }
 
 template <int R, typename E>
 void col_dots(const float* const* x, int n, const Groups<E>& g, int64_t col0, int64_t cs,
               __m512 (*out)[kSideBySide]) {
-  switch (g.n) {
-    case 1:
-      return col_dots_g<R, 1>(x, n, g, col0, cs, out);
-    case 2:
-      return col_dots_g<R, 2>(x, n, g, col0, cs, out);
-    case 3:
-      return col_dots_g<R, 3>(x, n, g, col0, cs, out);
-    default:
-      return col_dots_g<R, 4>(x, n, g, col0, cs, out);
-  }
+  col_dots_from<R, R <= 2 ? 4 : 2>(x, n, g, 0, col0, cs, out);
 }
 
 template <int R, typename E>
@@ -142,7 +150,7 @@ void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t
 // [0, n_ctx), for R rows: each column's products accumulate on the lanes (token j on lane j % 16),
 // group after group in token order, and the lanes are reduced at the end (reduce16, whose sum of
 // one accumulator's lanes does not depend on the others: a row's bits are the same alone or
-// paired). Full: cols = 16 / R.
+// beside others). Full: cols = 16 / R.
 template <int R, bool Full, typename E>
 void col_sums16(const KvLayerView& kv, const E* pool, int width, const int32_t* blocks, int n_ctx,
                 const float* const* w, int64_t col0, int cols, float* const* dst) {
@@ -154,20 +162,23 @@ void col_sums16(const KvLayerView& kv, const E* pool, int width, const int32_t* 
   for (int j = 0; j < n_ctx; j += kGroup) {
     const __mmask16 m = lane_mask(n_ctx - j);
     __m512 p[R];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) p[r] = _mm512_maskz_loadu_ps(m, w[r] + j);
     const E* at = pool + kv.entry(blocks, j, width) + col0 * cs;
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       const __m512 v = load_row(Full || c < cols ? m : __mmask16(0), at + c * cs);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[r * C + c] = _mm512_fmadd_ps(p[r], v, acc[r * C + c]);
     }
   }
   const __m512 sums = reduce16(acc);
-  _mm512_mask_storeu_ps(dst[0], lane_mask(cols), sums);
-  if (R == 2)  // the second row's columns from lane 8 on
-    _mm512_mask_storeu_ps(dst[R - 1], lane_mask(cols), _mm512_shuffle_f32x4(sums, sums, 0x4E));
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)  // row r's lanes [r·C, r·C + cols), moved to the bottom
+    _mm512_mask_storeu_ps(
+        dst[r], lane_mask(cols),
+        r ? _mm512_permutexvar_ps(_mm512_add_epi32(iota, _mm512_set1_epi32(r * C)), sums) : sums);
 }
 
 // col_sums16 over columns [col0, col0 + n_cols), 16 / R at a time.
@@ -224,32 +235,39 @@ bool rows_avx512(const KvLayerView& kv, DiagKind diag) {
 void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                        const AttnRows& rows, float scale) {
   const bool shared = diag == DiagKind::kShared;
-  if (kv.bf16() && rows.n == 2)
-    scores<2>(kv, kv.k16, kv.c16, blocks, n_ctx, shared, rows, scale);
-  else if (kv.bf16())
-    scores<1>(kv, kv.k16, kv.c16, blocks, n_ctx, shared, rows, scale);
-  else if (rows.n == 2)
-    scores<2>(kv, kv.k, kv.c, blocks, n_ctx, shared, rows, scale);
+  auto run = [&](const auto* kpool, const auto* cpool) {
+    switch (rows.n) {
+      case 1:
+        return scores<1>(kv, kpool, cpool, blocks, n_ctx, shared, rows, scale);
+      case 2:
+        return scores<2>(kv, kpool, cpool, blocks, n_ctx, shared, rows, scale);
+      default:
+        return scores<4>(kv, kpool, cpool, blocks, n_ctx, shared, rows, scale);
+    }
+  };
+  if (kv.bf16())
+    run(kv.k16, kv.c16);
   else
-    scores<1>(kv, kv.k, kv.c, blocks, n_ctx, shared, rows, scale);
+    run(kv.k, kv.c);
 }
 
 void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                      const AttnRows& rows) {
   const bool shared = diag == DiagKind::kShared;
-  if (kv.bf16()) {
-    const uint16_t* v = kv.has_values() ? kv.v16 : kv.k16;
-    if (rows.n == 2)
-      sums<2>(kv, v, kv.c16, blocks, n_ctx, shared, rows);
-    else
-      sums<1>(kv, v, kv.c16, blocks, n_ctx, shared, rows);
-  } else {
-    const float* v = kv.has_values() ? kv.v : kv.k;
-    if (rows.n == 2)
-      sums<2>(kv, v, kv.c, blocks, n_ctx, shared, rows);
-    else
-      sums<1>(kv, v, kv.c, blocks, n_ctx, shared, rows);
-  }
+  auto run = [&](const auto* vpool, const auto* cpool) {
+    switch (rows.n) {
+      case 1:
+        return sums<1>(kv, vpool, cpool, blocks, n_ctx, shared, rows);
+      case 2:
+        return sums<2>(kv, vpool, cpool, blocks, n_ctx, shared, rows);
+      default:
+        return sums<4>(kv, vpool, cpool, blocks, n_ctx, shared, rows);
+    }
+  };
+  if (kv.bf16())
+    run(kv.has_values() ? kv.v16 : kv.k16, kv.c16);
+  else
+    run(kv.has_values() ? kv.v : kv.k, kv.c);
 }
 
 }  // namespace cemlm

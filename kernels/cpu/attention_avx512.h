@@ -8,17 +8,18 @@
 
 namespace cemlm {
 
-// One query row, or two of one sequence attending to the same tokens (a prefill's neighbours: two
-// rows share each vector of the cache loaded, and each row's bits are those it has alone). Row r
-// uses q[r] (H·d_h), qd[r] (D, the shared diagonal's), sc[r] (H·n_ctx scores), out[r] (H·d_h) and
-// oc[r] (D); out or oc null (for every row) skips that part of the sums.
+// One query row, or two or four of one sequence attending to the same tokens (a prefill's
+// neighbours: the rows share each vector of the cache loaded, and each row's bits are those it has
+// alone). Row r uses q[r] (H·d_h), qd[r] (D, the shared diagonal's), sc[r] (H·n_ctx scores),
+// out[r] (H·d_h) and oc[r] (D); out or oc null (for every row) skips that part of the sums.
+constexpr int kMaxAttnRows = 4;
 struct AttnRows {
-  int n = 1;
-  const float* q[2] = {};
-  const float* qd[2] = {};
-  float* sc[2] = {};
-  float* out[2] = {};
-  float* oc[2] = {};
+  int n = 1;  // 1, 2 or 4 for the AVX-512 passes
+  const float* q[kMaxAttnRows] = {};
+  const float* qd[kMaxAttnRows] = {};
+  float* sc[kMaxAttnRows] = {};
+  float* out[kMaxAttnRows] = {};
+  float* oc[kMaxAttnRows] = {};
 };
 
 // Whether the AVX-512 passes take this cache and diagonal: a build with AVX-512, a tiled cache

@@ -52,8 +52,7 @@ KvLayerView KvPool::layer(int l) {
     v.c = cw_ ? c_.data() + l * per * cw_ : nullptr;
   }
   v.block_size = block_size_;
-  v.tiled =
-      block_size_ % 16 == 0;  // the AVX-512 attention's layout (kernels/cpu/attention_avx512.cc)
+  v.tiled = tiled_kv_cache_preferred(block_size_);
   v.n_heads = n_heads_;
   v.k_width = kw_;
   v.c_width = cw_;

@@ -65,6 +65,10 @@ void put_row(float* p32, uint16_t* p16, int64_t at, int cs, int width, const flo
 
 }  // namespace
 
+bool tiled_kv_cache_preferred(int block_size) {
+  return avx512_attention_built() && block_size % 16 == 0;
+}
+
 void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_seqs,
               const Tensor& k, const Tensor& v, const Tensor& c) {
   for (int s = 0; s < n_seqs; ++s) {
@@ -279,13 +283,13 @@ void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
 // take the rows one by one).
 void score_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                 const AttnRows& rows, float scale) {
-  if (rows_avx512(kv, diag)) return row_scores_avx512(kv, blocks, n_ctx, diag, rows, scale);
+  if (rows_avx512(kv)) return row_scores_avx512(kv, blocks, n_ctx, diag, rows, scale);
   for (int r = 0; r < rows.n; ++r)
     row_scores(kv, blocks, n_ctx, diag, rows.q[r], rows.qd[r], scale, rows.sc[r]);
 }
 void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
               const AttnRows& rows) {
-  if (rows_avx512(kv, diag)) return row_sums_avx512(kv, blocks, n_ctx, diag, rows);
+  if (rows_avx512(kv)) return row_sums_avx512(kv, blocks, n_ctx, diag, rows);
   for (int r = 0; r < rows.n; ++r)
     row_sums(kv, blocks, n_ctx, diag, rows.sc[r], rows.out[r], rows.oc[r]);
 }
@@ -557,7 +561,7 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
     }
   // The rest one by one, or in fours of neighbours of one sequence (a prefill's rows) where the
   // AVX-512 passes can take several rows at once.
-  const int group = rows_avx512(kv, diag) ? kMaxAttnRows : 1;
+  const int group = rows_avx512(kv) ? kMaxAttnRows : 1;
   std::vector<std::pair<int, int>> units;  // (first row, rows)
   for (int i = 0; i < n_rows;) {
     if (owner[i] < 0) {

@@ -124,24 +124,29 @@ void col_dots(const float* const* x, int n, const Groups<E>& g, int64_t col0, in
 
 template <int R, typename E>
 void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t* blocks, int n_ctx,
-            bool shared_diag, const AttnRows& rows, float scale) {
+            DiagKind diag, const AttnRows& rows, float scale) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
   const int64_t cs = kv.block_size;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int j0 = 0; j0 < n_ctx; j0 += kGroup * kSideBySide) {
     const Groups<E> keys = groups(kv, kpool, W, blocks, n_ctx, j0);
-    __m512 shared[R][kSideBySide] = {};
-    if (shared_diag)
-      col_dots<R>(rows.qd, D, groups(kv, cpool, D, blocks, n_ctx, j0), 0, cs, shared);
+    const Groups<E> contexts =
+        diag == DiagKind::kNone ? Groups<E>{} : groups(kv, cpool, D, blocks, n_ctx, j0);
+    __m512 diag_term[R][kSideBySide] = {};  // qd·c: the shared diagonal's once, per head's per head
+    if (diag == DiagKind::kShared) col_dots<R>(rows.qd, D, contexts, 0, cs, diag_term);
     for (int h = 0; h < H; ++h) {
       const float* qh[R];
       for (int r = 0; r < R; ++r) qh[r] = rows.q[r] + int64_t(h) * dh;
       __m512 s[R][kSideBySide];
       col_dots<R>(qh, dh, keys, int64_t(h) * dh, cs, s);
+      if (diag == DiagKind::kPerHead) {
+        for (int r = 0; r < R; ++r) qh[r] = rows.qd[r] + int64_t(h) * D;
+        col_dots<R>(qh, D, contexts, 0, cs, diag_term);
+      }
       for (int r = 0; r < R; ++r)
         for (int k = 0; k < keys.n; ++k)
           _mm512_mask_storeu_ps(rows.sc[r] + int64_t(h) * n_ctx + j0 + kGroup * k, keys.lanes[k],
-                                _mm512_mul_ps(vscale, _mm512_add_ps(s[r][k], shared[r][k])));
+                                _mm512_mul_ps(vscale, _mm512_add_ps(s[r][k], diag_term[r][k])));
     }
   }
 }
@@ -199,7 +204,7 @@ void col_sums(const KvLayerView& kv, const E* pool, int width, const int32_t* bl
 
 template <int R, typename E>
 void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* blocks, int n_ctx,
-          bool shared_diag, const AttnRows& rows) {
+          DiagKind diag, const AttnRows& rows) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
   if (rows.out[0])
     for (int h = 0; h < H; ++h) {
@@ -209,7 +214,17 @@ void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* 
         w[r] = rows.sc[r] + int64_t(h) * n_ctx, d[r] = rows.out[r] + h * dh;
       col_sums<R>(kv, vpool, W, blocks, n_ctx, w, h * dh, dh, d);
     }
-  if (!shared_diag || !rows.oc[0]) return;
+  if (diag == DiagKind::kNone || !rows.oc[0]) return;
+  if (diag == DiagKind::kPerHead) {  // each head's own context sums, [H, D]
+    for (int h = 0; h < H; ++h) {
+      const float* w[R];
+      float* d[R];
+      for (int r = 0; r < R; ++r)
+        w[r] = rows.sc[r] + int64_t(h) * n_ctx, d[r] = rows.oc[r] + int64_t(h) * D;
+      col_sums<R>(kv, cpool, D, blocks, n_ctx, w, 0, D, d);
+    }
+    return;
+  }
   // The shared diagonal weighs token j by the sum of its heads' probabilities.
   for (int r = 0; r < R; ++r) {
     float* sc = rows.sc[r];
@@ -228,21 +243,20 @@ void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* 
 
 }  // namespace
 
-bool rows_avx512(const KvLayerView& kv, DiagKind diag) {
-  return kv.tiled && kv.block_size % kGroup == 0 && diag != DiagKind::kPerHead;
-}
+bool avx512_attention_built() { return true; }
+
+bool rows_avx512(const KvLayerView& kv) { return kv.tiled && kv.block_size % kGroup == 0; }
 
 void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                        const AttnRows& rows, float scale) {
-  const bool shared = diag == DiagKind::kShared;
   auto run = [&](const auto* kpool, const auto* cpool) {
     switch (rows.n) {
       case 1:
-        return scores<1>(kv, kpool, cpool, blocks, n_ctx, shared, rows, scale);
+        return scores<1>(kv, kpool, cpool, blocks, n_ctx, diag, rows, scale);
       case 2:
-        return scores<2>(kv, kpool, cpool, blocks, n_ctx, shared, rows, scale);
+        return scores<2>(kv, kpool, cpool, blocks, n_ctx, diag, rows, scale);
       default:
-        return scores<4>(kv, kpool, cpool, blocks, n_ctx, shared, rows, scale);
+        return scores<4>(kv, kpool, cpool, blocks, n_ctx, diag, rows, scale);
     }
   };
   if (kv.bf16())
@@ -253,15 +267,14 @@ void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, 
 
 void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                      const AttnRows& rows) {
-  const bool shared = diag == DiagKind::kShared;
   auto run = [&](const auto* vpool, const auto* cpool) {
     switch (rows.n) {
       case 1:
-        return sums<1>(kv, vpool, cpool, blocks, n_ctx, shared, rows);
+        return sums<1>(kv, vpool, cpool, blocks, n_ctx, diag, rows);
       case 2:
-        return sums<2>(kv, vpool, cpool, blocks, n_ctx, shared, rows);
+        return sums<2>(kv, vpool, cpool, blocks, n_ctx, diag, rows);
       default:
-        return sums<4>(kv, vpool, cpool, blocks, n_ctx, shared, rows);
+        return sums<4>(kv, vpool, cpool, blocks, n_ctx, diag, rows);
     }
   };
   if (kv.bf16())
@@ -275,7 +288,8 @@ void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, Di
 #else  // no AVX-512 in this build: attention.cc's portable loops do all of it
 
 namespace cemlm {
-bool rows_avx512(const KvLayerView&, DiagKind) { return false; }
+bool avx512_attention_built() { return false; }
+bool rows_avx512(const KvLayerView&) { return false; }
 void row_scores_avx512(const KvLayerView&, const int32_t*, int, DiagKind, const AttnRows&, float) {}
 void row_sums_avx512(const KvLayerView&, const int32_t*, int, DiagKind, const AttnRows&) {}
 }  // namespace cemlm

@@ -22,18 +22,21 @@ struct AttnRows {
   float* oc[kMaxAttnRows] = {};
 };
 
-// Whether the AVX-512 passes take this cache and diagonal: a build with AVX-512, a tiled cache
-// whose blocks are multiples of 16 tokens, and the shared or no diagonal.
-bool rows_avx512(const KvLayerView& kv, DiagKind diag);
+// Whether this build has the AVX-512 passes.
+bool avx512_attention_built();
 
-// Where rows_avx512: sc[r][h·n_ctx + j] = scale·(q_h·κ_{h,j} + qd·c_j) (qd only for the shared
-// diagonal).
+// Whether the AVX-512 passes take this cache: a build with them, and a tiled cache whose blocks
+// are multiples of 16 tokens (any diagonal kind).
+bool rows_avx512(const KvLayerView& kv);
+
+// Where rows_avx512: sc[r][h·n_ctx + j] = scale·(q_h·κ_{h,j} + qd_(h)·c_j) (the diagonal term
+// with qd [D] shared by the heads, or [H, D] per head; none without a diagonal).
 void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                        const AttnRows& rows, float scale);
 
-// Where rows_avx512: out = Σ_j p_{h,j} v_{h,j} per head and, for the shared diagonal,
-// oc = Σ_j (Σ_h p_{h,j}) c_j, from the weights sc[h·n_ctx + j] (the contexts' sums overwrite row 0
-// of sc with the head sums).
+// Where rows_avx512: out = Σ_j p_{h,j} v_{h,j} per head and the contexts' sums, for the shared
+// diagonal oc = Σ_j (Σ_h p_{h,j}) c_j, per head oc[h] = Σ_j p_{h,j} c_j, from the weights
+// sc[h·n_ctx + j] (the shared diagonal's sums overwrite row 0 of sc with the head sums).
 void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                      const AttnRows& rows);
 

@@ -207,6 +207,7 @@ std::vector<Case> cases() {
     v.push_back({true, DiagKind::kNone, 2, 16, 16, 48, 75, 10, bf16, 0, true});
     v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 40, 12, bf16, 0, true});
     v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 16, 40, 12, bf16, 0, true});
+    v.push_back({false, DiagKind::kPerHead, 4, 16, 48, 16, 300, 1, bf16, 2});  // split, tiled
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 130, 20, bf16, 2, true});
     // The token-major layout where the runner would tile (the portable passes read it).
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, bf16, 0, false, true});

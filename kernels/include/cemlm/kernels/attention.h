@@ -51,6 +51,10 @@ struct AttnSeq {
 
 enum class DiagKind { kNone, kShared, kPerHead };
 
+// Whether a CPU cache of `block_size`-token blocks is best tiled (KvLayerView::tiled) for this
+// build's attention: with the AVX-512 passes and blocks of a multiple of 16 tokens.
+bool tiled_kv_cache_preferred(int block_size);
+
 // Writes row r's entries (k[r], v[r], c[r]; v/c when the view has them) at its position, rounded
 // to the nearest bf16 for a bf16 cache.
 void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_seqs,

@@ -164,12 +164,15 @@ void col_sums16(const KvLayerView& kv, const E* pool, int width, const int32_t* 
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int c = 0; c < 16; ++c) acc[c] = _mm512_setzero_ps();
-  for (int j = 0; j < n_ctx; j += kGroup) {
+  // Group j's block and place in it, walked rather than divided out per group (an integer
+  // division per group and 16 / R columns cost as much as their FMAs in four-row prefill sums).
+  for (int j = 0, b = 0, t = 0; j < n_ctx; j += kGroup, t += kGroup) {
+    if (t == kv.block_size) t = 0, ++b;
     const __mmask16 m = lane_mask(n_ctx - j);
     __m512 p[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) p[r] = _mm512_maskz_loadu_ps(m, w[r] + j);
-    const E* at = pool + kv.entry(blocks, j, width) + col0 * cs;
+    const E* at = pool + int64_t(blocks[b]) * kv.block_size * width + t + col0 * cs;
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       const __m512 v = load_row(Full || c < cols ? m : __mmask16(0), at + c * cs);

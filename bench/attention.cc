@@ -3,7 +3,7 @@
 // each attending to the tokens up to its own, over the base shape's 12 layers (16 heads × 64, D
 // 1024, shared diagonal: a key row and a context row per token), each layer's cache its own.
 // Prints ms per 12 layers and, for decode, the rate at which the cache's bytes go by (each read
-// once), for the fp32 or the bf16 cache. No model, no products: changes to the attention passes
+// once), for the fp32, bf16 or int8 cache. No model, no products: changes to the attention passes
 // show here without the step's other 60–90%.
 #include "cemlm/kernels/attention.h"
 
@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -25,13 +26,23 @@ namespace {
 
 constexpr int kLayers = 12, kHeads = 16, kWidth = 1024, kBlock = 16;
 
+enum class Dtype { kFp32, kBf16, kInt8 };
+
 struct Pools {
   HugePageVector<float> k, c;
   HugePageVector<uint16_t> k16, c16;
+  HugePageVector<int8_t> k8, c8;
+  HugePageVector<float> k_scale, c_scale;
 };
 
+// Cache bytes per token and layer: a key row and a context row (and their scales).
+double bytes_per_token(Dtype d) {
+  return d == Dtype::kInt8 ? 2 * kWidth + 4 * (kHeads + 1)
+                           : 2 * kWidth * (d == Dtype::kBf16 ? 2 : 4);
+}
+
 // rows = 0: one sequence's prefill of `context` rows.
-double ms_per_step(int rows, int context, bool bf16) {
+double ms_per_step(int rows, int context, Dtype dtype) {
   const bool prefill = rows == 0;
   const int per_row = (context + kBlock - 1) / kBlock, n_blocks = std::max(rows, 1) * per_row;
   const size_t floats = size_t(n_blocks) * kBlock * kWidth;
@@ -39,15 +50,24 @@ double ms_per_step(int rows, int context, bool bf16) {
   std::normal_distribution<float> normal(0.0f, 0.1f);
   std::vector<Pools> layers(kLayers);
   std::vector<float> fill(floats);
+  std::uniform_int_distribution<int> int8(-127, 127);
   for (Pools& p : layers)
-    for (auto [f32, f16] : {std::pair{&p.k, &p.k16}, std::pair{&p.c, &p.c16}}) {
+    for (auto [f32, f16, i8] : {std::tuple{&p.k, &p.k16, &p.k8}, std::tuple{&p.c, &p.c16, &p.c8}}) {
       for (float& x : fill) x = normal(rng);
-      if (bf16) {
+      if (dtype == Dtype::kInt8) {
+        i8->resize(floats);
+        for (int8_t& x : *i8) x = int8_t(int8(rng));
+      } else if (dtype == Dtype::kBf16) {
         f16->resize(floats);
         f32_to_bf16(fill.data(), f16->data(), int64_t(floats));
       } else {
         f32->assign(fill.begin(), fill.end());
       }
+    }
+  if (dtype == Dtype::kInt8)
+    for (Pools& p : layers) {  // a row's largest magnitude / 127 at the fp32 pools' spread
+      p.k_scale.assign(size_t(n_blocks) * kBlock * kHeads, 0.3f / 127);
+      p.c_scale.assign(size_t(n_blocks) * kBlock, 0.4f / 127);
     }
   std::vector<int32_t> blocks(static_cast<size_t>(n_blocks));
   for (int i = 0; i < n_blocks; ++i) blocks[size_t(i)] = i;
@@ -65,10 +85,14 @@ double ms_per_step(int rows, int context, bool bf16) {
     KvLayerView& v = views[size_t(l)];
     v.block_size = kBlock, v.n_heads = kHeads, v.k_width = kWidth, v.c_width = kWidth;
     v.tiled = true;  // the CPU runner's layout
-    if (bf16)
-      v.k16 = layers[size_t(l)].k16.data(), v.c16 = layers[size_t(l)].c16.data();
+    Pools& p = layers[size_t(l)];
+    if (dtype == Dtype::kInt8)
+      v.k8 = p.k8.data(), v.c8 = p.c8.data(), v.k_scale = p.k_scale.data(),
+      v.c_scale = p.c_scale.data();
+    else if (dtype == Dtype::kBf16)
+      v.k16 = p.k16.data(), v.c16 = p.c16.data();
     else
-      v.k = layers[size_t(l)].k.data(), v.c = layers[size_t(l)].c.data();
+      v.k = p.k.data(), v.c = p.c.data();
   }
   std::vector<float> scratch(
       size_t(paged_attention_scratch_floats(seqs.data(), n_seqs, views[0], DiagKind::kShared)));
@@ -103,11 +127,12 @@ std::vector<int> int_list(const char* s) {
 int main(int argc, char** argv) {
   std::vector<int> rows = {1, 32}, contexts = {128, 512, 1024};
   std::vector<int> prefills;
-  bool bf16 = false, rows_given = false;
+  Dtype dtype = Dtype::kFp32;
+  bool rows_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--bf16") {
-      bf16 = true;
+    if (a == "--bf16" || a == "--int8") {
+      dtype = a == "--bf16" ? Dtype::kBf16 : Dtype::kInt8;
     } else if ((a == "--rows" || a == "--contexts" || a == "--prefill") && i + 1 < argc) {
       std::vector<int>& list = a == "--rows" ? rows : a == "--contexts" ? contexts : prefills;
       rows_given |= a == "--rows";
@@ -118,28 +143,32 @@ int main(int argc, char** argv) {
       }
     } else {
       std::printf(
-          "usage: attention [--rows 1,32] [--contexts 128,512,1024] [--prefill N,…] [--bf16]\n\n"
+          "usage: attention [--rows 1,32] [--contexts 128,512,1024] [--prefill N,…] [--bf16 |\n"
+          "                 --int8]\n\n"
           "Attention alone over the base shape's 12 layers (16 heads x 64, shared diagonal):\n"
           "B decode rows, each with its own context of C cached tokens (fp32, or bf16 with\n"
-          "--bf16), then with --prefill one sequence's N rows attending causally (the\n"
+          "--bf16, int8 with --int8), then with --prefill one sequence's N rows attending causally "
+          "(the\n"
           "engine's one-row path). Prints ms per 12 layers and, for decode, the cache's bytes\n"
           "per second.\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
   std::printf("%s\n", bench::machine_line().c_str());
-  std::printf("decode attention, 12 layers, %s cache\n\n", bf16 ? "bf16" : "fp32");
+  std::printf("decode attention, 12 layers, %s cache\n\n", dtype == Dtype::kInt8   ? "int8"
+                                                           : dtype == Dtype::kBf16 ? "bf16"
+                                                                                   : "fp32");
   std::printf("| rows | context | ms per step | cache GB/s |\n|---|---|---|---|\n");
   if (!prefills.empty() && !rows_given) rows.clear();  // --prefill alone: no decode rows
   for (int r : rows)
     for (int c : contexts) {
-      const double ms = ms_per_step(r, c, bf16);
-      const double bytes = double(kLayers) * r * c * 2 * kWidth * (bf16 ? 2 : 4);
+      const double ms = ms_per_step(r, c, dtype);
+      const double bytes = double(kLayers) * r * c * bytes_per_token(dtype);
       std::printf("| %d | %d | %.2f | %.1f |\n", r, c, ms, bytes / ms / 1e6);
       std::fflush(stdout);
     }
   for (int n : prefills) {
-    std::printf("| prefill | %d | %.2f | |\n", n, ms_per_step(0, n, bf16));
+    std::printf("| prefill | %d | %.2f | |\n", n, ms_per_step(0, n, dtype));
     std::fflush(stdout);
   }
   return 0;

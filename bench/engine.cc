@@ -412,7 +412,7 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
 
 void print_help() {
   std::printf(
-      "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16] [--shape "
+      "usage: bench/engine [--quick] [--threads N] [--kv-cache-dtype fp32|bf16|int8] [--shape "
       "small|base]\n"
       "                    [--device cpu|cpu:DTYPE] [--cell M:T:B [--context N]]\n"
       "                    [--prefill-cell M:T:N]\n"
@@ -420,7 +420,7 @@ void print_help() {
       "  KV bytes, targets).\n"
       "  --quick      batches 1/8/32, a 128-token prompt, short timing windows (a smoke run)\n"
       "  --threads N  compute threads (default 0: as serve; 1 is steadier on a busy machine)\n"
-      "  --kv-cache-dtype fp32|bf16  the runners' KV cache (default fp32)\n"
+      "  --kv-cache-dtype fp32|bf16|int8  the runners' KV cache (default fp32)\n"
       "  --device cpu|cpu:bf16|cpu:bf16dot|cpu:int8|cpu:int8dot  the runners' weights: fp32\n"
       "                  (default), bf16, int8; …dot: those weights, and products that round\n"
       "                  their inputs to them too, with dot-product instructions\n"
@@ -452,6 +452,10 @@ int main(int argc, char** argv) {
       }
     } else if (!std::strcmp(argv[i], "--kv-cache-dtype") && i + 1 < argc) {
       s.kv_dtype = argv[++i];
+      if (!parse_kv_dtype(s.kv_dtype)) {
+        std::fprintf(stderr, "--kv-cache-dtype %s: expected fp32, bf16 or int8\n", argv[i]);
+        return 2;
+      }
     } else if (!std::strcmp(argv[i], "--device") && i + 1 < argc) {
       s.device = argv[++i];
       if (!is_cpu_device(s.device)) {
@@ -612,15 +616,15 @@ int main(int argc, char** argv) {
 
   const ModelConfig& cem = models[1].cfg;
   const ModelConfig base = baseline_of(cem);
-  const int bytes = s.kv_dtype == "bf16" ? 2 : 4;
+  const KvDtype dtype = *parse_kv_dtype(s.kv_dtype);
   std::printf("\n| model | KV bytes/token (%s) | vs baseline (fp32) |\n|---|---|---|\n",
               s.kv_dtype.c_str());
   std::printf("| %s | %lld | %.2f× |\n", cem.variant_name().c_str(),
-              (long long)cem.kv_bytes_per_token(bytes),
-              double(cem.kv_bytes_per_token(bytes)) / double(base.kv_bytes_per_token()));
+              (long long)cem.kv_bytes_per_token(dtype),
+              double(cem.kv_bytes_per_token(dtype)) / double(base.kv_bytes_per_token()));
   std::printf("| %s (baseline) | %lld | %.2f× |\n", base.variant_name().c_str(),
-              (long long)base.kv_bytes_per_token(bytes),
-              double(base.kv_bytes_per_token(bytes)) / double(base.kv_bytes_per_token()));
+              (long long)base.kv_bytes_per_token(dtype),
+              double(base.kv_bytes_per_token(dtype)) / double(base.kv_bytes_per_token()));
 
   std::printf(
       "\ntarget 1: batch-32 decode tokens/s ÷ batch-1 (target ≥ 8×). Both batches do the same "

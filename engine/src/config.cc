@@ -245,6 +245,23 @@ int64_t ModelConfig::kv_floats_per_token_layer() const {
   return qk_dim() + (diag != DiagMode::kNone ? d_model : 0);
 }
 
+int64_t ModelConfig::kv_bytes_per_token(KvDtype dtype) const {
+  const int64_t floats = kv_floats_per_token_layer() * n_layers;
+  if (dtype == KvDtype::kFp32) return 4 * floats;
+  if (dtype == KvDtype::kBf16) return 2 * floats;
+  const int64_t rows = attention == AttentionType::kStandard ? 2 : 1;  // keys (and values)
+  const int64_t scales =
+      rows * n_heads + (attention == AttentionType::kCem && diag != DiagMode::kNone);
+  return floats + 4 * scales * n_layers;
+}
+
+std::optional<KvDtype> parse_kv_dtype(const std::string& name) {
+  if (name == "fp32") return KvDtype::kFp32;
+  if (name == "bf16") return KvDtype::kBf16;
+  if (name == "int8") return KvDtype::kInt8;
+  return std::nullopt;
+}
+
 std::string ModelConfig::variant_name() const {
   std::string s = attention == AttentionType::kCem
                       ? absl::StrCat("cem-attn(", diag_name(diag), ",r", attn_precond_rank, ")")

@@ -18,31 +18,40 @@
 
 namespace cemlm {
 
-KvPool::KvPool(const ModelConfig& c, int block_size, int64_t n_blocks, bool bf16)
+KvPool::KvPool(const ModelConfig& c, int block_size, int64_t n_blocks, KvDtype dtype)
     : block_size_(block_size),
       n_blocks_(n_blocks),
-      bf16_(bf16),
+      dtype_(dtype),
       n_layers_(c.n_layers),
       n_heads_(c.n_heads),
       kw_(c.qk_dim()),
       vw_(c.attention == AttentionType::kStandard ? c.qk_dim() : 0),
       cw_(c.attention == AttentionType::kCem && c.diag != DiagMode::kNone ? c.d_model : 0) {
   const int64_t per = int64_t(n_layers_) * n_blocks * block_size;
-  if (bf16) {
+  if (dtype == KvDtype::kInt8) {
+    k8_.assign(per * kw_, 0), v8_.assign(per * vw_, 0), c8_.assign(per * cw_, 0);
+    ks_.assign(per * n_heads_, 0.0f), vs_.assign(vw_ ? per * n_heads_ : 0, 0.0f);
+    cs_.assign(cw_ ? per : 0, 0.0f);
+  } else if (dtype == KvDtype::kBf16) {
     k16_.assign(per * kw_, 0), v16_.assign(per * vw_, 0), c16_.assign(per * cw_, 0);
   } else {
     k_.assign(per * kw_, 0.0f), v_.assign(per * vw_, 0.0f), c_.assign(per * cw_, 0.0f);
   }
 }
 
-int64_t KvPool::blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes, bool bf16) {
-  return bytes / (int64_t(block_size) * c.kv_bytes_per_token(bf16 ? 2 : 4));
+int64_t KvPool::blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes,
+                                  KvDtype dtype) {
+  return bytes / (int64_t(block_size) * c.kv_bytes_per_token(dtype));
 }
 
 KvLayerView KvPool::layer(int l) {
   const int64_t per = n_blocks_ * block_size_;
   KvLayerView v;
-  if (bf16_) {
+  if (dtype_ == KvDtype::kInt8) {
+    v.k8 = k8_.data() + l * per * kw_, v.k_scale = ks_.data() + l * per * n_heads_;
+    if (vw_) v.v8 = v8_.data() + l * per * vw_, v.v_scale = vs_.data() + l * per * n_heads_;
+    if (cw_) v.c8 = c8_.data() + l * per * cw_, v.c_scale = cs_.data() + l * per;
+  } else if (dtype_ == KvDtype::kBf16) {
     v.k16 = k16_.data() + l * per * kw_;
     v.v16 = vw_ ? v16_.data() + l * per * vw_ : nullptr;
     v.c16 = cw_ ? c16_.data() + l * per * cw_ : nullptr;
@@ -70,13 +79,18 @@ void KvPool::copy_block_in(HugePageVector<E>* pool, int width, int32_t src, int3
 }
 
 void KvPool::copy_block(int32_t src, int32_t dst) {
-  for (auto [pool, pool16, w] :
-       {std::tuple{&k_, &k16_, kw_}, std::tuple{&v_, &v16_, vw_}, std::tuple{&c_, &c16_, cw_}}) {
+  for (auto [pool, pool16, pool8, scales, w] :
+       {std::tuple{&k_, &k16_, &k8_, &ks_, kw_}, std::tuple{&v_, &v16_, &v8_, &vs_, vw_},
+        std::tuple{&c_, &c16_, &c8_, &cs_, cw_}}) {
     if (!w) continue;
-    if (bf16_)
+    if (dtype_ == KvDtype::kInt8) {
+      copy_block_in(pool8, w, src, dst);
+      copy_block_in(scales, pool8 == &c8_ ? 1 : n_heads_, src, dst);
+    } else if (dtype_ == KvDtype::kBf16) {
       copy_block_in(pool16, w, src, dst);
-    else
+    } else {
       copy_block_in(pool, w, src, dst);
+    }
   }
 }
 

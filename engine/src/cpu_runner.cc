@@ -17,7 +17,7 @@ namespace {
 
 class CpuRunner final : public ModelRunner {
  public:
-  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks, int threads, bool bf16_kv,
+  CpuRunner(Checkpoint ck, int block_size, int64_t n_blocks, int threads, KvDtype kv_dtype,
             WeightDtype weight_dtype)
       : threads_(threads),
         ck_(std::move(ck)),
@@ -25,7 +25,7 @@ class CpuRunner final : public ModelRunner {
         // The checkpoint's copies of the packed weights, most of its bytes, are never read again.
         model_(ck_.config, weights_, /*batch_invariant=*/true, weight_dtype,
                /*release_unread=*/true),
-        kv_(ck_.config, block_size, n_blocks, bf16_kv) {}
+        kv_(ck_.config, block_size, n_blocks, kv_dtype) {}
   const ModelConfig& config() const override { return ck_.config; }
   int block_size() const override { return kv_.block_size(); }
   int64_t num_blocks() const override { return kv_.num_blocks(); }
@@ -35,9 +35,7 @@ class CpuRunner final : public ModelRunner {
     model_.forward(batch, kv_, logits);
   }
   void copy_block(int32_t src, int32_t dst) override { kv_.copy_block(src, dst); }
-  int64_t kv_bytes_per_token() const override {
-    return ck_.config.kv_bytes_per_token(kv_.bf16() ? 2 : 4);
-  }
+  int64_t kv_bytes_per_token() const override { return ck_.config.kv_bytes_per_token(kv_.dtype()); }
 
  private:
   int threads_;
@@ -85,13 +83,15 @@ absl::Status check_runner_options(const RunnerOptions& opts) {
         ": this CPU has no AVX512-VNNI dot products (AMD Zen 4 and later, Intel Cascade Lake, "
         "Ice Lake and later have them); use --device cpu:int8 (the same weights, fp32 "
         "arithmetic)"));
-  if (opts.kv_cache_dtype != "fp32" && opts.kv_cache_dtype != "bf16")
+  const std::optional<KvDtype> kv_dtype = parse_kv_dtype(opts.kv_cache_dtype);
+  if (!kv_dtype)
+    return absl::InvalidArgumentError(absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype,
+                                                   "\" is not one of fp32, bf16, int8"));
+  if (cuda && *kv_dtype != KvDtype::kFp32)
     return absl::InvalidArgumentError(
-        absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype, "\" is not one of fp32, bf16"));
-  if (cuda && opts.kv_cache_dtype != "fp32")
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv-cache-dtype \"", opts.kv_cache_dtype,
-        "\": the CUDA runner keeps its KV cache in fp32; use fp32 (bf16 is for --device cpu)"));
+        absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype,
+                     "\": the CUDA runner keeps its KV cache in fp32; use fp32 (bf16 and int8 are "
+                     "for --device cpu)"));
   if (opts.threads < 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "--threads ", opts.threads,
@@ -116,20 +116,20 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
           why, "); build with -DCEMLM_CUDA=ON and install it beside cemlm, or use --device cpu"));
     return factory()(model_dir, opts);
   }
-  const bool bf16_kv = opts.kv_cache_dtype == "bf16";
+  const KvDtype kv_dtype = *parse_kv_dtype(opts.kv_cache_dtype);
   CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
   const int64_t blocks =
-      KvPool::blocks_for_budget(ck.config, opts.block_size, opts.kv_cache_memory, bf16_kv);
+      KvPool::blocks_for_budget(ck.config, opts.block_size, opts.kv_cache_memory, kv_dtype);
   const int64_t needed = (ck.config.max_seq_len + opts.block_size - 1) / opts.block_size;
   if (blocks < needed)
     return absl::InvalidArgumentError(
         absl::StrCat("kv_cache_memory ", opts.kv_cache_memory, " bytes holds ", blocks,
                      " blocks but one max_seq_len sequence needs ", needed, " (",
-                     needed * opts.block_size * ck.config.kv_bytes_per_token(bf16_kv ? 2 : 4),
+                     needed * opts.block_size * ck.config.kv_bytes_per_token(kv_dtype),
                      " bytes); raise --kv-cache-memory"));
   const int threads = use_cpu_threads(opts.threads).threads;
   return std::unique_ptr<ModelRunner>(new CpuRunner(std::move(ck), opts.block_size, blocks, threads,
-                                                    bf16_kv, *cpu_weight_dtype(opts.device)));
+                                                    kv_dtype, *cpu_weight_dtype(opts.device)));
 }
 
 }  // namespace cemlm

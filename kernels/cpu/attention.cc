@@ -51,16 +51,51 @@ inline void softmax_inplace(float* s, int n) {
   for (int j = 0; j < n; ++j) s[j] *= inv;
 }
 
-// One row of `width` numbers into a pool at `at`, its columns `cs` apart, fp32 or rounded to bf16.
-void put_row(float* p32, uint16_t* p16, int64_t at, int cs, int width, const float* row) {
-  if (cs == 1 && p16)
-    f32_to_bf16(row, p16 + at, width);
-  else if (cs == 1)
-    std::memcpy(p32 + at, row, sizeof(float) * width);
-  else if (p16)
-    for (int i = 0; i < width; ++i) p16[at + int64_t(i) * cs] = f32_to_bf16(row[i]);
-  else
-    for (int i = 0; i < width; ++i) p32[at + int64_t(i) * cs] = row[i];
+}  // namespace
+
+KvPoolRef KvPoolRef::keys(const KvLayerView& kv) {
+  return {kv.k, kv.k16, kv.k8, kv.k_scale, kv.k_width, kv.n_heads};
+}
+KvPoolRef KvPoolRef::values(const KvLayerView& kv) {
+  return kv.has_values() ? KvPoolRef{kv.v, kv.v16, kv.v8, kv.v_scale, kv.k_width, kv.n_heads}
+                         : keys(kv);
+}
+KvPoolRef KvPoolRef::contexts(const KvLayerView& kv) {
+  return {kv.c, kv.c16, kv.c8, kv.c_scale, kv.c_width, 1};
+}
+
+namespace {
+
+// One row of `width` numbers at a sequence's position `pos`: fp32, rounded to bf16, or quantized
+// to int8 group by group (a group's scale: its largest magnitude / 127; a group holding a NaN or
+// an infinity gets a NaN scale, so that it reads back as NaN, as fp32 would keep it).
+void put_row(const KvPoolRef& p, const KvLayerView& kv, const int32_t* blocks, int pos,
+             const float* row) {
+  const int64_t at = kv.entry(blocks, pos, p.width);
+  const int cs = kv.column_stride();
+  if (p.i8) {
+    const int64_t sat = kv.entry(blocks, pos, p.groups);
+    const int gw = p.width / p.groups;
+    for (int g = 0; g < p.groups; ++g) {
+      const float* x = row + g * gw;
+      float m = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < gw; ++i) m = std::max(m, std::fabs(x[i])), finite &= std::isfinite(x[i]);
+      const float s = finite ? m / 127.0f : NAN;
+      p.scale[sat + int64_t(g) * cs] = s;
+      for (int i = 0; i < gw; ++i)
+        p.i8[at + int64_t(g * gw + i) * cs] =
+            s > 0.0f ? int8_t(std::clamp(std::nearbyint(x[i] / s), -127.0f, 127.0f)) : int8_t(0);
+    }
+  } else if (cs == 1 && p.b16) {
+    f32_to_bf16(row, p.b16 + at, p.width);
+  } else if (cs == 1) {
+    std::memcpy(p.f32 + at, row, sizeof(float) * p.width);
+  } else if (p.b16) {
+    for (int i = 0; i < p.width; ++i) p.b16[at + int64_t(i) * cs] = f32_to_bf16(row[i]);
+  } else {
+    for (int i = 0; i < p.width; ++i) p.f32[at + int64_t(i) * cs] = row[i];
+  }
 }
 
 }  // namespace
@@ -71,17 +106,18 @@ bool tiled_kv_cache_preferred(int block_size) {
 
 void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_seqs,
               const Tensor& k, const Tensor& v, const Tensor& c) {
+  const KvPoolRef keys = KvPoolRef::keys(kv), values = KvPoolRef::values(kv),
+                  contexts = KvPoolRef::contexts(kv);
   for (int s = 0; s < n_seqs; ++s) {
     const AttnSeq& sq = seqs[s];
     for (int r = 0; r < sq.n_rows; ++r) {
-      const int pos = sq.pos_begin + r, cs = kv.column_stride();
-      const int64_t row = sq.row_begin + r, at = kv.entry(sq.blocks, pos, kv.k_width);
-      put_row(kv.k, kv.k16, at, cs, kv.k_width, k.data + row * kv.k_width);
+      const int pos = sq.pos_begin + r;
+      const int64_t row = sq.row_begin + r;
+      put_row(keys, kv, sq.blocks, pos, k.data + row * kv.k_width);
       if (kv.has_values() && !v.empty())
-        put_row(kv.v, kv.v16, at, cs, kv.k_width, v.data + row * kv.k_width);
+        put_row(values, kv, sq.blocks, pos, v.data + row * kv.k_width);
       if (kv.has_contexts() && !c.empty())
-        put_row(kv.c, kv.c16, kv.entry(sq.blocks, pos, kv.c_width), cs, kv.c_width,
-                c.data + row * kv.c_width);
+        put_row(contexts, kv, sq.blocks, pos, c.data + row * kv.c_width);
     }
   }
 }
@@ -113,34 +149,52 @@ int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag,
   return f;
 }
 
-// Row `at` of a pool (its columns `cs` apart) as contiguous fp32: in place, or copied (widened
-// from bf16) into `tmp` (width floats).
-const float* row_f32(const float* p32, const uint16_t* p16, int64_t at, int cs, int width,
-                     float* tmp) {
-  if (cs == 1 && !p16) return p32 + at;
-  if (cs == 1) {
-    bf16_to_f32(p16 + at, tmp, width);
+// A row of a pool as contiguous fp32: the row at `at` (its scales at `sat`, for int8), in place,
+// or copied (widened from bf16, or int8 times its scales) into `tmp` (width floats).
+const float* row_f32(const KvPoolRef& p, int64_t at, int64_t sat, int cs, float* tmp) {
+  if (p.i8) {
+    const int gw = p.width / p.groups;
+    for (int g = 0; g < p.groups; ++g) {
+      const float s = p.scale[sat + int64_t(g) * cs];
+      for (int i = g * gw; i < (g + 1) * gw; ++i) tmp[i] = float(p.i8[at + int64_t(i) * cs]) * s;
+    }
+  } else if (cs == 1 && !p.b16) {
+    return p.f32 + at;
+  } else if (cs == 1) {
+    bf16_to_f32(p.b16 + at, tmp, p.width);
   } else {
-    for (int i = 0; i < width; ++i)
-      tmp[i] = p16 ? bf16_to_f32(p16[at + int64_t(i) * cs]) : p32[at + int64_t(i) * cs];
+    for (int i = 0; i < p.width; ++i)
+      tmp[i] = p.b16 ? bf16_to_f32(p.b16[at + int64_t(i) * cs]) : p.f32[at + int64_t(i) * cs];
   }
   return tmp;
 }
 
-// Copies a sequence's first n_ctx cached rows of one pool (fp32 p32, or bf16 p16 widened) into
-// contiguous fp32 [n_ctx, width].
-void gather(const float* p32, const uint16_t* p16, int width, const KvLayerView& kv,
-            const int32_t* blocks, int n_ctx, float* out) {
+// Token t of the block that holds position j0 (a multiple of the block size) in pool p, as
+// contiguous fp32 (row_f32).
+const float* token_f32(const KvPoolRef& p, const KvLayerView& kv, const int32_t* blocks, int j0,
+                       int t, float* tmp) {
+  const int64_t at = kv.entry(blocks, j0, p.width) + kv.token_offset(t, p.width);
+  const int64_t sat = p.i8 ? kv.entry(blocks, j0, p.groups) + kv.token_offset(t, p.groups) : 0;
+  return row_f32(p, at, sat, kv.column_stride(), tmp);
+}
+
+// Copies a sequence's first n_ctx cached rows of one pool into contiguous fp32 [n_ctx, width].
+void gather(const KvPoolRef& p, const KvLayerView& kv, const int32_t* blocks, int n_ctx,
+            float* out) {
+  const int width = p.width;
   for (int j = 0; j < n_ctx; j += kv.block_size) {
     const int n = std::min(kv.block_size, n_ctx - j);
     const int64_t at = kv.entry(blocks, j, width);
-    if (kv.tiled) {
-      for (int t = 0; t < n; ++t)
-        row_f32(p32, p16, at + t, kv.block_size, width, out + int64_t(j + t) * width);
-    } else if (p16) {
-      bf16_to_f32(p16 + at, out + int64_t(j) * width, int64_t(n) * width);
+    if (kv.tiled || p.i8) {
+      for (int t = 0; t < n; ++t) {
+        float* dst = out + int64_t(j + t) * width;
+        const float* src = token_f32(p, kv, blocks, j, t, dst);
+        if (src != dst) std::memcpy(dst, src, sizeof(float) * width);
+      }
+    } else if (p.b16) {
+      bf16_to_f32(p.b16 + at, out + int64_t(j) * width, int64_t(n) * width);
     } else {
-      std::memcpy(out + int64_t(j) * width, p32 + at, sizeof(float) * n * width);
+      std::memcpy(out + int64_t(j) * width, p.f32 + at, sizeof(float) * n * width);
     }
   }
 }
@@ -167,12 +221,12 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
   float* cc = nullptr;
   float* sd = nullptr;
   float* psum = nullptr;
-  gather(kv.k, kv.k16, W, kv, s.blocks, n_ctx, kc);
-  if (kv.has_values()) gather(kv.v, kv.v16, W, kv, s.blocks, n_ctx, vc);
+  gather(KvPoolRef::keys(kv), kv, s.blocks, n_ctx, kc);
+  if (kv.has_values()) gather(KvPoolRef::values(kv), kv, s.blocks, n_ctx, vc);
   if (diag != DiagKind::kNone) {
     cc = next;
     next += int64_t(n_ctx) * D;
-    gather(kv.c, kv.c16, D, kv, s.blocks, n_ctx, cc);
+    gather(KvPoolRef::contexts(kv), kv, s.blocks, n_ctx, cc);
   }
   const float* qs = q.data + int64_t(s.row_begin) * W;
   float* os = out.data + int64_t(s.row_begin) * W;
@@ -221,17 +275,15 @@ float* row_buffers(const KvLayerView& kv) {
 void row_scores(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                 const float* q, const float* qd, float scale, float* sc) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H, bs = kv.block_size;
-  const int cs = kv.column_stride();
+  const KvPoolRef keys = KvPoolRef::keys(kv), contexts = KvPoolRef::contexts(kv);
   float* tk = row_buffers(kv);
   float* tc = tk + W;
   for (int j0 = 0; j0 < n_ctx; j0 += bs) {
-    const int64_t k0 = kv.entry(blocks, j0, W), c0 = kv.entry(blocks, j0, D);
     const int n = std::min(bs, n_ctx - j0);
     for (int t = 0; t < n; ++t) {
-      const int64_t kt = kv.tiled ? k0 + t : k0 + int64_t(t) * W;
-      const int64_t ct = kv.tiled ? c0 + t : c0 + int64_t(t) * D;
-      const float* kj = row_f32(kv.k, kv.k16, kt, cs, W, tk);
-      const float* cj = diag == DiagKind::kNone ? nullptr : row_f32(kv.c, kv.c16, ct, cs, D, tc);
+      const float* kj = token_f32(keys, kv, blocks, j0, t, tk);
+      const float* cj =
+          diag == DiagKind::kNone ? nullptr : token_f32(contexts, kv, blocks, j0, t, tc);
       const float shared = diag == DiagKind::kShared ? dot(qd, cj, D) : 0.0f;  // once, all heads
       for (int h = 0; h < H; ++h) {
         float e = dot(q + h * dh, kj + h * dh, dh) + shared;
@@ -248,9 +300,7 @@ void row_scores(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKin
 void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
               const float* sc, float* out, float* oc) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H, bs = kv.block_size;
-  const int cs = kv.column_stride();
-  const float* v32 = kv.has_values() ? kv.v : kv.k;
-  const uint16_t* v16 = kv.has_values() ? kv.v16 : kv.k16;
+  const KvPoolRef values = KvPoolRef::values(kv), cpool = KvPoolRef::contexts(kv);
   float* tv = row_buffers(kv);
   float* tc = tv + W;
   const bool contexts = oc && diag != DiagKind::kNone;
@@ -258,14 +308,11 @@ void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
   if (contexts)
     std::memset(oc, 0, sizeof(float) * (diag == DiagKind::kPerHead ? int64_t(H) * D : D));
   for (int j0 = 0; j0 < n_ctx; j0 += bs) {
-    const int64_t k0 = kv.entry(blocks, j0, W), c0 = kv.entry(blocks, j0, D);
     const int n = std::min(bs, n_ctx - j0);
     for (int t = 0; t < n; ++t) {
       const int j = j0 + t;
-      const int64_t kt = kv.tiled ? k0 + t : k0 + int64_t(t) * W;
-      const int64_t ct = kv.tiled ? c0 + t : c0 + int64_t(t) * D;
-      const float* vj = out ? row_f32(v32, v16, kt, cs, W, tv) : nullptr;
-      const float* cj = contexts ? row_f32(kv.c, kv.c16, ct, cs, D, tc) : nullptr;
+      const float* vj = out ? token_f32(values, kv, blocks, j0, t, tv) : nullptr;
+      const float* cj = contexts ? token_f32(cpool, kv, blocks, j0, t, tc) : nullptr;
       float w = 0.0f;
       for (int h = 0; h < H; ++h) {
         const float p = sc[int64_t(h) * n_ctx + j];

@@ -8,6 +8,7 @@
 #if defined(__AVX512F__)
 
 #include <algorithm>
+#include <type_traits>
 
 #include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 
@@ -122,26 +123,54 @@ void col_dots(const float* const* x, int n, const Groups<E>& g, int64_t col0, in
   col_dots_from<R, R <= 2 ? 4 : 2>(x, n, g, 0, col0, cs, out);
 }
 
+// Where E is int8: dots[r][k] *= group k's scales of scale column `col` (one per token).
+template <int R, typename E>
+void apply_scales(const Groups<float>& scales, int64_t col, __m512 (*dots)[kSideBySide]) {
+  if constexpr (std::is_same_v<E, int8_t>)
+    for (int k = 0; k < scales.n; ++k) {
+      const __m512 s = _mm512_maskz_loadu_ps(scales.lanes[k], scales.at[k] + col);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) dots[r][k] = _mm512_mul_ps(dots[r][k], s);
+    }
+}
+
+// The scales of pool p's 16-token groups from j0 (int8 only; empty otherwise).
+template <typename E>
+Groups<float> scale_groups(const KvLayerView& kv, const KvPoolRef& p, const int32_t* blocks,
+                           int n_ctx, int j0) {
+  if constexpr (std::is_same_v<E, int8_t>) return groups(kv, p.scale, p.groups, blocks, n_ctx, j0);
+  return Groups<float>{};
+}
+
 template <int R, typename E>
 void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t* blocks, int n_ctx,
             DiagKind diag, const AttnRows& rows, float scale) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
   const int64_t cs = kv.block_size;
   const __m512 vscale = _mm512_set1_ps(scale);
+  const KvPoolRef kref = KvPoolRef::keys(kv), cref = KvPoolRef::contexts(kv);
   for (int j0 = 0; j0 < n_ctx; j0 += kGroup * kSideBySide) {
     const Groups<E> keys = groups(kv, kpool, W, blocks, n_ctx, j0);
     const Groups<E> contexts =
         diag == DiagKind::kNone ? Groups<E>{} : groups(kv, cpool, D, blocks, n_ctx, j0);
+    const Groups<float> key_scales = scale_groups<E>(kv, kref, blocks, n_ctx, j0);
+    const Groups<float> context_scales =
+        diag == DiagKind::kNone ? Groups<float>{} : scale_groups<E>(kv, cref, blocks, n_ctx, j0);
     __m512 diag_term[R][kSideBySide] = {};  // qd·c: the shared diagonal's once, per head's per head
-    if (diag == DiagKind::kShared) col_dots<R>(rows.qd, D, contexts, 0, cs, diag_term);
+    if (diag == DiagKind::kShared) {
+      col_dots<R>(rows.qd, D, contexts, 0, cs, diag_term);
+      apply_scales<R, E>(context_scales, 0, diag_term);
+    }
     for (int h = 0; h < H; ++h) {
       const float* qh[R];
       for (int r = 0; r < R; ++r) qh[r] = rows.q[r] + int64_t(h) * dh;
       __m512 s[R][kSideBySide];
       col_dots<R>(qh, dh, keys, int64_t(h) * dh, cs, s);
+      apply_scales<R, E>(key_scales, h * cs, s);
       if (diag == DiagKind::kPerHead) {
         for (int r = 0; r < R; ++r) qh[r] = rows.qd[r] + int64_t(h) * D;
         col_dots<R>(qh, D, contexts, 0, cs, diag_term);
+        apply_scales<R, E>(context_scales, 0, diag_term);
       }
       for (int r = 0; r < R; ++r)
         for (int k = 0; k < keys.n; ++k)
@@ -156,9 +185,12 @@ void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t
 // group after group in token order, and the lanes are reduced at the end (reduce16, whose sum of
 // one accumulator's lanes does not depend on the others: a row's bits are the same alone or
 // beside others). Full: cols = 16 / R.
+// An int8 pool's weights are scaled by the tokens' scales in scale column `scol` of `sp`, as they
+// are loaded.
 template <int R, bool Full, typename E>
-void col_sums16(const KvLayerView& kv, const E* pool, int width, const int32_t* blocks, int n_ctx,
-                const float* const* w, int64_t col0, int cols, float* const* dst) {
+void col_sums16(const KvLayerView& kv, const E* pool, int width, const KvPoolRef& sp, int scol,
+                const int32_t* blocks, int n_ctx, const float* const* w, int64_t col0, int cols,
+                float* const* dst) {
   constexpr int C = 16 / R;  // columns per row
   const int64_t cs = kv.block_size;
   __m512 acc[16];
@@ -172,6 +204,12 @@ void col_sums16(const KvLayerView& kv, const E* pool, int width, const int32_t* 
     __m512 p[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) p[r] = _mm512_maskz_loadu_ps(m, w[r] + j);
+    if constexpr (std::is_same_v<E, int8_t>) {
+      const __m512 s = _mm512_maskz_loadu_ps(
+          m, sp.scale + int64_t(blocks[b]) * kv.block_size * sp.groups + t + scol * cs);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) p[r] = _mm512_mul_ps(p[r], s);
+    }
     const E* at = pool + int64_t(blocks[b]) * kv.block_size * width + t + col0 * cs;
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
@@ -191,17 +229,18 @@ void col_sums16(const KvLayerView& kv, const E* pool, int width, const int32_t* 
 
 // col_sums16 over columns [col0, col0 + n_cols), 16 / R at a time.
 template <int R, typename E>
-void col_sums(const KvLayerView& kv, const E* pool, int width, const int32_t* blocks, int n_ctx,
-              const float* const* w, int col0, int n_cols, float* const* dst) {
+void col_sums(const KvLayerView& kv, const E* pool, int width, const KvPoolRef& sp, int scol,
+              const int32_t* blocks, int n_ctx, const float* const* w, int col0, int n_cols,
+              float* const* dst) {
   constexpr int C = 16 / R;
   for (int c0 = 0; c0 < n_cols; c0 += C) {
     const int cols = std::min(C, n_cols - c0);
     float* d[R];
     for (int r = 0; r < R; ++r) d[r] = dst[r] + c0;
     if (cols == C)
-      col_sums16<R, true>(kv, pool, width, blocks, n_ctx, w, col0 + c0, cols, d);
+      col_sums16<R, true>(kv, pool, width, sp, scol, blocks, n_ctx, w, col0 + c0, cols, d);
     else
-      col_sums16<R, false>(kv, pool, width, blocks, n_ctx, w, col0 + c0, cols, d);
+      col_sums16<R, false>(kv, pool, width, sp, scol, blocks, n_ctx, w, col0 + c0, cols, d);
   }
 }
 
@@ -209,13 +248,14 @@ template <int R, typename E>
 void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* blocks, int n_ctx,
           DiagKind diag, const AttnRows& rows) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads, dh = W / H;
+  const KvPoolRef vref = KvPoolRef::values(kv), cref = KvPoolRef::contexts(kv);
   if (rows.out[0])
     for (int h = 0; h < H; ++h) {
       const float* w[R];
       float* d[R];
       for (int r = 0; r < R; ++r)
         w[r] = rows.sc[r] + int64_t(h) * n_ctx, d[r] = rows.out[r] + h * dh;
-      col_sums<R>(kv, vpool, W, blocks, n_ctx, w, h * dh, dh, d);
+      col_sums<R>(kv, vpool, W, vref, h, blocks, n_ctx, w, h * dh, dh, d);
     }
   if (diag == DiagKind::kNone || !rows.oc[0]) return;
   if (diag == DiagKind::kPerHead) {  // each head's own context sums, [H, D]
@@ -224,7 +264,7 @@ void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* 
       float* d[R];
       for (int r = 0; r < R; ++r)
         w[r] = rows.sc[r] + int64_t(h) * n_ctx, d[r] = rows.oc[r] + int64_t(h) * D;
-      col_sums<R>(kv, cpool, D, blocks, n_ctx, w, 0, D, d);
+      col_sums<R>(kv, cpool, D, cref, 0, blocks, n_ctx, w, 0, D, d);
     }
     return;
   }
@@ -241,7 +281,7 @@ void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* 
   }
   const float* w[R];
   for (int r = 0; r < R; ++r) w[r] = rows.sc[r];
-  col_sums<R>(kv, cpool, D, blocks, n_ctx, w, 0, D, rows.oc);
+  col_sums<R>(kv, cpool, D, cref, 0, blocks, n_ctx, w, 0, D, rows.oc);
 }
 
 }  // namespace
@@ -262,7 +302,9 @@ void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, 
         return scores<4>(kv, kpool, cpool, blocks, n_ctx, diag, rows, scale);
     }
   };
-  if (kv.bf16())
+  if (kv.int8())
+    run(kv.k8, kv.c8);
+  else if (kv.bf16())
     run(kv.k16, kv.c16);
   else
     run(kv.k, kv.c);
@@ -280,7 +322,9 @@ void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, Di
         return sums<4>(kv, vpool, cpool, blocks, n_ctx, diag, rows);
     }
   };
-  if (kv.bf16())
+  if (kv.int8())
+    run(kv.has_values() ? kv.v8 : kv.k8, kv.c8);
+  else if (kv.bf16())
     run(kv.has_values() ? kv.v16 : kv.k16, kv.c16);
   else
     run(kv.has_values() ? kv.v : kv.k, kv.c);

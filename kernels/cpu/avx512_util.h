@@ -83,6 +83,10 @@ inline __m512 load_row(__mmask16 m, const uint16_t* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+// int8 integers as floats (their scales are applied by the caller).
+inline __m512 load_row(__mmask16 m, const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
 
 // Σ_r w_r·row_r over the first `width` ≤ 16·V columns, held in registers while the rows stream
 // by. V is a compile-time count so that the accumulators are registers, not memory (see

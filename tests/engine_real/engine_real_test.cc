@@ -191,7 +191,7 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
     ASSERT_TRUE(st.ok()) << st;
   }
 
-  // An fp32 cache of n_blocks; a bf16 cache gets the same bytes, so twice the blocks.
+  // An fp32 cache of n_blocks; a bf16 or int8 cache gets the same bytes, so more blocks.
   std::unique_ptr<Engine> engine(int64_t n_blocks = 256, bool prefix_caching = true,
                                  const std::string& kv_dtype = "fp32",
                                  const std::string& device = "cpu") {
@@ -207,7 +207,9 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
     auto e = Engine::create(o);
     EXPECT_TRUE(e.ok()) << e.status();
     if (!e.ok()) return nullptr;
-    EXPECT_EQ(e.value()->stats().kv_blocks_total, kv_dtype == "bf16" ? 2 * n_blocks : n_blocks);
+    const KvDtype dtype = parse_kv_dtype(kv_dtype).value_or(KvDtype::kFp32);
+    EXPECT_EQ(e.value()->stats().kv_blocks_total,
+              o.kv_cache_memory / (kBlockSize * cfg_.kv_bytes_per_token(dtype)));
     return std::move(e).value();
   }
 
@@ -428,33 +430,46 @@ TEST_P(EngineRealTest, ScoreMatchesFullForwardNll) {
   expect_all_blocks_available(*e);
 }
 
-// A bf16 cache (--kv-cache-dtype bf16): half the bytes per token, so twice the blocks for the same
-// budget; a request's tokens are the same alone and batched, its logprobs within 1e-3 (batching
-// changes the prefill chunks, whose fp32 rounding differences can tip a key's bf16 rounding);
-// and the keys' rounding moves the logprobs only slightly off the fp32 oracle (tolerance 3e-2).
-TEST_P(EngineRealTest, Bf16CacheHoldsTwiceTheTokensAndStaysClose) {
+// A bf16 or int8 cache (--kv-cache-dtype bf16 / int8): half the bytes per token, or a quarter
+// plus the scales, so more blocks for the same budget; a request's tokens are the same alone and
+// batched, its logprobs within 1e-3 (batching changes the prefill chunks, whose fp32 rounding
+// differences can tip a key's rounding); and the keys' rounding moves the logprobs only slightly
+// off the fp32 oracle (tolerance 3e-2 for bf16, 5e-2 for int8; tiny models measured at most
+// 4e-3 / 1.2e-2), but moves them.
+TEST_P(EngineRealTest, LowPrecisionCacheHoldsMoreTokensAndStaysClose) {
   const auto reqs = mixed_requests(cfg_.vocab_size);
-  auto batched = engine(256, true, "bf16");
-  ASSERT_NE(batched, nullptr);
-  EXPECT_EQ(batched->info().kv_bytes_per_token, cfg_.kv_bytes_per_token() / 2);
-  const auto together = run_all(*batched, reqs);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    auto alone = engine(256, true, "bf16");
-    ASSERT_NE(alone, nullptr);
-    expect_same(together[i], run_all(*alone, {reqs[i]})[0], "request " + std::to_string(i), 1e-3);
+  for (auto [name, tol] : {std::pair{"bf16", 3e-2}, std::pair{"int8", 5e-2}}) {
+    SCOPED_TRACE(name);
+    auto batched = engine(256, true, name);
+    ASSERT_NE(batched, nullptr);
+    if (std::string(name) == "bf16") {
+      EXPECT_EQ(batched->info().kv_bytes_per_token, cfg_.kv_bytes_per_token() / 2);
+    } else {  // a byte per number, and four per head of a key or value row or per context row
+      const int64_t rows = cfg_.attention == AttentionType::kStandard ? 2 : 1;
+      const bool contexts = cfg_.attention == AttentionType::kCem && cfg_.diag != DiagMode::kNone;
+      EXPECT_EQ(batched->info().kv_bytes_per_token,
+                cfg_.kv_bytes_per_token() / 4 +
+                    4 * cfg_.n_layers * (rows * cfg_.n_heads + (contexts ? 1 : 0)));
+    }
+    const auto together = run_all(*batched, reqs);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      auto alone = engine(256, true, name);
+      ASSERT_NE(alone, nullptr);
+      expect_same(together[i], run_all(*alone, {reqs[i]})[0], "request " + std::to_string(i), 1e-3);
+    }
+    const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 501);
+    double worst = 0;
+    for (int T : {1, 2}) {
+      auto got = batched->score({ids, T});
+      ASSERT_TRUE(got.ok()) << got.status();
+      const auto lp = oracle_logprobs(ids, T);
+      for (size_t i = 1; i < ids.size(); ++i)
+        worst = std::max(worst, std::fabs(got->logprobs[i] - lp[i]));
+    }
+    EXPECT_LT(worst, tol);
+    EXPECT_GT(worst, 0.0) << "the cache's rounding changed nothing: is it used?";
+    expect_all_blocks_available(*batched);
   }
-  const std::vector<int> ids = random_ids(kMaxSeqLen - 3, cfg_.vocab_size, 501);
-  double worst = 0;
-  for (int T : {1, 2}) {
-    auto got = batched->score({ids, T});
-    ASSERT_TRUE(got.ok()) << got.status();
-    const auto lp = oracle_logprobs(ids, T);
-    for (size_t i = 1; i < ids.size(); ++i)
-      worst = std::max(worst, std::fabs(got->logprobs[i] - lp[i]));
-  }
-  EXPECT_LT(worst, 3e-2);
-  EXPECT_GT(worst, 0.0) << "the bf16 cache changed nothing: is it used?";
-  expect_all_blocks_available(*batched);
 }
 
 // Weights of `store` (a copy of the checkpoint's) with every product weight replaced by what a
@@ -665,7 +680,7 @@ TEST_P(EngineRealTest, KvBudgetBeyondMemoryIsRefusedNotACrash) {
 // this build cannot run.
 TEST_P(EngineRealTest, UnknownKvCacheDtypeOrDeviceIsRefused) {
   std::vector<std::tuple<const char*, const char*, const char*>> cases = {
-      {"cpu", "fp16", "--kv-cache-dtype \"fp16\" is not one of fp32, bf16"},
+      {"cpu", "fp16", "--kv-cache-dtype \"fp16\" is not one of fp32, bf16, int8"},
       {"cpu:fp16", "fp32",
        "--device \"cpu:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, "
        "cpu:int8dot, cuda, cuda:bf16, cuda:fp32"}};

@@ -112,12 +112,13 @@ TEST_F(GenerateCli, JsonLogprobsAreTheModelsAtEachDepth) {
   EXPECT_EQ(replay["ids"], drawn["ids"]);
 }
 
-// A bf16 cache, bf16 or int8 weights, bf16 or int8 weights and inputs (--device cpu:bf16 /
+// A bf16 or int8 cache, bf16 or int8 weights, bf16 or int8 weights and inputs (--device cpu:bf16 /
 // cpu:int8 / cpu:bf16dot / cpu:int8dot): logprobs near the fp32 model's, and not equal to them (the
 // flag reached the runner). The tests against the oracle on rounded weights are in
 // engine_real_test.cc.
-TEST_F(GenerateCli, Bf16CacheAndLowPrecisionWeightsStayCloseToTheModel) {
-  std::vector<std::vector<std::string>> cases = {{"--kv-cache-dtype", "bf16"}};
+TEST_F(GenerateCli, LowPrecisionCacheAndWeightsStayCloseToTheModel) {
+  std::vector<std::vector<std::string>> cases = {{"--kv-cache-dtype", "bf16"},
+                                                 {"--kv-cache-dtype", "int8"}};
   if (packed_weights_available())  // else refused: see LowPrecisionWeights… in engine_real_test
     cases.insert(cases.end(), {{"--device", "cpu:bf16"}, {"--device", "cpu:int8"}});
   if (bf16_dot_available()) cases.push_back({"--device", "cpu:bf16dot"});
@@ -144,7 +145,7 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
     std::string message;
   };
   const std::vector<Bad> bad = {
-      {{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype \"fp8\" is not one of fp32, bf16"},
+      {{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype \"fp8\" is not one of fp32, bf16, int8"},
       {{"--device", "cpu:int4"}, "--device \"cpu:int4\" is not one of cpu, cpu:fp32, cpu:bf16"},
       {{"--threads", "-2"}, "--threads -2 must be >= 0"},
       {{"--prompt", "hello"}, "give exactly one of --prompt and --prompt-ids"},

@@ -76,6 +76,15 @@ TEST(InspectCommand, PrintsCountsNextToTheBaseline) {
     ASSERT_LT(c->kv_bytes_per_token(), 1000);
     EXPECT_NE(out.find(absl::StrCat(" ", pc.embedding, " ")), std::string::npos) << out;
     EXPECT_NE(out.find(absl::StrCat(" ", c->kv_bytes_per_token(), " ")), std::string::npos) << out;
+    // int8: a byte per cached number and a 4-byte scale per head of each key or value row (and
+    // per context row with a CEM diagonal), for this config's numbers.
+    const int64_t numbers = c->kv_bytes_per_token() / 4;
+    const int64_t scales =
+        4 * c->n_layers *
+        (c->attention == AttentionType::kStandard ? 2 * c->n_heads
+                                                  : c->n_heads + (c->diag != DiagMode::kNone));
+    EXPECT_NE(out.find(absl::StrCat("bytes/token (int8, CPU)")), std::string::npos) << out;
+    EXPECT_NE(out.find(absl::StrCat(" ", numbers + scales, " ")), std::string::npos) << out;
   }
   EXPECT_EQ(run(cli::cmd_inspect, {dir + "/nothing"}), 1);
   EXPECT_EQ(run(cli::cmd_inspect, {}), 2);

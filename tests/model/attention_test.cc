@@ -6,9 +6,10 @@
 // 16-token score groups, blocks of 3 and 16 scattered in the pool, contexts shared out over
 // threads (the same bits as on one thread), both cache layouts (tiled where the block size is a
 // multiple of 16, as the CPU runner lays it out, and token-major), the engine's prefill chunks on
-// the one-row path (each row's bits equal to the row attended alone), and both cache dtypes: fp32,
-// and bf16 (the reference reads the same rounded entries, so both agree to fp32 rounding). Pool
-// entries no row wrote are NaN, so a read past a sequence's end fails the comparison.
+// the one-row path (each row's bits equal to the row attended alone), and the three cache dtypes:
+// fp32, bf16 and int8 (the reference reads the entries as the cache holds them — rounded to bf16,
+// or quantized by its own int8 rounding — so all agree to fp32 rounding). Pool entries (and int8
+// scales) no row wrote are NaN, so a read past a sequence's end fails the comparison.
 #include "cemlm/kernels/attention.h"
 
 #include <gtest/gtest.h>
@@ -28,11 +29,13 @@
 namespace cemlm {
 namespace {
 
+enum class Dt { kF32, kBf16, kInt8 };
+
 struct Case {
   bool values;  // standard attention: a separate value pool
   DiagKind diag;
   int heads, dh, D, block, n_ctx, rows;  // `rows` query rows at the sequence's last positions
-  bool bf16;
+  Dt dtype;
   int threads = 0;  // OpenMP threads for the call (0: as set)
   bool invariant = false;  // ExecCtx::batch_invariant (the engine's): every row on the one-row path
   bool token_major = false;  // a token-major cache even where the CPU runner tiles it (block % 16)
@@ -45,8 +48,11 @@ std::string name_of(const Case& c) {
   return std::string(c.values ? "std" : "cem") + "_" + d + "_h" + std::to_string(c.heads) + "x" +
          std::to_string(c.dh) + "_D" + std::to_string(c.D) + "_bs" + std::to_string(c.block) +
          "_ctx" + std::to_string(c.n_ctx) + "_r" + std::to_string(c.rows) +
-         (c.bf16 ? "_bf16" : "_f32") + (c.threads ? "_t" + std::to_string(c.threads) : "") +
-         (c.invariant ? "_invariant" : "") + (c.token_major ? "_tokenmajor" : "");
+         (c.dtype == Dt::kBf16   ? "_bf16"
+          : c.dtype == Dt::kInt8 ? "_int8"
+                                 : "_f32") +
+         (c.threads ? "_t" + std::to_string(c.threads) : "") + (c.invariant ? "_invariant" : "") +
+         (c.token_major ? "_tokenmajor" : "");
 }
 
 class AttentionTest : public ::testing::TestWithParam<Case> {};
@@ -60,26 +66,43 @@ TEST_P(AttentionTest, MatchesReference) {
   auto normal = [&](std::vector<float>& v) {
     for (float& x : v) x = float(rng.normal());
   };
-  // Token j's entries, as the cache will hold them (rounded through bf16 for a bf16 cache).
+  // Token j's entries, as the cache will hold them: rounded through bf16 for a bf16 cache; for an
+  // int8 cache, each group (a key or value row's head, a context row) as the nearest multiple of
+  // its largest magnitude / 127.
   std::vector<float> K(size_t(c.n_ctx) * W), V(size_t(c.n_ctx) * W), C(size_t(c.n_ctx) * D);
   normal(K), normal(V), normal(C);
-  if (c.bf16)
+  if (c.dtype == Dt::kBf16)
     for (auto* v : {&K, &V, &C})
       for (float& x : *v) x = bf16_to_f32(f32_to_bf16(x));
+  if (c.dtype == Dt::kInt8)
+    for (auto [v, group] : {std::pair{&K, c.dh}, std::pair{&V, c.dh}, std::pair{&C, D}})
+      for (size_t g = 0; g < v->size(); g += size_t(group)) {
+        float* x = v->data() + g;
+        double m = 0;
+        for (int i = 0; i < group; ++i) m = std::max(m, std::fabs(double(x[i])));
+        const float step = float(m) / 127.0f;
+        for (int i = 0; i < group; ++i) x[i] = std::nearbyint(x[i] / step) * step;  // ties to even
+      }
   // Pools with the sequence's blocks scattered in reverse order, NaN wherever nothing is written
   // (a read past the sequence's end would show).
   const int64_t slots = int64_t(n_blocks) * bs;
   const uint16_t nan16 = 0x7FC0;
   std::vector<float> k32(slots * W, NAN), v32(slots * W, NAN), c32(slots * D, NAN);
   std::vector<uint16_t> k16(slots * W, nan16), v16(slots * W, nan16), c16(slots * D, nan16);
+  std::vector<int8_t> k8(slots * W, 127), v8(slots * W, 127), c8(slots * D, 127);
+  std::vector<float> ks(slots * c.heads, NAN), vs(slots * c.heads, NAN), cscale(slots, NAN);
   std::vector<int32_t> table(static_cast<size_t>(n_blocks));
   std::iota(table.rbegin(), table.rend(), 0);
   KvLayerView kv;
   kv.block_size = bs, kv.n_heads = c.heads, kv.k_width = W, kv.c_width = ctx ? D : 0;
   kv.tiled = bs % 16 == 0 && !c.token_major;  // as the CPU runner lays its cache out
-  if (c.bf16) {
+  if (c.dtype == Dt::kBf16) {
     kv.k16 = k16.data(), kv.v16 = c.values ? v16.data() : nullptr,
     kv.c16 = ctx ? c16.data() : nullptr;
+  } else if (c.dtype == Dt::kInt8) {
+    kv.k8 = k8.data(), kv.k_scale = ks.data();
+    if (c.values) kv.v8 = v8.data(), kv.v_scale = vs.data();
+    if (ctx) kv.c8 = c8.data(), kv.c_scale = cscale.data();
   } else {
     kv.k = k32.data(), kv.v = c.values ? v32.data() : nullptr, kv.c = ctx ? c32.data() : nullptr;
   }
@@ -175,49 +198,82 @@ TEST_P(AttentionTest, MatchesReference) {
 
 std::vector<Case> cases() {
   std::vector<Case> v;
-  for (bool bf16 : {false, true}) {
+  for (Dt dt : {Dt::kF32, Dt::kBf16, Dt::kInt8}) {
     for (int rows : {1, 9}) {  // the per-row path; the gather + sgemm path (≥ 8 rows)
-      v.push_back({true, DiagKind::kNone, 3, 6, 16, 3, 37, rows, bf16});
-      v.push_back({false, DiagKind::kNone, 2, 40, 16, 16, 50, rows, bf16});
-      v.push_back({false, DiagKind::kShared, 4, 16, 300, 16, 33, rows, bf16});
-      v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 17, rows, bf16});
-      v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 21, rows, bf16});
+      v.push_back({true, DiagKind::kNone, 3, 6, 16, 3, 37, rows, dt});
+      v.push_back({false, DiagKind::kNone, 2, 40, 16, 16, 50, rows, dt});
+      v.push_back({false, DiagKind::kShared, 4, 16, 300, 16, 33, rows, dt});
+      v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 17, rows, dt});
+      v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 21, rows, dt});
     }
-    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, bf16});  // the bench's shape
-    v.push_back({false, DiagKind::kShared, 1, 6, 16, 16, 1, 1, bf16});      // a single token
-    v.push_back({false, DiagKind::kShared, 16, 64, 1024, 16, 136, 1, bf16});  // bench --shape base
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, dt});    // the bench's shape
+    v.push_back({false, DiagKind::kShared, 1, 6, 16, 16, 1, 1, dt});        // a single token
+    v.push_back({false, DiagKind::kShared, 16, 64, 1024, 16, 136, 1, dt});  // bench --shape base
     // 20 heads of 16 columns, 7 of 48, and one wider than the 256-column register sums.
-    v.push_back({true, DiagKind::kNone, 20, 16, 32, 16, 45, 1, bf16});
-    v.push_back({false, DiagKind::kNone, 7, 48, 32, 16, 40, 1, bf16});
-    v.push_back({false, DiagKind::kShared, 1, 272, 24, 16, 20, 1, bf16});
+    v.push_back({true, DiagKind::kNone, 20, 16, 32, 16, 45, 1, dt});
+    v.push_back({false, DiagKind::kNone, 7, 48, 32, 16, 40, 1, dt});
+    v.push_back({false, DiagKind::kShared, 1, 272, 24, 16, 20, 1, dt});
     // Long contexts with fewer rows than threads: 64-token chunks shared out over 2, 3 (uneven
     // shares) and 4 threads (512-token blocks make 512-token chunks, 3 over 4 threads: one share
     // is empty); each also against one thread, bit for bit. 130 tokens: the shortest split, two
     // chunks and a third of two tokens.
-    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 700, 1, bf16, 2});
-    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 130, 1, bf16, 2});
-    v.push_back({false, DiagKind::kShared, 2, 40, 48, 16, 1000, 2, bf16, 3});
-    v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 800, 1, bf16, 3});
-    v.push_back({true, DiagKind::kNone, 3, 6, 16, 512, 1100, 1, bf16, 4});
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 700, 1, dt, 2});
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 130, 1, dt, 2});
+    v.push_back({false, DiagKind::kShared, 2, 40, 48, 16, 1000, 2, dt, 3});
+    v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 3, 800, 1, dt, 3});
+    v.push_back({true, DiagKind::kNone, 3, 6, 16, 512, 1100, 1, dt, 4});
     // The engine's prefill chunks: many rows of one sequence, each on the one-row path, each
     // against itself alone bit for bit; contexts across 64-token chunks, rows off any multiple.
-    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 150, 37, bf16, 0, true});
-    v.push_back({false, DiagKind::kShared, 16, 64, 1024, 32, 200, 70, bf16, 0, true});
-    v.push_back({false, DiagKind::kNone, 3, 40, 16, 16, 90, 23, bf16, 0, true});
-    v.push_back({true, DiagKind::kNone, 2, 16, 16, 48, 75, 10, bf16, 0, true});
-    v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 40, 12, bf16, 0, true});
-    v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 16, 40, 12, bf16, 0, true});
-    v.push_back({false, DiagKind::kPerHead, 4, 16, 48, 16, 300, 1, bf16, 2});  // split, tiled
-    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 130, 20, bf16, 2, true});
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 150, 37, dt, 0, true});
+    v.push_back({false, DiagKind::kShared, 16, 64, 1024, 32, 200, 70, dt, 0, true});
+    v.push_back({false, DiagKind::kNone, 3, 40, 16, 16, 90, 23, dt, 0, true});
+    v.push_back({true, DiagKind::kNone, 2, 16, 16, 48, 75, 10, dt, 0, true});
+    v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 40, 12, dt, 0, true});
+    v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 16, 40, 12, dt, 0, true});
+    v.push_back({false, DiagKind::kPerHead, 4, 16, 48, 16, 300, 1, dt, 2});  // split, tiled
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 130, 20, dt, 2, true});
     // The token-major layout where the runner would tile (the portable passes read it).
-    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, bf16, 0, false, true});
-    v.push_back({true, DiagKind::kNone, 3, 6, 16, 16, 37, 9, bf16, 0, true, true});
+    v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, dt, 0, false, true});
+    v.push_back({true, DiagKind::kNone, 3, 6, 16, 16, 37, 9, dt, 0, true, true});
   }
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return name_of(info.param); });
+
+// An int8 cache keeps what fp32 keeps of odd rows: a key with a NaN or an infinity makes the row's
+// output NaN (its group's scale is NaN), and an all-zero key group reads back as zeros.
+TEST(Int8Cache, NonFiniteAndZeroGroupsReadBackAsFp32Would) {
+  const int H = 2, dh = 16, W = H * dh;
+  for (int bs : {16, 3}) {  // tiled (AVX-512 passes where built), token-major (portable)
+    for (bool poison : {false, true}) {
+      std::vector<float> K(2 * W, 0.5f);
+      for (int i = 0; i < dh; ++i) K[i] = 0.0f;  // token 0, head 0: all zero
+      if (poison) K[W + dh + 3] = INFINITY;      // token 1, head 1
+      std::vector<int8_t> k8(size_t(bs) * W, 0);
+      std::vector<float> ks(size_t(bs) * H, NAN), q(W, 1.0f), out(W, 0.0f);
+      const int32_t table[1] = {0};
+      KvLayerView kv;
+      kv.block_size = bs, kv.n_heads = H, kv.k_width = W, kv.tiled = bs % 16 == 0;
+      kv.k8 = k8.data(), kv.k_scale = ks.data();
+      const AttnSeq write{0, 2, 0, table}, row{0, 1, 1, table};
+      kv_write(ExecCtx{}, kv, &write, 1, Tensor(K.data(), {2, W}), Tensor{}, Tensor{});
+      std::vector<float> scratch(
+          size_t(paged_attention_scratch_floats(&row, 1, kv, DiagKind::kNone)));
+      ExecCtx ex;
+      ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
+      paged_attention_forward(ex, Tensor(out.data(), {1, W}), Tensor{}, Tensor(q.data(), {1, W}),
+                              Tensor{}, DiagKind::kNone, kv, &row, 1, 0.25f);
+      for (int i = 0; i < dh; ++i) {  // head 0: weights of 0 (score 0) and 0.5 (score 2)
+        const double p1 = 1.0 / (1.0 + std::exp(-2.0));
+        EXPECT_NEAR(out[i], 0.5 * p1, 1e-6) << "bs " << bs << " column " << i;
+      }
+      for (int i = dh; i < W; ++i)
+        EXPECT_EQ(std::isnan(out[i]), poison) << "bs " << bs << " column " << i << " " << out[i];
+    }
+  }
+}
 
 TEST(Bf16, RoundsToNearestEven) {
   auto bits = [](uint32_t u) { return f32_to_bf16(std::bit_cast<float>(u)); };

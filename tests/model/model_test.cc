@@ -105,6 +105,35 @@ TEST_P(ModelTest, PagedChunkedDecodeEqualsFullForward) {
   }
 }
 
+// KvPool::copy_block for each cache dtype: a prompt prefilled into one set of blocks, its blocks
+// copied to others, and the next token decoded once through each set: the same logits, bit for
+// bit (a copy that missed a pool, or an int8 pool's scales, would read other entries).
+TEST_P(ModelTest, CopiedBlocksDecodeAsTheOriginals) {
+  const int N = 21, V = cfg_.vocab_size;
+  const auto ids = random_ids(N + 1, V, 41);
+  for (KvDtype dtype : {KvDtype::kFp32, KvDtype::kBf16, KvDtype::kInt8})
+    for (int bs : {16, 3}) {  // tiled where AVX-512 is built; token-major
+      CpuModel model(cfg_, w_, /*batch_invariant=*/true);
+      const int per = (N + 1 + bs - 1) / bs;
+      KvPool kv(cfg_, bs, 2 * per + 1, dtype);
+      std::vector<int32_t> original(per), copy(per);
+      for (int b = 0; b < per; ++b) original[b] = 2 * b + 1, copy[b] = 2 * b;
+      std::vector<float> logits, from_original, from_copy;
+      Batch prefill;
+      prefill.seqs.push_back(BatchSeq{ids.data(), N, 0, 2, original.data(), per, false, true});
+      model.forward(prefill, kv, &logits);
+      for (int b = 0; b < per; ++b) kv.copy_block(original[b], copy[b]);
+      for (auto [table, out] :
+           {std::pair{&original, &from_original}, std::pair{&copy, &from_copy}}) {
+        Batch step;
+        step.seqs.push_back(BatchSeq{ids.data() + N, 1, N, 2, table->data(), per, false, true});
+        model.forward(step, kv, out);
+      }
+      ASSERT_EQ(from_copy.size(), size_t(V));
+      EXPECT_EQ(from_copy, from_original) << "dtype " << int(dtype) << " block size " << bs;
+    }
+}
+
 // Three sequences with different lengths and T in one batch equal each run alone.
 TEST_P(ModelTest, MixedDepthBatchEqualsAlone) {
   const int V = cfg_.vocab_size, bs = 4;

@@ -155,7 +155,8 @@ std::string refused_serve(const std::string& model, const std::string& flags) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-// --kv-cache-dtype bf16 serves with half the cache bytes per token, --device cpu:bf16 with bf16
+// --kv-cache-dtype bf16 serves with half the cache bytes per token, int8 with a little over a
+// quarter, --device cpu:bf16 with bf16
 // weights (ModelInfo says which device); an unknown dtype or device, an --engine-nice out of
 // range or a zero --max-running/--max-waiting/--max-batch-tokens is refused at start with a
 // message naming the flag.
@@ -177,8 +178,18 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
   }
   const Stream s = generate(bf16->channel(), ids_request(prompt(9), 5, 2));
   EXPECT_TRUE(s.status.ok()) << s.status.error_message();
+  bf16.reset();
+  // int8: a byte per cached number, plus a 4-byte scale per head of each key or value row.
+  auto int8 = ServerProcess::start(model_, {"--kv-cache-dtype", "int8", "--engine-nice", "0"});
+  ASSERT_TRUE(int8);
+  const int64_t int8_bytes = model_info(*int8).kv_bytes_per_token();
+  EXPECT_GT(int8_bytes, fp32_bytes / 4);
+  EXPECT_LT(int8_bytes, fp32_bytes / 3);
+  const Stream s8 = generate(int8->channel(), ids_request(prompt(9), 5, 2));
+  EXPECT_TRUE(s8.status.ok()) << s8.status.error_message();
+  EXPECT_EQ(s8.ids().size(), 5u);
   std::string err = refused_serve(model_, "--kv-cache-dtype fp16");
-  EXPECT_NE(err.find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16"), std::string::npos)
+  EXPECT_NE(err.find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16, int8"), std::string::npos)
       << err;
   err = refused_serve(model_, "--engine-nice 20");
   EXPECT_NE(err.find("--engine-nice 20 must be in [0, 19]"), std::string::npos) << err;

@@ -3,6 +3,7 @@
 // out-of-range keys are errors that name the key.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -14,6 +15,12 @@ enum class AttentionType { kStandard, kCem };
 enum class DiagMode { kNone, kShared, kPerHead };
 enum class MlpType { kSwiglu, kCem };
 enum class StepSize { kInverseT, kUnit };
+
+// How a KV cache holds its entries (--kv-cache-dtype): fp32; bf16 (CPU); int8 (CPU) with a float
+// scale per head of each key or value row and one per context row (KvLayerView).
+enum class KvDtype { kFp32, kBf16, kInt8 };
+// "fp32", "bf16", "int8"; nullopt for anything else.
+std::optional<KvDtype> parse_kv_dtype(const std::string& name);
 
 struct LevConfig {
   int digits = 0, seed_dim = 0, knots = 0, rank = 0, heads = 0;
@@ -41,9 +48,9 @@ struct ModelConfig {
   float step(int T) const { return step_size == StepSize::kInverseT ? 1.0f / float(T) : 1.0f; }
   // Floats cached per layer per token (MODEL.md §9).
   int64_t kv_floats_per_token_layer() const;
-  int64_t kv_bytes_per_token(int bytes_per_float = 4) const {
-    return kv_floats_per_token_layer() * n_layers * bytes_per_float;
-  }
+  // Cache bytes per token over all layers: an int8 cache adds its scales (4 bytes per head of a
+  // key or value row, 4 per context row).
+  int64_t kv_bytes_per_token(KvDtype dtype = KvDtype::kFp32) const;
   // Short human-readable name, e.g. "cem-attn(shared,r8)+cem-mlp(r8)+lev".
   std::string variant_name() const;
 };

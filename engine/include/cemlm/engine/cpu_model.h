@@ -19,16 +19,17 @@
 namespace cemlm {
 
 // Paged KV storage for all layers: [L][n_blocks, block_size, width] per kind (MODEL.md §9), as
-// fp32 or (bf16 = true: half the bytes, entries rounded to bf16) as bf16.
+// fp32, bf16 (half the bytes, entries rounded to bf16) or int8 (a quarter, plus a float scale per
+// head of a key or value row and per context row; see KvLayerView).
 class KvPool {
  public:
-  KvPool(const ModelConfig& c, int block_size, int64_t n_blocks, bool bf16 = false);
+  KvPool(const ModelConfig& c, int block_size, int64_t n_blocks, KvDtype dtype = KvDtype::kFp32);
   static int64_t blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes,
-                                   bool bf16 = false);
+                                   KvDtype dtype = KvDtype::kFp32);
   KvLayerView layer(int l);
   int block_size() const { return block_size_; }
   int64_t num_blocks() const { return n_blocks_; }
-  bool bf16() const { return bf16_; }
+  KvDtype dtype() const { return dtype_; }
   void copy_block(int32_t src, int32_t dst);
 
  private:
@@ -37,10 +38,12 @@ class KvPool {
 
   int block_size_;
   int64_t n_blocks_;
-  bool bf16_;
+  KvDtype dtype_;
   int n_layers_, n_heads_, kw_, vw_, cw_;  // numbers per token per layer per kind
   HugePageVector<float> k_, v_, c_;           // fp32 pools
   HugePageVector<uint16_t> k16_, v16_, c16_;  // bf16 pools
+  HugePageVector<int8_t> k8_, v8_, c8_;       // int8 pools
+  HugePageVector<float> ks_, vs_, cs_;        // their scales: H, H and 1 per token per layer
 };
 
 struct SeqRange;  // a range of a batch's sequences (cpu_model.cc)

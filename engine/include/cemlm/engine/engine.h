@@ -31,7 +31,7 @@ struct EngineOptions {
   int max_waiting = 1024;                // bounded queue; submit fails RESOURCE_EXHAUSTED beyond
   bool prefix_caching = true;
   int threads = 0;                       // CPU threads for compute; 0 = all cores
-  std::string kv_cache_dtype = "fp32";   // "fp32" | "bf16" (CPU only: entries rounded to bf16)
+  std::string kv_cache_dtype = "fp32";   // "fp32" | "bf16" | "int8" (CPU only; KvDtype)
   // Added to the niceness of the step thread (and so of its compute threads, which it starts):
   // a server gives its network threads precedence over a step's compute. 0..19.
   int step_thread_nice = 0;

@@ -49,7 +49,7 @@ struct RunnerOptions {
   int64_t kv_cache_memory = 256 << 20;
   int block_size = 16;
   int threads = 0;
-  std::string kv_cache_dtype = "fp32";  // "fp32" | "bf16" (CPU: half the bytes per token)
+  std::string kv_cache_dtype = "fp32";  // "fp32" | "bf16" | "int8" (CPU: 1/2, ~1/4 of the bytes)
   // The engine's step limits (--max-batch-tokens, --max-running): the CUDA runner reserves its
   // working buffers for the largest step they allow before sizing the KV cache.
   int max_batch_tokens = 512;

@@ -53,7 +53,8 @@ double ms_per_step(int rows, int context, Dtype dtype) {
   std::uniform_int_distribution<int> int8(-127, 127);
   for (Pools& p : layers)
     for (auto [f32, f16, i8] : {std::tuple{&p.k, &p.k16, &p.k8}, std::tuple{&p.c, &p.c16, &p.c8}}) {
-      for (float& x : fill) x = normal(rng);
+      if (dtype != Dtype::kInt8)
+        for (float& x : fill) x = normal(rng);
       if (dtype == Dtype::kInt8) {
         i8->resize(floats);
         for (int8_t& x : *i8) x = int8_t(int8(rng));

@@ -543,8 +543,13 @@ EngineStats EngineImpl::stats() const {
 }
 
 ModelInfo EngineImpl::info() const {
-  return {config_, config_.variant_name(), count_params(config_).total,
-          runner_->kv_bytes_per_token(), opts_.device};
+  return {config_,
+          config_.variant_name(),
+          count_params(config_).total,
+          runner_->kv_bytes_per_token(),
+          opts_.device,
+          opts_.kv_cache_dtype,
+          runner_->num_blocks() * runner_->block_size()};
 }
 
 void EngineImpl::shutdown(bool cancel_running) {

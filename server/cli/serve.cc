@@ -170,6 +170,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   if (!engine.ok()) return fail(engine.status());
   Engine* e = engine->get();
   metrics->set_stats_source([e] { return e->stats(); });
+  metrics->set_model_info(e->info());
   (*server)->set_engine(e);
   spdlog::info("serving model={} variant={} device={} kv_cache={} blas=\"{}\"", opts.model_name,
                e->config().variant_name(), f.device, f.kv_cache_dtype, blas_description());

@@ -184,6 +184,8 @@ v1::ModelInfo model_info(const Engine& engine, const std::string& model_name) {
   out.set_bos_id(bos_id(engine));
   out.set_eos_id(resolve_eos_id(c.eos_id, engine.tokenizer()));
   out.set_has_tokenizer(engine.tokenizer() != nullptr);
+  out.set_kv_cache_dtype(info.kv_cache_dtype);
+  out.set_kv_cache_capacity_tokens(info.kv_cache_capacity_tokens);
   return out;
 }
 

@@ -32,6 +32,15 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
   waiting_ = gauge("cemlm:num_requests_waiting",
                    "Requests queued in the engine, Score calls waiting for KV cache room included.");
   kv_usage_ = gauge("cemlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).");
+  kv_capacity_ = gauge("cemlm:kv_cache_capacity_tokens",
+                       "Tokens the KV cache holds at once (its blocks x block size); 0 until the "
+                       "model is loaded.");
+  cache_config_ = &prometheus::BuildGauge()
+                       .Name("cemlm:cache_config_info")
+                       .Help(
+                           "The KV cache as served: device, kv_cache_dtype (fp32, bf16, int8) and "
+                           "kv_bytes_per_token as labels; value 1, once the model is loaded.")
+                       .Register(*registry_);
   unread_ = gauge("cemlm:num_unread_streams",
                   "Finished Generate streams whose clients have not read all of them (each holds "
                   "its output; at --max-running + --max-waiting new streams are refused).");
@@ -83,6 +92,16 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
 void ServerMetrics::set_stats_source(std::function<EngineStats()> source) {
   std::lock_guard lock(stats_mu_);
   stats_source_ = std::move(source);
+}
+
+void ServerMetrics::set_model_info(const ModelInfo& info) {
+  kv_capacity_->Set(double(info.kv_cache_capacity_tokens));
+  cache_config_
+      ->Add({{"model_name", model_name_},
+             {"device", info.device},
+             {"kv_cache_dtype", info.kv_cache_dtype},
+             {"kv_bytes_per_token", std::to_string(info.kv_bytes_per_token)}})
+      .Set(1);
 }
 
 void ServerMetrics::observe_first_token(double seconds, int prompt_tokens) {

@@ -195,11 +195,22 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
   std::unique_ptr<Engine> engine(int64_t n_blocks = 256, bool prefix_caching = true,
                                  const std::string& kv_dtype = "fp32",
                                  const std::string& device = "cpu") {
+    return engine_of_bytes(n_blocks * kBlockSize * cfg_.kv_bytes_per_token(), prefix_caching,
+                           kv_dtype, device);
+  }
+  // A cache of n_blocks of its own dtype.
+  std::unique_ptr<Engine> engine_of_blocks(int64_t n_blocks, const std::string& kv_dtype) {
+    return engine_of_bytes(
+        n_blocks * kBlockSize * cfg_.kv_bytes_per_token(*parse_kv_dtype(kv_dtype)), true, kv_dtype,
+        "cpu");
+  }
+  std::unique_ptr<Engine> engine_of_bytes(int64_t bytes, bool prefix_caching,
+                                          const std::string& kv_dtype, const std::string& device) {
     EngineOptions o;
     o.model_dir = dir_;
     o.device = device;
     o.block_size = kBlockSize;
-    o.kv_cache_memory = n_blocks * kBlockSize * cfg_.kv_bytes_per_token();
+    o.kv_cache_memory = bytes;
     o.kv_cache_dtype = kv_dtype;
     o.max_batch_tokens = kMaxBatchTokens;
     o.prefix_caching = prefix_caching;
@@ -314,24 +325,29 @@ TEST_P(EngineRealTest, LongSampledRequestIsTheSameAloneAndBatched) {
   expect_same(together[0], alone, "long sampled request");
 }
 
+// For each cache dtype: requests preempted on a tiny cache (recomputed from their tokens) end with
+// the outputs of a cache roomy enough for all.
 TEST_P(EngineRealTest, PreemptionKeepsOutputsIdentical) {
   std::vector<GenerateRequest> reqs;
   for (int i = 0; i < 6; ++i)
     reqs.push_back(request(random_ids(8 + i, cfg_.vocab_size, 200 + uint64_t(i)), 12, 1 + i % 3,
                            i % 2 ? std::optional<uint64_t>(7 + i) : std::nullopt));
-  auto roomy = engine();
-  ASSERT_NE(roomy, nullptr);
-  const auto want = run_all(*roomy, reqs);
-  // The largest request needs 7 blocks; the runner's minimum is one max_seq_len sequence (10).
-  auto tiny = engine(kMaxSeqLen / kBlockSize + 1);
-  ASSERT_NE(tiny, nullptr);
-  const auto got = run_all(*tiny, reqs);
-  EXPECT_GT(tiny->stats().preemptions_total, 0);
-  EXPECT_EQ(roomy->stats().preemptions_total, 0);
-  for (size_t i = 0; i < reqs.size(); ++i)
-    expect_same(got[i], want[i], "request " + std::to_string(i));
-  expect_all_blocks_available(*tiny);
-  expect_all_blocks_available(*roomy);
+  for (const char* dtype : {"fp32", "bf16", "int8"}) {
+    SCOPED_TRACE(dtype);
+    auto roomy = engine(256, true, dtype);
+    ASSERT_NE(roomy, nullptr);
+    const auto want = run_all(*roomy, reqs);
+    // The largest request needs 7 blocks; the runner's minimum is one max_seq_len sequence (10).
+    auto tiny = engine_of_blocks(kMaxSeqLen / kBlockSize + 1, dtype);
+    ASSERT_NE(tiny, nullptr);
+    const auto got = run_all(*tiny, reqs);
+    EXPECT_GT(tiny->stats().preemptions_total, 0);
+    EXPECT_EQ(roomy->stats().preemptions_total, 0);
+    for (size_t i = 0; i < reqs.size(); ++i)
+      expect_same(got[i], want[i], "request " + std::to_string(i));
+    expect_all_blocks_available(*tiny);
+    expect_all_blocks_available(*roomy);
+  }
 }
 
 TEST_P(EngineRealTest, ScoringDuringGenerationOnATinyCacheChangesNothing) {
@@ -364,6 +380,8 @@ TEST_P(EngineRealTest, ScoringDuringGenerationOnATinyCacheChangesNothing) {
   expect_all_blocks_available(*tiny);
 }
 
+// For each cache dtype: prompts sharing full blocks reuse them (not across T) with the outputs of
+// an engine without prefix caching.
 TEST_P(EngineRealTest, PrefixCacheServesSharedPromptsWithIdenticalOutput) {
   const std::vector<int> prompt = random_ids(20, cfg_.vocab_size, 300);
   std::vector<int> shared(prompt.begin(), prompt.begin() + 18);
@@ -373,32 +391,35 @@ TEST_P(EngineRealTest, PrefixCacheServesSharedPromptsWithIdenticalOutput) {
   const GenerateRequest sharing = request(shared, 8, 2, 99);
   const GenerateRequest other_t = request(shared, 8, 1, 99);
 
-  auto cold = engine(256, /*prefix_caching=*/false);
-  ASSERT_NE(cold, nullptr);
-  const auto want = run_all(*cold, {first, sharing, other_t});
-  EXPECT_EQ(cold->stats().prefix_cache_hits_total, 0);
+  for (const char* dtype : {"fp32", "bf16", "int8"}) {
+    SCOPED_TRACE(dtype);
+    auto cold = engine(256, /*prefix_caching=*/false, dtype);
+    ASSERT_NE(cold, nullptr);
+    const auto want = run_all(*cold, {first, sharing, other_t});
+    EXPECT_EQ(cold->stats().prefix_cache_hits_total, 0);
 
-  auto warm = engine();
-  ASSERT_NE(warm, nullptr);
-  const Output a = run_all(*warm, {first})[0];
-  EXPECT_EQ(a.usage.cached_prompt_tokens, 0);
-  const Output b = run_all(*warm, {sharing})[0];
-  // The 18 shared tokens hold 4 full blocks.
-  EXPECT_EQ(b.usage.cached_prompt_tokens, 18 / kBlockSize * kBlockSize);
-  const Output a2 = run_all(*warm, {same})[0];
-  EXPECT_GT(a2.usage.cached_prompt_tokens, 0);
-  EXPECT_LT(a2.usage.cached_prompt_tokens, int(prompt.size()));
-  const Output c = run_all(*warm, {other_t})[0];
-  EXPECT_EQ(c.usage.cached_prompt_tokens, 0) << "cached blocks must not serve another T";
-  EXPECT_EQ(warm->stats().prefix_cache_hits_total,
-            b.usage.cached_prompt_tokens + a2.usage.cached_prompt_tokens);
+    auto warm = engine(256, true, dtype);
+    ASSERT_NE(warm, nullptr);
+    const Output a = run_all(*warm, {first})[0];
+    EXPECT_EQ(a.usage.cached_prompt_tokens, 0);
+    const Output b = run_all(*warm, {sharing})[0];
+    // The 18 shared tokens hold 4 full blocks.
+    EXPECT_EQ(b.usage.cached_prompt_tokens, 18 / kBlockSize * kBlockSize);
+    const Output a2 = run_all(*warm, {same})[0];
+    EXPECT_GT(a2.usage.cached_prompt_tokens, 0);
+    EXPECT_LT(a2.usage.cached_prompt_tokens, int(prompt.size()));
+    const Output c = run_all(*warm, {other_t})[0];
+    EXPECT_EQ(c.usage.cached_prompt_tokens, 0) << "cached blocks must not serve another T";
+    EXPECT_EQ(warm->stats().prefix_cache_hits_total,
+              b.usage.cached_prompt_tokens + a2.usage.cached_prompt_tokens);
 
-  expect_same(a, want[0], "first");
-  expect_same(b, want[1], "sharing a prefix");
-  expect_same(a2, want[0], "repeated prompt");
-  expect_same(c, want[2], "other T");
-  expect_all_blocks_available(*warm);
-  expect_all_blocks_available(*cold);
+    expect_same(a, want[0], "first");
+    expect_same(b, want[1], "sharing a prefix");
+    expect_same(a2, want[0], "repeated prompt");
+    expect_same(c, want[2], "other T");
+    expect_all_blocks_available(*warm);
+    expect_all_blocks_available(*cold);
+  }
 }
 
 TEST_P(EngineRealTest, GreedyLogprobsMatchTheFullForward) {

@@ -182,9 +182,14 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
   // int8: a byte per cached number, plus a 4-byte scale per head of each key or value row.
   auto int8 = ServerProcess::start(model_, {"--kv-cache-dtype", "int8", "--engine-nice", "0"});
   ASSERT_TRUE(int8);
-  const int64_t int8_bytes = model_info(*int8).kv_bytes_per_token();
+  const v1::ModelInfo int8_info = model_info(*int8), fp32_info = model_info(*server_);
+  const int64_t int8_bytes = int8_info.kv_bytes_per_token();
   EXPECT_GT(int8_bytes, fp32_bytes / 4);
   EXPECT_LT(int8_bytes, fp32_bytes / 3);
+  EXPECT_EQ(int8_info.kv_cache_dtype(), "int8");
+  EXPECT_EQ(fp32_info.kv_cache_dtype(), "fp32");
+  // The same --kv-cache-memory holds more than three times the tokens.
+  EXPECT_GT(int8_info.kv_cache_capacity_tokens(), 3 * fp32_info.kv_cache_capacity_tokens());
   const Stream s8 = generate(int8->channel(), ids_request(prompt(9), 5, 2));
   EXPECT_TRUE(s8.status.ok()) << s8.status.error_message();
   EXPECT_EQ(s8.ids().size(), 5u);
@@ -294,6 +299,8 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
       {"cemlm:num_requests_running", "gauge"},
       {"cemlm:num_requests_waiting", "gauge"},
       {"cemlm:kv_cache_usage_perc", "gauge"},
+      {"cemlm:kv_cache_capacity_tokens", "gauge"},
+      {"cemlm:cache_config_info", "gauge"},
       {"cemlm:num_preemptions_total", "counter"},
       {"cemlm:prompt_tokens_total", "counter"},
       {"cemlm:generation_tokens_total", "counter"},
@@ -343,6 +350,15 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
   EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_count"), 1);
   EXPECT_EQ(metric(m, "cemlm:request_queue_time_seconds_count"), 1);
   EXPECT_EQ(metric(m, "cemlm:recursion_depth_sum"), 2);
+  // The cache as served: its capacity and its configuration, as GetModelInfo says.
+  const v1::ModelInfo info = model_info(*server_);
+  EXPECT_GT(info.kv_cache_capacity_tokens(), 0);
+  EXPECT_EQ(info.kv_cache_capacity_tokens() % 16, 0);  // whole 16-token blocks
+  EXPECT_EQ(metric(m, "cemlm:kv_cache_capacity_tokens"), info.kv_cache_capacity_tokens());
+  EXPECT_EQ(metric(m, "cemlm:cache_config_info",
+                   "device=\"cpu\",kv_bytes_per_token=\"" +
+                       std::to_string(info.kv_bytes_per_token()) + "\",kv_cache_dtype=\"fp32\""),
+            1);
   // The engine publishes its gauges after the step that finished the request.
   EXPECT_TRUE(wait_for_metrics(*server_, [](const auto& now) {
     return metric(now, "cemlm:num_requests_running") == 0 &&

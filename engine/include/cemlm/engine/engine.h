@@ -111,6 +111,8 @@ struct ModelInfo {
   int64_t parameters = 0;
   int64_t kv_bytes_per_token = 0;
   std::string device;
+  std::string kv_cache_dtype;            // as EngineOptions
+  int64_t kv_cache_capacity_tokens = 0;  // the runner's blocks × block size
 };
 
 class Engine {

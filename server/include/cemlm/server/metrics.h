@@ -36,6 +36,9 @@ class ServerMetrics : public prometheus::Collectable {
 
   // Where the gauges come from; unset (before the model is loaded) they read zero.
   void set_stats_source(std::function<EngineStats()> source);
+  // The loaded model's KV cache: its capacity in tokens (kv_cache_capacity_tokens) and the
+  // cache_config_info series (device, dtype, bytes per token as labels; value 1).
+  void set_model_info(const ModelInfo& info);
 
   // A generation's first tokens: its prompt is through prefill. Then `n` tokens of it streamed.
   void observe_first_token(double seconds, int prompt_tokens);
@@ -58,7 +61,8 @@ class ServerMetrics : public prometheus::Collectable {
 
   std::string model_name_;
   std::shared_ptr<prometheus::Registry> registry_;
-  prometheus::Gauge *running_, *waiting_, *kv_usage_, *unread_;
+  prometheus::Gauge *running_, *waiting_, *kv_usage_, *kv_capacity_, *unread_;
+  prometheus::Family<prometheus::Gauge>* cache_config_;
   prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_,
       *unread_cancelled_;
   prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_;

@@ -44,6 +44,14 @@ int64_t KvPool::blocks_for_budget(const ModelConfig& c, int block_size, int64_t 
   return bytes / (int64_t(block_size) * c.kv_bytes_per_token(dtype));
 }
 
+int64_t KvPool::bytes_per_token() const {
+  const size_t bytes =
+      sizeof(float) * (k_.size() + v_.size() + c_.size() + ks_.size() + vs_.size() + cs_.size()) +
+      sizeof(uint16_t) * (k16_.size() + v16_.size() + c16_.size()) + k8_.size() + v8_.size() +
+      c8_.size();
+  return int64_t(bytes) / (n_blocks_ * block_size_);
+}
+
 KvLayerView KvPool::layer(int l) {
   const int64_t per = n_blocks_ * block_size_;
   KvLayerView v;

@@ -35,7 +35,7 @@ class CpuRunner final : public ModelRunner {
     model_.forward(batch, kv_, logits);
   }
   void copy_block(int32_t src, int32_t dst) override { kv_.copy_block(src, dst); }
-  int64_t kv_bytes_per_token() const override { return ck_.config.kv_bytes_per_token(kv_.dtype()); }
+  int64_t kv_bytes_per_token() const override { return kv_.bytes_per_token(); }
 
  private:
   int threads_;

@@ -269,11 +269,13 @@ int cmd_serve(int argc, char** argv) {
             "/ VNNI dot products: batches and prefill faster again, logprobs move more) | cuda "
             "(= cuda:bf16) | cuda:fp32");
   flags.add("kv-cache-memory", &f.kv_cache_memory, "KV-cache budget in bytes (K/M/G/T suffixes)");
-  flags.add("kv-cache-dtype", &f.kv_cache_dtype,
-            "fp32 | bf16 | int8 (CPU): bf16 holds twice the tokens of fp32 and reads half the "
-            "bytes per decode step, entries rounded to bf16 (logprobs move by ~1e-3); int8 holds "
-            "about 3.7x the tokens of fp32 (a byte per number plus a 4-byte scale per head), "
-            "entries quantized (logprobs move by ~2e-3)");
+  flags.add(
+      "kv-cache-dtype", &f.kv_cache_dtype,
+      "fp32 | bf16 | int8 (CPU): bf16 holds twice the tokens of fp32 and reads half the "
+      "bytes per decode step, entries rounded to bf16 (logprobs move by ~1e-3); int8 holds "
+      "3.7-3.9x the tokens of fp32 with heads of 32-64 (a byte per number plus a 4-byte scale "
+      "per head; `cemlm inspect` gives the bytes), "
+      "entries quantized (logprobs move by ~2e-3)");
   flags.add("max-batch-tokens", &f.max_batch_tokens, "tokens per engine step (chunked prefill)");
   flags.add("max-running", &f.max_running,
             "requests in the running batch at once (the rest queue; a higher priority preempts)");

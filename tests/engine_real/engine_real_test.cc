@@ -195,13 +195,13 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
   std::unique_ptr<Engine> engine(int64_t n_blocks = 256, bool prefix_caching = true,
                                  const std::string& kv_dtype = "fp32",
                                  const std::string& device = "cpu") {
-    return engine_of_bytes(n_blocks * kBlockSize * cfg_.kv_bytes_per_token(), prefix_caching,
+    return engine_of_bytes(n_blocks * block_size_ * cfg_.kv_bytes_per_token(), prefix_caching,
                            kv_dtype, device);
   }
   // A cache of n_blocks of its own dtype.
   std::unique_ptr<Engine> engine_of_blocks(int64_t n_blocks, const std::string& kv_dtype) {
     return engine_of_bytes(
-        n_blocks * kBlockSize * cfg_.kv_bytes_per_token(*parse_kv_dtype(kv_dtype)), true, kv_dtype,
+        n_blocks * block_size_ * cfg_.kv_bytes_per_token(*parse_kv_dtype(kv_dtype)), true, kv_dtype,
         "cpu");
   }
   std::unique_ptr<Engine> engine_of_bytes(int64_t bytes, bool prefix_caching,
@@ -209,7 +209,7 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
     EngineOptions o;
     o.model_dir = dir_;
     o.device = device;
-    o.block_size = kBlockSize;
+    o.block_size = block_size_;
     o.kv_cache_memory = bytes;
     o.kv_cache_dtype = kv_dtype;
     o.max_batch_tokens = kMaxBatchTokens;
@@ -220,7 +220,7 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
     if (!e.ok()) return nullptr;
     const KvDtype dtype = parse_kv_dtype(kv_dtype).value_or(KvDtype::kFp32);
     EXPECT_EQ(e.value()->stats().kv_blocks_total,
-              o.kv_cache_memory / (kBlockSize * cfg_.kv_bytes_per_token(dtype)));
+              o.kv_cache_memory / (block_size_ * cfg_.kv_bytes_per_token(dtype)));
     return std::move(e).value();
   }
 
@@ -268,6 +268,9 @@ class EngineRealTest : public ::testing::TestWithParam<Variant> {
   ParamStore store_;
   Weights w_;
   std::string dir_;
+  // The engines' block size: kBlockSize (a token-major CPU cache, read by the portable passes), or
+  // 16 (tiled, read by the AVX-512 passes where built) where a test runs both.
+  int block_size_ = kBlockSize;
 };
 
 TEST_P(EngineRealTest, OutputsAreTheSameAloneAndBatched) {
@@ -332,13 +335,16 @@ TEST_P(EngineRealTest, PreemptionKeepsOutputsIdentical) {
   for (int i = 0; i < 6; ++i)
     reqs.push_back(request(random_ids(8 + i, cfg_.vocab_size, 200 + uint64_t(i)), 12, 1 + i % 3,
                            i % 2 ? std::optional<uint64_t>(7 + i) : std::nullopt));
-  for (const char* dtype : {"fp32", "bf16", "int8"}) {
-    SCOPED_TRACE(dtype);
+  for (auto [dtype, bs] : {std::pair{"fp32", kBlockSize}, std::pair{"bf16", kBlockSize},
+                           std::pair{"int8", kBlockSize}, std::pair{"int8", 16}}) {
+    SCOPED_TRACE(std::string(dtype) + " block size " + std::to_string(bs));
+    block_size_ = bs;
     auto roomy = engine(256, true, dtype);
     ASSERT_NE(roomy, nullptr);
     const auto want = run_all(*roomy, reqs);
-    // The largest request needs 7 blocks; the runner's minimum is one max_seq_len sequence (10).
-    auto tiny = engine_of_blocks(kMaxSeqLen / kBlockSize + 1, dtype);
+    // The runner's minimum is one max_seq_len sequence (10 blocks of 4, 3 of 16); the largest
+    // request needs 7 of 4 or 2 of 16, so a second one running beside it must wait or preempt.
+    auto tiny = engine_of_blocks(kMaxSeqLen / bs + 1, dtype);
     ASSERT_NE(tiny, nullptr);
     const auto got = run_all(*tiny, reqs);
     EXPECT_GT(tiny->stats().preemptions_total, 0);
@@ -391,8 +397,10 @@ TEST_P(EngineRealTest, PrefixCacheServesSharedPromptsWithIdenticalOutput) {
   const GenerateRequest sharing = request(shared, 8, 2, 99);
   const GenerateRequest other_t = request(shared, 8, 1, 99);
 
-  for (const char* dtype : {"fp32", "bf16", "int8"}) {
-    SCOPED_TRACE(dtype);
+  for (auto [dtype, bs] : {std::pair{"fp32", kBlockSize}, std::pair{"bf16", kBlockSize},
+                           std::pair{"int8", kBlockSize}, std::pair{"int8", 16}}) {
+    SCOPED_TRACE(std::string(dtype) + " block size " + std::to_string(bs));
+    block_size_ = bs;
     auto cold = engine(256, /*prefix_caching=*/false, dtype);
     ASSERT_NE(cold, nullptr);
     const auto want = run_all(*cold, {first, sharing, other_t});
@@ -403,8 +411,8 @@ TEST_P(EngineRealTest, PrefixCacheServesSharedPromptsWithIdenticalOutput) {
     const Output a = run_all(*warm, {first})[0];
     EXPECT_EQ(a.usage.cached_prompt_tokens, 0);
     const Output b = run_all(*warm, {sharing})[0];
-    // The 18 shared tokens hold 4 full blocks.
-    EXPECT_EQ(b.usage.cached_prompt_tokens, 18 / kBlockSize * kBlockSize);
+    // The 18 shared tokens hold 4 full blocks of 4, or one of 16.
+    EXPECT_EQ(b.usage.cached_prompt_tokens, 18 / bs * bs);
     const Output a2 = run_all(*warm, {same})[0];
     EXPECT_GT(a2.usage.cached_prompt_tokens, 0);
     EXPECT_LT(a2.usage.cached_prompt_tokens, int(prompt.size()));
@@ -459,8 +467,11 @@ TEST_P(EngineRealTest, ScoreMatchesFullForwardNll) {
 // 4e-3 / 1.2e-2), but moves them.
 TEST_P(EngineRealTest, LowPrecisionCacheHoldsMoreTokensAndStaysClose) {
   const auto reqs = mixed_requests(cfg_.vocab_size);
-  for (auto [name, tol] : {std::pair{"bf16", 3e-2}, std::pair{"int8", 5e-2}}) {
-    SCOPED_TRACE(name);
+  for (auto [name, tol, bs] :
+       {std::tuple{"bf16", 3e-2, kBlockSize}, std::tuple{"int8", 5e-2, kBlockSize},
+        std::tuple{"bf16", 3e-2, 16}, std::tuple{"int8", 5e-2, 16}}) {
+    SCOPED_TRACE(std::string(name) + " block size " + std::to_string(bs));
+    block_size_ = bs;
     auto batched = engine(256, true, name);
     ASSERT_NE(batched, nullptr);
     if (std::string(name) == "bf16") {

@@ -285,10 +285,12 @@ TEST(CudaRunnerOptions, ErrorsNameTheOption) {
   EXPECT_NE(mr.status().message().find("\"cuda:fp16\" is not one of"), std::string::npos)
       << mr.status();
   ro.device = "cuda";
-  ro.kv_cache_dtype = "bf16";
-  mr = make_cuda_model_runner("/nonexistent", ro);
-  ASSERT_FALSE(mr.ok());
-  EXPECT_NE(mr.status().message().find("--kv-cache-dtype"), std::string::npos) << mr.status();
+  for (const char* dtype : {"bf16", "int8"}) {  // CPU caches only
+    ro.kv_cache_dtype = dtype;
+    mr = make_cuda_model_runner("/nonexistent", ro);
+    ASSERT_FALSE(mr.ok());
+    EXPECT_NE(mr.status().message().find("--kv-cache-dtype"), std::string::npos) << mr.status();
+  }
 }
 
 TEST(CudaRunnerOptions, TooSmallKvCacheNamesTheFlag) {

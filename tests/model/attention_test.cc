@@ -247,10 +247,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest, ::testing::ValuesIn(cases()),
 TEST(Int8Cache, NonFiniteAndZeroGroupsReadBackAsFp32Would) {
   const int H = 2, dh = 16, W = H * dh;
   for (int bs : {16, 3}) {  // tiled (AVX-512 passes where built), token-major (portable)
-    for (bool poison : {false, true}) {
+    for (float poison : {0.5f, INFINITY, NAN}) {  // 0.5: no poison
       std::vector<float> K(2 * W, 0.5f);
       for (int i = 0; i < dh; ++i) K[i] = 0.0f;  // token 0, head 0: all zero
-      if (poison) K[W + dh + 3] = INFINITY;      // token 1, head 1
+      K[W + dh + 3] = poison;                    // token 1, head 1
       std::vector<int8_t> k8(size_t(bs) * W, 0);
       std::vector<float> ks(size_t(bs) * H, NAN), q(W, 1.0f), out(W, 0.0f);
       const int32_t table[1] = {0};
@@ -270,7 +270,8 @@ TEST(Int8Cache, NonFiniteAndZeroGroupsReadBackAsFp32Would) {
         EXPECT_NEAR(out[i], 0.5 * p1, 1e-6) << "bs " << bs << " column " << i;
       }
       for (int i = dh; i < W; ++i)
-        EXPECT_EQ(std::isnan(out[i]), poison) << "bs " << bs << " column " << i << " " << out[i];
+        EXPECT_EQ(std::isnan(out[i]), !std::isfinite(poison))
+            << "bs " << bs << " poison " << poison << " column " << i << " " << out[i];
     }
   }
 }

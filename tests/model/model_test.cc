@@ -134,6 +134,22 @@ TEST_P(ModelTest, CopiedBlocksDecodeAsTheOriginals) {
     }
 }
 
+// What a KvPool allocates per token is what ModelConfig::kv_bytes_per_token says (the budget's
+// blocks are counted with it): fp32 and bf16 4 and 2 bytes a number; int8 one, and 4 per head of
+// each key or value row and per context row.
+TEST_P(ModelTest, KvPoolHoldsTheBytesPerTokenItIsBudgetedFor) {
+  const int64_t numbers = cfg_.kv_floats_per_token_layer() * cfg_.n_layers;
+  const bool standard = cfg_.attention == AttentionType::kStandard;
+  const int64_t scales =
+      cfg_.n_layers * (standard ? 2 * cfg_.n_heads : cfg_.n_heads + (cfg_.diag != DiagMode::kNone));
+  for (auto [dtype, want] :
+       {std::pair{KvDtype::kFp32, 4 * numbers}, std::pair{KvDtype::kBf16, 2 * numbers},
+        std::pair{KvDtype::kInt8, numbers + 4 * scales}}) {
+    EXPECT_EQ(cfg_.kv_bytes_per_token(dtype), want) << int(dtype);
+    EXPECT_EQ(KvPool(cfg_, 16, 3, dtype).bytes_per_token(), want) << int(dtype);
+  }
+}
+
 // Three sequences with different lengths and T in one batch equal each run alone.
 TEST_P(ModelTest, MixedDepthBatchEqualsAlone) {
   const int V = cfg_.vocab_size, bs = 4;

@@ -30,6 +30,8 @@ class KvPool {
   int block_size() const { return block_size_; }
   int64_t num_blocks() const { return n_blocks_; }
   KvDtype dtype() const { return dtype_; }
+  // The bytes its pools hold per token (all layers, scales included), from what it allocated.
+  int64_t bytes_per_token() const;
   void copy_block(int32_t src, int32_t dst);
 
  private:

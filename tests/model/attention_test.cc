@@ -213,6 +213,10 @@ std::vector<Case> cases() {
     v.push_back({true, DiagKind::kNone, 20, 16, 32, 16, 45, 1, dt});
     v.push_back({false, DiagKind::kNone, 7, 48, 32, 16, 40, 1, dt});
     v.push_back({false, DiagKind::kShared, 1, 272, 24, 16, 20, 1, dt});
+    // Odd head and context widths: a 64-column block's last column alone.
+    v.push_back({false, DiagKind::kShared, 3, 7, 25, 16, 90, 1, dt});
+    v.push_back({true, DiagKind::kNone, 2, 5, 16, 32, 70, 1, dt});
+    v.push_back({false, DiagKind::kPerHead, 2, 5, 33, 16, 60, 1, dt});
     // Long contexts with fewer rows than threads: 64-token chunks shared out over 2, 3 (uneven
     // shares) and 4 threads (512-token blocks make 512-token chunks, 3 over 4 threads: one share
     // is empty); each also against one thread, bit for bit. 130 tokens: the shortest split, two

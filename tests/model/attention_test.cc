@@ -280,6 +280,52 @@ TEST(Int8Cache, NonFiniteAndZeroGroupsReadBackAsFp32Would) {
   }
 }
 
+// A prefill's neighbour rows share their passes, the last chunk included, where a row ends a few
+// tokens before the next: a later token's key must not reach an earlier row even when it is NaN
+// (a zero weight times NaN is NaN), and each row keeps its bits alone.
+TEST(AttentionRows, ALaterTokensNaNKeyStaysOutOfEarlierRows) {
+  const int H = 2, dh = 16, W = H * dh, n_ctx = 40, R = 8, poisoned = 37;
+  for (int bs : {16, 3}) {  // tiled (AVX-512 passes where built), token-major (portable)
+    const int n_blocks = (n_ctx + bs - 1) / bs;
+    Rng rng(7);
+    std::vector<float> K(size_t(n_ctx) * W), q(size_t(R) * W);
+    for (float& x : K) x = float(rng.normal());
+    for (float& x : q) x = float(rng.normal());
+    K[size_t(poisoned) * W + 3] = NAN;
+    std::vector<float> pool(size_t(n_blocks) * bs * W, 0.0f);
+    std::vector<int32_t> table(static_cast<size_t>(n_blocks));
+    std::iota(table.begin(), table.end(), 0);
+    KvLayerView kv;
+    kv.block_size = bs, kv.n_heads = H, kv.k_width = W, kv.tiled = bs % 16 == 0, kv.k = pool.data();
+    const AttnSeq all{0, n_ctx, 0, table.data()}, rows{0, R, n_ctx - R, table.data()};
+    kv_write(ExecCtx{}, kv, &all, 1, Tensor(K.data(), {n_ctx, W}), Tensor{}, Tensor{});
+    std::vector<float> scratch(
+        size_t(paged_attention_scratch_floats(&rows, 1, kv, DiagKind::kNone)));
+    ExecCtx ex;
+    ex.batch_invariant = true;  // the engine's: every row on the one-row path
+    ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
+    std::vector<float> out(size_t(R) * W, 0.0f);
+    paged_attention_forward(ex, Tensor(out.data(), {R, W}), Tensor{}, Tensor(q.data(), {R, W}),
+                            Tensor{}, DiagKind::kNone, kv, &rows, 1, 0.25f);
+    for (int r = 0; r < R; ++r) {
+      const int pos = n_ctx - R + r;
+      std::vector<float> alone(W, 0.0f);
+      const AttnSeq one{0, 1, pos, table.data()};
+      paged_attention_forward(ex, Tensor(alone.data(), {1, W}), Tensor{},
+                              Tensor(q.data() + size_t(r) * W, {1, W}), Tensor{}, DiagKind::kNone,
+                              kv, &one, 1, 0.25f);
+      for (int i = 0; i < W; ++i) {
+        // Head 0 holds the NaN: rows from the poisoned position on are NaN there.
+        EXPECT_EQ(std::isnan(out[size_t(r) * W + i]), pos >= poisoned && i < dh)
+            << "bs " << bs << " position " << pos << " column " << i;
+        EXPECT_EQ(std::bit_cast<uint32_t>(out[size_t(r) * W + i]),
+                  std::bit_cast<uint32_t>(alone[i]))
+            << "bs " << bs << " position " << pos << " column " << i;
+      }
+    }
+  }
+}
+
 TEST(Bf16, RoundsToNearestEven) {
   auto bits = [](uint32_t u) { return f32_to_bf16(std::bit_cast<float>(u)); };
   EXPECT_EQ(f32_to_bf16(1.0f), 0x3F80);

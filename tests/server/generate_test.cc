@@ -104,10 +104,15 @@ std::string log_with(const ServerProcess& server, const std::string& needle) {
   return log;
 }
 
+// A request that is still running when a test acts on it, however loaded the machine: this many
+// tokens at T = 8 take many seconds on the tiny model (2000 took ~0.4 s, and were done before the
+// test's next call in a busy full ctest run). Tests cancel it.
+constexpr int kLongRequest = 16000, kLongSeqLen = 16384;
+
 class ServerGenerate : public ::testing::Test {
  protected:
   void SetUp() override {
-    model_ = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 2048});
+    model_ = make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen});
     server_ = ServerProcess::start(model_);
     ASSERT_TRUE(server_);
   }
@@ -264,7 +269,7 @@ TEST_F(ServerGenerate, CancelMidStreamFreesTheBlocks) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + 60s);
   auto reader = v1::Inference::NewStub(server_->channel())
-                    ->Generate(&context, ids_request(some_ids(12), 2000, 8));
+                    ->Generate(&context, ids_request(some_ids(12), kLongRequest, 8));
   v1::GenerateResponse m;
   ASSERT_TRUE(reader->Read(&m));
   context.TryCancel();
@@ -293,7 +298,7 @@ TEST_F(ServerGenerate, TokenCountersMoveWhileStreaming) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + 60s);
   auto reader = v1::Inference::NewStub(server_->channel())
-                    ->Generate(&context, ids_request(some_ids(12), 2000, 8));
+                    ->Generate(&context, ids_request(some_ids(12), kLongRequest, 8));
   int streamed = 0;
   for (v1::GenerateResponse m; streamed < 5 && reader->Read(&m);) streamed += m.token_ids_size();
   ASSERT_GE(streamed, 5);
@@ -319,8 +324,9 @@ TEST_F(ServerGenerate, RequestIdCannotForgeLogLines) {
 }
 
 TEST_F(ServerGenerate, DeadlineEndsTheRequest) {
-  // 2000 tokens at T=8 take ~0.4 s on a 2-core machine (more under load): the deadline comes first.
-  const Stream s = generate(server_->channel(), ids_request(some_ids(12), 2000, 8), {"", 50ms});
+  // The deadline comes first.
+  const Stream s =
+      generate(server_->channel(), ids_request(some_ids(12), kLongRequest, 8), {"", 50ms});
   EXPECT_EQ(s.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_TRUE(wait_for_metrics(*server_, [](const auto& m) {
     return metric(m, "cemlm:num_requests_running") == 0 &&
@@ -496,17 +502,22 @@ TEST(ServerQueue, ADrainCancelsStreamsLeftUnread) {
 // serve: the queued request of lower priority is displaced (open streams of the engine's are not
 // the unread-stream bound's to refuse).
 TEST(ServerQueue, AHigherPriorityDisplacesAQueuedRequest) {
-  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 2048});
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen});
   auto server = ServerProcess::start(model, {"--max-running", "1", "--max-waiting", "1"});
   ASSERT_TRUE(server);
   grpc::ClientContext running_ctx;
   auto stub = v1::Inference::NewStub(server->channel());
-  auto running = stub->Generate(&running_ctx, ids_request(some_ids(8), 2000, 8));
+  auto running = stub->Generate(&running_ctx, ids_request(some_ids(8), kLongRequest, 8));
   Stream queued;
   std::thread waiter([&] { queued = generate(server->channel(), ids_request(some_ids(8, 1), 4)); });
-  ASSERT_TRUE(wait_for_metrics(*server, [](const auto& m) {
-    return metric(m, "cemlm:num_requests_running") == 1 && metric(m, "cemlm:num_requests_waiting") == 1;
-  }));
+  if (!wait_for_metrics(*server, [](const auto& m) {
+        return metric(m, "cemlm:num_requests_running") == 1 &&
+               metric(m, "cemlm:num_requests_waiting") == 1;
+      })) {
+    running_ctx.TryCancel();
+    waiter.join();
+    FAIL() << "never one request running and one waiting";
+  }
   v1::GenerateRequest urgent = ids_request(some_ids(8, 2), 4);
   urgent.set_priority(5);
   Stream taken;

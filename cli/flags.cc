@@ -15,9 +15,11 @@ template <typename T>
 bool parse_number(const std::string& s, T* out) {
   if (s.empty()) return false;
   if constexpr (std::is_floating_point_v<T>) {
-    char* end = nullptr;
-    double v = std::strtod(s.c_str(), &end);
-    if (*end != '\0') return false;
+    // Decimal or scientific only, the whole text: strtod also took leading blanks and hex
+    // ("--lr 0x10" was 16).
+    double v = 0;
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v, std::chars_format::general);
+    if (ec != std::errc() || p != s.data() + s.size()) return false;
     *out = T(v);
     return true;
   } else {
@@ -56,17 +58,19 @@ void Flags::add(const std::string& name, std::string* out, const std::string& he
   f.set = [out](const std::string& v) { *out = v; return true; };
 }
 
-#define CEMLM_NUMERIC_FLAG(T, META)                                                            \
-  void Flags::add(const std::string& name, T* out, const std::string& help, bool required) {  \
-    Flag& f = declare(name, help, required);                                                   \
-    f.default_text = to_text(*out);                                                            \
-    f.metavar = META;                                                                          \
-    f.set = [out](const std::string& v) { return parse_number(v, out); };                     \
+#define CEMLM_NUMERIC_FLAG(T, META, EXPECTED)                                                \
+  void Flags::add(const std::string& name, T* out, const std::string& help, bool required) { \
+    Flag& f = declare(name, help, required);                                                 \
+    f.default_text = to_text(*out);                                                          \
+    f.metavar = META;                                                                        \
+    f.expected = EXPECTED;                                                                   \
+    f.set = [out](const std::string& v) { return parse_number(v, out); };                    \
   }
-CEMLM_NUMERIC_FLAG(int, "N")
-CEMLM_NUMERIC_FLAG(int64_t, "N")
-CEMLM_NUMERIC_FLAG(double, "X")
-CEMLM_NUMERIC_FLAG(float, "X")
+CEMLM_NUMERIC_FLAG(int, "N", "an integer")
+CEMLM_NUMERIC_FLAG(int64_t, "N", "an integer")
+CEMLM_NUMERIC_FLAG(uint64_t, "N", "an integer in [0, 2^64)")
+CEMLM_NUMERIC_FLAG(double, "X", "a decimal number like 0.001 or 1e-3")
+CEMLM_NUMERIC_FLAG(float, "X", "a decimal number like 0.5")
 #undef CEMLM_NUMERIC_FLAG
 
 void Flags::add_bool(const std::string& name, bool* out, const std::string& help) {
@@ -177,8 +181,8 @@ int Flags::parse(int argc, char** argv) {
       value = argv[++i];
     }
     if (!f->set(value)) {
-      std::fprintf(stderr, "error: option '--%s': cannot parse '%s' as %s\n", name.c_str(),
-                   value.c_str(), f->metavar.c_str());
+      std::fprintf(stderr, "error: option '--%s': expected %s, got '%s'\n", name.c_str(),
+                   f->expected.c_str(), value.c_str());
       return 2;
     }
   }

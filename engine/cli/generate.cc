@@ -238,6 +238,10 @@ int cmd_generate(int argc, char** argv) {
   if (out.reason == FinishReason::kError) return fail(std::string(out.error.message()));
   if (!json) {
     std::fputs("\n", stdout);
+    // A drawn seed is reported (--json has it as "seed"), so that a sample can be made again.
+    if (!f.given("seed") && temperature > 0)
+      std::fprintf(stderr, "seed %llu (--seed %llu makes this sample again)\n",
+                   (unsigned long long)seed, (unsigned long long)seed);
     return 0;
   }
   nlohmann::json j;

@@ -33,7 +33,7 @@ bool check_tokenizer(const std::string& path, const ModelConfig& c) {
 
 int cmd_init(int argc, char** argv) {
   std::string config_path, out_dir, tokenizer_path;
-  int64_t seed = 0;
+  uint64_t seed = 0;
   Flags flags("cemlm init --config FILE --out DIR [--seed N] [--tokenizer FILE]",
               "Write a checkpoint directory (config.json, model.safetensors[, tokenizer.model])\n"
               "with random weights drawn from MODEL.md's recommended init (except LEV's out_proj:\n"
@@ -53,7 +53,7 @@ int cmd_init(int argc, char** argv) {
   }
   if (!tokenizer_path.empty() && !check_tokenizer(tokenizer_path, *config)) return 1;
   ParamStore params(*config);
-  params.init_random(uint64_t(seed));
+  params.init_random(seed);
   if (auto st = save_checkpoint(out_dir, *config, params, tokenizer_path); !st.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(st.message()).c_str());
     return 1;

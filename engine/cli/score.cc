@@ -96,7 +96,7 @@ int cmd_score(int argc, char** argv) {
   out["recursion"] = T;
   if (!dump.empty()) {
     auto st = write_safetensors(dump, {NamedTensor{"logits", {int64_t(ids.size()), int64_t(V)}, logits}});
-    if (!st.ok()) return fail(std::string(st.message()));
+    if (!st.ok()) return fail("--dump-logits: " + std::string(st.message()));
   }
   std::printf("%s\n", out.dump().c_str());
   return 0;

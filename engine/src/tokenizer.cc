@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <mutex>
 #include <unordered_map>
@@ -243,6 +244,18 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
         "no text to train the tokenizer on: the inputs (--input) hold no non-empty UTF-8 "
         "text file (" +
         std::to_string(st.skipped.size()) + " files skipped as .dat/.u8, binary or not UTF-8)";
+    return false;
+  }
+  // SentencePiece fails on blank text without a reason, or asks for a smaller vocabulary.
+  const bool blank = std::all_of(corpus.begin(), corpus.end(), [](const TextFile& f) {
+    return std::all_of(f.text.begin(), f.text.end(),
+                       [](char c) { return std::isspace(static_cast<unsigned char>(c)); });
+  });
+  if (blank) {
+    *error =
+        "no text to train the tokenizer on: the inputs (--input) hold only blank lines and "
+        "spaces (" +
+        std::to_string(st.bytes) + " bytes in " + std::to_string(st.files) + " files)";
     return false;
   }
   const SpmApi* api = spm(error);

@@ -1,6 +1,7 @@
 // CPU LEV backward: one token per work item recomputes the forward intermediates, then walks them
-// back; small parameter gradients accumulate in per-thread copies summed in thread order, and
-// the output projection's gradient is one sgemm over the products M saved in scratch.
+// back; small parameter gradients accumulate in the copies of a fixed number of token spans
+// (whichever thread runs a span) summed in span order, so the bits do not depend on the thread
+// count, and the output projection's gradient is one sgemm over the products M saved in scratch.
 #include <omp.h>
 
 #include <algorithm>
@@ -39,11 +40,28 @@ struct LevDims {
         D(int(w.out_proj.dim(2))) {}
 };
 
-// One thread's working memory and gradient accumulators (all but the output projection's).
+// Gradient accumulators (all but the output projection's) of one span of tokens.
+struct LevGrads {
+  std::vector<double> g_code, g_seed, g_lnw, g_lnb, g_spline;
+  explicit LevGrads(const LevDims& d)
+      : g_code(size_t(d.k) * d.b * d.s),
+        g_seed(size_t(d.nh) * d.s * d.s),
+        g_lnw(size_t(d.nh) * d.s),
+        g_lnb(size_t(d.nh) * d.s),
+        g_spline(size_t(d.nh) * d.s * d.kn * d.r) {}
+  void add(const LevGrads& o) {
+    auto sum = [](std::vector<double>& a, const std::vector<double>& b) {
+      for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+    };
+    sum(g_code, o.g_code), sum(g_seed, o.g_seed), sum(g_lnw, o.g_lnw), sum(g_lnb, o.g_lnb),
+        sum(g_spline, o.g_spline);
+  }
+};
+
+// One thread's working memory.
 struct LevThread {
   std::vector<float> z, dz, u, nrm, zeta, basis, slope, phi, pre, suf, dphi, dn, dM;
   std::vector<int> dig;
-  std::vector<double> g_code, g_seed, g_lnw, g_lnb, g_spline;
   explicit LevThread(const LevDims& d)
       : z(d.s),
         dz(d.s),
@@ -58,17 +76,12 @@ struct LevThread {
         dphi(d.s * d.r),
         dn(d.s),
         dM(d.r),
-        dig(d.k),
-        g_code(size_t(d.k) * d.b * d.s),
-        g_seed(size_t(d.nh) * d.s * d.s),
-        g_lnw(size_t(d.nh) * d.s),
-        g_lnb(size_t(d.nh) * d.s),
-        g_spline(size_t(d.nh) * d.s * d.kn * d.r) {}
+        dig(d.k) {}
 };
 
 // Head l of one token: forward to M (written to m_out), then back from dM to dz (+=).
 void head_backward(const LevDims& d, const LevWeights& w, int l, const float* dout, float* m_out,
-                   LevThread& t) {
+                   LevThread& t, LevGrads& g) {
   const int s = d.s, kn = d.kn, r = d.r;
   const float* W = w.seed_proj.data + int64_t(l) * s * s;
   double mean = 0;
@@ -115,7 +128,7 @@ void head_backward(const LevDims& d, const LevWeights& w, int l, const float* do
     double dzeta = 0;
     for (int q = 0; q < kn; ++q) {
       double dB = 0;
-      double* gS = &t.g_spline[((int64_t(l) * s + e) * kn + q) * r];
+      double* gS = &g.g_spline[((int64_t(l) * s + e) * kn + q) * r];
       for (int c = 0; c < r; ++c) {
         gS[c] += double(t.basis[e * kn + q]) * t.dphi[e * r + c];
         dB += double(S[(e * kn + q) * r + c]) * t.dphi[e * r + c];
@@ -123,8 +136,8 @@ void head_backward(const LevDims& d, const LevWeights& w, int l, const float* do
       dzeta += dB * t.slope[e * kn + q];
     }
     const double dy = dzeta * t.zeta[e] * (1.0 - t.zeta[e]);
-    t.g_lnw[l * s + e] += dy * t.nrm[e];
-    t.g_lnb[l * s + e] += dy;
+    g.g_lnw[l * s + e] += dy * t.nrm[e];
+    g.g_lnb[l * s + e] += dy;
     t.dn[e] = float(dy * gam[e]);
     dn_mean += t.dn[e];
     dn_nrm += double(t.dn[e]) * t.nrm[e];
@@ -133,7 +146,7 @@ void head_backward(const LevDims& d, const LevWeights& w, int l, const float* do
   dn_nrm /= s;
   for (int a = 0; a < s; ++a) {  // LayerNorm: du = rs (dn − mean(dn) − n̂ mean(dn n̂))
     const float du = rs * float(t.dn[a] - dn_mean - t.nrm[a] * dn_nrm);
-    double* gW = &t.g_seed[(int64_t(l) * s + a) * s];
+    double* gW = &g.g_seed[(int64_t(l) * s + a) * s];
     for (int e = 0; e < s; ++e) {
       gW[e] += double(du) * t.z[e];
       t.dz[e] += W[a * s + e] * du;
@@ -170,34 +183,40 @@ void lev_backward(const ExecCtx& ctx, const LevWeights& g, const Tensor& dout, c
   const int64_t N = dout.dim(0), nhr = int64_t(d.nh) * d.r;
   CEMLM_CHECK(dout.dim(1) == d.D && ctx.scratch_floats >= N * nhr);
   float* m_all = ctx.scratch;  // [N, n_h·r] products M, for the output projection's gradient
-  // Per-thread accumulators, summed in thread order afterwards so the result is deterministic.
-  const LevThread zero(d);
-  std::vector<LevThread> threads(size_t(omp_get_max_threads()), zero);
+  // kSpans fixed spans of consecutive tokens, each with its accumulators, added in span order
+  // afterwards: the same bits on any number of threads (the accumulators were per thread before,
+  // and a resumed run on another thread count drifted from the run it continued).
+  constexpr int kSpans = 64;
+  const int spans = int(std::min<int64_t>(kSpans, std::max<int64_t>(N, 1)));
+  const LevGrads zero(d);
+  std::vector<LevGrads> acc(size_t(spans), zero);
 #pragma omp parallel
   {
-    LevThread& t = threads[size_t(omp_get_thread_num())];
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < N; ++i) {
-      lev_digits(ids[i], d.k, d.b, t.dig.data());
-      std::fill(t.z.begin(), t.z.end(), 0.0f);
-      for (int j = 0; j < d.k; ++j) {
-        const float* row = w.codebooks.data + (int64_t(j) * d.b + t.dig[j]) * d.s;
-        for (int e = 0; e < d.s; ++e) t.z[e] += row[e];
+    LevThread t(d);
+#pragma omp for schedule(dynamic, 1)
+    for (int q = 0; q < spans; ++q)
+      for (int64_t i = N * q / spans; i < N * (q + 1) / spans; ++i) {
+        lev_digits(ids[i], d.k, d.b, t.dig.data());
+        std::fill(t.z.begin(), t.z.end(), 0.0f);
+        for (int j = 0; j < d.k; ++j) {
+          const float* row = w.codebooks.data + (int64_t(j) * d.b + t.dig[j]) * d.s;
+          for (int e = 0; e < d.s; ++e) t.z[e] += row[e];
+        }
+        std::fill(t.dz.begin(), t.dz.end(), 0.0f);
+        for (int l = 0; l < d.nh; ++l)
+          head_backward(d, w, l, dout.data + i * d.D, m_all + i * nhr + int64_t(l) * d.r, t,
+                        acc[size_t(q)]);
+        for (int j = 0; j < d.k; ++j)
+          for (int e = 0; e < d.s; ++e)
+            acc[size_t(q)].g_code[(int64_t(j) * d.b + t.dig[j]) * d.s + e] += t.dz[e];
       }
-      std::fill(t.dz.begin(), t.dz.end(), 0.0f);
-      for (int l = 0; l < d.nh; ++l)
-        head_backward(d, w, l, dout.data + i * d.D, m_all + i * nhr + int64_t(l) * d.r, t);
-      for (int j = 0; j < d.k; ++j)
-        for (int e = 0; e < d.s; ++e) t.g_code[(int64_t(j) * d.b + t.dig[j]) * d.s + e] += t.dz[e];
-    }
   }
-  for (const LevThread& t : threads) {
-    add_into(g.codebooks, t.g_code);
-    add_into(g.seed_proj, t.g_seed);
-    add_into(g.ln_weight, t.g_lnw);
-    add_into(g.ln_bias, t.g_lnb);
-    add_into(g.spline, t.g_spline);
-  }
+  for (int q = 1; q < spans; ++q) acc[0].add(acc[size_t(q)]);
+  add_into(g.codebooks, acc[0].g_code);
+  add_into(g.seed_proj, acc[0].g_seed);
+  add_into(g.ln_weight, acc[0].g_lnw);
+  add_into(g.ln_bias, acc[0].g_lnb);
+  add_into(g.spline, acc[0].g_spline);
   // out = Σ_l Σ_c M[l,c] W_out[l,c,:]  ⇒  dW_out[n_h·r, D] += Mᵀ dout
   gemm(true, false, int(nhr), d.D, int(N), 1.0f, m_all, int(nhr), dout.data, d.D, 1.0f,
        g.out_proj.data, d.D);

@@ -29,7 +29,7 @@ constexpr int kMaxConnections = 64;
 struct BenchFlags {
   int concurrency = 1, requests = 16, recursion = 0, max_new_tokens = 64, prompt_len = 32;
   int connections = 1;  // TCP connections the streams share
-  int64_t seed = 0;
+  uint64_t seed = 0;
 };
 
 // Milliseconds of everything measured, all requests together.
@@ -57,7 +57,7 @@ double ms_since(SteadyClock::time_point t) {
 }
 
 v1::GenerateRequest make_request(const BenchFlags& f, int vocab, int index) {
-  std::mt19937_64 rng(uint64_t(f.seed) * 1000003u + uint64_t(index));
+  std::mt19937_64 rng(f.seed * 1000003u + uint64_t(index));
   // Ids from 4 up skip the usual special tokens (unk, bos, eos, pad).
   std::uniform_int_distribution<int> token(std::min(4, vocab - 1), vocab - 1);
   v1::GenerateRequest req;

@@ -407,6 +407,30 @@ TEST_F(GenerateCliText, StreamedTextKeepsNulBytes) {
   EXPECT_EQ(streamed, text + "\n");
 }
 
+// Streamed (no --json), a drawn seed is reported on stderr, and passing it back gives the same
+// text; greedy decoding, which draws nothing, reports none.
+TEST_F(GenerateCliText, StreamedSampleReportsItsDrawnSeed) {
+  const std::vector<std::string> sample = {"--temperature", "2", "--max-new-tokens", "24"};
+  int rc = 0;
+  ::testing::internal::CaptureStderr();
+  const std::string text = output(sample, &rc);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(rc, 0) << err;
+  unsigned long long seed = 0;
+  ASSERT_EQ(std::sscanf(err.c_str(), "seed %llu (--seed", &seed), 1) << err;
+  EXPECT_NE(err.find("--seed " + std::to_string(seed) + " makes this sample again"),
+            std::string::npos)
+      << err;
+  std::vector<std::string> again = sample;
+  again.insert(again.end(), {"--seed", std::to_string(seed)});
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(output(again, &rc), text);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");  // given, not drawn: nothing to report
+  ::testing::internal::CaptureStderr();
+  output({"--temperature", "0", "--max-new-tokens", "4"}, &rc);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
 TEST_F(GenerateCliText, StopStringsCutTheText) {
   const std::vector<std::string> common = {"--temperature", "3", "--max-new-tokens", "40",
                                            "--seed", "4", "--json"};

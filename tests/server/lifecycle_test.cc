@@ -422,6 +422,13 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   EXPECT_EQ(rpc.token_ids_size(), with_bos - 1);
   EXPECT_NE(rpc.token_ids(0), 1);
   EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--no-bos"}, &out), 1);
+  // A logits file that cannot be written is named by its flag.
+  std::string err;
+  EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--dump-logits",
+                       "/nonexistent_dir/logits.safetensors"},
+                      &out, &err),
+            1);
+  EXPECT_NE(err.find("error: --dump-logits: "), std::string::npos) << err;
 }
 
 // grpc.reflection.v1alpha list_services, spoken with a generic stub (no reflection client ships

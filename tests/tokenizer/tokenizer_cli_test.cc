@@ -58,6 +58,14 @@ TEST(TokenizerCli, TrainEncodeDecode) {
 
   CliRun pieces = run({"encode", "--model", model, "--text", "a\n", "--pieces"});
   EXPECT_NE(pieces.out.find("<0x0A>"), std::string::npos) << pieces.out;
+
+  // The empty text round-trips too: no ids, and no ids decode to an empty line.
+  CliRun none = run({"encode", "--model", model, "--text", ""});
+  ASSERT_EQ(none.rc, 0) << none.err;
+  EXPECT_EQ(none.out, "\n");
+  CliRun empty = run({"decode", "--model", model, "--ids", ""});
+  ASSERT_EQ(empty.rc, 0) << empty.err;
+  EXPECT_EQ(empty.out, "\n");
 }
 
 TEST(TokenizerCli, ErrorsNameTheFlag) {
@@ -77,6 +85,16 @@ TEST(TokenizerCli, ErrorsNameTheFlag) {
   EXPECT_NE(few.err.find("--vocab-size 300 is too small for this text"), std::string::npos)
       << few.err;
   EXPECT_NE(few.err.find("use at least"), std::string::npos) << few.err;
+  // Blank text only: said so (SentencePiece failed without a reason, or asked for a smaller
+  // vocabulary).
+  testing_files::write_file(dir + "/blank/lines.txt", "\n\n\n");
+  testing_files::write_file(dir + "/blank/spaces.txt", "   \t \n  \n");
+  CliRun blank = run({"train", "--input", dir + "/blank", "--vocab-size", "300", "--out", model});
+  EXPECT_EQ(blank.rc, 1);
+  EXPECT_NE(blank.err.find("no text to train the tokenizer on: the inputs (--input) hold only "
+                           "blank lines and spaces"),
+            std::string::npos)
+      << blank.err;
   CliRun missing = run({"decode", "--model", model, "--ids", "1,2"});
   EXPECT_EQ(missing.rc, 1);
   EXPECT_NE(missing.err.find(model), std::string::npos) << missing.err;

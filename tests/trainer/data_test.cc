@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <set>
 
+#include "cemlm/engine/corpus.h"
 #include "trainer_test_util.h"
 
 namespace cemlm {
@@ -127,6 +129,38 @@ TEST_F(DataTest, DamagedCacheIsRebuilt) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_FALSE(again->from_cache);
   EXPECT_TRUE(load()->from_cache);
+}
+
+// A cache whose header and size still agree but whose contents are damaged is encoded again,
+// not trusted: ids outside the vocabulary (they aborted the trainer), and per-file counts that
+// wrap around 2^64 to the right total (they threw std::length_error).
+TEST_F(DataTest, CacheWithBadIdsOrCountsIsRebuilt) {
+  auto first = load();
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string path = dir_ + "/cache/tokens.bin";
+  std::string good, error;
+  ASSERT_TRUE(read_file(path, &good, &error)) << error;
+  constexpr size_t kCounts = 32;  // magic, version, n_files, corpus key, encoding
+  uint32_t n_files = 0;
+  std::memcpy(&n_files, good.data() + 12, 4);
+  ASSERT_EQ(n_files, 2u);  // a.txt and b.txt
+  std::string bad_id = good;
+  const int32_t huge = 0x7fffff00;
+  std::memcpy(bad_id.data() + bad_id.size() - 4, &huge, 4);
+  std::string bad_counts = good;
+  uint64_t counts[2];
+  std::memcpy(counts, good.data() + kCounts, sizeof(counts));
+  counts[0] += uint64_t(1) << 62, counts[1] -= uint64_t(1) << 62;  // the same sum
+  std::memcpy(bad_counts.data() + kCounts, counts, sizeof(counts));
+  for (const std::string* damaged : {&bad_id, &bad_counts}) {
+    write_file(path, *damaged);
+    auto again = load();
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_FALSE(again->from_cache);
+    EXPECT_EQ(again->train, first->train);
+    EXPECT_EQ(again->val, first->val);
+    EXPECT_TRUE(load()->from_cache);
+  }
 }
 
 TEST_F(DataTest, SplitTakesTheEndOfEveryFileAtADocumentStart) {

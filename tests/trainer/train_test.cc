@@ -14,6 +14,7 @@
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/tokenizer.h"
+#include "nlohmann/json.hpp"
 #include "tiny_models.h"
 #include "trainer_test_util.h"
 
@@ -164,11 +165,16 @@ TEST(Train, LeftoverOfAnInterruptedSaveIsRemovedAndTheCheckpointStillLoads) {
   ASSERT_TRUE(train(o).ok());
   // What a process killed inside save_checkpoint leaves: a half-written temporary directory.
   testing_trainer::write_file(o.out_dir + ".tmp-99999-0/model.safetensors", "half");
+  // Not a save's: named otherwise after the prefix. Such a directory is the user's, and stays.
+  for (const char* other : {".tmp-backup", ".tmp-1", ".tmp-1-", ".tmp--1", ".tmp-1-2-3"})
+    testing_trainer::write_file(o.out_dir + other + "/keep.txt", "mine");
   EXPECT_TRUE(load_checkpoint(o.out_dir).ok());
   o.resume = true;
   o.steps = 5;
   ASSERT_TRUE(train(o).ok());
   EXPECT_FALSE(fs::exists(o.out_dir + ".tmp-99999-0"));
+  for (const char* other : {".tmp-backup", ".tmp-1", ".tmp-1-", ".tmp--1", ".tmp-1-2-3"})
+    EXPECT_TRUE(fs::exists(o.out_dir + other + "/keep.txt")) << other;
   EXPECT_TRUE(load_checkpoint(o.out_dir).ok());
 }
 
@@ -280,9 +286,10 @@ TEST(Train, ResumingARunFromBeforeTheSplitChangeSaysSo) {
   const std::string state_file = o.out_dir + "/trainer_state.json";
   std::string state, error;
   ASSERT_TRUE(read_file(state_file, &state, &error));
-  const size_t at = state.find("\"split\"");
+  const size_t at = state.find("\"split\"");  // an older cemlm's state has none
   ASSERT_NE(at, std::string::npos);
-  state.replace(at, 7, "\"former\"");
+  const size_t line = state.rfind('\n', at) + 1;
+  state.erase(line, state.find('\n', at) + 1 - line);
   testing_trainer::write_file(state_file, state);
   EXPECT_NE(resume_lines(4).find("older cemlm"), std::string::npos);
 }
@@ -543,17 +550,19 @@ struct InDirectory {
   fs::path before;
 };
 
+// `cemlm train` with args, writing the tiny run's --out, on one thread with short windows.
+auto tiny_run(const TrainOptions& o, std::vector<std::string> args) {
+  args.insert(args.end(),
+              {"--out", o.out_dir, "--threads", "1", "--seq-len", "24", "--eval-windows", "4"});
+  return cli(args);
+}
+
 // --data is saved absolute, so that --resume reads the run's files from any directory; a relative
 // one saved by an older cemlm, missing where --resume runs, is refused saying where it came from.
 TEST(TrainCli, ResumeFromAnotherDirectoryReadsTheRunsData) {
   const std::string dir = fresh_dir();
   const TrainOptions o = tiny_options(dir);
-  const std::vector<std::string> common = {"--out",     o.out_dir, "--threads",      "1",
-                                           "--seq-len", "24",      "--eval-windows", "4"};
-  auto with = [&](std::vector<std::string> args) {
-    args.insert(args.end(), common.begin(), common.end());
-    return cli(args);
-  };
+  auto with = [&](const std::vector<std::string>& args) { return tiny_run(o, args); };
   {
     InDirectory in(dir);
     const auto [rc, err] = with({"--config", "config.json", "--data", "./text/", "--steps", "2"});
@@ -583,6 +592,78 @@ TEST(TrainCli, ResumeFromAnotherDirectoryReadsTheRunsData) {
   EXPECT_NE(err.find("give --data again"), std::string::npos) << err;
   std::tie(rc, err) = with({"--resume", "--steps", "4", "--data", dir + "/text"});
   EXPECT_EQ(rc, 0) << err;
+}
+
+// Paths given again name the same files however they are spelled, and a relative --cache is
+// saved absolute (resumed elsewhere, it encoded the data again into a new cache there).
+TEST(TrainCli, ResumeComparesPathsAsFilesAndKeepsTheCacheAbsolute) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  auto with = [&](const std::vector<std::string>& args) { return tiny_run(o, args); };
+  {
+    InDirectory in(dir);
+    const auto [rc, err] = with(
+        {"--config", "config.json", "--data", "text", "--cache", "tokens-cache", "--steps", "2"});
+    ASSERT_EQ(rc, 0) << err;
+    EXPECT_EQ(load_run_options(o.out_dir)->cache_dir, dir + "/tokens-cache");
+    const auto [rc2, err2] = with({"--config", "./sub/../config.json", "--resume", "--steps", "3"});
+    EXPECT_EQ(rc2, 0) << err2;
+  }
+  InDirectory elsewhere(dir + "/elsewhere");
+  const auto [rc, err] = with({"--resume", "--steps", "4"});
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_FALSE(fs::exists(dir + "/elsewhere/tokens-cache"));
+  EXPECT_EQ(load_run_options(o.out_dir)->cache_dir, dir + "/tokens-cache");
+}
+
+// What is wrong in a run's saved state is named: the key, or the flag a saved option stands for
+// with where its value came from; keys the state never holds are refused.
+TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  const auto [rc0, err0] =
+      cli({"--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--threads", "1",
+           "--seq-len", "24", "--eval-windows", "4", "--steps", "2"});
+  ASSERT_EQ(rc0, 0) << err0;
+  const std::string state_file = o.out_dir + "/" + kTrainerStateFile;
+  std::string good, error;
+  ASSERT_TRUE(read_file(state_file, &good, &error)) << error;
+  auto edited = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    const size_t at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) s.replace(at, from.size(), to);
+    return s;
+  };
+  const nlohmann::json j = nlohmann::json::parse(good);
+  const std::string step = "\"step\": " + std::to_string(j["step"].get<int64_t>());
+  const std::string lr = "\"lr\": " + j["options"]["lr"].dump();
+  const std::string seed = "\"seed\": " + j["options"]["seed"].dump();
+  const std::string data_rng = "\"data_rng\": " + j["data_rng"].dump();
+  struct Case {
+    std::string state, message;
+  };
+  const std::vector<Case> cases = {
+      {edited(step, "\"step\": \"forty\""), "\"step\": "},
+      {edited(step, "\"step\": -3"), "\"step\": must be at least 0"},
+      {edited(data_rng, "\"data_rng\": -1"), "\"data_rng\": must be an integer in [0, 2^64)"},
+      {edited(step, "\"bogus\": 1, " + step), "unknown key \"bogus\""},
+      {edited(lr, "\"lrr\": 0.001, " + lr), "training options: unknown key \"lrr\""},
+      {edited(seed, "\"seed\": -1"), "\"seed\": must be an integer in [0, 2^64)"},
+      {edited(lr, "\"lr\": 5"),
+       "--lr must be in (0, 1] (got 5) (with --resume, each option not given again is the run's, "
+       "read from '" +
+           o.out_dir + "/trainer_state.json'"},
+  };
+  for (const Case& c : cases) {
+    testing_trainer::write_file(state_file, c.state);
+    const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "3"});
+    EXPECT_NE(rc, 0) << c.message;
+    EXPECT_NE(err.find(c.message), std::string::npos) << err;
+  }
+  testing_trainer::write_file(state_file, edited(lr, "\"lr\": 5"));
+  const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "3", "--lr", "0.001"});
+  EXPECT_EQ(rc, 0) << err;  // given again, the flag replaces the bad value
 }
 
 TEST(TrainCli, HelpListsEveryFlagWithItsDefault) {
@@ -674,6 +755,13 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--log-every", "0"}, "--log-every"},
       {{"--init", dir + "/nothing"}, "--config"},  // both given
       {{"--steps", "many"}, "--steps"},
+      {{"--lr", "0x10"}, "--lr"},  // strtod read hex: 16
+      {{"--lr", " 0.001"}, "--lr"},
+      {{"--seed", "-1"}, "--seed"},  // wrapped to 2^64 - 1 before
+      {{"--eval-recursion", "2,1,2"}, "--eval-recursion"},
+      // A save replaces --out whole: a cache there is refused before training, not at the save.
+      {{"--cache", dir + "/bad"}, "--cache"},
+      {{"--cache", dir + "/bad/cache"}, "--cache"},
       {{"--data", dir + "/missing"}, "--data"},
       {{"--data", dir + "/empty"}, "--data"},
       {{"--data", dir + "/only_dat"}, "--data"},

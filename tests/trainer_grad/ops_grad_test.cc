@@ -2,6 +2,9 @@
 // random r, differentiated along random directions of every input (grad_check.h). Covers the
 // lead's RMSNorm backward, RoPE's inverse as its adjoint, attention (every diagonal mode, tied and
 // separate values), the preconditioner, the LEV generator and the element-wise ops.
+#include <omp.h>
+
+#include <cstring>
 #include <ostream>
 #include <vector>
 
@@ -192,6 +195,46 @@ TEST(OpsGrad, Lev) {
   const char* names[6] = {"codebooks", "seed_proj", "ln_weight", "ln_bias", "spline", "out_proj"};
   for (int i = 0; i < 6; ++i)
     expect_directional(names[i], f, w[i].data(), g[i], rng, kH, kRel, kAbs);
+}
+
+// The gradients' bits do not depend on the thread count (a run resumed on another machine goes
+// on as it would have): tokens are summed in fixed spans, then the spans in order.
+TEST(OpsGrad, LevSameBitsOnAnyThreadCount) {
+  Rng rng(9);
+  const int k = 2, b = 8, s = 4, kn = 5, R = 3, nh = 2, D = 6, N = 203;
+  std::vector<float> w[6] = {randn(k * b * s, rng, 0.5),
+                             randn(nh * s * s, rng, 0.5),
+                             randn(nh * s, rng, 0.2, 1.0),
+                             randn(nh * s, rng, 0.3),
+                             randn(nh * s * kn * R, rng, 0.3, 1.0),
+                             randn(nh * R * D, rng, 0.5)};
+  auto views = [&](std::vector<float>* v) {
+    return LevWeights{Tensor(v[0].data(), {k, b, s}),      Tensor(v[1].data(), {nh, s, s}),
+                      Tensor(v[2].data(), {nh, s}),        Tensor(v[3].data(), {nh, s}),
+                      Tensor(v[4].data(), {nh, s, kn, R}), Tensor(v[5].data(), {nh, R, D})};
+  };
+  std::vector<int32_t> ids(N);
+  for (int i = 0; i < N; ++i) ids[i] = int32_t(rng.next_u64() % (b * b));
+  auto r = randn(N * D, rng);
+  std::vector<float> scratch(N * nh * R);
+  auto grads = [&](int threads) {
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    std::vector<std::vector<float>> g(6);
+    std::vector<float> gv[6];
+    for (int i = 0; i < 6; ++i) gv[i].assign(w[i].size(), 0.0f);
+    lev_backward(ctx_with(scratch), views(gv), t2(r, N, D), ids.data(), views(w));
+    omp_set_num_threads(before);
+    for (int i = 0; i < 6; ++i) g[i] = gv[i];
+    return g;
+  };
+  const auto one = grads(1);
+  for (int threads : {2, 3, 7}) {
+    const auto many = grads(threads);
+    for (int i = 0; i < 6; ++i)
+      EXPECT_EQ(0, std::memcmp(one[i].data(), many[i].data(), sizeof(float) * one[i].size()))
+          << "tensor " << i << " with " << threads << " threads";
+  }
 }
 
 TEST(OpsGrad, SiluAndSwiglu) {

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <csignal>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
+#include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/cpu_threads.h"
 
 namespace cemlm::cli {
@@ -52,7 +54,6 @@ void on_stop_signal(int sig) {
 struct FlagText {
   std::vector<std::string> data;  // empty: keep TrainOptions::data
   std::string train_recursion, eval_recursion;
-  int64_t seed = 0;
   int log_every = 10;
 };
 
@@ -66,7 +67,6 @@ std::string duration(double s) {
 int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   t.train_recursion = recursion_range_text(o.train_recursion);
   t.eval_recursion = absl::StrJoin(o.eval_recursion, ",");
-  t.seed = int64_t(o.seed);
   Flags f(
       "cemlm train [--out DIR] [--config FILE | --init DIR] [--data PATH...] [options]",
       "Train a CEM/Leviathan language model on UTF-8 text and write a checkpoint directory\n"
@@ -114,13 +114,12 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   f.add("eval-windows", &o.eval_windows, "validation sequences per evaluation (at most)");
   f.add("save-every", &o.save_every, "checkpoint every N steps (and at the end)");
   f.add("threads", &o.threads, kThreadsHelp);
-  f.add("seed", &t.seed, "seed of the initial weights, the data order and the drawn T");
+  f.add("seed", &o.seed, "seed of the initial weights, the data order and the drawn T");
   f.add("max-minutes", &o.max_minutes,
         "stop cleanly (evaluate, save) before this wall-clock budget is spent (0: none)");
   f.add("log-every", &t.log_every, "print a progress line every N steps when not on a terminal");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   if (!t.data.empty()) o.data = t.data;
-  o.seed = uint64_t(t.seed);
   return -1;
 }
 
@@ -149,6 +148,17 @@ bool saved_data_found(const std::vector<std::string>& data) {
   return true;
 }
 
+// Whether two paths name the same file: runs save theirs absolute, and `--config ./c.json` given
+// again names the run's `c.json` as well.
+bool same_path(const std::string& a, const std::string& b) {
+  if (a.empty() || b.empty()) return a == b;
+  std::error_code ec;
+  const auto resolved = [&](const std::string& p) {
+    return std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
+  };
+  return resolved(a) == resolved(b);
+}
+
 // TrainOptions from argv; with --resume, the saved run's options overridden by the flags given.
 int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
@@ -164,9 +174,9 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
     // What makes the run the run it is may be given again (the same command with --resume), but
     // not changed: it would not continue the run (and was once ignored, yet saved as applied).
     const std::pair<const char*, bool> same[] = {
-        {"--config", o.config_path == saved->config_path},
-        {"--init", o.init_dir == saved->init_dir},
-        {"--tokenizer", o.tokenizer_path == saved->tokenizer_path},
+        {"--config", same_path(o.config_path, saved->config_path)},
+        {"--init", same_path(o.init_dir, saved->init_dir)},
+        {"--tokenizer", same_path(o.tokenizer_path, saved->tokenizer_path)},
         {"--vocab-size", o.vocab_size == saved->vocab_size},
         {"--seed", o.seed == saved->seed}};
     for (const auto& [flag, unchanged] : same)
@@ -195,6 +205,23 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   if (t.log_every < 1) {
     std::fprintf(stderr, "error: --log-every must be at least 1 (got %d)\n", t.log_every);
     return 2;
+  }
+  // A saved value that is wrong (the state file edited, or written by another version) is named
+  // as the flag it stands for, and said to come from there (train() refuses those given here).
+  if (const absl::Status st = validate_options(o); !st.ok() && o.resume) {
+    const std::string message(st.message());
+    const std::string flag = message.substr(0, message.find(' '));
+    const bool given = std::any_of(argv, argv + argc, [&](const char* a) {
+      const std::string arg = a;
+      return arg == flag || arg.starts_with(flag + "=");
+    });
+    if (!given) {
+      std::fprintf(stderr,
+                   "error: %s (with --resume, each option not given again is the run's, read "
+                   "from '%s/%s'; give it again to replace it)\n",
+                   message.c_str(), o.out_dir.c_str(), kTrainerStateFile);
+      return 1;
+    }
   }
   return -1;
 }

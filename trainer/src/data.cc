@@ -33,9 +33,11 @@ struct CacheHeader {
   uint64_t corpus_key, encoding;  // the tokenizer and the bos/eos ids
 };
 
-// Per-file ids from a cache written for this corpus and tokenizer; empty when there is none.
+// Per-file ids from a cache written for this corpus and tokenizer; empty when there is none, or
+// when it is damaged (counts that do not add up to its size, ids outside [0, vocab)): it is then
+// encoded again.
 std::vector<std::vector<int32_t>> read_cache(const std::string& path, const CorpusFiles& corpus,
-                                             uint64_t encoding) {
+                                             uint64_t encoding, int vocab) {
   std::string bytes, error;
   if (!read_file(path, &bytes, &error) || bytes.size() < sizeof(CacheHeader)) return {};
   CacheHeader h;
@@ -48,14 +50,20 @@ std::vector<std::vector<int32_t>> read_cache(const std::string& path, const Corp
   if (bytes.size() < pos) return {};
   std::vector<uint64_t> counts(h.n_files);
   std::memcpy(counts.data(), bytes.data() + sizeof(h), h.n_files * sizeof(uint64_t));
+  const uint64_t ids = (bytes.size() - pos) / sizeof(int32_t);
   uint64_t total = 0;
-  for (uint64_t n : counts) total += n;
+  for (uint64_t n : counts) {
+    if (n > ids - total) return {};  // more ids than the file holds (an overflow included)
+    total += n;
+  }
   if (bytes.size() != pos + total * sizeof(int32_t)) return {};
   std::vector<std::vector<int32_t>> files(h.n_files);
   for (size_t i = 0; i < files.size(); ++i) {
     files[i].resize(counts[i]);
     std::memcpy(files[i].data(), bytes.data() + pos, counts[i] * sizeof(int32_t));
     pos += counts[i] * sizeof(int32_t);
+    for (int32_t id : files[i])
+      if (id < 0 || id >= vocab) return {};
   }
   return files;
 }
@@ -193,7 +201,8 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
   data.files = int(corpus.paths.size());
   // The ids depend on the document markers too: a config with other bos/eos ids re-encodes.
   const uint64_t encoding = hash_value(eos, hash_value(bos, tokenizer_hash));
-  std::vector<std::vector<int32_t>> files = read_cache(cache_path, corpus, encoding);
+  std::vector<std::vector<int32_t>> files = read_cache(
+      cache_path, corpus, encoding, std::max({tokenizer.vocab_size(), bos + 1, eos + 1}));
   data.from_cache = !files.empty();
   if (!data.from_cache) {
     for (const std::string& p : corpus.paths) {

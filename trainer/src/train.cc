@@ -7,12 +7,14 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -95,8 +97,9 @@ class Trainer {
   bool stop_asked(bool last) const {
     return cb_.stop_before_training && cb_.stop_before_training(last);
   }
-  void absolute_data_paths();
+  void absolute_paths();
   absl::Status load_model();
+  absl::Status check_cache_outside_out() const;
   absl::Status lock_out();
   void remove_stale_saves() const;
   absl::Status set_up();
@@ -148,13 +151,17 @@ class Trainer {
   int64_t steps_run_ = 0;
 };
 
-// Saved with the run's options, so that --resume reads the same files from any directory.
-void Trainer::absolute_data_paths() {
-  for (std::string& p : o_.data) {
+// Saved with the run's options, so that --resume reads the same files from any directory (a
+// relative --cache resumed elsewhere silently encoded the data again into a new cache there).
+void Trainer::absolute_paths() {
+  auto absolute = [](std::string& p) {
     std::error_code ec;
     const fs::path abs = fs::absolute(p, ec);
-    if (!ec) p = abs.lexically_normal().string();
-  }
+    if (!p.empty() && !ec) p = abs.lexically_normal().string();
+  };
+  for (std::string& p : o_.data) absolute(p);
+  for (std::string* p : {&o_.cache_dir, &o_.config_path, &o_.init_dir, &o_.tokenizer_path})
+    absolute(*p);
 }
 
 absl::Status Trainer::load_model() {
@@ -181,6 +188,7 @@ absl::Status Trainer::load_model() {
                      "--init to start from its weights, or choose another --out"));
   // Before any training, not at the first save (a resumed run's --out included).
   CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", check_checkpoint_target(o_.out_dir)));
+  CEMLM_RETURN_IF_ERROR(check_cache_outside_out());
   if (!fresh_ && o_.vocab_size > 0 && o_.vocab_size != cfg_.vocab_size)
     return absl::InvalidArgumentError(absl::StrCat(
         "--vocab-size ", o_.vocab_size, " applies to a new model; the checkpoint of ",
@@ -193,6 +201,22 @@ absl::Status Trainer::load_model() {
     cfg_ = *c;
   }
   return absl::OkStatus();
+}
+
+// A save replaces --out whole (a checkpoint directory holds the checkpoint alone), so a --cache
+// there would be refused at the first save, after the training, or lost with it.
+absl::Status Trainer::check_cache_outside_out() const {
+  std::error_code ec;
+  const fs::path out = fs::weakly_canonical(fs::absolute(out_path()), ec);
+  const fs::path cache = fs::weakly_canonical(fs::absolute(cache_path()), ec);
+  if (ec) return absl::OkStatus();  // what cannot be resolved is reported where it is used
+  const fs::path rel = cache.lexically_relative(out);
+  if (rel.empty() || *rel.begin() == "..") return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--cache '", o_.cache_dir, "' is ", rel == "." ? "--out itself" : "inside --out", " ('",
+      o_.out_dir,
+      "'), which every save replaces with the checkpoint alone: choose a --cache outside it, or "
+      "leave it out (the default is '<out>.cache' beside it)"));
 }
 
 // One run at a time writes --out: a second would save over the first's checkpoint, and its
@@ -235,10 +259,22 @@ void Trainer::remove_stale_saves() const {
   const fs::path out = out_path();
   const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
   const std::string prefix = out.filename().string() + ".tmp-";
+  // Exactly "<pid>-<n>" after the prefix: anything else there is not a save's, and stays.
+  auto is_save = [&](const std::string& name) {
+    if (!name.starts_with(prefix)) return false;
+    const std::string rest = name.substr(prefix.size());
+    const size_t dash = rest.find('-');
+    auto digits = [](std::string_view s) {
+      return !s.empty() &&
+             std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    return dash != std::string::npos && digits(std::string_view(rest).substr(0, dash)) &&
+           digits(std::string_view(rest).substr(dash + 1));
+  };
   std::error_code ec;
   std::vector<fs::path> stale;
   for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec))
-    if (it->path().filename().string().starts_with(prefix)) stale.push_back(it->path());
+    if (is_save(it->path().filename().string())) stale.push_back(it->path());
   for (const fs::path& p : stale) {
     info(absl::StrCat("removing ", p.string(), " (left by an interrupted save)"));
     fs::remove_all(p, ec);
@@ -375,16 +411,42 @@ absl::Status Trainer::restore() {
     return absl::NotFoundError("--resume: " + error);
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   std::string split;
+  const char* key = "";  // the one being read, named in the error
+  auto get = [&](const char* k) -> const json& {
+    key = k;
+    return j.at(k);
+  };
+  auto state = [&](const char* k) {  // a generator's state: an integer in [0, 2^64)
+    if (!get(k).is_number_unsigned())
+      throw std::invalid_argument("must be an integer in [0, 2^64) (a generator's state)");
+    return j[k].get<uint64_t>();
+  };
   try {
-    step_ = j.at("step").get<int64_t>();
-    tokens_ = j.at("tokens").get<int64_t>();
-    prior_elapsed_s_ = j.at("elapsed_s").get<double>();
-    data_rng_.set_state(j.at("data_rng").get<uint64_t>());
-    t_rng_.set_state(j.at("recursion_rng").get<uint64_t>());
+    if (!j.is_object()) throw std::invalid_argument("not a JSON object (the file is damaged)");
+    for (const auto& [k, v] : j.items())
+      if (k != "format_version" && k != "step" && k != "tokens" && k != "elapsed_s" &&
+          k != "data_rng" && k != "recursion_rng" && k != "split" && k != "options") {
+        key = "";
+        throw std::invalid_argument(absl::StrCat("unknown key \"", k,
+                                                 "\" (the file is damaged, or "
+                                                 "from another cemlm version)"));
+      }
+    auto count = [&](const char* k) {
+      const int64_t n = get(k).get<int64_t>();
+      if (n < 0) throw std::invalid_argument("must be at least 0");
+      return n;
+    };
+    step_ = count("step");
+    tokens_ = count("tokens");
+    prior_elapsed_s_ = get("elapsed_s").get<double>();
+    data_rng_.set_state(state("data_rng"));
+    t_rng_.set_state(state("recursion_rng"));
+    key = "split";
     split = j.value("split", "");
   } catch (const std::exception& e) {  // nlohmann reports missing keys and wrong types by throwing
-    return absl::InvalidArgumentError(
-        absl::StrCat("--resume: ", in_out(kTrainerStateFile), ": ", e.what()));
+    return absl::InvalidArgumentError(absl::StrCat("--resume: ", in_out(kTrainerStateFile), ": ",
+                                                   *key ? absl::StrCat("\"", key, "\": ") : "",
+                                                   e.what()));
   }
   if (step_ != opt_->steps())
     return absl::InvalidArgumentError(absl::StrCat(
@@ -502,7 +564,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   CEMLM_RETURN_IF_ERROR(validate_options(o_));
   const CpuThreads threads = use_cpu_threads(o_.threads);
   info(absl::StrCat("compute threads: ", threads.threads, " (", threads.why, ")"));
-  absolute_data_paths();
+  absolute_paths();
   CEMLM_RETURN_IF_ERROR(load_model());
   CEMLM_RETURN_IF_ERROR(check_against_model());
   CEMLM_RETURN_IF_ERROR(lock_out());

@@ -1,5 +1,6 @@
 // Training options: the recursion flags' syntax, validation that names the flag, the JSON form
 // kept in trainer_state.json (so --resume knows how the run was started), and the default model.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
@@ -83,6 +84,9 @@ absl::StatusOr<std::vector<int>> parse_recursion_list(const std::string& text) {
     if (!absl::SimpleAtoi(part, &T) || T < 1)
       return flag_error("eval-recursion",
                         absl::StrCat("'", text, "' is not a list of depths ≥ 1 like 1,2,4,8"));
+    if (std::find(out.begin(), out.end(), T) != out.end())
+      return flag_error("eval-recursion",
+                        absl::StrCat("'", text, "' names T = ", T, " twice: give each depth once"));
     out.push_back(T);
   }
   return out;
@@ -161,8 +165,10 @@ absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text) {
   TrainOptions o;
   std::string recursion;
   const char* key = "";  // the one being read, named in the error
+  std::vector<std::string> known;
   auto get = [&](const char* k, auto& field) {
     key = k;
+    known.push_back(k);
     j.at(k).get_to(field);
   };
   try {
@@ -197,6 +203,15 @@ absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text) {
   } catch (const std::exception& e) {  // nlohmann reports missing keys and wrong types by throwing
     return absl::InvalidArgumentError(absl::StrCat("training options, \"", key, "\": ", e.what()));
   }
+  for (const auto& [k, v] : j.items())
+    if (std::find(known.begin(), known.end(), k) == known.end())
+      return absl::InvalidArgumentError(
+          absl::StrCat("training options: unknown key \"", k,
+                       "\" (the file is damaged, or from another cemlm version)"));
+  // A seed is an integer in [0, 2^64): a negative one would wrap, and seed another run.
+  if (!j.at("seed").is_number_unsigned())
+    return absl::InvalidArgumentError(
+        "training options, \"seed\": must be an integer in [0, 2^64)");
   CEMLM_ASSIGN_OR_RETURN(o.train_recursion, parse_recursion_range(recursion));
   return o;
 }

@@ -17,6 +17,8 @@ class Flags {
   void add(const std::string& name, std::string* out, const std::string& help, bool required = false);
   void add(const std::string& name, int* out, const std::string& help, bool required = false);
   void add(const std::string& name, int64_t* out, const std::string& help, bool required = false);
+  // An integer in [0, 2^64) (a seed): a sign is refused, not wrapped.
+  void add(const std::string& name, uint64_t* out, const std::string& help, bool required = false);
   void add(const std::string& name, double* out, const std::string& help, bool required = false);
   void add(const std::string& name, float* out, const std::string& help, bool required = false);
   void add_bool(const std::string& name, bool* out, const std::string& help);
@@ -36,6 +38,7 @@ class Flags {
   struct Flag {
     std::string name, help, default_text, metavar;
     bool required = false, is_bool = false, is_list = false, given = false;
+    std::string expected;  // what a value must be, for the error when one does not parse
     std::function<bool(const std::string&)> set;  // false: value does not parse
   };
   Flag& declare(const std::string& name, const std::string& help, bool required);

@@ -325,20 +325,20 @@ void row_sums(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind 
   }
 }
 
-// The two passes over the cached tokens from `blocks`, read in place block by block, for up to
-// four rows, row r over its first rows.len[r] tokens (n_ctx: the longest; AVX-512 where the build,
-// the layout and the diagonal kind allow; the portable loops take the rows one by one).
+// The two passes over n_ctx cached tokens from `blocks`, read in place block by block, for one
+// row or two (AVX-512 where the build, the layout and the diagonal kind allow; the portable loops
+// take the rows one by one).
 void score_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                 const AttnRows& rows, float scale) {
   if (rows_avx512(kv)) return row_scores_avx512(kv, blocks, n_ctx, diag, rows, scale);
   for (int r = 0; r < rows.n; ++r)
-    row_scores(kv, blocks, rows.len[r], diag, rows.q[r], rows.qd[r], scale, rows.sc[r]);
+    row_scores(kv, blocks, n_ctx, diag, rows.q[r], rows.qd[r], scale, rows.sc[r]);
 }
 void sum_pass(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
               const AttnRows& rows) {
   if (rows_avx512(kv)) return row_sums_avx512(kv, blocks, n_ctx, diag, rows);
   for (int r = 0; r < rows.n; ++r)
-    row_sums(kv, blocks, rows.len[r], diag, rows.sc[r], rows.out[r], rows.oc[r]);
+    row_sums(kv, blocks, n_ctx, diag, rows.sc[r], rows.out[r], rows.oc[r]);
 }
 
 // A row's context is attended in chunks of kChunkTokens tokens (rounded down to whole blocks,
@@ -399,33 +399,23 @@ void chunk_shares(const RowChunks& r, int c0, int c1) {
   }
 }
 
-// Tokens in chunk c of rows.n rows (row i's bookkeeping rc[i]): rows.len[i] for each, and the
-// longest, which the passes read.
-int chunk_lengths(const RowChunks* const* rc, int c, AttnRows& rows) {
-  int n = 0;
-  for (int i = 0; i < rows.n; ++i) n = std::max(n, rows.len[i] = rc[i]->size(c));
-  return n;
-}
-
-// Chunk c of rows.n rows (row i's bookkeeping rc[i]; the chunk starts at the same token for all,
-// and ends at each row's own length where it is a row's last): the scores into rows.sc[i]
-// (H·size floats), exponentiated against each head's maximum, and the values' sums with those
-// weights into rows.out[i] (the chunk's partial, W floats) while the chunk's rows are still in L2
-// (read again after every chunk's scores, from L3 or memory, they took a fifth of a long row's
-// time).
+// Chunk c of rows.n rows (row i's bookkeeping rc[i]) whose chunk c holds the same tokens: the
+// scores into rows.sc[i] (H·size floats), exponentiated against each head's maximum, and the
+// values' sums with those weights into rows.out[i] (the chunk's partial, W floats) while the
+// chunk's rows are still in L2 (read again after every chunk's scores, from L3 or memory, they
+// took a fifth of a long row's time).
 void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks* const* rc, int c,
                   DiagKind diag, AttnRows rows, float scale) {
-  const int n = chunk_lengths(rc, c, rows), H = kv.n_heads;
+  const int n = rc[0]->size(c), H = kv.n_heads;
   const int32_t* chunk_blocks = blocks + rc[0]->begin(c) / kv.block_size;
   score_pass(kv, chunk_blocks, n, diag, rows, scale);
   for (int i = 0; i < rows.n; ++i)
     for (int h = 0; h < H; ++h) {
-      const int len = rows.len[i];
-      float* sh = rows.sc[i] + int64_t(h) * len;
+      float* sh = rows.sc[i] + int64_t(h) * n;
       float m = sh[0];
-      for (int j = 1; j < len; ++j) m = std::max(m, sh[j]);
+      for (int j = 1; j < n; ++j) m = std::max(m, sh[j]);
       rc[i]->maxima[int64_t(c) * H + h] = m;
-      rc[i]->sums[int64_t(c) * H + h] = float(simd::exp_shifted(sh, len, m));
+      rc[i]->sums[int64_t(c) * H + h] = float(simd::exp_shifted(sh, n, m));
     }
   for (int i = 0; i < rows.n; ++i) rows.oc[i] = nullptr;
   sum_pass(kv, chunk_blocks, n, diag, rows);
@@ -436,15 +426,15 @@ void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks*
 // rows.sc[i] made probabilities and the contexts' sums taken into the partial's [W, stride).
 void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks* const* rc, int c,
                 DiagKind diag, AttnRows rows) {
-  const int n = chunk_lengths(rc, c, rows), H = kv.n_heads, W = kv.k_width, dh = W / H;
+  const int n = rc[0]->size(c), H = kv.n_heads, W = kv.k_width, dh = W / H;
   const bool contexts = rc[0]->stride > W;
   for (int i = 0; i < rows.n; ++i) {
     for (int h = 0; h < H; ++h) {
       const float f = rc[i]->shares[int64_t(c) * H + h];
       for (int k = 0; k < dh; ++k) rows.out[i][h * dh + k] *= f;
       if (!contexts) continue;
-      float* sh = rows.sc[i] + int64_t(h) * rows.len[i];
-      for (int j = 0; j < rows.len[i]; ++j) sh[j] *= f;
+      float* sh = rows.sc[i] + int64_t(h) * n;
+      for (int j = 0; j < n; ++j) sh[j] *= f;
     }
     rows.oc[i] = rows.out[i] + W;
     rows.out[i] = nullptr;
@@ -455,15 +445,15 @@ void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks* c
 // One query row, or up to four neighbours of one sequence (row i at the first's position + i,
 // attending to i tokens more), against the first n_ctx (+ i) cached tokens, on the calling
 // thread. rows: q, qd, out, oc per row; sc[i]: H·(n_ctx + i) floats; mem[i]:
-// row_chunks_floats(n_chunks, H, stride). The rows that reach a chunk go through the passes
-// together, two or four at a time, each cache vector loaded once for them (a row's last chunk
-// may end a few tokens before its neighbours': the passes mask its lanes past its end).
+// row_chunks_floats(n_chunks, H, stride). Rows whose chunk holds the same tokens (all but the
+// last chunks) go through the passes together, two or four at a time, each cache vector loaded
+// once for them.
 void attend_rows(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                  const AttnRows& rows, float scale, float* const* mem, int64_t oc_width) {
   const int W = kv.k_width, H = kv.n_heads;
   RowChunks rc[kMaxAttnRows];
   for (int i = 0; i < rows.n; ++i) rc[i] = row_chunks(kv, n_ctx + i, oc_width, mem[i]);
-  // Chunk c's rows in sets of 4, 2 or 1 among those that reach it.
+  // Chunk c's rows in sets of 4, 2 or 1 among those for which it holds the same tokens.
   auto each_set = [&](int c, auto&& pass) {
     auto run = [&](int first, int count) {
       AttnRows sub;
@@ -478,12 +468,16 @@ void attend_rows(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKi
       }
       pass(set, sub);
     };
-    int i = 0;  // rows attend to more chunks than their predecessors, never fewer
-    while (i < rows.n && c >= rc[i].n_chunks) ++i;
-    while (i < rows.n) {
-      const int k = rows.n - i >= 4 ? 4 : rows.n - i >= 2 ? 2 : 1;
-      run(i, k);
-      i += k;
+    for (int i = 0; i < rows.n;) {
+      int same = 1;  // the rows from i on whose chunk c is as long as row i's
+      while (i + same < rows.n && rc[i + same].size(c) == rc[i].size(c)) ++same;
+      if (c < rc[i].n_chunks)
+        for (int done = 0; done < same;) {
+          const int k = same - done >= 4 ? 4 : same - done >= 2 ? 2 : 1;
+          run(i + done, k);
+          done += k;
+        }
+      i += same;
     }
   };
   const int n_chunks = rc[rows.n - 1].n_chunks;

@@ -172,27 +172,25 @@ void scores(const KvLayerView& kv, const E* kpool, const E* cpool, const int32_t
         col_dots<R>(qh, D, contexts, 0, cs, diag_term);
         apply_scales<R, E>(context_scales, 0, diag_term);
       }
-      for (int r = 0; r < R; ++r)  // a row's lanes past its own length are dropped
+      for (int r = 0; r < R; ++r)
         for (int k = 0; k < keys.n; ++k)
-          _mm512_mask_storeu_ps(rows.sc[r] + int64_t(h) * rows.len[r] + j0 + kGroup * k,
-                                lane_mask(rows.len[r] - j0 - kGroup * k),
+          _mm512_mask_storeu_ps(rows.sc[r] + int64_t(h) * n_ctx + j0 + kGroup * k, keys.lanes[k],
                                 _mm512_mul_ps(vscale, _mm512_add_ps(s[r][k], diag_term[r][k])));
     }
   }
 }
 
-// dst[r][c] for c < cols (≤ 16 / R) = Σ_j w[r][j]·(column col0 + c of token j) over row r's
-// tokens [0, len[r]) (len[r] ≤ n_ctx), for R rows: each column's products accumulate on the lanes
-// (token j on lane j % 16), group after group in token order, and the lanes are reduced at the end
-// (reduce16, whose sum of one accumulator's lanes does not depend on the others). A row's lanes
-// past its length are left as they are (masked FMAs), so its bits are the same alone or beside
-// others. Full: cols = 16 / R.
+// dst[r][c] for c < cols (≤ 16 / R) = Σ_j w[r][j]·(column col0 + c of token j) over the tokens
+// [0, n_ctx), for R rows: each column's products accumulate on the lanes (token j on lane j % 16),
+// group after group in token order, and the lanes are reduced at the end (reduce16, whose sum of
+// one accumulator's lanes does not depend on the others: a row's bits are the same alone or
+// beside others). Full: cols = 16 / R.
 // An int8 pool's weights are scaled by the tokens' scales in scale column `scol` of `sp`, as they
 // are loaded.
 template <int R, bool Full, typename E>
 void col_sums16(const KvLayerView& kv, const E* pool, int width, const KvPoolRef& sp, int scol,
-                const int32_t* blocks, int n_ctx, const int* len, const float* const* w,
-                int64_t col0, int cols, float* const* dst) {
+                const int32_t* blocks, int n_ctx, const float* const* w, int64_t col0, int cols,
+                float* const* dst) {
   constexpr int C = 16 / R;  // columns per row
   const int64_t cs = kv.block_size;
   __m512 acc[16];
@@ -204,10 +202,8 @@ void col_sums16(const KvLayerView& kv, const E* pool, int width, const KvPoolRef
     if (t == kv.block_size) t = 0, ++b;
     const __mmask16 m = lane_mask(n_ctx - j);
     __m512 p[R];
-    __mmask16 mr[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-      mr[r] = lane_mask(len[r] - j), p[r] = _mm512_maskz_loadu_ps(mr[r], w[r] + j);
+    for (int r = 0; r < R; ++r) p[r] = _mm512_maskz_loadu_ps(m, w[r] + j);
     if constexpr (std::is_same_v<E, int8_t>) {
       const __m512 s = _mm512_maskz_loadu_ps(
           m, sp.scale + int64_t(blocks[b]) * kv.block_size * sp.groups + t + scol * cs);
@@ -219,8 +215,7 @@ void col_sums16(const KvLayerView& kv, const E* pool, int width, const KvPoolRef
     for (int c = 0; c < C; ++c) {
       const __m512 v = load_row(Full || c < cols ? m : __mmask16(0), at + c * cs);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        acc[r * C + c] = _mm512_mask3_fmadd_ps(p[r], v, acc[r * C + c], mr[r]);
+      for (int r = 0; r < R; ++r) acc[r * C + c] = _mm512_fmadd_ps(p[r], v, acc[r * C + c]);
     }
   }
   const __m512 sums = reduce16(acc);
@@ -235,17 +230,17 @@ void col_sums16(const KvLayerView& kv, const E* pool, int width, const KvPoolRef
 // col_sums16 over columns [col0, col0 + n_cols), 16 / R at a time.
 template <int R, typename E>
 void col_sums(const KvLayerView& kv, const E* pool, int width, const KvPoolRef& sp, int scol,
-              const int32_t* blocks, int n_ctx, const int* len, const float* const* w, int col0,
-              int n_cols, float* const* dst) {
+              const int32_t* blocks, int n_ctx, const float* const* w, int col0, int n_cols,
+              float* const* dst) {
   constexpr int C = 16 / R;
   for (int c0 = 0; c0 < n_cols; c0 += C) {
     const int cols = std::min(C, n_cols - c0);
     float* d[R];
     for (int r = 0; r < R; ++r) d[r] = dst[r] + c0;
     if (cols == C)
-      col_sums16<R, true>(kv, pool, width, sp, scol, blocks, n_ctx, len, w, col0 + c0, cols, d);
+      col_sums16<R, true>(kv, pool, width, sp, scol, blocks, n_ctx, w, col0 + c0, cols, d);
     else
-      col_sums16<R, false>(kv, pool, width, sp, scol, blocks, n_ctx, len, w, col0 + c0, cols, d);
+      col_sums16<R, false>(kv, pool, width, sp, scol, blocks, n_ctx, w, col0 + c0, cols, d);
   }
 }
 
@@ -259,8 +254,8 @@ void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* 
       const float* w[R];
       float* d[R];
       for (int r = 0; r < R; ++r)
-        w[r] = rows.sc[r] + int64_t(h) * rows.len[r], d[r] = rows.out[r] + h * dh;
-      col_sums<R>(kv, vpool, W, vref, h, blocks, n_ctx, rows.len, w, h * dh, dh, d);
+        w[r] = rows.sc[r] + int64_t(h) * n_ctx, d[r] = rows.out[r] + h * dh;
+      col_sums<R>(kv, vpool, W, vref, h, blocks, n_ctx, w, h * dh, dh, d);
     }
   if (diag == DiagKind::kNone || !rows.oc[0]) return;
   if (diag == DiagKind::kPerHead) {  // each head's own context sums, [H, D]
@@ -268,26 +263,25 @@ void sums(const KvLayerView& kv, const E* vpool, const E* cpool, const int32_t* 
       const float* w[R];
       float* d[R];
       for (int r = 0; r < R; ++r)
-        w[r] = rows.sc[r] + int64_t(h) * rows.len[r], d[r] = rows.oc[r] + int64_t(h) * D;
-      col_sums<R>(kv, cpool, D, cref, 0, blocks, n_ctx, rows.len, w, 0, D, d);
+        w[r] = rows.sc[r] + int64_t(h) * n_ctx, d[r] = rows.oc[r] + int64_t(h) * D;
+      col_sums<R>(kv, cpool, D, cref, 0, blocks, n_ctx, w, 0, D, d);
     }
     return;
   }
   // The shared diagonal weighs token j by the sum of its heads' probabilities.
   for (int r = 0; r < R; ++r) {
     float* sc = rows.sc[r];
-    const int n = rows.len[r];
     for (int h = 1; h < H; ++h)
-      for (int j = 0; j < n; j += 16) {
-        const __mmask16 m = lane_mask(n - j);
+      for (int j = 0; j < n_ctx; j += 16) {
+        const __mmask16 m = lane_mask(n_ctx - j);
         _mm512_mask_storeu_ps(sc + j, m,
                               _mm512_add_ps(_mm512_maskz_loadu_ps(m, sc + j),
-                                            _mm512_maskz_loadu_ps(m, sc + int64_t(h) * n + j)));
+                                            _mm512_maskz_loadu_ps(m, sc + int64_t(h) * n_ctx + j)));
       }
   }
   const float* w[R];
   for (int r = 0; r < R; ++r) w[r] = rows.sc[r];
-  col_sums<R>(kv, cpool, D, cref, 0, blocks, n_ctx, rows.len, w, 0, D, rows.oc);
+  col_sums<R>(kv, cpool, D, cref, 0, blocks, n_ctx, w, 0, D, rows.oc);
 }
 
 }  // namespace

@@ -10,14 +10,11 @@ namespace cemlm {
 
 // One query row, or two or four of one sequence attending to the same tokens (a prefill's
 // neighbours: the rows share each vector of the cache loaded, and each row's bits are those it has
-// alone). Row r attends to the first len[r] of the call's n_ctx tokens (neighbours' last chunks
-// differ by a few tokens; n_ctx is the largest len) and uses q[r] (H·d_h), qd[r] (D, the shared
-// diagonal's), sc[r] (H·len[r] scores, head h's from h·len[r]), out[r] (H·d_h) and oc[r] (D); out
-// or oc null (for every row) skips that part of the sums.
+// alone). Row r uses q[r] (H·d_h), qd[r] (D, the shared diagonal's), sc[r] (H·n_ctx scores),
+// out[r] (H·d_h) and oc[r] (D); out or oc null (for every row) skips that part of the sums.
 constexpr int kMaxAttnRows = 4;
 struct AttnRows {
   int n = 1;  // 1, 2 or 4 for the AVX-512 passes
-  int len[kMaxAttnRows] = {};
   const float* q[kMaxAttnRows] = {};
   const float* qd[kMaxAttnRows] = {};
   float* sc[kMaxAttnRows] = {};
@@ -32,14 +29,14 @@ bool avx512_attention_built();
 // are multiples of 16 tokens (any diagonal kind).
 bool rows_avx512(const KvLayerView& kv);
 
-// Where rows_avx512: sc[r][h·len[r] + j] = scale·(q_h·κ_{h,j} + qd_(h)·c_j) for j < len[r] (the
-// diagonal term with qd [D] shared by the heads, or [H, D] per head; none without a diagonal).
+// Where rows_avx512: sc[r][h·n_ctx + j] = scale·(q_h·κ_{h,j} + qd_(h)·c_j) (the diagonal term
+// with qd [D] shared by the heads, or [H, D] per head; none without a diagonal).
 void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                        const AttnRows& rows, float scale);
 
 // Where rows_avx512: out = Σ_j p_{h,j} v_{h,j} per head and the contexts' sums, for the shared
 // diagonal oc = Σ_j (Σ_h p_{h,j}) c_j, per head oc[h] = Σ_j p_{h,j} c_j, from the weights
-// sc[h·len + j], j < len (the shared diagonal's sums overwrite head 0's weights with the sums).
+// sc[h·n_ctx + j] (the shared diagonal's sums overwrite row 0 of sc with the head sums).
 void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                      const AttnRows& rows);
 

@@ -280,9 +280,9 @@ TEST(Int8Cache, NonFiniteAndZeroGroupsReadBackAsFp32Would) {
   }
 }
 
-// A prefill's neighbour rows share their passes, the last chunk included, where a row ends a few
-// tokens before the next: a later token's key must not reach an earlier row even when it is NaN
-// (a zero weight times NaN is NaN), and each row keeps its bits alone.
+// A prefill's neighbour rows share their passes: a later token's key must not reach an earlier
+// row even when it is NaN (were rows whose last chunks end a few tokens apart to share them, a
+// zero weight times NaN would be NaN), and each row keeps its bits alone.
 TEST(AttentionRows, ALaterTokensNaNKeyStaysOutOfEarlierRows) {
   const int H = 2, dh = 16, W = H * dh, n_ctx = 40, R = 8, poisoned = 37;
   for (int bs : {16, 3}) {  // tiled (AVX-512 passes where built), token-major (portable)

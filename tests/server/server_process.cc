@@ -1,5 +1,6 @@
-// Server test harness (see server_process.h). Processes are started with posix_spawn (safe in
-// a multi-threaded test) and talk to the test through a pipe on stdout and a log file on stderr.
+// Server test harness (see server_process.h). Processes are started with fork and exec (only
+// system calls between them: safe in a multi-threaded test), die with the thread that started
+// them, and talk to the test through a pipe on stdout and a log file on stderr.
 #include "server_process.h"
 
 #include <arpa/inet.h>
@@ -9,7 +10,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -31,28 +32,31 @@ namespace {
 using namespace std::chrono_literals;
 
 // Spawns `cemlm args...` with stdout into a pipe (whose read end is returned in *out_fd) and
-// stderr appended to `log_path` (or inherited when empty).
+// stderr appended to `log_path` (or inherited when empty). The child is killed when the thread
+// that started it ends (PR_SET_PDEATHSIG): a test that dies (an abort, a crash) leaves no server
+// behind. Between fork and exec the child only makes system calls (safe in a threaded process).
 pid_t spawn_cemlm(const std::vector<std::string>& args, int* out_fd, const std::string& log_path) {
   int fds[2];
-  if (pipe(fds) != 0) return -1;
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-  posix_spawn_file_actions_addclose(&actions, fds[0]);
-  posix_spawn_file_actions_addclose(&actions, fds[1]);
-  if (!log_path.empty())
-    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log_path.c_str(),
-                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (pipe2(fds, O_CLOEXEC) != 0) return -1;
   std::vector<std::string> all = {CEMLM_BIN};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : all) argv.push_back(a.data());
   argv.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, CEMLM_BIN, &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
+  const pid_t parent = getpid();
+  const pid_t pid = _Fork();  // fork without the atfork handlers (gRPC's), as posix_spawn does
+  if (pid == 0) {
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(127);
+    if (dup2(fds[1], STDOUT_FILENO) < 0) _exit(127);
+    if (!log_path.empty()) {
+      const int err = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+      if (err < 0 || dup2(err, STDERR_FILENO) < 0) _exit(127);
+    }
+    execve(CEMLM_BIN, argv.data(), environ);
+    _exit(127);
+  }
   close(fds[1]);
-  if (rc != 0) {
+  if (pid < 0) {
     close(fds[0]);
     return -1;
   }

@@ -438,7 +438,7 @@ void print_help() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cemlm::reexec_for_openblas_kernels(argv);
+  cemlm::reexec_with_runtime_env(argv);
   Settings s;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) {

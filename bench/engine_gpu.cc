@@ -248,9 +248,19 @@ void bench_model(bool cem, const Setup& su, double bw, double rate) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cemlm::reexec_for_openblas_kernels(argv);
+  cemlm::reexec_with_runtime_env(argv);
   Setup su;
+  const char* usage =
+      "usage: bench/engine_gpu [--small]\n\nThe CUDA runner's decode and prefill throughput "
+      "against measured rooflines (device copy\nbandwidth, cuBLAS bf16 rate); --small: a smaller "
+      "model and fewer steps. Needs a GPU.\n";
+  if (argc > 1 && (!std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")))
+    return std::fputs(usage, stdout), 0;
   su.small = argc > 1 && std::strcmp(argv[1], "--small") == 0;
+  if (argc > 2 || (argc == 2 && !su.small)) {
+    std::fprintf(stderr, "unexpected argument '%s'\n%s", argv[argc - 1], usage);
+    return 2;
+  }
   if (su.small) su.prefill_seqs = 4, su.prefill_len = 256, su.decode_steps = 8;
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {

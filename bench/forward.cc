@@ -59,8 +59,17 @@ double sgemm_gflops(const ModelConfig& c, int N) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cemlm::reexec_for_openblas_kernels(argv);
-  const int N = argc > 1 ? std::atoi(argv[1]) : 256;
+  cemlm::reexec_with_runtime_env(argv);
+  int N = 256;
+  const char* usage =
+      "usage: bench/forward [TOKENS]\n\nThe full-sequence CPU forward of one TOKENS-token "
+      "sequence (default 256), standard and CEM at T = 1, 2, 4:\ntokens/s and matmul GFLOP/s "
+      "against OpenBLAS sgemm on the same shapes.\n";
+  if (int rc = bench::positional_counts(argc, argv, usage, {&N}); rc >= 0) return rc;
+  if (N > bench_config(false).max_seq_len) {
+    std::fprintf(stderr, "TOKENS %d must be at most %d\n", N, bench_config(false).max_seq_len);
+    return 2;
+  }
   std::printf("%s\n", bench::machine_line().c_str());
   const double ref = sgemm_gflops(bench_config(false), N);
   std::printf("OpenBLAS sgemm on the model's shapes: %.1f GFLOP/s\n\n", ref);

@@ -1,8 +1,12 @@
 // Shared by the benchmark programs: one line describing the machine (CPU model, cores), printed
-// above every table so recorded numbers carry their context, and a repeat-until-timed helper.
+// above every table so recorded numbers carry their context, a repeat-until-timed helper, and
+// the small programs' argument parsing.
 #pragma once
+#include <charconv>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
+#include <initializer_list>
 #include <string>
 #include <thread>
 
@@ -20,6 +24,29 @@ inline std::string machine_line() {
     }
   return "machine: " + model + ", " + std::to_string(std::thread::hardware_concurrency()) +
          " cores, no GPU used; " + blas_description();
+}
+
+// Positional counts (each an integer ≥ 1) into *out[i], in order; those not given keep their
+// values. Prints `usage` and returns 0 for --help or -h, or prints the bad argument and `usage`
+// and returns 2 for anything else; -1 to go on.
+inline int positional_counts(int argc, char** argv, const char* usage,
+                             std::initializer_list<int*> out) {
+  if (argc - 1 > int(out.size())) {
+    std::fprintf(stderr, "unexpected argument '%s'\n%s", argv[out.size() + 1], usage);
+    return 2;
+  }
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") return std::fputs(usage, stdout), 0;
+    int v = 0;
+    const auto [end, ec] = std::from_chars(a.data(), a.data() + a.size(), v);
+    if (ec != std::errc() || end != a.data() + a.size() || v < 1) {
+      std::fprintf(stderr, "expected an integer >= 1, got '%s'\n%s", a.c_str(), usage);
+      return 2;
+    }
+    *out.begin()[i - 1] = v;
+  }
+  return -1;
 }
 
 // Seconds per call of fn, after one warm-up call, repeating for at least min_seconds.

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "cemlm/kernels/linear.h"
 #include "cemlm/trainer/backprop.h"
 #include "cemlm/trainer/optimizer.h"
@@ -88,9 +89,20 @@ double sgemm_gflops(const std::vector<Product>& ps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cemlm::reexec_for_openblas_kernels(argv);
-  const int batch = argc > 1 ? std::atoi(argv[1]) : TrainOptions{}.batch_size;
-  const int seq = argc > 2 ? std::atoi(argv[2]) : TrainOptions{}.seq_len;
+  cemlm::reexec_with_runtime_env(argv);
+  int batch = TrainOptions{}.batch_size, seq = TrainOptions{}.seq_len;
+  const std::string usage = absl::StrCat(
+      "usage: bench/train [BATCH [SEQ_LEN]]\n\nTraining throughput of `cemlm train`'s default "
+      "model and its standard baseline at T = 1, 2, 4:\nwhole steps of BATCH sequences of SEQ_LEN "
+      "tokens (defaults ",
+      batch, " and ", seq, ", at most max_seq_len ", default_model_config().max_seq_len, ").\n");
+  if (int rc = bench::positional_counts(argc, argv, usage.c_str(), {&batch, &seq}); rc >= 0)
+    return rc;
+  if (seq < 2 || seq > default_model_config().max_seq_len) {
+    std::fprintf(stderr, "SEQ_LEN %d must be in [2, %d]\n", seq,
+                 default_model_config().max_seq_len);
+    return 2;
+  }
   const int N = batch * seq;
   std::printf("%s\n", bench::machine_line().c_str());
   std::printf("one training step = forward + backward (batch %d × %d tokens) + clip + AdamW\n\n",

@@ -41,7 +41,7 @@ void print_help() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cemlm::reexec_for_openblas_kernels(argv);
+  cemlm::reexec_with_runtime_env(argv);
   if (argc < 2 || !std::strcmp(argv[1], "help") || !std::strcmp(argv[1], "--help") ||
       !std::strcmp(argv[1], "-h")) {
     print_help();

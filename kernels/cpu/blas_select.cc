@@ -32,15 +32,37 @@ std::string better_openblas_core_here() {
                               __builtin_cpu_supports("avx512bf16"));
 }
 
-void reexec_for_openblas_kernels(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE")) return;  // the user's choice, or ours from the first run
-  const std::string core = better_openblas_core_here();
-  if (core.empty()) return;
-  setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
-  setenv(kOpenblasCoretypeChosenEnv, "1", 1);
+std::vector<std::pair<std::string, std::string>> runtime_env_to_set() {
+  std::vector<std::pair<std::string, std::string>> out;
+  // Set already: the user's choice, or ours from the first run.
+  if (!std::getenv("OPENBLAS_CORETYPE"))
+    if (const std::string core = better_openblas_core_here(); !core.empty())
+      out.insert(out.end(), {{"OPENBLAS_CORETYPE", core}, {kOpenblasCoretypeChosenEnv, "1"}});
+  if (!std::getenv("OMP_WAIT_POLICY") && !std::getenv("GOMP_SPINCOUNT"))
+    out.insert(out.end(), {{"GOMP_SPINCOUNT", kOpenmpSpinCount}, {kOpenmpSpinCountChosenEnv, "1"}});
+  return out;
+}
+
+void reexec_with_runtime_env(char** argv) {
+  const auto vars = runtime_env_to_set();
+  if (vars.empty()) return;
+  for (const auto& [name, value] : vars) setenv(name.c_str(), value.c_str(), 1);
   execv("/proc/self/exe", argv);
-  unsetenv("OPENBLAS_CORETYPE");  // no exec: carry on with the kernels loaded
-  unsetenv(kOpenblasCoretypeChosenEnv);
+  for (const auto& [name, value] : vars) unsetenv(name.c_str());  // no exec: carry on as loaded
+}
+
+std::string openmp_wait_description() {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const char* spins = std::getenv("GOMP_SPINCOUNT");
+  if (spins && std::getenv(kOpenmpSpinCountChosenEnv))
+    return std::string("OpenMP waits: spin ") + spins +
+           " rounds, then sleep (cemlm's default; OMP_WAIT_POLICY or GOMP_SPINCOUNT overrides "
+           "it)";
+  std::string out = "OpenMP waits: ";
+  if (policy) out += std::string("OMP_WAIT_POLICY=") + policy + (spins ? ", " : "");
+  if (spins) out += std::string("GOMP_SPINCOUNT=") + spins;
+  if (!policy && !spins) return out + "libgomp's default (the variables were not passed on)";
+  return out + " from the environment";
 }
 
 std::string blas_description() {

@@ -176,7 +176,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
                e->config().variant_name(), f.device, f.kv_cache_dtype, blas_description());
   if (is_cpu_device(f.device)) {
     const CpuThreads t = cpu_threads(f.threads);
-    spdlog::info("compute threads={} ({})", t.threads, t.why);
+    spdlog::info("compute threads={} ({}); {}", t.threads, t.why, openmp_wait_description());
   }
 
   int sig = 0;

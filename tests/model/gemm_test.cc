@@ -409,5 +409,39 @@ TEST(BlasSelect, DescriptionNamesACoretypeFromTheEnvironment) {
   if (mark) setenv(kOpenblasCoretypeChosenEnv, mark->c_str(), 1);
 }
 
+// OpenMP's waits are bounded (GOMP_SPINCOUNT) unless the environment chose a policy; the
+// description says which, for the server's start-up log.
+TEST(RuntimeEnv, SpinCountIsSetUnlessTheEnvironmentChoseAWaitPolicy) {
+  auto saved = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v ? std::optional<std::string>(v) : std::nullopt;
+  };
+  const char* names[] = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", kOpenmpSpinCountChosenEnv};
+  std::optional<std::string> before[3];
+  for (int i = 0; i < 3; ++i) before[i] = saved(names[i]), unsetenv(names[i]);
+  auto sets_spins = [] {
+    for (const auto& [name, value] : runtime_env_to_set())
+      if (name == "GOMP_SPINCOUNT") return value;
+    return std::string();
+  };
+  EXPECT_EQ(sets_spins(), kOpenmpSpinCount);
+  setenv("GOMP_SPINCOUNT", kOpenmpSpinCount, 1);
+  setenv(kOpenmpSpinCountChosenEnv, "1", 1);  // as after the re-exec
+  EXPECT_EQ(sets_spins(), "");
+  EXPECT_NE(openmp_wait_description().find("spin 1000 rounds, then sleep (cemlm's default"),
+            std::string::npos)
+      << openmp_wait_description();
+  unsetenv(kOpenmpSpinCountChosenEnv);
+  setenv("GOMP_SPINCOUNT", "50", 1);
+  EXPECT_EQ(openmp_wait_description(), "OpenMP waits: GOMP_SPINCOUNT=50 from the environment");
+  unsetenv("GOMP_SPINCOUNT");
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  EXPECT_EQ(sets_spins(), "");
+  EXPECT_EQ(openmp_wait_description(),
+            "OpenMP waits: OMP_WAIT_POLICY=passive from the environment");
+  for (int i = 0; i < 3; ++i)
+    before[i] ? (void)setenv(names[i], before[i]->c_str(), 1) : (void)unsetenv(names[i]);
+}
+
 }  // namespace
 }  // namespace cemlm

@@ -103,6 +103,7 @@ class TextStream {
 struct Request {
   RequestId id;
   int n_prompt, recursion, max_new_tokens, top_logprobs;
+  uint64_t seed;  // the request's, or drawn for it: reported on the final event
   std::optional<Clock::time_point> deadline;
   EventCallback on_event;
   Sampler sampler;
@@ -321,7 +322,7 @@ std::unique_ptr<Request> EngineImpl::make_request(RequestId id, const GenerateRe
   const uint64_t seed = p.seed ? *p.seed : Rng(seed_base_ + id).next_u64();
   return std::unique_ptr<Request>(new Request{
       id, int(req.prompt_ids.size()), resolve_recursion(req.recursion_depth), p.max_new_tokens,
-      p.top_logprobs, req.deadline, std::move(on_event), Sampler(p, eos_id_, seed),
+      p.top_logprobs, seed, req.deadline, std::move(on_event), Sampler(p, eos_id_, seed),
       TextStream(tokenizer_.get(), req.prompt_ids, p.stop), Usage{}, RequestTimings{}});
 }
 
@@ -519,6 +520,7 @@ void EngineImpl::finish(Request& q, FinishReason why, StreamEvent ev, absl::Stat
   ev.error = std::move(error);
   q.usage.prompt_tokens = q.n_prompt;
   ev.usage = q.usage;
+  ev.seed = q.seed;
   q.timings.finished = Clock::now();
   ev.timings = q.timings;
   const EventCallback on_event = std::move(q.on_event);

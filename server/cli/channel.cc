@@ -6,6 +6,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -22,6 +23,11 @@ void add_channel_flags(Flags* flags, ChannelFlags* f) {
 }
 
 std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_connection) {
+  if (!(f.timeout >= 0) || !std::isfinite(f.timeout)) {
+    std::fprintf(stderr, "error: --timeout %g must be a number of seconds >= 0 (0 = no deadline)\n",
+                 f.timeout);
+    return nullptr;
+  }
   grpc::ChannelArguments args;
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (f.tls_ca.empty())
@@ -33,6 +39,13 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
   }
   std::ostringstream pem;
   pem << in.rdbuf();
+  if (pem.str().find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+    std::fprintf(stderr,
+                 "error: --tls-ca: '%s' holds no PEM certificate (no '-----BEGIN "
+                 "CERTIFICATE-----' line): give the CA certificate(s) that signed the server's\n",
+                 f.tls_ca.c_str());
+    return nullptr;
+  }
   grpc::SslCredentialsOptions ssl;
   ssl.pem_root_certs = pem.str();
   return grpc::CreateCustomChannel(f.addr, grpc::SslCredentials(ssl), args);

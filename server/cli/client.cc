@@ -84,7 +84,8 @@ json final_json(const v1::GenerateResponse& last) {
            {{"queue_seconds", t.queue_seconds()},
             {"first_token_seconds", t.first_token_seconds()},
             {"e2e_seconds", t.e2e_seconds()}}},
-          {"request_id", last.request_id()}};
+          {"request_id", last.request_id()},
+          {"seed", last.seed()}};
 }
 
 int client_generate(int argc, char** argv) {
@@ -166,6 +167,10 @@ int client_generate(int argc, char** argv) {
   grpc::Status status = reader->Finish();
   if (!g.json) std::printf("\n");
   if (!status.ok()) return report_error(status);
+  // A drawn seed is reported (--json has it as "seed"), so that a sample can be made again.
+  if (!g.json && !flags.given("seed") && (!flags.given("temperature") || g.temperature > 0))
+    std::fprintf(stderr, "seed %llu (--seed %llu makes this sample again)\n",
+                 (unsigned long long)last.seed(), (unsigned long long)last.seed());
   if (g.json) {
     json out = final_json(last);
     out["ids"] = ids;

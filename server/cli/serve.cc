@@ -150,6 +150,19 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   }
   if (!f.tls_cert.empty() && !read_file(f.tls_cert, "--tls-cert", &opts.tls_cert_pem)) return 1;
   if (!f.tls_key.empty() && !read_file(f.tls_key, "--tls-key", &opts.tls_key_pem)) return 1;
+  // gRPC only logs a file it cannot use, and then fails to listen: said here by name instead.
+  if (!f.tls_cert.empty() &&
+      opts.tls_cert_pem.find("-----BEGIN CERTIFICATE-----") == std::string::npos)
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--tls-cert '", f.tls_cert,
+                     "' holds no PEM certificate (no '-----BEGIN CERTIFICATE-----' line): give "
+                     "the server's certificate chain in PEM")));
+  if (!f.tls_key.empty() && (opts.tls_key_pem.find("-----BEGIN ") == std::string::npos ||
+                             opts.tls_key_pem.find("PRIVATE KEY-----") == std::string::npos))
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--tls-key '", f.tls_key,
+                     "' holds no PEM private key (no '-----BEGIN … PRIVATE KEY-----' line): give "
+                     "the key of --tls-cert in PEM")));
 
   auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name);
   auto metrics_http = server::MetricsHttpServer::start(f.host, f.metrics_port, [metrics] {

@@ -24,7 +24,10 @@ absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const Request& 
     return invalid(absl::StrCat("set only one of ", text_field, " and ", ids_field));
   if (text.empty() && ids.empty())
     return invalid(
-        absl::StrCat(text_field, " or ", ids_field, " is required (the input is empty)"));
+        absl::StrCat(text_field, " or ", ids_field,
+                     " is required (the input is empty; an empty text cannot be told from none: "
+                     "to start from the BOS alone, send ",
+                     ids_field, " = [ModelInfo.bos_id])"));
   if (!ids.empty()) {
     if (req.has_add_bos())
       return invalid(absl::StrCat("add_bos applies to ", text_field, " only: ", ids_field,
@@ -108,6 +111,11 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
   out.recursion_depth = req.recursion_depth();
   out.sampling = to_engine(req.sampling());
   out.priority = req.priority();
+  // The alternatives come beside each token's logprob: asked for alone they were dropped.
+  if (req.sampling().top_logprobs() > 0 && !req.logprobs())
+    return invalid(absl::StrCat("sampling.top_logprobs = ", req.sampling().top_logprobs(),
+                                " needs logprobs: true (the alternatives come with each token's "
+                                "logprob); set it, or leave top_logprobs at 0"));
   if (req.request_id().size() > kMaxRequestIdBytes)
     return invalid(absl::StrCat("request_id is ", req.request_id().size(), " bytes; at most ",
                                 kMaxRequestIdBytes));
@@ -142,6 +150,7 @@ void append_event(const StreamEvent& event, bool logprobs, v1::GenerateResponse*
 void set_final(const StreamEvent& event, const std::string& request_id, v1::GenerateResponse* out) {
   out->set_finish_reason(to_proto(event.finish_reason));
   out->set_request_id(request_id);
+  out->set_seed(event.seed);
   v1::Usage* u = out->mutable_usage();
   u->set_prompt_tokens(event.usage.prompt_tokens);
   u->set_generated_tokens(event.usage.generated_tokens);

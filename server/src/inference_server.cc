@@ -71,8 +71,12 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0)
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", address,
-                                               " (--host/--port: in use or not an address here?)"));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", address, " (--host/--port: in use or not an address here?",
+        opts.tls_cert_pem.empty()
+            ? ")"
+            : "; or --tls-cert and --tls-key are not a valid certificate chain and its private "
+              "key: gRPC's log line above says which)"));
   // The service's own name too (load balancers and meshes ask for it); the bool overloads below
   // then set it along with the whole server's.
   s->server_->GetHealthCheckService()->SetServingStatus(v1::Inference::service_full_name(), false);

@@ -166,6 +166,16 @@ TEST_F(ServerGenerate, StreamsTokensLogprobsAndFinalUsage) {
   ASSERT_TRUE(v1::Inference::NewStub(server_->channel())->Detokenize(&context, dreq, &dresp).ok());
   EXPECT_EQ(s.text(), dresp.text());
   EXPECT_EQ(generate(server_->channel(), req).ids(), ids);
+  EXPECT_EQ(last.seed(), 5u);  // the request's own seed, reported back
+  for (size_t i = 0; i + 1 < s.messages.size(); ++i) EXPECT_EQ(s.messages[i].seed(), 0u);
+
+  // Without a seed one is drawn, and reported: sent back, it gives the same sample.
+  req.mutable_sampling()->clear_seed();
+  const Stream drawn = generate(server_->channel(), req), other = generate(server_->channel(), req);
+  ASSERT_TRUE(drawn.status.ok() && other.status.ok());
+  EXPECT_NE(drawn.messages.back().seed(), other.messages.back().seed());
+  req.mutable_sampling()->set_seed(drawn.messages.back().seed());
+  EXPECT_EQ(generate(server_->channel(), req).ids(), drawn.ids());
 }
 
 // logit_bias and min_new_tokens reach the engine: a +100 bias makes every greedy token its id,

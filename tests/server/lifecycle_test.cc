@@ -429,6 +429,13 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
                       &out, &err),
             1);
   EXPECT_NE(err.find("error: --dump-logits: "), std::string::npos) << err;
+  // 0 is a depth too (the model's default): the range says so.
+  EXPECT_EQ(
+      run_cemlm({"score", "--model", model_, "--ids", "5,6", "--recursion", "-2"}, &out, &err), 1);
+  EXPECT_NE(err.find("--recursion -2 is outside [0, recursion.max = 8] (0 = the model's "
+                     "recursion.default"),
+            std::string::npos)
+      << err;
 }
 
 // grpc.reflection.v1alpha list_services, spoken with a generic stub (no reflection client ships
@@ -501,8 +508,27 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
     EXPECT_EQ(nlohmann::json::parse(o)["request_id"], "abc-1");
   }
   EXPECT_EQ(nlohmann::json::parse(seeded[0])["ids"], nlohmann::json::parse(seeded[1])["ids"]);
+  EXPECT_EQ(nlohmann::json::parse(seeded[0])["seed"], 18446744073709551615ull);
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--seed", "-1"}),
             2);
+  // Unseeded and streamed: the drawn seed is reported on stderr, and sent back gives the text.
+  std::string err, again;
+  const std::vector<std::string> sample = {"client",       "generate",         "--addr",
+                                           addr,           "--prompt-ids",     "5,6,7",
+                                           "--ignore-eos", "--max-new-tokens", "8"};
+  ASSERT_EQ(run_cemlm(sample, &out, &err), 0) << err;
+  unsigned long long seed = 0;
+  ASSERT_EQ(std::sscanf(err.c_str(), "seed %llu (--seed", &seed), 1) << err;
+  std::vector<std::string> with_seed = sample;
+  with_seed.insert(with_seed.end(), {"--seed", std::to_string(seed)});
+  ASSERT_EQ(run_cemlm(with_seed, &again), 0);
+  EXPECT_EQ(again, out);
+  // A negative deadline is refused (it ran with none).
+  ASSERT_EQ(
+      run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--timeout", "-1"},
+                &out, &err),
+      2);
+  EXPECT_NE(err.find("--timeout -1 must be a number of seconds >= 0"), std::string::npos) << err;
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--no-bos"}), 2);
   EXPECT_EQ(run_cemlm({"client", "score", "--addr", addr, "--ids", "5,6", "--no-bos"}), 2);
   // --logit-bias and --min-new-tokens reach the server: a +100 bias makes every greedy token its

@@ -52,7 +52,7 @@ v1::GenerateRequest random_request(std::mt19937_64& rng) {
   if (pick(0, 3) == 0) s->set_min_p(float(pick(0, 30)) / 100.0f);
   if (pick(0, 3) == 0) s->set_frequency_penalty(float(pick(-10, 10)) / 10.0f);
   if (pick(0, 3) == 0) s->add_stop_token_ids(pick(0, kVocab - 1));
-  if (pick(0, 3) == 0) s->set_top_logprobs(pick(1, 20));
+  if (req.logprobs() && pick(0, 3) == 0) s->set_top_logprobs(pick(1, 20));
   s->set_seed(rng());
   return req;
 }
@@ -77,6 +77,7 @@ v1::GenerateRequest invalid_request(std::mt19937_64& rng) {
       req.mutable_sampling()->set_max_new_tokens(kMaxSeq);
       break;  // 3 + 128 > max_seq_len
     default:
+      req.set_logprobs(true);
       req.mutable_sampling()->set_top_logprobs(21);
       break;
   }

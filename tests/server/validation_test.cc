@@ -126,8 +126,14 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
        "sampling.stop[0]"},
       {"stop id out of range", [](auto* r) { r->mutable_sampling()->add_stop_token_ids(999); },
        "sampling.stop_token_ids[0]"},
-      {"too many top logprobs", [](auto* r) { r->mutable_sampling()->set_top_logprobs(21); },
+      {"too many top logprobs",
+       [](auto* r) {
+         r->set_logprobs(true);
+         r->mutable_sampling()->set_top_logprobs(21);
+       },
        "sampling.top_logprobs"},
+      {"top logprobs without logprobs", [](auto* r) { r->mutable_sampling()->set_top_logprobs(3); },
+       "sampling.top_logprobs = 3 needs logprobs: true"},
       {"min_new_tokens above max_new_tokens",
        [](auto* r) { r->mutable_sampling()->set_min_new_tokens(5); },
        "sampling.min_new_tokens must be in [0, sampling.max_new_tokens = 4] (got 5)"},
@@ -494,6 +500,50 @@ TEST(ServerTls, ServesOverTls) {
   // A plaintext client gets nowhere.
   auto plain = grpc::CreateChannel(server->addr(), grpc::InsecureChannelCredentials());
   EXPECT_FALSE(generate(plain, valid_request(), {"", std::chrono::milliseconds(2000)}).status.ok());
+  // A CA file that is no PEM certificate is named (gRPC said "empty address list").
+  std::string err;
+  std::ofstream(dir + "/notes.txt") << "not a certificate\n";
+  EXPECT_EQ(
+      run_cemlm({"client", "health", "--addr", server->addr(), "--tls-ca", dir + "/notes.txt"},
+                &out, &err),
+      2);
+  EXPECT_NE(err.find("--tls-ca: '" + dir + "/notes.txt' holds no PEM certificate"),
+            std::string::npos)
+      << err;
+}
+
+// The server names the TLS file it cannot use, instead of failing to listen on a free port.
+TEST(ServerTls, BadCertificateOrKeyIsNamed) {
+  const std::string dir = fresh_temp_dir();
+  const std::string cert = dir + "/cert.pem", key = dir + "/key.pem", other = dir + "/other.pem";
+  const std::string openssl =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+      "-keyout " +
+      key + " -out " + cert +
+      " >/dev/null 2>&1 && openssl "
+      "genrsa -out " +
+      other + " 2048 >/dev/null 2>&1";
+  if (std::system(openssl.c_str()) != 0) GTEST_SKIP() << "openssl is not available";
+  const std::string model = make_tiny_model(dir), notes = dir + "/notes.txt";
+  std::ofstream(notes) << "not PEM\n";
+  struct Case {
+    std::string cert, key, message;
+  };
+  const std::vector<Case> cases = {
+      {notes, key, "--tls-cert '" + notes + "' holds no PEM certificate"},
+      {cert, notes, "--tls-key '" + notes + "' holds no PEM private key"},
+      {cert, other,
+       "--tls-cert and --tls-key are not a valid certificate chain and its private key"},
+  };
+  for (const Case& c : cases) {
+    std::string out, err;
+    EXPECT_EQ(run_cemlm({"serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
+                         "--metrics-port", "0", "--tls-cert", c.cert, "--tls-key", c.key},
+                        &out, &err),
+              1)
+        << c.message;
+    EXPECT_NE(err.find(c.message), std::string::npos) << err;
+  }
 }
 
 }  // namespace

@@ -73,6 +73,7 @@ struct StreamEvent {
   absl::Status error;                  // set when finish_reason == kError
   Usage usage;                         // filled on the final event
   RequestTimings timings;              // filled on the final event
+  uint64_t seed = 0;  // final event: the sampling seed, the request's or the one drawn for it
 };
 using EventCallback = std::function<void(const StreamEvent&)>;
 

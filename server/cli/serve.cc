@@ -1,15 +1,16 @@
 // `cemlm serve`: loads a checkpoint into the engine and serves it over gRPC, with /metrics on a
 // second port. Lifecycle: listen (NOT_SERVING) -> load + warm up -> SERVING -> SIGTERM/SIGINT ->
 // drain up to --shutdown-timeout -> cancel the rest -> exit 0.
+#include <google/protobuf/stubs/logging.h>
 #include <grpc/support/log.h>
 #include <netdb.h>
 #include <prometheus/text_serializer.h>
 #include <pthread.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
-#include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <cctype>
@@ -211,30 +212,52 @@ int serve(const ServeFlags& f, sigset_t* signals) {
 // They go through spdlog, escaped, at most one a second, saying how many were left out.
 std::atomic<bool> grpc_lines_to_spdlog{true};  // false once serve() is over: plain stderr
 
-void log_grpc_line(gpr_log_func_args* args) {
-  const absl::string_view message(args->message);
+// One library's lines: at most one a second, counting those left out.
+struct LibraryLog {
+  const char* lib;  // "grpc", "protobuf": each line's prefix
+  std::mutex mu;
+  std::chrono::steady_clock::time_point last{};
+  int64_t left_out = 0;
+};
+
+// One line of gRPC's or protobuf's own, through spdlog as above.
+void log_library_line(LibraryLog& log, spdlog::level::level_enum level, absl::string_view message,
+                      const char* file, int line) {
   if (!grpc_lines_to_spdlog.load()) {
-    std::fprintf(stderr, "grpc: %s\n", absl::CEscape(message.substr(0, 512)).c_str());
+    std::fprintf(stderr, "%s: %s\n", log.lib, absl::CEscape(message.substr(0, 512)).c_str());
     return;
   }
-  static auto* mu = new std::mutex;  // never destroyed: gRPC's threads may log at exit
-  static std::chrono::steady_clock::time_point last{};
-  static int64_t left_out = 0;
-  std::unique_lock lock(*mu);
+  std::unique_lock lock(log.mu);
   const auto now = std::chrono::steady_clock::now();
-  if (last != std::chrono::steady_clock::time_point{} && now - last < std::chrono::seconds(1)) {
-    ++left_out;
+  if (log.last != std::chrono::steady_clock::time_point{} &&
+      now - log.last < std::chrono::seconds(1)) {
+    ++log.left_out;
     return;
   }
-  last = now;
-  const int64_t skipped = std::exchange(left_out, 0);
+  log.last = now;
+  const int64_t skipped = std::exchange(log.left_out, 0);
   lock.unlock();
+  spdlog::log(level, "{}: {}{} ({}:{}; {} {} lines left out before it)", log.lib,
+              absl::CEscape(message.substr(0, 512)), message.size() > 512 ? "..." : "", file, line,
+              skipped, log.lib);
+}
+
+void log_grpc_line(gpr_log_func_args* args) {
+  static auto* log = new LibraryLog{"grpc"};  // never destroyed: gRPC's threads may log at exit
   const auto level = args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
                      : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
                                                                : spdlog::level::debug;
-  spdlog::log(level, "grpc: {}{} ({}:{}; {} gRPC lines left out before it)",
-              absl::CEscape(message.substr(0, 512)), message.size() > 512 ? "..." : "",
-              args->file, args->line, skipped);
+  log_library_line(*log, level, args->message, args->file, args->line);
+}
+
+// Protobuf's (a request_id that is not UTF-8 made one, unprefixed, on stderr).
+void log_protobuf_line(google::protobuf::LogLevel severity, const char* file, int line,
+                       const std::string& message) {
+  const auto level = severity >= google::protobuf::LOGLEVEL_ERROR     ? spdlog::level::err
+                     : severity == google::protobuf::LOGLEVEL_WARNING ? spdlog::level::warn
+                                                                      : spdlog::level::info;
+  static auto* log = new LibraryLog{"protobuf"};
+  log_library_line(*log, level, message, file, line);
 }
 
 // gRPC (1.51) stops accepting connections for good once accept() has failed for want of a file
@@ -336,6 +359,7 @@ int cmd_serve(int argc, char** argv) {
   spdlog::set_level(level);
   raise_open_files_limit();
   gpr_set_log_function(log_grpc_line);
+  google::protobuf::SetLogHandler(log_protobuf_line);
   // Block the signals before any thread starts, so that every thread inherits the mask and
   // only sigwait() sees them.
   sigset_t signals;

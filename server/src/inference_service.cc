@@ -571,12 +571,15 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
     if (malformed_ && m->QueryInterceptionHookPoint(Hook::PRE_SEND_STATUS) &&
         (m->GetSendStatus().error_code() == grpc::StatusCode::INTERNAL ||
          m->GetSendStatus().error_code() == grpc::StatusCode::UNIMPLEMENTED)) {
+      // Of the requests, only GenerateRequest has a string field (the others' texts are bytes).
+      const bool strings = message_ == v1::GenerateRequest::descriptor()->full_name();
       const grpc::Status status(
           grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("the request body is not a valid ", message_,
-                       " message (missing, bytes that do not parse, or a string field such as "
-                       "request_id that is not UTF-8); build the client from this server's "
-                       "cemlm/v1/inference.proto (server reflection serves it)"));
+          absl::StrCat("the request body is not a valid ", message_, " message (missing",
+                       strings ? ", bytes that do not parse, or request_id not in UTF-8"
+                               : " or bytes that do not parse",
+                       "); build the client from this server's cemlm/v1/inference.proto (server "
+                       "reflection serves it)"));
       m->ModifySendStatus(status);
       state_->metrics().count_rpc(method_.c_str(), status.error_code());
       if (int64_t left_out = 0; state_->malformed_body_log().allow(&left_out))

@@ -31,10 +31,11 @@ int cmd_score(int argc, char** argv) {
   int T = 0;
   bool no_bos = false;
   Flags f("cemlm score --model DIR (--text STR | --ids 3,17,42) [--recursion T] [--dump-logits FILE]",
-          "Prints JSON {\"tokens\", \"logprobs\", \"nll\", \"perplexity\"}: the log-probability of each\n"
-          "token given its prefix (the first token has none: null), computed with the full-sequence\n"
-          "CPU forward. --text starts with the model's BOS, as every training document does, so\n"
-          "that each of its tokens is scored.");
+          "Prints JSON {\"tokens\", \"logprobs\", \"nll\", \"perplexity\", \"recursion\"}: the\n"
+          "log-probability of each token given its prefix (the first token has none: null),\n"
+          "computed with the full-sequence CPU forward at depth T (\"recursion\"). --text starts\n"
+          "with the model's BOS, as every training document does, so that each of its tokens is\n"
+          "scored.");
   f.add("model", &model, "checkpoint directory", true);
   f.add("text", &text, "text to score (needs the checkpoint's tokenizer.model)");
   f.add("ids", &ids_text, "comma-separated token ids to score (used as given)");

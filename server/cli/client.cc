@@ -57,7 +57,7 @@ v1::GenerateRequest generate_request(const GenerateFlags& g, const Flags& flags)
   req.set_priority(g.priority);
   req.set_request_id(g.request_id);
   v1::SamplingParams* s = req.mutable_sampling();
-  s->set_max_new_tokens(g.max_new_tokens);
+  if (flags.given("max-new-tokens")) s->set_max_new_tokens(g.max_new_tokens);
   s->set_min_new_tokens(g.min_new_tokens);
   for (const auto& [id, bias] : g.logit_bias) (*s->mutable_logit_bias())[id] = bias;
   if (flags.given("temperature")) s->set_temperature(g.temperature);
@@ -98,7 +98,9 @@ int client_generate(int argc, char** argv) {
   flags.add("prompt-ids", &g.prompt_ids, "prompt as comma-separated token ids (used as given)");
   flags.add_bool("no-bos", &g.no_bos, "do not start --prompt with the model's BOS");
   flags.add("recursion", &g.recursion, "recursion depth T; 0 = the model's default");
-  flags.add("max-new-tokens", &g.max_new_tokens, "tokens to generate at most");
+  flags.add("max-new-tokens", &g.max_new_tokens,
+            "tokens to generate at most; when not given, the server's default, capped to the room "
+            "the prompt leaves in the context");
   flags.add("min-new-tokens", &g.min_new_tokens,
             "tokens to generate before end-of-sequence or stop token ids may be drawn");
   flags.add("temperature", &g.temperature, "0 = greedy");

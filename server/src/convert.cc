@@ -111,6 +111,17 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
   out.recursion_depth = req.recursion_depth();
   out.sampling = to_engine(req.sampling());
   out.priority = req.priority();
+  // Unset, max_new_tokens is the default capped to the room the prompt leaves (as `cemlm
+  // generate` does): a long prompt is not refused for a length the client never asked for.
+  if (!req.sampling().has_max_new_tokens()) {
+    const int room = engine.config().max_seq_len - int(out.prompt_ids.size());
+    if (room < 1)
+      return invalid(absl::StrCat(
+          out.prompt_field, " has ", out.prompt_ids.size(),
+          " tokens, which fill the model's max_seq_len = ", engine.config().max_seq_len,
+          ": no room to generate; shorten the prompt"));
+    out.sampling.max_new_tokens = std::min(out.sampling.max_new_tokens, room);
+  }
   // The alternatives come beside each token's logprob: asked for alone they were dropped.
   if (req.sampling().top_logprobs() > 0 && !req.logprobs())
     return invalid(absl::StrCat("sampling.top_logprobs = ", req.sampling().top_logprobs(),

@@ -113,6 +113,13 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
       {"min_p above 1", [](auto* r) { r->mutable_sampling()->set_min_p(2); }, "sampling.min_p"},
       {"zero repetition penalty", [](auto* r) { r->mutable_sampling()->set_repetition_penalty(0); },
        "sampling.repetition_penalty"},
+      {"a prompt that fills the context, max_new_tokens unset",
+       [](auto* r) {
+         r->clear_prompt_text();
+         r->mutable_sampling()->clear_max_new_tokens();
+         for (int i = 0; i < 512; ++i) r->add_prompt_ids(7);
+       },
+       "prompt_ids has 512 tokens, which fill the model's max_seq_len = 512: no room to generate"},
       {"max_new_tokens beyond the context",
        [](auto* r) { r->mutable_sampling()->set_max_new_tokens(600); }, "sampling.max_new_tokens"},
       {"negative max_new_tokens", [](auto* r) { r->mutable_sampling()->set_max_new_tokens(-3); },
@@ -418,6 +425,25 @@ grpc::Status raw_call(const std::shared_ptr<grpc::Channel>& channel, const std::
 // A body that does not parse as the method's message (gRPC itself answered UNIMPLEMENTED or
 // INTERNAL without a message, uncounted and unlogged): INVALID_ARGUMENT naming the message type,
 // counted per method, logged at most once a second; the server serves on.
+// Unset, max_new_tokens is the default (64) capped to the room the prompt leaves: a long prompt
+// gets the tokens that fit rather than an error about a length the client never asked for.
+TEST_F(ServerValidation, UnsetMaxNewTokensFitsTheRoomLeft) {
+  v1::GenerateRequest req = valid_request();
+  req.clear_prompt_text();
+  req.mutable_sampling()->clear_max_new_tokens();
+  req.mutable_sampling()->set_ignore_eos(true);
+  for (int i = 0; i < 500; ++i) req.add_prompt_ids(7);
+  Stream s = generate(server_->channel(), req);
+  ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+  EXPECT_EQ(s.ids().size(), 12u);
+  EXPECT_EQ(s.messages.back().finish_reason(), v1::FINISH_REASON_LENGTH);
+  req.clear_prompt_ids();
+  req.add_prompt_ids(7);
+  s = generate(server_->channel(), req);
+  ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+  EXPECT_EQ(s.ids().size(), 64u);  // the default, where it fits
+}
+
 TEST_F(ServerValidation, UnparseableRequestBodyNamesTheMessageType) {
   const auto before = parse_metrics(server_->metrics_text());
   const std::vector<std::string> methods = {"Generate", "Score", "Tokenize", "Detokenize",

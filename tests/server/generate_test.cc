@@ -518,6 +518,13 @@ TEST(ServerQueue, AHigherPriorityDisplacesAQueuedRequest) {
   grpc::ClientContext running_ctx;
   auto stub = v1::Inference::NewStub(server->channel());
   auto running = stub->Generate(&running_ctx, ids_request(some_ids(8), kLongRequest, 8));
+  // Calls on separate streams may reach the engine in either order: the long one must be running
+  // before the short one is sent, or the short one could run (and end) first.
+  if (!wait_for_metrics(
+          *server, [](const auto& m) { return metric(m, "cemlm:num_requests_running") == 1; })) {
+    running_ctx.TryCancel();
+    FAIL() << "the long request never ran";
+  }
   Stream queued;
   std::thread waiter([&] { queued = generate(server->channel(), ids_request(some_ids(8, 1), 4)); });
   if (!wait_for_metrics(*server, [](const auto& m) {

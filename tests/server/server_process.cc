@@ -276,7 +276,7 @@ double metric(const std::map<std::string, double>& series, const std::string& na
 
 bool wait_for_metrics(const ServerProcess& server,
                       const std::function<bool(const std::map<std::string, double>&)>& done) {
-  for (auto end = std::chrono::steady_clock::now() + 10s; std::chrono::steady_clock::now() < end;
+  for (auto end = std::chrono::steady_clock::now() + 30s; std::chrono::steady_clock::now() < end;
        std::this_thread::sleep_for(10ms))
     if (done(parse_metrics(server.metrics_text()))) return true;
   return false;

@@ -77,7 +77,7 @@ std::map<std::string, double> parse_metrics(const std::string& text);
 double metric(const std::map<std::string, double>& series, const std::string& name,
               const std::string& label_filter = "");
 
-// Polls /metrics until `done(series)` holds (true) or 10 s pass (false).
+// Polls /metrics until `done(series)` holds (true) or 30 s pass (false).
 bool wait_for_metrics(const ServerProcess& server,
                       const std::function<bool(const std::map<std::string, double>&)>& done);
 

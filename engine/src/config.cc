@@ -275,7 +275,8 @@ std::string ModelConfig::variant_name() const {
 absl::StatusOr<ModelConfig> parse_config(const std::string& json_text) {
   absl::StatusOr<json> root = parse_json_strict(json_text);
   if (!root.ok()) {
-    const bool syntax = absl::StartsWith(root.status().message(), "not valid JSON");
+    // The hint fits a syntax error, not a NUL byte, deep nesting or a number beyond a double.
+    const bool syntax = absl::StrContains(root.status().message(), "syntax error");
     return absl::InvalidArgumentError(absl::StrCat("config: ", root.status().message(),
                                                    syntax ? " (check commas, quotes and braces)" : ""));
   }

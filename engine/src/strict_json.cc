@@ -76,6 +76,32 @@ std::string position(std::string_view text, size_t at) {
   return absl::StrCat("line ", line, ", column ", column, " (byte ", at, ")");
 }
 
+// The offset of the number `literal` where it stands as a value (outside strings, not inside a
+// longer number), or npos: nlohmann's error for a number beyond a double says which, not where.
+size_t number_at(std::string_view text, std::string_view literal) {
+  auto in_number = [](char c) {
+    return (c >= '0' && c <= '9') || c == '-' || c == '+' || c == '.' || c == 'e' || c == 'E';
+  };
+  bool in_string = false, escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (text.substr(i, literal.size()) == literal && (i == 0 || !in_number(text[i - 1])) &&
+               (i + literal.size() == text.size() || !in_number(text[i + literal.size()]))) {
+      return i;
+    }
+  }
+  return std::string_view::npos;
+}
+
 }  // namespace
 
 absl::StatusOr<json> parse_json_strict(std::string_view text) {
@@ -140,6 +166,20 @@ absl::StatusOr<json> parse_json_strict(std::string_view text) {
     if (const size_t colon = what.find(": "); colon != std::string::npos) what.erase(0, colon + 2);
     return absl::InvalidArgumentError(
         absl::StrCat("not valid JSON at ", position(text, at), ": ", what));
+  } catch (const json::out_of_range& e) {
+    // 406: "number overflow parsing '1e999'", a number beyond a double (a value no file of ours
+    // holds): said where it is, in words, without nlohmann's exception name.
+    std::string what = e.what();
+    const size_t open = what.find('\''), close = what.rfind('\'');
+    if (e.id == 406 && open != std::string::npos && close > open) {
+      const std::string literal = what.substr(open + 1, close - open - 1);
+      const size_t at = number_at(text, literal);
+      return absl::InvalidArgumentError(
+          absl::StrCat("not valid JSON", at == std::string_view::npos ? "" : " at ",
+                       at == std::string_view::npos ? "" : position(text, at), ": the number ",
+                       literal, " is beyond the range of a 64-bit float"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("not valid JSON: ", e.what()));
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("not valid JSON: ", e.what()));
   }

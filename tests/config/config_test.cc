@@ -379,5 +379,31 @@ TEST(Config, DeepNestingIsRefusedWhereItStarts) {
   EXPECT_NE(c.status().message().find("nested more than 64"), std::string::npos) << c.status();
 }
 
+// A number beyond a double (1e999) failed with nlohmann's own words, without a position, and the
+// hint for a syntax error: "not valid JSON: [json.exception.out_of_range.406] number overflow
+// parsing '1e999' (check commas, quotes and braces)". It is said where it is, in plain words.
+TEST(Config, NumbersBeyondADoubleAreRefusedWhereTheyAre) {
+  nlohmann::json j = base();
+  j["norm_eps"] = 12345;
+  std::string text = j.dump();
+  const size_t at = text.find("12345");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 5, "1e999");
+  auto c = parse_config(text);
+  ASSERT_FALSE(c.ok());
+  const std::string msg(c.status().message());
+  EXPECT_NE(msg.find("config: not valid JSON at line 1, column " + std::to_string(at + 1) +
+                     " (byte " + std::to_string(at) + "): the number 1e999 is beyond the range"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find("json.exception"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("check commas"), std::string::npos) << msg;
+  // The same text inside a string is no number; the one after it is found.
+  auto k = parse_json_strict(R"({"a": "-1e400", "b": -1e400})");
+  ASSERT_FALSE(k.ok());
+  EXPECT_NE(k.status().message().find("(byte 21): the number -1e400"), std::string::npos)
+      << k.status();
+}
+
 }  // namespace
 }  // namespace cemlm

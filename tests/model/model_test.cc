@@ -1,14 +1,14 @@
 // Whole-model properties of the CPU forward (MODEL.md §3–§9): causality, the effect of T, and
 // that paged, chunked, batched execution with mixed T equals the full-sequence forward.
 #include <gtest/gtest.h>
+#include <omp.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-
-#include <omp.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include "cemlm/engine/cpu_model.h"
 #include "tiny_models.h"
@@ -283,6 +283,31 @@ TEST(CpuModelMemory, ReleasesTheCheckpointCopiesOfPackedWeightsOnly) {
       EXPECT_EQ(logits[0], logits[1]) << "T=" << T;
     }
   }
+}
+
+// The full-sequence forward (`cemlm score`, the trainer's evaluation) reads RoPE rows for the
+// positions of its sequence only. It built them for the config's max_seq_len, which nothing in a
+// checkpoint backs: a checkpoint of a few kilobytes claiming 4M positions made `cemlm score` of
+// three tokens fill a 1 GiB table (64 GiB at head_dim 4096). The logits keep their bits.
+TEST(CpuModelMemory, FullForwardDoesNotBuildTheRopeTableForMaxSeqLen) {
+  ModelConfig c = make_config(all_variants()[3]);
+  c.head_dim = 64;
+  ParamStore store(c);
+  randomize(store, 3);
+  const Weights w = bind_weights(c, store);
+  const std::vector<int> ids = random_ids(5, c.vocab_size, 11);
+  const std::vector<float> want = full_forward(c, w, ids, 2);
+  ModelConfig claims = c;
+  claims.max_seq_len = 1 << 22;  // the config's limit; a table of 4M × 64 floats is 1 GiB
+  auto peak_kb = [] {
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    return int64_t(ru.ru_maxrss);
+  };
+  const int64_t before = peak_kb();
+  const std::vector<float> got = full_forward(claims, w, ids, 2);
+  EXPECT_LT(peak_kb() - before, 256 << 10) << "KiB more at the peak";
+  EXPECT_EQ(got, want);
 }
 
 }  // namespace

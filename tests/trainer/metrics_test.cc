@@ -54,6 +54,28 @@ TEST(MetricsLog, DamagedLineIsNamed) {
   EXPECT_FALSE(MetricsLog::parse("not json\n", "f").ok());
 }
 
+// A count that is no integer of its type was converted as it came: 2.5 as step 2, true as T 1,
+// and 1e300 as whatever the hardware made of it (undefined behaviour). Such a line is damaged.
+TEST(MetricsLog, CountsThatAreNoIntegersOfTheirTypeAreRefused) {
+  const std::string text = sample_log().jsonl();
+  const std::string first = text.substr(0, text.find('\n'));
+  ASSERT_NE(first.find("\"step\":1,"), std::string::npos) << first;
+  ASSERT_NE(first.find("\"T\":2,"), std::string::npos) << first;
+  auto edited = [&](const std::string& from, const std::string& to) {
+    std::string s = text;
+    s.replace(s.find(from), from.size(), to);
+    return s;
+  };
+  for (const std::string& bad :
+       {edited("\"step\":1,", "\"step\":1e300,"), edited("\"step\":1,", "\"step\":2.5,"),
+        edited("\"T\":2,", "\"T\":true,"), edited("\"T\":2,", "\"T\":4294967298,")}) {
+    auto back = MetricsLog::parse(bad, "run/train.jsonl");
+    ASSERT_FALSE(back.ok()) << bad.substr(0, bad.find('\n'));
+    EXPECT_NE(back.status().message().find("run/train.jsonl:1"), std::string::npos)
+        << back.status();
+  }
+}
+
 TEST(LossCurve, SvgHasEveryCurveAxesAndLabels) {
   const std::string svg = sample_log().svg("my run");
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);

@@ -640,6 +640,11 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
   const std::string lr = "\"lr\": " + j["options"]["lr"].dump();
   const std::string seed = "\"seed\": " + j["options"]["seed"].dump();
   const std::string data_rng = "\"data_rng\": " + j["data_rng"].dump();
+  const std::string windows = "\"eval_windows\": " + j["options"]["eval_windows"].dump();
+  const std::string threads = "\"threads\": " + j["options"]["threads"].dump();
+  const std::string version = "\"format_version\": " + j["format_version"].dump();
+  // 100000 brackets: printing the saved options recursed once per level and overflowed the stack.
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
   struct Case {
     std::string state, message;
   };
@@ -654,6 +659,17 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
        "--lr must be in (0, 1] (got 5) (with --resume, each option not given again is the run's, "
        "read from '" +
            o.out_dir + "/trainer_state.json'"},
+      // Numbers were converted to the field's type whatever they were: 2.5 steps read as 2 (the
+      // optimizer's step, so the run resumed), 2^32 + 4 windows as 4, true as 1 thread.
+      {edited(step, "\"step\": 2.5"), "\"step\": must be an integer in [0, 2^63) (got 2.5)"},
+      {edited(windows, "\"eval_windows\": 4294967300"),
+       "\"eval_windows\": must be an integer in [-2147483648, 2147483647] (got 4294967300)"},
+      {edited(threads, "\"threads\": true"), "\"threads\": must be an integer"},
+      {edited(version, "\"format_version\": 2"),
+       "\"format_version\": is 2, not 1 (the file is from another cemlm version)"},
+      {edited(seed, "\"seed\": " + deep), "nested more than 64 arrays/objects deep"},
+      {edited(step, "\"step\": 1, " + step), "duplicate key \"step\""},
+      {edited(lr, "\"lr\": 1e999"), "the number 1e999 is beyond the range of a 64-bit float"},
   };
   for (const Case& c : cases) {
     testing_trainer::write_file(state_file, c.state);

@@ -49,7 +49,8 @@ std::vector<std::vector<int32_t>> read_cache(const std::string& path, const Corp
   size_t pos = sizeof(h) + h.n_files * sizeof(uint64_t);
   if (bytes.size() < pos) return {};
   std::vector<uint64_t> counts(h.n_files);
-  std::memcpy(counts.data(), bytes.data() + sizeof(h), h.n_files * sizeof(uint64_t));
+  if (h.n_files > 0)  // (an empty vector's data() may be null, which memcpy must not be given)
+    std::memcpy(counts.data(), bytes.data() + sizeof(h), h.n_files * sizeof(uint64_t));
   const uint64_t ids = (bytes.size() - pos) / sizeof(int32_t);
   uint64_t total = 0;
   for (uint64_t n : counts) {
@@ -59,6 +60,7 @@ std::vector<std::vector<int32_t>> read_cache(const std::string& path, const Corp
   if (bytes.size() != pos + total * sizeof(int32_t)) return {};
   std::vector<std::vector<int32_t>> files(h.n_files);
   for (size_t i = 0; i < files.size(); ++i) {
+    if (counts[i] == 0) continue;  // a blank file: no ids (and data() may be null)
     files[i].resize(counts[i]);
     std::memcpy(files[i].data(), bytes.data() + pos, counts[i] * sizeof(int32_t));
     pos += counts[i] * sizeof(int32_t);
@@ -85,8 +87,11 @@ absl::Status write_cache(const std::string& path, const CorpusFiles& corpus,
       const uint64_t n = ids.size();
       ok = ok && std::fwrite(&n, sizeof(n), 1, f) == 1;
     }
+    // A blank file has no ids, and an empty vector's data() may be null, which fwrite must not
+    // be given even to write nothing.
     for (const auto& ids : files)
-      ok = ok && std::fwrite(ids.data(), sizeof(int32_t), ids.size(), f) == ids.size();
+      ok = ok &&
+           (ids.empty() || std::fwrite(ids.data(), sizeof(int32_t), ids.size(), f) == ids.size());
     return ok ? absl::OkStatus()
               : absl::UnavailableError(absl::StrCat("cannot write the token cache '", path, "'"));
   });

@@ -5,9 +5,11 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "cemlm/engine/strict_json.h"
 #include "cemlm/trainer/plot.h"
 #include "nlohmann/json.hpp"
 
@@ -44,24 +46,31 @@ double loss_value(const ordered_json& j) {
   return j.is_null() ? std::numeric_limits<double>::infinity() : j.get<double>();
 }
 
+// A count of a record (step, T, tokens): anything but an integer that fits is refused.
+template <typename T>
+T integer(const ordered_json& v) {
+  if (!integer_fits<T>(v)) throw std::invalid_argument("not an integer of its type");
+  return v.get<T>();
+}
+
 // Parses one line into `log`; false when it is not a record of either kind.
 bool parse_line(const ordered_json& j, MetricsLog& log) {
   if (!j.is_object() || !j.contains("step")) return false;
   if (j.contains("val_loss")) {
     EvalMetrics m;
-    m.step = j.at("step").get<int64_t>();
+    m.step = integer<int64_t>(j.at("step"));
     for (const auto& [T, nll] : j.at("val_loss").items())
       m.loss.emplace_back(std::stoi(T), loss_value(nll));
     log.add(m);
     return true;
   }
   StepMetrics m;
-  m.step = j.at("step").get<int64_t>();
-  m.T = j.at("T").get<int>();
+  m.step = integer<int64_t>(j.at("step"));
+  m.T = integer<int>(j.at("T"));
   m.loss = j.at("loss").get<double>();
   m.lr = j.at("lr").get<double>();
   m.grad_norm = j.at("grad_norm").get<double>();
-  m.tokens = j.at("tokens").get<int64_t>();
+  m.tokens = integer<int64_t>(j.at("tokens"));
   m.tokens_per_s = j.at("tokens_per_s").get<double>();
   m.elapsed_s = j.at("elapsed_s").get<double>();
   log.add(m);

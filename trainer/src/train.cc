@@ -23,6 +23,7 @@
 #include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/status.h"
+#include "cemlm/engine/strict_json.h"
 #include "cemlm/engine/tokenizer.h"
 #include "cemlm/trainer/backprop.h"
 #include "cemlm/trainer/data.h"
@@ -409,7 +410,13 @@ absl::Status Trainer::restore() {
   std::string text, error;
   if (!read_file(in_out(kTrainerStateFile), &text, &error))
     return absl::NotFoundError("--resume: " + error);
-  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  // Strict, as config.json is read: a syntax error says where, and a key given twice is refused.
+  absl::StatusOr<json> parsed = parse_json_strict(text);
+  if (!parsed.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--resume: ", in_out(kTrainerStateFile), ": ",
+                                                   parsed.status().message(),
+                                                   " (the file is damaged)"));
+  const json& j = *parsed;
   std::string split;
   const char* key = "";  // the one being read, named in the error
   auto get = [&](const char* k) -> const json& {
@@ -432,13 +439,23 @@ absl::Status Trainer::restore() {
                                                  "from another cemlm version)"));
       }
     auto count = [&](const char* k) {
-      const int64_t n = get(k).get<int64_t>();
+      const json& v = get(k);
+      if (!integer_fits<int64_t>(v))
+        throw std::invalid_argument(
+            absl::StrCat("must be an integer in [0, 2^63) (got ", v.dump(), ")"));
+      const int64_t n = v.get<int64_t>();
       if (n < 0) throw std::invalid_argument("must be at least 0");
       return n;
     };
+    if (const json& v = get("format_version"); v != 1)
+      throw std::invalid_argument(
+          absl::StrCat("is ", v.dump(), ", not 1 (the file is from another cemlm version)"));
     step_ = count("step");
     tokens_ = count("tokens");
-    prior_elapsed_s_ = get("elapsed_s").get<double>();
+    const json& elapsed = get("elapsed_s");
+    if (!elapsed.is_number() || elapsed.get<double>() < 0)
+      throw std::invalid_argument("must be a number of seconds, at least 0");
+    prior_elapsed_s_ = elapsed.get<double>();
     data_rng_.set_state(state("data_rng"));
     t_rng_.set_state(state("recursion_rng"));
     key = "split";

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <limits>
+#include <stdexcept>
+#include <type_traits>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -11,6 +14,7 @@
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/float32.h"
 #include "cemlm/engine/status.h"
+#include "cemlm/engine/strict_json.h"
 #include "cemlm/trainer/train.h"
 #include "nlohmann/json.hpp"
 
@@ -54,6 +58,30 @@ absl::Status check_beta_as_float(const std::string& flag, double value) {
                                           "computes in), where its moment would never move: use "
                                           "at most %.8g",
                                           value, largest_float_below_one()));
+}
+
+// A saved integer option must be an integer its field can hold (integer_fits), and a real one a
+// number (said as such, not as nlohmann's type error); throws std::invalid_argument
+// (options_from_json names the key).
+template <typename T>
+void check_fits(const json& v, const T&) {
+  if constexpr (std::is_integral_v<T>) {
+    using lim = std::numeric_limits<T>;
+    if (!integer_fits<T>(v))
+      throw std::invalid_argument(
+          std::is_same_v<T, uint64_t>
+              ? absl::StrCat("must be an integer in [0, 2^64) (got ", v.dump(), ")")
+              : absl::StrCat("must be an integer in [", lim::min(), ", ", lim::max(), "] (got ",
+                             v.dump(), ")"));
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!v.is_number())
+      throw std::invalid_argument(absl::StrCat("must be a number (got ", v.dump(), ")"));
+  }
+}
+template <typename T>
+void check_fits(const json& v, const std::vector<T>&) {
+  if (v.is_array())
+    for (const json& e : v) check_fits(e, T{});
 }
 
 }  // namespace
@@ -161,7 +189,15 @@ std::string options_to_json(const TrainOptions& o) {
 }
 
 absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text) {
-  const json j = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  // Strict (as config.json is read): a syntax error says where, a key given twice is an error,
+  // and nesting is capped (a deeply nested value once overflowed the stack when printed).
+  absl::StatusOr<json> parsed = parse_json_strict(json_text);
+  if (!parsed.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat("training options: ", parsed.status().message(), " (the file is damaged)"));
+  const json& j = *parsed;
+  if (!j.is_object())
+    return absl::InvalidArgumentError("training options: not a JSON object (the file is damaged)");
   TrainOptions o;
   std::string recursion;
   const char* key = "";  // the one being read, named in the error
@@ -169,6 +205,7 @@ absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text) {
   auto get = [&](const char* k, auto& field) {
     key = k;
     known.push_back(k);
+    check_fits(j.at(k), field);
     j.at(k).get_to(field);
   };
   try {
@@ -222,7 +259,12 @@ absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir) {
   if (!read_file(path, &text, &error))
     return absl::NotFoundError(
         absl::StrCat("--resume: ", error, " (is --out the directory of a `cemlm train` run?)"));
-  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  // Strict, as options_from_json: a syntax error is said as one, not as missing "options".
+  absl::StatusOr<json> parsed = parse_json_strict(text);
+  if (!parsed.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", parsed.status().message(), " (the file is damaged)"));
+  const json& j = *parsed;
   if (!j.is_object() || !j.contains("options"))
     return absl::InvalidArgumentError(absl::StrCat(path, ": no \"options\" (the file is damaged)"));
   auto opts = options_from_json(j["options"].dump());

@@ -117,6 +117,7 @@ class CudaRunner final : public CudaModelRunner {
   absl::Status upload_embedding(const Weights& w);
   absl::Status setup_device();
   absl::Status reserve_workspace();
+  absl::Status check_context_fits();
   absl::Status alloc_kv();
 
   int run(const Batch& batch);  // returns the number of logits rows left in bufs_[kLogits]
@@ -409,8 +410,27 @@ absl::Status CudaRunner::reserve_workspace() {
   return absl::OkStatus();
 }
 
+absl::Status CudaRunner::check_context_fits() {
+  size_t free_b = 0, total_b = 0;
+  CEMLM_RETURN_IF_ERROR(cuda_status(cudaMemGetInfo(&free_b, &total_b), "reading free memory"));
+  const int bs = opts_.block_size;
+  const int64_t bytes = (cfg_.max_seq_len + bs - 1) / bs * bs * cfg_.kv_bytes_per_token();
+  const bool given = opts_.kv_cache_memory > 0;
+  const int64_t room = given ? opts_.kv_cache_memory : int64_t(total_b);
+  if (bytes <= room) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("one max_seq_len (", cfg_.max_seq_len, ") sequence's KV cache needs ", bytes,
+                   " bytes, more than ", given ? "--kv-cache-memory" : "the device's memory", " (",
+                   room, " bytes); ", given ? "raise --kv-cache-memory, or " : "",
+                   "check max_seq_len in the model's config.json"));
+}
+
 absl::Status CudaRunner::init(ParamStore& params) {
   CEMLM_RETURN_IF_ERROR(setup_device());
+  // Before the weights: the RoPE table upload_weights builds (max_seq_len x head_dim floats, on
+  // the host and the device) is never larger than that cache, so a config that claims millions of
+  // positions is refused here rather than after allocating tens of GiB for the table.
+  CEMLM_RETURN_IF_ERROR(check_context_fits());
   CEMLM_RETURN_IF_ERROR(upload_weights(params));
   CEMLM_RETURN_IF_ERROR(reserve_workspace());
   CEMLM_RETURN_IF_ERROR(alloc_kv());

@@ -305,6 +305,21 @@ TEST(CudaRunnerOptions, TooSmallKvCacheNamesTheFlag) {
   EXPECT_NE(r.status().message().find("kv-cache-memory"), std::string::npos) << r.status();
 }
 
+// A config that claims more positions than one sequence's cache could hold on the device is
+// refused before the weights go up: the RoPE table for 2^30 positions alone would be hundreds of
+// GiB of host memory.
+TEST(CudaRunnerOptions, MaxSeqLenNoDeviceHoldsIsRefusedFirst) {
+  CEMLM_SKIP_WITHOUT_GPU();
+  ModelConfig cfg = make_config(testing_models::all_variants()[0]);
+  ParamStore store(cfg);
+  cfg.max_seq_len = 1 << 30;
+  auto r = make_cuda_runner(cfg, store, CudaRunnerOptions{});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("max_seq_len in the model's config.json"), std::string::npos)
+      << r.status();
+}
+
 // Buffers for a --max-batch-tokens no GPU holds (2^30 rows of logits alone: 262 GB): creation
 // fails with RESOURCE_EXHAUSTED naming the flag, instead of the first large step aborting; the
 // device is left usable.

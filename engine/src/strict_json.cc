@@ -43,10 +43,10 @@ std::string path_of(const std::vector<Frame>& stack) {
 // to exhaust memory or the stack by a file of brackets.
 constexpr size_t kMaxDepth = 64;
 
-// The offset of the bracket that opens level kMaxDepth + 1, or npos. Brackets inside strings do
-// not count; a malformed text is left to the parser to describe.
-size_t too_deep_at(std::string_view text) {
-  size_t depth = 0;
+// The first offset outside string literals (and their quotes) for which `hit(offset)` holds, or
+// npos. Escapes inside strings are skipped; a malformed text is left to the parser to describe.
+template <typename Hit>
+size_t find_outside_strings(std::string_view text, Hit hit) {
   bool in_string = false, escaped = false;
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
@@ -59,13 +59,22 @@ size_t too_deep_at(std::string_view text) {
         in_string = false;
     } else if (c == '"') {
       in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxDepth) return i;
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
+    } else if (hit(i)) {
+      return i;
     }
   }
   return std::string_view::npos;
+}
+
+// The offset of the bracket that opens level kMaxDepth + 1, or npos.
+size_t too_deep_at(std::string_view text) {
+  size_t depth = 0;
+  return find_outside_strings(text, [&](size_t i) {
+    const char c = text[i];
+    if (c == '[' || c == '{') return ++depth > kMaxDepth;
+    if ((c == ']' || c == '}') && depth > 0) --depth;
+    return false;
+  });
 }
 
 // "line L, column C (byte B)" for the 0-based offset `at` (L and C from 1, C in bytes).
@@ -82,24 +91,10 @@ size_t number_at(std::string_view text, std::string_view literal) {
   auto in_number = [](char c) {
     return (c >= '0' && c <= '9') || c == '-' || c == '+' || c == '.' || c == 'e' || c == 'E';
   };
-  bool in_string = false, escaped = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (escaped)
-        escaped = false;
-      else if (c == '\\')
-        escaped = true;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (text.substr(i, literal.size()) == literal && (i == 0 || !in_number(text[i - 1])) &&
-               (i + literal.size() == text.size() || !in_number(text[i + literal.size()]))) {
-      return i;
-    }
-  }
-  return std::string_view::npos;
+  return find_outside_strings(text, [&](size_t i) {
+    return text.substr(i, literal.size()) == literal && (i == 0 || !in_number(text[i - 1])) &&
+           (i + literal.size() == text.size() || !in_number(text[i + literal.size()]));
+  });
 }
 
 }  // namespace

@@ -132,15 +132,16 @@ TEST_F(DataTest, DamagedCacheIsRebuilt) {
 }
 
 // A cache whose header and size still agree but whose contents are damaged is encoded again,
-// not trusted: ids outside the vocabulary (they aborted the trainer), and per-file counts that
-// wrap around 2^64 to the right total (they threw std::length_error).
+// not trusted: ids outside the vocabulary (they aborted the trainer), per-file counts that wrap
+// around 2^64 to the right total (they threw std::length_error), and an id changed into another
+// of the vocabulary (it was trained on without a word).
 TEST_F(DataTest, CacheWithBadIdsOrCountsIsRebuilt) {
   auto first = load();
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string path = dir_ + "/cache/tokens.bin";
   std::string good, error;
   ASSERT_TRUE(read_file(path, &good, &error)) << error;
-  constexpr size_t kCounts = 32;  // magic, version, n_files, corpus key, encoding
+  constexpr size_t kCounts = 40;  // magic, version, n_files, corpus key, encoding, content hash
   uint32_t n_files = 0;
   std::memcpy(&n_files, good.data() + 12, 4);
   ASSERT_EQ(n_files, 2u);  // a.txt and b.txt
@@ -152,7 +153,12 @@ TEST_F(DataTest, CacheWithBadIdsOrCountsIsRebuilt) {
   std::memcpy(counts, good.data() + kCounts, sizeof(counts));
   counts[0] += uint64_t(1) << 62, counts[1] -= uint64_t(1) << 62;  // the same sum
   std::memcpy(bad_counts.data() + kCounts, counts, sizeof(counts));
-  for (const std::string* damaged : {&bad_id, &bad_counts}) {
+  std::string other_id = good;
+  int32_t last = 0;
+  std::memcpy(&last, good.data() + good.size() - 4, 4);
+  const int32_t other = last == 3 ? 4 : 3;  // both inside the test tokenizer's vocabulary
+  std::memcpy(other_id.data() + other_id.size() - 4, &other, 4);
+  for (const std::string* damaged : {&bad_id, &bad_counts, &other_id}) {
     write_file(path, *damaged);
     auto again = load();
     ASSERT_TRUE(again.ok()) << again.status();

@@ -1,6 +1,7 @@
 // Corpus listing and keys, document encoding, the token cache file and window sampling.
 // Cache layout (little-endian): "CEMLMTOK", u32 version, u32 n_files, u64 corpus key, u64
-// tokenizer hash, u64 token count per file, then the int32 ids of all files in order.
+// tokenizer hash, u64 hash of what follows, u64 token count per file, then the int32 ids of all
+// files in order.
 #include "cemlm/trainer/data.h"
 
 #include <algorithm>
@@ -20,7 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kMagic[8] = {'C', 'E', 'M', 'L', 'M', 'T', 'O', 'K'};
-constexpr uint32_t kCacheVersion = 1;
+constexpr uint32_t kCacheVersion = 2;  // 1 had no content hash
 
 template <typename T>
 uint64_t hash_value(const T& v, uint64_t h) {
@@ -31,11 +32,13 @@ struct CacheHeader {
   char magic[8];
   uint32_t version, n_files;
   uint64_t corpus_key, encoding;  // the tokenizer and the bos/eos ids
+  uint64_t content;               // hash_bytes of the counts and the ids
 };
 
 // Per-file ids from a cache written for this corpus and tokenizer; empty when there is none, or
-// when it is damaged (counts that do not add up to its size, ids outside [0, vocab)): it is then
-// encoded again.
+// when it is damaged (contents that do not match their hash, counts that do not add up to its
+// size, ids outside [0, vocab)): it is then encoded again. The hash catches what the other
+// checks cannot, such as an id changed into another id of the vocabulary.
 std::vector<std::vector<int32_t>> read_cache(const std::string& path, const CorpusFiles& corpus,
                                              uint64_t encoding, int vocab) {
   std::string bytes, error;
@@ -47,7 +50,8 @@ std::vector<std::vector<int32_t>> read_cache(const std::string& path, const Corp
       h.encoding != encoding)
     return {};
   size_t pos = sizeof(h) + h.n_files * sizeof(uint64_t);
-  if (bytes.size() < pos) return {};
+  if (bytes.size() < pos || hash_bytes(std::string_view(bytes).substr(sizeof(h))) != h.content)
+    return {};
   std::vector<uint64_t> counts(h.n_files);
   if (h.n_files > 0)  // (an empty vector's data() may be null, which memcpy must not be given)
     std::memcpy(counts.data(), bytes.data() + sizeof(h), h.n_files * sizeof(uint64_t));
@@ -82,6 +86,11 @@ absl::Status write_cache(const std::string& path, const CorpusFiles& corpus,
     h.n_files = uint32_t(files.size());
     h.corpus_key = corpus.key;
     h.encoding = encoding;
+    h.content = hash_bytes("");
+    for (const auto& ids : files) h.content = hash_value(uint64_t(ids.size()), h.content);
+    for (const auto& ids : files)
+      h.content = hash_bytes(
+          {reinterpret_cast<const char*>(ids.data()), ids.size() * sizeof(int32_t)}, h.content);
     bool ok = std::fwrite(&h, sizeof(h), 1, f) == 1;
     for (const auto& ids : files) {
       const uint64_t n = ids.size();

@@ -17,6 +17,7 @@
 #include <span>
 #include <unordered_set>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/status.h"
@@ -43,7 +44,7 @@ absl::Status check_tensors(const SafetensorsFile& file, const std::vector<ParamS
   for (const TensorInfo& t : file.tensors())
     if (!names.count(t.name))
       return absl::InvalidArgumentError(absl::StrCat(
-          file.path(), ": unexpected tensor '", t.name,
+          file.path(), ": unexpected tensor '", absl::CHexEscape(t.name),
           "' (config.json's model has no such parameter: check that config.json belongs to these "
           "weights)"));
   for (const ParamSpec& s : layout) {

@@ -1,7 +1,6 @@
 // config.json parser and writer (MODEL.md §7). Every key is looked up through a Reader that
 // records which keys were consumed, so unknown keys are reported by name after parsing.
 #include "cemlm/engine/config.h"
-#include "cemlm/engine/status.h"
 
 #include <sys/stat.h>
 
@@ -10,9 +9,11 @@
 #include <cstring>
 #include <set>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cemlm/engine/float32.h"
+#include "cemlm/engine/status.h"
 #include "cemlm/engine/strict_json.h"
 #include "nlohmann/json.hpp"
 
@@ -26,7 +27,8 @@ class Reader {
   Reader(const json& obj, std::string prefix) : obj_(obj), prefix_(std::move(prefix)) {}
 
   bool has(const std::string& key) const { return obj_.contains(key); }
-  std::string path(const std::string& key) const { return prefix_ + key; }
+  // Escaped (a file's key may hold a newline or a right-to-left mark meant to garble the error).
+  std::string path(const std::string& key) const { return absl::CHexEscape(prefix_ + key); }
 
   absl::Status get_int(const std::string& key, int* out, bool required, int64_t lo, int64_t hi) {
     seen_.insert(key);
@@ -122,8 +124,8 @@ absl::Status get_enum(Reader& r, const std::string& key, E* out, bool required,
     }
     absl::StrAppend(&names, names.empty() ? "" : ", ", "\"", name, "\"");
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("config: '", r.path(key), "' = \"", s, "\" is not one of ", names));
+  return absl::InvalidArgumentError(absl::StrCat("config: '", r.path(key), "' = \"",
+                                                 absl::CHexEscape(s), "\" is not one of ", names));
 }
 
 constexpr int64_t kBig = 1 << 24;

@@ -17,6 +17,7 @@
 #include <string_view>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cemlm/engine/status.h"
@@ -51,7 +52,8 @@ absl::Status header_error(const std::string& path, const std::string& what) {
 }
 absl::Status tensor_error(const std::string& path, const std::string& name,
                           const std::string& what) {
-  return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "': ", what));
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": tensor '", absl::CHexEscape(name), "': ", what));
 }
 
 absl::StatusOr<DType> parse_dtype(const json& v) {
@@ -270,8 +272,9 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   for (size_t i = 0; i < f.tensors_.size(); ++i) {
     const TensorInfo& t = f.tensors_[i];
     if (t.begin < covered)
-      return tensor_error(path, t.name,
-                          absl::StrCat("data overlaps tensor '", f.tensors_[i - 1].name, "'"));
+      return tensor_error(
+          path, t.name,
+          absl::StrCat("data overlaps tensor '", absl::CHexEscape(f.tensors_[i - 1].name), "'"));
     if (t.begin > covered)
       return tensor_error(path, t.name,
                           absl::StrCat("data starts at byte ", t.begin, " of the body, leaving bytes ",
@@ -321,7 +324,9 @@ absl::Status SafetensorsFile::read_f32(const TensorInfo& t, std::span<float> out
 
 absl::StatusOr<std::vector<float>> SafetensorsFile::read_f32(const std::string& name) const {
   const TensorInfo* t = find(name);
-  if (!t) return absl::NotFoundError(absl::StrCat(path_, ": no tensor named '", name, "'"));
+  if (!t)
+    return absl::NotFoundError(
+        absl::StrCat(path_, ": no tensor named '", absl::CHexEscape(name), "'"));
   std::vector<float> v(size_t(t->numel()));
   CEMLM_RETURN_IF_ERROR(read_f32(*t, v));
   return v;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace cemlm {
@@ -179,8 +180,8 @@ absl::StatusOr<json> parse_json_strict(std::string_view text) {
     return absl::InvalidArgumentError(absl::StrCat("not valid JSON: ", e.what()));
   }
   if (!duplicate.empty())
-    return absl::InvalidArgumentError(
-        absl::StrCat("duplicate key \"", duplicate, "\" (a key may appear once per object)"));
+    return absl::InvalidArgumentError(absl::StrCat("duplicate key \"", absl::CHexEscape(duplicate),
+                                                   "\" (a key may appear once per object)"));
   return root;
 }
 

@@ -323,6 +323,25 @@ TEST(Config, NulBytesAreRefusedWhereTheyAre) {
   EXPECT_EQ((*escaped)[0].get<std::string>(), std::string("a\0b", 3));
 }
 
+// Keys and values from the file are escaped in errors: a newline would forge a log line, and a
+// right-to-left override (U+202E) would garble the rest of the message on a terminal.
+TEST(Config, ErrorsEscapeWhatTheFileHolds) {
+  nlohmann::json j = base();
+  j["evil\nkey\u202e"] = 1;
+  std::string e = error_of(j);
+  EXPECT_NE(e.find("unknown key 'evil\\nkey\\xe2\\x80\\xae'"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  j = base();
+  j["attention"]["type"] = "cem\n";
+  e = error_of(j);
+  EXPECT_NE(e.find("= \"cem\\n\" is not one of"), std::string::npos) << e;
+  std::string text = base().dump();
+  text.insert(text.rfind('}'), ", \"a\\nb\": 1, \"a\\nb\": 2");
+  auto c = parse_config(text);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("duplicate key \"a\\nb\""), std::string::npos) << c.status();
+}
+
 TEST(Config, DuplicateKeysAreRefusedByName) {
   // "Last one wins" would silently drop the first value; nested objects are checked too.
   std::string text = base().dump();

@@ -112,6 +112,10 @@ std::vector<BadFile> bad_files() {
        "__metadata__"},
       {"unknown dtype", one(R"({"dtype":"I64","shape":[1],"data_offsets":[0,8]})", body(8)), "'w'"},
       {"entry not an object", one("[]", ""), "'w'"},
+      // A name is escaped in the error: a newline would forge a log line.
+      {"name with a newline",
+       safetensors_bytes(R"({"a\nb":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", body(8)),
+       "tensor 'a\\nb': "},
       {"no data_offsets", one(R"({"dtype":"F32","shape":[1]})", body(4)), "'w'"},
       {"negative dim", one(R"({"dtype":"F32","shape":[-1],"data_offsets":[0,4]})", body(4)), "'w'"},
       {"shape not array", one(R"({"dtype":"F32","shape":2,"data_offsets":[0,8]})", body(8)), "'w'"},

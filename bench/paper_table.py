@@ -246,11 +246,12 @@ def cache_splits(cache_dir, val_fraction=0.05, bos=1, eos=2):
     as the trainer splits them; bos/eos are the tokenizer's (the paper configs set none)."""
     with open(os.path.join(cache_dir, "tokens.bin"), "rb") as f:
         blob = f.read()
-    magic, _version, n_files, _key, _tok = struct.unpack_from("<8sIIQQ", blob, 0)
-    if magic != b"CEMLMTOK":
-        sys.exit(f"paper_table: {cache_dir}/tokens.bin is not a cemlm token cache")
-    counts = struct.unpack_from(f"<{n_files}Q", blob, 32)
-    pos = 32 + 8 * n_files
+    header = "<8sIIQQQ"  # magic, version, n_files, corpus key, encoding, content hash
+    magic, version, n_files, _key, _tok, _hash = struct.unpack_from(header, blob, 0)
+    if magic != b"CEMLMTOK" or version != 2:
+        sys.exit(f"paper_table: {cache_dir}/tokens.bin is not a version 2 cemlm token cache")
+    counts = struct.unpack_from(f"<{n_files}Q", blob, struct.calcsize(header))
+    pos = struct.calcsize(header) + 8 * n_files
     train_ids, val_ids = [], []
     for n in counts:
         ids = struct.unpack_from(f"<{n}i", blob, pos)

@@ -511,10 +511,17 @@ TINY_CONFIG = {
 }
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """n ports free on 127.0.0.1, all different: each socket stays bound until all are picked
+    (bound and closed one at a time, the system could hand out the same port twice)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def serving(binary):
@@ -553,7 +560,7 @@ def check_live(errors):
                             "--out", str(tmp / "model")], capture_output=True, text=True)
         if not errors.expect(p.returncode == 0, f"cemlm init failed: {p.stderr}"):
             return
-        port, metrics_port = free_port(), free_port()
+        port, metrics_port = free_ports(2)
         env = {k: v for k, v in os.environ.items() if not k.startswith("CEMLM_")}
         env.update(CEMLM_BIN=binary, CEMLM_MODEL=str(tmp / "model"), CEMLM_DEVICE="cpu",
                    CEMLM_HOST="127.0.0.1", CEMLM_PORT=str(port),

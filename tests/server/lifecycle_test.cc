@@ -1,6 +1,7 @@
 // The server as a whole: SIGTERM drain (finish in flight, or cancel at --shutdown-timeout; exit
 // 0 either way), the metrics exposition and its counters, Score against `cemlm score`,
 // reflection, and the `cemlm client` / `cemlm bench-serve` / Python clients against it.
+#include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <gtest/gtest.h>
@@ -40,20 +41,28 @@ bool wait_for_health(const ServerProcess& s, const std::string& want) {
   return false;
 }
 
-// In both, a long generation at T=8 must still be running while the test looks at the draining
-// server: on a fast, idle machine the tiny model makes 300 tokens in ~20 ms, under the 50 ms
-// shutdown timeout (a flake seen in CI), so the first test asks for 1500 tokens and the second,
-// which cancels its request, for 4000 (a second or more; their contexts grow to 4k tokens).
-constexpr int kLongContext = 4096;
+// In both, a generation must still be in flight while the test looks at the draining server. On
+// a fast, idle machine the tiny model makes 300 tokens in ~20 ms, under the 50 ms shutdown timeout
+// (a flake seen in CI), and a loaded machine can hold the test back for as long as a generation
+// of thousands takes. So the first test reads its stream through a 1 KiB window: the server cannot
+// end the call (and exit) before the test has read it, however far the engine got. The second,
+// whose request the shutdown timeout cancels, asks for 16000 tokens at T=8 (many seconds).
+constexpr int kLongContext = 16384;
 
 TEST(ServerDrain, SigtermFinishesWhatIsInFlightThenExitsZero) {
-  auto server = ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongContext}),
-                                     {"--shutdown-timeout", "120"});
+  auto server = ServerProcess::start(
+      make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongContext}),
+      {"--shutdown-timeout", "120", "--unread-timeout", "600"});  // the test reads it late
   ASSERT_TRUE(server);
   constexpr int kTokens = 1500;
+  grpc::ChannelArguments args;  // a 1 KiB window that does not grow (no BDP probes)
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  const auto channel =
+      grpc::CreateCustomChannel(server->addr(), grpc::InsecureChannelCredentials(), args);
   grpc::ClientContext context;
-  auto reader = v1::Inference::NewStub(server->channel())
-                    ->Generate(&context, ids_request(prompt(12), kTokens, 8));
+  auto reader =
+      v1::Inference::NewStub(channel)->Generate(&context, ids_request(prompt(12), kTokens, 8));
   v1::GenerateResponse m;
   ASSERT_TRUE(reader->Read(&m));
   int tokens = m.token_ids_size();
@@ -139,7 +148,12 @@ TEST_F(ServerLifecycle, LogsTheBlasKernelsItChose) {
   const std::string here = openblas_get_corename();
   std::string want = better_openblas_core_here();
   if (want.empty() || std::getenv("OPENBLAS_CORETYPE")) want = here;
-  const std::string log = server_->log();
+  // The line comes right after health turned SERVING (all that start() waited for).
+  std::string log = server_->log();
+  for (auto end = std::chrono::steady_clock::now() + 10s;
+       log.find(" blas=") == std::string::npos && std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(10ms))
+    log = server_->log();
   EXPECT_NE(log.find(", " + want + " kernels"), std::string::npos) << "want " << want << " in\n"
                                                                      << log;
 }

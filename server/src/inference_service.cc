@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <optional>
 #include <string_view>
 #include <utility>
@@ -570,7 +571,8 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
       malformed_ = true;
     if (malformed_ && m->QueryInterceptionHookPoint(Hook::PRE_SEND_STATUS) &&
         (m->GetSendStatus().error_code() == grpc::StatusCode::INTERNAL ||
-         m->GetSendStatus().error_code() == grpc::StatusCode::UNIMPLEMENTED)) {
+         m->GetSendStatus().error_code() == grpc::StatusCode::UNIMPLEMENTED) &&
+        !ended_before_body()) {
       // Of the requests, only GenerateRequest has a string field (the others' texts are bytes).
       const bool strings = message_ == v1::GenerateRequest::descriptor()->full_name();
       const grpc::Status status(
@@ -592,6 +594,21 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
   }
 
  private:
+  // A call whose deadline passed, or that its client cancelled, before its body arrived also
+  // reaches the interceptors with no message: that is no malformed body. It is counted as what it
+  // was (the client sees that status, not ours), and not logged as a client's mistake.
+  bool ended_before_body() {
+    grpc::ServerContextBase* const ctx = info_->server_context();
+    grpc::StatusCode code = grpc::StatusCode::OK;
+    if (ctx->deadline() <= std::chrono::system_clock::now())
+      code = grpc::StatusCode::DEADLINE_EXCEEDED;
+    else if (ctx->IsCancelled())
+      code = grpc::StatusCode::CANCELLED;
+    if (code == grpc::StatusCode::OK) return false;
+    state_->metrics().count_rpc(method_.c_str(), code);
+    return true;
+  }
+
   ServerState* const state_;
   grpc::experimental::ServerRpcInfo* const info_;
   const std::string method_, message_;

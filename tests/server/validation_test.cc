@@ -5,12 +5,14 @@
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "client_util.h"
 #include "server_process.h"
@@ -422,9 +424,38 @@ grpc::Status raw_call(const std::shared_ptr<grpc::Channel>& channel, const std::
   return status;
 }
 
-// A body that does not parse as the method's message (gRPC itself answered UNIMPLEMENTED or
-// INTERNAL without a message, uncounted and unlogged): INVALID_ARGUMENT naming the message type,
-// counted per method, logged at most once a second; the server serves on.
+// A call whose deadline passes before its body is sent reaches the server with no message, as a
+// malformed body does; it is counted DEADLINE_EXCEEDED, not as a malformed body the client sent
+// (a loaded server that read a call late counted it so).
+TEST_F(ServerValidation, ADeadlineBeforeTheBodyIsNoMalformedBody) {
+  const auto before = parse_metrics(server_->metrics_text());
+  grpc::GenericStub stub(server_->channel());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&ctx, "/cemlm.v1.Inference/Generate", &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  call->StartCall(reinterpret_cast<void*>(1));  // the headers only
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // past the deadline, whatever the load
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(2));
+  while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(2)) {
+  }
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  const std::string labels = "method=\"Generate\"";
+  EXPECT_TRUE(wait_for_metrics(*server_, [&](const auto& now) {
+    return metric(now, "cemlm:requests_total", "code=\"DEADLINE_EXCEEDED\"," + labels) ==
+           metric(before, "cemlm:requests_total", "code=\"DEADLINE_EXCEEDED\"," + labels) + 1;
+  }));
+  const auto after = parse_metrics(server_->metrics_text());
+  EXPECT_EQ(metric(after, "cemlm:requests_total", "code=\"INVALID_ARGUMENT\"," + labels),
+            metric(before, "cemlm:requests_total", "code=\"INVALID_ARGUMENT\"," + labels));
+  EXPECT_EQ(server_->log().find("not a valid cemlm.v1.GenerateRequest"), std::string::npos)
+      << server_->log();
+}
+
 // Unset, max_new_tokens is the default (64) capped to the room the prompt leaves: a long prompt
 // gets the tokens that fit rather than an error about a length the client never asked for.
 TEST_F(ServerValidation, UnsetMaxNewTokensFitsTheRoomLeft) {
@@ -444,6 +475,9 @@ TEST_F(ServerValidation, UnsetMaxNewTokensFitsTheRoomLeft) {
   EXPECT_EQ(s.ids().size(), 64u);  // the default, where it fits
 }
 
+// A body that does not parse as the method's message (gRPC itself answered UNIMPLEMENTED or
+// INTERNAL without a message, uncounted and unlogged): INVALID_ARGUMENT naming the message type,
+// counted per method, logged at most once a second; the server serves on.
 TEST_F(ServerValidation, UnparseableRequestBodyNamesTheMessageType) {
   const auto before = parse_metrics(server_->metrics_text());
   const std::vector<std::string> methods = {"Generate", "Score", "Tokenize", "Detokenize",

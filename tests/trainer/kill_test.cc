@@ -144,11 +144,13 @@ TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
 }
 
 // SIGINT while the tokenizer trains: the run stops once that part is done, before any step, with
-// nothing saved, and says so instead of promising a save.
+// nothing saved, and says so instead of promising a save. The corpus is large enough (about
+// 1.5 s of tokenizer training and encoding here) that a test thread a loaded machine holds back
+// still signals before the first step; 40 KB left a window of 100-150 ms.
 TEST(TrainKill, SigintDuringSetupStopsBeforeTrainingAndSavesNothing) {
   const std::string dir = testing_trainer::fresh_dir();
   TrainOptions o = testing_trainer::tiny_options(dir);
-  testing_trainer::write_file(dir + "/text/c.txt", testing_trainer::corpus_text(40000, 3));
+  testing_trainer::write_file(dir + "/text/c.txt", testing_trainer::corpus_text(400000, 3));
   const std::string log = dir + "/train.log";
   const pid_t pid = spawn_quietly(
       {CEMLM_BINARY, "train", "--config", o.config_path, "--data", o.data[0], "--out", o.out_dir,

@@ -795,9 +795,11 @@ TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
   const auto reference = run_all(*ref.engine, {gen});
   for (int priority : {0, 1}) {
     std::atomic<int> steps{0};
+    // 20 ms a step (0.8 s for the request): it is still running when the call comes, however
+    // late a loaded machine runs this thread.
     Built b = build({.num_blocks = 16, .favorite = [&](int) {
                        ++steps;
-                       std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                       std::this_thread::sleep_for(std::chrono::milliseconds(20));
                        return -1;
                      }});
     Collector c;
@@ -812,8 +814,9 @@ TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
   }
 }
 
-// A Generate request that keeps 3 to 15 of 16 blocks taken for at least 250 ms (50 steps of a
-// 5 ms forward), so that a 60-token score (15 blocks) must wait.
+// A Generate request that keeps 3 to 15 of 16 blocks taken for at least 1 s (50 steps of a
+// 20 ms forward), so that a 60-token score (15 blocks) must wait, and is still running when a
+// test acts on that, however late a loaded machine runs the test's thread.
 struct BusyEngine {
   std::atomic<int> steps{0};
   std::mutex mu;
@@ -829,7 +832,7 @@ struct BusyEngine {
                          std::lock_guard lock(mu);
                          positions.push_back(p);
                        }
-                       std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                       std::this_thread::sleep_for(std::chrono::milliseconds(20));
                        return -1;
                      }},
                 {.max_waiting = max_waiting})) {

@@ -643,6 +643,7 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
   const std::string windows = "\"eval_windows\": " + j["options"]["eval_windows"].dump();
   const std::string threads = "\"threads\": " + j["options"]["threads"].dump();
   const std::string version = "\"format_version\": " + j["format_version"].dump();
+  const std::string config = "\"config\": " + j["options"]["config"].dump();
   // 100000 brackets: printing the saved options recursed once per level and overflowed the stack.
   const std::string deep = std::string(100000, '[') + std::string(100000, ']');
   struct Case {
@@ -670,6 +671,8 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
       {edited(seed, "\"seed\": " + deep), "nested more than 64 arrays/objects deep"},
       {edited(step, "\"step\": 1, " + step), "duplicate key \"step\""},
       {edited(lr, "\"lr\": 1e999"), "the number 1e999 is beyond the range of a 64-bit float"},
+      // Said as the field's type, not as nlohmann's "[json.exception.type_error.302]".
+      {edited(config, "\"config\": 5"), "\"config\": must be a string (got 5)"},
   };
   for (const Case& c : cases) {
     testing_trainer::write_file(state_file, c.state);

@@ -60,12 +60,15 @@ absl::Status check_beta_as_float(const std::string& flag, double value) {
                                           value, largest_float_below_one()));
 }
 
-// A saved integer option must be an integer its field can hold (integer_fits), and a real one a
-// number (said as such, not as nlohmann's type error); throws std::invalid_argument
-// (options_from_json names the key).
+// A saved option must have its field's type, said as such rather than as nlohmann's type error:
+// an integer the field can hold (integer_fits), a number, a string, true or false, an array of
+// those; throws std::invalid_argument (options_from_json names the key).
 template <typename T>
 void check_fits(const json& v, const T&) {
-  if constexpr (std::is_integral_v<T>) {
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean())
+      throw std::invalid_argument(absl::StrCat("must be true or false (got ", v.dump(), ")"));
+  } else if constexpr (std::is_integral_v<T>) {
     using lim = std::numeric_limits<T>;
     if (!integer_fits<T>(v))
       throw std::invalid_argument(
@@ -76,12 +79,16 @@ void check_fits(const json& v, const T&) {
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!v.is_number())
       throw std::invalid_argument(absl::StrCat("must be a number (got ", v.dump(), ")"));
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!v.is_string())
+      throw std::invalid_argument(absl::StrCat("must be a string (got ", v.dump(), ")"));
   }
 }
 template <typename T>
 void check_fits(const json& v, const std::vector<T>&) {
-  if (v.is_array())
-    for (const json& e : v) check_fits(e, T{});
+  if (!v.is_array())
+    throw std::invalid_argument(absl::StrCat("must be an array (got ", v.dump(), ")"));
+  for (const json& e : v) check_fits(e, T{});
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <filesystem>
 #include <mutex>
 #include <unordered_map>
@@ -14,6 +15,7 @@
 #include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/plugin.h"
 #include "cemlm/engine/safetensors.h"  // write_file_atomic
+#include "cemlm/engine/utf8.h"
 #include "cemlm/kernels/tensor.h"  // CEMLM_CHECK
 #include "spm_api.h"
 
@@ -25,7 +27,6 @@ namespace fs = std::filesystem;
 constexpr int kSpecialIds = 4;  // unk, bos, eos, pad
 constexpr int kByteIds = 256;   // byte fallback: one piece per byte value
 constexpr unsigned kTrainSeed = 20240229;
-constexpr char kReplacementChar[] = "\xEF\xBF\xBD";  // U+FFFD: what decode makes of partial bytes
 constexpr char kPluginName[] = "libcemlm_spm.so";
 constexpr char kSpaceSymbol[] = "\xE2\x96\x81";  // U+2581 "▁", SentencePiece's space
 // Prompt ids the first generated ids are decoded after, for tokenizers that drop a
@@ -59,10 +60,17 @@ const SpmApi& loaded_spm() {
 
 Tokenizer::Tokenizer(void* sp) : sp_(sp) {
   int spaced = -1;  // a piece that starts with "▁"
+  byte_values_.assign(size_t(vocab_size()), -1);
   for (int id = 0; id < vocab_size(); ++id) {
     const std::string piece = id_to_piece(id);
     max_piece_bytes_ = std::max(max_piece_bytes_, int(piece.size()));
     if (spaced < 0 && piece.starts_with(kSpaceSymbol)) spaced = id;
+    // A byte-fallback piece is "<0xHH>" and does not decode to its own name.
+    unsigned value = 0;
+    if (piece.size() == 6 && piece.starts_with("<0x") && piece.ends_with('>') &&
+        std::from_chars(piece.data() + 3, piece.data() + 5, value, 16).ptr == piece.data() + 5 &&
+        decode(std::span<const int>(&id, 1)) != piece)
+      byte_values_[size_t(id)] = int16_t(value);
   }
   if (spaced >= 0) drops_leading_space_ = !decode(std::span<const int>(&spaced, 1)).starts_with(' ');
 }
@@ -139,6 +147,22 @@ std::vector<int> encode_input(const Tokenizer& tokenizer, std::string_view text,
   return ids;
 }
 
+namespace {
+
+// How many ids at the end of `ids` are byte-fallback pieces whose bytes begin a character without
+// finishing it (0 to 3).
+size_t unfinished_bytes(const Tokenizer& tokenizer, std::span<const int> ids) {
+  std::string tail;  // the bytes of the last (up to 3) byte ids, in order
+  for (size_t k = 1; k <= std::min<size_t>(3, ids.size()); ++k) {
+    const int b = tokenizer.byte_value(ids[ids.size() - k]);
+    if (b < 0) break;
+    tail.insert(tail.begin(), char(b));
+  }
+  return utf8_unfinished_suffix(tail);
+}
+
+}  // namespace
+
 IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer,
                                                std::span<const int> prompt)
     : tokenizer_(&tokenizer) {
@@ -153,7 +177,13 @@ std::string IncrementalDetokenizer::emit(std::span<const int> ids, bool final) {
   CEMLM_CHECK(ids.size() >= read_offset_);
   std::vector<int> window = lead_;
   window.insert(window.end(), ids.begin() + prefix_offset_, ids.end());
-  const std::span<const int> all(window);
+  // The byte ids that end the window with a character still unfinished wait for the rest of it
+  // (the prompt's last ids may have begun it); at the end they decode as U+FFFD.
+  const size_t unfinished = final ? 0 : unfinished_bytes(*tokenizer_, window);
+  const size_t end = ids.size() - std::min(unfinished, ids.size() - read_offset_);
+  if (end == read_offset_) return "";
+  const std::span<const int> all =
+      std::span<const int>(window).first(window.size() - (ids.size() - end));
   const std::string context =
       tokenizer_->decode(all.first(lead_.size() + read_offset_ - prefix_offset_));
   const std::string text = tokenizer_->decode(all);
@@ -163,11 +193,10 @@ std::string IncrementalDetokenizer::emit(std::span<const int> ids, bool final) {
       std::mismatch(context.begin(), context.end(), text.begin(), text.end()).first -
       context.begin());
   while (old > 0 && old < text.size() && (uint8_t(text[old]) & 0xC0) == 0x80) --old;
-  // A trailing U+FFFD is usually a character whose remaining bytes are still to come.
-  if (text.size() <= old || (!final && text.ends_with(kReplacementChar))) return "";
+  if (text.size() <= old) return "";
   lead_.clear();
   prefix_offset_ = read_offset_;
-  read_offset_ = ids.size();
+  read_offset_ = end;
   return text.substr(old);
 }
 

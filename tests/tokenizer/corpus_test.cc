@@ -35,6 +35,30 @@ TEST(Utf8, ValidPrefixPointsAtTheFirstBadByte) {
   EXPECT_EQ(utf8_valid_prefix("ok"), 2u);
 }
 
+// The tail that more bytes can still turn into a character, and only that.
+TEST(Utf8, UnfinishedSuffixIsAStartedCharacter) {
+  EXPECT_EQ(utf8_unfinished_suffix(""), 0u);
+  EXPECT_EQ(utf8_unfinished_suffix("ab"), 0u);
+  EXPECT_EQ(utf8_unfinished_suffix("a\xE6"), 1u);  // 日 = E6 97 A5
+  EXPECT_EQ(utf8_unfinished_suffix("a\xE6\x97"), 2u);
+  EXPECT_EQ(utf8_unfinished_suffix("a\xE6\x97\xA5"), 0u);  // finished
+  EXPECT_EQ(utf8_unfinished_suffix("\xF0\x9F\x98"), 3u);   // 😀 = F0 9F 98 80
+  EXPECT_EQ(utf8_unfinished_suffix("\xC3"), 1u);
+  EXPECT_EQ(utf8_unfinished_suffix("\xFF\xC3"), 1u);  // a bad byte before a started character
+  // Bytes that no continuation makes well-formed.
+  EXPECT_EQ(utf8_unfinished_suffix("\x80"), 0u);  // a lone continuation byte
+  EXPECT_EQ(utf8_unfinished_suffix("\x80\x80\x80\x80"), 0u);
+  EXPECT_EQ(utf8_unfinished_suffix("\xFF"), 0u);
+  EXPECT_EQ(utf8_unfinished_suffix("\xC0"), 0u);      // overlong lead
+  EXPECT_EQ(utf8_unfinished_suffix("\xE0\x80"), 0u);  // overlong: E0 needs A0-BF next
+  EXPECT_EQ(utf8_unfinished_suffix("\xED\xA0"), 0u);  // a surrogate
+  EXPECT_EQ(utf8_unfinished_suffix("\xF4\x90"), 0u);  // above U+10FFFF
+  EXPECT_EQ(utf8_unfinished_suffix("\xE6\x97\xA5\x80"), 0u);
+  EXPECT_EQ(utf8_unfinished_suffix("\xE6"
+                                   "a"),
+            0u);
+}
+
 class CorpusTest : public ::testing::Test {
  protected:
   void SetUp() override {

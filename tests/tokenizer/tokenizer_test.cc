@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <random>
 
@@ -127,6 +128,47 @@ TEST_F(TokenizerTest, IncrementalDetokenizerFlushesAnUnfinishedCharacterAtTheEnd
   EXPECT_EQ(detok.next(std::span<const int>(ids.data(), 1)), "");
   EXPECT_EQ(detok.next(ids), "");
   EXPECT_EQ(detok.finish(ids), tok_->decode(ids));
+}
+
+// Only a character still unfinished is held back: bytes that can never form one (a stray
+// continuation byte, 0xFF, an overlong lead) stream out at once as U+FFFD, as decode() gives them,
+// and so does a finished U+FFFD character. Holding every text that ended in U+FFFD kept a run of
+// such bytes out of the stream for as long as it lasted (and decoded the whole run at each token).
+TEST_F(TokenizerTest, IncrementalDetokenizerStreamsBytesThatFormNoCharacter) {
+  auto byte = [](int v) {
+    char piece[8];
+    std::snprintf(piece, sizeof piece, "<0x%02X>", v);
+    for (int id = 0; id < tok_->vocab_size(); ++id)
+      if (tok_->id_to_piece(id) == piece) return id;
+    ADD_FAILURE() << "no piece " << piece;
+    return 0;
+  };
+  const std::string kFffd = "\xEF\xBF\xBD";
+  // (ids so far, the piece next() gives for the last of them)
+  const std::vector<std::pair<std::vector<int>, std::string>> cases = {
+      {{byte(0x80)}, kFffd},
+      {{byte(0xFF)}, kFffd},
+      {{byte(0xC0)}, kFffd},
+      {{byte(0xE0), byte(0x80)}, kFffd + kFffd},  // E0 80 starts no character
+      {{byte(0xE6)}, ""},                         // 日 begun
+      {{byte(0xE6), byte(0x97)}, ""},
+      {{byte(0xE6), byte(0x97), byte(0xA5)}, "日"},
+      {{byte(0xEF), byte(0xBF), byte(0xBD)}, kFffd},  // U+FFFD itself, finished
+  };
+  for (const auto& [ids, want] : cases) {
+    IncrementalDetokenizer detok(*tok_);
+    for (size_t n = 1; n < ids.size(); ++n) detok.next(std::span<const int>(ids.data(), n));
+    EXPECT_EQ(detok.next(ids), want) << testing::PrintToString(ids);
+  }
+  // A long run of continuation bytes streams one U+FFFD per token.
+  std::vector<int> run;
+  IncrementalDetokenizer detok(*tok_);
+  std::string out;
+  for (int i = 0; i < 20; ++i) {
+    run.push_back(byte(0x80 + i));
+    EXPECT_EQ(detok.next(run), kFffd) << "token " << i;
+  }
+  EXPECT_EQ(detok.finish(run), "");
 }
 
 TEST_F(TokenizerTest, IncrementalDetokenizerOnRandomIds) {

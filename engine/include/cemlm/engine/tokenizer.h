@@ -29,6 +29,10 @@ class Tokenizer {
   std::string decode(std::span<const int> ids) const;
   // The piece of an id ("▁the", "<0x0A>", "</s>"); empty when out of range.
   std::string id_to_piece(int id) const;
+  // The byte that a byte-fallback id ("<0xE6>") stands for; -1 for any other id.
+  int byte_value(int id) const {
+    return id >= 0 && size_t(id) < byte_values_.size() ? byte_values_[size_t(id)] : -1;
+  }
 
   // Whether decode drops the space of a text-initial "▁" piece (SentencePiece's
   // add_dummy_prefix: spm_train's default; `cemlm tokenizer train` leaves it off), so that
@@ -50,6 +54,7 @@ class Tokenizer {
   void* sp_;  // owned: the plugin's SentencePieceProcessor
   int max_piece_bytes_ = 1;
   bool drops_leading_space_ = false;
+  std::vector<int16_t> byte_values_;  // per id: byte_value()
 };
 
 // Whether a tokenizer can serve a model of `vocab_size` token ids: false (with the reason, to
@@ -68,7 +73,8 @@ std::vector<int> encode_input(const Tokenizer& tokenizer, std::string_view text,
 
 // Streams the text of a growing id sequence: each call takes every id generated so far and
 // returns the text added since the previous call. Text is held back while it ends in an
-// unfinished UTF-8 character (byte-fallback pieces split characters), so pieces are always
+// unfinished UTF-8 character (byte-fallback pieces that begin a character more can finish; bytes
+// that can form none come out at once as U+FFFD, as decode gives them), so pieces are always
 // valid UTF-8 and stop strings can be matched on them; the pieces of next() and finish()
 // concatenate to tokenizer.decode(ids). For a tokenizer that drops a text-initial space, the
 // ids continue `prompt`: the first ones are decoded after its last few ids, so the pieces are

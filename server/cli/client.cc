@@ -41,8 +41,10 @@ struct GenerateFlags {
   std::string prompt, prompt_ids, request_id;
   int recursion = 0, max_new_tokens = 64, min_new_tokens = 0, top_k = 0, top_logprobs = 0,
       priority = 0;
-  float temperature = 1, top_p = 1, min_p = 0;
+  float temperature = 1, top_p = 1, min_p = 0, repetition_penalty = 1, presence_penalty = 0,
+        frequency_penalty = 0;
   std::string seed;
+  std::vector<int> stop_token_ids;
   std::vector<std::string> stop;
   std::vector<std::pair<int, float>> logit_bias;
   bool logprobs = false, ignore_eos = false, json = false, no_bos = false;
@@ -64,6 +66,10 @@ v1::GenerateRequest generate_request(const GenerateFlags& g, const Flags& flags)
   if (flags.given("top-k")) s->set_top_k(g.top_k);
   if (flags.given("top-p")) s->set_top_p(g.top_p);
   if (flags.given("min-p")) s->set_min_p(g.min_p);
+  if (flags.given("repetition-penalty")) s->set_repetition_penalty(g.repetition_penalty);
+  if (flags.given("presence-penalty")) s->set_presence_penalty(g.presence_penalty);
+  if (flags.given("frequency-penalty")) s->set_frequency_penalty(g.frequency_penalty);
+  s->mutable_stop_token_ids()->Add(g.stop_token_ids.begin(), g.stop_token_ids.end());
   if (uint64_t seed = 0; flags.given("seed") && parse_uint64(g.seed, &seed)) s->set_seed(seed);
   for (const auto& stop : g.stop) s->add_stop(stop);
   s->set_ignore_eos(g.ignore_eos);
@@ -107,9 +113,18 @@ int client_generate(int argc, char** argv) {
   flags.add("top-k", &g.top_k, "0 = off");
   flags.add("top-p", &g.top_p, "1 = off");
   flags.add("min-p", &g.min_p, "0 = off");
+  flags.add("repetition-penalty", &g.repetition_penalty,
+            "on prompt and generated tokens, in [0.01, 100]; 1 = off");
+  flags.add("presence-penalty", &g.presence_penalty,
+            "subtracted from each generated token's logit, in [-2, 2]; 0 = off");
+  flags.add("frequency-penalty", &g.frequency_penalty,
+            "subtracted once per occurrence of a generated token, in [-2, 2]; 0 = off");
   flags.add("seed", &g.seed,
             "sampling seed in [0, 2^64): same seed, same output (random when not given)");
   flags.add_list("stop", &g.stop, "stop strings (at most 16, each at most 1024 bytes)");
+  std::string stop_token_ids;
+  flags.add("stop-token-ids", &stop_token_ids,
+            "comma-separated token ids that end generation (not printed), like 2,7");
   flags.add_bool("ignore-eos", &g.ignore_eos, "keep generating after end-of-sequence");
   std::string logit_bias;
   flags.add("logit-bias", &logit_bias,
@@ -132,6 +147,20 @@ int client_generate(int argc, char** argv) {
     std::fprintf(stderr,
                  "error: --logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '%s'\n",
                  logit_bias.c_str());
+    return 2;
+  }
+  // The request's logit_bias is a map: a second bias for an id would replace the first unsaid.
+  for (size_t i = 0; i < g.logit_bias.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      if (g.logit_bias[i].first == g.logit_bias[j].first) {
+        std::fprintf(stderr, "error: --logit-bias gives token %d more than once\n",
+                     g.logit_bias[i].first);
+        return 2;
+      }
+  if (flags.given("stop-token-ids") && !parse_id_list(stop_token_ids, &g.stop_token_ids)) {
+    std::fprintf(stderr,
+                 "error: --stop-token-ids: expected comma-separated ids like 2,7, got '%s'\n",
+                 stop_token_ids.c_str());
     return 2;
   }
   if (g.no_bos && flags.given("prompt-ids")) {

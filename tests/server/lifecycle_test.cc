@@ -562,6 +562,39 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5",
                        "--max-new-tokens", "2", "--min-new-tokens", "3"}),
             1);
+  // A second bias for one id is refused here (the request's map would keep one of them).
+  ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--logit-bias",
+                       "9:1,9:2"},
+                      &out, &err),
+            2);
+  EXPECT_NE(err.find("--logit-bias gives token 9 more than once"), std::string::npos) << err;
+  // --stop-token-ids ends generation at the forced token; the penalties reach the server, which
+  // names each when it is out of range.
+  ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5,6,7",
+                       "--max-new-tokens", "4", "--temperature", "0", "--logit-bias", "9:100",
+                       "--stop-token-ids", "3,9", "--json"},
+                      &out),
+            0);
+  EXPECT_EQ(nlohmann::json::parse(out)["ids"], nlohmann::json::array({9})) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["finish_reason"], "stop") << out;
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5",
+                       "--stop-token-ids", "3,x"}),
+            2);
+  for (const auto& [flag, field] : std::vector<std::pair<std::string, std::string>>{
+           {"--repetition-penalty", "repetition_penalty"},
+           {"--presence-penalty", "presence_penalty"},
+           {"--frequency-penalty", "frequency_penalty"}}) {
+    ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", flag, "1000"},
+                        &out, &err),
+              1)
+        << flag;
+    EXPECT_NE(err.find("sampling." + field), std::string::npos) << err;
+    ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5,6,7",
+                         "--max-new-tokens", "2", flag, "1.5", "--json"},
+                        &out, &err),
+              0)
+        << err;
+  }
 
   ASSERT_EQ(run_cemlm({"client", "info", "--addr", addr}, &out), 0);
   EXPECT_EQ(nlohmann::json::parse(out)["vocab_size"], 400);

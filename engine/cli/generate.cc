@@ -17,6 +17,7 @@
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/engine.h"
+#include "cemlm/engine/sampling.h"
 #include "cemlm/engine/tokenizer.h"
 #include "cemlm/engine/utf8.h"
 #include "nlohmann/json.hpp"
@@ -239,7 +240,7 @@ int cmd_generate(int argc, char** argv) {
   if (!json) {
     std::fputs("\n", stdout);
     // A drawn seed is reported (--json has it as "seed"), so that a sample can be made again.
-    if (!f.given("seed") && temperature > 0)
+    if (!f.given("seed") && temperature >= kGreedyBelowTemperature)
       std::fprintf(stderr, "seed %llu (--seed %llu makes this sample again)\n",
                    (unsigned long long)seed, (unsigned long long)seed);
     return 0;

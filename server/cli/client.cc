@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cemlm/cli/commands.h"
+#include "cemlm/engine/sampling.h"
 #include "cemlm/v1/inference.grpc.pb.h"
 #include "channel.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -199,7 +200,8 @@ int client_generate(int argc, char** argv) {
   if (!g.json) std::printf("\n");
   if (!status.ok()) return report_error(status);
   // A drawn seed is reported (--json has it as "seed"), so that a sample can be made again.
-  if (!g.json && !flags.given("seed") && (!flags.given("temperature") || g.temperature > 0))
+  if (!g.json && !flags.given("seed") &&
+      (!flags.given("temperature") || g.temperature >= kGreedyBelowTemperature))
     std::fprintf(stderr, "seed %llu (--seed %llu makes this sample again)\n",
                  (unsigned long long)last.seed(), (unsigned long long)last.seed());
   if (g.json) {

@@ -429,6 +429,9 @@ TEST_F(GenerateCliText, StreamedSampleReportsItsDrawnSeed) {
   ::testing::internal::CaptureStderr();
   output({"--temperature", "0", "--max-new-tokens", "4"}, &rc);
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  ::testing::internal::CaptureStderr();  // below 1e-5 is greedy too
+  output({"--temperature", "5e-6", "--max-new-tokens", "4"}, &rc);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
 }
 
 TEST_F(GenerateCliText, StopStringsCutTheText) {

@@ -425,7 +425,7 @@ void print_help() {
       "                  (default), bf16, int8; …dot: those weights, and products that round\n"
       "                  their inputs to them too, with dot-product instructions\n"
       "  --shape small|base  the models' size: small (default) D=256 L=4 V=4096, weights in\n"
-      "               cache; base D=1024 L=12 V=32000, 127M/218M parameters, weights in memory\n"
+      "               cache; base D=1024 L=12 V=32000, 160M/220M parameters, weights in memory\n"
       "  --cell M:T:B decode only model M (standard|cem|cem-L<half the layers>) at depth T,\n"
       "               batch B, for 10 s: a steady loop to run under a profiler (perf record)\n"
       "  --context N  the --cell's cached tokens per sequence (default %d; a multiple of %d,\n"
@@ -496,7 +496,7 @@ int main(int argc, char** argv) {
                      kBlockSize, kBlockSize, kMaxCellContext);
         return 2;
       }
-    } else if (!std::strcmp(argv[i], "--help")) {
+    } else if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
       print_help();
       return 0;
     } else {

@@ -53,7 +53,7 @@ struct TrainOptions {
   int64_t eval_every = 200;
   int eval_windows = 64;
   // Machine.
-  int threads = 0;  // 0: OpenMP's default (all cores)
+  int threads = 0;  // 0: as cpu_threads(0): OMP_NUM_THREADS, else the CPUs the process may use
   uint64_t seed = 1;
   double max_minutes = 0;  // 0: no wall-clock budget
 };

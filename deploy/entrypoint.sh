@@ -36,7 +36,8 @@ usage: entrypoint.sh [serve] [extra serve flags...]   run `cemlm serve` configur
        entrypoint.sh health                           exit 0 when the server reports SERVING
        entrypoint.sh COMMAND [args...]                run `cemlm COMMAND args...` (init, score, ...)
 Also read: CEMLM_BIN (program, default `cemlm` on PATH), CEMLM_EXTRA_ARGS (more serve flags,
-split on spaces), CEMLM_HEALTH_ADDR (default 127.0.0.1:$CEMLM_PORT), CEMLM_HEALTH_ARGS.
+split on spaces), CEMLM_HEALTH_ADDR (default 127.0.0.1:$CEMLM_PORT, or $CEMLM_HOST:$CEMLM_PORT
+when CEMLM_HOST is one address), CEMLM_HEALTH_ARGS.
 EOF
 }
 

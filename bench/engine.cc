@@ -25,6 +25,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -500,7 +501,13 @@ int main(int argc, char** argv) {
       print_help();
       return 0;
     } else {
-      std::fprintf(stderr, "unknown argument %s; see --help\n", argv[i]);
+      const bool takes_value =
+          std::string_view(
+              "--threads --kv-cache-dtype --device --shape --cell --prefill-cell "
+              "--context ")
+              .find(std::string(argv[i]) + " ") != std::string_view::npos;
+      std::fprintf(stderr, "%s %s; see --help\n",
+                   takes_value ? "a value is needed after" : "unknown argument", argv[i]);
       return 2;
     }
   }

@@ -168,6 +168,11 @@ int client_generate(int argc, char** argv) {
     std::fprintf(stderr, "error: --no-bos applies to --prompt only: --prompt-ids are used as given\n");
     return 2;
   }
+  if ((g.logprobs || g.top_logprobs > 0) && !g.json) {
+    std::fprintf(stderr, "error: --%s needs --json: the streamed text has no place for them\n",
+                 g.logprobs ? "logprobs" : "top-logprobs");
+    return 2;
+  }
   v1::GenerateRequest req = generate_request(g, flags);
   if (!g.prompt_ids.empty() && !set_ids(g.prompt_ids, "prompt-ids", req.mutable_prompt_ids()))
     return 2;

@@ -562,6 +562,14 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5",
                        "--max-new-tokens", "2", "--min-new-tokens", "3"}),
             1);
+  // Logprobs print only in --json: asked for without it, they are refused, not dropped.
+  for (const char* flag : {"--logprobs", "--top-logprobs"}) {
+    std::vector<std::string> args = {"client",       "generate", "--addr", addr,
+                                     "--prompt-ids", "5",        flag};
+    if (std::string(flag) == "--top-logprobs") args.push_back("2");
+    ASSERT_EQ(run_cemlm(args, &out, &err), 2) << flag;
+    EXPECT_NE(err.find(std::string(flag) + " needs --json"), std::string::npos) << err;
+  }
   // A second bias for one id is refused here (the request's map would keep one of them).
   ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--logit-bias",
                        "9:1,9:2"},

@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <thread>
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/checkpoint.h"
@@ -482,6 +484,24 @@ TEST(TimeBudget, LeavesRoomForTheNextStepAndTheFinalEvaluationAndSave) {
   EXPECT_TRUE(b.stop_now(40, 60, true, false));    // this step's evaluation is due: 63
   EXPECT_TRUE(b.stop_now(46, 60, false, true));    // ... or its save: 61
   EXPECT_FALSE(TimeBudget{.step_s = 1}.stop_now(58, 60, true, true));
+}
+
+// --max-minutes is the run's wall-clock budget, set-up included (training the tokenizer and
+// encoding a large corpus can take minutes): a set-up that spent it leaves one step, then the
+// stop. It was counted from the first step, so a job sized to its time limit overran it.
+TEST(Train, MaxMinutesCountsTheSetUp) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.max_minutes = 0.005;  // 0.3 s
+  TrainCallbacks cb;
+  cb.stop_before_training = [](bool last) {
+    if (last) std::this_thread::sleep_for(std::chrono::milliseconds(400));  // a slow set-up
+    return false;
+  };
+  auto done = train(o, cb);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->step, 1);
+  EXPECT_FALSE(done->finished);
+  EXPECT_TRUE(load_checkpoint(o.out_dir).ok());  // resumable
 }
 
 // cmd_train with argv; returns its exit code and what it wrote to stderr.

@@ -116,7 +116,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   f.add("threads", &o.threads, kThreadsHelp);
   f.add("seed", &o.seed, "seed of the initial weights, the data order and the drawn T");
   f.add("max-minutes", &o.max_minutes,
-        "stop cleanly (evaluate, save) before this wall-clock budget is spent (0: none)");
+        "stop cleanly (evaluate, save) before this wall-clock budget, set-up included, is spent "
+        "(0: none)");
   f.add("log-every", &t.log_every, "print a progress line every N steps when not on a terminal");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   if (!t.data.empty()) o.data = t.data;

@@ -148,6 +148,8 @@ class Trainer {
   int64_t step_ = 0, tokens_ = 0;
   double prior_elapsed_s_ = 0;  // before this invocation (resume)
   Clock::time_point start_;
+  // When run() began: --max-minutes is the budget of the whole run, its set-up included.
+  const Clock::time_point run_start_ = Clock::now();
   double train_s_ = 0;  // this invocation, inside steps
   int64_t steps_run_ = 0;
 };
@@ -616,7 +618,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     budget.step_s = step_s;
     if (!eval_measured) budget.eval_s = estimated_eval_s(step_s);
     if (o_.max_minutes > 0 && step_ < o_.steps &&
-        budget.stop_now(seconds_since(start_), o_.max_minutes * 60, step_ % o_.eval_every == 0,
+        budget.stop_now(seconds_since(run_start_), o_.max_minutes * 60, step_ % o_.eval_every == 0,
                         step_ % o_.save_every == 0)) {
       info(absl::StrCat("--max-minutes ", o_.max_minutes, " reached at step ", step_));
       stop = true;

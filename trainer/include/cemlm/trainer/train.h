@@ -55,7 +55,7 @@ struct TrainOptions {
   // Machine.
   int threads = 0;  // 0: as cpu_threads(0): OMP_NUM_THREADS, else the CPUs the process may use
   uint64_t seed = 1;
-  double max_minutes = 0;  // 0: no wall-clock budget
+  double max_minutes = 0;  // the run's wall-clock budget, set-up included; 0: none
 };
 
 // What --max-minutes must leave room for after each step: the step's own periodic evaluation

@@ -109,6 +109,38 @@ TEST(Train, StoppedAndResumedRunMatchesTheUninterruptedOneBitExactly) {
   for (int i = 0; i < 12; ++i) EXPECT_EQ(parsed->steps()[i].loss, a[i]);
 }
 
+// A resumed run whose options differ from the ones it saved (flags given again with other values)
+// says which, and from what to what: it goes on with them, and no longer continues as it would
+// have. The thread count and the time budget change no result, and are not named.
+TEST(Train, ResumeWithChangedOptionsNamesThem) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.steps = 4;
+  record(o, 2);
+  auto resume_saying = [&](const TrainOptions& opts) {
+    std::string lines;
+    TrainCallbacks cb;
+    cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+    cb.on_step = [](const StepMetrics& m) { return m.step < 3; };
+    EXPECT_TRUE(train(opts, cb).ok());
+    return lines;
+  };
+  o.resume = true;
+  o.threads = 2;
+  o.max_minutes = 10;
+  std::string said = resume_saying(o);
+  EXPECT_EQ(said.find("differ"), std::string::npos) << said;
+  o.steps = 6;
+  o.lr = 5e-3;
+  o.train_recursion = {2, 2};
+  said = resume_saying(o);
+  EXPECT_NE(said.find("note: resuming with options that differ from the run's: --lr 0.01 → 0.005, "
+                      "--steps 4 → 6, --train-recursion 1-3 → 2;"),
+            std::string::npos)
+      << said;
+  EXPECT_EQ(said.find("--threads 1"), std::string::npos) << said;
+  EXPECT_EQ(said.find("--max-minutes"), std::string::npos) << said;
+}
+
 TEST(Train, AccumulatingTwoBatchesOfOneEqualsOneBatchOfTwo) {
   const std::string dir = fresh_dir();
   TrainOptions big = tiny_options(dir + "/big");

@@ -74,6 +74,25 @@ absl::Status diverged(const StepMetrics& m) {
                                           "; lower --lr or --clip (the last checkpoint is kept)"));
 }
 
+// The options of `now` that differ from `saved` (a resumed run's), as "--flag saved → now", in
+// the order of their names. The thread count and the time budget are left out: they change no
+// result (the same options give the same bits on any thread count).
+std::string changed_options(const TrainOptions& saved, const TrainOptions& now) {
+  const json before = json::parse(options_to_json(saved)),
+             after = json::parse(options_to_json(now));
+  auto text = [](const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
+  std::vector<std::string> changed;
+  for (const auto& [key, value] : after.items()) {
+    if (key == "threads" || key == "max_minutes" || key == "out") continue;
+    if (before.contains(key) && before[key] == value) continue;
+    std::string flag = key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    changed.push_back(absl::StrCat(
+        "--", flag, " ", before.contains(key) ? text(before[key]) : "(none)", " → ", text(value)));
+  }
+  return absl::StrJoin(changed, ", ");
+}
+
 class Trainer {
  public:
   Trainer(const TrainOptions& o, const TrainCallbacks& cb)
@@ -419,7 +438,7 @@ absl::Status Trainer::restore() {
                                                    parsed.status().message(),
                                                    " (the file is damaged)"));
   const json& j = *parsed;
-  std::string split;
+  std::string split, options_text;
   const char* key = "";  // the one being read, named in the error
   auto get = [&](const char* k) -> const json& {
     key = k;
@@ -462,6 +481,7 @@ absl::Status Trainer::restore() {
     t_rng_.set_state(state("recursion_rng"));
     key = "split";
     split = j.value("split", "");
+    if (j.contains("options")) options_text = j["options"].dump();
   } catch (const std::exception& e) {  // nlohmann reports missing keys and wrong types by throwing
     return absl::InvalidArgumentError(absl::StrCat("--resume: ", in_out(kTrainerStateFile), ": ",
                                                    *key ? absl::StrCat("\"", key, "\": ") : "",
@@ -474,6 +494,14 @@ absl::Status Trainer::restore() {
   if (!read_file(in_out(kMetricsFile), &text, &error))
     return absl::NotFoundError("--resume: " + error);
   CEMLM_ASSIGN_OR_RETURN(log_, MetricsLog::parse(text, in_out(kMetricsFile)));
+  // Flags given again with other values apply from here on: said, since the run then no longer
+  // continues as it would have (a changed --val-fraction or --data also moves the validation
+  // split, so that validation losses before and after are not comparable).
+  if (auto saved = options_from_json(options_text); saved.ok())
+    if (const std::string changed = changed_options(*saved, o_); !changed.empty())
+      info(absl::StrCat("note: resuming with options that differ from the run's: ", changed,
+                        "; the run goes on with these, so it no longer matches an uninterrupted "
+                        "run with its saved options"));
   if (split != kSplitRule)
     info(absl::StrCat("note: this run began with an older cemlm, whose validation split cut "
                       "documents in two; from here on it trains and evaluates on the current, "

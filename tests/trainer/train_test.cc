@@ -212,6 +212,43 @@ TEST(Train, LeftoverOfAnInterruptedSaveIsRemovedAndTheCheckpointStillLoads) {
   EXPECT_TRUE(load_checkpoint(o.out_dir).ok());
 }
 
+// On a file system that cannot swap two directories in one rename (NFS), a save moves the old
+// checkpoint aside to "<out>.tmp-<pid>-<n>.old" before renaming the new one in. Killed between
+// the two renames, it leaves no --out: the next run puts the previous checkpoint back and
+// resumes from it; killed after them, the moved-aside one is a leftover, removed.
+TEST(Train, CheckpointMovedAsideByAnInterruptedSaveIsRestored) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 3;
+  ASSERT_TRUE(train(o).ok());
+  const std::string aside = o.out_dir + ".tmp-99999-4.old";
+  fs::rename(o.out_dir, aside);
+  testing_trainer::write_file(o.out_dir + ".tmp-99999-4/model.safetensors", "half");
+  auto fresh = train(o);  // a new run would save over it: refused, pointing at --resume
+  ASSERT_FALSE(fresh.ok());
+  EXPECT_NE(fresh.status().message().find("moved aside to '" + aside + "'"), std::string::npos)
+      << fresh.status();
+  EXPECT_NE(fresh.status().message().find("pass --resume"), std::string::npos) << fresh.status();
+  EXPECT_TRUE(fs::exists(aside));
+  o.resume = true;
+  o.steps = 5;
+  std::string lines;
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+  auto done = train(o, cb);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_NE(lines.find("resuming at step 3 of 5"), std::string::npos) << lines;
+  EXPECT_NE(lines.find("restoring " + o.out_dir + " from " + aside), std::string::npos) << lines;
+  EXPECT_FALSE(fs::exists(aside));
+  EXPECT_FALSE(fs::exists(o.out_dir + ".tmp-99999-4"));
+  fs::copy(o.out_dir, dir + "/copy", fs::copy_options::recursive);
+  fs::rename(dir + "/copy", aside);  // killed after both renames: a stale copy
+  o.steps = 6;
+  ASSERT_TRUE(train(o).ok());
+  EXPECT_FALSE(fs::exists(aside));
+  EXPECT_EQ(load_run_options(o.out_dir)->steps, 6);
+}
+
 TEST(Train, FreshRunRefusesToOverwriteACheckpoint) {
   TrainOptions o = tiny_options(fresh_dir());
   o.steps = 2;

@@ -121,7 +121,7 @@ class Trainer {
   absl::Status load_model();
   absl::Status check_cache_outside_out() const;
   absl::Status lock_out();
-  void remove_stale_saves() const;
+  absl::Status remove_stale_saves() const;
   absl::Status set_up();
   absl::Status prepare_tokenizer(const CorpusFiles& corpus);
   absl::Status prepare_params();
@@ -276,31 +276,62 @@ absl::Status Trainer::lock_out() {
 }
 
 // A process killed while saving leaves its temporary "<out>.tmp-<pid>-<n>" directory behind
-// (the checkpoint itself stays whole); one run owns --out, so any such leftover is stale.
-void Trainer::remove_stale_saves() const {
+// (the checkpoint itself stays whole); one run owns --out, so any such leftover is stale. On a
+// file system that cannot swap two directories in one rename (NFS), a save moves the previous
+// checkpoint aside to "<out>.tmp-<pid>-<n>.old" before renaming the new one in: killed between
+// the two renames, it leaves no --out, and the previous checkpoint there, which --resume puts
+// back (a new run is refused rather than have it deleted); killed after them, it is stale too.
+absl::Status Trainer::remove_stale_saves() const {
   const fs::path out = out_path();
   const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
   const std::string prefix = out.filename().string() + ".tmp-";
-  // Exactly "<pid>-<n>" after the prefix: anything else there is not a save's, and stays.
-  auto is_save = [&](const std::string& name) {
-    if (!name.starts_with(prefix)) return false;
-    const std::string rest = name.substr(prefix.size());
+  auto digits = [](std::string_view s) {
+    return !s.empty() &&
+           std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  // Exactly "<pid>-<n>" (or "<pid>-<n>.old") after the prefix: anything else there is not a
+  // save's, and stays.
+  auto is_save = [&](std::string_view rest) {
     const size_t dash = rest.find('-');
-    auto digits = [](std::string_view s) {
-      return !s.empty() &&
-             std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
-    };
-    return dash != std::string::npos && digits(std::string_view(rest).substr(0, dash)) &&
-           digits(std::string_view(rest).substr(dash + 1));
+    return dash != std::string::npos && digits(rest.substr(0, dash)) &&
+           digits(rest.substr(dash + 1));
   };
   std::error_code ec;
-  std::vector<fs::path> stale;
-  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec))
-    if (is_save(it->path().filename().string())) stale.push_back(it->path());
+  std::vector<fs::path> stale, aside;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with(prefix)) continue;
+    const std::string_view rest = std::string_view(name).substr(prefix.size());
+    if (is_save(rest)) stale.push_back(it->path());
+    if (rest.ends_with(".old") && is_save(rest.substr(0, rest.size() - 4)))
+      aside.push_back(it->path());
+  }
+  if (!aside.empty() && !fs::exists(out, ec)) {
+    // The latest, should several have been left (each run restores the one before it).
+    const fs::path last =
+        *std::max_element(aside.begin(), aside.end(), [](const fs::path& a, const fs::path& b) {
+          std::error_code e;
+          return fs::last_write_time(a, e) < fs::last_write_time(b, e);
+        });
+    if (!o_.resume)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--out '", o_.out_dir, "': its checkpoint was moved aside to '", last.string(),
+          "' by a save that was interrupted; pass --resume to put it back and continue that run, "
+          "or choose another --out"));
+    info(absl::StrCat("restoring ", out.string(), " from ", last.string(),
+                      " (moved aside by an interrupted save)"));
+    fs::rename(last, out, ec);
+    if (ec)
+      return absl::UnavailableError(absl::StrCat("--resume: cannot rename '", last.string(),
+                                                 "' back to '", out.string(), "': ", ec.message()));
+    aside.erase(std::find(aside.begin(), aside.end(), last));
+  }
+  stale.insert(stale.end(), aside.begin(), aside.end());
   for (const fs::path& p : stale) {
     info(absl::StrCat("removing ", p.string(), " (left by an interrupted save)"));
     fs::remove_all(p, ec);
   }
+  return absl::OkStatus();
 }
 
 // The model's own tokenizer, else --tokenizer, else one trained on the data (and cached).
@@ -612,10 +643,20 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   const CpuThreads threads = use_cpu_threads(o_.threads);
   info(absl::StrCat("compute threads: ", threads.threads, " (", threads.why, ")"));
   absolute_paths();
+  // A resumed run locks --out before loading it: an interrupted save may have left its checkpoint
+  // aside, for remove_stale_saves to put back. (A new run's --out may not have a parent yet.)
+  std::error_code ec;
+  const fs::path parent = out_path().has_parent_path() ? out_path().parent_path() : ".";
+  if (o_.resume && fs::is_directory(parent, ec)) {
+    CEMLM_RETURN_IF_ERROR(lock_out());
+    CEMLM_RETURN_IF_ERROR(remove_stale_saves());
+  }
   CEMLM_RETURN_IF_ERROR(load_model());
   CEMLM_RETURN_IF_ERROR(check_against_model());
-  CEMLM_RETURN_IF_ERROR(lock_out());
-  remove_stale_saves();
+  if (lock_fd_ < 0) {
+    CEMLM_RETURN_IF_ERROR(lock_out());
+    CEMLM_RETURN_IF_ERROR(remove_stale_saves());
+  }
   TrainSummary summary;
   if (const absl::Status ready = set_up(); absl::IsCancelled(ready)) {
     info("stopped before the first step: nothing trained, nothing saved");

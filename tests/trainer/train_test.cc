@@ -141,6 +141,28 @@ TEST(Train, ResumeWithChangedOptionsNamesThem) {
   EXPECT_EQ(said.find("--max-minutes"), std::string::npos) << said;
 }
 
+// A model trained at depths that leave out its recursion.default is served at a T it never
+// trained at by the requests that leave T unset: the run says so.
+TEST(Train, TrainingAwayFromTheDefaultDepthSaysSo) {
+  auto said_for = [](RecursionRange r) {
+    TrainOptions o = tiny_options(fresh_dir());  // recursion.default 2
+    o.steps = 1;
+    o.train_recursion = r;
+    std::string lines;
+    TrainCallbacks cb;
+    cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+    EXPECT_TRUE(train(o, cb).ok());
+    return lines;
+  };
+  for (RecursionRange inside : {RecursionRange{2, 2}, RecursionRange{1, 3}})
+    EXPECT_EQ(said_for(inside).find("recursion.default"), std::string::npos);
+  const std::string said = said_for({3, 4});
+  EXPECT_NE(said.find("note: the model's recursion.default is 2, outside the T 3-4 it is trained "
+                      "at: requests that leave T unset will run at 2"),
+            std::string::npos)
+      << said;
+}
+
 TEST(Train, AccumulatingTwoBatchesOfOneEqualsOneBatchOfTwo) {
   const std::string dir = fresh_dir();
   TrainOptions big = tiny_options(dir + "/big");

@@ -139,8 +139,8 @@ class Trainer {
     double eval_T = 0;
     for (int T : eval_T_) eval_T += T;
     const double rows = double(eval_ids_.size()) / double(o_.seq_len);
-    const bool uses_T = cfg_.attention == AttentionType::kCem || cfg_.mlp == MlpType::kCem;
-    const double train_T = uses_T ? 0.5 * (o_.train_recursion.min + o_.train_recursion.max) : 1;
+    const double train_T =
+        cfg_.has_cem() ? 0.5 * (o_.train_recursion.min + o_.train_recursion.max) : 1;
     return step_s * rows * eval_T / (3.0 * o_.batch_size * o_.accum * train_T);
   }
   absl::Status save();
@@ -421,7 +421,6 @@ absl::Status Trainer::check_against_model() {
   if (o_.seq_len > cfg_.max_seq_len)
     return absl::InvalidArgumentError(absl::StrCat(
         "--seq-len ", o_.seq_len, " exceeds the model's max_seq_len ", cfg_.max_seq_len));
-  const bool uses_T = cfg_.attention == AttentionType::kCem || cfg_.mlp == MlpType::kCem;
   eval_T_.clear();
   for (int T : o_.eval_recursion)
     if (T <= cfg_.recursion_max) eval_T_.push_back(T);
@@ -430,7 +429,7 @@ absl::Status Trainer::check_against_model() {
         "--eval-recursion: every depth is above the model's recursion.max ", cfg_.recursion_max));
   if (eval_T_.size() < o_.eval_recursion.size())
     info(absl::StrCat("evaluation: depths above recursion.max ", cfg_.recursion_max, " skipped"));
-  if (!uses_T) eval_T_ = {1};  // no CEM sub-layer: T changes nothing
+  if (!cfg_.has_cem()) eval_T_ = {1};  // no CEM sub-layer: T changes nothing
   return absl::OkStatus();
 }
 
@@ -630,6 +629,14 @@ absl::Status Trainer::set_up() {
   info(absl::StrCat("model: ", cfg_.variant_name(), ", ", params_.size(), " parameters; T ",
                     recursion_range_text(o_.train_recursion), " in training, evaluated at T ",
                     absl::StrJoin(eval_T_, ",")));
+  if (const RecursionRange& r = o_.train_recursion;
+      cfg_.has_cem() && (cfg_.recursion_default < r.min || cfg_.recursion_default > r.max))
+    info(absl::StrCat("note: the model's recursion.default is ", cfg_.recursion_default,
+                      ", outside the T ", recursion_range_text(r),
+                      " it is trained at: requests that leave T unset will run at ",
+                      cfg_.recursion_default,
+                      "; set recursion.default in the config to change "
+                      "that"));
   if (o_.warmup >= o_.steps)
     info(absl::StrCat("note: --warmup ", o_.warmup, " is not below --steps ", o_.steps,
                       ": the learning rate never reaches --lr ", o_.lr,

@@ -45,6 +45,8 @@ struct ModelConfig {
   int bos_id = -1, eos_id = -1;  // -1: take from the tokenizer
 
   int qk_dim() const { return n_heads * head_dim; }
+  // A CEM sub-layer: the recursion depth T changes the model's function.
+  bool has_cem() const { return attention == AttentionType::kCem || mlp == MlpType::kCem; }
   float step(int T) const { return step_size == StepSize::kInverseT ? 1.0f / float(T) : 1.0f; }
   // Floats cached per layer per token (MODEL.md §9).
   int64_t kv_floats_per_token_layer() const;

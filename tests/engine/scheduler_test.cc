@@ -5,7 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <numeric>
+#include <random>
+#include <set>
+
+#include "fake_runner.h"
 
 namespace cemlm {
 namespace {
@@ -628,6 +633,212 @@ TEST(Scheduler, RemoveFreesBlocksWhereverTheSequenceIs) {
   EXPECT_FALSE(h.sched.remove(1));
   EXPECT_EQ(h.bm.num_available(), 16);
   EXPECT_FALSE(h.sched.has_work());
+}
+
+// ---- randomized: the scheduler, the block manager and a fake runner, step by step ----
+
+struct SimRequest {
+  std::vector<int> prompt;
+  int T = 1, priority = 0, max_new = 1;
+  int arrive_step = 0;
+  int remove_step = -1;  // ended by its owner at this step (cancel, deadline), when >= 0
+};
+
+struct SimConfig {
+  SchedulerOptions opts;
+  int64_t num_blocks = 64;
+  int block_size = 4;
+  bool caching = true;
+  // Scoring calls between steps: {step, priority, tokens, steps held}.
+  struct Score {
+    int step, priority, n, hold;
+  };
+  std::vector<Score> scores;
+};
+
+struct SimOutcome {
+  std::map<SeqId, std::vector<int>> out;  // generated tokens of the requests that ran to the end
+  std::set<SeqId> rejected;               // refused or displaced by a full queue
+};
+
+// Greedy decoding of `reqs` (ids 1, 2, ...) as the engine runs it; checks, every step, that a row
+// writes only into blocks no other sequence holds and that the pool's count of available blocks
+// is the number nobody references, and at the end that every block is available again.
+SimOutcome simulate(const SimConfig& cfg, const std::vector<SimRequest>& reqs) {
+  using testing_fake::FakeRunner;
+  FakeRunner runner({.vocab = 64,
+                     .block_size = cfg.block_size,
+                     .num_blocks = cfg.num_blocks,
+                     .max_seq_len = 1 << 20});
+  BlockManager bm(cfg.num_blocks, cfg.block_size, cfg.caching);
+  Scheduler sched(cfg.opts, &bm);
+  SimOutcome res;
+  std::set<SeqId> live;
+  std::map<SeqId, int> score_release;  // scoring sequence -> step it ends
+  std::vector<size_t> score_waits;     // scoring calls waiting for room, first in line first
+  const SeqId kScore = SeqId(1) << 62;
+  auto holders = [&] {
+    std::vector<SeqId> ids(score_release.size());
+    std::transform(score_release.begin(), score_release.end(), ids.begin(),
+                   [](const auto& kv) { return kv.first; });
+    for (SeqId id : live)
+      if (bm.has(id)) ids.push_back(id);
+    return ids;
+  };
+  auto check_pool = [&] {
+    std::set<int32_t> used;
+    for (SeqId id : holders())
+      for (int32_t b : bm.table(id)) used.insert(b);
+    EXPECT_EQ(bm.num_available(), cfg.num_blocks - int64_t(used.size()));
+  };
+  auto end = [&](SeqId id) {
+    EXPECT_TRUE(sched.remove(id));
+    live.erase(id);
+  };
+  int last_event = 0;
+  for (const SimRequest& r : reqs) last_event = std::max(last_event, r.arrive_step);
+  for (const SimConfig::Score& sc : cfg.scores) last_event = std::max(last_event, sc.step);
+  for (int step = 0; step < 5000; ++step) {
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const SeqId id = i + 1;
+      if (reqs[i].arrive_step == step) {
+        if (sched.add({id, reqs[i].prompt, reqs[i].T, reqs[i].priority}).ok()) {
+          live.insert(id);
+        } else {
+          res.rejected.insert(id);
+        }
+      }
+    }
+    for (SeqId id : sched.accept()) {  // as the engine: accepted, then cancels and deadlines
+      res.rejected.insert(id);
+      end(id);
+    }
+    for (size_t i = 0; i < reqs.size(); ++i)
+      if (reqs[i].remove_step == step && live.count(i + 1)) end(i + 1);
+    for (auto it = score_release.begin(); it != score_release.end();)
+      if (it->second <= step) {
+        bm.release(it->first);
+        it = score_release.erase(it);
+      } else {
+        ++it;
+      }
+    // Scoring calls as the engine serves them: the first in line (highest priority, then oldest)
+    // takes room when make_room gives it, and blocks are held for it while it waits.
+    for (size_t k = 0; k < cfg.scores.size(); ++k)
+      if (cfg.scores[k].step == step) score_waits.push_back(k);
+    std::stable_sort(score_waits.begin(), score_waits.end(), [&](size_t a, size_t b) {
+      return cfg.scores[a].priority > cfg.scores[b].priority;
+    });
+    while (!score_waits.empty()) {
+      const SimConfig::Score& sc = cfg.scores[score_waits.front()];
+      if (!sched.make_room(bm.blocks_for(sc.n), sc.priority)) break;
+      const SeqId sid = kScore | score_waits.front();
+      score_waits.erase(score_waits.begin());
+      EXPECT_TRUE(bm.start(sid, {}, 1, sc.n));
+      std::vector<int> ids(size_t(sc.n), 3);
+      std::vector<float> logits;
+      const auto& table = bm.table(sid);
+      runner.forward(
+          Batch{{BatchSeq{ids.data(), sc.n, 0, 1, table.data(), int(table.size()), false, true}}},
+          &logits);
+      score_release[sid] = step + sc.hold;
+    }
+    if (score_waits.empty()) {
+      sched.hold_for_scoring(0, 0);
+    } else {
+      const SimConfig::Score& sc = cfg.scores[score_waits.front()];
+      sched.hold_for_scoring(bm.blocks_for(sc.n), sc.priority);
+    }
+    check_pool();
+    if (live.empty() && score_release.empty() && score_waits.empty() && step > last_event) break;
+    const StepPlan plan = sched.schedule();
+    check_pool();
+    // A row writes only into blocks that no other sequence references.
+    std::map<int32_t, int> refs;
+    for (SeqId id : holders())
+      for (int32_t b : bm.table(id)) ++refs[b];
+    for (const ScheduledRow& r : plan.rows) {
+      const auto& table = bm.table(r.id);
+      for (int p = r.pos_begin; p < r.pos_begin + r.n_tokens; p += 1)
+        EXPECT_EQ(refs[table[size_t(p / cfg.block_size)]], 1)
+            << "step " << step << ": sequence " << r.id << " writes position " << p
+            << " into a shared block";
+    }
+    if (plan.empty()) continue;
+    std::vector<float> logits;
+    runner.forward(plan.batch, &logits);
+    sched.complete(plan);
+    size_t row = 0;
+    std::vector<SeqId> done;
+    for (const ScheduledRow& r : plan.rows) {
+      if (!r.sample) continue;
+      const float* l = logits.data() + row++ * 64;
+      const int tok = int(std::max_element(l, l + 64) - l);
+      sched.append(r.id, tok);
+      const Sequence* s = sched.find(r.id);
+      if (s->generated() == reqs[r.id - 1].max_new) done.push_back(r.id);
+    }
+    for (SeqId id : done) {
+      const Sequence* s = sched.find(id);
+      res.out[id].assign(s->tokens.begin() + s->n_prompt, s->tokens.end());
+      end(id);
+    }
+  }
+  EXPECT_TRUE(live.empty()) << live.size() << " requests never finished";
+  EXPECT_TRUE(score_waits.empty()) << score_waits.size() << " scoring calls never served";
+  for (SeqId id : std::set<SeqId>(live)) end(id);
+  for (const auto& [sid, at] : score_release) bm.release(sid);
+  EXPECT_EQ(bm.num_available(), cfg.num_blocks);
+  EXPECT_FALSE(sched.has_work());
+  return res;
+}
+
+TEST(Scheduler, RandomWorkloadsKeepBlocksConsistentAndOutputsIdentical) {
+  for (uint32_t seed = 1; seed <= 300; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    SimConfig cfg;
+    cfg.block_size = uni(1, 4);
+    cfg.caching = uni(0, 3) != 0;
+    cfg.opts.max_batch_tokens = uni(1, 16);
+    cfg.opts.max_running = uni(1, 5);
+    cfg.opts.max_waiting = uni(1, 8);
+    // A few shared prefixes, so that prompts hit each other's blocks.
+    std::vector<std::vector<int>> prefixes(3);
+    for (auto& p : prefixes)
+      for (int i = uni(0, 10); i > 0; --i) p.push_back(uni(0, 63));
+    std::vector<SimRequest> reqs(size_t(uni(1, 12)));
+    int longest = 0, step = 0;
+    for (auto& r : reqs) {
+      r.prompt = prefixes[size_t(uni(0, 2))];
+      for (int i = uni(r.prompt.empty() ? 1 : 0, 6); i > 0; --i) r.prompt.push_back(uni(0, 63));
+      r.T = uni(1, 2);
+      r.priority = uni(0, 2);
+      r.max_new = uni(1, 10);
+      r.arrive_step = step += uni(0, 3);
+      if (uni(0, 7) == 0) r.remove_step = r.arrive_step + uni(0, 6);
+      longest = std::max(longest, int(r.prompt.size()) + r.max_new);
+    }
+    // Room for the longest request alone (the engine refuses longer ones), sometimes no more.
+    const int64_t need = (longest + cfg.block_size - 1) / cfg.block_size;
+    cfg.num_blocks = need + uni(0, 2) * uni(0, int(need));
+    for (int i = uni(0, 3); i > 0; --i)
+      cfg.scores.push_back(
+          {uni(0, step + 5), uni(0, 3), uni(1, int(cfg.num_blocks) * cfg.block_size), uni(1, 4)});
+    const SimOutcome got = simulate(cfg, reqs);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const SeqId id = i + 1;
+      if (got.rejected.count(id) || reqs[i].remove_step >= 0) continue;
+      ASSERT_TRUE(got.out.count(id)) << "request " << id << " lost";
+      SimRequest alone = reqs[i];
+      alone.arrive_step = 0;
+      alone.remove_step = -1;
+      SimConfig big{.opts = {}, .num_blocks = 4096, .block_size = cfg.block_size, .caching = false};
+      EXPECT_EQ(got.out.at(id), simulate(big, {alone}).out.at(1)) << "request " << id;
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
 }
 
 }  // namespace

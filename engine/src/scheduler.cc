@@ -33,9 +33,13 @@ Scheduler::Scheduler(const SchedulerOptions& opts, BlockManager* blocks)
 absl::Status Scheduler::add(SeqSpec spec) {
   std::lock_guard<std::mutex> lock(intake_mu_);
   if (int(intake_.size()) + waiting_published_ >= opts_.max_waiting + free_slots_published_) {
-    int lowest = lowest_queued_published_;
-    for (const auto& s : intake_) lowest = std::min(lowest, s->priority);
-    if (spec.priority <= lowest)
+    // Each sequence taken over the bound displaces one of lower priority that has not started:
+    // there must be one left that those taken before it have not claimed.
+    auto below = std::lower_bound(displaceable_published_.begin(), displaceable_published_.end(),
+                                  spec.priority) -
+                 displaceable_published_.begin();
+    for (const auto& s : intake_) below += s->priority < spec.priority;
+    if (below <= over_bound_)
       return absl::ResourceExhaustedError(absl::StrCat(
           "the waiting queue is full (max_waiting = ", opts_.max_waiting,
           " requests); retry later or raise max_waiting"));
@@ -70,16 +74,18 @@ std::vector<SeqId> Scheduler::accept() {
   // As many as the queue is still over its bound, at most those taken over it (a slot may have
   // freed since).
   const int free_slots = std::max(0, opts_.max_running - int(running_.size()));
-  int excess = std::min(over_bound_, int(waiting_.size()) - opts_.max_waiting - free_slots);
+  int queued = 0;
+  for (const Sequence* s : waiting_) queued += !s->displaced;
+  int excess = std::min(over_bound_, queued - opts_.max_waiting - free_slots);
   over_bound_ = 0;
   std::vector<SeqId> displaced;
   for (auto it = waiting_.rbegin(); excess > 0 && it != waiting_.rend(); ++it)
-    if (!(*it)->admitted_before) {  // a preempted sequence keeps its place
+    if (!(*it)->admitted_before && !(*it)->displaced) {  // a preempted sequence keeps its place
+      (*it)->displaced = true;
       displaced.push_back((*it)->id);
       --excess;
     }
   publish_locked();
-  waiting_published_ -= int(displaced.size());
   return displaced;
 }
 
@@ -89,11 +95,15 @@ void Scheduler::publish_waiting() {
 }
 
 void Scheduler::publish_locked() {
-  waiting_published_ = int(waiting_.size());
+  // The displaced stay queued until their owner removes them, but count for nothing.
+  waiting_published_ = 0;
+  displaceable_published_.clear();
+  for (auto it = waiting_.rbegin(); it != waiting_.rend(); ++it) {  // lowest rank first: ascending
+    if ((*it)->displaced) continue;
+    ++waiting_published_;
+    if (!(*it)->admitted_before) displaceable_published_.push_back((*it)->priority);
+  }
   free_slots_published_ = std::max(0, opts_.max_running - int(running_.size()));
-  lowest_queued_published_ = INT_MAX;
-  for (const Sequence* s : waiting_)
-    if (!s->admitted_before) lowest_queued_published_ = std::min(lowest_queued_published_, s->priority);
 }
 
 const Sequence* Scheduler::find(SeqId id) const {

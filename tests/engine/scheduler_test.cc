@@ -174,6 +174,29 @@ TEST(Scheduler, FullQueueDisplacesTheLowestRankedForAHigherPriority) {
   EXPECT_EQ(h.sched.num_waiting(), 3);
 }
 
+// Each sequence taken into a full queue claims a lower-priority one to displace: one that is
+// claimed already, or named by accept() and not yet removed, makes no room for another. (Two
+// arrivals of priority 1 over a single queued priority 0 were both taken, and the second was
+// displaced at once "by a request of higher priority".)
+TEST(Scheduler, FullQueueTakesOnlyAsManyOverItsBoundAsItCanDisplace) {
+  Harness h({.max_batch_tokens = 100, .max_running = 1, .max_waiting = 2}, 64, 4);
+  h.add(1, 3, 1, 5);
+  h.step();  // 1 runs
+  h.add(2, 3, 1, 0);
+  h.add(3, 3, 1, 1);
+  h.step();                                             // 2 and 3 wait: full
+  EXPECT_TRUE(h.sched.add({4, prompt(3), 1, 1}).ok());  // displaces 2
+  EXPECT_EQ(h.sched.add({5, prompt(3), 1, 1}).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(h.sched.add({6, prompt(3), 1, 2}).ok());  // displaces 4, below it
+  EXPECT_EQ(h.sched.accept(), (std::vector<SeqId>{2, 4}));
+  // Until their owner removes them, the displaced ones make no room either.
+  EXPECT_EQ(h.sched.add({7, prompt(3), 1, 1}).code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(h.sched.remove(2));
+  ASSERT_TRUE(h.sched.remove(4));
+  EXPECT_TRUE(h.sched.accept().empty());
+  EXPECT_EQ(h.sched.num_waiting(), 2);  // 6 and 3
+}
+
 TEST(Scheduler, BatchRowsAreOrderedByRecursionDescending) {
   Harness h({.max_batch_tokens = 100});
   h.add(1, 3, 1);

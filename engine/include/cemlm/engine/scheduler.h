@@ -22,7 +22,6 @@
 // tokens. With no such victim a decode row preempts itself and a prefill chunk shrinks to the
 // blocks left or waits. The rows of a Batch are ordered by recursion T descending (the runner needs it).
 #pragma once
-#include <climits>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -59,6 +58,7 @@ struct Sequence {
   uint64_t arrival = 0;
   bool running = false;
   bool admitted_before = false;  // admitted once already (now readmitted after a preemption)
+  bool displaced = false;        // named by accept() for its owner to end
   int generated() const { return int(tokens.size()) - n_prompt; }
 };
 
@@ -88,9 +88,10 @@ class Scheduler {
   // sequences not yet running would leave more than max_waiting of them waiting after the running
   // batch's free slots (max_running less those running) took theirs. A burst that fits the free
   // slots and the queue is accepted whole. A sequence of higher priority than one queued and never
-  // admitted is accepted even then: the next accept() displaces as many of the lowest-ranked
-  // never-admitted ones (lowest priority, newest first). The sequence joins the waiting queue at
-  // the next accept(), when its owner is ready for it.
+  // admitted, and not claimed already by another taken over the bound, is accepted even then: the
+  // next accept() displaces as many of the lowest-ranked never-admitted ones (lowest priority,
+  // newest first). The sequence joins the waiting queue at the next accept(), when its owner is
+  // ready for it.
   absl::Status add(SeqSpec spec);
   // The rest is for the engine's step thread only. Returns the sequences displaced from a full
   // queue, still in it: their owner ends them (remove).
@@ -151,9 +152,11 @@ class Scheduler {
 
   mutable std::mutex intake_mu_;
   std::vector<std::unique_ptr<Sequence>> intake_;
-  int waiting_published_ = 0;     // waiting_.size() as of the last change, for add()
+  int waiting_published_ = 0;     // waiting_ less the displaced as of the last change, for add()
   int free_slots_published_ = 0;  // max_running less running_.size(), likewise
-  int lowest_queued_published_ = INT_MAX;  // lowest priority waiting never admitted, likewise
+  // Priorities of the waiting sequences never admitted (those a full queue may displace), in
+  // ascending order, less those accept() named for displacement; likewise.
+  std::vector<int> displaceable_published_;
   int over_bound_ = 0;  // sequences accepted into a full queue, for accept() to displace as many
   uint64_t next_arrival_ = 0;
 };

@@ -115,8 +115,14 @@ StepPlan Scheduler::schedule() {
   StepPlan plan;
   int budget = opts_.max_batch_tokens;
   std::set<SeqId> scheduled;
-  schedule_running(/*decode=*/true, &budget, &scheduled, &plan);
-  schedule_running(/*decode=*/false, &budget, &scheduled, &plan);
+  // Priority levels of the running sequences, highest first (running_ is in rank order).
+  std::vector<int> levels;
+  for (const Sequence* s : running_)
+    if (levels.empty() || levels.back() != s->priority) levels.push_back(s->priority);
+  for (int level : levels) {
+    schedule_running(level, /*decode=*/true, &budget, &scheduled, &plan);
+    schedule_running(level, /*decode=*/false, &budget, &scheduled, &plan);
+  }
   // A step whose rows ran out of blocks admits nothing; one that made way for a priority admits
   // that sequence alone.
   const bool out_of_blocks = !plan.preempted.empty();
@@ -129,12 +135,12 @@ StepPlan Scheduler::schedule() {
   return plan;
 }
 
-void Scheduler::schedule_running(bool decode, int* budget, std::set<SeqId>* scheduled,
+void Scheduler::schedule_running(int priority, bool decode, int* budget, std::set<SeqId>* scheduled,
                                  StepPlan* plan) {
   const std::vector<Sequence*> order = running_;  // preemption edits running_ as we go
   for (Sequence* s : order) {
     if (*budget == 0) return;
-    if (!s->running || scheduled->count(s->id)) continue;
+    if (s->priority != priority || !s->running || scheduled->count(s->id)) continue;
     const int remaining = int(s->tokens.size()) - s->n_computed;
     CEMLM_CHECK(remaining >= 1);
     if ((remaining == 1) != decode) continue;

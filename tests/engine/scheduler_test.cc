@@ -347,17 +347,17 @@ TEST(Scheduler, PrefillChunkShrinksToTheRoomLeftAndPreemptsOnlyWhenNoneIsLeft) {
   EXPECT_FALSE(h.sched.find(L)->running);
 }
 
-// A prefill chunk with no room never preempts a sequence whose row is already in the step (its
-// row would run on freed blocks): it waits instead.
-TEST(Scheduler, PrefillNeverPreemptsARowAlreadyInTheStep) {
+// The prefill chunk of a higher priority goes before a lower priority's decode row, and takes the
+// last block: the decode row, with nobody ranked below it, yields. (The decode row went first and
+// took the block, and the prefill waited.)
+TEST(Scheduler, AHigherPrioritysPrefillTakesTheBlocksBeforeALowerDecodeRow) {
   Harness h({.max_batch_tokens = 3}, 4, 2);
   const SeqId A = 1, B = 2;
   h.b_then_a(B, 3, A, 8);  // B: 2 blocks; then B decodes position 3, A admitted with 2 tokens
-  const StepPlan p = h.step();  // B's position 4 takes the last block; A has no room
-  EXPECT_TRUE(p.preempted.empty());
-  EXPECT_EQ(row_tokens(p, B), 1);
-  EXPECT_EQ(row_tokens(p, A), 0);
-  EXPECT_TRUE(h.sched.find(B)->running);
+  const StepPlan p = h.step();  // A's positions 2-3 take the last block; B's position 4 needs one
+  EXPECT_EQ(p.preempted, std::vector<SeqId>{B});
+  EXPECT_EQ(row_tokens(p, A), 2);
+  EXPECT_EQ(row_tokens(p, B), 0);
   EXPECT_TRUE(h.sched.find(A)->running);
   EXPECT_EQ(p.batch.seqs.size(), 1u);
 }
@@ -376,6 +376,30 @@ TEST(Scheduler, HigherPriorityArrivalsThatFitAreAllAdmittedTogether) {
   EXPECT_EQ(p.admitted[0].id, 2u);
   EXPECT_EQ(p.admitted[1].id, 3u);
   EXPECT_EQ(row_tokens(p, 1), 1);
+}
+
+// Once admitted, a sequence of higher priority keeps getting the budget: decode rows of lower
+// priority come after its prefill chunks. (They came first, in every step, so that its prefill
+// stalled until they had finished decoding.)
+TEST(Scheduler, DecodeRowsOfLowerPriorityDoNotStallAHigherPrioritysPrefill) {
+  Harness h({.max_batch_tokens = 2});
+  h.add(1, 1);
+  h.add(2, 1);
+  h.step();  // both sample: decoding from now on
+  h.add(3, 10, 1, /*priority=*/1);
+  StepPlan p = h.step();  // 1 and 2 sit out for 3's first chunk
+  ASSERT_EQ(row_tokens(p, 3), 2);
+  for (int pos = 2; pos < 10; pos += 2) {
+    p = h.step();
+    EXPECT_EQ(row_tokens(p, 3), 2) << "position " << pos;
+    EXPECT_EQ(row_tokens(p, 1) + row_tokens(p, 2), 0) << "position " << pos;
+  }
+  EXPECT_TRUE(p.rows[0].sample);
+  p = h.step();  // 3 decodes; 1 takes the budget left
+  EXPECT_EQ(row_tokens(p, 3), 1);
+  EXPECT_EQ(row_tokens(p, 1), 1);
+  EXPECT_TRUE(h.sched.find(1)->running && h.sched.find(2)->running);
+  EXPECT_EQ(h.sched.preemptions_total(), 0);
 }
 
 // When budget is short, the lowest-ranked row of lower priority sits out first, and only as many

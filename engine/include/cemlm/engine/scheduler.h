@@ -1,26 +1,29 @@
 // Iteration-level continuous batching over the paged KV cache: which sequences run in the next
 // engine step, with how many tokens each, and what gets preempted when blocks run out. Host-only;
-// the engine feeds the resulting Batch to the ModelRunner and reports back with complete()/append().
+// the engine feeds the resulting Batch to the ModelRunner and reports back with
+// complete()/append().
 //
 // Policy, each step, under a budget of max_batch_tokens fed tokens:
-//  1. decode rows (running sequences that need one token), in rank order;
-//  2. prefill chunks of running sequences still prefilling, in rank order, each as large as the
-//     budget left allows (chunked prefill);
-//  3. priority: when the first waiting sequence does not fit (the budget left, max_running, or
+//  1. rows of running sequences, priority by priority (highest first), so that rows of a lower
+//     priority never hold back a higher one's prefill; within a priority, decode rows (sequences
+//     that need one token) in rank order, then prefill chunks of sequences still prefilling, in
+//     rank order, each as large as the budget left allows (chunked prefill);
+//  2. priority: when the first waiting sequence does not fit (the budget left, max_running, or
 //     the blocks of its first chunk) but would once running sequences of lower priority made way,
 //     their rows sit this step out while budget is short (a block's worth at least), and they are
 //     preempted while a slot or blocks are, lowest rank first; that sequence is then the step's
 //     only admission. Equal priorities never make way for each other (FCFS), and nothing is done
 //     for a sequence that would still not fit;
-//  4. admission of waiting sequences, in rank order, while the budget, max_running and the cache
-//     allow; it stops at the first one that does not fit (no overtaking). Steps 3 and 4 are
+//  3. admission of waiting sequences, in rank order, while the budget, max_running and the cache
+//     allow; it stops at the first one that does not fit (no overtaking). Steps 2 and 3 are
 //     skipped in a step whose rows ran out of blocks (and preempted for that).
 // Rank = priority (higher first), then arrival (FCFS). When a running sequence needs a block and
 // none is available, the lowest-ranked (newest) running sequence ranked after it and not yet in
 // this step is preempted by recompute: its blocks are freed and it goes back to waiting with its
 // arrival unchanged (so ahead of later arrivals), to be prefilled again over prompt + generated
 // tokens. With no such victim a decode row preempts itself and a prefill chunk shrinks to the
-// blocks left or waits. The rows of a Batch are ordered by recursion T descending (the runner needs it).
+// blocks left or waits. The rows of a Batch are ordered by recursion T descending (the runner needs
+// it).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -136,7 +139,9 @@ class Scheduler {
   Sequence* victim_after(const Sequence* s, const std::set<SeqId>& scheduled) const;
   // Allocates blocks for `n` tokens of running `s`, preempting or shrinking per the policy.
   int reserve(Sequence* s, int n, const std::set<SeqId>& scheduled, StepPlan* plan);
-  void schedule_running(bool decode, int* budget, std::set<SeqId>* scheduled, StepPlan* plan);
+  // The rows of the running sequences of `priority` that need one token (decode) or more.
+  void schedule_running(int priority, bool decode, int* budget, std::set<SeqId>* scheduled,
+                        StepPlan* plan);
   void admit_waiting(int* budget, StepPlan* plan, int only_first = 0);
   void add_row(Sequence* s, int n, StepPlan* plan);
   void build_batch(StepPlan* plan) const;

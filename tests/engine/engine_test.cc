@@ -401,6 +401,70 @@ TEST(Engine, RandomSubmitCancelDeadlineScoreSequencesLoseNothing) {
   }
 }
 
+// Random mixes of priorities, T, seeded sampling and shared prefixes on a cache barely larger than
+// the longest request, with scoring calls (that preempt lower priorities) coming in between: every
+// request ends as it does alone on a large cache, cached prompt tokens included, and every block
+// is free at the end.
+TEST(Engine, RandomMixesOnATinyCacheGiveTheOutputsOfAnUnconstrainedRun) {
+  int64_t preemptions = 0, hits = 0;
+  for (uint32_t seed = 1; seed <= 40; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    const std::vector<int> shared = tokens(uni(4, 12), uni(0, 63));
+    std::vector<GenerateRequest> reqs;
+    for (int i = uni(3, 8); i > 0; --i) {
+      std::vector<int> prompt(shared.begin(), shared.begin() + uni(0, int(shared.size())));
+      for (int k = uni(prompt.empty() ? 1 : 0, 5); k > 0; --k) prompt.push_back(uni(0, 63));
+      auto r = request(prompt, uni(1, 12), uni(1, 3),
+                       uni(0, 1) ? std::optional<uint64_t>(uni(1, 1000)) : std::nullopt);
+      r.priority = uni(0, 2);
+      reqs.push_back(r);
+    }
+    // The longest request (at most 29 tokens) alone fits: 8 blocks of 4 and a few more.
+    EngineOptions eo;
+    eo.max_batch_tokens = uni(1, 8);
+    eo.max_running = uni(1, 4);
+    Gate gate;
+    Built tiny = build({.num_blocks = uni(8, 12),
+                        .favorite =
+                            [&](int) {
+                              gate.enter();
+                              return -1;
+                            }},
+                       eo);
+    std::vector<Result> got;
+    std::thread scorer;
+    got = run_all(*tiny.engine, reqs, [&] {
+      scorer = std::thread([&] {
+        for (int i = 0; i < 3; ++i) {
+          ScoreRequest sr{tokens(9, i), 1};
+          sr.priority = i;
+          EXPECT_TRUE(tiny.engine->score(sr).ok());
+        }
+      });
+      gate.release();
+    });
+    scorer.join();
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      Built big = build({.num_blocks = 512});
+      const Result alone = run_all(*big.engine, {reqs[i]})[0];
+      EXPECT_EQ(got[i].ids, alone.ids) << "request " << i;
+      EXPECT_EQ(got[i].logprobs, alone.logprobs) << "request " << i;
+      EXPECT_EQ(got[i].reason, alone.reason) << "request " << i;
+      EXPECT_LE(got[i].usage.cached_prompt_tokens, int(reqs[i].prompt_ids.size()) - 1);
+    }
+    tiny.engine->shutdown(false);
+    const EngineStats st = tiny.engine->stats();
+    EXPECT_EQ(st.kv_blocks_free, st.kv_blocks_total);
+    EXPECT_EQ(st.running + st.waiting, 0);
+    preemptions += st.preemptions_total;
+    hits += st.prefix_cache_hits_total;
+  }
+  EXPECT_GT(preemptions, 0) << "the caches were meant to be too small";
+  EXPECT_GT(hits, 0) << "the prompts were meant to share prefixes";
+}
+
 // A full queue refuses a request, naming the limit, unless its priority is higher than a queued
 // one's: then the lowest-ranked queued request (lowest priority, newest) is displaced, ending
 // RESOURCE_EXHAUSTED.

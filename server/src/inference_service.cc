@@ -200,6 +200,36 @@ Clock::time_point steady_deadline(const grpc::ServerContextBase& context) {
   return Clock::now() + std::chrono::seconds(left.tv_sec) + std::chrono::nanoseconds(left.tv_nsec);
 }
 
+// gRPC ends a call whose deadline passed by cancelling it, and that cancellation (the client's
+// timer runs a transit time ahead of this deadline; gRPC's own converts between clocks) can come
+// a little before this clock reaches the deadline: such a call ended by its deadline.
+bool deadline_reached(const grpc::ServerContextBase& context) {
+  return steady_deadline(context) - kDeadlineSlack <= Clock::now();
+}
+
+// What the client of a unary call sees once its handler returns `status`: gRPC sends no status
+// for a call that was cancelled meanwhile (by its client, or by gRPC at its deadline), and an
+// answer sent after the deadline arrives after the client's own timer ended the call. Such a call
+// ended DEADLINE_EXCEEDED for its client whatever the handler returned (a Score that finished its
+// last chunk past the deadline returned OK; one that the deadline's cancellation stopped between
+// two chunks returned CANCELLED), and one its client cancelled ended CANCELLED even when the
+// handler finished it (other errors, such as UNAVAILABLE at shutdown, stay as they are).
+grpc::Status as_client_saw(const grpc::ServerContext& context, grpc::Status status) {
+  const bool past_deadline = steady_deadline(context) <= Clock::now();
+  if (!past_deadline && !context.IsCancelled()) return status;
+  if (past_deadline || deadline_reached(context)) {
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) return status;
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        status.ok()
+                            ? std::string("deadline exceeded before the answer was sent")
+                            : absl::StrCat("deadline exceeded (", status.error_message(), ")"));
+  }
+  if (status.ok())
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        "cancelled by the client before the answer was sent");
+  return status;
+}
+
 class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
                               public IdleStream,
                               public UnreadStream {
@@ -356,10 +386,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
           return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                               "the server shut down before the request finished "
                               "(--shutdown-timeout)");
-        // gRPC ends a call whose deadline passed by cancelling it, and that cancellation (the
-        // client's timer runs a transit time ahead of this deadline; gRPC's own converts between
-        // clocks) can come a little before this clock reaches the deadline.
-        if (context_->deadline() - kDeadlineSlack <= std::chrono::system_clock::now())
+        if (deadline_reached(*context_))
           return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
         return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
       default:
@@ -479,7 +506,7 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
   const Clock::time_point start = Clock::now();
   grpc::Status status = state_->admit(*context);
   if (status.ok()) {
-    status = to_grpc_status(body(state_->engine()));
+    status = as_client_saw(*context, to_grpc_status(body(state_->engine())));
     state_->release();
   }
   state_->metrics().count_rpc(method, status.error_code());

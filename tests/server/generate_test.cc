@@ -10,8 +10,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <thread>
 
+#include "cemlm/server/status_map.h"
 #include "client_util.h"
 #include "server_process.h"
 
@@ -366,6 +368,60 @@ TEST_F(ServerGenerate, UnaryCallsAreLogged) {
   EXPECT_NE(log.find("status=INVALID_ARGUMENT", at), std::string::npos) << log;
   EXPECT_NE(log.find("scoring needs at least 2", at), std::string::npos) << log;
   EXPECT_NE(log.find(want_ok, at), std::string::npos) << log;
+}
+
+// Every unary call is counted (and logged) under the code its client saw. gRPC sends no status
+// for a call cancelled meanwhile, so a Score whose last chunk ended past its deadline, which
+// returned OK, ended DEADLINE_EXCEEDED for its client; so did one that the deadline's own
+// cancellation stopped between two chunks, which returned CANCELLED. Counted as returned, a
+// server too slow for its clients' deadlines showed only OK calls (or client cancellations) and
+// its error-rate alert stayed quiet. The deadlines are fractions of how long such a call takes
+// here, so that most of them end inside a chunk or between two; what is checked holds whichever.
+TEST(ServerDeadlines, UnaryCallsCountTheCodeTheirClientsSaw) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 4096});
+  auto server = ServerProcess::start(model, {"--max-batch-tokens", "512"});
+  ASSERT_TRUE(server);
+  auto request = [](int n) {
+    v1::ScoreRequest req;
+    for (int id : some_ids(n)) req.add_ids(id);
+    req.set_recursion_depth(8);
+    return req;
+  };
+  std::map<grpc::StatusCode, int> seen;
+  int calls = 0;
+  // 512 ids are one chunk, 4096 are eight.
+  for (const int n : {512, 4096}) {
+    const v1::ScoreRequest req = request(n);
+    v1::ScoreResponse resp;
+    auto took = std::chrono::steady_clock::duration::max();
+    for (int i = 0; i < 3; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      ASSERT_TRUE(score(server->channel(), req, &resp, {"", 120s}).ok());
+      took = std::min(took, std::chrono::steady_clock::now() - start);
+      ++seen[grpc::StatusCode::OK];
+      ++calls;
+    }
+    for (int k = 0; k < 12; ++k) {
+      const auto timeout =
+          std::chrono::duration_cast<std::chrono::milliseconds>(took * (0.15 + 0.07 * k));
+      ++seen[score(server->channel(), req, &resp, {"", std::max(timeout, 5ms)}).error_code()];
+      ++calls;
+    }
+  }
+  // A call may still run on the server after its client gave up.
+  EXPECT_TRUE(wait_for_metrics(*server, [&](const auto& m) {
+    return metric(m, "cemlm:requests_total", "method=\"Score\"") == calls;
+  })) << server->metrics_text();
+  const auto m = parse_metrics(server->metrics_text());
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::OK, grpc::StatusCode::DEADLINE_EXCEEDED, grpc::StatusCode::CANCELLED}) {
+    const std::string name = server::grpc_code_name(code);
+    EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"" + name + "\",method=\"Score\""),
+              seen[code])
+        << name << "\n"
+        << server->metrics_text();
+  }
+  EXPECT_EQ(seen[grpc::StatusCode::OK] + seen[grpc::StatusCode::DEADLINE_EXCEEDED], calls);
 }
 
 TEST(ServerQueue, FullQueueAnswersResourceExhausted) {

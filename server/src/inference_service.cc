@@ -415,6 +415,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       }
     } else if (finished_) {
       done_ = true;
+      // A stream the engine finished whose end was not written: its client's deadline or its own
+      // cancellation ended the call (one the server cancelled unread counts as the engine
+      // finished it, and in unread_streams_cancelled_total).
+      if (final_status_.ok() && !unread_cancelled_)
+        final_status_ = deadline_reached(*context_)
+                            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                           "deadline exceeded before the stream was read")
+                            : grpc::Status(grpc::StatusCode::CANCELLED,
+                                           "cancelled by the client before the stream was read");
       record_metrics();
       const grpc::Status status = final_status_;
       lock.unlock();
@@ -460,7 +469,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
         "status={} latency_ms={:.3f}{}",
         *id_, log_escaped(request_id_), peer_, recursion_depth_, usage_.prompt_tokens,
         usage_.generated_tokens,
-        deadline ? finish_reason_name(FinishReason::kDeadline) : finish_reason_name(finish_reason_),
+        deadline && finish_reason_ == FinishReason::kCancelled
+            ? finish_reason_name(FinishReason::kDeadline)
+            : finish_reason_name(finish_reason_),
         // What its client saw: the server cancelled the call before all of it was read.
         undelivered ? "CANCELLED" : grpc_code_name(final_status_.error_code()), e2e_seconds_ * 1e3,
         undelivered ? " undelivered=unread_timeout" : "");

@@ -554,6 +554,53 @@ TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
   EXPECT_NE(log.find("undelivered=unread_timeout"), std::string::npos) << log;
 }
 
+// A stream the engine finished whose client never got its end counts (and is logged) as its client
+// saw it: DEADLINE_EXCEEDED when the client's deadline ended the call while the last messages
+// waited for it to read, CANCELLED when the client cancelled it then. Both were counted OK, and
+// as successes. (Those the server cancels unread, at --unread-timeout, stay counted as the engine
+// finished them.)
+TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
+  const std::string model = make_tiny_model(fresh_temp_dir());
+  auto server = ServerProcess::start(model, {"--unread-timeout", "600"});
+  ASSERT_TRUE(server);
+  grpc::ChannelArguments args;  // a 1 KiB window: most of the output stays on the server
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  auto channel =
+      grpc::CreateCustomChannel(server->addr(), grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::Inference::NewStub(channel);
+  v1::GenerateRequest req = ids_request(some_ids(8), 150);
+  req.set_logprobs(true);
+  req.mutable_sampling()->set_top_logprobs(20);
+  grpc::ClientContext timed, cancelled;
+  // Long enough for the engine to finish first however loaded the machine (if it does not, the
+  // engine ends it DEADLINE_EXCEEDED, as checked below).
+  timed.set_deadline(std::chrono::system_clock::now() + 10s);
+  auto timed_reader = stub->Generate(&timed, req);
+  auto cancelled_reader = stub->Generate(&cancelled, req);
+  ASSERT_TRUE(wait_for_metrics(*server, [](const auto& m) {
+    return metric(m, "cemlm:generation_tokens_total") >= 300 &&
+           metric(m, "cemlm:num_requests_running") == 0 &&
+           metric(m, "cemlm:num_requests_waiting") == 0;
+  })) << server->metrics_text();
+  cancelled.TryCancel();
+  EXPECT_TRUE(wait_for_metrics(*server, [](const auto& m) {
+    return metric(m, "cemlm:requests_total", "method=\"Generate\"") == 2;
+  })) << server->metrics_text();
+  const auto m = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"DEADLINE_EXCEEDED\",method=\"Generate\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"CANCELLED\",method=\"Generate\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:request_success_total"), 0);
+  EXPECT_EQ(metric(m, "cemlm:unread_streams_cancelled_total"), 0);
+  for (auto* reader : {timed_reader.get(), cancelled_reader.get()}) {
+    for (v1::GenerateResponse r; reader->Read(&r);) {
+    }
+    EXPECT_FALSE(reader->Finish().ok());
+  }
+  const std::string log = log_with(*server, "status=DEADLINE_EXCEEDED");
+  EXPECT_NE(log.find("finish=length status=DEADLINE_EXCEEDED"), std::string::npos) << log;
+}
+
 // At shutdown, streams whose clients stopped reading are cancelled once stale rather than hold the
 // drain for all of --shutdown-timeout (120 s here; it took that long before).
 TEST(ServerQueue, ADrainCancelsStreamsLeftUnread) {

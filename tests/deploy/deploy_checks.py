@@ -305,6 +305,14 @@ def check_prometheus(errors):
               for r in g["rules"]}
     for need in ("ServerDown", "HighErrorRate", "QueueGrowing", "KvCacheSaturated"):
         errors.expect(f"Cemlm{need}" in alerts, f"rules: alert Cemlm{need} missing")
+    # Every alert is tested firing on what it is named for, and quiet on an idle server.
+    cases = [c for t in yaml.safe_load((HERE / "alerts_test.yml").read_text())["tests"]
+             for c in t.get("alert_rule_test", [])]
+    for alert in sorted(alerts):
+        errors.expect(any(c["alertname"] == alert and c.get("exp_alerts") for c in cases),
+                      f"alerts_test.yml: no case where {alert} fires")
+        errors.expect(any(c["alertname"] == alert and not c.get("exp_alerts") for c in cases),
+                      f"alerts_test.yml: no case where {alert} stays quiet")
     exprs = [x for f in rule_files for x in metric_names.rule_exprs(f)]
     exprs += metric_names.adapter_exprs(DEPLOY / "k8s" / "prometheus-adapter-values.yaml")
     used = metric_names.names_of(exprs)

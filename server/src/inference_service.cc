@@ -337,6 +337,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       usage_ = event.usage;
       queue_seconds_ = queue_seconds(event.timings);
       final_status_ = final_status(event);
+      // The engine checks deadlines between its steps: a request whose last step ended past its
+      // deadline (or after its client cancelled) finished normally, but its client has seen
+      // DEADLINE_EXCEEDED (CANCELLED) and gets none of the end.
+      if (final_status_.ok() && (client_cancelled_ || steady_deadline(*context_) <= Clock::now()))
+        final_status_ = deadline_reached(*context_)
+                            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                           "deadline exceeded before the last token")
+                            : grpc::Status(grpc::StatusCode::CANCELLED,
+                                           "cancelled by the client before the last token");
       if (final_status_.ok()) {
         set_final(event, request_id_, &pending_);
         has_pending_ = true;

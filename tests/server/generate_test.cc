@@ -424,6 +424,46 @@ TEST(ServerDeadlines, UnaryCallsCountTheCodeTheirClientsSaw) {
   EXPECT_EQ(seen[grpc::StatusCode::OK] + seen[grpc::StatusCode::DEADLINE_EXCEEDED], calls);
 }
 
+// The same for Generate: the engine checks deadlines between its steps, so a request whose one
+// step (a 4000-token prefill, then its one token) ended past the deadline finished normally, and
+// was counted OK and a success though its client saw DEADLINE_EXCEEDED.
+TEST(ServerDeadlines, StreamsCountTheCodeTheirClientsSaw) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 4096});
+  auto server = ServerProcess::start(model, {"--max-batch-tokens", "4096"});
+  ASSERT_TRUE(server);
+  const v1::GenerateRequest req = ids_request(some_ids(4000), 1, 8);
+  std::map<grpc::StatusCode, int> seen;
+  int calls = 0;
+  auto took = std::chrono::steady_clock::duration::max();
+  for (int i = 0; i < 3; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    ASSERT_TRUE(generate(server->channel(), req, {"", 120s}).status.ok());
+    took = std::min(took, std::chrono::steady_clock::now() - start);
+    ++seen[grpc::StatusCode::OK];
+    ++calls;
+  }
+  for (int k = 0; k < 12; ++k) {
+    const auto timeout =
+        std::chrono::duration_cast<std::chrono::milliseconds>(took * (0.15 + 0.07 * k));
+    ++seen[generate(server->channel(), req, {"", std::max(timeout, 5ms)}).status.error_code()];
+    ++calls;
+  }
+  EXPECT_TRUE(wait_for_metrics(*server, [&](const auto& m) {
+    return metric(m, "cemlm:requests_total", "method=\"Generate\"") == calls;
+  })) << server->metrics_text();
+  const auto m = parse_metrics(server->metrics_text());
+  for (grpc::StatusCode code :
+       {grpc::StatusCode::OK, grpc::StatusCode::DEADLINE_EXCEEDED, grpc::StatusCode::CANCELLED}) {
+    const std::string name = server::grpc_code_name(code);
+    EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"" + name + "\",method=\"Generate\""),
+              seen[code])
+        << name << "\n"
+        << server->metrics_text();
+  }
+  EXPECT_EQ(metric(m, "cemlm:request_success_total"), seen[grpc::StatusCode::OK]);
+  EXPECT_EQ(seen[grpc::StatusCode::OK] + seen[grpc::StatusCode::DEADLINE_EXCEEDED], calls);
+}
+
 TEST(ServerQueue, FullQueueAnswersResourceExhausted) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   // One running and one waiting slot, and prefills of 480 tokens in 16-token chunks keep them

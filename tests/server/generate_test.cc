@@ -370,6 +370,30 @@ TEST_F(ServerGenerate, UnaryCallsAreLogged) {
   EXPECT_NE(log.find(want_ok, at), std::string::npos) << log;
 }
 
+// Checks requests_total of `method` against the codes its clients saw (every call ended OK or
+// DEADLINE_EXCEEDED, none cancelled). An answer sent between the client's deadline and the
+// server's, which comes a transit time later, was counted OK but came too late: no server can
+// tell, and a couple of those may happen in a run (before the fix, most calls that ended inside a
+// step or chunk were counted OK: 6 to 10 of them per run here).
+void expect_counted_as_seen(const ServerProcess& server, const char* method,
+                            std::map<grpc::StatusCode, int> seen, int calls) {
+  constexpr int kTooLate = 2;
+  const std::string in = std::string("method=\"") + method + "\"";
+  EXPECT_TRUE(wait_for_metrics(server, [&](const auto& m) {
+    return metric(m, "cemlm:requests_total", in) ==
+           calls;  // may still run after the client gave up
+  })) << server.metrics_text();
+  const auto m = parse_metrics(server.metrics_text());
+  const auto counted = [&](const char* code) {
+    return metric(m, "cemlm:requests_total", std::string("code=\"") + code + "\"," + in);
+  };
+  EXPECT_EQ(seen[grpc::StatusCode::OK] + seen[grpc::StatusCode::DEADLINE_EXCEEDED], calls);
+  EXPECT_GE(counted("OK"), seen[grpc::StatusCode::OK]) << server.metrics_text();
+  EXPECT_LE(counted("OK"), seen[grpc::StatusCode::OK] + kTooLate) << server.metrics_text();
+  EXPECT_EQ(counted("OK") + counted("DEADLINE_EXCEEDED"), calls) << server.metrics_text();
+  EXPECT_EQ(counted("CANCELLED"), 0) << server.metrics_text();
+}
+
 // Every unary call is counted (and logged) under the code its client saw. gRPC sends no status
 // for a call cancelled meanwhile, so a Score whose last chunk ended past its deadline, which
 // returned OK, ended DEADLINE_EXCEEDED for its client; so did one that the deadline's own
@@ -408,20 +432,7 @@ TEST(ServerDeadlines, UnaryCallsCountTheCodeTheirClientsSaw) {
       ++calls;
     }
   }
-  // A call may still run on the server after its client gave up.
-  EXPECT_TRUE(wait_for_metrics(*server, [&](const auto& m) {
-    return metric(m, "cemlm:requests_total", "method=\"Score\"") == calls;
-  })) << server->metrics_text();
-  const auto m = parse_metrics(server->metrics_text());
-  for (grpc::StatusCode code :
-       {grpc::StatusCode::OK, grpc::StatusCode::DEADLINE_EXCEEDED, grpc::StatusCode::CANCELLED}) {
-    const std::string name = server::grpc_code_name(code);
-    EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"" + name + "\",method=\"Score\""),
-              seen[code])
-        << name << "\n"
-        << server->metrics_text();
-  }
-  EXPECT_EQ(seen[grpc::StatusCode::OK] + seen[grpc::StatusCode::DEADLINE_EXCEEDED], calls);
+  expect_counted_as_seen(*server, "Score", seen, calls);
 }
 
 // The same for Generate: the engine checks deadlines between its steps, so a request whose one
@@ -448,20 +459,10 @@ TEST(ServerDeadlines, StreamsCountTheCodeTheirClientsSaw) {
     ++seen[generate(server->channel(), req, {"", std::max(timeout, 5ms)}).status.error_code()];
     ++calls;
   }
-  EXPECT_TRUE(wait_for_metrics(*server, [&](const auto& m) {
-    return metric(m, "cemlm:requests_total", "method=\"Generate\"") == calls;
-  })) << server->metrics_text();
+  expect_counted_as_seen(*server, "Generate", seen, calls);
   const auto m = parse_metrics(server->metrics_text());
-  for (grpc::StatusCode code :
-       {grpc::StatusCode::OK, grpc::StatusCode::DEADLINE_EXCEEDED, grpc::StatusCode::CANCELLED}) {
-    const std::string name = server::grpc_code_name(code);
-    EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"" + name + "\",method=\"Generate\""),
-              seen[code])
-        << name << "\n"
-        << server->metrics_text();
-  }
-  EXPECT_EQ(metric(m, "cemlm:request_success_total"), seen[grpc::StatusCode::OK]);
-  EXPECT_EQ(seen[grpc::StatusCode::OK] + seen[grpc::StatusCode::DEADLINE_EXCEEDED], calls);
+  EXPECT_EQ(metric(m, "cemlm:request_success_total"),
+            metric(m, "cemlm:requests_total", "code=\"OK\",method=\"Generate\""));
 }
 
 TEST(ServerQueue, FullQueueAnswersResourceExhausted) {

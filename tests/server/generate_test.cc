@@ -371,13 +371,16 @@ TEST_F(ServerGenerate, UnaryCallsAreLogged) {
 }
 
 // Checks requests_total of `method` against the codes its clients saw (every call ended OK or
-// DEADLINE_EXCEEDED, none cancelled). An answer sent between the client's deadline and the
-// server's, which comes a transit time later, was counted OK but came too late: no server can
-// tell, and a couple of those may happen in a run (before the fix, most calls that ended inside a
-// step or chunk were counted OK: 6 to 10 of them per run here).
+// DEADLINE_EXCEEDED, none was cancelled). Two kinds of call near the deadline may be counted
+// otherwise, and no server can tell: an answer sent between the client's deadline and the
+// server's, which comes a transit time later (counted OK, it came too late), and a call whose
+// deadline's cancellation reached the server more than 20 ms before the server's own deadline
+// (counted CANCELLED; the server's clock starts when it reads the call, late on a loaded
+// machine). A couple of those may happen in a run; before the fix most calls that ended inside a
+// step or chunk were counted OK: 6 to 10 of them per run here.
 void expect_counted_as_seen(const ServerProcess& server, const char* method,
                             std::map<grpc::StatusCode, int> seen, int calls) {
-  constexpr int kTooLate = 2;
+  constexpr int kNearTheDeadline = 2;
   const std::string in = std::string("method=\"") + method + "\"";
   EXPECT_TRUE(wait_for_metrics(server, [&](const auto& m) {
     return metric(m, "cemlm:requests_total", in) ==
@@ -385,13 +388,14 @@ void expect_counted_as_seen(const ServerProcess& server, const char* method,
   })) << server.metrics_text();
   const auto m = parse_metrics(server.metrics_text());
   const auto counted = [&](const char* code) {
-    return metric(m, "cemlm:requests_total", std::string("code=\"") + code + "\"," + in);
+    return int(metric(m, "cemlm:requests_total", std::string("code=\"") + code + "\"," + in));
   };
   EXPECT_EQ(seen[grpc::StatusCode::OK] + seen[grpc::StatusCode::DEADLINE_EXCEEDED], calls);
+  EXPECT_EQ(counted("OK") + counted("DEADLINE_EXCEEDED") + counted("CANCELLED"), calls)
+      << server.metrics_text();
   EXPECT_GE(counted("OK"), seen[grpc::StatusCode::OK]) << server.metrics_text();
-  EXPECT_LE(counted("OK"), seen[grpc::StatusCode::OK] + kTooLate) << server.metrics_text();
-  EXPECT_EQ(counted("OK") + counted("DEADLINE_EXCEEDED"), calls) << server.metrics_text();
-  EXPECT_EQ(counted("CANCELLED"), 0) << server.metrics_text();
+  EXPECT_LE(counted("OK") - seen[grpc::StatusCode::OK] + counted("CANCELLED"), kNearTheDeadline)
+      << server.metrics_text();
 }
 
 // Every unary call is counted (and logged) under the code its client saw. gRPC sends no status

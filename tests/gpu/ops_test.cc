@@ -35,18 +35,21 @@ class OpsTest : public gpu_test::GpuFixture<> {
                 const std::vector<int32_t>& ids, float spline_noise, double tol);
 };
 
+// D = 37 fills part of one 256-thread block; D = 1000 makes threads loop (and all 8 warps reduce).
 TEST_F(OpsTest, RmsNorm) {
-  const int64_t N = 7, D = 37;
-  auto x = random_vec(N * D, 1, 3.0f), g = random_vec(D, 2);
-  std::vector<float> out(N * D), rstd(N);
-  rmsnorm_forward(ExecCtx{}, hview(out, {N, D}), hview(rstd, {N}), hview(x, {N, D}), hview(g, {D}),
-                  1e-5f);
-  Tensor dx = dev(x, {N, D}), dout = zeros({N, D}), drstd = zeros({N});
-  cuda::rmsnorm_forward(ctx_, dout, drstd, dx, dev(g, {D}), 1e-5f);
-  EXPECT_LT(rel_err(host(dout), out), kFp32Tol);
-  EXPECT_LT(rel_err(host(drstd), rstd), kFp32Tol);
-  cuda::rmsnorm_forward(ctx_, dx, Tensor{}, dx, dev(g, {D}), 1e-5f);  // in place
-  EXPECT_LT(rel_err(host(dx), out), kFp32Tol);
+  const int64_t N = 7;
+  for (int64_t D : {37, 1000}) {
+    auto x = random_vec(N * D, 1, 3.0f), g = random_vec(D, 2);
+    std::vector<float> out(N * D), rstd(N);
+    rmsnorm_forward(ExecCtx{}, hview(out, {N, D}), hview(rstd, {N}), hview(x, {N, D}),
+                    hview(g, {D}), 1e-5f);
+    Tensor dx = dev(x, {N, D}), dout = zeros({N, D}), drstd = zeros({N});
+    cuda::rmsnorm_forward(ctx_, dout, drstd, dx, dev(g, {D}), 1e-5f);
+    EXPECT_LT(rel_err(host(dout), out), kFp32Tol) << "D=" << D;
+    EXPECT_LT(rel_err(host(drstd), rstd), kFp32Tol) << "D=" << D;
+    cuda::rmsnorm_forward(ctx_, dx, Tensor{}, dx, dev(g, {D}), 1e-5f);  // in place
+    EXPECT_LT(rel_err(host(dx), out), kFp32Tol) << "D=" << D;
+  }
 }
 
 TEST_F(OpsTest, RopeForwardAndInverse) {
@@ -222,6 +225,12 @@ TEST_F(OpsTest, LevWithManyOrFewKnotsMatchesCpu) {
   lev_case(2, 8, 5, 3, 3, 2, 11, {0, 63, 7}, 0.1f, kFp32Tol);
 }
 
+// Rows wider than the kernel's 128 threads (D = 300) and a rank above them (r = 200): each
+// thread loops over several output columns and several columns of the rank-r product.
+TEST_F(OpsTest, LevWideRowsMatchCpu) {
+  lev_case(2, 8, 5, 4, 200, 2, 300, {0, 63, 1, 8, 9, 17, 40}, 0.1f, kFp32Tol);
+}
+
 // The config's limits (seed_dim = rank = 4096) need 48 KiB of dynamic shared memory plus the
 // kernel's own: past the default, the kernel opts in.
 TEST_F(OpsTest, LevAtTheConfigLimitsMatchesCpu) {
@@ -230,17 +239,22 @@ TEST_F(OpsTest, LevAtTheConfigLimitsMatchesCpu) {
 
 // Three sequences over a scattered paged cache with block size 3: a prefill chunk long enough
 // for the CPU's gemm path, a two-row chunk, and a decode row whose context spans three tiles.
+// The tiny widths fit inside a warp; the wide ones (head_dim 72 or 160, d_model 300: not
+// multiples of 32, past the 32 lanes of a score's dot product and the 128 threads of the sums)
+// make every loop of the kernel stride, and d_model 7000 with the diagonal needs 56 KiB of shared
+// memory per block, past the default 48 KiB: the op opts in before its launch.
 struct AttnCase {
   const char* name;
   DiagKind diag;
   bool with_v;
+  int H = 3, dh = 6, D = 11;
 };
 
 class AttentionTest : public gpu_test::GpuFixture<::testing::TestWithParam<AttnCase>> {};
 
 TEST_P(AttentionTest, KvWriteAndAttentionMatchCpu) {
   const AttnCase cs = GetParam();
-  const int H = 3, dh = 6, W = H * dh, D = 11, bs = 3, n_blocks = 48;
+  const int H = cs.H, dh = cs.dh, W = H * dh, D = cs.D, bs = 3, n_blocks = 48;
   const bool diag = cs.diag != DiagKind::kNone;
   const int qd_heads = cs.diag == DiagKind::kPerHead ? H : 1;
   struct S {
@@ -268,7 +282,8 @@ TEST_P(AttentionTest, KvWriteAndAttentionMatchCpu) {
     N += shape[s].rows;
   }
   auto k = random_vec(N * W, 33), v = random_vec(N * W, 34), c = random_vec(N * D, 35),
-       q = random_vec(N * W, 36), qd = random_vec(N * qd_heads * D, 37, 0.3f);
+       q = random_vec(N * W, 36),
+       qd = random_vec(N * qd_heads * D, 37, 0.3f * std::sqrt(11.0f / float(D)));  // qd·c ~ 1
   const int64_t oc_w = int64_t(qd_heads) * D;
 
   KvLayerView hkv{
@@ -312,14 +327,21 @@ TEST_P(AttentionTest, KvWriteAndAttentionMatchCpu) {
   if (diag) {
     EXPECT_LT(rel_err(host(doc), out_c), kFp32Tol) << "out_c";
   }
+  const cuda::AttentionSmem smem = cuda::paged_attention_prepare(dh, D, diag);
+  EXPECT_TRUE(smem.fits()) << (smem.error ? smem.error : "") << " " << smem.dynamic_bytes;
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, AttentionTest,
-                         ::testing::Values(AttnCase{"standard", DiagKind::kNone, true},
-                                           AttnCase{"cem_none", DiagKind::kNone, false},
-                                           AttnCase{"cem_shared", DiagKind::kShared, false},
-                                           AttnCase{"cem_per_head", DiagKind::kPerHead, false}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, AttentionTest,
+    ::testing::Values(AttnCase{"standard", DiagKind::kNone, true},
+                      AttnCase{"cem_none", DiagKind::kNone, false},
+                      AttnCase{"cem_shared", DiagKind::kShared, false},
+                      AttnCase{"cem_per_head", DiagKind::kPerHead, false},
+                      AttnCase{"wide_standard", DiagKind::kNone, true, 2, 160, 300},
+                      AttnCase{"wide_cem_shared", DiagKind::kShared, false, 2, 72, 300},
+                      AttnCase{"wide_cem_per_head", DiagKind::kPerHead, false, 2, 72, 300},
+                      AttnCase{"optin_cem_shared", DiagKind::kShared, false, 2, 64, 7000}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace cemlm

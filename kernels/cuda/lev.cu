@@ -1,6 +1,7 @@
 // CUDA LEV generator (lev.h): one block per token. The per-token hyper-parameter-sized pieces
 // (seed, LayerNorm statistics, spline weights, the rank-r product) follow the CPU oracle
 // (kernels/cpu/lev.cc) in the same summation orders; threads split the s, r and D loops.
+#include "cemlm/kernels/cuda/lev_window.h"
 #include "cemlm/kernels/cuda/ops.h"
 #include "common.cuh"
 
@@ -11,34 +12,6 @@ struct LevDims {
   int k, b, s, nh, kn, r;
   int64_t D;
 };
-
-__device__ float b2(float x) {
-  const float a = fabsf(x);
-  if (a < 0.5f) return 0.75f - x * x;
-  if (a < 1.5f) return 0.5f * (1.5f - a) * (1.5f - a);
-  return 0.0f;
-}
-
-// lev_basis's weights over a window of kWindow knots from *q0 (all the knots when there are
-// fewer). b2 vanishes 1.5 knots from its centre, so every weight outside the window is exactly 0
-// on the CPU too: the normaliser and the spline sums below skip only zeros, in the CPU's order.
-constexpr int kWindow = 5;
-
-__device__ int basis_window(float zeta, int knots, float* w) {
-  const int n = min(kWindow, knots);
-  const int q0 = max(0, min(int(floorf(zeta * float(knots - 1))) - 2, knots - n));
-  double sum = 0;
-#pragma unroll
-  for (int j = 0; j < kWindow; ++j) {
-    const int q = q0 + j;
-    w[j] = j < n ? b2((zeta - float(q) / float(knots - 1)) * float(knots - 1)) : 0.0f;
-    sum += w[j];
-  }
-  const float inv = float(1.0 / sum);
-#pragma unroll
-  for (int j = 0; j < kWindow; ++j) w[j] *= inv;
-  return q0;
-}
 
 // Shared memory: z[s] (the token's seed), u[s] (a head's projection, then each dimension's
 // spline coordinate), m[r] (the head's rank-r product). It grows with s and r only, never with
@@ -91,16 +64,17 @@ __global__ void lev_kernel(float* out, const int32_t* ids, int64_t V, LevDims d,
     }
     for (int c = threadIdx.x; c < d.r; c += blockDim.x) m[c] = 1.0f;
     __syncthreads();
-    // Each thread owns its columns c of m; every thread derives the (few) weights itself.
+    // Each thread owns its columns c of m; every thread derives the (few) weights itself. Only
+    // the window's knots have a share (lev_window.h): the sums skip zeros only, in the CPU's order.
     for (int dd = 0; dd < d.s; ++dd) {
-      float w[kWindow];
-      const int q0 = basis_window(u[dd], d.kn, w);
-      const int n = min(kWindow, d.kn);
+      float w[kLevWindow];
+      const int q0 = lev_basis_window(u[dd], d.kn, w);
+      const int n = min(kLevWindow, d.kn);
       const float* S = spline + ((int64_t(l) * d.s + dd) * d.kn + q0) * d.r;
       for (int c = threadIdx.x; c < d.r; c += blockDim.x) {
         float phi = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kWindow; ++j)
+        for (int j = 0; j < kLevWindow; ++j)
           if (j < n) phi += w[j] * S[int64_t(j) * d.r + c];
         m[c] *= phi;
       }

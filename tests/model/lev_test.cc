@@ -1,13 +1,17 @@
 // LEV (MODEL.md §6.2): digits recompose the id, the spline basis is a partition of unity,
 // constant spline coefficients make every token's embedding equal, and the precomputed table
-// the engine builds at load equals the generator evaluated per token.
+// the engine builds at load equals the generator evaluated per token; the CUDA kernel's spline
+// window (cuda/lev_window.h, host code too) equals the full basis, with exact zeros outside it.
+#include "cemlm/kernels/lev.h"
+
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 
 #include "cemlm/engine/cpu_model.h"
-#include "cemlm/kernels/lev.h"
+#include "cemlm/kernels/cuda/lev_window.h"
 #include "tiny_models.h"
 
 namespace cemlm {
@@ -38,6 +42,37 @@ TEST(Lev, BasisIsPartitionOfUnity) {
       lev_basis(z, knots, w.data());
       EXPECT_NEAR(std::accumulate(w.begin(), w.end(), 0.0), 1.0, 1e-6);
       for (float x : w) EXPECT_GE(x, 0.0f);
+    }
+  }
+}
+
+// ζ over (0, 1) and its ends, on a fine grid and at every knot and half-knot (where the B-spline
+// changes pieces and floor(ζ·(κ−1)) may round either way), for knot counts below, at and above
+// the window's five.
+TEST(Lev, CudaSplineWindowEqualsTheFullBasis) {
+  for (int knots : {2, 3, 4, 5, 6, 7, 16, 256}) {
+    std::vector<float> zetas = {0.0f, 1.0f, 1e-7f, 1.0f - 1e-7f};
+    for (int i = 1; i < 4000; ++i) zetas.push_back(float(i) / 4000.0f);
+    for (int q = 0; q < knots; ++q)
+      for (float half : {0.0f, 0.5f})
+        for (float nudge : {-1e-6f, 0.0f, 1e-6f})
+          zetas.push_back(std::clamp((float(q) + half) / float(knots - 1) + nudge, 0.0f, 1.0f));
+    std::vector<float> full(size_t(knots), 0.0f);
+    float win[cuda::kLevWindow];
+    for (float z : zetas) {
+      lev_basis(z, knots, full.data());
+      const int q0 = cuda::lev_basis_window(z, knots, win);
+      const int n = std::min(cuda::kLevWindow, knots);
+      ASSERT_GE(q0, 0);
+      ASSERT_LE(q0 + n, knots);
+      for (int q = 0; q < knots; ++q) {
+        const int j = q - q0;
+        if (j < 0 || j >= n)
+          ASSERT_EQ(full[size_t(q)], 0.0f) << "knots " << knots << " zeta " << z << " q " << q;
+        else
+          ASSERT_NEAR(win[j], full[size_t(q)], 1e-6f) << "knots " << knots << " zeta " << z;
+      }
+      for (int j = n; j < cuda::kLevWindow; ++j) ASSERT_EQ(win[j], 0.0f);
     }
   }
 }

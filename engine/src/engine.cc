@@ -688,6 +688,11 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
           absl::StrCat("deadline exceeded after scoring ", pos, " of ", n, " tokens"));
     if (req.cancelled && req.cancelled())
       return absl::CancelledError(absl::StrCat("cancelled after scoring ", pos, " of ", n, " tokens"));
+    // A shutdown that cancels what runs ends scoring too: the loop, and so shutdown(), would
+    // otherwise wait for every chunk of a long text.
+    if (std::lock_guard<std::mutex> lock(mu_); cancel_all_)
+      return absl::UnavailableError(
+          absl::StrCat("the engine shut down after scoring ", pos, " of ", n, " tokens"));
     const int len = std::min(opts_.max_batch_tokens, n - pos);
     on_loop_chunk(req.priority, [&] {
       const std::vector<int32_t>& table = blocks_.table(seq);

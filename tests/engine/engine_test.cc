@@ -829,6 +829,38 @@ TEST(Engine, ScoreUnderWayWhenShutdownBeginsFinishes) {
   EXPECT_EQ(b.engine->score({ids, 2}).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// A shutdown that cancels what runs (the server's once --shutdown-timeout is over) ends a score
+// call under way at its next chunk, UNAVAILABLE, its blocks freed: it waited for every chunk of
+// the text, however long. The runner holds the call's first chunk until shutdown() has begun.
+TEST(Engine, ScoreUnderWayIsEndedByAShutdownThatCancels) {
+  EngineOptions eo;
+  eo.max_batch_tokens = 3;
+  Gate gate;
+  Built b = build({.favorite =
+                       [&](int) {
+                         gate.enter();
+                         return -1;
+                       }},
+                  eo);
+  auto scored = std::async(std::launch::async, [&] { return b.engine->score({tokens(20, 8), 2}); });
+  gate.wait_entered(1);
+  std::thread stopper([&] { b.engine->shutdown(true); });
+  // Refused once shutdown() has begun (the queue may fill first: that refusal is temporary).
+  Collector c;
+  for (;;) {
+    const auto id = b.engine->submit(request({1}, 1), c.callback());
+    if (!id.ok() && id.status().code() == absl::StatusCode::kUnavailable) break;
+    std::this_thread::yield();
+  }
+  gate.release();
+  stopper.join();
+  const auto got = scored.get();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_NE(got.status().message().find("after scoring 3 of 20 tokens"), std::string::npos)
+      << got.status();
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+}
+
 // Scoring calls on a cache too small for them and the running requests: they wait for room or
 // preempt, and the requests still finish the same.
 TEST(Engine, ScoringOnAFullCacheLeavesRunningRequestsTheSame) {

@@ -96,6 +96,31 @@ TEST(ServerDrain, ShutdownTimeoutCancelsTheRestAndExitsZero) {
   EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
 }
 
+// A Score under way when --shutdown-timeout runs out ends UNAVAILABLE too, and the server exits
+// 0: the engine's shutdown waited for its last chunk (16000 tokens at T=8 in chunks of 16: many
+// seconds, past the pod's grace period).
+TEST(ServerDrain, ShutdownTimeoutEndsAScoreUnderWay) {
+  auto server =
+      ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongContext}),
+                           {"--shutdown-timeout", "0.05", "--max-batch-tokens", "16"});
+  ASSERT_TRUE(server);
+  v1::ScoreRequest req;
+  for (int id : prompt(kLongContext - 96)) req.add_ids(id);
+  req.set_recursion_depth(8);
+  grpc::Status st;
+  std::thread caller([&] {
+    v1::ScoreResponse resp;
+    st = score(server->channel(), req, &resp, {.timeout = 600s});
+  });
+  // Under way once it holds its blocks.
+  EXPECT_TRUE(wait_for_metrics(
+      *server, [](const auto& m) { return metric(m, "cemlm:kv_cache_usage_perc") > 0; }));
+  server->signal(SIGTERM);
+  caller.join();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
+}
+
 class ServerLifecycle : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -149,7 +149,8 @@ class Engine {
   virtual ModelInfo info() const = 0;
   virtual EngineStats stats() const = 0;
 
-  // Stop accepting; when `cancel_running`, end every request with kCancelled. Waits for the loop.
+  // Stop accepting; when `cancel_running`, end every request with kCancelled and every score()
+  // call under way, between two chunks, with UNAVAILABLE. Waits for the loop.
   virtual void shutdown(bool cancel_running) = 0;
 };
 

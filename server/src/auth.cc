@@ -3,6 +3,7 @@
 #include "cemlm/server/auth.h"
 
 #include <fstream>
+#include <string>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -65,6 +66,11 @@ grpc::Status ApiKeys::check(const grpc::ServerContextBase& context) const {
   if (it == md.end())
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "missing API key: send the metadata 'authorization: Bearer <key>'");
+  // Which of several would count is up to the order a proxy on the way appended them in: none.
+  if (const size_t n = md.count("authorization"); n > 1)
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "the call carries " + std::to_string(n) +
+                            " 'authorization' metadata entries; send exactly one");
   absl::string_view value(it->second.data(), it->second.size());
   // The scheme is case-insensitive (RFC 7235 §2.1): "bearer KEY" is as good as "Bearer KEY".
   if (!absl::StartsWithIgnoreCase(value, kBearer) || !known(value.substr(kBearer.size())))

@@ -367,9 +367,21 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   EXPECT_TRUE(generate(server->channel(), req, {"alpha-key", t, "BEARER"}).status.ok());
   EXPECT_EQ(generate(server->channel(), req, {"alpha-key", t, "Basic"}).status.error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
+  // Two keys, whichever comes first: no telling which one a proxy on the way added.
+  for (const auto& keys : {std::pair{"alpha-key", "wrong"}, {"wrong", "alpha-key"}}) {
+    grpc::ClientContext context;
+    prepare(&context, {keys.first});
+    context.AddMetadata("authorization", std::string("Bearer ") + keys.second);
+    v1::ModelInfo info;
+    const grpc::Status st =
+        v1::Inference::NewStub(server->channel())->GetModelInfo(&context, {}, &info);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << keys.first;
+    EXPECT_NE(st.error_message().find("2 'authorization' metadata entries"), std::string::npos)
+        << st.error_message();
+  }
   EXPECT_EQ(health(server->channel()), "SERVING");  // no key needed
   const auto m = parse_metrics(server->metrics_text());
-  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 7);
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 9);
   // Refusals are logged at most once a second, without the caller's own client id: a client
   // without a key cannot fill the disk. (The bound is read from this test's own clock.)
   v1::GenerateRequest tagged = req;
@@ -381,7 +393,7 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - first_refusal).count();
   const std::string log = server->log();
   EXPECT_EQ(log.find("unauthenticated-caller-id"), std::string::npos);
-  size_t lines = 0;  // of the 48 refusals
+  size_t lines = 0;  // of the 50 refusals
   for (size_t at = 0; (at = log.find("status=UNAUTHENTICATED", at)) != std::string::npos; ++at)
     ++lines;
   EXPECT_GE(lines, 1u);

@@ -22,6 +22,8 @@ CEMLM_TLS_CERT          --tls-cert
 CEMLM_TLS_KEY           --tls-key
 CEMLM_SHUTDOWN_TIMEOUT  --shutdown-timeout
 CEMLM_MAX_CONNECTION_AGE --max-connection-age
+CEMLM_KEEPALIVE_TIME    --keepalive-time
+CEMLM_KEEPALIVE_TIMEOUT --keepalive-timeout
 CEMLM_UNREAD_TIMEOUT    --unread-timeout
 CEMLM_THREADS           --threads
 CEMLM_ENGINE_NICE       --engine-nice

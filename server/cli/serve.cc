@@ -45,6 +45,7 @@ struct ServeFlags {
   int max_running = 256, engine_nice = 10;
   double shutdown_timeout = 30;
   double max_connection_age = 0;
+  double keepalive_time = 60, keepalive_timeout = 20;
   double unread_timeout = 10;
 };
 
@@ -128,11 +129,19 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   if (!(f.max_connection_age >= 0))
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "--max-connection-age ", f.max_connection_age, " must be >= 0 seconds (0: no limit)")));
+  if (!(f.keepalive_time >= 0))
+    return fail(absl::InvalidArgumentError(absl::StrCat("--keepalive-time ", f.keepalive_time,
+                                                        " must be >= 0 seconds (0: no pings)")));
+  if (!(f.keepalive_timeout > 0))
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--keepalive-timeout ", f.keepalive_timeout, " must be > 0 seconds")));
   server::ServerOptions opts;
   opts.host = f.host;
   opts.port = f.port;
   opts.max_connection_age_s = f.max_connection_age;
   opts.max_connection_age_grace_s = f.shutdown_timeout;
+  opts.keepalive_time_s = f.keepalive_time;
+  opts.keepalive_timeout_s = f.keepalive_timeout;
   // Overflow-safe: both flags may be up to INT_MAX.
   opts.max_unread_streams =
       int(std::min<int64_t>(INT32_MAX, int64_t(f.max_running) + f.max_waiting));
@@ -331,6 +340,13 @@ int cmd_serve(int argc, char** argv) {
             "seconds after which a client connection is closed (±10%), its calls given "
             "--shutdown-timeout to finish: clients reconnect and spread over new replicas; 0 = "
             "never");
+  flags.add("keepalive-time", &f.keepalive_time,
+            "seconds between pings to a client with calls under way, which find connections "
+            "whose client vanished without closing them (its host gone, a silent network drop); "
+            "0 = never");
+  flags.add("keepalive-timeout", &f.keepalive_timeout,
+            "seconds a ping may go unanswered before its connection is closed and its calls "
+            "cancelled, their KV blocks freed");
   flags.add("threads", &f.threads, kThreadsHelp);
   flags.add("engine-nice", &f.engine_nice,
             "niceness (0..19) the engine's step and compute threads add to the process's, so "

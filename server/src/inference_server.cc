@@ -59,8 +59,15 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kMaxConnectionIdleMs);
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
+  auto ms = [](double s) { return int(std::min(s * 1e3, double(INT_MAX))); };
+  if (opts.keepalive_time_s > 0) {
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ms(opts.keepalive_time_s));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(opts.keepalive_timeout_s));
+    // gRPC stops pinging after two pings with no data sent between them, which is the state of
+    // a stream whose client has stopped reading: the one that most needs the check.
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
   if (opts.max_connection_age_s > 0) {
-    auto ms = [](double s) { return int(std::min(s * 1e3, double(INT_MAX))); };
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, ms(opts.max_connection_age_s));
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
                                ms(opts.max_connection_age_grace_s));

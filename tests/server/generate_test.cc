@@ -1,6 +1,6 @@
 // Generate through a real `cemlm serve` process: streaming contents, 64 concurrent streams with
-// mixed T, cancellation and deadlines freeing the engine (seen in /metrics), and the bounded
-// queue answering RESOURCE_EXHAUSTED.
+// mixed T, cancellation, deadlines and a client that stopped answering keepalive pings freeing
+// the engine (seen in /metrics), and the bounded queue answering RESOURCE_EXHAUSTED.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -38,60 +39,90 @@ std::string h2_frame(uint8_t type, uint8_t flags, uint32_t stream, const std::st
   return f + payload;
 }
 
-// The grpc-status of a unary-or-streaming call to 127.0.0.1:port sent by hand over HTTP/2 with
-// the header `extra` added: gRPC's own clients never send some legal values (a grpc-timeout of
-// centuries). -1 when no status came within 10 s.
-int raw_grpc_status(int port, const std::string& path, const std::string& body,
-                    const std::pair<std::string, std::string>& extra) {
-  auto literal = [](const std::string& name, const std::string& value) {
-    return std::string(1, '\0') + char(name.size()) + name + char(value.size()) + value;
-  };
-  std::string headers;
-  for (const auto& [name, value] : std::vector<std::pair<std::string, std::string>>{
-           {":method", "POST"}, {":scheme", "http"}, {":path", path},
-           {":authority", "localhost"}, {"content-type", "application/grpc"}, {"te", "trailers"},
-           extra})
-    headers += literal(name, value);
-  std::string message(1, '\0');
-  for (int shift : {24, 16, 8, 0}) message += char((body.size() >> shift) & 0xFF);
-  const std::string out = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, 0, "") +
-                          h2_frame(1, 4, 1, headers) + h2_frame(0, 1, 1, message + body);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(uint16_t(port));
-  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  const int s = socket(AF_INET, SOCK_STREAM, 0);
-  int status = -1;
-  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-      write(s, out.data(), out.size()) == ssize_t(out.size())) {
+// A call to 127.0.0.1:port sent by hand over HTTP/2, with the headers `extra` added: gRPC's own
+// clients never send some legal values (a grpc-timeout of centuries), nor behave as a client
+// whose host vanished (one that stops answering PINGs).
+class RawCall {
+ public:
+  RawCall(int port, const std::string& path, const std::string& body,
+          const std::vector<std::pair<std::string, std::string>>& extra = {}) {
+    auto literal = [](const std::string& name, const std::string& value) {
+      return std::string(1, '\0') + char(name.size()) + name + char(value.size()) + value;
+    };
+    std::vector<std::pair<std::string, std::string>> fields = {{":method", "POST"},
+                                                               {":scheme", "http"},
+                                                               {":path", path},
+                                                               {":authority", "localhost"},
+                                                               {"content-type", "application/grpc"},
+                                                               {"te", "trailers"}};
+    fields.insert(fields.end(), extra.begin(), extra.end());
+    std::string headers;
+    for (const auto& [name, value] : fields) headers += literal(name, value);
+    std::string message(1, '\0');
+    for (int shift : {24, 16, 8, 0}) message += char((body.size() >> shift) & 0xFF);
+    const std::string out = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, 0, "") +
+                            h2_frame(1, 4, 1, headers) + h2_frame(0, 1, 1, message + body);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(uint16_t(port));
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sent_ = connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+            write(fd_, out.data(), out.size()) == ssize_t(out.size());
+  }
+  ~RawCall() { close(fd_); }
+  RawCall(const RawCall&) = delete;
+  RawCall& operator=(const RawCall&) = delete;
+
+  enum class End { kStopped, kClosed, kTimedOut };
+  // Reads whole frames for up to `limit`, passing each (type, flags, payload) to `stop` until it
+  // returns true, or the server closes the connection. SETTINGS are acknowledged, and PINGs when
+  // `answer_pings` (the server holds a call's trailers until they are).
+  End read_frames(std::chrono::seconds limit, bool answer_pings,
+                  const std::function<bool(uint8_t, uint8_t, const std::string&)>& stop) {
+    if (!sent_) return End::kClosed;
     std::string in;
-    const auto end = std::chrono::steady_clock::now() + 10s;
-    pollfd p{s, POLLIN, 0};
+    const auto end = std::chrono::steady_clock::now() + limit;
+    pollfd p{fd_, POLLIN, 0};
     char buf[4096];
-    while (status < 0 && std::chrono::steady_clock::now() < end && poll(&p, 1, 100) >= 0) {
-      if (!(p.revents & POLLIN)) continue;
-      const ssize_t n = read(s, buf, sizeof buf);
-      if (n <= 0) break;
+    while (std::chrono::steady_clock::now() < end && poll(&p, 1, 100) >= 0) {
+      if (!(p.revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      const ssize_t n = read(fd_, buf, sizeof buf);
+      if (n <= 0) return End::kClosed;
       in.append(buf, size_t(n));
-      // Whole frames: SETTINGS and PINGs are acknowledged (the server holds a call's trailers
-      // until they are), the trailers' first "grpc-status" is a literal (name, length, digits).
       while (in.size() >= 9) {
         const size_t len = size_t(uint8_t(in[0])) << 16 | size_t(uint8_t(in[1])) << 8 | uint8_t(in[2]);
         if (in.size() < 9 + len) break;
         const uint8_t type = uint8_t(in[3]), flags = uint8_t(in[4]);
         const std::string payload = in.substr(9, len);
         in.erase(0, 9 + len);
-        std::string reply;
-        if ((type == 4 || type == 6) && !(flags & 1))  // a PING's ack echoes it, SETTINGS' is empty
-          reply = h2_frame(type, 1, 0, type == 6 ? payload : "");
-        if (!reply.empty() && write(s, reply.data(), reply.size()) != ssize_t(reply.size())) break;
-        const size_t at = type == 1 ? payload.find("grpc-status") : std::string::npos;
-        if (at != std::string::npos && payload.size() > at + 12)
-          status = std::stoi(payload.substr(at + 12, size_t(payload[at + 11])));
+        const bool ack = !(flags & 1) && (type == 4 || (type == 6 && answer_pings));
+        const std::string reply = ack ? h2_frame(type, 1, 0, type == 6 ? payload : "") : "";
+        if (!reply.empty() && write(fd_, reply.data(), reply.size()) != ssize_t(reply.size()))
+          return End::kClosed;
+        if (stop(type, flags, payload)) return End::kStopped;
       }
     }
+    return End::kTimedOut;
   }
-  close(s);
+
+ private:
+  int fd_ = -1;
+  bool sent_ = false;
+};
+
+// The grpc-status of a unary-or-streaming call sent by hand with the header `extra`; -1 when no
+// status came within 10 s. The trailers' first "grpc-status" is a literal (name, length, digits).
+int raw_grpc_status(int port, const std::string& path, const std::string& body,
+                    const std::pair<std::string, std::string>& extra) {
+  RawCall call(port, path, body, {extra});
+  int status = -1;
+  call.read_frames(10s, true, [&](uint8_t type, uint8_t, const std::string& payload) {
+    const size_t at = type == 1 ? payload.find("grpc-status") : std::string::npos;
+    if (at != std::string::npos && payload.size() > at + 12)
+      status = std::stoi(payload.substr(at + 12, size_t(payload[at + 11])));
+    return status >= 0;
+  });
   return status;
 }
 
@@ -302,6 +333,32 @@ TEST_F(ServerGenerate, CancelMidStreamFreesTheBlocks) {
   const size_t line = log.rfind('\n', log.find("status=CANCELLED")) + 1;
   const std::string cancelled = log.substr(line, log.find('\n', line) - line);
   EXPECT_NE(cancelled.find("peer=ipv"), std::string::npos) << cancelled;
+}
+
+// A client whose host vanished without closing its connection (a silent network drop): it
+// answers no PING, so the server's keepalive closes the connection and cancels the call, freeing
+// the engine, instead of generating for nobody until the request's end (its stream never
+// drains: the client sends no window update).
+TEST(ServerKeepalive, AClientThatStopsAnsweringPingsIsCutOffAndItsCallCancelled) {
+  auto server =
+      ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen}),
+                           {"--keepalive-time", "1", "--keepalive-timeout", "1"});
+  ASSERT_TRUE(server);
+  RawCall call(server->port(), "/cemlm.v1.Inference/Generate",
+               ids_request(some_ids(12), kLongRequest, 8).SerializeAsString());
+  int pings = 0;
+  const RawCall::End end =
+      call.read_frames(120s, false, [&](uint8_t type, uint8_t flags, const std::string&) {
+        pings += type == 6 && !(flags & 1);
+        return false;
+      });
+  EXPECT_GE(pings, 1);
+  EXPECT_EQ(end, RawCall::End::kClosed);
+  EXPECT_TRUE(wait_for_metrics(*server, [](const auto& s) {
+    return metric(s, "cemlm:num_requests_running") == 0 &&
+           metric(s, "cemlm:kv_cache_usage_perc") == 0 &&
+           metric(s, "cemlm:request_errors_total", "code=\"CANCELLED\"") == 1;
+  })) << server->metrics_text();
 }
 
 // The token counters move as tokens stream, not when the request ends (a dashboard's tokens/s

@@ -246,6 +246,9 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       {"--port -5", "--port -5 is not a port"},
       {"--metrics-port 70000", "--metrics-port 70000 is not a port"},
       {"--shutdown-timeout -1", "--shutdown-timeout -1 must be >= 0"},
+      {"--keepalive-time -1", "--keepalive-time -1 must be >= 0 seconds"},
+      {"--keepalive-timeout 0", "--keepalive-timeout 0 must be > 0 seconds"},
+      {"--keepalive-timeout nan", "--keepalive-timeout nan must be > 0 seconds"},
       {"--threads -3", "--threads -3 must be >= 0"},
       {"--device cuda:fp16",
        "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, "

@@ -28,6 +28,10 @@ struct ServerOptions {
   std::string model_name = "cemlm";
   // GOAWAY to a connection this old (0: never); its calls in flight get the grace to finish.
   double max_connection_age_s = 0, max_connection_age_grace_s = 30;
+  // A connection with calls under way is pinged after this long without a ping (0: never), and
+  // closed, its calls cancelled, when a ping goes unanswered for keepalive_timeout_s: a client
+  // whose host vanished without closing it (a silent network drop) stops holding the engine.
+  double keepalive_time_s = 60, keepalive_timeout_s = 20;
   // Generate streams the engine has finished whose clients have not read all of them yet (they
   // hold their output); while that many wait, new streams are RESOURCE_EXHAUSTED (0: no bound).
   int max_unread_streams = 0;

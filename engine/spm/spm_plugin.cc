@@ -5,7 +5,12 @@
 #include <sentencepiece_trainer.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "spm_api.h"
 
@@ -74,10 +79,144 @@ class CorpusLines final : public sentencepiece::SentenceIterator {
   std::string line_;
 };
 
+// SentencePiece trusts a model's precompiled_charsmap: its Normalizer walks the double-array trie
+// in it and indexes the replacement strings after it without a bounds check, so a damaged
+// charsmap made encode (decode, for the denormalizer's) read out of bounds and crash. The checks
+// below cover every read that a search for any input can make. Layout: a u32 trie size in bytes,
+// the trie (darts-clone units), then the NUL-terminated replacements that its values index.
+namespace charsmap {
+
+// darts-clone's unit fields (darts.h, DoubleArrayUnit).
+bool has_leaf(uint32_t u) { return (u >> 8) & 1; }
+uint32_t value(uint32_t u) { return u & 0x7FFFFFFF; }
+uint32_t label(uint32_t u) { return u & 0x800000FF; }
+uint32_t offset(uint32_t u) { return (u >> 10) << ((u & (1U << 9)) >> 6); }
+
+// SentencePiece keeps the matches of one search in an array of this many (kMaxTrieResultsSize)
+// but reads back as many as the trie reports.
+constexpr int kMaxMatches = 32;
+
+// Empty when searches in `blob` stay in bounds, else what is wrong.
+std::string check(std::string_view blob) {
+  uint32_t trie_bytes = 0;
+  if (blob.size() >= 4) std::memcpy(&trie_bytes, blob.data(), 4);
+  if (blob.size() < 4 || trie_bytes < 4 || trie_bytes > blob.size() - 4)
+    return "its trie size does not fit the " + std::to_string(blob.size()) + " bytes";
+  std::vector<uint32_t> units(trie_bytes / 4);
+  std::memcpy(units.data(), blob.data() + 4, units.size() * 4);
+  const std::string_view strings = blob.substr(4 + trie_bytes);
+  const uint64_t n = units.size();
+  // A search at node base `s` reads the unit at s ^ byte for the input's next byte.
+  auto in_bounds = [n](uint32_t s) { return (uint64_t(s) | 0xFF) < n; };
+  auto value_ok = [&](uint32_t u) {
+    return value(u) < strings.size() && strings.find('\0', value(u)) != std::string_view::npos;
+  };
+  // Depth-first over the node bases a search can reach, with the most matches on a path below
+  // each; a base reached again while below itself is a loop, which no trie has.
+  enum : uint8_t { kNew, kOpen, kDone };
+  std::vector<uint8_t> state(n, kNew);
+  std::vector<int> matches_below(n, 0);
+  struct Frame {
+    uint32_t base;
+    uint32_t next_byte = 0;
+    int best = 0, edge = 0;  // most matches below; whether the edge being followed matches
+  };
+  const uint32_t root = offset(units[0]);
+  if (!in_bounds(root)) return "its root points outside the trie";
+  std::vector<Frame> stack{{root}};
+  state[root] = kOpen;
+  while (!stack.empty()) {
+    Frame& f = stack.back();
+    if (f.next_byte == 256) {
+      const uint32_t done = f.base;
+      state[done] = kDone;
+      matches_below[done] = f.best;
+      stack.pop_back();
+      if (!stack.empty())
+        stack.back().best = std::max(stack.back().best, stack.back().edge + matches_below[done]);
+      continue;
+    }
+    const uint32_t byte = f.next_byte++, at = f.base ^ byte;
+    if (label(units[at]) != byte) continue;
+    const uint32_t child = at ^ offset(units[at]);
+    if (!in_bounds(child)) return "a node points outside the trie";
+    const int edge = has_leaf(units[at]);
+    if (edge && !value_ok(units[child]))
+      return "a replacement lies outside its " + std::to_string(strings.size()) + " bytes";
+    if (state[child] == kOpen) return "its trie loops";
+    if (state[child] == kDone) {
+      f.best = std::max(f.best, edge + matches_below[child]);
+      continue;
+    }
+    f.edge = edge;
+    state[child] = kOpen;
+    stack.push_back({child});
+  }
+  if (matches_below[root] > kMaxMatches)
+    return "an input matches " + std::to_string(matches_below[root]) + " of its rules, more than " +
+           std::to_string(kMaxMatches);
+  return "";
+}
+
+// The payloads of the length-delimited fields numbered `field` of the serialized message `msg`;
+// false when it holds a group (which no SentencePiece message has) or cannot be walked.
+bool fields(std::string_view msg, uint64_t field, std::vector<std::string_view>* out) {
+  size_t at = 0;
+  auto varint = [&](uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; at < msg.size() && shift < 64; shift += 7) {
+      const auto byte = uint8_t(msg[at++]);
+      *v |= uint64_t(byte & 0x7F) << shift;
+      if (!(byte & 0x80)) return true;
+    }
+    return false;
+  };
+  while (at < msg.size()) {
+    uint64_t tag = 0, size = 0;
+    if (!varint(&tag)) return false;
+    const uint64_t wire = tag & 7;
+    if (wire == 0 || wire == 2) {
+      if (!varint(&size)) return false;
+      if (wire == 0) continue;
+    } else if (wire == 1 || wire == 5) {
+      size = wire == 1 ? 8 : 4;
+    } else {
+      return false;
+    }
+    if (size > msg.size() - at) return false;
+    if (wire == 2 && tag >> 3 == field) out->push_back(msg.substr(at, size));
+    at += size;
+  }
+  return true;
+}
+
+// Empty when the normalizer's and denormalizer's charsmaps (ModelProto fields 3 and 5, their
+// field 2) are safe, else which is not and why.
+std::string check_model(std::string_view model) {
+  for (const auto& [spec_field, spec_name] :
+       {std::pair<uint64_t, std::string>{3, "normalizer_spec"}, {5, "denormalizer_spec"}}) {
+    std::vector<std::string_view> specs, maps;
+    bool walked = fields(model, spec_field, &specs);
+    for (std::string_view spec : specs) walked = walked && fields(spec, 2, &maps);
+    if (!walked) return "it holds protobuf groups, which no SentencePiece model has";
+    for (std::string_view map : maps)
+      if (std::string why = map.empty() ? "" : check(map); !why.empty())
+        return spec_name + ".precompiled_charsmap is damaged: " + why;
+  }
+  return "";
+}
+
+}  // namespace charsmap
+
 void* load(const std::string& serialized, std::string* error) {
   auto sp = std::make_unique<SentencePieceProcessor>();
   if (auto st = sp->LoadFromSerializedProto(serialized); !st.ok()) {
     *error = detail(st);
+    return nullptr;
+  }
+  // (Checked in the model as SentencePiece re-serializes it: a field given twice is merged.)
+  if (std::string why = charsmap::check_model(sp->serialized_model_proto()); !why.empty()) {
+    *error = why;
     return nullptr;
   }
   return sp.release();

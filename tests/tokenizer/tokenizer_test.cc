@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -244,6 +246,93 @@ TEST(TokenizerLoad, ErrorsNameThePath) {
     const std::string error = load_error(dir + "/garbage.model");
     EXPECT_NE(error.find(dir + "/garbage.model"), std::string::npos) << error;
     EXPECT_NE(error.find("not a SentencePiece model"), std::string::npos) << error;
+  }
+}
+
+// A protobuf length-delimited field: tag, length, bytes.
+std::string proto_bytes(int field, const std::string& bytes) {
+  std::string out(1, char((field << 3) | 2));
+  for (size_t n = bytes.size();; n >>= 7) {
+    out += char((n & 0x7F) | (n >= 0x80 ? 0x80 : 0));
+    if (n < 0x80) break;
+  }
+  return out + bytes;
+}
+
+// A SentencePiece precompiled_charsmap (normalization rules: a u32 trie size, a darts-clone
+// double-array trie, the NUL-terminated replacements) whose rules map "A", "AA", ... (`rules` of
+// them) to "a". Block b + 1 (256 units) holds the node after b "A"s: its unit at "A" steps to the
+// next block and, with a leaf, there finds the replacement's offset. Unused units get a label
+// that no byte reaching them has.
+struct Charsmap {
+  std::vector<uint32_t> units;
+  std::string replacements = std::string("a") + '\0';
+  static constexpr uint32_t kLeaf = 1 << 8, kValue = 1u << 31;
+  explicit Charsmap(int rules) : units(256 * size_t(rules + 2)) {
+    for (uint32_t p = 0; p < units.size(); ++p) units[p] = (p & 0xFF) ^ 1;
+    units[0] = 256 << 10;  // the root's children are in block 1
+    for (uint32_t b = 1; b <= uint32_t(rules); ++b)
+      units[256 * b ^ 'A'] = (((256 * b ^ 'A') ^ 256 * (b + 1)) << 10) | kLeaf | 'A';
+    for (uint32_t b = 2; b <= uint32_t(rules) + 1; ++b) units[256 * b] = kValue | 0;  // "a"
+  }
+  // The unit at "A" in block `b` (its node after b - 1 "A"s) steps to base `to`, with a leaf.
+  void step(uint32_t b, uint32_t to) {
+    units[256 * b ^ 'A'] = (((256 * b ^ 'A') ^ to) << 10) | kLeaf | 'A';
+  }
+  std::string blob(uint32_t trie_bytes = 0) const {
+    std::string out(4, '\0');
+    const uint32_t size = trie_bytes ? trie_bytes : uint32_t(units.size() * 4);
+    std::memcpy(out.data(), &size, 4);
+    out.append(reinterpret_cast<const char*>(units.data()), units.size() * 4);
+    return out + replacements;
+  }
+};
+
+// `model` with its normalizer_spec (ModelProto field 3; 5 for the denormalizer_spec) given the
+// precompiled_charsmap (field 2) `blob`: a message field given again is merged into the first.
+std::string with_charsmap(const std::string& model, const std::string& blob, int spec = 3) {
+  return model + proto_bytes(spec, proto_bytes(2, blob));
+}
+
+// SentencePiece walks a model's charsmap trie and indexes its replacements without a bounds
+// check: a damaged one crashed encode (a segfault in Normalizer::NormalizePrefix) or read past the
+// 32 matches it keeps per search. Loading refuses such a model, naming the field.
+TEST_F(TokenizerTest, LoadRefusesADamagedNormalizationCharsmap) {
+  std::string model, error;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &model, &error)) << error;
+  const std::string path = *dir_ + "/charsmap.model";
+  // Sound rules load and apply ("A" normalizes to "a"), 32 matches for one input included.
+  for (int rules : {1, 32}) {
+    write_file(path, with_charsmap(model, Charsmap(rules).blob()));
+    auto tok = Tokenizer::load(path, &error);
+    ASSERT_NE(tok, nullptr) << error;
+    EXPECT_EQ(tok->encode("A"), tok_->encode("a"));
+    EXPECT_EQ(tok->encode(std::string(size_t(rules), 'A')), tok_->encode("a"));
+  }
+  Charsmap outside_root(1), outside_node(1), loop(1), bad_value(1);
+  outside_root.units[0] = 768 << 10;
+  outside_node.step(1, 4096);
+  loop.step(1, 256);
+  bad_value.units[512] = Charsmap::kValue | 2;  // past "a\0"
+  const std::pair<std::string, std::string> cases[] = {
+      {Charsmap(33).blob(), "an input matches 33 of its rules, more than 32"},
+      {outside_root.blob(), "its root points outside the trie"},
+      {outside_node.blob(), "a node points outside the trie"},
+      {loop.blob(), "its trie loops"},
+      {bad_value.blob(), "a replacement lies outside its 2 bytes"},
+      // (A size past the blob's end SentencePiece refuses itself, one within its last 4 not.)
+      {Charsmap(1).blob(4 * 768 + 2 + 3), "its trie size does not fit the 3078 bytes"},
+  };
+  for (const auto& [blob, why] : cases) {
+    for (int spec : {3, 5}) {
+      write_file(path, with_charsmap(model, blob, spec));
+      error = load_error(path);
+      EXPECT_NE(error.find(path), std::string::npos) << error;
+      EXPECT_NE(error.find(std::string(spec == 3 ? "normalizer_spec" : "denormalizer_spec") +
+                           ".precompiled_charsmap is damaged: " + why),
+                std::string::npos)
+          << error;
+    }
   }
 }
 

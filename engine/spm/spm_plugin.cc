@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -210,8 +211,19 @@ std::string check_model(std::string_view model) {
 
 void* load(const std::string& serialized, std::string* error) {
   auto sp = std::make_unique<SentencePieceProcessor>();
-  if (auto st = sp->LoadFromSerializedProto(serialized); !st.ok()) {
-    *error = detail(st);
+  // Building its piece index, SentencePiece throws where it has no status to return (a unigram
+  // piece starting with a NUL byte: "failed to insert key: zero-length key"), which would end
+  // the process.
+  try {
+    if (auto st = sp->LoadFromSerializedProto(serialized); !st.ok()) {
+      *error = detail(st);
+      return nullptr;
+    }
+  } catch (const std::exception& e) {
+    const std::string what = e.what();  // "./third_party/darts_clone/darts.h:1143: exception: ..."
+    const size_t cut = what.find("exception: ");
+    *error = "SentencePiece cannot index its pieces: " +
+             (cut == std::string::npos ? what : what.substr(cut + 11));
     return nullptr;
   }
   // (Checked in the model as SentencePiece re-serializes it: a field given twice is merged.)

@@ -336,6 +336,24 @@ TEST_F(TokenizerTest, LoadRefusesADamagedNormalizationCharsmap) {
   }
 }
 
+// SentencePiece throws while indexing a unigram model whose piece starts with a NUL byte (there
+// is no status to return from there): uncaught, it ended the process (std::terminate) on load.
+TEST_F(TokenizerTest, LoadRefusesAPieceThatSentencePieceCannotIndex) {
+  std::string model, error;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &model, &error)) << error;
+  const std::string path = *dir_ + "/nul_piece.model";
+  // One more piece (ModelProto field 1: piece 1, type 3 = NORMAL), and trainer_spec (2) with
+  // model_type (3) = UNIGRAM.
+  const std::string unigram = proto_bytes(2, "\x18\x01");
+  write_file(path,
+             model + proto_bytes(1, proto_bytes(1, std::string("\0x", 2)) + "\x18\x01") + unigram);
+  error = load_error(path);
+  EXPECT_NE(error.find(path), std::string::npos) << error;
+  EXPECT_NE(error.find("SentencePiece cannot index its pieces: failed to insert key"),
+            std::string::npos)
+      << error;
+}
+
 std::string train_error(TokenizerTrainOptions opts) {
   std::string error;
   EXPECT_FALSE(train_tokenizer(opts, &error));

@@ -168,8 +168,8 @@ absl::Status parse_into(const json& root, ModelConfig& c) {
   std::string arch;
   CEMLM_RETURN_IF_ERROR(r.get_string("architecture", &arch, true));
   if (arch != "cemlm")
-    return absl::InvalidArgumentError(
-        absl::StrCat("config: 'architecture' = \"", arch, "\" must be \"cemlm\""));
+    return absl::InvalidArgumentError(absl::StrCat("config: 'architecture' = \"",
+                                                   absl::CHexEscape(arch), "\" must be \"cemlm\""));
   int version = 0;
   CEMLM_RETURN_IF_ERROR(r.get_int("format_version", &version, true, 1, 1));
   CEMLM_RETURN_IF_ERROR(r.get_int("vocab_size", &c.vocab_size, true, 2, kBig));

@@ -112,7 +112,7 @@ absl::Status parse_metadata(const json& v, std::map<std::string, std::string>* o
   for (auto it = v.begin(); it != v.end(); ++it) {
     if (!it.value().is_string())
       return absl::InvalidArgumentError(
-          absl::StrCat("'__metadata__.", it.key(), "' must be a string"));
+          absl::StrCat("'__metadata__.", absl::CHexEscape(it.key()), "' must be a string"));
     (*out)[it.key()] = it.value().get<std::string>();
   }
   return absl::OkStatus();

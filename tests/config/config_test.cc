@@ -335,6 +335,10 @@ TEST(Config, ErrorsEscapeWhatTheFileHolds) {
   j["attention"]["type"] = "cem\n";
   e = error_of(j);
   EXPECT_NE(e.find("= \"cem\\n\" is not one of"), std::string::npos) << e;
+  j = base();
+  j["architecture"] = "cemlm\n\u202e";
+  e = error_of(j);
+  EXPECT_NE(e.find("'architecture' = \"cemlm\\n\\xe2\\x80\\xae\" must be"), std::string::npos) << e;
   std::string text = base().dump();
   text.insert(text.rfind('}'), ", \"a\\nb\": 1, \"a\\nb\": 2");
   auto c = parse_config(text);

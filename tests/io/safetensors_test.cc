@@ -110,6 +110,8 @@ std::vector<BadFile> bad_files() {
       {"not an object", safetensors_bytes("[1,2]", ""), "header"},
       {"metadata not strings", safetensors_bytes(R"({"__metadata__":{"k":1}})", ""),
        "__metadata__"},
+      {"metadata key with a newline", safetensors_bytes(R"({"__metadata__":{"k\n":1}})", ""),
+       "'__metadata__.k\\n' must be a string"},
       {"unknown dtype", one(R"({"dtype":"I64","shape":[1],"data_offsets":[0,8]})", body(8)), "'w'"},
       {"entry not an object", one("[]", ""), "'w'"},
       // A name is escaped in the error: a newline would forge a log line.

@@ -173,8 +173,11 @@ int cmd_generate(int argc, char** argv) {
     const Tokenizer* tok = (*engine)->tokenizer();
     if (!tok) return fail("--prompt: the checkpoint '" + model + "' has no tokenizer.model; use --prompt-ids");
     if (!is_valid_utf8(prompt)) return fail("--prompt: not valid UTF-8");
-    req.prompt_ids =
-        encode_input(*tok, prompt, no_bos ? -1 : resolve_bos_id((*engine)->config().bos_id, tok));
+    std::string error;
+    auto ids = encode_input(*tok, prompt,
+                            no_bos ? -1 : resolve_bos_id((*engine)->config().bos_id, tok), &error);
+    if (!ids) return fail("--prompt: " + error + "; use --prompt-ids");
+    req.prompt_ids = *std::move(ids);
   }
   // The default fits small models too; a value given stays as given, and too large is an error.
   if (!f.given("max-new-tokens")) {

@@ -61,7 +61,10 @@ int cmd_score(int argc, char** argv) {
     auto tok = Tokenizer::load(ck->tokenizer_path, &err);
     if (!tok) return fail(err);
     if (!check_tokenizer_fits(*tok, c.vocab_size, &err)) return fail(ck->tokenizer_path + ": " + err);
-    ids = encode_input(*tok, text, no_bos ? -1 : resolve_bos_id(c.bos_id, tok.get()));
+    auto encoded =
+        encode_input(*tok, text, no_bos ? -1 : resolve_bos_id(c.bos_id, tok.get()), &err);
+    if (!encoded) return fail("--text: " + err + "; use --ids");
+    ids = *std::move(encoded);
   }
   if (ids.size() < 2) return fail("need at least 2 tokens to score (got " + std::to_string(ids.size()) + ")");
   if (int(ids.size()) > c.max_seq_len)

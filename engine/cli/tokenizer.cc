@@ -95,7 +95,9 @@ int encode(int argc, char** argv) {
   std::string error;
   auto tokenizer = Tokenizer::load(model, &error);
   if (!tokenizer) return fail(error + " (--model)");
-  const auto ids = tokenizer->encode(text);
+  const auto encoded = tokenizer->encode(text, &error);
+  if (!encoded) return fail("--text: " + error);
+  const std::vector<int>& ids = *encoded;
   for (size_t i = 0; i < ids.size(); ++i) {
     if (pieces)
       std::printf("%d\t%s\n", ids[i], tokenizer->id_to_piece(ids[i]).c_str());

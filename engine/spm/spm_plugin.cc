@@ -249,8 +249,10 @@ bool train(const std::unordered_map<std::string, std::string>& args,
 const SpmApi kApi = {
     load,
     [](void* sp) { delete static_cast<SentencePieceProcessor*>(sp); },
-    [](const void* sp, std::string_view text, std::vector<int>* ids) {
-      return proc(sp).Encode(text, ids).ok();
+    [](const void* sp, std::string_view text, std::vector<int>* ids, std::string* error) {
+      const sentencepiece::util::Status st = proc(sp).Encode(text, ids);
+      if (!st.ok()) *error = detail(st);
+      return st.ok();
     },
     [](const void* sp, const std::vector<int>& ids, std::string* text) {
       return proc(sp).Decode(ids, text).ok();

@@ -17,7 +17,8 @@ struct SpmApi {
   // A SentencePieceProcessor from a serialized model; null with *error (SentencePiece's reason).
   void* (*load)(const std::string& serialized, std::string* error);
   void (*destroy)(void* sp);
-  bool (*encode)(const void* sp, std::string_view text, std::vector<int>* ids);
+  // False with *error (SentencePiece's reason) when the model cannot encode the text.
+  bool (*encode)(const void* sp, std::string_view text, std::vector<int>* ids, std::string* error);
   bool (*decode)(const void* sp, const std::vector<int>& ids, std::string* text);
   std::string (*id_to_piece)(const void* sp, int id);
   int (*piece_size)(const void* sp);

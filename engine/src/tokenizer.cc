@@ -95,10 +95,12 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
   return std::unique_ptr<Tokenizer>(new Tokenizer(sp));
 }
 
-std::vector<int> Tokenizer::encode(std::string_view text) const {
+std::optional<std::vector<int>> Tokenizer::encode(std::string_view text, std::string* error) const {
   std::vector<int> ids;
-  CEMLM_CHECK(loaded_spm().encode(sp_, text, &ids));  // only fails when no model is loaded
-  return ids;
+  std::string why;
+  if (loaded_spm().encode(sp_, text, &ids, &why)) return ids;
+  *error = "the tokenizer cannot encode this text (SentencePiece: " + why + ")";
+  return std::nullopt;
 }
 
 std::string Tokenizer::decode(std::span<const int> ids) const {
@@ -139,12 +141,11 @@ int resolve_eos_id(int config_eos_id, const Tokenizer* tokenizer) {
   return config_eos_id >= 0 ? config_eos_id : tokenizer ? tokenizer->eos_id() : -1;
 }
 
-std::vector<int> encode_input(const Tokenizer& tokenizer, std::string_view text, int bos_id) {
-  std::vector<int> ids;
-  if (bos_id >= 0) ids.push_back(bos_id);
-  const std::vector<int> body = tokenizer.encode(text);
-  ids.insert(ids.end(), body.begin(), body.end());
-  return ids;
+std::optional<std::vector<int>> encode_input(const Tokenizer& tokenizer, std::string_view text,
+                                             int bos_id, std::string* error) {
+  std::optional<std::vector<int>> body = tokenizer.encode(text, error);
+  if (body && bos_id >= 0) body->insert(body->begin(), bos_id);
+  return body;
 }
 
 namespace {

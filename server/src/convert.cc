@@ -99,8 +99,11 @@ absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_
                                 " bytes, more than the model's max_seq_len = ",
                                 engine.config().max_seq_len, " tokens can hold (over ", most,
                                 " bytes cannot fit); shorten it"));
-  return encode_input(*tok, std::string_view(text.data(), text.size()),
-                      add_bos ? bos_id(engine) : -1);
+  std::string error;
+  std::optional<std::vector<int>> ids = encode_input(
+      *tok, std::string_view(text.data(), text.size()), add_bos ? bos_id(engine) : -1, &error);
+  if (!ids) return invalid(absl::StrCat(field, ": ", error, "; send token ids instead"));
+  return *std::move(ids);
 }
 
 absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const Engine& engine) {

@@ -4,6 +4,7 @@
 #include "cemlm/engine/engine.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,18 +18,18 @@
 #include <random>
 #include <thread>
 
-#include <unistd.h>
-
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/tokenizer.h"
 #include "fake_runner.h"
 #include "temp_dir.h"
+#include "tokenizer_util.h"
 
 namespace cemlm {
 namespace {
 
 using testing_fake::FakeOptions;
 using testing_fake::FakeRunner;
+using testing_tokens::encode_ok;
 
 struct Result {
   std::vector<int> ids;
@@ -1160,8 +1161,8 @@ std::string* EngineText::path_ = nullptr;
 
 TEST_F(EngineText, StreamedTextIsTheDecodedContinuation) {
   auto tok = load();
-  const auto prompt = tok->encode("the quick brown");
-  const auto script = tok->encode(" fox jumps over the lazy dog");
+  const auto prompt = encode_ok(*tok, "the quick brown");
+  const auto script = encode_ok(*tok, " fox jumps over the lazy dog");
   Built b = scripted(prompt, script);
   auto r = request(prompt, int(script.size()));
   const Result res = run_all(*b.engine, {r})[0];
@@ -1180,9 +1181,9 @@ TEST_F(EngineText, StreamedTextIsTheDecodedContinuation) {
 
 TEST_F(EngineText, StopStringsSpanningTokensCutTheText) {
   auto tok = load();
-  const auto prompt = tok->encode("hello");
+  const auto prompt = encode_ok(*tok, "hello");
   const std::string continuation = " world, the end is near; the end of the line";
-  const auto script = tok->encode(continuation);
+  const auto script = encode_ok(*tok, continuation);
   // "d is n" is split across tokens (no single piece holds it).
   const std::string stop = "d is n";
   bool spans = true;

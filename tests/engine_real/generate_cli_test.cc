@@ -477,7 +477,7 @@ TEST_F(GenerateCliText, TextContinuesThePromptWithADummyPrefixTokenizer) {
   testing_models::randomize(store, 7);
   ckpt_ = dir_ + "/dummy_ckpt";
   ASSERT_TRUE(save_checkpoint(ckpt_, cfg, store, dir_ + "/dummy.model").ok());
-  const std::vector<int> prompt = encode_input(*tok, "the cat", tok->bos_id());
+  const std::vector<int> prompt = encode_input(*tok, "the cat", tok->bos_id(), &error).value();
   int spaced_first = 0;
   for (int seed = 0; seed < 12; ++seed) {
     std::vector<std::string> args = {"--model", ckpt_, "--prompt", "the cat", "--json",

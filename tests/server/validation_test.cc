@@ -16,6 +16,7 @@
 
 #include "client_util.h"
 #include "server_process.h"
+#include "tokenizer_util.h"
 
 namespace cemlm::testing_server {
 namespace {
@@ -339,6 +340,41 @@ TEST_F(ServerValidation, TokenizeRoundTripsAndInfoDescribesTheModel) {
   EXPECT_EQ(info.device(), "cpu");
   EXPECT_TRUE(info.has_tokenizer());
   EXPECT_FALSE(info.variant().empty());
+}
+
+// A tokenizer.model that SentencePiece loads but that refuses to encode some texts: such a text
+// is INVALID_ARGUMENT naming its field (it once aborted the server), and the command-line tools
+// name their flag; the server goes on serving.
+TEST(ServerTokenizer, ATextTheTokenizerRefusesNamesItsField) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.tokenizer = false});
+  std::ofstream(model + "/tokenizer.model", std::ios::binary) << testing_tokens::kRefusesSpaceX;
+  auto server = ServerProcess::start(model);
+  ASSERT_TRUE(server);
+  auto stub = v1::Inference::NewStub(server->channel());
+  v1::GenerateRequest req = valid_request();
+  req.set_prompt_text(" x");
+  const Stream refused = generate(server->channel(), req);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.status.error_message().find(
+                "prompt_text: the tokenizer cannot encode this text (SentencePiece: "),
+            std::string::npos)
+      << refused.status.error_message();
+  grpc::ClientContext context;
+  v1::TokenizeRequest treq;
+  treq.set_text(" x");
+  v1::TokenizeResponse tresp;
+  const grpc::Status tokenize = stub->Tokenize(&context, treq, &tresp);
+  EXPECT_EQ(tokenize.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(tokenize.error_message().find("text: the tokenizer cannot encode"), std::string::npos)
+      << tokenize.error_message();
+  req.set_prompt_text("a");
+  const Stream served = generate(server->channel(), req);
+  EXPECT_TRUE(served.status.ok()) << served.status.error_message();
+  std::string out, err;
+  EXPECT_EQ(run_cemlm({"generate", "--model", model, "--prompt", " x"}, &out, &err), 1);
+  EXPECT_NE(err.find("--prompt: the tokenizer cannot encode"), std::string::npos) << err;
+  EXPECT_EQ(run_cemlm({"score", "--model", model, "--text", " x a"}, &out, &err), 1);
+  EXPECT_NE(err.find("--text: the tokenizer cannot encode"), std::string::npos) << err;
 }
 
 TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {

@@ -6,6 +6,7 @@
 
 #include "cemlm/cli/commands.h"
 #include "test_files.h"
+#include "tokenizer_util.h"
 
 namespace cemlm {
 namespace {
@@ -104,6 +105,13 @@ TEST(TokenizerCli, ErrorsNameTheFlag) {
   CliRun bad_text = run({"encode", "--model", model, "--text", "caf\xE9"});
   EXPECT_EQ(bad_text.rc, 1);
   EXPECT_NE(bad_text.err.find("--text"), std::string::npos) << bad_text.err;
+  // A text the tokenizer refuses: an error naming the flag, not an abort.
+  const std::string refuses = dir + "/refuses.model";
+  testing_files::write_file(refuses, testing_tokens::kRefusesSpaceX);
+  CliRun refused = run({"encode", "--model", refuses, "--text", " x"});
+  EXPECT_EQ(refused.rc, 1);
+  EXPECT_NE(refused.err.find("--text: the tokenizer cannot encode this text"), std::string::npos)
+      << refused.err;
 }
 
 TEST(TokenizerCli, BadOutPathFailsBeforeTraining) {

@@ -11,12 +11,14 @@
 #include <set>
 
 #include "cemlm/engine/corpus.h"
+#include "tokenizer_util.h"
 #include "trainer_test_util.h"
 
 namespace cemlm {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_tokens::encode_ok;
 using testing_trainer::fresh_dir;
 using testing_trainer::write_file;
 
@@ -44,18 +46,43 @@ class DataTest : public ::testing::Test {
 };
 
 TEST_F(DataTest, DocumentsAreSeparatedByPercentLines) {
-  const auto ids = encode_documents("one\n%\n\n%\ntwo\nlines\n%\n", *tokenizer_, 1, 2);
+  const auto ids = encode_documents("one\n%\n\n%\ntwo\nlines\n%\n", *tokenizer_, 1, 2).value();
   std::vector<int32_t> want = {1};
-  for (int id : tokenizer_->encode("one\n")) want.push_back(id);
+  for (int id : encode_ok(*tokenizer_, "one\n")) want.push_back(id);
   want.push_back(2);
   want.push_back(1);  // the blank document in between is dropped
-  for (int id : tokenizer_->encode("two\nlines\n")) want.push_back(id);
+  for (int id : encode_ok(*tokenizer_, "two\nlines\n")) want.push_back(id);
   want.push_back(2);
   EXPECT_EQ(ids, want);
   // No separator: the whole text is one document; negative ids add no markers.
   std::vector<int32_t> plain;
-  for (int id : tokenizer_->encode("no separators\n")) plain.push_back(id);
-  EXPECT_EQ(encode_documents("no separators\n", *tokenizer_, -1, -1), plain);
+  for (int id : encode_ok(*tokenizer_, "no separators\n")) plain.push_back(id);
+  EXPECT_EQ(encode_documents("no separators\n", *tokenizer_, -1, -1).value(), plain);
+}
+
+// A document the tokenizer refuses to encode is an error naming where it starts, and the file.
+TEST_F(DataTest, ADocumentTheTokenizerRefusesIsNamedByItsOffset) {
+  write_file(dir_ + "/refuses.model", testing_tokens::kRefusesSpaceX);
+  std::string error;
+  auto refuses = Tokenizer::load(dir_ + "/refuses.model", &error);
+  ASSERT_TRUE(refuses) << error;
+  EXPECT_EQ(encode_documents("a\n%\na", *refuses, 1, 2).value(),
+            std::vector<int32_t>({1, 0, 2, 1, 3, 2}));  // "a\n" is not a word of it: unk
+  const auto ids = encode_documents("a\n%\n x", *refuses, 1, 2);
+  ASSERT_FALSE(ids.ok());
+  EXPECT_NE(ids.status().message().find("the document at byte 4: the tokenizer cannot encode"),
+            std::string::npos)
+      << ids.status();
+  write_file(dir_ + "/refused/doc.txt", "a\n%\n x");
+  auto corpus = list_corpus({dir_ + "/refused"});
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  const auto data = load_token_data(*corpus, *refuses, 0, 1, 2, dir_ + "/cache/tokens.bin", 0.1);
+  ASSERT_FALSE(data.ok());
+  EXPECT_NE(data.status().message().find("--data: '" + dir_ +
+                                         "/refused/doc.txt': the document at byte 4: the "
+                                         "tokenizer cannot encode"),
+            std::string::npos)
+      << data.status();
 }
 
 // What inference does with a text (encode_input after the model's BOS) is how training began
@@ -65,11 +92,13 @@ TEST_F(DataTest, TextInputsStartAsTrainingDocumentsDo) {
   const int bos = resolve_bos_id(-1, tokenizer_.get()), eos = resolve_eos_id(-1, tokenizer_.get());
   EXPECT_EQ(bos, 1);
   EXPECT_EQ(eos, 2);
-  const std::vector<int32_t> trained = encode_documents(doc, *tokenizer_, bos, eos);
-  const std::vector<int> input = encode_input(*tokenizer_, doc, bos);
+  const std::vector<int32_t> trained = encode_documents(doc, *tokenizer_, bos, eos).value();
+  std::string error;
+  const std::vector<int> input = encode_input(*tokenizer_, doc, bos, &error).value();
   ASSERT_EQ(trained.size(), input.size() + 1);
   EXPECT_TRUE(std::equal(input.begin(), input.end(), trained.begin()));
-  EXPECT_EQ(encode_input(*tokenizer_, doc, -1), std::vector<int>(input.begin() + 1, input.end()));
+  EXPECT_EQ(encode_input(*tokenizer_, doc, -1, &error).value(),
+            std::vector<int>(input.begin() + 1, input.end()));
   EXPECT_EQ(resolve_bos_id(7, tokenizer_.get()), 7);
   EXPECT_EQ(resolve_eos_id(9, tokenizer_.get()), 9);
   EXPECT_EQ(resolve_bos_id(-1, nullptr), -1);

@@ -112,12 +112,18 @@ bool is_blank(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char ch) { return std::isspace((unsigned char)ch); });
 }
 
-void append_document(std::string_view doc, const Tokenizer& tokenizer, int bos, int eos,
-                     std::vector<int32_t>* out) {
-  if (is_blank(doc)) return;
-  if (bos >= 0) out->push_back(bos);
-  for (int id : tokenizer.encode(doc)) out->push_back(id);
+// The document at byte `at` of its file.
+absl::Status append_document(std::string_view doc, size_t at, const Tokenizer& tokenizer, int bos,
+                             int eos, std::vector<int32_t>* out) {
+  if (is_blank(doc)) return absl::OkStatus();
+  std::string error;
+  const std::optional<std::vector<int>> ids = encode_input(tokenizer, doc, bos, &error);
+  if (!ids)
+    return absl::InvalidArgumentError(absl::StrCat("the document at byte ", at, ": ", error,
+                                                   "; remove it or use another tokenizer"));
+  out->insert(out->end(), ids->begin(), ids->end());
   if (eos >= 0) out->push_back(eos);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -172,19 +178,22 @@ absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
   return c;
 }
 
-std::vector<int32_t> encode_documents(std::string_view text, const Tokenizer& tokenizer, int bos,
-                                      int eos) {
+absl::StatusOr<std::vector<int32_t>> encode_documents(std::string_view text,
+                                                      const Tokenizer& tokenizer, int bos,
+                                                      int eos) {
   std::vector<int32_t> out;
   size_t doc_begin = 0, pos = 0;
   while (pos < text.size()) {
     const size_t end = std::min(text.find('\n', pos), text.size());
     if (is_separator(text.substr(pos, end - pos))) {
-      append_document(text.substr(doc_begin, pos - doc_begin), tokenizer, bos, eos, &out);
+      CEMLM_RETURN_IF_ERROR(append_document(text.substr(doc_begin, pos - doc_begin), doc_begin,
+                                            tokenizer, bos, eos, &out));
       doc_begin = std::min(end + 1, text.size());
     }
     pos = end + 1;
   }
-  append_document(text.substr(doc_begin), tokenizer, bos, eos, &out);
+  CEMLM_RETURN_IF_ERROR(
+      append_document(text.substr(doc_begin), doc_begin, tokenizer, bos, eos, &out));
   return out;
 }
 
@@ -223,7 +232,11 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
       if (stop && stop()) return absl::CancelledError("stopped while encoding --data");
       std::string text, error;
       if (!read_text_file(p, &text, &error)) return absl::UnavailableError("--data: " + error);
-      files.push_back(encode_documents(text, tokenizer, bos, eos));
+      absl::StatusOr<std::vector<int32_t>> ids = encode_documents(text, tokenizer, bos, eos);
+      if (!ids.ok())
+        return absl::InvalidArgumentError(
+            absl::StrCat("--data: '", p, "': ", ids.status().message()));
+      files.push_back(*std::move(ids));
     }
     CEMLM_RETURN_IF_ERROR(write_cache(cache_path, corpus, encoding, files));
   }

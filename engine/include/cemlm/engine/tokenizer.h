@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -21,8 +22,10 @@ class Tokenizer {
   Tokenizer(const Tokenizer&) = delete;
   Tokenizer& operator=(const Tokenizer&) = delete;
 
-  // Text to ids, no BOS/EOS added. Expects valid UTF-8 (see utf8.h).
-  std::vector<int> encode(std::string_view text) const;
+  // Text to ids, no BOS/EOS added. Expects valid UTF-8 (see utf8.h). Empty with *error when the
+  // model cannot encode it (SentencePiece refuses some texts of some well-formed but odd models,
+  // e.g. a word model with a control piece that the text contains).
+  std::optional<std::vector<int>> encode(std::string_view text, std::string* error) const;
   // Ids to text. Control ids (BOS, EOS, pad) decode to nothing; ids outside [0, vocab_size())
   // decode like unk_id() (" ⁇ "), so a model whose vocabulary is padded past the tokenizer's
   // still produces text.
@@ -68,8 +71,9 @@ int resolve_bos_id(int config_bos_id, const Tokenizer* tokenizer);
 int resolve_eos_id(int config_eos_id, const Tokenizer* tokenizer);
 
 // The ids of a text input: `bos_id` first when it is >= 0 (pass -1 for none), then
-// tokenizer.encode(text).
-std::vector<int> encode_input(const Tokenizer& tokenizer, std::string_view text, int bos_id);
+// tokenizer.encode(text); empty with *error as encode.
+std::optional<std::vector<int>> encode_input(const Tokenizer& tokenizer, std::string_view text,
+                                             int bos_id, std::string* error);
 
 // Streams the text of a growing id sequence: each call takes every id generated so far and
 // returns the text added since the previous call. Text is held back while it ends in an

@@ -32,9 +32,10 @@ uint64_t hash_bytes(std::string_view bytes, uint64_t h = 0xcbf29ce484222325ULL);
 absl::StatusOr<uint64_t> hash_file(const std::string& path);
 
 // A file's text as documents: a line holding only "%" (the fortune-file format) separates
-// documents; each non-blank document becomes [bos] ids [eos] (bos/eos left out when < 0).
-std::vector<int32_t> encode_documents(std::string_view text, const Tokenizer& tokenizer, int bos,
-                                      int eos);
+// documents; each non-blank document becomes [bos] ids [eos] (bos/eos left out when < 0). An
+// error names the byte offset of a document the tokenizer cannot encode.
+absl::StatusOr<std::vector<int32_t>> encode_documents(std::string_view text,
+                                                      const Tokenizer& tokenizer, int bos, int eos);
 
 struct TokenData {
   std::vector<int32_t> train, val;

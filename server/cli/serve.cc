@@ -1,6 +1,7 @@
 // `cemlm serve`: loads a checkpoint into the engine and serves it over gRPC, with /metrics on a
 // second port. Lifecycle: listen (NOT_SERVING) -> load + warm up -> SERVING -> SIGTERM/SIGINT ->
-// drain up to --shutdown-timeout -> cancel the rest -> exit 0.
+// drain up to --shutdown-timeout -> cancel the rest -> exit 0 (a signal while loading: exit 0 at
+// once).
 #include <google/protobuf/stubs/logging.h>
 #include <grpc/support/log.h>
 #include <netdb.h>
@@ -16,8 +17,10 @@
 #include <cctype>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -189,7 +192,20 @@ int serve(const ServeFlags& f, sigset_t* signals) {
                server::host_port(f.host, (*server)->port()), server::host_port(f.host, metrics_port),
                f.model, !opts.tls_cert_pem.empty(), opts.api_keys.enabled());
 
-  auto engine = load_engine(f, kv_bytes);
+  // The model loads on a thread of its own while this one waits for a signal. A signal during
+  // the load ends the process at once, exit 0 (nothing was served; a load cannot be stopped
+  // half-way): waiting for the load to end first (a large model or KV cache: a minute or more)
+  // could outlast the pod's grace period, and health then said SERVING for a moment.
+  auto loading = std::async(std::launch::async, [&] { return load_engine(f, kv_bytes); });
+  while (loading.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    const timespec poll{0, 50'000'000};
+    if (const int sig = sigtimedwait(signals, nullptr, &poll); sig > 0) {
+      spdlog::info("signal {} while the model loads: exiting", sig);
+      spdlog::default_logger()->flush();
+      std::_Exit(0);
+    }
+  }
+  auto engine = loading.get();
   if (!engine.ok()) return fail(engine.status());
   Engine* e = engine->get();
   metrics->set_stats_source([e] { return e->stats(); });
@@ -298,7 +314,8 @@ int cmd_serve(int argc, char** argv) {
   Flags flags("cemlm serve --model DIR [--port 50051] [--metrics-port 9400] [options]",
               "Serve a checkpoint over gRPC (cemlm.v1.Inference, grpc.health.v1.Health,\n"
               "reflection) with Prometheus metrics at http://HOST:METRICS_PORT/metrics.\n"
-              "SIGTERM/SIGINT drain in-flight requests, then exit 0.");
+              "SIGTERM/SIGINT drain in-flight requests, then exit 0 (at once while the model "
+              "loads).");
   flags.add("model", &f.model, "checkpoint directory (config.json, model.safetensors, ...)", true);
   flags.add("host", &f.host,
             "address to listen on, gRPC and metrics (IPv4 or IPv6; :: takes both)");

@@ -121,6 +121,21 @@ TEST(ServerDrain, ShutdownTimeoutEndsAScoreUnderWay) {
   EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
 }
 
+// A signal while the model loads (here a 2 GiB KV cache being allocated and touched: seconds)
+// ends the process at once, exit 0, without serving: the signal used to wait for the load to end
+// (which could outlast a pod's grace period) and health then said SERVING for a moment.
+TEST(ServerDrain, SignalWhileTheModelLoadsExitsAtOnce) {
+  auto server = ServerProcess::start_listening(make_tiny_model(fresh_temp_dir()),
+                                               {"--kv-cache-memory", "2G"});
+  ASSERT_TRUE(server);
+  EXPECT_EQ(health(server->channel()), "NOT_SERVING");  // still loading
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
+  const std::string log = server->log();
+  EXPECT_NE(log.find("signal 15 while the model loads: exiting"), std::string::npos) << log;
+  EXPECT_EQ(log.find("serving model="), std::string::npos) << log;
+}
+
 class ServerLifecycle : public ::testing::Test {
  protected:
   void SetUp() override {

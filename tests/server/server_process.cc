@@ -169,6 +169,21 @@ std::string make_tiny_model(const std::string& dir, const TinyModelOptions& o) {
 std::unique_ptr<ServerProcess> ServerProcess::start(
     const std::string& model_dir, const std::vector<std::string>& extra,
     std::shared_ptr<grpc::ChannelCredentials> creds) {
+  std::unique_ptr<ServerProcess> s = start_listening(model_dir, extra, std::move(creds));
+  if (!s) return nullptr;
+  for (auto end = std::chrono::steady_clock::now() + 60s; health(s->channel_) != "SERVING";) {
+    if (std::chrono::steady_clock::now() > end) {
+      ADD_FAILURE() << "cemlm serve never reported SERVING\n" << s->log();
+      return nullptr;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  return s;
+}
+
+std::unique_ptr<ServerProcess> ServerProcess::start_listening(
+    const std::string& model_dir, const std::vector<std::string>& extra,
+    std::shared_ptr<grpc::ChannelCredentials> creds) {
   std::unique_ptr<ServerProcess> s(new ServerProcess());
   s->log_path_ = std::filesystem::path(model_dir).parent_path() / "serve.log";
   std::vector<std::string> args = {
@@ -195,13 +210,6 @@ std::unique_ptr<ServerProcess> ServerProcess::start(
   s->port_ = std::stoi(m[1]);
   s->metrics_port_ = std::stoi(m[2]);
   s->channel_ = grpc::CreateChannel(s->addr(), creds ? creds : grpc::InsecureChannelCredentials());
-  for (auto end = std::chrono::steady_clock::now() + 60s; health(s->channel_) != "SERVING";) {
-    if (std::chrono::steady_clock::now() > end) {
-      ADD_FAILURE() << "cemlm serve never reported SERVING\n" << s->log();
-      return nullptr;
-    }
-    std::this_thread::sleep_for(20ms);
-  }
   return s;
 }
 

@@ -40,6 +40,10 @@ class ServerProcess {
   static std::unique_ptr<ServerProcess> start(
       const std::string& model_dir, const std::vector<std::string>& extra = {},
       std::shared_ptr<grpc::ChannelCredentials> creds = nullptr);
+  // The same, returning as soon as it listens (it prints its ports before the model loads).
+  static std::unique_ptr<ServerProcess> start_listening(
+      const std::string& model_dir, const std::vector<std::string>& extra = {},
+      std::shared_ptr<grpc::ChannelCredentials> creds = nullptr);
   ~ServerProcess();  // kills the server if it still runs
 
   std::string addr() const;  // host:port, an IPv6 host in brackets

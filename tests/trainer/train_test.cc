@@ -766,6 +766,11 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
       {edited(data_rng, "\"data_rng\": -1"), "\"data_rng\": must be an integer in [0, 2^64)"},
       {edited(step, "\"bogus\": 1, " + step), "unknown key \"bogus\""},
       {edited(lr, "\"lrr\": 0.001, " + lr), "training options: unknown key \"lrr\""},
+      // Keys are escaped: a newline in one could forge a line of the trainer's output.
+      {edited(step, "\"a\\nb\": 1, " + step), "unknown key \"a\\nb\""},
+      {edited(lr, "\"l\\nr\": 0.001, " + lr), "training options: unknown key \"l\\nr\""},
+      {edited("\"split\": \"document-start\"", "\"split\": 5"),
+       "\"split\": must be a string (got 5)"},
       {edited(seed, "\"seed\": -1"), "\"seed\": must be an integer in [0, 2^64)"},
       {edited(lr, "\"lr\": 5"),
        "--lr must be in (0, 1] (got 5) (with --resume, each option not given again is the run's, "

@@ -16,6 +16,7 @@
 #include <memory>
 #include <stdexcept>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cemlm/engine/checkpoint.h"
@@ -485,7 +486,7 @@ absl::Status Trainer::restore() {
       if (k != "format_version" && k != "step" && k != "tokens" && k != "elapsed_s" &&
           k != "data_rng" && k != "recursion_rng" && k != "split" && k != "options") {
         key = "";
-        throw std::invalid_argument(absl::StrCat("unknown key \"", k,
+        throw std::invalid_argument(absl::StrCat("unknown key \"", absl::CHexEscape(k),
                                                  "\" (the file is damaged, or "
                                                  "from another cemlm version)"));
       }
@@ -510,6 +511,8 @@ absl::Status Trainer::restore() {
     data_rng_.set_state(state("data_rng"));
     t_rng_.set_state(state("recursion_rng"));
     key = "split";
+    if (j.contains("split") && !j["split"].is_string())
+      throw std::invalid_argument(absl::StrCat("must be a string (got ", j["split"].dump(), ")"));
     split = j.value("split", "");
     if (j.contains("options")) options_text = j["options"].dump();
   } catch (const std::exception& e) {  // nlohmann reports missing keys and wrong types by throwing

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -250,7 +251,7 @@ absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text) {
   for (const auto& [k, v] : j.items())
     if (std::find(known.begin(), known.end(), k) == known.end())
       return absl::InvalidArgumentError(
-          absl::StrCat("training options: unknown key \"", k,
+          absl::StrCat("training options: unknown key \"", absl::CHexEscape(k),
                        "\" (the file is damaged, or from another cemlm version)"));
   // A seed is an integer in [0, 2^64): a negative one would wrap, and seed another run.
   if (!j.at("seed").is_number_unsigned())

@@ -422,6 +422,8 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
            metric(now, "cemlm:kv_cache_usage_perc") == 0;
   }));
   EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_bucket", "le=\"+Inf\""), 1);
+  // Finite buckets reach a 20-minute generation (a long one at a high T on a CPU).
+  EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_bucket", "le=\"1280\""), 1);
 }
 
 TEST_F(ServerLifecycle, PrefixCacheHitsReachMetrics) {

@@ -644,10 +644,13 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
   // A call whose deadline passed, or that its client cancelled, before its body arrived also
   // reaches the interceptors with no message: that is no malformed body. It is counted as what it
   // was (the client sees that status, not ours), and not logged as a client's mistake.
+  // The deadline is read as the handlers read it: gRPC's system_clock deadline() wraps for a
+  // grpc-timeout of centuries, which made a malformed body sent with one count as
+  // DEADLINE_EXCEEDED while its client got gRPC's own INTERNAL or UNIMPLEMENTED.
   bool ended_before_body() {
     grpc::ServerContextBase* const ctx = info_->server_context();
     grpc::StatusCode code = grpc::StatusCode::OK;
-    if (ctx->deadline() <= std::chrono::system_clock::now())
+    if (steady_deadline(*ctx) <= Clock::now())
       code = grpc::StatusCode::DEADLINE_EXCEEDED;
     else if (ctx->IsCancelled())
       code = grpc::StatusCode::CANCELLED;

@@ -262,6 +262,36 @@ TEST_F(ServerGenerate, ADeadlineCenturiesAwayIsNone) {
   }
 }
 
+// The same for a body that does not parse: INVALID_ARGUMENT, counted so. The interceptor that
+// tells such a body from a call whose deadline passed before its body came read the wrapped
+// deadline: the client got gRPC's own UNIMPLEMENTED (Generate) or INTERNAL (Score), and
+// requests_total counted DEADLINE_EXCEEDED.
+TEST_F(ServerGenerate, AMalformedBodyWithADeadlineCenturiesAwayIsInvalidArgument) {
+  const std::string body = "\x08" + std::string(10, '\xff');  // a varint longer than any may be
+  const auto before = parse_metrics(server_->metrics_text());
+  const std::vector<std::string> methods = {"Generate", "Score"};
+  const std::vector<const char*> timeouts = {"2562084H", "99999999H"};
+  for (const std::string& m : methods)
+    for (const char* timeout : timeouts)
+      EXPECT_EQ(raw_grpc_status(server_->port(), "/cemlm.v1.Inference/" + m, body,
+                                {"grpc-timeout", timeout}),
+                int(grpc::StatusCode::INVALID_ARGUMENT))
+          << m << " " << timeout;
+  auto count = [&](const auto& series, const std::string& m, const char* code) {
+    return metric(series, "cemlm:requests_total",
+                  "code=\"" + std::string(code) + "\",method=\"" + m + "\"");
+  };
+  EXPECT_TRUE(wait_for_metrics(*server_, [&](const auto& now) {
+    for (const std::string& m : methods)
+      if (count(now, m, "INVALID_ARGUMENT") != count(before, m, "INVALID_ARGUMENT") + 2)
+        return false;
+    return true;
+  }));
+  const auto after = parse_metrics(server_->metrics_text());
+  for (const std::string& m : methods)
+    EXPECT_EQ(count(after, m, "DEADLINE_EXCEEDED"), count(before, m, "DEADLINE_EXCEEDED")) << m;
+}
+
 // gRPC writes a log line of its own for each malformed header (here a grpc-timeout holding a
 // control byte): those go through the server's log escaped, at most one a second, so that a
 // client cannot fill the log with lines of its own bytes.

@@ -41,11 +41,14 @@ std::string h2_frame(uint8_t type, uint8_t flags, uint32_t stream, const std::st
 
 // A call to 127.0.0.1:port sent by hand over HTTP/2, with the headers `extra` added: gRPC's own
 // clients never send some legal values (a grpc-timeout of centuries), nor behave as a client
-// whose host vanished (one that stops answering PINGs).
+// whose host vanished (one that stops answering PINGs), and they enforce a call's deadline
+// themselves (this one leaves it to the server). `stream_window` is the window each stream
+// grants the server (0: HTTP/2's default of 65535 bytes); no window update follows.
 class RawCall {
  public:
   RawCall(int port, const std::string& path, const std::string& body,
-          const std::vector<std::pair<std::string, std::string>>& extra = {}) {
+          const std::vector<std::pair<std::string, std::string>>& extra = {},
+          uint32_t stream_window = 0) {
     auto literal = [](const std::string& name, const std::string& value) {
       return std::string(1, '\0') + char(name.size()) + name + char(value.size()) + value;
     };
@@ -60,7 +63,12 @@ class RawCall {
     for (const auto& [name, value] : fields) headers += literal(name, value);
     std::string message(1, '\0');
     for (int shift : {24, 16, 8, 0}) message += char((body.size() >> shift) & 0xFF);
-    const std::string out = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, 0, "") +
+    std::string settings;
+    if (stream_window > 0) {
+      settings = {'\0', '\4'};  // SETTINGS_INITIAL_WINDOW_SIZE
+      for (int shift : {24, 16, 8, 0}) settings += char((stream_window >> shift) & 0xFF);
+    }
+    const std::string out = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, 0, settings) +
                             h2_frame(1, 4, 1, headers) + h2_frame(0, 1, 1, message + body);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -685,10 +693,12 @@ TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
 }
 
 // A stream the engine finished whose client never got its end counts (and is logged) as its client
-// saw it: DEADLINE_EXCEEDED when the client's deadline ended the call while the last messages
-// waited for it to read, CANCELLED when the client cancelled it then. Both were counted OK, and
-// as successes. (Those the server cancels unread, at --unread-timeout, stay counted as the engine
-// finished them.)
+// saw it: DEADLINE_EXCEEDED when the call's deadline ended it while the last messages waited for
+// the client to read, CANCELLED when the client cancelled it then. Both were counted OK, and as
+// successes. (Those the server cancels unread, at --unread-timeout, stay counted as the engine
+// finished them.) The timed call goes by hand, so that only the server's deadline ends it: a gRPC
+// client's own timer sends its cancel at the same moment, and under load the server, whose deadline
+// starts when it has read the call's headers, then saw a cancel before its deadline.
 TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(model, {"--unread-timeout", "600"});
@@ -702,11 +712,11 @@ TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
   v1::GenerateRequest req = ids_request(some_ids(8), 150);
   req.set_logprobs(true);
   req.mutable_sampling()->set_top_logprobs(20);
-  grpc::ClientContext timed, cancelled;
   // Long enough for the engine to finish first however loaded the machine (if it does not, the
   // engine ends it DEADLINE_EXCEEDED, as checked below).
-  timed.set_deadline(std::chrono::system_clock::now() + 10s);
-  auto timed_reader = stub->Generate(&timed, req);
+  RawCall timed(server->port(), "/cemlm.v1.Inference/Generate", req.SerializeAsString(),
+                {{"grpc-timeout", "10S"}}, 1024);
+  grpc::ClientContext cancelled;
   auto cancelled_reader = stub->Generate(&cancelled, req);
   ASSERT_TRUE(wait_for_metrics(*server, [](const auto& m) {
     return metric(m, "cemlm:generation_tokens_total") >= 300 &&
@@ -714,6 +724,17 @@ TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
            metric(m, "cemlm:num_requests_waiting") == 0;
   })) << server->metrics_text();
   cancelled.TryCancel();
+  // The server ends the timed call at its deadline: trailers or a reset.
+  int status = -1;
+  const RawCall::End end =
+      timed.read_frames(60s, true, [&](uint8_t type, uint8_t, const std::string& payload) {
+        const size_t at = type == 1 ? payload.find("grpc-status") : std::string::npos;
+        if (at != std::string::npos && payload.size() > at + 12)
+          status = std::stoi(payload.substr(at + 12, size_t(payload[at + 11])));
+        return status >= 0 || type == 3;
+      });
+  EXPECT_EQ(end, RawCall::End::kStopped);
+  EXPECT_TRUE(status == -1 || status == int(grpc::StatusCode::DEADLINE_EXCEEDED)) << status;
   EXPECT_TRUE(wait_for_metrics(*server, [](const auto& m) {
     return metric(m, "cemlm:requests_total", "method=\"Generate\"") == 2;
   })) << server->metrics_text();
@@ -722,11 +743,9 @@ TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
   EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"CANCELLED\",method=\"Generate\""), 1);
   EXPECT_EQ(metric(m, "cemlm:request_success_total"), 0);
   EXPECT_EQ(metric(m, "cemlm:unread_streams_cancelled_total"), 0);
-  for (auto* reader : {timed_reader.get(), cancelled_reader.get()}) {
-    for (v1::GenerateResponse r; reader->Read(&r);) {
-    }
-    EXPECT_FALSE(reader->Finish().ok());
+  for (v1::GenerateResponse r; cancelled_reader->Read(&r);) {
   }
+  EXPECT_FALSE(cancelled_reader->Finish().ok());
   const std::string log = log_with(*server, "status=DEADLINE_EXCEEDED");
   EXPECT_NE(log.find("finish=length status=DEADLINE_EXCEEDED"), std::string::npos) << log;
 }

@@ -21,7 +21,7 @@ case "$kind" in
   *) echo "usage: scripts/sanitize.sh address|thread" >&2; exit 2 ;;
 esac
 build=build-${kind:0:1}san
-PLUGIN_SUITES='^(EngineText|GenerateCliText|Server(Auth|Drain|Files|Generate|Lifecycle|Queue|Tls|Validation)|Tokenizer|DataTest|Train|paper_)'
+PLUGIN_SUITES='^(EngineText|GenerateCliText|Server(Auth|Deadlines|Drain|Files|Generate|Lifecycle|Queue|Tls|Tokenizer|Validation)|Tokenizer|DataTest|Train|paper_)'
 scripts/setup.sh > /dev/null  # the Debian packages (and the normal build)
 mkdir -p "$build"
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCEMLM_CUDA=OFF \

@@ -378,9 +378,9 @@ TEST_F(ServerGenerate, CancelMidStreamFreesTheBlocks) {
 // the engine, instead of generating for nobody until the request's end (its stream never
 // drains: the client sends no window update).
 TEST(ServerKeepalive, AClientThatStopsAnsweringPingsIsCutOffAndItsCallCancelled) {
-  auto server =
-      ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen}),
-                           {"--keepalive-time", "1", "--keepalive-timeout", "1"});
+  auto server = ServerProcess::start(
+      make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen, .tokenizer = false}),
+      {"--keepalive-time", "1", "--keepalive-timeout", "1"});
   ASSERT_TRUE(server);
   RawCall call(server->port(), "/cemlm.v1.Inference/Generate",
                ids_request(some_ids(12), kLongRequest, 8).SerializeAsString());

@@ -199,7 +199,8 @@ std::string check_model(std::string_view model) {
     std::vector<std::string_view> specs, maps;
     bool walked = fields(model, spec_field, &specs);
     for (std::string_view spec : specs) walked = walked && fields(spec, 2, &maps);
-    if (!walked) return "it holds protobuf groups, which no SentencePiece model has";
+    if (!walked)
+      return "its protobuf encoding is broken or holds groups (no SentencePiece model has)";
     for (std::string_view map : maps)
       if (std::string why = map.empty() ? "" : check(map); !why.empty())
         return spec_name + ".precompiled_charsmap is damaged: " + why;
@@ -210,6 +211,13 @@ std::string check_model(std::string_view model) {
 }  // namespace charsmap
 
 void* load(const std::string& serialized, std::string* error) {
+  // Checked before SentencePiece loads it: its load encodes the model's self_test_data samples,
+  // so a damaged charsmap was already walked by then. Every charsmap given is checked (a field
+  // given twice is merged, the last bytes winning), so the one SentencePiece keeps is too.
+  if (std::string why = charsmap::check_model(serialized); !why.empty()) {
+    *error = why;
+    return nullptr;
+  }
   auto sp = std::make_unique<SentencePieceProcessor>();
   // Building its piece index, SentencePiece throws where it has no status to return (a unigram
   // piece starting with a NUL byte: "failed to insert key: zero-length key"), which would end
@@ -224,11 +232,6 @@ void* load(const std::string& serialized, std::string* error) {
     const size_t cut = what.find("exception: ");
     *error = "SentencePiece cannot index its pieces: " +
              (cut == std::string::npos ? what : what.substr(cut + 11));
-    return nullptr;
-  }
-  // (Checked in the model as SentencePiece re-serializes it: a field given twice is merged.)
-  if (std::string why = charsmap::check_model(sp->serialized_model_proto()); !why.empty()) {
-    *error = why;
     return nullptr;
   }
   return sp.release();

@@ -338,6 +338,34 @@ TEST_F(TokenizerTest, LoadRefusesADamagedNormalizationCharsmap) {
   }
 }
 
+// SentencePiece's load encodes the model's self_test_data samples (ModelProto field 4: samples,
+// each an input and its expected pieces), so a damaged charsmap is walked before load returns:
+// it is refused before SentencePiece sees it (checked after the load, this crashed in the load).
+TEST_F(TokenizerTest, LoadRefusesADamagedCharsmapBeforeItsSelfTestRuns) {
+  std::string model, error;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &model, &error)) << error;
+  const std::string path = *dir_ + "/self_test.model";
+  // "A" steps about 2^29 units (2 GiB) past the trie: offset (2^21 - 1) << 8, the largest (unit
+  // bit 9 widens the 21-bit field; bit 31 would make the unit a leaf).
+  Charsmap far(1);
+  far.units[256 ^ 'A'] = (((1u << 21) - 1) << 10) | (1u << 9) | Charsmap::kLeaf | 'A';
+  // The sample: input "A", expected the pieces of "a" (what "A" normalizes to), space-separated.
+  std::string expected;
+  for (int id : encode_ok(*tok_, "a"))
+    expected += (expected.empty() ? "" : " ") + tok_->id_to_piece(id);
+  const std::string self_test =
+      proto_bytes(4, proto_bytes(1, proto_bytes(1, "A") + proto_bytes(2, expected)));
+  write_file(path, with_charsmap(model, far.blob()) + self_test);
+  error = load_error(path);
+  EXPECT_NE(error.find("normalizer_spec.precompiled_charsmap is damaged: a node points outside "
+                       "the trie"),
+            std::string::npos)
+      << error;
+  // A sound charsmap with the same self-test still loads.
+  write_file(path, with_charsmap(model, Charsmap(1).blob()) + self_test);
+  EXPECT_NE(Tokenizer::load(path, &error), nullptr) << error;
+}
+
 // SentencePiece throws while indexing a unigram model whose piece starts with a NUL byte (there
 // is no status to return from there): uncaught, it ended the process (std::terminate) on load.
 TEST_F(TokenizerTest, LoadRefusesAPieceThatSentencePieceCannotIndex) {

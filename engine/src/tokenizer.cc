@@ -77,6 +77,16 @@ Tokenizer::Tokenizer(void* sp) : sp_(sp) {
 Tokenizer::~Tokenizer() { loaded_spm().destroy(sp_); }
 
 std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string* error) {
+  // A model of 256k pieces is a few MB; a path to something else (a checkpoint's weights) is
+  // refused by its size rather than read whole first.
+  constexpr uintmax_t kMaxModelBytes = uintmax_t(256) << 20;
+  std::error_code ec;
+  if (const uintmax_t size = std::filesystem::file_size(path, ec); !ec && size > kMaxModelBytes) {
+    *error = "tokenizer '" + path + "' is " + std::to_string(size) +
+             " bytes, more than a SentencePiece model's " + std::to_string(kMaxModelBytes) +
+             " at most; pass the tokenizer.model file";
+    return nullptr;
+  }
   std::string bytes;
   if (!read_file(path, &bytes, error)) {
     *error = "cannot load tokenizer: " + *error;

@@ -249,6 +249,16 @@ TEST(TokenizerLoad, ErrorsNameThePath) {
     EXPECT_NE(error.find(dir + "/garbage.model"), std::string::npos) << error;
     EXPECT_NE(error.find("not a SentencePiece model"), std::string::npos) << error;
   }
+  // A file far larger than any tokenizer (sparse: nothing is written) is refused by its size,
+  // not read whole first.
+  write_file(dir + "/huge.model", "");
+  std::filesystem::resize_file(dir + "/huge.model", uintmax_t(1) << 30);
+  const std::string huge = load_error(dir + "/huge.model");
+  EXPECT_NE(huge.find("tokenizer '" + dir +
+                      "/huge.model' is 1073741824 bytes, more than a "
+                      "SentencePiece model's 268435456 at most"),
+            std::string::npos)
+      << huge;
 }
 
 // A protobuf length-delimited field: tag, length, bytes.

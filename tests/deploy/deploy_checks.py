@@ -96,6 +96,31 @@ def image_env():
     return env
 
 
+def relabel(labels, configs):
+    """One target's labels after Prometheus relabelling (the actions keep, drop and replace, with
+    Prometheus' defaults); None when the target is dropped. Debian's promtool cannot run
+    Kubernetes discovery, so this is how prometheus-k8s.yml's rules get tested."""
+    labels = dict(labels)
+    for c in configs:
+        action = c.get("action", "replace")
+        value = c.get("separator", ";").join(labels.get(s, "") for s in c.get("source_labels", []))
+        m = re.fullmatch(c.get("regex", "(.*)"), value)  # Prometheus anchors its regexes
+        if action in ("keep", "drop"):
+            if (m is None) == (action == "keep"):
+                return None
+        elif action == "replace":
+            if m:
+                new = re.sub(r"\$\{?(\d+)\}?", lambda g: m.group(int(g.group(1))) or "",
+                             c.get("replacement", "$1"))
+                if new:
+                    labels[c["target_label"]] = new
+                else:  # an empty value removes the label
+                    labels.pop(c["target_label"], None)
+        else:
+            raise ValueError(f"relabel action '{action}' is not simulated here; add it")
+    return labels
+
+
 def run_promtool(*args, cwd=None):
     if shutil.which(PROMTOOL) is None:
         return 1, f"promtool not found (Debian package 'prometheus'; PROMTOOL={PROMTOOL})"
@@ -248,6 +273,26 @@ def check_k8s(errors):
     errors.expect(job["job_name"] == "cemlm" and {"namespace", "pod"} <= added,
                   "prometheus-k8s.yml: job 'cemlm' must add the labels namespace and pod "
                   "(the adapter rule needs them)")
+    # Pods discovered with an IP: only running cemlm pods' metrics port is a target. A pod still
+    # pulling its image (Pending) or evicted (Failed; it lingers until garbage-collected) has an
+    # IP but nothing listening: scraped, it is up == 0, and CemlmServerDown fires for it.
+    def pod_target(phase="Running", app="cemlm", port="metrics"):
+        return {"__address__": "10.0.0.7:9400", "__meta_kubernetes_namespace": "ml",
+                "__meta_kubernetes_pod_name": "cemlm-abc", "__meta_kubernetes_pod_phase": phase,
+                "__meta_kubernetes_pod_label_app_kubernetes_io_name": app,
+                "__meta_kubernetes_pod_container_port_name": port}
+    kept = relabel(pod_target(), job["relabel_configs"])
+    errors.expect(kept and kept.get("namespace") == "ml" and kept.get("pod") == "cemlm-abc",
+                  f"prometheus-k8s.yml: a running cemlm pod's metrics port is not scraped with "
+                  f"namespace and pod labels: {kept}")
+    for why, target in (("a Pending pod", pod_target(phase="Pending")),
+                        ("a Failed (evicted) pod", pod_target(phase="Failed")),
+                        ("a Succeeded pod", pod_target(phase="Succeeded")),
+                        ("another app's pod", pod_target(app="other")),
+                        ("the grpc port", pod_target(port="grpc"))):
+        errors.expect(relabel(target, job["relabel_configs"]) is None,
+                      f"prometheus-k8s.yml: job 'cemlm' scrapes {why}; drop it in "
+                      "relabel_configs (__meta_kubernetes_pod_phase)")
 
 
 def check_dashboard(errors):

@@ -165,9 +165,15 @@ def check_compose(errors):
         errors.expect(dockerfile.is_file(), f"{path}: {name}.build names no existing Dockerfile")
         timeout = s.get("environment", {}).get("CEMLM_SHUTDOWN_TIMEOUT", "")
         shutdown = seconds(compose_default(timeout) or env["CEMLM_SHUTDOWN_TIMEOUT"])
-        errors.expect(seconds(s.get("stop_grace_period", 10)) > shutdown,
+        grace = s.get("stop_grace_period", 10)
+        errors.expect(seconds(compose_default(grace)) > shutdown,
                       f"{path}: {name}.stop_grace_period must exceed the shutdown timeout "
                       f"({shutdown:g}s)")
+        # The drain time comes from the shell, so the grace period must too: a fixed one kills a
+        # server mid-drain once CEMLM_SHUTDOWN_TIMEOUT is raised past it.
+        errors.expect(str(grace).startswith("${CEMLM_STOP_GRACE_PERIOD:-"),
+                      f"{path}: {name}.stop_grace_period must come from "
+                      "${CEMLM_STOP_GRACE_PERIOD:-…}, like the drain time")
     devices = (services.get("cemlm-gpu", {}).get("deploy", {}).get("resources", {})
                .get("reservations", {}).get("devices", []))
     errors.expect(any("gpu" in d.get("capabilities", []) for d in devices),

@@ -116,7 +116,8 @@ int cmd_generate(int argc, char** argv) {
   f.add_bool("ignore-eos", &ignore_eos, "keep generating after the model's end-of-sequence id");
   f.add("logit-bias", &logit_bias,
         "ID:BIAS pairs like 17:-100,42:2.5: BIAS in [-100, 100] added to token ID's logit after "
-        "the penalties (-100 bans it); --json logprobs stay the unmodified model's");
+        "the penalties, before the temperature divides it (-100 bans it at temperatures up to a "
+        "few); --json logprobs stay the unmodified model's");
   f.add("top-logprobs", &top_logprobs, "alternatives reported per token with --json, 0-20");
   f.add("seed", &seed_text, "sampling seed, an integer in [0, 2^64) (random when not given)");
   f.add("device", &device,

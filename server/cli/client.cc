@@ -130,7 +130,7 @@ int client_generate(int argc, char** argv) {
   std::string logit_bias;
   flags.add("logit-bias", &logit_bias,
             "ID:BIAS pairs like 17:-100,42:2.5: BIAS in [-100, 100] added to token ID's logit "
-            "(-100 bans it)");
+            "before the temperature divides it (-100 bans it at temperatures up to a few)");
   flags.add_bool("logprobs", &g.logprobs, "report the logprob of each token (with --json)");
   flags.add("top-logprobs", &g.top_logprobs, "alternatives per token (with --json)");
   flags.add("priority", &g.priority, "larger runs first");

@@ -387,6 +387,18 @@ TEST(Sampler, LogitBiasMovesTheDrawNotTheLogprob) {
     EXPECT_NE(pick(p, kRow, {5}, 1, seed), 5) << "seed " << seed;
 }
 
+// The bias is added before the temperature, so it is divided by it with the logits: -100 bans a
+// token at ordinary temperatures, but at 1000 it moves the logit by 0.1 and the token stays in
+// the draw (docs/API.md says so; it once said -100 bans a token whatever the temperature).
+TEST(Sampler, LogitBiasIsScaledByTheTemperature) {
+  SamplingParams p;
+  p.logit_bias = {{3, -100.0f}};
+  p.temperature = 2;
+  EXPECT_EQ(support(p, 2000).count(3), 0u);
+  p.temperature = 1000;
+  EXPECT_EQ(support(p, 2000).count(3), 1u);
+}
+
 // The shares of a biased draw are those of softmax(logits + bias): counts over many seeds against
 // the exact probabilities (a 4.5-sigma band per token).
 TEST(Sampler, LogitBiasGivesTheBiasedDistribution) {

@@ -27,7 +27,8 @@ struct SamplingParams {
   bool ignore_eos = false;
   int top_logprobs = 0;            // alternatives reported per token (0–20)
   // (token id, bias): added to the id's logit after the penalties, before the temperature and the
-  // filters; each id at most once, each bias in [-100, 100] (-100 in practice bans the token).
+  // filters (so divided by the temperature too); each id at most once, each bias in [-100, 100]
+  // (-100 in practice bans the token at temperatures up to a few).
   std::vector<std::pair<int, float>> logit_bias;
 };
 

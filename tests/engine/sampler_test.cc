@@ -7,7 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
+#include <random>
 #include <set>
+
+#include "cemlm/engine/utf8.h"
 
 namespace cemlm {
 namespace {
@@ -197,6 +201,60 @@ TEST(Sampler, FilteredDrawsMatchTheFullSortRule) {
           }
   }
   EXPECT_EQ(compared, 16 * 3 * 4 * 3 * 2 * 2);
+}
+
+// Penalties, logit bias and min_new_tokens before the filters, on random rows, histories and
+// parameters: the draw is the documented rule's (reference_draw on the penalized row, the
+// argmax when greedy) and the logprob the raw row's.
+TEST(Sampler, PenaltiesBiasAndMinNewTokensThenFiltersFollowTheDocumentedOrder) {
+  Rng rng(11);
+  int compared = 0;
+  for (int row_i = 0; row_i < 200; ++row_i) {
+    const int V = 50 + row_i % 7 * 30;
+    std::vector<float> logits(static_cast<size_t>(V));
+    for (float& x : logits) x = float(rng.normal() * (1 + row_i % 3));
+    const int n_prompt = int(rng.uniform() * 10), n = n_prompt + int(rng.uniform() * 20);
+    std::vector<int> toks;
+    for (int i = 0; i < n; ++i) toks.push_back(int(rng.uniform() * V));
+    SamplingParams p;
+    p.temperature = row_i % 5 == 0 ? 0.0f : float(0.3 + rng.uniform() * 1.5);
+    p.top_k = row_i % 4 == 0 ? 0 : int(rng.uniform() * V);
+    p.top_p = row_i % 3 == 0 ? 1.0f : float(0.2 + rng.uniform() * 0.8);
+    p.min_p = row_i % 2 == 0 ? 0.0f : float(rng.uniform() * 0.3);
+    p.repetition_penalty = float(0.5 + rng.uniform() * 2);
+    p.presence_penalty = float(rng.uniform() * 4 - 2);
+    p.frequency_penalty = float(rng.uniform() * 4 - 2);
+    const int eos = int(rng.uniform() * V);
+    p.stop_token_ids = {int(rng.uniform() * V)};
+    p.min_new_tokens = row_i % 2 ? 100 : 0;
+    p.max_new_tokens = 200;
+    std::set<int> biased;
+    for (int j = 0; j < 5; ++j)
+      if (const int id = int(rng.uniform() * V); biased.insert(id).second)
+        p.logit_bias.push_back({id, float(rng.uniform() * 20 - 10)});
+    ASSERT_TRUE(validate_sampling(p, V, eos).ok());
+    std::vector<float> w = logits;
+    for (int t : std::set<int>(toks.begin(), toks.end())) {
+      float& x = w[size_t(t)];
+      x = x > 0 ? x / p.repetition_penalty : x * p.repetition_penalty;
+    }
+    std::map<int, int> count;
+    for (int i = n_prompt; i < n; ++i) ++count[toks[size_t(i)]];
+    for (auto [t, c] : count) w[size_t(t)] -= p.presence_penalty + p.frequency_penalty * float(c);
+    for (auto [id, b] : p.logit_bias) w[size_t(id)] += b;
+    if (n - n_prompt < p.min_new_tokens)
+      w[size_t(eos)] = w[size_t(p.stop_token_ids[0])] = -INFINITY;
+    for (uint64_t seed : {1u, 2u, 3u}) {
+      auto r = Sampler(p, eos, seed).sample(logits, toks, n_prompt);
+      ASSERT_TRUE(r.ok());
+      const int want = p.temperature == 0 ? int(std::max_element(w.begin(), w.end()) - w.begin())
+                                          : reference_draw(w, p, seed);
+      ASSERT_EQ(r->token, want) << "row " << row_i << " seed " << seed;
+      ASSERT_NEAR(r->logprob, logits[size_t(r->token)] - log_sum_exp(logits), 1e-5);
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 600);
 }
 
 TEST(Sampler, RepetitionPenaltyCoversPromptAndGenerated) {
@@ -510,6 +568,53 @@ TEST(StopMatcher, CutsAtTheEarliestStopString) {
   StopMatcher none({});
   EXPECT_EQ(none.push("anything", &stopped), "anything");
   EXPECT_FALSE(stopped);
+}
+
+// Random stop strings (multi-byte characters included) over texts split at random: the output
+// is the whole text cut before the stop string that ends first (the longer on a tie), never
+// depends on the split, stops at the piece that completes it, and each piece is valid UTF-8.
+TEST(StopMatcher, RandomSplitsGiveTheWholeTextsCut) {
+  std::mt19937 rng(5);
+  const std::vector<std::string> alphabet = {"a", "b", "\xC3\xA9", "\xE2\x82\xAC", "ab"};
+  auto random_text = [&](int most) {
+    std::string s;
+    for (int i = 0, n = 1 + int(rng() % unsigned(most)); i < n; ++i)
+      s += alphabet[rng() % alphabet.size()];
+    return s;
+  };
+  int stops_seen = 0;
+  for (int iter = 0; iter < 20000; ++iter) {
+    std::vector<std::string> stops, pieces;
+    for (int i = 0, n = int(rng() % 4); i < n; ++i) stops.push_back(random_text(4));
+    for (int i = 0, n = 1 + int(rng() % 8); i < n; ++i)
+      pieces.push_back(rng() % 5 == 0 ? std::string() : random_text(3));
+    std::string text;
+    for (const std::string& piece : pieces) text += piece;
+    size_t cut = std::string::npos, end = std::string::npos;
+    for (const std::string& s : stops)
+      if (const size_t at = text.find(s); at != std::string::npos)
+        if (at + s.size() < end || (at + s.size() == end && at < cut))
+          cut = at, end = at + s.size();
+    StopMatcher m(stops);
+    std::string out;
+    bool stopped = false;
+    size_t fed = 0, last = 0;
+    for (const std::string& piece : pieces) {
+      const std::string o = m.push(piece, &stopped);
+      ASSERT_TRUE(is_valid_utf8(o)) << "iter " << iter;
+      out += o;
+      fed += last = piece.size();
+      if (stopped) break;
+    }
+    if (!stopped) out += m.flush();
+    ASSERT_EQ(out, text.substr(0, cut)) << "iter " << iter;
+    ASSERT_EQ(stopped, cut != std::string::npos) << "iter " << iter;
+    if (stopped) {
+      ++stops_seen;
+      ASSERT_TRUE(fed - last < end && end <= fed) << "iter " << iter;
+    }
+  }
+  EXPECT_GT(stops_seen, 1000);
 }
 
 // ---- validate_sampling ----

@@ -172,6 +172,11 @@ int Scheduler::reserve(Sequence* s, int n, const std::set<SeqId>& scheduled, Ste
   }
 }
 
+// Strictly by rank, even a victim whose preemption frees nothing (at a block boundary, with every
+// block shared by a sequence admitted onto them while it sat a step out): it could not go on
+// without a fresh block either, and its cache survives in its sharers' references, so its
+// readmission recomputes one token. Skipping it would let it keep a slot over those ranked above it
+// that are preempted next.
 Sequence* Scheduler::victim_after(const Sequence* s, const std::set<SeqId>& scheduled) const {
   for (auto it = running_.rbegin(); it != running_.rend() && *it != s; ++it)
     if (!scheduled.count((*it)->id)) return *it;

@@ -670,6 +670,31 @@ TEST(Scheduler, MakeRoomCountsOnlyWhatPreemptingWouldFree) {
   h.bm.release(other);
 }
 
+// A victim whose preemption frees nothing (every block shared, at a block boundary) is still
+// preempted in rank order; its cache lives on in the sharer's references, so readmission
+// recomputes one token.
+TEST(Scheduler, AVictimThatFreesNothingIsReadmittedOntoItsCache) {
+  Harness h({.max_batch_tokens = 3}, 10, 1, /*caching=*/true);
+  h.sched.add({1, {11, 12, 13, 14, 15}, 1, 0});
+  h.step();
+  h.sched.add({2, prompt(10), 1, 1});
+  h.step();  // 1 ends its prompt; 2 is admitted into the budget left
+  h.sched.add({3, {11, 12, 13, 14, 15, 99}, 1, 2});
+  StepPlan p = h.step();  // 2's prefill takes the budget; it sits out for 3, 1 gets no row
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].cached_tokens, 5);  // 3 shares all five of 1's blocks
+  EXPECT_EQ(row_tokens(p, 1), 0);
+  ASSERT_EQ(h.bm.num_available(), 0);
+  p = h.step();  // 3's decode needs a block: 1 (freeing nothing), then 2 make way
+  EXPECT_EQ(p.preempted, (std::vector<SeqId>{1, 2}));
+  h.sched.remove(2);
+  p = h.step();
+  ASSERT_EQ(p.admitted.size(), 1u);
+  EXPECT_EQ(p.admitted[0].id, 1u);
+  EXPECT_EQ(p.admitted[0].cached_tokens, 5);
+  EXPECT_EQ(row_tokens(p, 1), 1);
+}
+
 TEST(Scheduler, RemoveFreesBlocksWhereverTheSequenceIs) {
   Harness h({.max_batch_tokens = 4, .max_running = 1}, 16, 4, true);
   h.add(1, 10);

@@ -24,6 +24,12 @@ constexpr int kHandshakeTimeoutMs = 10 * 1000;
 // at most the model's max_seq_len tokens). gRPC refuses a larger body itself, RESOURCE_EXHAUSTED,
 // before any interceptor or handler sees the call.
 constexpr int kMaxRequestBytes = 4 << 20;
+// Client keepalive pings on a connection whose calls have nothing to send yet (a queued request, a
+// Score waiting for cache room, a long prefill): gRPC's default allows one per 5 minutes, and at
+// the third faster one closes the connection (GOAWAY too_many_pings), failing its calls with
+// UNAVAILABLE "Too many pings". A ping a second costs nothing; gRPC-Go and Java clients ping
+// every 10 s at most.
+constexpr int kMinClientPingIntervalMs = 1000;
 
 std::shared_ptr<grpc::ServerCredentials> credentials(const ServerOptions& opts) {
   if (opts.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
@@ -59,6 +65,8 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kMaxConnectionIdleMs);
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             kMinClientPingIntervalMs);
   auto ms = [](double s) { return int(std::min(s * 1e3, double(INT_MAX))); };
   if (opts.keepalive_time_s > 0) {
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ms(opts.keepalive_time_s));

@@ -1,6 +1,7 @@
 // Generate through a real `cemlm serve` process: streaming contents, 64 concurrent streams with
-// mixed T, cancellation, deadlines and a client that stopped answering keepalive pings freeing
-// the engine (seen in /metrics), and the bounded queue answering RESOURCE_EXHAUSTED.
+// mixed T, cancellation, deadlines, a client that stopped answering keepalive pings freeing
+// the engine (seen in /metrics) and one that pings while it waits kept, and the bounded queue
+// answering RESOURCE_EXHAUSTED.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -397,6 +398,44 @@ TEST(ServerKeepalive, AClientThatStopsAnsweringPingsIsCutOffAndItsCallCancelled)
            metric(s, "cemlm:kv_cache_usage_perc") == 0 &&
            metric(s, "cemlm:request_errors_total", "code=\"CANCELLED\"") == 1;
   })) << server->metrics_text();
+}
+
+// A client that pings its connection while its call waits with nothing to receive (here a
+// request queued behind a long one; a Score waiting for cache room, or a long prefill, alike):
+// gRPC's default allowed a ping every 5 minutes without data, so the fourth ping closed the
+// connection (GOAWAY too_many_pings) and the waiting call failed UNAVAILABLE "Too many pings".
+TEST(ServerKeepalive, AClientsOwnPingsWhileItsCallWaitsAreNoAbuse) {
+  auto server = ServerProcess::start(
+      make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen, .tokenizer = false}),
+      {"--max-running", "1"});
+  ASSERT_TRUE(server);
+  grpc::ClientContext long_context;
+  auto long_call = v1::Inference::NewStub(server->channel())
+                       ->Generate(&long_context, ids_request(some_ids(12), kLongRequest, 8));
+  v1::GenerateResponse first;
+  ASSERT_TRUE(long_call->Read(&first));  // running: the next request waits in the queue
+
+  // Its own connection (a channel of its own arguments), pinged every 1.5 s, data or not.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 1500);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto pinging =
+      grpc::CreateCustomChannel(server->addr(), grpc::InsecureChannelCredentials(), args);
+  Stream waited;
+  std::thread waiter([&] { waited = generate(pinging, ids_request(some_ids(4), 2)); });
+  // Eight pings while it waits: with the old policy the fourth one closed the connection.
+  std::this_thread::sleep_for(12s);
+  long_context.TryCancel();
+  for (v1::GenerateResponse m; long_call->Read(&m);) {
+  }
+  // Still running when cancelled, so the other call waited through all the pings.
+  EXPECT_EQ(long_call->Finish().error_code(), grpc::StatusCode::CANCELLED)
+      << "the long request ended by itself: lengthen it";
+  waiter.join();
+  EXPECT_TRUE(waited.status.ok()) << server::grpc_code_name(waited.status.error_code()) << ": "
+                                  << waited.status.error_message();
+  EXPECT_EQ(waited.ids().size(), 2u);
 }
 
 // The token counters move as tokens stream, not when the request ends (a dashboard's tokens/s

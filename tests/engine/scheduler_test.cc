@@ -675,11 +675,11 @@ TEST(Scheduler, MakeRoomCountsOnlyWhatPreemptingWouldFree) {
 // recomputes one token.
 TEST(Scheduler, AVictimThatFreesNothingIsReadmittedOntoItsCache) {
   Harness h({.max_batch_tokens = 3}, 10, 1, /*caching=*/true);
-  h.sched.add({1, {11, 12, 13, 14, 15}, 1, 0});
+  ASSERT_TRUE(h.sched.add({1, {11, 12, 13, 14, 15}, 1, 0}).ok());
   h.step();
-  h.sched.add({2, prompt(10), 1, 1});
+  ASSERT_TRUE(h.sched.add({2, prompt(10), 1, 1}).ok());
   h.step();  // 1 ends its prompt; 2 is admitted into the budget left
-  h.sched.add({3, {11, 12, 13, 14, 15, 99}, 1, 2});
+  ASSERT_TRUE(h.sched.add({3, {11, 12, 13, 14, 15, 99}, 1, 2}).ok());
   StepPlan p = h.step();  // 2's prefill takes the budget; it sits out for 3, 1 gets no row
   ASSERT_EQ(p.admitted.size(), 1u);
   EXPECT_EQ(p.admitted[0].cached_tokens, 5);  // 3 shares all five of 1's blocks

@@ -25,10 +25,6 @@
 #include "temp_dir.h"
 
 namespace cemlm {
-namespace testing_models {
-// Failure messages name the variant instead of dumping its bytes.
-void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
-}  // namespace testing_models
 namespace {
 
 using testing_models::Variant;

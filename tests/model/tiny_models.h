@@ -2,6 +2,7 @@
 // exercise every term (non-unit gains, non-zero diagonals and P_v), for the model tests; and
 // weights that overflow the backward, for the checks that refuse non-finite gradients.
 #pragma once
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,8 @@ struct Variant {
   int mlp_rank;
   StepSize step = StepSize::kInverseT;
 };
+// How gtest prints a variant parameter (else the struct's raw bytes, a heap pointer among them).
+inline void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
 
 inline std::vector<Variant> all_variants() {
   using A = AttentionType;

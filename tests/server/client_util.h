@@ -4,6 +4,9 @@
 #include <grpc/support/time.h>
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <memory>
@@ -41,6 +44,23 @@ inline void prepare(grpc::ClientContext* context, const CallOptions& o) {
   // As a timespec: a system_clock time point cannot hold the centuries a test may ask for.
   context->set_deadline(gpr_time_add(gpr_now(GPR_CLOCK_REALTIME),
                                      gpr_time_from_millis(o.timeout.count(), GPR_TIMESPAN)));
+}
+
+// A channel whose streams announce a 1 KiB window that does not grow (no BDP probes), so that
+// what a test does not read stays on the server. gRPC sends that window in a setting after the
+// connection's first (the default 64 KiB), and under load a server sent a whole stream before it
+// took effect: a first call here makes sure it has.
+inline std::shared_ptr<grpc::Channel> small_window_channel(const std::string& addr) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  auto channel = grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
+  grpc::ClientContext context;
+  v1::ModelInfo info;
+  const grpc::Status st =
+      v1::Inference::NewStub(channel)->GetModelInfo(&context, v1::GetModelInfoRequest(), &info);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return channel;
 }
 
 // A request for `max_new` tokens after the given prompt ids (EOS ignored, so exactly max_new).

@@ -637,10 +637,7 @@ TEST(ServerQueue, FullQueueAnswersResourceExhausted) {
 // has finished both.
 struct UnreadStreams {
   UnreadStreams(const ServerProcess& server) {
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-    args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
-    channel = grpc::CreateCustomChannel(server.addr(), grpc::InsecureChannelCredentials(), args);
+    channel = small_window_channel(server.addr());
     auto stub = v1::Inference::NewStub(channel);
     v1::GenerateRequest req = ids_request(some_ids(8), 150);
     req.set_logprobs(true);
@@ -742,13 +739,9 @@ TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(model, {"--unread-timeout", "600"});
   ASSERT_TRUE(server);
-  grpc::ChannelArguments args;  // a 1 KiB window: most of the output stays on the server
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
-  auto channel =
-      grpc::CreateCustomChannel(server->addr(), grpc::InsecureChannelCredentials(), args);
-  auto stub = v1::Inference::NewStub(channel);
-  v1::GenerateRequest req = ids_request(some_ids(8), 150);
+  // Most of the output (~80 KB a stream, more than even gRPC's default window) stays on the server.
+  auto stub = v1::Inference::NewStub(small_window_channel(server->addr()));
+  v1::GenerateRequest req = ids_request(some_ids(8), 400);
   req.set_logprobs(true);
   req.mutable_sampling()->set_top_logprobs(20);
   // Long enough for the engine to finish first however loaded the machine (if it does not, the
@@ -758,7 +751,7 @@ TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
   grpc::ClientContext cancelled;
   auto cancelled_reader = stub->Generate(&cancelled, req);
   ASSERT_TRUE(wait_for_metrics(*server, [](const auto& m) {
-    return metric(m, "cemlm:generation_tokens_total") >= 300 &&
+    return metric(m, "cemlm:generation_tokens_total") >= 800 &&
            metric(m, "cemlm:num_requests_running") == 0 &&
            metric(m, "cemlm:num_requests_waiting") == 0;
   })) << server->metrics_text();

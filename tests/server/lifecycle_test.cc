@@ -55,11 +55,7 @@ TEST(ServerDrain, SigtermFinishesWhatIsInFlightThenExitsZero) {
       {"--shutdown-timeout", "120", "--unread-timeout", "600"});  // the test reads it late
   ASSERT_TRUE(server);
   constexpr int kTokens = 1500;
-  grpc::ChannelArguments args;  // a 1 KiB window that does not grow (no BDP probes)
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
-  const auto channel =
-      grpc::CreateCustomChannel(server->addr(), grpc::InsecureChannelCredentials(), args);
+  const auto channel = small_window_channel(server->addr());
   grpc::ClientContext context;
   auto reader =
       v1::Inference::NewStub(channel)->Generate(&context, ids_request(prompt(12), kTokens, 8));

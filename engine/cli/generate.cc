@@ -180,19 +180,16 @@ int cmd_generate(int argc, char** argv) {
     if (!ids) return fail("--prompt: " + error + "; use --prompt-ids");
     req.prompt_ids = *std::move(ids);
   }
-  // The default fits small models too; a value given stays as given, and too large is an error.
-  if (!f.given("max-new-tokens")) {
-    const int room = (*engine)->config().max_seq_len - int(req.prompt_ids.size());
-    if (room < 1)
-      return fail(req.prompt_field + " has " + std::to_string(req.prompt_ids.size()) +
-                  " tokens, which fill the model's max_seq_len = " +
-                  std::to_string((*engine)->config().max_seq_len) +
-                  ": no room to generate; shorten the prompt");
-    max_new = std::min(max_new, room);
-  }
   req.recursion_depth = T;
   req.sampling.max_new_tokens = max_new;
   req.sampling.min_new_tokens = min_new;
+  // The default fits small models too; a value given stays as given, and too large is an error.
+  if (!f.given("max-new-tokens"))
+    if (absl::Status st =
+            cap_unset_max_new_tokens((*engine)->config().max_seq_len, int(req.prompt_ids.size()),
+                                     req.prompt_field, &req.sampling);
+        !st.ok())
+      return fail(in_flag_terms(std::string(st.message())));
   req.sampling.logit_bias = bias;
   req.sampling.temperature = temperature;
   req.sampling.top_k = top_k;

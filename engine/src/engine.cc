@@ -310,9 +310,9 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
                      SamplingParams{}.max_new_tokens, " when not set)"));
   if (blocks_.blocks_for(total) > blocks_.num_blocks())
     return absl::InvalidArgumentError(absl::StrCat(
-        field, " + sampling.max_new_tokens = ", total, " tokens need ",
-        blocks_.blocks_for(total), " KV blocks but the cache holds ", blocks_.num_blocks(),
-        "; lower sampling.max_new_tokens or raise kv_cache_memory"));
+        field, " + sampling.max_new_tokens = ", total, " tokens need ", blocks_.blocks_for(total),
+        " KV blocks but the cache holds ", blocks_.num_blocks(),
+        "; lower sampling.max_new_tokens, or run with a larger --kv-cache-memory"));
   return absl::OkStatus();
 }
 
@@ -434,7 +434,7 @@ bool EngineImpl::take_control() {
     finish(*live_.at(id), FinishReason::kError, {},
            absl::ResourceExhaustedError(absl::StrCat(
                "displaced from the full waiting queue (max_waiting = ", opts_.max_waiting,
-               ") by a request of higher priority; retry later or raise max_waiting")));
+               ") by a request of higher priority; retry later")));
   if (cancel_all)
     for (const auto& [id, q] : live_) cancels.push_back(id);
   for (RequestId id : cancels)
@@ -576,9 +576,9 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
   const int n = int(req.ids.size()), T = resolve_recursion(req.recursion_depth);
   const int64_t need = blocks_.blocks_for(n);
   if (need > blocks_.num_blocks())
-    return absl::InvalidArgumentError(
-        absl::StrCat(req.ids_field, " (", n, " tokens) need ", need, " KV blocks but the cache holds ",
-                     blocks_.num_blocks(), "; raise kv_cache_memory"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        req.ids_field, " (", n, " tokens) need ", need, " KV blocks but the cache holds ",
+        blocks_.num_blocks(), "; shorten it, or run with a larger --kv-cache-memory"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the engine is shutting down");

@@ -122,4 +122,24 @@ absl::Status validate_sampling(const SamplingParams& p, int vocab_size, int eos_
   return check_min_new_tokens(p, vocab_size, eos_id);
 }
 
+absl::Status cap_unset_max_new_tokens(int max_seq_len, int prompt_len,
+                                      const std::string& prompt_field, SamplingParams* p) {
+  const int room = max_seq_len - prompt_len;
+  if (room < 1)
+    return absl::InvalidArgumentError(absl::StrCat(
+        prompt_field, " has ", prompt_len, " tokens: the model's max_seq_len = ", max_seq_len,
+        " leaves no room to generate; shorten the prompt"));
+  p->max_new_tokens = std::min(p->max_new_tokens, room);
+  // validate_sampling's range would cite a max_new_tokens the client never gave.
+  if (p->min_new_tokens > p->max_new_tokens)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.min_new_tokens = ", p->min_new_tokens, " is more than the ", p->max_new_tokens,
+        " tokens generated at most with sampling.max_new_tokens unset (",
+        p->max_new_tokens == room
+            ? absl::StrCat("the room the prompt leaves under max_seq_len = ", max_seq_len)
+            : std::string("its default"),
+        "); lower it, or set sampling.max_new_tokens"));
+  return absl::OkStatus();
+}
+
 }  // namespace cemlm

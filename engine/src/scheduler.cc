@@ -40,9 +40,9 @@ absl::Status Scheduler::add(SeqSpec spec) {
                  displaceable_published_.begin();
     for (const auto& s : intake_) below += s->priority < spec.priority;
     if (below <= over_bound_)
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the waiting queue is full (max_waiting = ", opts_.max_waiting,
-          " requests); retry later or raise max_waiting"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the waiting queue is full (max_waiting = ", opts_.max_waiting,
+                       " requests); retry later"));
     ++over_bound_;  // a queued sequence of lower priority makes way at the next accept()
   }
   auto s = std::make_unique<Sequence>();

@@ -13,21 +13,21 @@ namespace {
 absl::Status invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
 // Exactly one of a text and an id list; the ids of either. Text starts with the model's BOS
-// unless the request's add_bos is set to false.
+// unless the request's add_bos is set to false. `empty_hint` ends the error for neither.
 template <typename Request>
 absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const Request& req,
                                            const std::string& text,
                                            const google::protobuf::RepeatedField<int32_t>& ids,
                                            absl::string_view text_field,
-                                           absl::string_view ids_field) {
+                                           absl::string_view ids_field,
+                                           absl::string_view empty_hint) {
   if (!text.empty() && !ids.empty())
     return invalid(absl::StrCat("set only one of ", text_field, " and ", ids_field));
   if (text.empty() && ids.empty())
-    return invalid(
-        absl::StrCat(text_field, " or ", ids_field,
-                     " is required (the input is empty; an empty text cannot be told from none: "
-                     "to start from the BOS alone, send ",
-                     ids_field, " = [ModelInfo.bos_id])"));
+    return invalid(absl::StrCat(text_field, " or ", ids_field,
+                                " is required (the input is empty; an empty text cannot be told "
+                                "from none",
+                                empty_hint, ")"));
   if (!ids.empty()) {
     if (req.has_add_bos())
       return invalid(absl::StrCat("add_bos applies to ", text_field, " only: ", ids_field,
@@ -35,7 +35,7 @@ absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const Request& 
                                   "id, ModelInfo.bos_id, first if you want one)"));
     return std::vector<int>(ids.begin(), ids.end());
   }
-  return encode_text(engine, text, text_field, !req.has_add_bos() || req.add_bos());
+  return encode_text(engine, text, text_field, ids_field, !req.has_add_bos() || req.add_bos());
 }
 
 // How the engine's errors name a prompt given as text: they count its tokens, the model's BOS
@@ -84,13 +84,16 @@ int64_t max_text_bytes(const Engine& engine) {
 }
 
 absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
-                                             absl::string_view field, bool add_bos) {
+                                             absl::string_view field, absl::string_view ids_field,
+                                             bool add_bos) {
+  // Where the request has an id list, that is the way around a text this model cannot encode.
+  const std::string instead =
+      ids_field.empty() ? std::string() : absl::StrCat("; send ", ids_field, " instead");
   if (size_t valid = utf8_valid_prefix(std::string_view(text.data(), text.size()));
       valid != text.size())
     return invalid(absl::StrCat(field, " is not valid UTF-8 (bad byte at offset ", valid, ")"));
   const Tokenizer* tok = engine.tokenizer();
-  if (!tok)
-    return invalid(absl::StrCat(field, ": this model has no tokenizer; send token ids instead"));
+  if (!tok) return invalid(absl::StrCat(field, ": this model has no tokenizer", instead));
   // A text far longer than the context is refused before it is tokenized: encoding megabytes
   // takes seconds of a handler thread, for an answer known from its length.
   const int64_t most = max_text_bytes(engine);
@@ -102,29 +105,26 @@ absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_
   std::string error;
   std::optional<std::vector<int>> ids = encode_input(
       *tok, std::string_view(text.data(), text.size()), add_bos ? bos_id(engine) : -1, &error);
-  if (!ids) return invalid(absl::StrCat(field, ": ", error, "; send token ids instead"));
+  if (!ids) return invalid(absl::StrCat(field, ": ", error, instead));
   return *std::move(ids);
 }
 
 absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const Engine& engine) {
   GenerateRequest out;
-  CEMLM_ASSIGN_OR_RETURN(out.prompt_ids, prompt_of(engine, req, req.prompt_text(),
-                                                   req.prompt_ids(), "prompt_text", "prompt_ids"));
+  const int bos = bos_id(engine);
+  CEMLM_ASSIGN_OR_RETURN(
+      out.prompt_ids,
+      prompt_of(
+          engine, req, req.prompt_text(), req.prompt_ids(), "prompt_text", "prompt_ids",
+          bos < 0 ? std::string()
+                  : absl::StrCat(": to start from the BOS alone, send prompt_ids = [", bos, "]")));
   if (!req.prompt_text().empty()) out.prompt_field = text_label(req, engine, "prompt_text");
   out.recursion_depth = req.recursion_depth();
   out.sampling = to_engine(req.sampling());
   out.priority = req.priority();
-  // Unset, max_new_tokens is the default capped to the room the prompt leaves (as `cemlm
-  // generate` does): a long prompt is not refused for a length the client never asked for.
-  if (!req.sampling().has_max_new_tokens()) {
-    const int room = engine.config().max_seq_len - int(out.prompt_ids.size());
-    if (room < 1)
-      return invalid(absl::StrCat(
-          out.prompt_field, " has ", out.prompt_ids.size(),
-          " tokens, which fill the model's max_seq_len = ", engine.config().max_seq_len,
-          ": no room to generate; shorten the prompt"));
-    out.sampling.max_new_tokens = std::min(out.sampling.max_new_tokens, room);
-  }
+  if (!req.sampling().has_max_new_tokens())
+    CEMLM_RETURN_IF_ERROR(cap_unset_max_new_tokens(
+        engine.config().max_seq_len, int(out.prompt_ids.size()), out.prompt_field, &out.sampling));
   // The alternatives come beside each token's logprob: asked for alone they were dropped.
   if (req.sampling().top_logprobs() > 0 && !req.logprobs())
     return invalid(absl::StrCat("sampling.top_logprobs = ", req.sampling().top_logprobs(),
@@ -139,7 +139,8 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
 
 absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine) {
   ScoreRequest out;
-  CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req, req.text(), req.ids(), "text", "ids"));
+  CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req, req.text(), req.ids(), "text", "ids",
+                                            ": a Score needs at least 2 tokens"));
   if (!req.text().empty()) out.ids_field = text_label(req, engine, "text");
   out.recursion_depth = req.recursion_depth();
   out.priority = req.priority();

@@ -566,7 +566,7 @@ grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,
                                         v1::TokenizeResponse* response) {
   return unary(context, "Tokenize", [&](Engine& engine) -> absl::Status {
     CEMLM_ASSIGN_OR_RETURN(std::vector<int> ids,
-                           encode_text(engine, request->text(), "text", request->add_bos()));
+                           encode_text(engine, request->text(), "text", "", request->add_bos()));
     for (int id : ids) {
       response->add_ids(id);
       response->add_pieces(engine.tokenizer()->id_to_piece(id));

@@ -165,7 +165,9 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--stop-token-ids", "5,61"}, "--stop-token-ids[1] = 61 is not a token id in [0, 61)"},
       {{"--stop", "ab"}, "--stop needs a tokenizer and this model has none"},
       {{"--min-new-tokens", "63"},
-       "--min-new-tokens must be in [0, --max-new-tokens = 62] (got 63)"},
+       // (that maximum is the room the prompt leaves: --max-new-tokens was not given)
+       "--min-new-tokens = 63 is more than the 62 tokens generated at most with --max-new-tokens "
+       "unset (the room the prompt leaves under max_seq_len = 64)"},
       {{"--logit-bias", "5"}, "--logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '5'"},
       {{"--logit-bias", "5:1,x:2"}, "--logit-bias: expected ID:BIAS pairs"},
       {{"--logit-bias", "5:200"}, "--logit-bias[5] must be in [-100, 100] (got 200)"},
@@ -222,7 +224,7 @@ TEST_F(GenerateCli, DefaultMaxNewTokensFitsTheModel) {
   std::string full = "3";
   for (int i = 1; i < 64; ++i) full += ",3";
   EXPECT_TRUE(generate_without_max(full, &err).is_null());  // no room: an error on the prompt
-  EXPECT_NE(err.find("--prompt-ids has 64 tokens, which fill the model's max_seq_len = 64"),
+  EXPECT_NE(err.find("--prompt-ids has 64 tokens: the model's max_seq_len = 64 leaves no room"),
             std::string::npos)
       << err;
   EXPECT_EQ(err.find("--max-new-tokens"), std::string::npos) << "a flag not given: " << err;

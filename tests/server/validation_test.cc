@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "client_util.h"
 #include "server_process.h"
 #include "tokenizer_util.h"
@@ -122,7 +123,30 @@ TEST_F(ServerValidation, EveryBadGenerateInputNamesItsField) {
          r->mutable_sampling()->clear_max_new_tokens();
          for (int i = 0; i < 512; ++i) r->add_prompt_ids(7);
        },
-       "prompt_ids has 512 tokens, which fill the model's max_seq_len = 512: no room to generate"},
+       "prompt_ids has 512 tokens: the model's max_seq_len = 512 leaves no room to generate"},
+      {"a prompt beyond the context, max_new_tokens unset",
+       [](auto* r) {
+         r->clear_prompt_text();
+         r->mutable_sampling()->clear_max_new_tokens();
+         for (int i = 0; i < 513; ++i) r->add_prompt_ids(7);
+       },
+       "prompt_ids has 513 tokens: the model's max_seq_len = 512 leaves no room to generate"},
+      {"min_new_tokens beyond the room the prompt leaves, max_new_tokens unset",
+       [](auto* r) {
+         r->clear_prompt_text();
+         r->mutable_sampling()->clear_max_new_tokens();
+         r->mutable_sampling()->set_min_new_tokens(20);
+         for (int i = 0; i < 500; ++i) r->add_prompt_ids(7);
+       },
+       "sampling.min_new_tokens = 20 is more than the 12 tokens generated at most with "
+       "sampling.max_new_tokens unset (the room the prompt leaves under max_seq_len = 512)"},
+      {"min_new_tokens beyond the default max_new_tokens",
+       [](auto* r) {
+         r->mutable_sampling()->clear_max_new_tokens();
+         r->mutable_sampling()->set_min_new_tokens(100);
+       },
+       "sampling.min_new_tokens = 100 is more than the 64 tokens generated at most with "
+       "sampling.max_new_tokens unset (its default)"},
       {"max_new_tokens beyond the context",
        [](auto* r) { r->mutable_sampling()->set_max_new_tokens(600); }, "sampling.max_new_tokens"},
       {"negative max_new_tokens", [](auto* r) { r->mutable_sampling()->set_max_new_tokens(-3); },
@@ -184,7 +208,10 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
     const char* expected;
   };
   std::vector<Case> cases(6);
-  cases[0] = {"empty", {}, "text or ids"};
+  cases[0] = {"empty",
+              {},
+              "text or ids is required (the input is empty; an empty text cannot be "
+              "told from none: a Score needs at least 2 tokens)"};
   cases[1].name = "one token";
   cases[1].req.add_ids(5);
   cases[1].expected = "ids has 1 token";
@@ -375,6 +402,53 @@ TEST(ServerTokenizer, ATextTheTokenizerRefusesNamesItsField) {
   EXPECT_NE(err.find("--prompt: the tokenizer cannot encode"), std::string::npos) << err;
   EXPECT_EQ(run_cemlm({"score", "--model", model, "--text", " x a"}, &out, &err), 1);
   EXPECT_NE(err.find("--text: the tokenizer cannot encode"), std::string::npos) << err;
+}
+
+// An empty input's error says what to send instead, with this model's own BOS id.
+TEST_F(ServerValidation, AnEmptyPromptSaysToSendTheBosId) {
+  auto stub = v1::Inference::NewStub(server_->channel());
+  grpc::ClientContext context;
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
+  ASSERT_GE(info.bos_id(), 0);
+  v1::GenerateRequest req = valid_request();
+  req.clear_prompt_text();
+  const Stream s = generate(server_->channel(), req);
+  EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.status.error_message().find(absl::StrCat(
+                "to start from the BOS alone, send prompt_ids = [", info.bos_id(), "])")),
+            std::string::npos)
+      << s.status.error_message();
+}
+
+// Without a tokenizer (and so without a BOS), text is refused naming the id list to send instead
+// where the request has one, and an empty prompt's error suggests no BOS id.
+TEST(ServerNoTokenizer, ErrorsSuggestOnlyWhatTheRequestCanSend) {
+  auto server = ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.tokenizer = false}));
+  ASSERT_TRUE(server);
+  auto stub = v1::Inference::NewStub(server->channel());
+  v1::GenerateRequest req = valid_request();
+  Stream s = generate(server->channel(), req);
+  EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.status.error_message().find(
+                "prompt_text: this model has no tokenizer; send prompt_ids instead"),
+            std::string::npos)
+      << s.status.error_message();
+  req.clear_prompt_text();
+  s = generate(server->channel(), req);
+  EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.status.error_message().find("prompt_text or prompt_ids is required"),
+            std::string::npos)
+      << s.status.error_message();
+  EXPECT_EQ(s.status.error_message().find("BOS"), std::string::npos) << s.status.error_message();
+  grpc::ClientContext context;
+  v1::TokenizeRequest treq;
+  treq.set_text("Hello");
+  v1::TokenizeResponse tresp;
+  const grpc::Status tokenize = stub->Tokenize(&context, treq, &tresp);
+  EXPECT_EQ(tokenize.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // TokenizeRequest has no id list to send instead.
+  EXPECT_EQ(tokenize.error_message(), "text: this model has no tokenizer");
 }
 
 TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {

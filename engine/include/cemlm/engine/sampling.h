@@ -56,4 +56,11 @@ inline constexpr float kMaxAbsLogitBias = 100;  // OpenAI's range
 // none) takes part in the check that min_new_tokens leaves some token to draw.
 absl::Status validate_sampling(const SamplingParams& p, int vocab_size, int eos_id = -1);
 
+// For a request that left max_new_tokens unset (the server and `cemlm generate`): the default
+// capped to the room a prompt of `prompt_len` tokens leaves under max_seq_len, so that a long
+// prompt is not refused for a length nobody asked for. Errors name `prompt_field` when the prompt
+// leaves no room, and sampling.min_new_tokens when it asks for more than is left.
+absl::Status cap_unset_max_new_tokens(int max_seq_len, int prompt_len,
+                                      const std::string& prompt_field, SamplingParams* p);
+
 }  // namespace cemlm

@@ -16,10 +16,12 @@ namespace cemlm::server {
 int bos_id(const Engine& engine);
 
 // Ids of a UTF-8 text through the model's tokenizer, with BOS prepended when `add_bos` and the
-// model has one. `field` names the text in errors ("prompt_text"). A text longer in bytes than
-// the model's context could hold as tokens is refused without being tokenized.
+// model has one. `field` names the text in errors ("prompt_text"), `ids_field` the request's id
+// list the errors suggest instead ("prompt_ids"; empty where there is none). A text longer in
+// bytes than the model's context could hold as tokens is refused without being tokenized.
 absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
-                                             absl::string_view field, bool add_bos);
+                                             absl::string_view field, absl::string_view ids_field,
+                                             bool add_bos);
 // The most bytes of a text input (and ids of a Detokenize call) the server takes: more than the
 // model's context could hold, with a margin for what normalisation removes.
 int64_t max_text_bytes(const Engine& engine);

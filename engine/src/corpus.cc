@@ -32,12 +32,12 @@ bool read_file(const std::string& path, std::string* bytes, std::string* error) 
   return true;
 }
 
-namespace {
-
-bool skipped_by_name(const fs::path& p) {
-  const auto ext = p.extension();
+bool skipped_by_name(const std::string& path) {
+  const auto ext = fs::path(path).extension();
   return ext == ".dat" || ext == ".u8";
 }
+
+namespace {
 
 // Empty when `bytes` is UTF-8 text, else why not.
 std::string why_not_text(const std::string& bytes) {

@@ -304,6 +304,25 @@ TEST(ListCorpus, LeavesOutTheExcludedDirectories) {
   EXPECT_EQ(names, (std::set<std::string>{"a.txt", "b.txt"}));
 }
 
+// A text file with one stray byte is left out of the data like a .dat index, but unlike one it is
+// the user's text: list_corpus says which, and why, for the run to report (it was silent).
+TEST(ListCorpus, NamesTheFilesLeftOutForWhatTheyHold) {
+  const std::string dir = fresh_dir();
+  write_file(dir + "/a.txt", "some text\n");
+  write_file(dir + "/latin1.txt", "caf\xe9 au lait\n");
+  write_file(dir + "/index.dat", std::string("\0\1binary", 8));
+  write_file(dir + "/blob.bin", std::string("ab\0cd", 5));
+  auto c = list_corpus({dir});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->skipped.size(), 3u);
+  ASSERT_EQ(c->not_text.size(), 2u);  // not index.dat: left out by its name
+  EXPECT_NE(c->not_text[0].find("blob.bin"), std::string::npos) << c->not_text[0];
+  EXPECT_NE(c->not_text[0].find("NUL byte at offset 2"), std::string::npos) << c->not_text[0];
+  EXPECT_NE(c->not_text[1].find("latin1.txt"), std::string::npos) << c->not_text[1];
+  EXPECT_NE(c->not_text[1].find("invalid UTF-8 at byte offset 3"), std::string::npos)
+      << c->not_text[1];
+}
+
 TEST(ListCorpus, MissingPathNamesTheFlag) {
   auto c = list_corpus({"/nonexistent/cemlm-data"});
   ASSERT_FALSE(c.ok());

@@ -163,6 +163,24 @@ TEST(Train, TrainingAwayFromTheDefaultDepthSaysSo) {
       << said;
 }
 
+// A --data file with a stray non-UTF-8 byte trains on nothing of it: the run says so, naming the
+// file and the byte (it said only "data: 2 files"), and trains on the rest.
+TEST(Train, DataFilesLeftOutForTheirContentsAreNamed) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  testing_trainer::write_file(dir + "/text/notes.txt", "na\xefve text\n");
+  std::string lines;
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+  ASSERT_TRUE(train(o, cb).ok());
+  EXPECT_NE(lines.find("note: --data: 1 file left out: '" + dir +
+                       "/text/notes.txt' is not UTF-8 text: invalid UTF-8 at byte offset 2"),
+            std::string::npos)
+      << lines;
+  EXPECT_NE(lines.find("data: 2 files"), std::string::npos) << lines;
+}
+
 TEST(Train, AccumulatingTwoBatchesOfOneEqualsOneBatchOfTwo) {
   const std::string dir = fresh_dir();
   TrainOptions big = tiny_options(dir + "/big");

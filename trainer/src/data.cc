@@ -154,6 +154,10 @@ absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
   std::vector<std::string> found;
   if (!collect_text_files(inputs, &found, &error, &c.skipped))
     return absl::NotFoundError(absl::StrCat("--data: ", error));
+  for (const std::string& p : c.skipped) {
+    std::string text, why;
+    if (!skipped_by_name(p) && !read_text_file(p, &text, &why)) c.not_text.push_back(why);
+  }
   std::vector<fs::path> excluded;
   for (const std::string& d : exclude) {
     fs::path p = fs::weakly_canonical(fs::absolute(d));

@@ -619,6 +619,16 @@ absl::Status Trainer::save() {
 absl::Status Trainer::set_up() {
   CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus,
                          list_corpus(o_.data, {out_path().string(), cache_path().string()}));
+  if (!corpus.not_text.empty()) {
+    constexpr size_t kNamed = 3;  // a directory of binaries should not flood the log
+    const size_t n = corpus.not_text.size();
+    const std::vector<std::string> named(corpus.not_text.begin(),
+                                         corpus.not_text.begin() + std::min(n, kNamed));
+    info(absl::StrCat("note: --data: ", n, n == 1 ? " file" : " files",
+                      " left out: ", absl::StrJoin(named, "; "),
+                      n > kNamed ? absl::StrCat("; and ", n - kNamed, " more") : "",
+                      " (convert a text file to UTF-8, e.g. with iconv, to train on it)"));
+  }
   if (corpus.paths.empty())
     return absl::InvalidArgumentError(
         absl::StrCat("--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (",

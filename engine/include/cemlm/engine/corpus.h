@@ -22,6 +22,9 @@ bool read_text_file(const std::string& path, std::string* text, std::string* err
 bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
                         std::string* error, std::vector<std::string>* skipped = nullptr);
 
+// Whether collect_text_files leaves `path` out by its name alone (`.dat`/`.u8`), unread.
+bool skipped_by_name(const std::string& path);
+
 struct TextFile {
   std::string path, text;
 };

@@ -239,7 +239,8 @@ std::unordered_map<std::string, std::string> trainer_args(const TokenizerTrainOp
 
 // The model file appears whole or not at all (synced temporary, renamed); a failure leaves no
 // temporary behind.
-bool write_atomically(const std::string& path, const std::string& bytes, std::string* error) {
+bool write_atomically(const std::string& path, const std::string& bytes, const std::string& flag,
+                      std::string* error) {
   std::error_code ec;
   if (fs::path parent = fs::path(path).parent_path(); !parent.empty())
     fs::create_directories(parent, ec);
@@ -248,7 +249,9 @@ bool write_atomically(const std::string& path, const std::string& bytes, std::st
                ? absl::OkStatus()
                : absl::UnavailableError("short write");
   });
-  if (!st.ok()) *error = "cannot write tokenizer to '" + path + "' (--out): " + std::string(st.message());
+  if (!st.ok())
+    *error =
+        "cannot write tokenizer to '" + path + "' (" + flag + "): " + std::string(st.message());
   return st.ok();
 }
 
@@ -268,11 +271,11 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
     return false;
   }
   if (opts.inputs.empty()) {
-    *error = "no input files or directories (--input) to train the tokenizer on";
+    *error = "no input files or directories (" + opts.inputs_flag + ") to train the tokenizer on";
     return false;
   }
   if (opts.out_path.empty()) {
-    *error = "no output path (--out) for the tokenizer";
+    *error = "no output path (" + opts.out_flag + ") for the tokenizer";
     return false;
   }
   std::vector<TextFile> corpus;
@@ -280,10 +283,9 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
   st.files = int(corpus.size());
   for (const auto& f : corpus) st.bytes += int64_t(f.text.size());
   if (st.bytes == 0) {
-    *error =
-        "no text to train the tokenizer on: the inputs (--input) hold no non-empty UTF-8 "
-        "text file (" +
-        std::to_string(st.skipped.size()) + " files skipped as .dat/.u8, binary or not UTF-8)";
+    *error = "no text to train the tokenizer on: the inputs (" + opts.inputs_flag +
+             ") hold no non-empty UTF-8 text file (" + std::to_string(st.skipped.size()) +
+             " files skipped as .dat/.u8, binary or not UTF-8)";
     return false;
   }
   // SentencePiece fails on blank text without a reason, or asks for a smaller vocabulary.
@@ -292,10 +294,9 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
                        [](char c) { return std::isspace(static_cast<unsigned char>(c)); });
   });
   if (blank) {
-    *error =
-        "no text to train the tokenizer on: the inputs (--input) hold only blank lines and "
-        "spaces (" +
-        std::to_string(st.bytes) + " bytes in " + std::to_string(st.files) + " files)";
+    *error = "no text to train the tokenizer on: the inputs (" + opts.inputs_flag +
+             ") hold only blank lines and spaces (" + std::to_string(st.bytes) + " bytes in " +
+             std::to_string(st.files) + " files)";
     return false;
   }
   const SpmApi* api = spm(error);
@@ -322,7 +323,7 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
     }
     return false;
   }
-  return write_atomically(opts.out_path, model, error);
+  return write_atomically(opts.out_path, model, opts.out_flag, error);
 }
 
 }  // namespace cemlm

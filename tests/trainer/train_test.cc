@@ -181,6 +181,28 @@ TEST(Train, DataFilesLeftOutForTheirContentsAreNamed) {
   EXPECT_NE(lines.find("data: 2 files"), std::string::npos) << lines;
 }
 
+// The tokenizer's errors name `cemlm train`'s flags: they named `cemlm tokenizer train`'s
+// --input (no such flag here) and --out (another directory here) for --data and --cache.
+TEST(Train, TokenizerErrorsNameTheTrainersFlags) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  testing_trainer::write_file(dir + "/blank/a.txt", "\n  \n");
+  o.data = {dir + "/blank"};
+  auto s = train(o, {});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("the inputs (--data) hold only blank lines"),
+            std::string::npos)
+      << s.status();
+  o = tiny_options(dir);
+  o.cache_dir = dir + "/config.json/cache";  // under a file: cannot be created
+  s = train(o, {});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("/config.json/cache/tokenizer.model' (--cache): "),
+            std::string::npos)
+      << s.status();
+  EXPECT_EQ(s.status().message().find("--out"), std::string::npos) << s.status();
+}
+
 TEST(Train, AccumulatingTwoBatchesOfOneEqualsOneBatchOfTwo) {
   const std::string dir = fresh_dir();
   TrainOptions big = tiny_options(dir + "/big");

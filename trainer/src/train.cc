@@ -360,6 +360,8 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ", corpus.paths.size(),
                         " files"));
       TokenizerTrainOptions t{o_.data, cfg_.vocab_size, tokenizer_path_};
+      t.inputs_flag = "--data";
+      t.out_flag = "--cache";  // the tokenizer is written there, not into --out
       TokenizerTrainStats stats;
       if (!train_tokenizer(t, &error, &stats)) {
         if (!fresh_ && stats.min_vocab_size > 0)  // --init: its vocabulary cannot be raised

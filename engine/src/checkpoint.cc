@@ -86,6 +86,15 @@ absl::Status check_params(const ModelConfig& config, const ParamStore& params) {
   return absl::OkStatus();
 }
 
+// fsync by path, of a file or a directory (its entries). Best effort: what it guards against is a
+// power loss, not a kill, and a filesystem that cannot sync still holds the files.
+void sync_path(const fs::path& path) {
+  const int fd = ::open(path.empty() ? "." : path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
 absl::Status write_contents(const fs::path& tmp, const ModelConfig& config,
                             const ParamStore& params, const std::string& tokenizer_path,
                             const ExtraFilesWriter& write_extra) {
@@ -104,6 +113,7 @@ absl::Status write_contents(const fs::path& tmp, const ModelConfig& config,
     std::error_code ec;
     fs::copy_file(tokenizer_path, tmp / kTokenizerFile, ec);
     if (ec) return fs_error("copy the tokenizer", tokenizer_path, ec);
+    sync_path(tmp / kTokenizerFile);  // the other files are synced as they are written
   }
   return write_extra ? write_extra(tmp.string()) : absl::OkStatus();
 }
@@ -135,13 +145,6 @@ absl::Status publish(const fs::path& tmp, const fs::path& target, bool target_ex
   std::error_code ec;
   fs::remove_all(old, ec);
   return absl::OkStatus();
-}
-
-void sync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
 }
 
 }  // namespace
@@ -226,9 +229,11 @@ absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
   if (!fs::create_directory(tmp, ec))
     return fs_error("create", tmp, ec ? ec : std::make_error_code(std::errc::file_exists));
   absl::Status st = write_contents(tmp, config, params, tokenizer_path, write_extra);
+  // Its entries before the swap that publishes them, the swap itself after.
+  if (st.ok()) sync_path(tmp);
   if (st.ok()) st = publish(tmp, target, exists);
   fs::remove_all(tmp, ec);
-  if (st.ok()) sync_dir(target.parent_path());
+  if (st.ok()) sync_path(target.parent_path());
   return st;
 }
 

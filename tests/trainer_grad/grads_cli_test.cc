@@ -12,6 +12,7 @@
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/trainer/backprop.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "temp_dir.h"
 #include "tiny_models.h"
 
@@ -34,16 +35,17 @@ class GradsCli : public testing::Test {
   std::string model_dir() const { return (dir_ / "model").string(); }
   std::string out_file() const { return (dir_ / "grads.safetensors").string(); }
 
-  // Runs `cemlm grads ARGS`; returns the exit code, stderr in *err.
-  int run(std::vector<std::string> args, std::string* err = nullptr) {
+  // Runs `cemlm grads ARGS`; returns the exit code, stderr in *err, stdout in *out.
+  int run(std::vector<std::string> args, std::string* err = nullptr, std::string* out = nullptr) {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     testing::internal::CaptureStderr();
     testing::internal::CaptureStdout();
     const int rc = cli::cmd_grads(int(argv.size()), argv.data());
     const std::string e = testing::internal::GetCapturedStderr();
-    testing::internal::GetCapturedStdout();
+    const std::string o = testing::internal::GetCapturedStdout();
     if (err) *err = e;
+    if (out) *out = o;
     return rc;
   }
 
@@ -158,6 +160,24 @@ TEST_F(GradsCli, UnwritableOutputIsNamed) {
   const std::string bad = (dir_ / "no_dir" / "g.safetensors").string();
   EXPECT_NE(run({"--model", model_dir(), "--ids", "3,4", "--out", bad}, &err), 0);
   EXPECT_NE(err.find("--out"), std::string::npos) << err;
+}
+
+// A file name need not be UTF-8 on Linux, but JSON text must be: the summary line named such an
+// --out with nlohmann's strict dump, which threw after the file was written and aborted the
+// process (SIGABRT, exit 134). The name is printed with U+FFFD for the bytes JSON cannot hold.
+TEST_F(GradsCli, OutPathThatIsNotUtf8IsWrittenAndPrinted) {
+  const std::string latin1 = (dir_ /
+                              "gr\xe4"
+                              "ds.safetensors")
+                                 .string();
+  std::string err, out;
+  ASSERT_EQ(run({"--model", model_dir(), "--ids", "3,4,5", "--out", latin1}, &err, &out), 0) << err;
+  EXPECT_TRUE(fs::exists(latin1));
+  const auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["out"], (dir_ / "gr\xef\xbf\xbd"
+                              "ds.safetensors")
+                          .string());
+  EXPECT_EQ(j["tokens"], 3);
 }
 
 }  // namespace

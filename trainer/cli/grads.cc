@@ -105,7 +105,9 @@ int cmd_grads(int argc, char** argv) {
   j["tokens"] = ids.size();
   j["recursion"] = T;
   j["out"] = out;
-  std::printf("%s\n", j.dump().c_str());
+  // A path need not be UTF-8; JSON text must be (the strict dump threw after the file was
+  // written): bytes it cannot hold print as U+FFFD.
+  std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   return 0;
 }
 

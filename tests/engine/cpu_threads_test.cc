@@ -80,6 +80,13 @@ TEST(CpuThreads, AskedIsTakenAsGiven) {
   EXPECT_EQ(t.why, "--threads");
 }
 
+// The programs check --threads against kMaxThreads; their help says the bound.
+TEST(CpuThreads, HelpSaysTheMostThreads) {
+  EXPECT_NE(std::string(kThreadsHelp).find("at most " + std::to_string(kMaxThreads) + ";"),
+            std::string::npos)
+      << kThreadsHelp;
+}
+
 TEST(CpuThreads, DefaultIsTheAffinityMaskCappedByTheLimit) {
   if (std::getenv("OMP_NUM_THREADS")) GTEST_SKIP() << "OMP_NUM_THREADS decides here";
   cpu_set_t set;

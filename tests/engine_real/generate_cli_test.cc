@@ -148,6 +148,8 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype \"fp8\" is not one of fp32, bf16, int8"},
       {{"--device", "cpu:int4"}, "--device \"cpu:int4\" is not one of cpu, cpu:fp32, cpu:bf16"},
       {{"--threads", "-2"}, "--threads -2 must be >= 0"},
+      // Past the system's thread limit, libgomp's thread creation failed and ended the process.
+      {{"--threads", "100000"}, "--threads 100000 must be >= 0 and at most 1024"},
       {{"--prompt", "hello"}, "give exactly one of --prompt and --prompt-ids"},
       {{"--seed", "-3"}, "--seed: expected an integer"},
       {{"--no-bos"}, "--no-bos applies to --prompt only"},

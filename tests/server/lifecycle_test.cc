@@ -260,6 +260,8 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       {"--keepalive-timeout 0", "--keepalive-timeout 0 must be > 0 seconds"},
       {"--keepalive-timeout nan", "--keepalive-timeout nan must be > 0 seconds"},
       {"--threads -3", "--threads -3 must be >= 0"},
+      // Past the system's thread limit, the load crashed (SIGSEGV) after the port line.
+      {"--threads 100000", "--threads 100000 must be >= 0 and at most 1024"},
       {"--device cuda:fp16",
        "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, "
        "cpu:int8dot, cuda"},

@@ -927,6 +927,7 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--save-every", "0"}, "--save-every"},
       {{"--max-minutes", "-1"}, "--max-minutes"},
       {{"--threads", "-2"}, "--threads"},
+      {{"--threads", "100000"}, "--threads must be in [0, 1024]"},
       {{"--log-every", "0"}, "--log-every"},
       {{"--init", dir + "/nothing"}, "--config"},  // both given
       {{"--steps", "many"}, "--steps"},

@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "cemlm/engine/corpus.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/float32.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/strict_json.h"
@@ -159,7 +160,7 @@ absl::Status validate_options(const TrainOptions& o) {
   for (int T : o.eval_recursion) CEMLM_RETURN_IF_ERROR(at_least<int>("eval-recursion", T, 1));
   CEMLM_RETURN_IF_ERROR(at_least<int64_t>("eval-every", o.eval_every, 1));
   CEMLM_RETURN_IF_ERROR(at_least<int>("eval-windows", o.eval_windows, 1));
-  CEMLM_RETURN_IF_ERROR(at_least<int>("threads", o.threads, 0));
+  CEMLM_RETURN_IF_ERROR(in_range("threads", o.threads, 0, kMaxThreads, false, false));
   CEMLM_RETURN_IF_ERROR(in_range("max-minutes", o.max_minutes, 0, 1e9, false, false));
   return absl::OkStatus();
 }

@@ -11,10 +11,15 @@ struct CpuThreads {
   std::string why;  // for the log: "--threads", "OMP_NUM_THREADS", "the cgroup CPU limit 2.5 of 16 CPUs", ...
 };
 
+// The most --threads a program takes: more than the CPUs of any machine it runs on, and far below
+// the system's thread limit, past which OpenMP's thread creation fails (serve crashed, generate
+// ended in libgomp's "Thread creation failed" naming no flag).
+inline constexpr int kMaxThreads = 1024;
+
 // The help of the programs' --threads flag.
 inline constexpr const char* kThreadsHelp =
-    "CPU compute threads; 0 = OMP_NUM_THREADS if set, else the CPUs this process may use "
-    "(affinity mask, capped by a container's or cgroup's CPU limit)";
+    "CPU compute threads, at most 1024; 0 = OMP_NUM_THREADS if set, else the CPUs this process "
+    "may use (affinity mask, capped by a container's or cgroup's CPU limit)";
 
 // `asked` > 0 is taken as given; 0 means: OMP_NUM_THREADS if set, else the CPUs of the affinity
 // mask capped by the cgroup limit rounded up.

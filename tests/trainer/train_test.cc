@@ -340,6 +340,47 @@ TEST(Train, ResumedRunWithForeignFilesInOutIsRefusedBeforeTraining) {
   EXPECT_TRUE(fs::exists(o.out_dir + "/notes.txt"));
 }
 
+// The run saves its options (paths included) as JSON, which must be UTF-8, but a Linux path need
+// not be: such a path made the first save throw (nlohmann's strict dump) after every step had
+// run, aborting the process with the lock file and a half-written checkpoint left behind. Now it
+// is refused by its flag before anything is done or created.
+TEST(Train, PathsThatAreNotUtf8AreRefusedByNameBeforeTraining) {
+  const std::string dir = fresh_dir();
+  const TrainOptions base = tiny_options(dir);
+  testing_trainer::write_file(dir +
+                                  "/d\xe4"
+                                  "ta/a.txt",
+                              testing_trainer::corpus_text(300, 1));
+  std::vector<std::pair<std::string, TrainOptions>> cases;
+  cases.emplace_back("--out", base);
+  cases.back().second.out_dir = dir +
+                                "/r\xe4"
+                                "n";
+  cases.emplace_back("--data", base);
+  cases.back().second.data = {dir + "/text", dir +
+                                                 "/d\xe4"
+                                                 "ta"};
+  cases.emplace_back("--cache", base);
+  cases.back().second.cache_dir = dir +
+                                  "/c\xe4"
+                                  "che";
+  for (const auto& [flag, o] : cases) {
+    const auto before = std::distance(fs::directory_iterator(dir), fs::directory_iterator());
+    int steps = 0;
+    TrainCallbacks cb;
+    cb.on_step = [&](const StepMetrics&) { return ++steps, true; };
+    auto run = train(o, cb);
+    ASSERT_FALSE(run.ok()) << flag;
+    const std::string message(run.status().message());
+    EXPECT_NE(message.find(flag + " '"), std::string::npos) << message;
+    EXPECT_NE(message.find("not valid UTF-8"), std::string::npos) << message;
+    EXPECT_NE(message.find("\\xe4"), std::string::npos) << message;  // escaped, not raw
+    EXPECT_EQ(steps, 0) << flag;
+    EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), before)
+        << flag << ": something was created";
+  }
+}
+
 // Runs that share a --cache: another run training its own tokenizer into the cache while this one
 // trains must not change the tokenizer this one saves (its data was encoded with the first).
 TEST(Train, CheckpointKeepsItsTokenizerWhenTheSharedCacheChanges) {

@@ -26,6 +26,7 @@
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/strict_json.h"
 #include "cemlm/engine/tokenizer.h"
+#include "cemlm/engine/utf8.h"
 #include "cemlm/trainer/backprop.h"
 #include "cemlm/trainer/data.h"
 #include "nlohmann/json.hpp"
@@ -119,6 +120,7 @@ class Trainer {
     return cb_.stop_before_training && cb_.stop_before_training(last);
   }
   void absolute_paths();
+  absl::Status check_paths_are_utf8() const;
   absl::Status load_model();
   absl::Status check_cache_outside_out() const;
   absl::Status lock_out();
@@ -185,6 +187,26 @@ void Trainer::absolute_paths() {
   for (std::string& p : o_.data) absolute(p);
   for (std::string* p : {&o_.cache_dir, &o_.config_path, &o_.init_dir, &o_.tokenizer_path})
     absolute(*p);
+}
+
+// The run's options, paths included, are saved as JSON text, which holds UTF-8 only; a Linux path
+// may hold any bytes, and such a one made the first save fail (after every step had run).
+absl::Status Trainer::check_paths_are_utf8() const {
+  std::vector<std::pair<const char*, const std::string*>> paths = {
+      {"out", &o_.out_dir},
+      {"cache", &o_.cache_dir},
+      {"config", &o_.config_path},
+      {"init", &o_.init_dir},
+      {"tokenizer", &o_.tokenizer_path}};
+  for (const std::string& p : o_.data) paths.emplace_back("data", &p);
+  for (const auto& [flag, path] : paths)
+    if (const size_t ok = utf8_valid_prefix(*path); ok != path->size())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, " '", absl::CHexEscape(*path), "' is not valid UTF-8 (bad byte at offset ",
+          ok,
+          "): the run saves its paths in trainer_state.json, which holds UTF-8 only; rename it "
+          "or use another path"));
+  return absl::OkStatus();
 }
 
 absl::Status Trainer::load_model() {
@@ -665,6 +687,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   const CpuThreads threads = use_cpu_threads(o_.threads);
   info(absl::StrCat("compute threads: ", threads.threads, " (", threads.why, ")"));
   absolute_paths();
+  CEMLM_RETURN_IF_ERROR(check_paths_are_utf8());
   // A resumed run locks --out before loading it: an interrupted save may have left its checkpoint
   // aside, for remove_stale_saves to put back. (A new run's --out may not have a parent yet.)
   std::error_code ec;

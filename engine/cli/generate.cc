@@ -162,6 +162,11 @@ int cmd_generate(int argc, char** argv) {
   eo.kv_cache_memory = kv_bytes;
   auto engine = Engine::create(eo);
   if (!engine.ok()) return fail(std::string(engine.status().message()));
+  // Streamed, the tokens of a model without a tokenizer printed as nothing: an empty line, exit 0.
+  if (!json && !(*engine)->tokenizer())
+    return fail("the checkpoint '" + model +
+                "' has no tokenizer.model, so its tokens have no text to stream; add --json to "
+                "get the generated ids");
 
   GenerateRequest req;
   req.prompt_field = f.given("prompt-ids") ? "--prompt-ids"

@@ -191,6 +191,22 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
   }
 }
 
+// Without a tokenizer the tokens have no text: streamed, they printed an empty line (exit 0), so a
+// first run on a random-init checkpoint seemed to generate nothing. Now it says to add --json.
+TEST_F(GenerateCli, StreamingFromAModelWithoutTokenizerSaysToUseJson) {
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int rc = run({"--model", dir_, "--prompt-ids", "3,9", "--max-new-tokens", "3"});
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 1);
+  EXPECT_EQ(out, "");
+  EXPECT_NE(err.find("has no tokenizer.model, so its tokens have no text to stream; add --json"),
+            std::string::npos)
+      << err;
+  EXPECT_FALSE(generate({"--temperature", "0"}).is_null());  // with --json: the ids
+}
+
 TEST_F(GenerateCli, KvCacheMemoryIsUsed) {
   // Enough for one max_seq_len sequence (64 tokens) but not for the 1K above: the flag reaches
   // the engine; and the error for too little names this command's flag.
@@ -231,7 +247,7 @@ TEST_F(GenerateCli, DefaultMaxNewTokensFitsTheModel) {
       << err;
   EXPECT_EQ(err.find("--max-new-tokens"), std::string::npos) << "a flag not given: " << err;
   ::testing::internal::CaptureStderr();
-  EXPECT_EQ(run({"--model", dir_, "--prompt-ids", "3,9,4", "--max-new-tokens", "64"}), 1);
+  EXPECT_EQ(run({"--model", dir_, "--prompt-ids", "3,9,4", "--max-new-tokens", "64", "--json"}), 1);
   err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("--prompt-ids (3 tokens) + --max-new-tokens (64) = 67 exceeds"),
             std::string::npos)

@@ -8,6 +8,7 @@
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/sampling.h"
+#include "cemlm/engine/utf8.h"
 #include "cemlm/v1/inference.grpc.pb.h"
 #include "channel.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -162,6 +163,12 @@ int client_generate(int argc, char** argv) {
     std::fprintf(stderr,
                  "error: --stop-token-ids: expected comma-separated ids like 2,7, got '%s'\n",
                  stop_token_ids.c_str());
+    return 2;
+  }
+  // A proto string must be UTF-8: protobuf logged an error line of its own, and the server refused
+  // the body as one that does not parse, naming no flag.
+  if (size_t ok = utf8_valid_prefix(g.request_id); ok != g.request_id.size()) {
+    std::fprintf(stderr, "error: --request-id is not valid UTF-8 (bad byte at offset %zu)\n", ok);
     return 2;
   }
   if (g.no_bos && flags.given("prompt-ids")) {

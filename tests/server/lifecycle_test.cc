@@ -567,6 +567,16 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_EQ(nlohmann::json::parse(seeded[0])["seed"], 18446744073709551615ull);
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--seed", "-1"}),
             2);
+  // A request id that is not UTF-8 cannot go in the proto string: refused here, by its flag.
+  std::string bad_id_err;
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--request-id",
+                       "ab\xff"},
+                      &out, &bad_id_err),
+            2);
+  EXPECT_NE(bad_id_err.find("--request-id is not valid UTF-8 (bad byte at offset 2)"),
+            std::string::npos)
+      << bad_id_err;
+  EXPECT_EQ(bad_id_err.find("libprotobuf"), std::string::npos) << bad_id_err;
   // Unseeded and streamed: the drawn seed is reported on stderr, and sent back gives the text.
   std::string err, again;
   const std::vector<std::string> sample = {"client",       "generate",         "--addr",

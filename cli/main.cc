@@ -31,11 +31,14 @@ const Command kCommands[] = {
     {"bench-serve", "closed-loop load test of a running server", cemlm::cli::cmd_bench_serve},
 };
 
-void print_help() {
-  std::printf("usage: cemlm <command> [options]\n\nCEM/Leviathan language models: train, serve, score.\n\ncommands:\n");
-  for (const auto& c : kCommands) std::printf("  %-12s %s\n", c.name, c.summary);
-  std::printf("  %-12s %s\n", "help", "show this list");
-  std::printf("\nRun 'cemlm <command> --help' for the options of a command.\n");
+// To stdout when asked for, to stderr as the usage error of a missing command.
+void print_help(std::FILE* to) {
+  std::fprintf(to,
+               "usage: cemlm <command> [options]\n\nCEM/Leviathan language models: train, serve, "
+               "score.\n\ncommands:\n");
+  for (const auto& c : kCommands) std::fprintf(to, "  %-12s %s\n", c.name, c.summary);
+  std::fprintf(to, "  %-12s %s\n", "help", "show this list");
+  std::fprintf(to, "\nRun 'cemlm <command> --help' for the options of a command.\n");
 }
 
 }  // namespace
@@ -44,7 +47,7 @@ int main(int argc, char** argv) {
   cemlm::reexec_with_runtime_env(argv);
   if (argc < 2 || !std::strcmp(argv[1], "help") || !std::strcmp(argv[1], "--help") ||
       !std::strcmp(argv[1], "-h")) {
-    print_help();
+    print_help(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   for (const auto& c : kCommands)

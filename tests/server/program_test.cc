@@ -1,5 +1,5 @@
 // The `cemlm` program as a whole, beyond one subcommand: what its dispatcher does with a command
-// that runs out of memory.
+// that runs out of memory, and with no command at all.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -29,6 +29,23 @@ TEST(CemlmProgram, OutOfMemoryIsAnErrorNotAnAbort) {
   std::ifstream in(dir + "/err.txt");
   const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(err.find("cemlm init: out of memory"), std::string::npos) << err;
+}
+
+// Without a command the list goes to stderr with exit 2, as every usage error's message does (it
+// went to stdout, into whatever a script piped on); asked for, to stdout with exit 0.
+TEST(CemlmProgram, CommandListIsAnErrorOnlyWhenNoCommandIsGiven) {
+  std::string out, err;
+  EXPECT_EQ(run_cemlm({}, &out, &err), 2);
+  EXPECT_EQ(out, "");
+  EXPECT_NE(err.find("usage: cemlm <command>"), std::string::npos) << err;
+  for (const char* help : {"help", "--help", "-h"}) {
+    EXPECT_EQ(run_cemlm({help}, &out, &err), 0) << help;
+    EXPECT_NE(out.find("usage: cemlm <command>"), std::string::npos) << help << ": " << out;
+    EXPECT_EQ(err, "") << help;
+  }
+  EXPECT_EQ(run_cemlm({"no-such-command"}, &out, &err), 2);
+  EXPECT_EQ(out, "");
+  EXPECT_NE(err.find("unknown command 'no-such-command'"), std::string::npos) << err;
 }
 
 }  // namespace

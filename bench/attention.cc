@@ -133,7 +133,12 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--bf16" || a == "--int8") {
-      dtype = a == "--bf16" ? Dtype::kBf16 : Dtype::kInt8;
+      const Dtype d = a == "--bf16" ? Dtype::kBf16 : Dtype::kInt8;
+      if (dtype != Dtype::kFp32 && dtype != d) {  // the later one won, unsaid
+        std::fprintf(stderr, "--bf16 and --int8 are one cache each: give one of them\n");
+        return 2;
+      }
+      dtype = d;
     } else if ((a == "--rows" || a == "--contexts" || a == "--prefill") && i + 1 < argc) {
       std::vector<int>& list = a == "--rows" ? rows : a == "--contexts" ? contexts : prefills;
       rows_given |= a == "--rows";
@@ -142,6 +147,11 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "%s %s: expected comma-separated integers >= 1\n", a.c_str(), argv[i]);
         return 2;
       }
+    } else if (a != "--help" && a != "-h") {  // usage went to stdout, naming nothing
+      const bool takes_value = a == "--rows" || a == "--contexts" || a == "--prefill";
+      std::fprintf(stderr, "%s %s; see --help\n",
+                   takes_value ? "a value is needed after" : "unknown argument", a.c_str());
+      return 2;
     } else {
       std::printf(
           "usage: attention [--rows 1,32] [--contexts 128,512,1024] [--prefill N,…] [--bf16 |\n"
@@ -152,7 +162,7 @@ int main(int argc, char** argv) {
           "(the\n"
           "engine's one-row path). Prints ms per 12 layers and, for decode, the cache's bytes\n"
           "per second.\n");
-      return a == "--help" || a == "-h" ? 0 : 2;
+      return 0;
     }
   }
   std::printf("%s\n", bench::machine_line().c_str());

@@ -446,9 +446,9 @@ int main(int argc, char** argv) {
       s.batches = {1, 8, 32}, s.prompt = 128, s.min_seconds = 0.05, s.prefill_reps = 1;
       s.rounds = 1;
     } else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) {
-      s.threads = std::atoi(argv[++i]);
-      if (s.threads < 0) {
-        std::fprintf(stderr, "--threads %s must be >= 0 (0: as serve)\n", argv[i]);
+      if (!bench::parse_int_in(argv[++i], 0, kMaxThreads, &s.threads)) {
+        std::fprintf(stderr, "--threads %s must be an integer from 0 (as serve) to %d\n", argv[i],
+                     kMaxThreads);
         return 2;
       }
     } else if (!std::strcmp(argv[i], "--kv-cache-dtype") && i + 1 < argc) {
@@ -490,8 +490,7 @@ int main(int argc, char** argv) {
       (prefill ? s.cell_prefill : s.cell_B) = n;
       if (prefill) s.prompt = n;
     } else if (!std::strcmp(argv[i], "--context") && i + 1 < argc) {
-      s.cell_context = std::atoi(argv[++i]);
-      if (s.cell_context < kBlockSize || s.cell_context > kMaxCellContext ||
+      if (!bench::parse_int_in(argv[++i], kBlockSize, kMaxCellContext, &s.cell_context) ||
           s.cell_context % kBlockSize) {
         std::fprintf(stderr, "--context %s: expected a multiple of %d from %d to %d\n", argv[i],
                      kBlockSize, kBlockSize, kMaxCellContext);

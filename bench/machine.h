@@ -49,6 +49,18 @@ inline int positional_counts(int argc, char** argv, const char* usage,
   return -1;
 }
 
+// The whole of `s` as an integer in [lo, hi] into *out; false otherwise (atoi read "abc" as 0
+// and "8x" as 8).
+inline bool parse_int_in(const char* s, int lo, int hi, int* out) {
+  const std::string a = s;
+  int v = 0;
+  const auto [end, ec] = std::from_chars(a.data(), a.data() + a.size(), v);
+  if (a.empty() || ec != std::errc() || end != a.data() + a.size() || v < lo || v > hi)
+    return false;
+  *out = v;
+  return true;
+}
+
 // Seconds per call of fn, after one warm-up call, repeating for at least min_seconds.
 template <typename F>
 double seconds_per_call(F&& fn, double min_seconds = 1.0) {

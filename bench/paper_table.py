@@ -79,16 +79,20 @@ DECODE_MODEL = "full_cem_T2"
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__ or "paper comparisons through cemlm")
-    p.add_argument("--cemlm", default="build/cli/cemlm", help="the cemlm binary")
+    p.add_argument("--cemlm", default="build/cli/cemlm",
+                   help="the cemlm binary (default: build/cli/cemlm)")
     p.add_argument("--out", required=True, help="work and report directory")
     p.add_argument("--quick", action="store_true", help="tiny model and budget (the ctest)")
     p.add_argument("--data", nargs="+", help="corpus files/directories (default: per mode)")
     p.add_argument("--cache", help="shared tokenizer/token cache (default: OUT/cache)")
     p.add_argument("--steps", type=int, help="training steps per run (default: per mode)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2,
+                   help="cemlm's --threads for every run (default: 2)")
+    p.add_argument("--seed", type=int, default=1,
+                   help="cemlm train's --seed for every run (default: 1)")
     p.add_argument("--max-minutes", type=float, default=0,
-                   help="wall-clock cap per training run (0: none); capped runs are marked")
+                   help="wall-clock cap per training run in minutes (0: none, the default); capped "
+                   "runs are marked")
     return p.parse_args()
 
 

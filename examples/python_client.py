@@ -79,13 +79,17 @@ def run(args, grpc, pb, pb_grpc):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--addr", default="localhost:50051")
-    ap.add_argument("--prompt", default="The answer is")
-    ap.add_argument("--recursion", type=int, default=0, help="recursion depth T; 0 = model default")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--addr", default="localhost:50051",
+                    help="server address HOST:PORT (default: localhost:50051)")
+    ap.add_argument("--prompt", default="The answer is",
+                    help="prompt text (default: 'The answer is')")
+    ap.add_argument("--recursion", type=int, default=0,
+                    help="recursion depth T; 0 = model default (default: 0)")
+    ap.add_argument("--max-new-tokens", type=int, default=32,
+                    help="tokens to generate at most (default: 32)")
     ap.add_argument("--api-key", help="sent as 'authorization: Bearer KEY'")
     ap.add_argument("--tls-ca", help="PEM CA certificate: connect with TLS (else plaintext)")
-    ap.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
+    ap.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds (default: 30)")
     args = ap.parse_args()
 
     try:

@@ -370,11 +370,17 @@ def load_stubs(out_dir):
 def main():
     global grpc, pb, pbg, ADDR, CEMLM
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cemlm", default=os.path.join(ROOT, "build/cli/cemlm"))
-    ap.add_argument("--model", default=os.path.join(ROOT, "models/default"))
-    ap.add_argument("--minutes", type=float, default=13)
-    ap.add_argument("--sample", type=float, default=60, help="seconds between samples")
-    ap.add_argument("--kv-cache-memory", default="8M")
+    ap.add_argument("--cemlm", default=os.path.join(ROOT, "build/cli/cemlm"),
+                    help="the cemlm binary (default: build/cli/cemlm in this repository)")
+    ap.add_argument("--model", default=os.path.join(ROOT, "models/default"),
+                    help="checkpoint directory to serve (default: models/default in this "
+                    "repository)")
+    ap.add_argument("--minutes", type=float, default=13,
+                    help="minutes of traffic before the idle checks (default: 13)")
+    ap.add_argument("--sample", type=float, default=60,
+                    help="seconds between samples (default: 60)")
+    ap.add_argument("--kv-cache-memory", default="8M",
+                    help="serve's --kv-cache-memory (default: 8M)")
     ap.add_argument("--out", default=None, help="directory for serve.log (default: a temp dir)")
     args = ap.parse_args()
     CEMLM = args.cemlm

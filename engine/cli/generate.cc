@@ -30,30 +30,6 @@ int fail(const std::string& msg) {
   return 1;
 }
 
-// The engine's validation names request fields; this command's user gave flags.
-std::string in_flag_terms(std::string msg) {
-  static const std::pair<std::string_view, std::string_view> kFlags[] = {
-      {"sampling.max_new_tokens", "--max-new-tokens"},
-      {"sampling.min_new_tokens", "--min-new-tokens"},
-      {"sampling.logit_bias", "--logit-bias"},
-      {"sampling.temperature", "--temperature"},
-      {"sampling.top_k", "--top-k"},
-      {"sampling.top_p", "--top-p"},
-      {"sampling.min_p", "--min-p"},
-      {"sampling.repetition_penalty", "--repetition-penalty"},
-      {"sampling.presence_penalty", "--presence-penalty"},
-      {"sampling.frequency_penalty", "--frequency-penalty"},
-      {"sampling.top_logprobs", "--top-logprobs"},
-      {"sampling.stop_token_ids", "--stop-token-ids"},  // before its prefix "sampling.stop"
-      {"sampling.stop", "--stop"},
-      {"sampling.seed", "--seed"},
-      {"recursion_depth", "--recursion"}};
-  for (const auto& [field, flag] : kFlags)
-    for (size_t at = msg.find(field); at != std::string::npos; at = msg.find(field, at))
-      msg.replace(at, field.size(), flag);
-  return msg;
-}
-
 // What the request streamed back, gathered on the engine thread.
 struct Outcome {
   std::mutex mu;

@@ -61,7 +61,7 @@ void prepare_context(const ChannelFlags& f, grpc::ClientContext* context) {
 
 int report_error(const grpc::Status& status) {
   std::fprintf(stderr, "error: %s: %s\n", server::grpc_code_name(status.error_code()).c_str(),
-               status.error_message().c_str());
+               in_flag_terms(status.error_message()).c_str());
   return 1;
 }
 

@@ -25,7 +25,8 @@ void add_channel_flags(Flags* flags, ChannelFlags* f);
 std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_connection = false);
 // Authorization metadata and deadline of one call.
 void prepare_context(const ChannelFlags& f, grpc::ClientContext* context);
-// "error: INVALID_ARGUMENT: message" on stderr; returns 1.
+// "error: INVALID_ARGUMENT: message" on stderr, the request fields it names said as the flags
+// that set them (in_flag_terms); returns 1.
 int report_error(const grpc::Status& status);
 
 }  // namespace cemlm::cli

@@ -186,6 +186,19 @@ int client_generate(int argc, char** argv) {
   auto channel = make_channel(c);
   if (!channel) return 2;
   auto stub = v1::Inference::NewStub(channel);
+  // Streamed, the tokens of a model without a tokenizer printed as nothing: an empty line, exit 0.
+  if (!g.json) {
+    grpc::ClientContext info_context;
+    prepare_context(c, &info_context);
+    v1::ModelInfo info;
+    if (auto st = stub->GetModelInfo(&info_context, {}, &info); !st.ok()) return report_error(st);
+    if (!info.has_tokenizer()) {
+      std::fprintf(stderr,
+                   "error: the server's model has no tokenizer, so its tokens have no text to "
+                   "stream; add --json to get the generated ids\n");
+      return 2;
+    }
+  }
   grpc::ClientContext context;
   prepare_context(c, &context);
   auto reader = stub->Generate(&context, req);

@@ -633,7 +633,7 @@ def check_live(errors):
                                  f"server not SERVING: {log_path.read_text()}"):
                 return
             generate = [binary, "client", "generate", "--addr", f"127.0.0.1:{port}",
-                        "--prompt-ids", "3,4,5", "--max-new-tokens", "3"]
+                        "--prompt-ids", "3,4,5", "--max-new-tokens", "3", "--json"]
             p = subprocess.run(generate, capture_output=True, text=True)
             errors.expect(p.returncode == 0, f"generate failed: {p.stderr}")
             # Over the model's recursion max: INVALID_ARGUMENT, which fills errors by code.

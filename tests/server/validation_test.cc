@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -449,6 +450,22 @@ TEST(ServerNoTokenizer, ErrorsSuggestOnlyWhatTheRequestCanSend) {
   EXPECT_EQ(tokenize.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   // TokenizeRequest has no id list to send instead.
   EXPECT_EQ(tokenize.error_message(), "text: this model has no tokenizer");
+  // Its tokens have no text: `cemlm client generate` streaming them printed an empty line, exit 0.
+  std::string out, err;
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", server->addr(), "--prompt-ids", "5,6",
+                       "--max-new-tokens", "3"},
+                      &out, &err),
+            2);
+  EXPECT_NE(err.find("the server's model has no tokenizer, so its tokens have no text to stream; "
+                     "add --json"),
+            std::string::npos)
+      << err;
+  ASSERT_EQ(run_cemlm({"client", "generate", "--addr", server->addr(), "--prompt-ids", "5,6",
+                       "--max-new-tokens", "3", "--ignore-eos", "--json"},
+                      &out, &err),
+            0)
+      << err;
+  EXPECT_EQ(nlohmann::json::parse(out)["ids"].size(), 3u) << out;
 }
 
 TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {

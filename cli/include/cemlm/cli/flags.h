@@ -57,4 +57,8 @@ bool parse_uint64(const std::string& s, uint64_t* out);
 // anything else, a value past int64 included (--kv-cache-memory).
 bool parse_bytes(const std::string& s, int64_t* out);
 
+// A request error in the terms of the generate/score/client flags: the engine and the server name
+// request fields ("sampling.top_p", "prompt_ids", "recursion_depth"), a command's user gave flags.
+std::string in_flag_terms(std::string msg);
+
 }  // namespace cemlm::cli

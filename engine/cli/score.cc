@@ -74,10 +74,8 @@ int cmd_score(int argc, char** argv) {
     if (ids[i] < 0 || ids[i] >= c.vocab_size)
       return fail("token id " + std::to_string(ids[i]) + " at index " + std::to_string(i) +
                   " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
-  if (T < 0 || T > c.recursion_max)
-    return fail("--recursion " + std::to_string(T) + " is outside [0, recursion.max = " +
-                std::to_string(c.recursion_max) + "] (0 = the model's recursion.default, " +
-                std::to_string(c.recursion_default) + ")");
+  if (absl::Status st = check_recursion_depth(c, T, "--recursion"); !st.ok())
+    return fail(std::string(st.message()));
   if (T == 0) T = c.recursion_default;
 
   use_cpu_threads(0);  // as the engine does: the CPU limit, not every core

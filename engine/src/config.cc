@@ -323,6 +323,16 @@ absl::StatusOr<ModelConfig> load_config(const std::string& path) {
   return c;
 }
 
+absl::Status check_recursion_depth(const ModelConfig& c, int depth, const std::string& field) {
+  if (depth < 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " = ", depth, " must be >= 0 (0 = the model's default, ", c.recursion_default, ")"));
+  if (depth > c.recursion_max)
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " = ", depth, " exceeds the model's recursion.max = ", c.recursion_max));
+  return absl::OkStatus();
+}
+
 std::string config_to_json(const ModelConfig& c) {
   json j;
   j["architecture"] = "cemlm";

@@ -136,7 +136,9 @@ class EngineImpl final : public Engine {
 
  private:
   absl::Status validate_ids(std::span<const int> ids, const std::string& field) const;
-  absl::Status validate_recursion(int depth) const;
+  absl::Status validate_recursion(int depth) const {
+    return check_recursion_depth(config_, depth, "recursion_depth");
+  }
   int resolve_recursion(int depth) const { return depth ? depth : config_.recursion_default; }
   std::unique_ptr<Request> make_request(RequestId id, const GenerateRequest& req,
                                         EventCallback on_event) const;
@@ -276,18 +278,6 @@ absl::Status EngineImpl::validate_ids(std::span<const int> ids, const std::strin
     if (ids[i] < 0 || ids[i] >= config_.vocab_size)
       return absl::InvalidArgumentError(absl::StrCat(
           field, "[", i, "] = ", ids[i], " is not a token id in [0, ", config_.vocab_size, ")"));
-  return absl::OkStatus();
-}
-
-absl::Status EngineImpl::validate_recursion(int depth) const {
-  if (depth < 0)
-    return absl::InvalidArgumentError(absl::StrCat("recursion_depth = ", depth,
-                                                   " must be >= 0 (0 = the model's default, ",
-                                                   config_.recursion_default, ")"));
-  if (depth > config_.recursion_max)
-    return absl::InvalidArgumentError(
-        absl::StrCat("recursion_depth = ", depth,
-                     " exceeds the model's recursion.max = ", config_.recursion_max));
   return absl::OkStatus();
 }
 

@@ -488,8 +488,7 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   // 0 is a depth too (the model's default): the range says so.
   EXPECT_EQ(
       run_cemlm({"score", "--model", model_, "--ids", "5,6", "--recursion", "-2"}, &out, &err), 1);
-  EXPECT_NE(err.find("--recursion -2 is outside [0, recursion.max = 8] (0 = the model's "
-                     "recursion.default"),
+  EXPECT_NE(err.find("--recursion = -2 must be >= 0 (0 = the model's default, 1)"),
             std::string::npos)
       << err;
 }

@@ -105,8 +105,11 @@ TEST_F(GradsCli, BadInputsAreRefusedByName) {
       {{"--ids", "3"}, "--ids"},
       {{"--ids", "3,61"}, "--ids"},
       {{"--ids", "3,-1"}, "--ids"},
-      {{"--ids", "3,4", "--recursion", "5"}, "--recursion"},
-      {{"--ids", "3,4", "--recursion", "-1"}, "--recursion"},
+      {{"--ids", "3,4", "--recursion", "5"},
+       "--recursion = 5 exceeds the model's recursion.max = 4"},
+      // 0 is a depth too (the model's default): the range says so, as score's and the server's do.
+      {{"--ids", "3,4", "--recursion", "-1"},
+       "--recursion = -1 must be >= 0 (0 = the model's default, 2)"},
   };
   for (const BadCase& bc : cases) {
     std::vector<std::string> args{"--model", model_dir(), "--out", out_file()};

@@ -82,10 +82,9 @@ int cmd_grads(int argc, char** argv) {
   if (!parse_id_list(ids_text, &ids))
     return fail("--ids: expected comma-separated integers like 3,17,42");
   if (const std::string err = check_ids(ids, c); !err.empty()) return fail(err);
+  if (absl::Status st = check_recursion_depth(c, T, "--recursion"); !st.ok())
+    return fail(std::string(st.message()));
   if (T == 0) T = c.recursion_default;
-  if (T < 1 || T > c.recursion_max)
-    return fail("--recursion " + std::to_string(T) +
-                " is outside [1, recursion.max = " + std::to_string(c.recursion_max) + "]");
 
   const Weights w = bind_weights(c, ck->params);
   ParamStore grads(c);

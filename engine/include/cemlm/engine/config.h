@@ -60,5 +60,8 @@ struct ModelConfig {
 absl::StatusOr<ModelConfig> parse_config(const std::string& json_text);
 absl::StatusOr<ModelConfig> load_config(const std::string& path);
 std::string config_to_json(const ModelConfig& c);
+// A requested recursion depth: 0 (the model's recursion.default) up to recursion.max. The error
+// names `field` ("recursion_depth" for a request, "--recursion" for a command).
+absl::Status check_recursion_depth(const ModelConfig& c, int depth, const std::string& field);
 
 }  // namespace cemlm

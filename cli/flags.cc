@@ -1,13 +1,18 @@
 // Flag parser implementation (see flags.h).
 #include "cemlm/cli/flags.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <sstream>
 #include <string_view>
+#include <system_error>
 #include <utility>
 
 namespace cemlm::cli {
@@ -246,6 +251,37 @@ bool parse_bytes(const std::string& s, int64_t* out) {
   const int shift = int(10 * (k + 1));
   if (v > (INT64_MAX >> shift)) return false;
   *out = v << shift;
+  return true;
+}
+
+bool check_out_file(const std::string& flag, const std::string& path, const std::string& example,
+                    bool makes_dirs, std::string* error) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path out(path);
+  if (!out.has_filename() || fs::is_directory(out, ec)) {
+    *error = flag + " '" + path + "' is a directory; name the file to write, like " +
+             (out / example).lexically_normal().string();
+    return false;
+  }
+  fs::path dir = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  while (makes_dirs && !fs::exists(dir, ec)) {
+    if (!dir.has_parent_path() || dir.parent_path() == dir) {  // "a/b.model" with no a/
+      dir = ".";
+      break;
+    }
+    dir = dir.parent_path();
+  }
+  if (!fs::is_directory(dir, ec)) {
+    *error = flag + " '" + path + "': '" + dir.string() +
+             (fs::exists(dir, ec) ? "' is not a directory" : "' does not exist");
+    return false;
+  }
+  if (::access(dir.c_str(), W_OK) != 0) {
+    *error =
+        flag + " '" + path + "': cannot write into '" + dir.string() + "': " + std::strerror(errno);
+    return false;
+  }
   return true;
 }
 

@@ -23,39 +23,6 @@ int fail(const std::string& message) {
   return 1;
 }
 
-// Whether `path` can take the .model file, checked before the (long) training without touching
-// the disk: not a directory, and its nearest existing ancestor a writable directory (the write
-// creates the missing ones).
-bool check_out_path(const std::string& path, std::string* error) {
-  namespace fs = std::filesystem;
-  if (path.empty()) return true;  // train_tokenizer says so
-  std::error_code ec;
-  const fs::path out(path);
-  if (!out.has_filename() || fs::is_directory(out, ec)) {
-    *error = "--out '" + path + "' is a directory; name the .model file to write, like " +
-             (out / "tokenizer.model").lexically_normal().string();
-    return false;
-  }
-  fs::path dir = out.parent_path().empty() ? fs::path(".") : out.parent_path();
-  while (!fs::exists(dir, ec)) {
-    if (!dir.has_parent_path() || dir.parent_path() == dir) {  // "a/b.model" with no a/
-      dir = ".";
-      break;
-    }
-    dir = dir.parent_path();
-  }
-  if (!fs::is_directory(dir, ec)) {
-    *error = "--out '" + path + "': '" + dir.string() + "' is not a directory";
-    return false;
-  }
-  if (::access(dir.c_str(), W_OK) != 0) {
-    *error = "--out '" + path + "': cannot write into '" + dir.string() + "': " +
-             std::strerror(errno);
-    return false;
-  }
-  return true;
-}
-
 int train(int argc, char** argv) {
   TokenizerTrainOptions opts;
   Flags flags("cemlm tokenizer train --input FILE|DIR... --out FILE [--vocab-size N]",
@@ -72,7 +39,9 @@ int train(int argc, char** argv) {
   flags.add_bool("verbose", &opts.verbose, "show SentencePiece's training log");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   std::string error;
-  if (!check_out_path(opts.out_path, &error)) return fail(error);
+  if (!opts.out_path.empty() &&  // train_tokenizer says so when it is
+      !check_out_file("--out", opts.out_path, "tokenizer.model", /*makes_dirs=*/true, &error))
+    return fail(error);
   TokenizerTrainStats stats;
   if (!train_tokenizer(opts, &error, &stats)) return fail(error);
   std::printf("wrote %s: %d pieces from %d text files (%.2f MB), %zu files skipped\n",

@@ -478,13 +478,23 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   EXPECT_EQ(rpc.token_ids_size(), with_bos - 1);
   EXPECT_NE(rpc.token_ids(0), 1);
   EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--no-bos"}, &out), 1);
-  // A logits file that cannot be written is named by its flag.
+  // A logits file that cannot be written is named by its flag, before the forward runs.
   std::string err;
   EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--dump-logits",
                        "/nonexistent_dir/logits.safetensors"},
                       &out, &err),
             1);
-  EXPECT_NE(err.find("error: --dump-logits: "), std::string::npos) << err;
+  EXPECT_NE(err.find("error: --dump-logits '/nonexistent_dir/logits.safetensors': "
+                     "'/nonexistent_dir' does not exist"),
+            std::string::npos)
+      << err;
+  const std::string dir = fresh_temp_dir();
+  EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--dump-logits", dir + "/"},
+                      &out, &err),
+            1);
+  EXPECT_NE(err.find("is a directory; name the file to write, like " + dir + "/logits.safetensors"),
+            std::string::npos)
+      << err;
   // 0 is a depth too (the model's default): the range says so.
   EXPECT_EQ(
       run_cemlm({"score", "--model", model_, "--ids", "5,6", "--recursion", "-2"}, &out, &err), 1);

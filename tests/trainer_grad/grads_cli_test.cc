@@ -121,6 +121,20 @@ TEST_F(GradsCli, BadInputsAreRefusedByName) {
   }
 }
 
+// An --out it cannot write is refused by name before the forward and backward run.
+TEST_F(GradsCli, AnOutThatIsADirectoryIsRefusedFirst) {
+  const std::string dir = fs::path(out_file()).parent_path().string();
+  std::string err;
+  EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", dir + "/"}, &err), 1);
+  EXPECT_NE(err.find("--out '" + dir + "/' is a directory; name the file to write, like " + dir +
+                     "/grads.safetensors"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", dir + "/no/such/dir/g.st"}, &err),
+            1);
+  EXPECT_NE(err.find("does not exist"), std::string::npos) << err;
+}
+
 TEST_F(GradsCli, MissingFlagsAndModelAreNamed) {
   std::string err;
   EXPECT_NE(run({"--model", model_dir(), "--ids", "3,4"}, &err), 0);

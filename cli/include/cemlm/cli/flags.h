@@ -1,5 +1,6 @@
 // Tiny command-line flag parser shared by every `cemlm` subcommand: typed flags with defaults,
-// --help text generated from the declarations, and errors that name the flag.
+// --help text generated from the declarations, and errors that name the flag; with the value
+// parsers and checks the subcommands share.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -56,6 +57,13 @@ bool parse_uint64(const std::string& s, uint64_t* out);
 // Parses a byte count: "4G", "512M", "64K", "64KB" or plain bytes (powers of 1024); false on
 // anything else, a value past int64 included (--kv-cache-memory).
 bool parse_bytes(const std::string& s, int64_t* out);
+
+// Whether `path` can take the file a command writes at its end, checked before the (long) work
+// without touching the disk: not a directory, and its directory writable, or where the write
+// creates missing directories (`makes_dirs`), its nearest existing ancestor. The error names
+// `flag`, and for a directory given, suggests `example` (a file name) inside it.
+bool check_out_file(const std::string& flag, const std::string& path, const std::string& example,
+                    bool makes_dirs, std::string* error);
 
 // A request error in the terms of the generate/score/client flags: the engine and the server name
 // request fields ("sampling.top_p", "prompt_ids", "recursion_depth"), a command's user gave flags.

@@ -32,12 +32,12 @@ bool read_file(const std::string& path, std::string* bytes, std::string* error) 
   return true;
 }
 
-bool skipped_by_name(const std::string& path) {
-  const auto ext = fs::path(path).extension();
+namespace {
+
+bool skipped_by_name(const fs::path& p) {
+  const auto ext = p.extension();
   return ext == ".dat" || ext == ".u8";
 }
-
-namespace {
 
 // Empty when `bytes` is UTF-8 text, else why not.
 std::string why_not_text(const std::string& bytes) {
@@ -46,6 +46,10 @@ std::string why_not_text(const std::string& bytes) {
   if (size_t valid = utf8_valid_prefix(bytes); valid != bytes.size())
     return "invalid UTF-8 at byte offset " + std::to_string(valid);
   return "";
+}
+
+std::string not_text_message(const std::string& path, const std::string& why) {
+  return "'" + path + "' is not UTF-8 text: " + why;
 }
 
 // Appends the candidate files under `path` (sorted when it is a directory).
@@ -81,20 +85,25 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
 // collectors, so each file is read once.
 bool for_each_text_file(const std::vector<std::string>& paths,
                         const std::function<void(const std::string&, std::string&&)>& use,
-                        std::string* error, std::vector<std::string>* skipped) {
+                        std::string* error, std::vector<std::string>* skipped,
+                        std::vector<std::string>* why_skipped) {
   std::vector<std::string> candidates;
   for (const auto& p : paths)
     if (!expand(p, &candidates, error)) return false;
   for (const auto& path : candidates) {
+    std::string why;
     if (!skipped_by_name(path)) {
       std::string bytes;
       if (!read_file(path, &bytes, error)) return false;
-      if (why_not_text(bytes).empty()) {
+      why = why_not_text(bytes);
+      if (why.empty()) {
         use(path, std::move(bytes));
         continue;
       }
+      why = not_text_message(path, why);
     }
     if (skipped) skipped->push_back(path);
+    if (why_skipped) why_skipped->push_back(std::move(why));
   }
   return true;
 }
@@ -104,17 +113,18 @@ bool for_each_text_file(const std::vector<std::string>& paths,
 bool read_text_file(const std::string& path, std::string* text, std::string* error) {
   if (!read_file(path, text, error)) return false;
   if (std::string why = why_not_text(*text); !why.empty()) {
-    *error = "'" + path + "' is not UTF-8 text: " + why;
+    *error = not_text_message(path, why);
     return false;
   }
   return true;
 }
 
 bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
-                        std::string* error, std::vector<std::string>* skipped) {
+                        std::string* error, std::vector<std::string>* skipped,
+                        std::vector<std::string>* why_skipped) {
   return for_each_text_file(
       paths, [&](const std::string& path, std::string&&) { files->push_back(path); }, error,
-      skipped);
+      skipped, why_skipped);
 }
 
 bool read_corpus(const std::vector<std::string>& paths, std::vector<TextFile>* files,
@@ -124,7 +134,7 @@ bool read_corpus(const std::vector<std::string>& paths, std::vector<TextFile>* f
       [&](const std::string& path, std::string&& text) {
         files->push_back(TextFile{path, std::move(text)});
       },
-      error, skipped);
+      error, skipped, nullptr);
 }
 
 }  // namespace cemlm

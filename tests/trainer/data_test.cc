@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <set>
 
+#include "absl/strings/str_join.h"
 #include "cemlm/engine/corpus.h"
 #include "tokenizer_util.h"
 #include "trainer_test_util.h"
@@ -321,6 +322,20 @@ TEST(ListCorpus, NamesTheFilesLeftOutForWhatTheyHold) {
   EXPECT_NE(c->not_text[1].find("latin1.txt"), std::string::npos) << c->not_text[1];
   EXPECT_NE(c->not_text[1].find("invalid UTF-8 at byte offset 3"), std::string::npos)
       << c->not_text[1];
+}
+
+// The run's own files (a checkpoint's weights, the token cache) are binary when --data holds the
+// run: they are left out as the run's, not named as text files to convert to UTF-8.
+TEST(ListCorpus, NamesNoFileOfTheExcludedDirectoriesAsNotText) {
+  const std::string dir = fresh_dir();
+  write_file(dir + "/a.txt", "some text\n");
+  write_file(dir + "/run/model.safetensors", std::string("\x08\0\0\0weights", 11));
+  write_file(dir + "/run.cache/tokens.bin", std::string("ids\0\1", 5));
+  write_file(dir + "/latin1.txt", "caf\xe9\n");
+  auto c = list_corpus({dir}, {dir + "/run", dir + "/run.cache"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->not_text.size(), 1u) << absl::StrJoin(c->not_text, "; ");
+  EXPECT_NE(c->not_text[0].find("latin1.txt"), std::string::npos) << c->not_text[0];
 }
 
 TEST(ListCorpus, MissingPathNamesTheFlag) {

@@ -151,25 +151,25 @@ absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
                                         const std::vector<std::string>& exclude) {
   CorpusFiles c;
   std::string error;
-  std::vector<std::string> found;
-  if (!collect_text_files(inputs, &found, &error, &c.skipped))
+  std::vector<std::string> found, why_skipped;
+  if (!collect_text_files(inputs, &found, &error, &c.skipped, &why_skipped))
     return absl::NotFoundError(absl::StrCat("--data: ", error));
-  for (const std::string& p : c.skipped) {
-    std::string text, why;
-    if (!skipped_by_name(p) && !read_text_file(p, &text, &why)) c.not_text.push_back(why);
-  }
   std::vector<fs::path> excluded;
   for (const std::string& d : exclude) {
     fs::path p = fs::weakly_canonical(fs::absolute(d));
     if (!p.has_filename()) p = p.parent_path();
     excluded.push_back(p);
   }
-  for (std::string& p : found) {
+  auto is_excluded = [&](const std::string& p) {
     const fs::path abs = fs::weakly_canonical(fs::absolute(p));
-    const bool skip = std::any_of(excluded.begin(), excluded.end(),
-                                  [&](const fs::path& d) { return inside(abs, d); });
-    (skip ? c.skipped : c.paths).push_back(std::move(p));
-  }
+    return std::any_of(excluded.begin(), excluded.end(),
+                       [&](const fs::path& d) { return inside(abs, d); });
+  };
+  // The run's own binaries (weights, token cache) are left out as the run's, not as bad text.
+  for (size_t i = 0; i < c.skipped.size(); ++i)
+    if (!why_skipped[i].empty() && !is_excluded(c.skipped[i]))
+      c.not_text.push_back(std::move(why_skipped[i]));
+  for (std::string& p : found) (is_excluded(p) ? c.skipped : c.paths).push_back(std::move(p));
   uint64_t h = hash_bytes("cemlm corpus v1");
   for (const std::string& p : c.paths) {
     std::error_code ec;

@@ -17,13 +17,12 @@ bool read_text_file(const std::string& path, std::string* text, std::string* err
 // Expands `paths` (files, or directories walked recursively in sorted order, hidden entries
 // skipped) into the text files to train on, in input order. Skips `.dat`/`.u8` files (the strfile
 // indexes and symlinked duplicates of Debian's fortunes) and binary or non-UTF-8 files, listing
-// them in `*skipped` when given. False (error names the path) when a path does not exist or
-// cannot be read.
+// them in `*skipped` when given, and in `*why_skipped` (beside them, one for one) why: empty for
+// a file left out by its name, unread, else "'path' is not UTF-8 text: ..." with the offending
+// byte. False (error names the path) when a path does not exist or cannot be read.
 bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
-                        std::string* error, std::vector<std::string>* skipped = nullptr);
-
-// Whether collect_text_files leaves `path` out by its name alone (`.dat`/`.u8`), unread.
-bool skipped_by_name(const std::string& path);
+                        std::string* error, std::vector<std::string>* skipped = nullptr,
+                        std::vector<std::string>* why_skipped = nullptr);
 
 struct TextFile {
   std::string path, text;

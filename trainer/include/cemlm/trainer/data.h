@@ -20,9 +20,10 @@ namespace cemlm {
 struct CorpusFiles {
   std::vector<std::string> paths;
   std::vector<std::string> skipped;  // .dat/.u8, binary, not UTF-8, or in an excluded directory
-  // Of `skipped`, those left out for what they hold (binary, not UTF-8, unreadable), each said
-  // as "'path' is not UTF-8 text: why": a user's file with one stray byte is otherwise lost
-  // unseen, unlike the .dat/.u8 files of a fortunes directory, which are left out by design.
+  // Of `skipped`, those left out for what they hold (binary, not UTF-8) outside the excluded
+  // directories, each said as "'path' is not UTF-8 text: why": a user's file with one stray byte
+  // is otherwise lost unseen, unlike the .dat/.u8 files of a fortunes directory, which are left
+  // out by design, or the run's own output.
   std::vector<std::string> not_text;
   uint64_t key = 0;
 };

@@ -80,6 +80,11 @@ class RawCall {
             write(fd_, out.data(), out.size()) == ssize_t(out.size());
   }
   ~RawCall() { close(fd_); }
+  // Sends a PING of the client's own, with `payload` (8 bytes) to find its ACK by.
+  bool ping(const std::string& payload) {
+    const std::string frame = h2_frame(6, 0, 0, payload);
+    return sent_ && write(fd_, frame.data(), frame.size()) == ssize_t(frame.size());
+  }
   RawCall(const RawCall&) = delete;
   RawCall& operator=(const RawCall&) = delete;
 
@@ -404,6 +409,10 @@ TEST(ServerKeepalive, AClientThatStopsAnsweringPingsIsCutOffAndItsCallCancelled)
 // request queued behind a long one; a Score waiting for cache room, or a long prefill, alike):
 // gRPC's default allowed a ping every 5 minutes without data, so the fourth ping closed the
 // connection (GOAWAY too_many_pings) and the waiting call failed UNAVAILABLE "Too many pings".
+// The pings are sent by hand, each 1.3 s after the server acknowledged the last: so the server
+// sees them at least that far apart however loaded the machine (a gRPC client's keepalive timer
+// gave no such bound, and a 12 s wait for its pings), and the old policy's strikes come for
+// certain: there the fifth ping (one after the call began may pass free) closed the connection.
 TEST(ServerKeepalive, AClientsOwnPingsWhileItsCallWaitsAreNoAbuse) {
   auto server = ServerProcess::start(
       make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen, .tokenizer = false}),
@@ -415,27 +424,50 @@ TEST(ServerKeepalive, AClientsOwnPingsWhileItsCallWaitsAreNoAbuse) {
   v1::GenerateResponse first;
   ASSERT_TRUE(long_call->Read(&first));  // running: the next request waits in the queue
 
-  // Its own connection (a channel of its own arguments), pinged every 1.5 s, data or not.
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 1500);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto pinging =
-      grpc::CreateCustomChannel(server->addr(), grpc::InsecureChannelCredentials(), args);
-  Stream waited;
-  std::thread waiter([&] { waited = generate(pinging, ids_request(some_ids(4), 2)); });
-  // Eight pings while it waits: with the old policy the fourth one closed the connection.
-  std::this_thread::sleep_for(12s);
+  RawCall waiting(server->port(), "/cemlm.v1.Inference/Generate",
+                  ids_request(some_ids(4), 2).SerializeAsString());
+  int data_frames = 0, status = -1;
+  bool goaway = false;
+  // Every frame but the pings' ACKs: the waiting call's own (none before the long one ends).
+  auto note = [&](uint8_t type, const std::string& payload) {
+    goaway |= type == 7;
+    data_frames += type == 0;
+    const size_t at = type == 1 ? payload.find("grpc-status") : std::string::npos;
+    if (at != std::string::npos && payload.size() > at + 12)
+      status = std::stoi(payload.substr(at + 12, size_t(payload[at + 11])));
+  };
+  for (int i = 0; i < 6; ++i) {
+    if (i > 0) std::this_thread::sleep_for(1300ms);
+    const std::string payload = "ping-" + std::to_string(100 + i);
+    ASSERT_TRUE(waiting.ping(payload)) << i;
+    const RawCall::End end =
+        waiting.read_frames(30s, true, [&](uint8_t type, uint8_t flags, const std::string& p) {
+          if (type == 6 && (flags & 1)) return p == payload;
+          note(type, p);
+          return goaway;
+        });
+    ASSERT_FALSE(goaway) << "ping " << i + 1 << " closed the connection (too_many_pings)";
+    ASSERT_TRUE(end == RawCall::End::kStopped)
+        << "ping " << i + 1
+        << (end == RawCall::End::kTimedOut ? ": no ACK in 30 s"
+                                           : ": the server closed the connection (too_many_pings)");
+  }
+  EXPECT_EQ(data_frames, 0) << "the call did not wait: the pings were not all without data";
   long_context.TryCancel();
   for (v1::GenerateResponse m; long_call->Read(&m);) {
   }
   // Still running when cancelled, so the other call waited through all the pings.
   EXPECT_EQ(long_call->Finish().error_code(), grpc::StatusCode::CANCELLED)
       << "the long request ended by itself: lengthen it";
-  waiter.join();
-  EXPECT_TRUE(waited.status.ok()) << server::grpc_code_name(waited.status.error_code()) << ": "
-                                  << waited.status.error_message();
-  EXPECT_EQ(waited.ids().size(), 2u);
+  const RawCall::End end =
+      waiting.read_frames(30s, true, [&](uint8_t type, uint8_t, const std::string& p) {
+        note(type, p);
+        return status >= 0 || goaway;
+      });
+  EXPECT_FALSE(goaway);
+  EXPECT_TRUE(end != RawCall::End::kClosed) << "the server closed the connection (too_many_pings)";
+  EXPECT_EQ(status, 0) << "the waiting call did not end OK";
+  EXPECT_GE(data_frames, 1);
 }
 
 // The token counters move as tokens stream, not when the request ends (a dashboard's tokens/s

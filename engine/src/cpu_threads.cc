@@ -111,15 +111,26 @@ double cgroup_cpu_limit(const std::string& cgroup_root, const std::string& self_
   return v2_path.empty() ? 0 : tightest(cgroup_root, v2_path, v2_limit);
 }
 
+namespace {
+
+// --threads is refused past kMaxThreads; the defaults are held to it: past the system's thread
+// limit, OpenMP's thread creation fails and ends the process.
+CpuThreads at_most_max(CpuThreads t) {
+  if (t.threads <= kMaxThreads) return t;
+  return {kMaxThreads, absl::StrCat(t.why, " (", t.threads, "), at most ", kMaxThreads)};
+}
+
+}  // namespace
+
 CpuThreads cpu_threads(int asked) {
   if (asked > 0) return {asked, "--threads"};
   if (const char* env = std::getenv("OMP_NUM_THREADS"); env && *env)
-    return {omp_get_max_threads(), "OMP_NUM_THREADS"};
+    return at_most_max({omp_get_max_threads(), "OMP_NUM_THREADS"});
   const int cpus = affinity_cpus();
   const double limit = cgroup_cpu_limit();
   if (limit > 0 && std::ceil(limit) < cpus)
     return {int(std::ceil(limit)), absl::StrCat("the cgroup CPU limit ", limit, " of ", cpus, " CPUs")};
-  return {cpus, absl::StrCat(cpus, " CPUs")};
+  return at_most_max({cpus, absl::StrCat(cpus, " CPUs")});
 }
 
 CpuThreads use_cpu_threads(int asked) {

@@ -33,6 +33,22 @@ TEST(CemlmProgram, OutOfMemoryIsAnErrorNotAnAbort) {
 
 // Without a command the list goes to stderr with exit 2, as every usage error's message does (it
 // went to stdout, into whatever a script piped on); asked for, to stdout with exit 0.
+// OMP_NUM_THREADS past the system's thread limit: OpenMP's thread creation failed and ended the
+// process ("Thread creation failed"), as --threads 100000 did before it was bounded. The default
+// is held to the same bound. (This process's own OpenMP read the variable at start: only the
+// child sees it.)
+TEST(CemlmProgram, AHugeOmpNumThreadsIsHeldToTheBound) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.tokenizer = false});
+  ASSERT_EQ(setenv("OMP_NUM_THREADS", "100000", 1), 0);
+  std::string out, err;
+  const int rc = run_cemlm({"generate", "--model", model, "--prompt-ids", "5,6", "--max-new-tokens",
+                            "2", "--ignore-eos", "--json"},
+                           &out, &err);
+  unsetenv("OMP_NUM_THREADS");
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_NE(out.find("\"ids\":["), std::string::npos) << out;
+}
+
 TEST(CemlmProgram, CommandListIsAnErrorOnlyWhenNoCommandIsGiven) {
   std::string out, err;
   EXPECT_EQ(run_cemlm({}, &out, &err), 2);

@@ -22,7 +22,7 @@ inline constexpr const char* kThreadsHelp =
     "may use (affinity mask, capped by a container's or cgroup's CPU limit)";
 
 // `asked` > 0 is taken as given; 0 means: OMP_NUM_THREADS if set, else the CPUs of the affinity
-// mask capped by the cgroup limit rounded up.
+// mask capped by the cgroup limit rounded up; either default at most kMaxThreads.
 CpuThreads cpu_threads(int asked);
 
 // cpu_threads(asked), made OpenBLAS's count and OpenMP's for the calling thread (a per-thread

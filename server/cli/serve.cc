@@ -358,7 +358,7 @@ int cmd_serve(int argc, char** argv) {
             "--shutdown-timeout to finish: clients reconnect and spread over new replicas; 0 = "
             "never");
   flags.add("keepalive-time", &f.keepalive_time,
-            "seconds between pings to a client with calls under way, which find connections "
+            "seconds between pings to each client connection, which find connections "
             "whose client vanished without closing them (its host gone, a silent network drop); "
             "0 = never");
   flags.add("keepalive-timeout", &f.keepalive_timeout,

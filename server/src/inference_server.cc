@@ -25,8 +25,8 @@ constexpr int kHandshakeTimeoutMs = 10 * 1000;
 // before any interceptor or handler sees the call.
 constexpr int kMaxRequestBytes = 4 << 20;
 // Client keepalive pings on a connection whose calls have nothing to send yet (a queued request, a
-// Score waiting for cache room, a long prefill): gRPC's default allows one per 5 minutes, and at
-// the third faster one closes the connection (GOAWAY too_many_pings), failing its calls with
+// Score waiting for cache room, a long prefill): gRPC's default allows one per 5 minutes, and
+// after a few faster ones closes the connection (GOAWAY too_many_pings), failing its calls with
 // UNAVAILABLE "Too many pings". A ping a second costs nothing; gRPC-Go and Java clients ping
 // every 10 s at most.
 constexpr int kMinClientPingIntervalMs = 1000;
@@ -67,6 +67,11 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              kMinClientPingIntervalMs);
+  // On a connection without calls too: a client keeping its channel warm between calls (Go's
+  // PermitWithoutStream, Java's keepAliveWithoutCalls) was cut off after a few pings, as gRPC
+  // allows those only every 2 hours. The server then pings such connections as well; idle ones
+  // still close after kMaxConnectionIdleMs.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   auto ms = [](double s) { return int(std::min(s * 1e3, double(INT_MAX))); };
   if (opts.keepalive_time_s > 0) {
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ms(opts.keepalive_time_s));

@@ -470,6 +470,43 @@ TEST(ServerKeepalive, AClientsOwnPingsWhileItsCallWaitsAreNoAbuse) {
   EXPECT_GE(data_frames, 1);
 }
 
+// A client keeping its connection warm between calls (its keepalive with calls or without) is no
+// abuse either: gRPC allowed pings on a connection without calls only every 2 hours, and closed
+// it after a few (GOAWAY too_many_pings).
+TEST(ServerKeepalive, AClientsOwnPingsBetweenCallsAreNoAbuse) {
+  auto server = ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.tokenizer = false}));
+  ASSERT_TRUE(server);
+  RawCall call(server->port(), "/cemlm.v1.Inference/GetModelInfo", "");
+  int status = -1;
+  bool goaway = false;
+  auto note = [&](uint8_t type, const std::string& payload) {
+    goaway |= type == 7;
+    const size_t at = type == 1 ? payload.find("grpc-status") : std::string::npos;
+    if (at != std::string::npos && payload.size() > at + 12)
+      status = std::stoi(payload.substr(at + 12, size_t(payload[at + 11])));
+  };
+  call.read_frames(30s, true, [&](uint8_t type, uint8_t, const std::string& p) {
+    note(type, p);
+    return status >= 0;
+  });
+  ASSERT_EQ(status, 0) << "GetModelInfo did not end OK";
+  // The connection has no call now. Pings 1.3 s apart (after each ACK), as many as closed it.
+  for (int i = 0; i < 6; ++i) {
+    if (i > 0) std::this_thread::sleep_for(1300ms);
+    const std::string payload = "idle-" + std::to_string(100 + i);
+    ASSERT_TRUE(call.ping(payload)) << i;
+    const RawCall::End end =
+        call.read_frames(30s, true, [&](uint8_t type, uint8_t flags, const std::string& p) {
+          if (type == 6 && (flags & 1)) return p == payload;
+          note(type, p);
+          return goaway;
+        });
+    ASSERT_FALSE(goaway) << "ping " << i + 1 << " closed the connection (too_many_pings)";
+    ASSERT_TRUE(end == RawCall::End::kStopped)
+        << "ping " << i + 1 << (end == RawCall::End::kTimedOut ? ": no ACK in 30 s" : ": closed");
+  }
+}
+
 // The token counters move as tokens stream, not when the request ends (a dashboard's tokens/s
 // would otherwise lag by a whole generation).
 TEST_F(ServerGenerate, TokenCountersMoveWhileStreaming) {

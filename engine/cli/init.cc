@@ -2,7 +2,9 @@
 // so that every variant can be served and tested without training.
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <string>
+#include <system_error>
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
@@ -34,17 +36,30 @@ bool check_tokenizer(const std::string& path, const ModelConfig& c) {
 int cmd_init(int argc, char** argv) {
   std::string config_path, out_dir, tokenizer_path;
   uint64_t seed = 0;
+  bool force = false;
   Flags flags("cemlm init --config FILE --out DIR [--seed N] [--tokenizer FILE]",
               "Write a checkpoint directory (config.json, model.safetensors[, tokenizer.model])\n"
               "with random weights drawn from MODEL.md's recommended init (except LEV's out_proj:\n"
               "std 1/sqrt(heads * rank) instead of 0.02/sqrt(heads), see docs/TRAINING.md).");
   flags.add("config", &config_path, "model config.json to initialise", true);
-  flags.add("out", &out_dir, "checkpoint directory to write (an existing checkpoint is replaced;\n"
-            "a directory holding other files is refused)",
+  flags.add("out", &out_dir,
+            "checkpoint directory to write (one holding weights already is\n"
+            "refused without --force; one holding other files always is)",
             true);
+  flags.add_bool("force", &force, "replace the checkpoint in --out, weights and training state");
   flags.add("seed", &seed, "random seed; the same seed gives the same weights");
   flags.add("tokenizer", &tokenizer_path, "SentencePiece model to copy in as tokenizer.model");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  // Replacing a checkpoint deletes its weights and training state: a trained run's, as likely as
+  // a random one's, so the user says so.
+  std::error_code ec;
+  if (!force && std::filesystem::exists(std::filesystem::path(out_dir) / kWeightsFile, ec)) {
+    std::fprintf(stderr,
+                 "error: --out '%s' holds a checkpoint already (%s); pass --force to replace it "
+                 "(its weights and any training state are deleted), or choose another directory\n",
+                 out_dir.c_str(), std::string(kWeightsFile).c_str());
+    return 1;
+  }
 
   auto config = load_config(config_path);
   if (!config.ok()) {

@@ -46,6 +46,23 @@ TEST(InitCommand, WritesALoadableSeedDeterministicCheckpoint) {
   EXPECT_EQ(a->params.flat()[a->params.find("layers.1.attn.diag")->offset], 0.0f);
 }
 
+// A checkpoint in --out (a trained run's as likely as not) is replaced only with --force.
+TEST(InitCommand, AnExistingCheckpointIsReplacedOnlyWithForce) {
+  const std::string dir = fresh_dir(), cfg = dir + "/config.json", out = dir + "/run";
+  write_bytes(cfg, kConfig);
+  ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", out, "--seed", "5"}), 0);
+  const std::string weights = read_bytes(out + "/model.safetensors");
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", out, "--seed", "6"}), 1);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("holds a checkpoint already (model.safetensors); pass --force"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(read_bytes(out + "/model.safetensors"), weights);
+  ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", out, "--seed", "6", "--force"}), 0);
+  EXPECT_NE(read_bytes(out + "/model.safetensors"), weights);
+}
+
 TEST(InitCommand, BadInvocationsFail) {
   const std::string dir = fresh_dir();
   write_bytes(dir + "/bad.json", R"({"architecture": "cemlm"})");

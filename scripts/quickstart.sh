@@ -31,13 +31,21 @@ SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
 # Up once it has said it listens (so a server already on the port cannot answer for it) and
 # reports SERVING (the model is loaded).
-for _ in $(seq 1 120); do
+serving=0
+for _ in $(seq 1 240); do
   kill -0 $SERVER 2>/dev/null || { cat server.log; exit 1; }
-  grep -q '^cemlm serve: grpc port' server.log &&
-    "$CEMLM" client health --addr "127.0.0.1:$PORT" > /dev/null 2>&1 && break
+  if grep -q '^cemlm serve: grpc port' server.log &&
+    "$CEMLM" client health --addr "127.0.0.1:$PORT" > /dev/null 2>&1; then
+    serving=1
+    break
+  fi
   sleep 0.5
 done
-kill -0 $SERVER 2>/dev/null || { cat server.log; exit 1; }
+if [ "$serving" != 1 ]; then
+  cat server.log
+  echo "the server did not report SERVING within 120 s (its log is above)" >&2
+  exit 1
+fi
 
 PROMPT="A fool and his money"
 for T in 1 4; do

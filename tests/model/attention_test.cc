@@ -19,6 +19,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -277,6 +278,37 @@ TEST(Int8Cache, NonFiniteAndZeroGroupsReadBackAsFp32Would) {
         EXPECT_EQ(std::isnan(out[i]), !std::isfinite(poison))
             << "bs " << bs << " poison " << poison << " column " << i << " " << out[i];
     }
+  }
+}
+
+// A key group whose largest magnitude is the largest float is finite and must read back finite:
+// with scale = max / 127 rounded up, 127 · scale overflowed to infinity, and the row's score
+// (0 · ∞ on the portable pass) or its weighted sum (on the AVX-512 one) came out NaN or infinite
+// where fp32 keeps a finite key.
+TEST(Int8Cache, TheLargestFloatReadsBackFinite) {
+  const int H = 2, dh = 16, W = H * dh;
+  for (int bs : {16, 3}) {  // tiled (AVX-512 passes where built), token-major (portable)
+    std::vector<float> K(W, 0.5f), q(W, 0.0f), out(W, 0.0f);
+    K[0] = std::numeric_limits<float>::max();
+    std::vector<int8_t> k8(size_t(bs) * W, 0);
+    std::vector<float> ks(size_t(bs) * H, NAN);
+    const int32_t table[1] = {0};
+    KvLayerView kv;
+    kv.block_size = bs, kv.n_heads = H, kv.k_width = W, kv.tiled = bs % 16 == 0;
+    kv.k8 = k8.data(), kv.k_scale = ks.data();
+    const AttnSeq one{0, 1, 0, table};
+    kv_write(ExecCtx{}, kv, &one, 1, Tensor(K.data(), {1, W}), Tensor{}, Tensor{});
+    std::vector<float> scratch(
+        size_t(paged_attention_scratch_floats(&one, 1, kv, DiagKind::kNone)));
+    ExecCtx ex;
+    ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
+    // One token: its weight is 1, so the output is the key (the values of a CEM cache) read back.
+    paged_attention_forward(ex, Tensor(out.data(), {1, W}), Tensor{}, Tensor(q.data(), {1, W}),
+                            Tensor{}, DiagKind::kNone, kv, &one, 1, 0.25f);
+    EXPECT_TRUE(std::isfinite(out[0])) << "bs " << bs << ": " << out[0];
+    EXPECT_NEAR(out[0] / K[0], 1.0, 1e-6) << "bs " << bs;
+    for (int i = 1; i < W; ++i)
+      EXPECT_TRUE(std::isfinite(out[i])) << "bs " << bs << " column " << i;
   }
 }
 

@@ -15,12 +15,13 @@ namespace cemlm {
 // c) or, on the CPU only, bf16 bit patterns (k16, v16, c16) or int8 with scales (k8, v8, c8): one
 // of the three sets is set. An int8 entry stands for its integer times its group's scale; a key or
 // value row has a scale per head (pools k_scale, v_scale of width n_heads), a context row one
-// (c_scale, width 1): the scale is the group's largest magnitude / 127, the integers the nearest
-// to value / scale, ties to even (kv_write). Within a block, entries are token-major (token t's row
-// contiguous: the CUDA cache, and the CPU's for block sizes off a multiple of 16) or, when `tiled`
-// (the CPU runner's for block sizes that are multiples of 16), column-major: column i of the
-// block's tokens contiguous, so that 16 tokens' values of one column fill a vector and the AVX-512
-// passes need no reductions per token. Scale pools follow the same layout as pools of their width.
+// (c_scale, width 1): the scale is the group's largest magnitude / 127 (the next float down where
+// 127 times it would overflow), the integers the nearest to value / scale, ties to even (kv_write).
+// Within a block, entries are token-major (token t's row contiguous: the CUDA cache, and the CPU's
+// for block sizes off a multiple of 16) or, when `tiled` (the CPU runner's for block sizes that are
+// multiples of 16), column-major: column i of the block's tokens contiguous, so that 16 tokens'
+// values of one column fill a vector and the AVX-512 passes need no reductions per token. Scale
+// pools follow the same layout as pools of their width.
 struct KvLayerView {
   float* k = nullptr;  // [.., H·d_h] rotated keys
   float* v = nullptr;  // [.., H·d_h] values; null for CEM (values are the keys)

@@ -182,6 +182,7 @@ class EngineImpl final : public Engine {
   Scheduler sched_;
   std::unordered_map<RequestId, std::unique_ptr<Request>> live_;  // loop thread only
   std::vector<float> logits_;
+  int64_t prefix_hits_total_ = 0;  // loop thread only: cached prompt tokens of first tokens
 
   mutable std::mutex mu_;  // the hand-over between API callers and the loop
   std::condition_variable cv_;
@@ -482,7 +483,12 @@ void EngineImpl::apply_sample(Request& q, absl::StatusOr<SampleResult> res) {
   ev.token_ids = {res->token};
   ev.logprobs = {res->logprob};
   if (q.top_logprobs) ev.top_logprobs = {std::move(res->top)};
-  if (++q.usage.generated_tokens == 1) q.timings.first_token = Clock::now();
+  if (++q.usage.generated_tokens == 1) {
+    q.timings.first_token = Clock::now();
+    // At the first token, as the server counts prompt tokens: the hits are their cached share,
+    // and a request that ends in its prefill counts in neither.
+    prefix_hits_total_ += q.usage.cached_prompt_tokens;
+  }
   const FinishReason why =
       add_text(q, std::span<const int>(seq.tokens).subspan(size_t(seq.n_prompt)), &ev);
   if (why != FinishReason::kNone) return finish(q, why, std::move(ev));
@@ -526,7 +532,7 @@ void EngineImpl::publish_stats() {
   stats_.kv_blocks_total = blocks_.num_blocks();
   stats_.kv_blocks_free = blocks_.num_available();
   stats_.preemptions_total = sched_.preemptions_total();
-  stats_.prefix_cache_hits_total = sched_.prefix_hit_tokens_total();
+  stats_.prefix_cache_hits_total = prefix_hits_total_;
 }
 
 EngineStats EngineImpl::stats() const {

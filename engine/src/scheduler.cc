@@ -262,8 +262,6 @@ void Scheduler::admit_waiting(int* budget, StepPlan* plan, int only_first) {
     s->n_computed = cached;
     s->running = true;
     running_.insert(std::upper_bound(running_.begin(), running_.end(), s, RankLess()), s);
-    // Prompt tokens the cache spared: once per sequence (a readmitted one finds its own blocks).
-    if (!s->admitted_before) prefix_hit_tokens_ += std::min(cached, s->n_prompt);
     s->admitted_before = true;
     plan->admitted.push_back({s->id, cached});
     *budget -= n;

@@ -51,23 +51,29 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
       "for --unread-timeout; they are also counted in requests_total, as OK when the engine "
       "finished them normally.");
   preemptions_ = counter("cemlm:num_preemptions_total", "Requests preempted by recompute.");
-  prompt_tokens_ = counter("cemlm:prompt_tokens_total",
-                           "Prompt tokens of generations, counted at their first token.");
+  prompt_tokens_ =
+      counter("cemlm:prompt_tokens_total",
+              "Prompt tokens of Generate requests, counted at their first token (Score "
+              "texts are not counted).");
   generation_tokens_ =
       counter("cemlm:generation_tokens_total", "Generated tokens, counted as they stream.");
   prefix_hit_tokens_ = counter("cemlm:prefix_cache_hit_tokens_total",
-                               "Prompt tokens whose KV entries came from the prefix cache.");
+                               "Prompt tokens whose KV entries came from the prefix cache, counted "
+                               "at their request's first token as prompt_tokens_total is.");
   ttft_ = histogram("cemlm:time_to_first_token_seconds",
                     "Request arrival to its first token, in seconds.", kLatencyBuckets);
-  itl_ = histogram("cemlm:inter_token_latency_seconds", "Time between two generated tokens.",
-                   kLatencyBuckets);
+  itl_ = histogram("cemlm:inter_token_latency_seconds",
+                   "Time between two generated tokens of a request, in seconds.", kLatencyBuckets);
   e2e_ = histogram("cemlm:e2e_request_latency_seconds",
-                   "Request arrival to its last message, in seconds.", kLatencyBuckets);
+                   "Generate request arrival to its last message, in seconds.", kLatencyBuckets);
   queue_ = histogram("cemlm:request_queue_time_seconds",
-                     "Time a request waited in the engine before it was first scheduled.",
+                     "Time a Generate request waited in the engine before it was first "
+                     "scheduled (until it ended, if never), in seconds.",
                      kLatencyBuckets);
-  recursion_ = histogram("cemlm:recursion_depth", "Recursion depth T of each finished generation.",
-                         kRecursionBuckets);
+  recursion_ =
+      histogram("cemlm:recursion_depth",
+                "Recursion depth T of each Generate request the engine ended, however it ended.",
+                kRecursionBuckets);
   success_ = &prometheus::BuildCounter()
                   .Name("cemlm:request_success_total")
                   .Help("Generations finished normally, by finish reason.")

@@ -402,6 +402,68 @@ TEST(Engine, RandomSubmitCancelDeadlineScoreSequencesLoseNothing) {
   }
 }
 
+// The hit counter is the cached share of prompt_tokens_total, which the server counts at each
+// request's first token: a request cancelled during its prefill adds to neither (counted at its
+// admission, it read as a hit of a prompt never counted, up to a hit rate over 100%).
+TEST(Engine, PrefixHitsCountOnlyForRequestsThatReachTheirFirstToken) {
+  // Steps wait at the gate one at a time (each step samples for `other`) while `held`.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool held = false;
+  int entered = 0, allowed = 0;
+  EngineOptions eo;
+  eo.max_batch_tokens = 4;  // the long prompt's prefill takes several steps
+  Built b = build({.favorite =
+                       [&](int) {
+                         std::unique_lock<std::mutex> lock(mu);
+                         if (!held) return -1;
+                         ++entered;
+                         cv.notify_all();
+                         cv.wait(lock, [&] { return !held || entered <= allowed; });
+                         return -1;
+                       }},
+                  eo);
+  const auto shared = tokens(13, 5);
+  ASSERT_EQ(run_all(*b.engine, {request(shared, 1)})[0].reason, FinishReason::kLength);
+  auto wait_entered = [&](int n) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return entered >= n; });
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    held = true;
+    allowed = 0;
+  }
+  Collector c;
+  auto other = b.engine->submit(request({60, 61}, 50), c.callback());
+  ASSERT_TRUE(other.ok());
+  wait_entered(1);  // the step of other's prefill
+  std::vector<int> long_prompt = shared;
+  for (int i = 0; i < 20; ++i) long_prompt.push_back(40 + i % 7);
+  auto cut = b.engine->submit(request(long_prompt, 1), c.callback());
+  ASSERT_TRUE(cut.ok());
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    allowed = 1;
+    cv.notify_all();
+  }
+  wait_entered(2);  // this step admitted `cut` (12 prompt tokens cached) and runs its first chunk
+  b.engine->cancel(*cut);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    held = false;
+    cv.notify_all();
+  }
+  b.engine->cancel(*other);
+  ASSERT_TRUE(c.wait_finals(2));
+  const Result r = c.get(*cut);
+  EXPECT_EQ(r.reason, FinishReason::kCancelled);
+  EXPECT_EQ(r.usage.generated_tokens, 0);
+  EXPECT_EQ(r.usage.cached_prompt_tokens, 12);  // it was admitted on the cache's blocks
+  b.engine->shutdown(false);
+  EXPECT_EQ(b.engine->stats().prefix_cache_hits_total, 0);
+}
+
 // Random mixes of priorities, T, seeded sampling and shared prefixes on a cache barely larger than
 // the longest request, with scoring calls (that preempt lower priorities) coming in between: every
 // request ends as it does alone on a large cache, cached prompt tokens included, and every block
@@ -447,7 +509,10 @@ TEST(Engine, RandomMixesOnATinyCacheGiveTheOutputsOfAnUnconstrainedRun) {
       gate.release();
     });
     scorer.join();
+    int64_t cached = 0;  // of the prompts that were counted (every request reached a token)
     for (size_t i = 0; i < reqs.size(); ++i) {
+      ASSERT_GT(got[i].usage.generated_tokens, 0) << "request " << i;
+      cached += got[i].usage.cached_prompt_tokens;
       Built big = build({.num_blocks = 512});
       const Result alone = run_all(*big.engine, {reqs[i]})[0];
       EXPECT_EQ(got[i].ids, alone.ids) << "request " << i;
@@ -459,6 +524,8 @@ TEST(Engine, RandomMixesOnATinyCacheGiveTheOutputsOfAnUnconstrainedRun) {
     const EngineStats st = tiny.engine->stats();
     EXPECT_EQ(st.kv_blocks_free, st.kv_blocks_total);
     EXPECT_EQ(st.running + st.waiting, 0);
+    // Once per request: a preempted request readmitted on its own blocks adds nothing.
+    EXPECT_EQ(st.prefix_cache_hits_total, cached);
     preemptions += st.preemptions_total;
     hits += st.prefix_cache_hits_total;
   }

@@ -103,7 +103,9 @@ struct EngineStats {
   double kv_cache_usage = 0;     // 0–1
   int64_t kv_blocks_total = 0, kv_blocks_free = 0;
   int64_t preemptions_total = 0;
-  int64_t prefix_cache_hits_total = 0;  // prompt tokens served from the prefix cache
+  // Prompt tokens served from the prefix cache, counted at each request's first token (those of
+  // a request that ends before it count nowhere, as the server's prompt tokens).
+  int64_t prefix_cache_hits_total = 0;
 };
 
 struct ModelInfo {

@@ -121,7 +121,6 @@ class Scheduler {
   int num_running() const { return int(running_.size()); }
   int num_waiting() const;  // thread-safe
   int64_t preemptions_total() const { return preemptions_; }
-  int64_t prefix_hit_tokens_total() const { return prefix_hit_tokens_; }
 
  private:
   struct RankLess {
@@ -151,7 +150,7 @@ class Scheduler {
   std::unordered_map<SeqId, std::unique_ptr<Sequence>> seqs_;
   std::set<Sequence*, RankLess> waiting_;
   std::vector<Sequence*> running_;  // sorted by rank
-  int64_t preemptions_ = 0, prefix_hit_tokens_ = 0;
+  int64_t preemptions_ = 0;
   int64_t held_for_scoring_ = 0;
   int held_priority_ = 0;
 

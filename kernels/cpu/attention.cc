@@ -14,12 +14,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <utility>
 #include <vector>
 
 #include "attention_avx512.h"
 #include "cemlm/kernels/bf16.h"
+#include "cemlm/kernels/int8.h"
 #include "cemlm/kernels/linear.h"
 #include "cemlm/kernels/simd.h"
 
@@ -82,10 +82,9 @@ void put_row(const KvPoolRef& p, const KvLayerView& kv, const int32_t* blocks, i
       float m = 0.0f;
       bool finite = true;
       for (int i = 0; i < gw; ++i) m = std::max(m, std::fabs(x[i])), finite &= std::isfinite(x[i]);
-      float s = finite ? m / 127.0f : NAN;
-      // m / 127 may round up: then 127 · s, what m reads back as, would overflow for m near the
-      // largest float, and a finite key turn infinite (or NaN in a 0 · ∞ score).
-      if (s * 127.0f > std::numeric_limits<float>::max()) s = std::nextafter(s, 0.0f);
+      // (A finite key near the largest float must not read back infinite, or NaN in a 0 · ∞
+      // score: int8_scale's rule.)
+      const float s = finite ? int8_scale(m) : NAN;
       p.scale[sat + int64_t(g) * cs] = s;
       for (int i = 0; i < gw; ++i)
         p.i8[at + int64_t(g * gw + i) * cs] =

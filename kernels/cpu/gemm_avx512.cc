@@ -38,6 +38,7 @@
 
 #include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 #include "cemlm/kernels/bf16.h"
+#include "cemlm/kernels/int8.h"
 
 namespace cemlm {
 namespace {
@@ -499,7 +500,7 @@ bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, int8_t* ou
         absmax = std::max(absmax, std::fabs(panel[i]));
       }
       // A block holding a NaN or an infinity stands for NaNs, as it would poison an fp32 product.
-      const float scale = finite ? absmax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      const float scale = finite ? int8_scale(absmax) : std::numeric_limits<float>::quiet_NaN();
       panel_scales[b] = scale;
       for (size_t i = first; i < last; ++i)
         o[i] = scale > 0 ? int8_t(std::clamp(std::nearbyint(panel[i] / scale), -127.0f, 127.0f)) : 0;
@@ -559,7 +560,7 @@ void quantize_row(const float* a, int K, uint32_t* q, float* scale, int32_t* cor
     const bool finite =
         (_mm512_fpclass_ps_mask(v0, kNonFinite) | _mm512_fpclass_ps_mask(v1, kNonFinite)) == 0;
     const float absmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float s = finite ? absmax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float s = finite ? int8_scale(absmax) : std::numeric_limits<float>::quiet_NaN();
     __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
     if (s > 0) {
       const __m512 vs = _mm512_set1_ps(s);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cemlm/kernels/bf16.h"
+#include "cemlm/kernels/int8.h"
 #include "cemlm/kernels/linear.h"
 
 namespace cemlm::testing_weights {
@@ -29,7 +30,7 @@ inline void round_like_packed(WeightDtype dtype, float* W, int64_t out, int64_t 
       float absmax = 0;
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) absmax = std::max(absmax, std::fabs(W[r * in + c]));
-      const float s = absmax / 127.0f;
+      const float s = int8_scale(absmax);
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) {
           float& w = W[r * in + c];

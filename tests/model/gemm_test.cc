@@ -275,11 +275,12 @@ TEST(PackedLinear, Bf16DotMultipliesBf16InputsByBf16Weights) {
 }
 
 // int8 quantization of a block of values as WeightDtype::kInt8 and kInt8Dot define it: the scale
-// is the largest |v| / 127, q = v / scale rounded to nearest-even (0 where the scale is 0).
-float int8_scale(const std::vector<float>& block) {
+// is int8_scale(the largest |v|) (its / 127), q = v / scale rounded to nearest-even (0 where the
+// scale is 0).
+float block_scale(const std::vector<float>& block) {
   float absmax = 0;
   for (float v : block) absmax = std::max(absmax, std::fabs(v));
-  return absmax / 127.0f;
+  return int8_scale(absmax);
 }
 int int8_q(float v, float scale) {
   return scale > 0 ? int(std::clamp(std::nearbyint(v / scale), -127.0f, 127.0f)) : 0;
@@ -303,7 +304,7 @@ TEST(PackedLinear, Int8DotIsTheExactSumOfQuantizedBlocks) {
         std::vector<float> block;
         for (int r = r0; r < std::min(out, r0 + 32); ++r)
           for (int k = c0; k < std::min(in, c0 + 32); ++k) block.push_back(c.W[size_t(r) * in + k]);
-        const float s = w_scale[size_t(r0 / 32) * bw + c0 / 32] = int8_scale(block);
+        const float s = w_scale[size_t(r0 / 32) * bw + c0 / 32] = block_scale(block);
         for (int r = r0; r < std::min(out, r0 + 32); ++r)
           for (int k = c0; k < std::min(in, c0 + 32); ++k)
             w_q[size_t(r) * in + k] = int8_q(c.W[size_t(r) * in + k], s);
@@ -318,7 +319,7 @@ TEST(PackedLinear, Int8DotIsTheExactSumOfQuantizedBlocks) {
           float acc = 0;
           for (int k0 = 0; k0 < c.xw; k0 += 32) {
             const int k1 = std::min(c.xw, k0 + 32);
-            const float sx = int8_scale(std::vector<float>(xi + k0, xi + k1));
+            const float sx = block_scale(std::vector<float>(xi + k0, xi + k1));
             int64_t sum = 0;
             for (int k = k0; k < k1; ++k)  // op(W)[k][j]: W[j][k], or W[k][j] transposed
               sum += int64_t(int8_q(xi[k], sx)) *
@@ -351,6 +352,20 @@ TEST(PackedLinear, Int8DotInputBlockWithANonFiniteValueGivesNaNsInItsRow) {
       for (int n = 0; n < 64; ++n)
         EXPECT_EQ(std::isnan(y[size_t(i) * 64 + n]), i == 1) << "bad=" << bad << " row " << i;
   }
+}
+
+// An int8 block holding the largest float stands for finite weights: its scale, that / 127,
+// rounded up, so the weight read back as 127 · scale = infinity, and every output it fed was too.
+TEST(PackedLinear, Int8BlockHoldingTheLargestFloatStaysFinite) {
+  if (!packed_weights_available()) GTEST_SKIP() << "a build without AVX-512 packs no weights";
+  std::vector<float> W(64 * 64, 0.5f), x(64, 0.0f), y(64);
+  W[5 * 64 + 40] = std::numeric_limits<float>::max();
+  x[40] = 1e-30f;
+  const PackedLinear packed(Tensor(W.data(), {64, 64}), PackedLinear::Use::kForward,
+                            WeightDtype::kInt8);
+  linear_forward(ExecCtx{}, Tensor(y.data(), {1, 64}), Tensor(x.data(), {1, 64}), packed);
+  for (int n = 0; n < 64; ++n) EXPECT_TRUE(std::isfinite(y[n])) << "output " << n << " = " << y[n];
+  EXPECT_NEAR(y[5], 3.4e8f, 0.01e8f);  // the largest float (within the scale's step) times 1e-30
 }
 
 // An int8 block holding a NaN or an infinity stands for NaNs (as the weight would poison an fp32

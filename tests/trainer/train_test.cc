@@ -181,6 +181,27 @@ TEST(Train, DataFilesLeftOutForTheirContentsAreNamed) {
   EXPECT_NE(lines.find("data: 2 files"), std::string::npos) << lines;
 }
 
+// The tokenizer trains on the data's files: with --cache inside --data, it collected --data again
+// and took in the cache's tokenizer.key (a text file) that the data leaves out.
+TEST(Train, TheTokenizerTrainsOnTheDataFilesOnly) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  o.cache_dir = dir + "/text/cache";
+  ASSERT_TRUE(train(o, {}).ok());
+  ASSERT_TRUE(fs::exists(dir + "/text/cache/tokenizer.key"));
+  // A new file changes the data's key: the next run trains a tokenizer again, into that cache.
+  testing_trainer::write_file(dir + "/text/c.txt", testing_trainer::corpus_text(100, 3));
+  o.out_dir = dir + "/run2";
+  std::string lines;
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+  ASSERT_TRUE(train(o, cb).ok());
+  EXPECT_NE(lines.find("tokenizer: training "), std::string::npos) << lines;
+  EXPECT_NE(lines.find("tokenizer: trained on 3 files"), std::string::npos) << lines;
+  EXPECT_NE(lines.find("data: 3 files"), std::string::npos) << lines;
+}
+
 // The tokenizer's errors name `cemlm train`'s flags: they named `cemlm tokenizer train`'s
 // --input (no such flag here) and --out (another directory here) for --data and --cache.
 TEST(Train, TokenizerErrorsNameTheTrainersFlags) {

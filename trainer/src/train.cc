@@ -381,7 +381,9 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
     } else {
       info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ", corpus.paths.size(),
                         " files"));
-      TokenizerTrainOptions t{o_.data, cfg_.vocab_size, tokenizer_path_};
+      // The data's own files: collecting --data again would take in what list_corpus leaves out
+      // (this run's --cache and --out, when --data holds them).
+      TokenizerTrainOptions t{corpus.paths, cfg_.vocab_size, tokenizer_path_};
       t.inputs_flag = "--data";
       t.out_flag = "--cache";  // the tokenizer is written there, not into --out
       TokenizerTrainStats stats;
@@ -399,6 +401,8 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
         return absl::InvalidArgumentError(
             absl::StrCat("training the tokenizer on --data: ", error));
       }
+      info(absl::StrCat("tokenizer: trained on ", stats.files, " files (",
+                        absl::SixDigits(double(stats.bytes) / 1e6), " MB)"));
       CEMLM_RETURN_IF_ERROR(write_text(in_cache(kTokenizerKeyFile), key));
     }
   }

@@ -254,6 +254,11 @@ bool parse_bytes(const std::string& s, int64_t* out) {
   return true;
 }
 
+int usage_error(const std::string& msg) {
+  std::fprintf(stderr, "error: %s\n", msg.c_str());
+  return 2;
+}
+
 bool check_out_file(const std::string& flag, const std::string& path, const std::string& example,
                     bool makes_dirs, std::string* error) {
   namespace fs = std::filesystem;

@@ -111,24 +111,24 @@ int cmd_generate(int argc, char** argv) {
   f.add_bool("json", &json, "print one JSON object instead of streaming text");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   if (f.given("prompt") == f.given("prompt-ids"))
-    return fail("give exactly one of --prompt and --prompt-ids (see --help)");
+    return usage_error("give exactly one of --prompt and --prompt-ids (see --help)");
   if (no_bos && f.given("prompt-ids"))
-    return fail("--no-bos applies to --prompt only: --prompt-ids are used as given");
+    return usage_error("--no-bos applies to --prompt only: --prompt-ids are used as given");
 
   if (top_logprobs > 0 && !json)
-    return fail("--top-logprobs needs --json: the streamed text has no place for them");
+    return usage_error("--top-logprobs needs --json: the streamed text has no place for them");
   std::vector<int> stop_ids;
   if (f.given("stop-token-ids") && !parse_id_list(stop_token_ids, &stop_ids))
-    return fail("--stop-token-ids: expected comma-separated integers like 2,7, got '" +
-                stop_token_ids + "'");
+    return usage_error("--stop-token-ids: expected comma-separated integers like 2,7, got '" +
+                       stop_token_ids + "'");
   std::vector<std::pair<int, float>> bias;
   if (f.given("logit-bias") && !parse_logit_bias(logit_bias, &bias))
-    return fail("--logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '" + logit_bias +
-                "'");
+    return usage_error("--logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '" +
+                       logit_bias + "'");
   int64_t kv_bytes = 0;
   if (!parse_bytes(kv_memory, &kv_bytes) || kv_bytes <= 0)
-    return fail("--kv-cache-memory: expected bytes like 4G, 512M or 1048576, got '" + kv_memory +
-                "'");
+    return usage_error("--kv-cache-memory: expected bytes like 4G, 512M or 1048576, got '" +
+                       kv_memory + "'");
 
   EngineOptions eo;
   eo.model_dir = model;
@@ -150,7 +150,7 @@ int cmd_generate(int argc, char** argv) {
                                             : "--prompt (as tokens, BOS included)";
   if (f.given("prompt-ids")) {
     if (!parse_id_list(prompt_ids, &req.prompt_ids))
-      return fail("--prompt-ids: expected comma-separated integers like 3,17,42");
+      return usage_error("--prompt-ids: expected comma-separated integers like 3,17,42");
   } else {
     const Tokenizer* tok = (*engine)->tokenizer();
     if (!tok) return fail("--prompt: the checkpoint '" + model + "' has no tokenizer.model; use --prompt-ids");
@@ -186,7 +186,7 @@ int cmd_generate(int argc, char** argv) {
   uint64_t seed = 0;
   if (f.given("seed")) {
     if (!parse_uint64(seed_text, &seed))
-      return fail("--seed: expected an integer in [0, 2^64), got '" + seed_text + "'");
+      return usage_error("--seed: expected an integer in [0, 2^64), got '" + seed_text + "'");
   } else {  // drawn here, so that --json can report it and the sample can be reproduced
     std::random_device rd;
     seed = (uint64_t(rd()) << 32) | rd();

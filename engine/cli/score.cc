@@ -43,9 +43,10 @@ int cmd_score(int argc, char** argv) {
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
   f.add("dump-logits", &dump, "write the logits as a safetensors file with one F32 tensor `logits` [N, V]");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
-  if (f.given("text") == f.given("ids")) return fail("give exactly one of --text and --ids (see --help)");
+  if (f.given("text") == f.given("ids"))
+    return usage_error("give exactly one of --text and --ids (see --help)");
   if (no_bos && f.given("ids"))
-    return fail("--no-bos applies to --text only: --ids are used as given");
+    return usage_error("--no-bos applies to --text only: --ids are used as given");
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
   if (std::string err;
@@ -56,7 +57,8 @@ int cmd_score(int argc, char** argv) {
   const ModelConfig& c = ck->config;
   std::vector<int> ids;
   if (f.given("ids")) {
-    if (!parse_id_list(ids_text, &ids)) return fail("--ids: expected comma-separated integers like 3,17,42");
+    if (!parse_id_list(ids_text, &ids))
+      return usage_error("--ids: expected comma-separated integers like 3,17,42");
   } else {
     if (ck->tokenizer_path.empty())
       return fail("--text: the checkpoint '" + model + "' has no tokenizer.model; use --ids");

@@ -283,10 +283,10 @@ TEST_F(GenerateCli, StopTokenIdsPenaltiesAndTopLogprobs) {
     EXPECT_GE(alts[0]["logprob"].get<double>(), alts[1]["logprob"].get<double>());
   }
   EXPECT_FALSE(base.contains("top_logprobs"));
-  // Without --json there is nowhere to put them.
+  // Without --json there is nowhere to put them: a usage error (2, as the flag parser's).
   std::vector<std::string> args = {"--model", dir_, "--prompt-ids", "3,9", "--top-logprobs", "2"};
   ::testing::internal::CaptureStderr();
-  EXPECT_EQ(run(args), 1);
+  EXPECT_EQ(run(args), 2);
   EXPECT_NE(::testing::internal::GetCapturedStderr().find("--top-logprobs needs --json"),
             std::string::npos);
 

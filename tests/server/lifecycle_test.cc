@@ -477,7 +477,8 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   expect_same_scores(rpc, out);
   EXPECT_EQ(rpc.token_ids_size(), with_bos - 1);
   EXPECT_NE(rpc.token_ids(0), 1);
-  EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--no-bos"}, &out), 1);
+  // Flags that do not go together: a usage error (2, as the flag parser's).
+  EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--no-bos"}, &out), 2);
   // A logits file that cannot be written is named by its flag, before the forward runs.
   std::string err;
   EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--dump-logits",

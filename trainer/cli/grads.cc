@@ -83,7 +83,7 @@ int cmd_grads(int argc, char** argv) {
   const ModelConfig& c = ck->config;
   std::vector<int> ids;
   if (!parse_id_list(ids_text, &ids))
-    return fail("--ids: expected comma-separated integers like 3,17,42");
+    return usage_error("--ids: expected comma-separated integers like 3,17,42");
   if (const std::string err = check_ids(ids, c); !err.empty()) return fail(err);
   if (absl::Status st = check_recursion_depth(c, T, "--recursion"); !st.ok())
     return fail(std::string(st.message()));

@@ -48,6 +48,11 @@ class Flags {
   std::vector<Flag> positionals_;
 };
 
+// "error: MSG" on stderr; returns 2, the exit code of a usage error, as parse() does: flags that
+// parse but do not go together, or a value of the wrong form. (1 is for what the model, the engine
+// or the server refuses, and for failures.)
+int usage_error(const std::string& msg);
+
 // Parses "3,17,42" into ids; false on anything that is not a comma-separated integer list.
 bool parse_id_list(const std::string& s, std::vector<int>* out);
 // Parses "17:-100,42:2.5" (token id:bias pairs) into out; false on anything else.

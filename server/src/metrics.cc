@@ -92,8 +92,13 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
     success_->Add({{"model_name", model_name_}, {"finished_reason", reason}});
   for (int code = grpc::StatusCode::CANCELLED; code <= grpc::StatusCode::UNAUTHENTICATED; ++code)
     errors_->Add({{"model_name", model_name_}, {"code", grpc_code_name(grpc::StatusCode(code))}});
+  // requests_total by every method and code too: a series born at its first error has no rate
+  // there, so a panel of rates by method and code missed each pair's first error.
   for (const char* method : kMethods)
-    requests_->Add({{"model_name", model_name_}, {"method", method}, {"code", "OK"}});
+    for (int code = grpc::StatusCode::OK; code <= grpc::StatusCode::UNAUTHENTICATED; ++code)
+      requests_->Add({{"model_name", model_name_},
+                      {"method", method},
+                      {"code", grpc_code_name(grpc::StatusCode(code))}});
 }
 
 void ServerMetrics::set_stats_source(std::function<EngineStats()> source) {

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -403,6 +404,22 @@ TEST(ServerTokenizer, ATextTheTokenizerRefusesNamesItsField) {
   EXPECT_NE(err.find("--prompt: the tokenizer cannot encode"), std::string::npos) << err;
   EXPECT_EQ(run_cemlm({"score", "--model", model, "--text", " x a"}, &out, &err), 1);
   EXPECT_NE(err.find("--text: the tokenizer cannot encode"), std::string::npos) << err;
+}
+
+// requests_total has a series for every method and gRPC code from the start (at 0), so a panel of
+// its rates by method and code sees a pair's first error: a series born at it has no rate there.
+TEST_F(ServerValidation, RequestsTotalHasEveryMethodAndCode) {
+  const auto m = parse_metrics(server_->metrics_text());
+  std::map<std::string, int> methods_per_code;
+  for (const auto& [key, value] : m) {
+    if (key.rfind("cemlm:requests_total{", 0) != 0) continue;
+    const size_t at = key.find("code=\"");
+    ASSERT_NE(at, std::string::npos) << key;
+    ++methods_per_code[key.substr(at + 6, key.find('"', at + 6) - at - 6)];
+  }
+  EXPECT_EQ(methods_per_code.size(), 17u);  // OK .. UNAUTHENTICATED
+  for (const auto& [code, methods] : methods_per_code) EXPECT_EQ(methods, 5) << code;
+  EXPECT_EQ(methods_per_code.count("DATA_LOSS"), 1u);
 }
 
 // An empty input's error says what to send instead, with this model's own BOS id.

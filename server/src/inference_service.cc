@@ -202,7 +202,12 @@ Clock::time_point steady_deadline(const grpc::ServerContextBase& context) {
 
 // gRPC ends a call whose deadline passed by cancelling it, and that cancellation (the client's
 // timer runs a transit time ahead of this deadline; gRPC's own converts between clocks) can come
-// a little before this clock reaches the deadline: such a call ended by its deadline.
+// a little before this clock reaches the deadline: such a call ended by its deadline. Nothing
+// tells a client's deadline from its cancel (both send RST_STREAM CANCEL; gRPC's own status for
+// it compares with the deadline too), and this deadline starts when gRPC read the headers. A
+// deadline's cancel more than the slack early (its headers waited that long to be read, as under
+// load) counts as CANCELLED: a wider slack would count clients' own cancels that close to their
+// deadlines as DEADLINE_EXCEEDED instead.
 bool deadline_reached(const grpc::ServerContextBase& context) {
   return steady_deadline(context) - kDeadlineSlack <= Clock::now();
 }

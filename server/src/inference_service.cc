@@ -553,7 +553,8 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
 
 grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::ScoreRequest* request,
                                      v1::ScoreResponse* response) {
-  return unary(context, "Score", [&](Engine& engine) -> absl::Status {
+  const Clock::time_point arrival = Clock::now();
+  grpc::Status status = unary(context, "Score", [&](Engine& engine) -> absl::Status {
     CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, to_engine(*request, engine));
     // A long text is scored in chunks; a client that gave up (or ran out of time) stops it
     // between two, freeing the cache blocks it held.
@@ -564,6 +565,12 @@ grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::Sco
     *response = to_proto(result);
     return absl::OkStatus();
   });
+  // Only what the client received: a scored call that it saw end DEADLINE_EXCEEDED or CANCELLED
+  // (see as_client_saw) counts in requests_total under that code and nowhere here.
+  if (status.ok())
+    state_->metrics().observe_scored(seconds_between(arrival, Clock::now()),
+                                     response->token_ids_size(), response->recursion_depth());
+  return status;
 }
 
 grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,

@@ -54,7 +54,7 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
   prompt_tokens_ =
       counter("cemlm:prompt_tokens_total",
               "Prompt tokens of Generate requests, counted at their first token (Score "
-              "texts are not counted).");
+              "texts count in score_tokens_total).");
   generation_tokens_ =
       counter("cemlm:generation_tokens_total", "Generated tokens, counted as they stream.");
   prefix_hit_tokens_ = counter("cemlm:prefix_cache_hit_tokens_total",
@@ -74,6 +74,16 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
       histogram("cemlm:recursion_depth",
                 "Recursion depth T of each Generate request the engine ended, however it ended.",
                 kRecursionBuckets);
+  score_latency_ = histogram("cemlm:score_request_latency_seconds",
+                             "Score call arrival to its response, in seconds, of the calls that "
+                             "ended OK (failed ones count in requests_total only).",
+                             kLatencyBuckets);
+  score_tokens_ = counter("cemlm:score_tokens_total",
+                          "Token ids of Score calls that ended OK (the first one, which has no "
+                          "logprob, included).");
+  score_recursion_ =
+      histogram("cemlm:score_recursion_depth",
+                "Recursion depth T of each Score call that ended OK.", kRecursionBuckets);
   success_ = &prometheus::BuildCounter()
                   .Name("cemlm:request_success_total")
                   .Help("Generations finished normally, by finish reason.")
@@ -129,6 +139,12 @@ void ServerMetrics::observe_finished(const FinishedGeneration& g) {
   e2e_->Observe(g.e2e);
   queue_->Observe(g.queue);
   recursion_->Observe(g.recursion_depth);
+}
+
+void ServerMetrics::observe_scored(double seconds, int tokens, int recursion_depth) {
+  score_latency_->Observe(seconds);
+  score_tokens_->Increment(tokens);
+  score_recursion_->Observe(recursion_depth);
 }
 
 void ServerMetrics::count_rpc(const char* method, grpc::StatusCode code) {

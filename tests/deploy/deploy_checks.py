@@ -322,7 +322,8 @@ def check_dashboard(errors):
     for family in families:
         errors.expect(family in shown, f"{path}: no panel shows {family}")
     joined = "\n".join(e for _, e in exprs)
-    for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+    for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency",
+                 "score_request_latency"):
         p99 = rf"histogram_quantile\(0\.99,[^\n]*cemlm:{hist}_seconds_bucket"
         errors.expect(re.search(p99, joined), f"{path}: no p99 (histogram_quantile) of {hist}")
     errors.expect(any(p["type"] in ("heatmap", "bargauge")

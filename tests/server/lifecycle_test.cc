@@ -362,7 +362,10 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
       {"cemlm:inter_token_latency_seconds", "histogram"},
       {"cemlm:e2e_request_latency_seconds", "histogram"},
       {"cemlm:request_queue_time_seconds", "histogram"},
-      {"cemlm:recursion_depth", "histogram"}};
+      {"cemlm:recursion_depth", "histogram"},
+      {"cemlm:score_request_latency_seconds", "histogram"},
+      {"cemlm:score_tokens_total", "counter"},
+      {"cemlm:score_recursion_depth", "histogram"}};
   // Before any request every family is there, with the series dashboards divide by at 0.
   const std::string fresh_text = server_->metrics_text();
   for (const char* name : {"cemlm:request_success_total", "cemlm:request_errors_total",
@@ -421,6 +424,36 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
   EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_bucket", "le=\"+Inf\""), 1);
   // Finite buckets reach a 20-minute generation (a long one at a high T on a CPU).
   EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_bucket", "le=\"1280\""), 1);
+}
+
+// Each Score call that ends OK counts once in the Score latency and recursion depth histograms
+// and its token ids in score_tokens_total; one refused for a bad id counts in none of them, and
+// Score calls leave Generate's series (e2e latency, recursion_depth, prompt tokens) alone.
+TEST_F(ServerLifecycle, ScoreMetricsCountOkCallsOnly) {
+  auto request = [](int n, int depth) {
+    v1::ScoreRequest req;
+    for (int id : prompt(n)) req.add_ids(id);
+    req.set_recursion_depth(depth);
+    return req;
+  };
+  v1::ScoreResponse first, second, refused;
+  ASSERT_TRUE(score(server_->channel(), request(12, 3), &first).ok());
+  ASSERT_TRUE(score(server_->channel(), request(20, 2), &second).ok());
+  v1::ScoreRequest bad = request(8, 1);
+  bad.add_ids(-1);
+  ASSERT_EQ(score(server_->channel(), bad, &refused).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_EQ(first.token_ids_size() + second.token_ids_size(), 32);
+  const auto m = parse_metrics(server_->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"INVALID_ARGUMENT\",method=\"Score\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:score_request_latency_seconds_count"), 2);
+  EXPECT_EQ(metric(m, "cemlm:score_request_latency_seconds_bucket", "le=\"+Inf\""), 2);
+  EXPECT_EQ(metric(m, "cemlm:score_tokens_total"), 32);
+  EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_count"), 2);
+  EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_sum"), 3 + 2);
+  EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_count"), 0);
+  EXPECT_EQ(metric(m, "cemlm:recursion_depth_count"), 0);
+  EXPECT_EQ(metric(m, "cemlm:prompt_tokens_total"), 0);
 }
 
 TEST_F(ServerLifecycle, PrefixCacheHitsReachMetrics) {

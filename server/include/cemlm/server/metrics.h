@@ -45,6 +45,8 @@ class ServerMetrics : public prometheus::Collectable {
   void observe_inter_token(double seconds);
   void count_generated(int n);
   void observe_finished(const FinishedGeneration& g);
+  // A Score call that ended OK for its client: arrival to response, its token ids, its T.
+  void observe_scored(double seconds, int tokens, int recursion_depth);
   // Every finished RPC of cemlm.v1.Inference (method: one of kMethods), OK or not.
   void count_rpc(const char* method, grpc::StatusCode code);
   // Finished Generate streams whose clients have not read all of them (they hold their output).
@@ -64,8 +66,9 @@ class ServerMetrics : public prometheus::Collectable {
   prometheus::Gauge *running_, *waiting_, *kv_usage_, *kv_capacity_, *unread_;
   prometheus::Family<prometheus::Gauge>* cache_config_;
   prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_,
-      *unread_cancelled_;
-  prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_;
+      *unread_cancelled_, *score_tokens_;
+  prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_, *score_latency_,
+      *score_recursion_;
   prometheus::Family<prometheus::Counter>* success_;
   prometheus::Family<prometheus::Counter>* errors_;
   prometheus::Family<prometheus::Counter>* requests_;

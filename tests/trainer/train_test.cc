@@ -111,7 +111,8 @@ TEST(Train, StoppedAndResumedRunMatchesTheUninterruptedOneBitExactly) {
 
 // A resumed run whose options differ from the ones it saved (flags given again with other values)
 // says which, and from what to what: it goes on with them, and no longer continues as it would
-// have. The thread count and the time budget change no result, and are not named.
+// have. The time budget changes no result and is not named; the thread count can change the last
+// bits (OpenBLAS splits large products over the threads) and is named.
 TEST(Train, ResumeWithChangedOptionsNamesThem) {
   TrainOptions o = tiny_options(fresh_dir());
   o.steps = 4;
@@ -125,19 +126,18 @@ TEST(Train, ResumeWithChangedOptionsNamesThem) {
     return lines;
   };
   o.resume = true;
-  o.threads = 2;
   o.max_minutes = 10;
   std::string said = resume_saying(o);
   EXPECT_EQ(said.find("differ"), std::string::npos) << said;
+  o.threads = 2;
   o.steps = 6;
   o.lr = 5e-3;
   o.train_recursion = {2, 2};
   said = resume_saying(o);
   EXPECT_NE(said.find("note: resuming with options that differ from the run's: --lr 0.01 → 0.005, "
-                      "--steps 4 → 6, --train-recursion 1-3 → 2;"),
+                      "--steps 4 → 6, --threads 1 → 2, --train-recursion 1-3 → 2;"),
             std::string::npos)
       << said;
-  EXPECT_EQ(said.find("--threads 1"), std::string::npos) << said;
   EXPECT_EQ(said.find("--max-minutes"), std::string::npos) << said;
 }
 

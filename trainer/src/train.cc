@@ -77,15 +77,15 @@ absl::Status diverged(const StepMetrics& m) {
 }
 
 // The options of `now` that differ from `saved` (a resumed run's), as "--flag saved → now", in
-// the order of their names. The thread count and the time budget are left out: they change no
-// result (the same options give the same bits on any thread count).
+// the order of their names. The time budget is left out: it changes no result. The thread count
+// is named: OpenBLAS splits a large product over the threads, which can change its last bits.
 std::string changed_options(const TrainOptions& saved, const TrainOptions& now) {
   const json before = json::parse(options_to_json(saved)),
              after = json::parse(options_to_json(now));
   auto text = [](const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
   std::vector<std::string> changed;
   for (const auto& [key, value] : after.items()) {
-    if (key == "threads" || key == "max_minutes" || key == "out") continue;
+    if (key == "max_minutes" || key == "out") continue;
     if (before.contains(key) && before[key] == value) continue;
     std::string flag = key;
     std::replace(flag.begin(), flag.end(), '_', '-');

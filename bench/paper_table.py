@@ -546,8 +546,8 @@ def main():
     start = time.time()
     mode_name = "quick" if args.quick else "full"
     m = dict(MODES[mode_name])
-    if args.data:
-        m["data"] = args.data
+    if args.data:  # absolute, as the trainer saves them: a rerun from elsewhere matches its runs
+        m["data"] = [os.path.abspath(d) for d in args.data]
     if args.steps:
         m["steps"], m["warmup"] = args.steps, max(1, args.steps // 10)
     out = os.path.abspath(args.out)

@@ -16,6 +16,10 @@ SECTIONS = ["## Variants", "## Test-time scaling", "## Decode cost", "## Rare to
             "## Commands"]
 PLOTS = ["variants.svg", "scaling.svg", "decode.svg", "rare_0.svg", "rare_1.svg"]
 N_VARIANTS, N_SCALING, SCALING_T = 12, 4, range(1, 9)
+# The driver runs from the corpus directory with the quick mode's own files as relative --data:
+# a rerun must still recognise its runs (the trainer saves --data absolute).
+FORTUNES = "/usr/share/games/fortunes"
+QUICK_DATA = ["riddles", "love"]
 
 
 def finite(x, what, faults):
@@ -96,13 +100,14 @@ def check_split(driver, out, faults):
 
 def check_rerun(cmd, out, faults):
     """A rerun into the same --out reuses finished runs; one with other settings is refused."""
-    again = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    again = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=FORTUNES)
     if again.returncode != 0:
         faults.append(f"a rerun with the same settings failed: {again.stderr[-500:]}")
     elif "[paper] training" in again.stdout or "[paper] resuming" in again.stdout:
         faults.append("a rerun with the same settings trained again")
     other = subprocess.run(cmd + ["--steps", "7"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, cwd=FORTUNES)
     if other.returncode == 0 or "trained with other settings" not in other.stderr:
         faults.append("a rerun with other --steps reused the old runs: "
                       f"rc {other.returncode}, {other.stderr[-300:]!r}")
@@ -115,10 +120,12 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--check-only", action="store_true", help="check --out without running")
     args = p.parse_args()
-    cmd = [sys.executable, args.driver, "--quick", "--cemlm", args.cemlm, "--out", args.out]
+    args.out = os.path.abspath(args.out)
+    cmd = [sys.executable, os.path.abspath(args.driver), "--quick", "--cemlm",
+           os.path.abspath(args.cemlm), "--out", args.out, "--data", *QUICK_DATA]
     if not args.check_only:
         shutil.rmtree(args.out, ignore_errors=True)
-        if subprocess.run(cmd).returncode != 0:
+        if subprocess.run(cmd, cwd=FORTUNES).returncode != 0:
             sys.exit("check_report: the driver failed: " + " ".join(cmd))
     faults = check(args.out)
     if not args.check_only and not faults:

@@ -22,6 +22,9 @@ for exe in "$stage"/gpu_bundle/bin/*; do
     if ! [[ $name =~ $skip ]]; then cp -L "$path" "$stage/gpu_bundle/lib/$name"; fi
   done
 done
+# Which sources the programs are: the device prints it, so a stale bundle shows in the results.
+echo "bundle built from $(git -C "$root" describe --always --dirty) on $(date -u +%F)" \
+  >"$stage/gpu_bundle/BUILT_FROM"
 tar czf "$build/gpu_bundle.tgz" -C "$stage" gpu_bundle
 echo "wrote $build/gpu_bundle.tgz ($(du -h "$build/gpu_bundle.tgz" | cut -f1)):"
 ls "$stage/gpu_bundle/bin" "$stage/gpu_bundle/lib" | tr '\n' ' '

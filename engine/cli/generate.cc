@@ -41,6 +41,8 @@ struct Outcome {
   std::string text;
   FinishReason reason = FinishReason::kNone;
   absl::Status error;
+  Usage usage;
+  RequestTimings timings;
 };
 
 }  // namespace
@@ -53,15 +55,20 @@ int cmd_generate(int argc, char** argv) {
   float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f;
   float repetition_penalty = 1.0f, presence_penalty = 0.0f, frequency_penalty = 0.0f;
   bool json = false, no_bos = false, ignore_eos = false;
-  Flags f("cemlm generate --model DIR (--prompt STR | --prompt-ids 3,17) [--recursion T] "
-          "[--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] [--min-p P] "
-          "[--stop STR...] [--seed S] [--json] [options]",
-          "Generate a continuation through the inference engine (paged KV cache, same code path\n"
-          "as the server). Streams the text to stdout; with --json prints\n"
-          "{\"ids\", \"text\", \"logprobs\", \"finish_reason\", \"seed\"}, where logprobs[i] is the\n"
-          "log-probability of ids[i] under the unmodified model distribution and seed the sampling\n"
-          "seed (drawn when --seed is not given; pass it back to reproduce the output); with\n"
-          "--top-logprobs K also \"top_logprobs\": per token, the K most likely [{\"id\", \"logprob\"}].");
+  Flags f(
+      "cemlm generate --model DIR (--prompt STR | --prompt-ids 3,17) [--recursion T] "
+      "[--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] [--min-p P] "
+      "[--stop STR...] [--seed S] [--json] [options]",
+      "Generate a continuation through the inference engine (paged KV cache, same code path\n"
+      "as the server). Streams the text to stdout; with --json prints\n"
+      "{\"ids\", \"text\", \"logprobs\", \"finish_reason\", \"seed\", \"usage\", \"timing\"}, "
+      "where\n"
+      "logprobs[i] is the log-probability of ids[i] under the unmodified model distribution,\n"
+      "seed the sampling seed (drawn when --seed is not given; pass it back to reproduce the\n"
+      "output), and usage and timing the engine's counts and seconds, as `cemlm client generate\n"
+      "--json` prints them (timing's e2e_seconds minus first_token_seconds is the decode time of\n"
+      "the tokens after the first, without process start or model load); with --top-logprobs K\n"
+      "also \"top_logprobs\": per token, the K most likely [{\"id\", \"logprob\"}].");
   f.add("model", &model, "checkpoint directory", true);
   f.add("prompt", &prompt, "prompt text (needs the checkpoint's tokenizer.model)");
   f.add("prompt-ids", &prompt_ids, "prompt as comma-separated token ids (used as given)");
@@ -208,6 +215,8 @@ int cmd_generate(int argc, char** argv) {
     if (ev.finish_reason == FinishReason::kNone) return;
     out.reason = ev.finish_reason;
     out.error = ev.error;
+    out.usage = ev.usage;
+    out.timings = ev.timings;
     out.done = true;
     out.cv.notify_all();
   };
@@ -242,6 +251,15 @@ int cmd_generate(int argc, char** argv) {
   }
   j["finish_reason"] = finish_reason_name(out.reason);
   j["seed"] = seed;
+  const Usage& u = out.usage;
+  j["usage"] = {{"prompt_tokens", u.prompt_tokens},
+                {"generated_tokens", u.generated_tokens},
+                {"recursion_steps", u.recursion_steps},
+                {"cached_prompt_tokens", u.cached_prompt_tokens}};
+  const RequestTimings& t = out.timings;
+  j["timing"] = {{"queue_seconds", queue_seconds(t)},
+                 {"first_token_seconds", seconds_between(t.submitted, t.first_token)},
+                 {"e2e_seconds", seconds_between(t.submitted, t.finished)}};
   std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   return 0;
 }

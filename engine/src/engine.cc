@@ -42,6 +42,16 @@
 
 namespace cemlm {
 
+double seconds_between(Clock::time_point from, Clock::time_point to) {
+  if (from == Clock::time_point{} || to == Clock::time_point{} || to < from) return 0;
+  return std::chrono::duration<double>(to - from).count();
+}
+
+double queue_seconds(const RequestTimings& t) {
+  return seconds_between(t.submitted,
+                         t.scheduled != Clock::time_point{} ? t.scheduled : t.finished);
+}
+
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
     case FinishReason::kNone: return "none";

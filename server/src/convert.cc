@@ -222,13 +222,4 @@ absl::Status check_ids(const google::protobuf::RepeatedField<int32_t>& ids, int 
   return absl::OkStatus();
 }
 
-double seconds_between(Clock::time_point from, Clock::time_point to) {
-  if (from == Clock::time_point{} || to == Clock::time_point{} || to < from) return 0;
-  return std::chrono::duration<double>(to - from).count();
-}
-
-double queue_seconds(const RequestTimings& t) {
-  return seconds_between(t.submitted, t.scheduled != Clock::time_point{} ? t.scheduled : t.finished);
-}
-
 }  // namespace cemlm::server

@@ -187,6 +187,18 @@ struct Gate {
   bool open = false;
 };
 
+TEST(QueueSeconds, ScheduledRequestsWaitedUntilScheduledTheOthersUntilTheyEnded) {
+  RequestTimings t;
+  t.submitted = Clock::now();
+  t.finished = t.submitted + std::chrono::milliseconds(900);
+  // Cancelled, past its deadline or drained while still queued: it waited its whole life.
+  EXPECT_NEAR(queue_seconds(t), 0.9, 1e-9);
+  t.scheduled = t.submitted + std::chrono::milliseconds(250);
+  EXPECT_NEAR(queue_seconds(t), 0.25, 1e-9);
+  EXPECT_EQ(queue_seconds(RequestTimings{}), 0.0);           // no times at all
+  EXPECT_EQ(seconds_between(t.finished, t.submitted), 0.0);  // backwards
+}
+
 // ---- outputs are independent of batching, preemption and the prefix cache ----
 
 TEST(Engine, OutputsAreTheSameAloneAndBatched) {

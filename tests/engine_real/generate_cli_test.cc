@@ -79,6 +79,25 @@ class GenerateCli : public ::testing::Test {
   std::string dir_;
 };
 
+// --json reports the engine's usage and timing as `cemlm client generate --json` does, so a
+// script can time decoding without process start and model load in it.
+TEST_F(GenerateCli, JsonReportsUsageAndTiming) {
+  const nlohmann::json j = generate({"--recursion", "3", "--temperature", "0"});
+  ASSERT_FALSE(j.is_null());
+  const nlohmann::json& u = j.at("usage");
+  EXPECT_EQ(u["prompt_tokens"], 4);
+  EXPECT_EQ(u["generated_tokens"], 7);
+  // Every token run through the model (the prompt and all but the last generated one) at T = 3
+  // through each layer's two CEM sub-layers.
+  EXPECT_EQ(u["recursion_steps"], int64_t(4 + 7 - 1) * 3 * 2 * cfg_.n_layers);
+  EXPECT_EQ(u["cached_prompt_tokens"], 0);
+  const nlohmann::json& t = j.at("timing");
+  const double queue = t["queue_seconds"], first = t["first_token_seconds"], e2e = t["e2e_seconds"];
+  EXPECT_GE(queue, 0.0);
+  EXPECT_GE(first, queue);
+  EXPECT_GT(e2e, first);  // six more tokens came after the first
+}
+
 TEST_F(GenerateCli, JsonLogprobsAreTheModelsAtEachDepth) {
   for (const char* T : {"1", "3"}) {
     const nlohmann::json j = generate({"--recursion", T, "--temperature", "0.9", "--seed", "11"});

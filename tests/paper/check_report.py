@@ -41,7 +41,10 @@ def check_results(res, faults):
         for t in SCALING_T:
             finite(r.get("ppl", {}).get(str(t)), f"{r.get('name')}.ppl[T={t}]", faults)
     for t in SCALING_T:
-        finite(res.get("decode", {}).get(str(t), {}).get("ms_per_token"), f"decode[T={t}]", faults)
+        ms = res.get("decode", {}).get(str(t), {}).get("ms_per_token")
+        finite(ms, f"decode[T={t}]", faults)
+        if isinstance(ms, (int, float)) and not ms > 0:  # a time per token is positive
+            faults.append(f"decode[T={t}] = {ms!r} ms per token is not positive")
     if len(res.get("rare", {})) != 4:
         faults.append("results.json: expected rare-token buckets for 4 models")
     for name, buckets in res.get("rare", {}).items():

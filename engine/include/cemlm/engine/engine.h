@@ -60,6 +60,11 @@ struct Usage {
 struct RequestTimings {
   Clock::time_point submitted, scheduled, first_token, finished;
 };
+// Seconds from `from` to `to`; 0 when either is unset or `to` comes first.
+double seconds_between(Clock::time_point from, Clock::time_point to);
+// Submitted to first scheduled; a request that never left the queue (cancelled, past its deadline
+// or drained while waiting) waited until it finished.
+double queue_seconds(const RequestTimings& t);
 
 // One event on a request's stream. Token events come in order; exactly one final event
 // (finish_reason != kNone) ends every accepted request, whatever happens.

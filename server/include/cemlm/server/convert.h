@@ -44,9 +44,4 @@ v1::ModelInfo model_info(const Engine& engine, const std::string& model_name);
 absl::Status check_ids(const google::protobuf::RepeatedField<int32_t>& ids, int vocab_size,
                        absl::string_view field);
 
-double seconds_between(Clock::time_point from, Clock::time_point to);
-// Submitted to first scheduled; a request that never left the queue (cancelled, past its deadline
-// or drained while waiting) waited until it finished.
-double queue_seconds(const RequestTimings& t);
-
 }  // namespace cemlm::server

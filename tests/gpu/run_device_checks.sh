@@ -37,6 +37,7 @@ bundle=$root/build-cuda/gpu_bundle.tgz
 if [ -f "$bundle" ]; then
   say "unpacking the carried build $bundle"
   work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
   tar xzf "$bundle" -C "$work" || { echo "cannot unpack $bundle"; exit 1; }
   cat "$work/gpu_bundle/BUILT_FROM" 2>/dev/null
   bin=$work/gpu_bundle/bin

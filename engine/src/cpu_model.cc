@@ -2,16 +2,17 @@
 // grow-only and reused between steps, so a steady decode loop does not allocate.
 #include "cemlm/engine/cpu_model.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
 
-#include <omp.h>
-
 #include "cemlm/kernels/elementwise.h"
 #include "cemlm/kernels/lev.h"
 #include "cemlm/kernels/linear.h"
+#include "cemlm/kernels/parallel.h"
 #include "cemlm/kernels/precond.h"
 #include "cemlm/kernels/rmsnorm.h"
 #include "cemlm/kernels/rope.h"
@@ -329,9 +330,7 @@ void CpuModel::attention_standard(int l, Rows& r, KvPool& kv) {
   Tensor h = view(r.h, N, D), c = view(buf(kC, 0), N, D), q = view(buf(kQ, 0), N, Q),
          k = view(buf(kK, 0), N, Q), v = view(buf(kV, 0), N, Q), a = view(buf(kA, 0), N, Q);
   rmsnorm_forward(r.ctx, c, Tensor{}, h, lw.attn_norm, cfg_.norm_eps);
-  linear_forward(r.ctx, q, c, pw.wq);
-  linear_forward(r.ctx, k, c, pw.wk);
-  linear_forward(r.ctx, v, c, pw.wv);
+  linear_forward(r.ctx, c, {{q, &pw.wq}, {k, &pw.wk}, {v, &pw.wv}});
   rope_forward(r.ctx, q, q, r.pos.data(), rope, false);
   rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
   const KvLayerView view_l = kv.layer(l);
@@ -348,9 +347,10 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
   const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
   const bool diag = cfg_.diag != DiagMode::kNone;
   Tensor c = view(buf(kC, 0), N, D), k = view(buf(kK, 0), N, Q);
-  // The context and the keys come from the sub-layer input, once, whatever T is.
+  // The context and the keys come from the sub-layer input, once, whatever T is; so does the first
+  // step's query (its normalised input is c): one product of c for both.
   rmsnorm_forward(r.ctx, c, Tensor{}, view(r.h, N, D), lw.attn_norm, cfg_.norm_eps);
-  linear_forward(r.ctx, k, c, pw.wk);
+  linear_forward(r.ctx, c, {{k, &pw.wk}, {view(buf(kQ, 0), N, Q), &pw.wq}});
   rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
   const KvLayerView view_l = kv.layer(l);
   kv_write(r.ctx, view_l, r.seqs.data(), int(r.seqs.size()), k, Tensor{}, diag ? c : Tensor{});
@@ -368,13 +368,12 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
                                                 diag_kind(cfg_), /*in_region=*/true),
                                             2 * (g->r1 - g->r0) * std::max(cfg_.attn_precond_rank, 1)));
   float* scratch = buf(kGroupScratch, per_thread * omp_get_max_threads());
-#pragma omp parallel for schedule(dynamic, 1)
-  for (size_t i = 0; i < side.size(); ++i) {
+  parallel_for_dynamic(int64_t(side.size()), true, [&](int64_t i) {
     ExecCtx ctx = r.ctx;
     ctx.scratch = scratch + per_thread * omp_get_thread_num();
     ctx.scratch_floats = per_thread;
     attention_cem_steps(l, r, view_l, *side[i], ctx);
-  }
+  });
 }
 
 void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view_l,
@@ -402,8 +401,10 @@ void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view
     Tensor x = view(r.h + r0 * D, n, D), y = rows(t == 0 ? kC : kY, n, D), q = rows(kQ, n, Q),
            a = rows(kA, n, Q), u = rows(kU, n, D), pu = rows(kPU, n, D),
            qd = rows(kQD, n, qd_width), oc = rows(kOC, n, qd_width);
-    if (t > 0) rmsnorm_forward(ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
-    linear_forward(ctx, q, y, pw.wq);
+    if (t > 0) {  // the first step's query is attention_cem's
+      rmsnorm_forward(ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
+      linear_forward(ctx, q, y, pw.wq);
+    }
     rope_forward(ctx, q, q, pos, rope, false);
     if (diag) diag_scale_forward(ctx, qd, y, lw.diag);
     paged_attention_forward(ctx, a, diag ? oc : Tensor{}, q, diag ? qd : Tensor{}, kind, view_l,
@@ -423,8 +424,7 @@ void CpuModel::mlp_swiglu(int l, Rows& r) {
   Tensor h = view(r.h, N, D), c = view(buf(kC, 0), N, D), g = view(buf(kG, 0), N, F),
          z = view(buf(kZ, 0), N, F);
   rmsnorm_forward(r.ctx, c, Tensor{}, h, lw.mlp_norm, cfg_.norm_eps);
-  linear_forward(r.ctx, g, c, pw.w_gate);
-  linear_forward(r.ctx, z, c, pw.w_up);
+  linear_forward(r.ctx, c, {{g, &pw.w_gate}, {z, &pw.w_up}});
   swiglu_forward(r.ctx, z, g, z);
   linear_forward(r.ctx, h, z, pw.w_down, 1.0f);
 }
@@ -434,9 +434,10 @@ void CpuModel::mlp_cem(int l, Rows& r) {
   const PackedLayer& pw = packed_[l];
   const int64_t N = r.N, D = cfg_.d_model, F = cfg_.d_ff;
   Tensor c = view(buf(kC, 0), N, D), g = view(buf(kG, 0), N, F);
-  // The gate comes from the fixed sub-layer input, once.
+  // The gate comes from the fixed sub-layer input, once; so does the first step's W_up·y (its y is
+  // c): one product of c for both.
   rmsnorm_forward(r.ctx, c, Tensor{}, view(r.h, N, D), lw.mlp_norm, cfg_.norm_eps);
-  linear_forward(r.ctx, g, c, pw.w_gate);
+  linear_forward(r.ctx, c, {{g, &pw.w_gate}, {view(buf(kZ, 0), N, F), &pw.w_up}});
   silu_forward(r.ctx, g, g);
   for (int t = 0; t < r.Tmax; ++t) {
     int ns = 0;
@@ -444,8 +445,10 @@ void CpuModel::mlp_cem(int l, Rows& r) {
     // x⁰ = h: the first step's y is the sub-layer's normalised input c.
     Tensor x = view(r.h, n, D), y = view(t == 0 ? c.data : buf(kY, 0), n, D),
            z = view(buf(kZ, 0), n, F), u = view(buf(kU, 0), n, D), pu = view(buf(kPU, 0), n, D);
-    if (t > 0) rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.mlp_norm, cfg_.norm_eps);
-    linear_forward(r.ctx, z, y, pw.w_up);
+    if (t > 0) {  // the first step's W_up·y is above
+      rmsnorm_forward(r.ctx, y, Tensor{}, x, lw.mlp_norm, cfg_.norm_eps);
+      linear_forward(r.ctx, z, y, pw.w_up);
+    }
     mul_forward(r.ctx, z, z, view(g.data, n, F));
     linear_t_forward(r.ctx, u, z, pw.w_up_t);
     if (cfg_.mlp_precond_rank > 0) precond_forward(r.ctx, pu, u, pw.mlp_precond);

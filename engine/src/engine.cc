@@ -16,13 +16,13 @@
 #include <cerrno>
 #include <cmath>
 #include <condition_variable>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <future>
 #include <limits>
 #include <map>
 #include <mutex>
-#include <exception>
 #include <new>
 #include <optional>
 #include <random>
@@ -38,6 +38,7 @@
 #include "cemlm/engine/scheduler.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/tokenizer.h"
+#include "cemlm/kernels/parallel.h"
 #include "cemlm/kernels/tensor.h"
 
 namespace cemlm {
@@ -476,10 +477,10 @@ bool EngineImpl::step() {
   std::vector<absl::StatusOr<SampleResult>> drawn(sampled.size());
   std::vector<const Sequence*> seqs(sampled.size());
   for (size_t i = 0; i < sampled.size(); ++i) seqs[i] = sched_.find(sampled[i]->id);
-#pragma omp parallel for schedule(dynamic, 1) if (sampled.size() >= 4)
-  for (size_t i = 0; i < sampled.size(); ++i)
+  parallel_for_dynamic(int64_t(sampled.size()), sampled.size() >= 4, [&](int64_t i) {
     drawn[i] = sampled[i]->sampler.sample(std::span<const float>(logits_).subspan(i * V, V),
                                           seqs[i]->tokens, seqs[i]->n_prompt);
+  });
   for (size_t i = 0; i < sampled.size(); ++i) apply_sample(*sampled[i], std::move(drawn[i]));
   return true;
 }

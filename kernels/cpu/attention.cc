@@ -454,7 +454,7 @@ void chunk_sums(const KvLayerView& kv, const int32_t* blocks, const RowChunks* c
 void attend_rows(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                  const AttnRows& rows, float scale, float* const* mem, int64_t oc_width) {
   const int W = kv.k_width, H = kv.n_heads;
-  RowChunks rc[kMaxAttnRows];
+  RowChunks rc[kMaxAttnRows] = {};  // rows.n of them set below
   for (int i = 0; i < rows.n; ++i) rc[i] = row_chunks(kv, n_ctx + i, oc_width, mem[i]);
   // Chunk c's rows in sets of 4, 2 or 1 among those for which it holds the same tokens.
   auto each_set = [&](int c, auto&& pass) {
@@ -623,16 +623,18 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
     units.emplace_back(i, n);
     i += n;
   }
-#pragma omp parallel if (!in_region())
-  {
-    float* sc = ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * omp_get_thread_num();
+  // The units on a team (team: each thread takes them one at a time, with its own scratch slot
+  // and buffers) or, without entering an OpenMP region, on the calling thread (slot 0: a caller
+  // inside a region passes its own thread's scratch).
+  auto attend_units = [&](bool team) {
+    float* sc =
+        ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * (team ? omp_get_thread_num() : 0);
     thread_local std::vector<float> mem;
     const int64_t per_row = row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride);
     mem.resize(size_t(kMaxAttnRows * per_row));
     float* row_mem[kMaxAttnRows];
     for (int k = 0; k < kMaxAttnRows; ++k) row_mem[k] = mem.data() + k * per_row;
-#pragma omp for schedule(dynamic, 1)
-    for (size_t u = 0; u < units.size(); ++u) {
+    auto unit = [&](size_t u) {
       const int i = units[u].first;
       AttnRows rows;
       rows.n = units[u].second;
@@ -642,7 +644,19 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
         rows.oc[k] = one.oc[0], rows.sc[k] = sc + k * int64_t(H) * max_ctx;
       }
       attend_rows(kv, seqs[owner[i]].blocks, context_of(i), diag, rows, scale, row_mem, oc_width);
+    };
+    if (team) {
+#pragma omp for schedule(dynamic, 1)
+      for (size_t u = 0; u < units.size(); ++u) unit(u);
+    } else {
+      for (size_t u = 0; u < units.size(); ++u) unit(u);
     }
+  };
+  if (!in_region() && units.size() > 1) {
+#pragma omp parallel
+    attend_units(true);
+  } else {
+    attend_units(false);
   }
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "cemlm/kernels/parallel.h"
 #include "cemlm/kernels/simd.h"
 
 namespace cemlm {
@@ -19,9 +20,8 @@ inline simd::f8 silu_times8(simd::f8 z, simd::f8 m) {
 // the flat buffer, or a request's output would depend on its batch.
 void silu_times(float* out, const float* a, const float* b, int64_t n) {
   constexpr int64_t kChunk = 4096;  // per thread item
-#pragma omp parallel for schedule(static) if (n > 8192)
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t end = std::min(n, c + kChunk);
+  parallel_for((n + kChunk - 1) / kChunk, n > 8192, [&](int64_t chunk) {
+    const int64_t c = chunk * kChunk, end = std::min(n, c + kChunk);
     int64_t i = c;
     for (; i + 8 <= end; i += 8)
       simd::store(out + i,
@@ -29,12 +29,14 @@ void silu_times(float* out, const float* a, const float* b, int64_t n) {
     if (i < end) {
       float z[8] = {}, m[8] = {}, r[8];
       std::copy(a + i, a + end, z);
-      if (b) std::copy(b + i, b + end, m);
-      else std::fill(m, m + (end - i), 1.0f);
+      if (b)
+        std::copy(b + i, b + end, m);
+      else
+        std::fill(m, m + (end - i), 1.0f);
       simd::store(r, silu_times8(simd::load(z), simd::load(m)));
       std::copy(r, r + (end - i), out + i);
     }
-  }
+  });
 }
 
 }  // namespace
@@ -52,15 +54,14 @@ void swiglu_forward(const ExecCtx&, Tensor out, const Tensor& gate, const Tensor
 void mul_forward(const ExecCtx&, Tensor out, const Tensor& a, const Tensor& b) {
   const int64_t n = a.numel();
   CEMLM_CHECK(b.numel() == n && out.numel() == n);
-#pragma omp parallel for schedule(static) if (n > 8192)
-  for (int64_t i = 0; i < n; ++i) out.data[i] = a.data[i] * b.data[i];
+  parallel_for(n, n > 8192, [&](int64_t i) { out.data[i] = a.data[i] * b.data[i]; });
 }
 
 void axpy_rows_forward(const ExecCtx&, Tensor x, const Tensor& u, const float* eta) {
   const int64_t N = u.dim(0), D = u.dim(-1);
-#pragma omp parallel for schedule(static) if (N * D > 4096)
-  for (int64_t i = 0; i < N; ++i)
+  parallel_for(N, N * D > 4096, [&](int64_t i) {
     for (int64_t d = 0; d < D; ++d) x.data[i * D + d] += eta[i] * u.data[i * D + d];
+  });
 }
 
 void diag_scale_forward(const ExecCtx&, Tensor qd, const Tensor& y, const Tensor& d) {

@@ -39,6 +39,7 @@
 #include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 #include "cemlm/kernels/bf16.h"
 #include "cemlm/kernels/int8.h"
+#include "cemlm/kernels/parallel.h"
 
 namespace cemlm {
 namespace {
@@ -372,28 +373,36 @@ struct GemvCols {
 // step on two threads took 25–28% less than with 1 MiB (docs/BENCHMARKS.md, session 5).
 constexpr double kParallelGemvBytes = 1 << 18;
 
-// Drives the row tiles over every 32-column panel of op(B), panels split over threads when the
-// product is big enough. panel_of(p) gives panel p (packing it if need be); stored(p) gives it
-// only where it is already in memory as it will be read ({nullptr, 0} otherwise), for the prefetch.
-template <typename W, typename GetPanel, typename Stored>
-void panel_products(int M, int N, int K, float alpha, const InputOf<W>* A, int lda, float beta,
-                    float* C, int ldc, GetPanel panel_of, Stored stored) {
-  const int panels = (N + kPanel - 1) / kPanel;
-  const bool parallel = 2.0 * M * N * K >= kParallelFlops && panels > 1 && !omp_in_parallel();
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int p = 0; p < panels; ++p) {
-    const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
-    const PanelOf<W> panel = panel_of(p);
+// Panel p of a panel_products call: its weights, where its results go (C at its first column,
+// leading dimension ldc) and its width (32, fewer for a product's last panel).
+template <typename W>
+struct PanelJob {
+  PanelOf<W> panel;
+  float* c;
+  int ldc;
+  int width;
+};
+
+// Drives the row tiles over `panels` 32-column panels (of one product, or of several that share
+// A), split over threads when the products' `flops` are enough. job(p) gives panel p (packing it
+// if need be) and its outputs; stored(p) gives the panel only where it is already in memory as it
+// will be read ({nullptr, 0} otherwise), for the prefetch.
+template <typename W, typename Job, typename Stored>
+void panel_products(int M, int K, double flops, float alpha, const InputOf<W>* A, int lda,
+                    float beta, int panels, Job job, Stored stored) {
+  const bool parallel = flops >= kParallelFlops && !omp_in_parallel();
+  parallel_for(panels, parallel, [&](int64_t p) {
+    const PanelJob<W> j = job(int(p));
     const PanelOf<W> next = p + 1 < panels ? stored(p + 1) : PanelOf<W>{nullptr, 0};
-    const __mmask16 m0 = lane_mask(width), m1 = lane_mask(width - 16);
+    const __mmask16 m0 = lane_mask(j.width), m1 = lane_mask(j.width - 16);
     const int tiles = (M + kTileRows - 1) / kTileRows;
     for (int t = 0; t < tiles; ++t) {
       const int m = t * kTileRows;
       kTiles<W>[next.p != nullptr && t < K][std::min(kTileRows, M - m)](
-          K, A + size_t(m) * lda, lda, panel, next, t, tiles, alpha, beta, C + size_t(m) * ldc + n0,
-          ldc, m0, m1);
+          K, A + size_t(m) * lda, lda, j.panel, next, t, tiles, alpha, beta,
+          j.c + size_t(m) * j.ldc, j.ldc, m0, m1);
     }
-  }
+  });
 }
 
 inline bool small_gemm_applies(int M, int K) { return M >= 2 && M <= kSmallGemmMaxRows && K >= 1; }
@@ -414,14 +423,19 @@ bool small_gemm(bool trans_b, int M, int N, int K, float alpha, const float* A, 
     const int n0 = p * kPanel;
     return !trans_b && N - n0 >= kPanel ? Panel{B + n0, size_t(ldb)} : Panel{nullptr, 0};
   };
-  panel_products<float>(M, N, K, alpha, A, lda, beta, C, ldc, [&](int p) {
-    if (const Panel in = in_place(p); in.p) return in;
-    thread_local std::vector<float> buffer;  // kept between calls: no allocation per product
-    buffer.resize(size_t(K) * kPanel);
-    const int n0 = p * kPanel;
-    pack_panel(trans_b, B, ldb, K, n0, std::min(kPanel, N - n0), buffer.data());
-    return Panel{buffer.data(), size_t(kPanel)};
-  }, in_place);
+  auto job = [&](int p) {
+    const int n0 = p * kPanel, width = std::min(kPanel, N - n0);
+    PanelJob<float> j{in_place(p), C + n0, ldc, width};
+    if (!j.panel.p) {
+      thread_local std::vector<float> buffer;  // kept between calls: no allocation per product
+      buffer.resize(size_t(K) * kPanel);
+      pack_panel(trans_b, B, ldb, K, n0, width, buffer.data());
+      j.panel = Panel{buffer.data(), size_t(kPanel)};
+    }
+    return j;
+  };
+  panel_products<float>(M, K, 2.0 * M * N * K, alpha, A, lda, beta, (N + kPanel - 1) / kPanel, job,
+                        in_place);
   return true;
 }
 
@@ -578,58 +592,91 @@ void quantize_row(const float* a, int K, uint32_t* q, float* scale, int32_t* cor
 }
 #endif
 
+// The targets' panels numbered as one sequence, target i's from first[i] (first[n] = the total),
+// each target's from its own first column.
+struct PanelCount {
+  int first[kMaxPackedTargets + 1] = {0};
+  int target_of(int p) const {
+    int i = 0;
+    while (p >= first[i + 1]) ++i;
+    return i;
+  }
+};
+
 template <typename W>
-void packed_products_of(int M, int N, int K, float alpha, const InputOf<W>* A, int lda,
-                        const W* panels, const float* scales, float beta, float* C, int ldc) {
-  if (M <= 0 || N <= 0) return;
+void packed_products_of(int M, int K, float alpha, const InputOf<W>* A, int lda, float beta,
+                        const PackedTarget<W>* targets, int n_targets) {
+  if (n_targets > kMaxPackedTargets) std::abort();  // a caller's bug: linear.cc checks first
   const int64_t panel_size = int64_t(kRowWidth<W>) * K;
-  const int64_t scales_size = scales ? (K + kBlockRows<W> - 1) / kBlockRows<W> : 0;
-  auto panel = [&](int p) {
-    return PanelOf<W>{panels + p * panel_size, size_t(kRowWidth<W>),
-                      scales ? scales + p * scales_size : nullptr};
+  const int64_t scales_size = (K + kBlockRows<W> - 1) / kBlockRows<W>;
+  PanelCount panels, groups;  // groups: of kRowPanels panels of one target, for one row
+  double columns = 0;
+  for (int i = 0; i < n_targets; ++i) {
+    const int n = (targets[i].N + kPanel - 1) / kPanel;
+    panels.first[i + 1] = panels.first[i] + n;
+    groups.first[i + 1] = groups.first[i] + (n + kRowPanels - 1) / kRowPanels;
+    columns += targets[i].N;
+  }
+  if (M <= 0 || panels.first[n_targets] == 0) return;
+  // Panel q of target i.
+  auto panel = [&](int i, int q) {
+    const PackedTarget<W>& t = targets[i];
+    return PanelOf<W>{t.panels + q * panel_size, size_t(kRowWidth<W>),
+                      t.scales ? t.scales + q * scales_size : nullptr};
   };
   if (M == 1) {  // groups of kRowPanels panels, split over threads like a one-row product's
-    const int n_panels = (N + kPanel - 1) / kPanel;
-    const int groups = (n_panels + kRowPanels - 1) / kRowPanels;
+    const int n_groups = groups.first[n_targets];
     const int threads =
-        std::min(groups, gemv_threads(double(sizeof(W)) * kRowWidth<W> / kPanel * N * K));
-#pragma omp parallel for schedule(static) if (threads > 1) num_threads(threads)
-    for (int g = 0; g < groups; ++g) {
-      const int p0 = g * kRowPanels, np = std::min(kRowPanels, n_panels - p0);
-      __mmask16 masks[2 * kRowPanels];
-      for (int p = 0; p < np; ++p) {
-        const int width = std::min(kPanel, N - (p0 + p) * kPanel);
-        masks[2 * p] = lane_mask(width), masks[2 * p + 1] = lane_mask(width - 16);
-      }
-      kRowPanelsFns<W>[np](K, A, panel(p0), panel_size, scales_size, alpha, beta,
-                           C + int64_t(p0) * kPanel, masks);
-    }
+        std::min(n_groups, gemv_threads(double(sizeof(W)) * kRowWidth<W> / kPanel * columns * K));
+    parallel_for(
+        n_groups, threads > 1,
+        [&](int64_t group) {
+          const int g = int(group), i = groups.target_of(g);
+          const PackedTarget<W>& t = targets[i];
+          const int p0 = (g - groups.first[i]) * kRowPanels;
+          const int np = std::min(kRowPanels, panels.first[i + 1] - panels.first[i] - p0);
+          __mmask16 masks[2 * kRowPanels];
+          for (int p = 0; p < np; ++p) {
+            const int width = std::min(kPanel, t.N - (p0 + p) * kPanel);
+            masks[2 * p] = lane_mask(width), masks[2 * p + 1] = lane_mask(width - 16);
+          }
+          kRowPanelsFns<W>[np](K, A, panel(i, p0), panel_size, scales_size, alpha, beta,
+                               t.C + int64_t(p0) * kPanel, masks);
+        },
+        threads);
     return;
   }
-  panel_products<W>(M, N, K, alpha, A, lda, beta, C, ldc, panel, panel);
+  auto job = [&](int p) {
+    const int i = panels.target_of(p), q = p - panels.first[i];
+    const PackedTarget<W>& t = targets[i];
+    return PanelJob<W>{panel(i, q), t.C + int64_t(q) * kPanel, t.ldc,
+                       std::min(kPanel, t.N - q * kPanel)};
+  };
+  panel_products<W>(M, K, 2.0 * M * columns * K, alpha, A, lda, beta, panels.first[n_targets], job,
+                    [&](int p) { return job(p).panel; });
 }
 }  // namespace
 
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const float* panels, float beta, float* C, int ldc) {
-  packed_products_of(M, N, K, alpha, A, lda, panels, nullptr, beta, C, ldc);
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<float>* targets, int n_targets) {
+  packed_products_of(M, K, alpha, A, lda, beta, targets, n_targets);
 }
 
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const uint16_t* panels, float beta, float* C, int ldc) {
-  packed_products_of(M, N, K, alpha, A, lda, panels, nullptr, beta, C, ldc);
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<uint16_t>* targets, int n_targets) {
+  packed_products_of(M, K, alpha, A, lda, beta, targets, n_targets);
 }
 
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const int8_t* panels, const float* scales, float beta, float* C, int ldc) {
-  packed_products_of(M, N, K, alpha, A, lda, panels, scales, beta, C, ldc);
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<int8_t>* targets, int n_targets) {
+  packed_products_of(M, K, alpha, A, lda, beta, targets, n_targets);
 }
 
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const uint8_t* panels, const float* scales, float beta, float* C, int ldc) {
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<uint8_t>* targets, int n_targets) {
 #if defined(__AVX512VNNI__)
-  if (M <= 0 || N <= 0) return;
-  // Each row of A quantized once for every panel.
+  if (M <= 0) return;
+  // Each row of A quantized once for every panel of every target.
   const int quads = (K + 3) / 4, blocks = (K + kQuantBlock - 1) / kQuantBlock;
   thread_local std::vector<uint32_t> q;  // kept between calls: no allocation per product
   thread_local std::vector<float> scale;
@@ -644,20 +691,19 @@ void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
     quantize_row(A + size_t(m) * lda, K, q.data() + qm, scale.data() + bm, corr.data() + bm);
     rows[size_t(m)] = {q.data() + qm, scale.data() + bm, corr.data() + bm};
   }
-  packed_products_of(M, N, quads, alpha, rows.data(), 1, panels, scales, beta, C, ldc);
+  packed_products_of(M, quads, alpha, rows.data(), 1, beta, targets, n_targets);
 #else
-  (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)lda, (void)panels, (void)scales,
-      (void)beta, (void)C, (void)ldc;
+  (void)M, (void)K, (void)alpha, (void)A, (void)lda, (void)beta, (void)targets, (void)n_targets;
   std::abort();  // unreachable: pack_panels packs no quads on these builds
 #endif
 }
 
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const uint32_t* panels, float beta, float* C, int ldc) {
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<uint32_t>* targets, int n_targets) {
 #if defined(__AVX512BF16__)
-  if (M <= 0 || N <= 0) return;
-  // Each row of A as bf16 pairs, converted once for every panel (vcvtneps2bf16: nearest-even,
-  // subnormals to zero); an odd K's last pair is (a[K - 1], 0).
+  if (M <= 0) return;
+  // Each row of A as bf16 pairs, converted once for every panel of every target
+  // (vcvtneps2bf16: nearest-even, subnormals to zero); an odd K's last pair is (a[K - 1], 0).
   const int pairs = (K + 1) / 2;
   thread_local std::vector<uint32_t> a;  // kept between calls: no allocation per product
   a.resize(size_t(M) * size_t(pairs));
@@ -670,10 +716,9 @@ void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
       _mm256_mask_storeu_epi16(reinterpret_cast<char*>(row) + 2 * size_t(k), mask, __m256i(h));
     }
   }
-  packed_products_of(M, N, pairs, alpha, a.data(), pairs, panels, nullptr, beta, C, ldc);
+  packed_products_of(M, pairs, alpha, a.data(), pairs, beta, targets, n_targets);
 #else
-  (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)lda, (void)panels, (void)beta, (void)C,
-      (void)ldc;
+  (void)M, (void)K, (void)alpha, (void)A, (void)lda, (void)beta, (void)targets, (void)n_targets;
   std::abort();  // unreachable: pack_panels packs no pairs on these builds
 #endif
 }
@@ -685,19 +730,24 @@ bool small_gemv(bool trans_b, int N, int K, float alpha, const float* a, const f
   const bool parallel = threads > 1;
   if (trans_b) {  // one row of outputs per row of B [N, K]
     const int groups = (N + 15) / 16;
-#pragma omp parallel for schedule(static) if (parallel) num_threads(threads)
-    for (int g = 0; g < groups; ++g)
-      gemv_rows(std::min(16, N - 16 * g), K, alpha, a, B + size_t(16 * g) * size_t(ldb), ldb, beta,
-                c + 16 * g);
+    parallel_for(
+        groups, parallel,
+        [&](int64_t g) {
+          gemv_rows(std::min(16, N - 16 * int(g)), K, alpha, a, B + size_t(16 * g) * size_t(ldb),
+                    ldb, beta, c + 16 * g);
+        },
+        threads);
   } else {  // column groups of B [K, N]: 128 wide, so that a 256-wide product splits in two
     constexpr int kCols = 128;
     const int groups = (N + kCols - 1) / kCols;
-#pragma omp parallel for schedule(static) if (parallel && groups > 1) num_threads(threads)
-    for (int g = 0; g < groups; ++g) {
-      const int width = std::min(kCols, N - kCols * g);
-      avx512::for_vectors<GemvCols>((width + 15) / 16, width, K, alpha, a, B + kCols * g, ldb, beta,
-                                    c + kCols * g);
-    }
+    parallel_for(
+        groups, parallel,
+        [&](int64_t g) {
+          const int width = std::min(kCols, N - kCols * int(g));
+          avx512::for_vectors<GemvCols>((width + 15) / 16, width, K, alpha, a, B + kCols * g, ldb,
+                                        beta, c + kCols * g);
+        },
+        threads);
   }
   return true;
 }
@@ -719,30 +769,30 @@ bool small_gemv(bool, int, int, float, const float*, const float*, int, float, f
 int64_t packed_panels_size(int, int) { return 0; }
 bool pack_panels(bool, const float*, int, int, int, float*) { return false; }
 bool pack_panels(bool, const float*, int, int, int, uint16_t*) { return false; }
-void packed_products(int, int, int, float, const float*, int, const float*, float, float*, int) {
-  std::abort();  // unreachable: pack_panels packs nothing on these builds
-}
-void packed_products(int, int, int, float, const float*, int, const uint16_t*, float, float*,
-                     int) {
-  std::abort();
-}
 int64_t packed_scales_size(int, int) { return 0; }
 bool pack_panels(bool, const float*, int, int, int, int8_t*, float*) { return false; }
-void packed_products(int, int, int, float, const float*, int, const int8_t*, const float*, float,
-                     float*, int) {
-  std::abort();
-}
 bool bf16_dot_supported() { return false; }
 int64_t packed_pair_panels_size(int, int) { return 0; }
 bool pack_panels(bool, const float*, int, int, int, uint32_t*) { return false; }
 bool int8_dot_supported() { return false; }
 int64_t packed_quad_panels_size(int, int) { return 0; }
 bool pack_panels(bool, const float*, int, int, int, uint8_t*, float*) { return false; }
-void packed_products(int, int, int, float, const float*, int, const uint8_t*, const float*, float,
-                     float*, int) {
+// Unreachable: pack_panels packs nothing on these builds.
+void packed_products(int, int, float, const float*, int, float, const PackedTarget<float>*, int) {
   std::abort();
 }
-void packed_products(int, int, int, float, const float*, int, const uint32_t*, float, float*, int) {
+void packed_products(int, int, float, const float*, int, float, const PackedTarget<uint16_t>*,
+                     int) {
+  std::abort();
+}
+void packed_products(int, int, float, const float*, int, float, const PackedTarget<int8_t>*, int) {
+  std::abort();
+}
+void packed_products(int, int, float, const float*, int, float, const PackedTarget<uint8_t>*, int) {
+  std::abort();
+}
+void packed_products(int, int, float, const float*, int, float, const PackedTarget<uint32_t>*,
+                     int) {
   std::abort();
 }
 }  // namespace cemlm

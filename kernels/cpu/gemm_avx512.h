@@ -60,33 +60,50 @@ bool int8_dot_supported();
 int64_t packed_quad_panels_size(int N, int K);
 bool pack_panels(bool trans_b, const float* B, int ldb, int N, int K, uint8_t* out, float* scales);
 
+// One product of a packed_products call: op(B) [K, N] as pack_panels wrote it (with its scales,
+// for int8 and int8 quad panels; else null), and where its results go: C [M, N], leading
+// dimension ldc.
+template <typename W>
+struct PackedTarget {
+  const W* panels;
+  const float* scales;
+  int N;
+  float* C;
+  int ldc;
+};
+// The most targets one packed_products call takes.
+constexpr int kMaxPackedTargets = 4;
+
 // small_gemm with op(B) already in pack_panels' layout (no per-call transposes), for any M ≥ 1:
-// each output is one k-ordered chain of FMAs whatever M and the thread count, so a row's result
-// has the same bits alone or among other rows (batch invariance; one row takes several panels at
-// once to hide the FMA latency). With bf16 panels each weight is widened to fp32 exactly, so the
-// result has the bits of the fp32 panels of the bf16-rounded weight. Only for panels pack_panels
-// wrote (an AVX-512 build).
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const float* panels, float beta, float* C, int ldc);
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const uint16_t* panels, float beta, float* C, int ldc);
+// C = beta·C + alpha·A·op(B) for each of n_targets (≤ kMaxPackedTargets) targets that share A
+// [M, K] — the projections of one input — run as one product: one split of their panels over the
+// threads (one fork where separate calls take one each) and A converted once (the …dot panels).
+// Each output is one k-ordered chain of FMAs whatever M, the thread count and the other targets,
+// so a row's result has the same bits alone, among other rows or among other targets (batch
+// invariance; one row takes several panels at once to hide the FMA latency). With bf16 panels
+// each weight is widened to fp32 exactly, so the result has the bits of the fp32 panels of the
+// bf16-rounded weight. Only for panels pack_panels wrote (an AVX-512 build).
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<float>* targets, int n_targets);
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<uint16_t>* targets, int n_targets);
 // int8 panels: the bits of the fp32 panels of the dequantized weight fp32(q · s).
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const int8_t* panels, const float* scales, float beta, float* C, int ldc);
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<int8_t>* targets, int n_targets);
 // bf16 pair panels: A's rows are rounded to bf16 (nearest-even, subnormals to zero) and each
 // output is one chain, in k order, of AVX512-BF16 dot products of pairs (a[2kk], a[2kk + 1]) with
 // the weights' pairs, accumulated in fp32: not the fp32 product, but the same bits for a row alone
 // or among others, as above. Only for panels pack_panels wrote (an AVX512-BF16 build).
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const uint32_t* panels, float beta, float* C, int ldc);
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<uint32_t>* targets, int n_targets);
 // int8 quad panels: each row of A is quantized per block b of 32 k as the weights are (s_a = the
 // block's largest |a| / 127, q_a = a / s_a rounded to nearest-even, 0 where s_a = 0, s_a = NaN
 // for a block with a non-finite a), and each output is, over the blocks in k order,
 // acc = fma(fp32(Σ_k q_a · q_w), s_a · s_w, acc) with the integer sums exact (AVX512-VNNI), then
 // the alpha/beta step: the same bits for a row alone or among others. Only for panels
 // pack_panels wrote (an AVX512-VNNI build).
-void packed_products(int M, int N, int K, float alpha, const float* A, int lda,
-                     const uint8_t* panels, const float* scales, float beta, float* C, int ldc);
+void packed_products(int M, int K, float alpha, const float* A, int lda, float beta,
+                     const PackedTarget<uint8_t>* targets, int n_targets);
 
 // c[N] = beta·c + alpha·op(B)ᵀ·a, one row of A times op(B): B [N, K] (trans_b: c[n] = B[n]·a)
 // or B [K, N]. Returns false, touching nothing, on a build without AVX-512. Memory-bound: it

@@ -8,6 +8,8 @@
 
 #include <cblas.h>
 
+#include <type_traits>
+
 #include "gemm_avx512.h"
 
 namespace cemlm {
@@ -41,7 +43,8 @@ void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W
   gemm(false, false, N, in, out, 1.0f, x.data, out, W.data, in, beta, y.data, in);
 }
 
-PackedLinear::PackedLinear(const Tensor& W, Use use, WeightDtype dtype) : w_(W), use_(use) {
+PackedLinear::PackedLinear(const Tensor& W, Use use, WeightDtype dtype)
+    : w_(W), use_(use), dtype_(dtype) {
   if (W.empty()) return;
   const int out = int(W.dim(0)), in = int(W.dim(1));
   // op(B) is Wᵀ [in, out] for W·x and W [out, in] for Wᵀ·x.
@@ -79,24 +82,47 @@ PackedLinear::PackedLinear(const Tensor& W, Use use, WeightDtype dtype) : w_(W),
   }
 }
 
-bool PackedLinear::apply(Use use, Tensor y, const Tensor& x, float beta) const {
+bool PackedLinear::apply(Use use, const Tensor& x, float beta, std::initializer_list<Out> outs) {
+  static_assert(kMaxLinearOuts <= kMaxPackedTargets);
+  CEMLM_CHECK(outs.size() >= 1 && outs.size() <= size_t(kMaxLinearOuts));
   const bool forward = use == Use::kForward;
-  const int N = int(x.dim(0)), inner = int(w_.dim(forward ? 1 : 0)), cols = int(w_.dim(forward ? 0 : 1));
-  CEMLM_CHECK(use_ == use && x.dim(-1) == inner && y.dim(-1) == cols && y.dim(0) == N);
-  if (!panels_int8_.empty())
-    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_int8_.data(), scales_.data(), beta,
-                    y.data, cols);
-  else if (!panels_int8x4_.empty())
-    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_int8x4_.data(), scales_.data(),
-                    beta, y.data, cols);
-  else if (!panels_bf16x2_.empty())
-    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_bf16x2_.data(), beta, y.data, cols);
-  else if (!panels_bf16_.empty())
-    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_bf16_.data(), beta, y.data, cols);
-  else if (!panels_.empty())
-    packed_products(N, cols, inner, 1.0f, x.data, inner, panels_.data(), beta, y.data, cols);
-  else
-    return false;
+  const int N = int(x.dim(0)), inner = int(x.dim(-1));
+  const WeightDtype dtype = outs.begin()->W->dtype_;
+  for (const Out& o : outs) {
+    const PackedLinear& W = *o.W;
+    CEMLM_CHECK(W.use_ == use && W.w_.dim(forward ? 1 : 0) == inner &&
+                o.y.dim(-1) == W.w_.dim(forward ? 0 : 1) && o.y.dim(0) == N);
+    if (!W.packed() || W.dtype_ != dtype) return false;
+  }
+  // The targets of the panels `member` of each weight (all of one element type E).
+  auto run = [&](auto member) {
+    using E = typename std::remove_reference_t<decltype(outs.begin()->W->*member)>::value_type;
+    PackedTarget<E> targets[kMaxLinearOuts];
+    int n = 0;
+    for (const Out& o : outs) {
+      const int cols = int(o.y.dim(-1));
+      targets[n++] = {(o.W->*member).data(), o.W->scales_.empty() ? nullptr : o.W->scales_.data(),
+                      cols, o.y.data, cols};
+    }
+    packed_products(N, inner, 1.0f, x.data, inner, beta, targets, n);
+  };
+  switch (dtype) {
+    case WeightDtype::kFp32:
+      run(&PackedLinear::panels_);
+      break;
+    case WeightDtype::kBf16:
+      run(&PackedLinear::panels_bf16_);
+      break;
+    case WeightDtype::kInt8:
+      run(&PackedLinear::panels_int8_);
+      break;
+    case WeightDtype::kBf16Dot:
+      run(&PackedLinear::panels_bf16x2_);
+      break;
+    case WeightDtype::kInt8Dot:
+      run(&PackedLinear::panels_int8x4_);
+      break;
+  }
   return true;
 }
 
@@ -113,12 +139,19 @@ bool int8_dot_available() { return int8_dot_supported(); }
 
 void linear_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,
                     float beta) {
-  if (!W.apply(PackedLinear::Use::kForward, y, x, beta)) linear_forward(ctx, y, x, W.w_, beta);
+  if (!PackedLinear::apply(PackedLinear::Use::kForward, x, beta, {{y, &W}}))
+    linear_forward(ctx, y, x, W.w_, beta);
 }
 
 void linear_t_forward(const ExecCtx& ctx, Tensor y, const Tensor& x, const PackedLinear& W,
                       float beta) {
-  if (!W.apply(PackedLinear::Use::kTransposed, y, x, beta)) linear_t_forward(ctx, y, x, W.w_, beta);
+  if (!PackedLinear::apply(PackedLinear::Use::kTransposed, x, beta, {{y, &W}}))
+    linear_t_forward(ctx, y, x, W.w_, beta);
+}
+
+void linear_forward(const ExecCtx& ctx, const Tensor& x, std::initializer_list<LinearOut> outs) {
+  if (PackedLinear::apply(PackedLinear::Use::kForward, x, 0.0f, outs)) return;
+  for (const LinearOut& o : outs) linear_forward(ctx, o.y, x, *o.W);
 }
 
 void linear_backward(const ExecCtx&, Tensor dx, Tensor dW, const Tensor& dy, const Tensor& x,

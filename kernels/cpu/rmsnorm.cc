@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "cemlm/kernels/parallel.h"
 #include "cemlm/kernels/simd.h"
 
 namespace cemlm {
@@ -11,8 +12,7 @@ void rmsnorm_forward(const ExecCtx&, Tensor out, Tensor rstd, const Tensor& x, c
                      float eps) {
   const int64_t N = x.dim(0), D = x.dim(-1);
   CEMLM_CHECK(gain.numel() == D && out.numel() == x.numel());
-#pragma omp parallel for schedule(static) if (N * D > 4096)
-  for (int64_t i = 0; i < N; ++i) {
+  parallel_for(N, N * D > 4096, [&](int64_t i) {
     const float* xi = x.data + i * D;
     float* oi = out.data + i * D;
     const double ss = simd::sum_squares(xi, int(D));
@@ -20,7 +20,7 @@ void rmsnorm_forward(const ExecCtx&, Tensor out, Tensor rstd, const Tensor& x, c
     if (!rstd.empty()) rstd.data[i] = r;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) oi[d] = gain.data[d] * xi[d] * r;
-  }
+  });
 }
 
 void rmsnorm_backward(const ExecCtx&, Tensor dx, Tensor dgain, const Tensor& dout, const Tensor& x,

@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "cemlm/kernels/parallel.h"
+
 namespace cemlm {
 
 void rope_table_init(Tensor table, float theta) {
@@ -20,8 +22,7 @@ void rope_forward(const ExecCtx&, Tensor out, const Tensor& x, const int32_t* po
   const int64_t N = x.dim(0), W = x.dim(-1), dh = table.dim(1), half = dh / 2, H = W / dh;
   CEMLM_CHECK(W % dh == 0 && out.numel() == x.numel());
   const float sign = inverse ? -1.0f : 1.0f;
-#pragma omp parallel for schedule(static) if (N * W > 4096)
-  for (int64_t i = 0; i < N; ++i) {
+  parallel_for(N, N * W > 4096, [&](int64_t i) {
     CEMLM_CHECK(pos[i] >= 0 && pos[i] < table.dim(0));
     const float* cs = table.data + int64_t(pos[i]) * dh;
     for (int64_t h = 0; h < H; ++h) {
@@ -34,7 +35,7 @@ void rope_forward(const ExecCtx&, Tensor out, const Tensor& x, const int32_t* po
         oi[m + half] = b * c + a * s;
       }
     }
-  }
+  });
 }
 
 }  // namespace cemlm

@@ -385,6 +385,79 @@ TEST(PackedLinear, Int8BlockWithANonFiniteWeightGivesNaNsWhereItIsUsed) {
 }
 
 // Only AVX-512 processors left with OpenBLAS's generic or AVX2 kernels get other ones.
+// linear_forward over several weights sharing one input (the projections of one input, one
+// product where they are packed alike) gives each output the bits of its own linear_forward call,
+// for every weight dtype this machine runs: one row (the one-row groups, split over threads for
+// the larger cases), few rows and more than a tile (the row tiles over all targets' panels,
+// threaded), outputs of different and ragged widths, K off the panel and block grids; and with
+// weights of two dtypes, each output from its own weight's product.
+TEST(PackedLinear, ProjectionsOfOneInputGiveTheBitsOfSeparateProducts) {
+  std::vector<WeightDtype> dtypes = {WeightDtype::kFp32};
+  if (packed_weights_available())
+    dtypes.insert(dtypes.end(), {WeightDtype::kBf16, WeightDtype::kInt8});
+  if (bf16_dot_available()) dtypes.push_back(WeightDtype::kBf16Dot);
+  if (int8_dot_available()) dtypes.push_back(WeightDtype::kInt8Dot);
+  const std::vector<std::vector<int>> widths = {{64, 64}, {71, 200, 33}, {256, 96, 128, 40}};
+  for (const WeightDtype dtype : dtypes)
+    for (int M : {1, 3, 9, 40})
+      for (int in : {37, 256, 700})
+        for (const std::vector<int>& outs : widths) {
+          Rng rng(uint64_t(M * 131 + in + outs.size()));
+          std::vector<std::vector<float>> W(outs.size());
+          std::vector<PackedLinear> packed;
+          packed.reserve(outs.size());
+          for (size_t t = 0; t < outs.size(); ++t) {
+            W[t].resize(size_t(outs[t]) * in);
+            for (float& v : W[t]) v = float(rng.normal());
+            packed.emplace_back(Tensor(W[t].data(), {outs[t], in}), PackedLinear::Use::kForward,
+                                dtype);
+          }
+          std::vector<float> x(size_t(M) * in);
+          for (float& v : x) v = float(rng.normal());
+          const Tensor xt(x.data(), {M, in});
+          // y[t] garbage first (beta 0 must not read it), then each output's separate product.
+          std::vector<std::vector<float>> got(outs.size()), want(outs.size());
+          for (size_t t = 0; t < outs.size(); ++t) {
+            got[t].assign(size_t(M) * outs[t], std::nanf(""));
+            want[t].assign(size_t(M) * outs[t], 0.0f);
+            linear_forward(ExecCtx{}, Tensor(want[t].data(), {M, outs[t]}), xt, packed[t]);
+          }
+          auto y = [&](size_t t) { return Tensor(got[t].data(), {M, outs[t]}); };
+          if (outs.size() == 2)
+            linear_forward(ExecCtx{}, xt, {{y(0), &packed[0]}, {y(1), &packed[1]}});
+          else if (outs.size() == 3)
+            linear_forward(ExecCtx{}, xt,
+                           {{y(0), &packed[0]}, {y(1), &packed[1]}, {y(2), &packed[2]}});
+          else
+            linear_forward(
+                ExecCtx{}, xt,
+                {{y(0), &packed[0]}, {y(1), &packed[1]}, {y(2), &packed[2]}, {y(3), &packed[3]}});
+          for (size_t t = 0; t < outs.size(); ++t)
+            for (size_t e = 0; e < got[t].size(); ++e)
+              ASSERT_EQ(std::bit_cast<uint32_t>(got[t][e]), std::bit_cast<uint32_t>(want[t][e]))
+                  << "dtype " << int(dtype) << " M=" << M << " in=" << in << " output " << t
+                  << " of " << outs.size() << ", element " << e << ": " << got[t][e] << ", not "
+                  << want[t][e];
+        }
+  // Weights of two dtypes: each output from its own weight's product.
+  if (!packed_weights_available()) return;
+  Rng rng(7);
+  const int M = 5, in = 96, out = 80;
+  std::vector<float> W0(size_t(out) * in), W1(size_t(out) * in), x(size_t(M) * in);
+  for (auto* v : {&W0, &W1, &x})
+    for (float& e : *v) e = float(rng.normal());
+  const PackedLinear fp32(Tensor(W0.data(), {out, in})),
+      bf16(Tensor(W1.data(), {out, in}), PackedLinear::Use::kForward, WeightDtype::kBf16);
+  const Tensor xt(x.data(), {M, in});
+  std::vector<float> a(size_t(M) * out), b(a.size()), a_want(a.size()), b_want(a.size());
+  linear_forward(ExecCtx{}, xt,
+                 {{Tensor(a.data(), {M, out}), &fp32}, {Tensor(b.data(), {M, out}), &bf16}});
+  linear_forward(ExecCtx{}, Tensor(a_want.data(), {M, out}), xt, fp32);
+  linear_forward(ExecCtx{}, Tensor(b_want.data(), {M, out}), xt, bf16);
+  EXPECT_EQ(std::memcmp(a.data(), a_want.data(), sizeof(float) * a.size()), 0);
+  EXPECT_EQ(std::memcmp(b.data(), b_want.data(), sizeof(float) * b.size()), 0);
+}
+
 TEST(BlasSelect, BetterKernelsOnlyForAvx512LeftBelowIt) {
   EXPECT_EQ(better_openblas_core("Prescott", true, true), "Cooperlake");
   EXPECT_EQ(better_openblas_core("prescott", true, false), "SkylakeX");

@@ -2,6 +2,7 @@
 // OpenBLAS, or the AVX-512 few-row kernels (kernels/cpu/gemm_avx512.cc). CPU oracle:
 // kernels/cpu/linear.cc; tests: tests/model/gemm_test.cc, linear ops in tests/model/.
 #pragma once
+#include <initializer_list>
 #include <vector>
 
 #include "cemlm/kernels/huge_pages.h"
@@ -52,14 +53,23 @@ class PackedLinear {
            !panels_bf16x2_.empty() || !panels_int8x4_.empty();
   }
 
+  // One output of a product over several weights (linear_forward of a LinearOut list).
+  struct Out {
+    Tensor y;
+    const PackedLinear* W;
+  };
+
  private:
   friend void linear_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
   friend void linear_t_forward(const ExecCtx&, Tensor, const Tensor&, const PackedLinear&, float);
-  // y = beta·y + x·op(W) from the panels (checking that W was packed for `use`), any row count;
-  // false where there are no panels (a build without AVX-512).
-  bool apply(Use use, Tensor y, const Tensor& x, float beta) const;
+  friend void linear_forward(const ExecCtx&, const Tensor&, std::initializer_list<Out>);
+  // y = beta·y + x·op(W) for each (y, W) of outs from their panels (checking that each W was
+  // packed for `use`), any row count, as one product; false, computing nothing, where they are not
+  // all packed in one dtype (a build without AVX-512).
+  static bool apply(Use use, const Tensor& x, float beta, std::initializer_list<Out> outs);
   Tensor w_;
   Use use_ = Use::kForward;
+  WeightDtype dtype_ = WeightDtype::kFp32;
   HugePageVector<float> panels_;          // WeightDtype::kFp32
   HugePageVector<uint16_t> panels_bf16_;  // WeightDtype::kBf16
   HugePageVector<int8_t> panels_int8_;    // WeightDtype::kInt8, with
@@ -84,6 +94,13 @@ void linear_forward(const ExecCtx&, Tensor y, const Tensor& x, const PackedLinea
                     float beta = 0.0f);
 void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const PackedLinear& W,
                       float beta = 0.0f);
+// linear_forward(ctx, y, x, W) for each {y, &W} of outs (at most kMaxLinearOuts, all packed for
+// Use::kForward; their inner dimension x's): the projections of one input. Where the weights are
+// packed in one dtype it is one product (one split of all their panels over the threads, x
+// converted once for the …dot dtypes), each row's bits those of the separate calls.
+using LinearOut = PackedLinear::Out;
+constexpr int kMaxLinearOuts = 4;
+void linear_forward(const ExecCtx&, const Tensor& x, std::initializer_list<LinearOut> outs);
 // Backward of linear_forward: dx[N,in] (+= when accumulate), dW[out,in] +=. Either may be empty.
 void linear_backward(const ExecCtx&, Tensor dx, Tensor dW, const Tensor& dy, const Tensor& x,
                      const Tensor& W, bool accumulate_dx = false);

@@ -585,7 +585,17 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
     return sq.pos_begin + (i - sq.row_begin) + 1;
   };
   // Rows too few to occupy every thread, with long contexts, share their chunks out over threads
-  // (the same bits as on one thread).
+  // (the same bits as on one thread): a thread for every ctx.attention_split_bytes of the row's
+  // cache at most. The split costs a fork and two barriers, each a futex call in libgomp: below
+  // 512 KiB for two threads it lost (a small model's batch-1 step at 128 tokens, 256 KiB of cache
+  // per row, ran 13% faster unsplit; at 256 tokens they ran alike, at 512 and 1008 the split was
+  // 15–25% faster, and on the base shape at 128 tokens, 1 MiB, too; docs/BENCHMARKS.md, session
+  // 30).
+  const int64_t token_bytes =
+      (int64_t(kv.k_width) * (kv.has_values() ? 2 : 1) + (kv.has_contexts() ? kv.c_width : 0)) *
+      (kv.int8()   ? 1
+       : kv.bf16() ? 2
+                   : 4);
   const int threads = omp_get_max_threads();
   const int pending = int(std::count_if(owner.begin(), owner.end(), [](int s) { return s >= 0; }));
   const int chunk = chunk_tokens(kv.block_size);
@@ -595,7 +605,9 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
     for (int i = 0; i < n_rows; ++i) {
       if (owner[i] < 0) continue;
       const int n_ctx = context_of(i);
-      const int P = std::min(threads, n_ctx / kChunkTokens);
+      const int P = int(std::min<int64_t>(
+          {threads, n_ctx / kChunkTokens,
+           n_ctx * token_bytes / std::max<int64_t>(1, ctx.attention_split_bytes)}));
       if (P < 2) continue;
       thread_local std::vector<float> mem;
       mem.resize(size_t(row_chunks_floats(chunks_of(n_ctx), H, stride)));

@@ -121,6 +121,7 @@ TEST_P(AttentionTest, MatchesReference) {
   const float scale = 1.0f / std::sqrt(float(c.dh));
   ExecCtx ex;
   ex.batch_invariant = c.invariant;
+  ex.attention_split_bytes = 1;  // rows fewer than threads split wherever their chunks allow
   const int threads_before = omp_get_max_threads();
   if (c.threads) omp_set_num_threads(c.threads);
   std::vector<float> scratch(size_t(paged_attention_scratch_floats(&seq, 1, kv, c.diag)));

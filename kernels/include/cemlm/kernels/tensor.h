@@ -54,6 +54,10 @@ struct ExecCtx {
   // that does not (paged attention row by row, never as a prefill chunk's sgemm), so that a row's
   // result has the same bits alone or batched. The engine's model sets it; training does not.
   bool batch_invariant = false;
+  // CPU paged attention: rows fewer than the threads share their context out over threads, one
+  // for every this many bytes of the row's cache at most (a split costs a fork and two barriers;
+  // see kernels/cpu/attention.cc). Tests set 1 to split small shapes.
+  int64_t attention_split_bytes = 256 << 10;
 };
 
 }  // namespace cemlm

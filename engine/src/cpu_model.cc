@@ -2,8 +2,6 @@
 // grow-only and reused between steps, so a steady decode loop does not allocate.
 #include "cemlm/engine/cpu_model.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -296,7 +294,7 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
   buf(kZ, N * F);
   r.h = buf(kH, N * D);
   if (cfg_.attention == AttentionType::kCem)
-    r.attn_ranges = recursion_groups(r.seqs, omp_get_max_threads());
+    r.attn_ranges = recursion_groups(r.seqs, compute_threads());
   for (int64_t i = 0; i < N; ++i) std::memcpy(r.h + i * D, embedding(r.ids[i]), sizeof(float) * D);
 
   for (int l = 0; l < cfg_.n_layers; ++l) {
@@ -367,10 +365,10 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
                                                 r.seqs.data() + g->s0, g->s1 - g->s0, view_l,
                                                 diag_kind(cfg_), /*in_region=*/true),
                                             2 * (g->r1 - g->r0) * std::max(cfg_.attn_precond_rank, 1)));
-  float* scratch = buf(kGroupScratch, per_thread * omp_get_max_threads());
+  float* scratch = buf(kGroupScratch, per_thread * compute_threads());
   parallel_for_dynamic(int64_t(side.size()), true, [&](int64_t i) {
     ExecCtx ctx = r.ctx;
-    ctx.scratch = scratch + per_thread * omp_get_thread_num();
+    ctx.scratch = scratch + per_thread * team_thread();
     ctx.scratch_floats = per_thread;
     attention_cem_steps(l, r, view_l, *side[i], ctx);
   });

@@ -12,6 +12,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -21,6 +22,7 @@
 #include "cemlm/kernels/bf16.h"
 #include "cemlm/kernels/int8.h"
 #include "cemlm/kernels/linear.h"
+#include "cemlm/kernels/parallel.h"
 #include "cemlm/kernels/simd.h"
 
 namespace cemlm {
@@ -131,13 +133,14 @@ constexpr int kGemmMinRows = 8;  // below this a sequence's rows take the per-ro
 
 inline bool use_gemm(const AttnSeq& s) { return s.n_rows >= kGemmMinRows; }
 
-// Whether the op runs inside a parallel region, active or not (a recursion group's thread, or a
-// team of one). Its own regions then do not fork, whatever the nesting settings (OMP_NUM_THREADS
-// "2,4" would give an inner region 4 threads, and a team of one's region the 4 too).
-bool in_region() { return omp_get_level() > 0; }
+// Whether the op runs inside a parallel loop or region (a recursion group's thread, or an OpenMP
+// team of one): its own teams then do not fork, whatever OpenMP's nesting settings
+// (OMP_NUM_THREADS "2,4" would give an inner region 4 threads, and a team of one's region the 4
+// too).
+bool in_region() { return in_parallel(); }
 
-// The threads this op's parallel regions use.
-int team(bool inside) { return inside ? 1 : omp_get_max_threads(); }
+// The threads this op's teams use.
+int team(bool inside) { return inside ? 1 : compute_threads(); }
 
 // Per thread: every head's scores, for the rows a thread may attend together.
 int64_t row_path_floats(int max_ctx, int n_heads, int threads) {
@@ -514,7 +517,7 @@ void attend_rows(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKi
 // mem (shared by the team): row_chunks_floats(n_chunks, H, stride).
 void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                       const AttnRows& row, float scale, float* mem, int64_t oc_width) {
-  const int P = omp_get_num_threads(), t = omp_get_thread_num();
+  const int P = team_size(), t = team_thread();
   const RowChunks r = row_chunks(kv, n_ctx, oc_width, mem);
   const RowChunks* set[1] = {&r};
   const int c0 = int(int64_t(r.n_chunks) * t / P), c1 = int(int64_t(r.n_chunks) * (t + 1) / P);
@@ -525,10 +528,10 @@ void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, D
     return sub;
   };
   for (int c = c0; c < c1; ++c) chunk_scores(kv, blocks, set, c, diag, chunk(c), scale);
-#pragma omp barrier
+  team_barrier();
   chunk_shares(r, c0, c1);
   for (int c = c0; c < c1; ++c) chunk_sums(kv, blocks, set, c, diag, chunk(c));
-#pragma omp barrier
+  team_barrier();
   const int W = kv.k_width;
   for (int64_t i = r.stride * t / P; i < r.stride * (t + 1) / P; ++i) {
     float v = 0;
@@ -586,17 +589,17 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   };
   // Rows too few to occupy every thread, with long contexts, share their chunks out over threads
   // (the same bits as on one thread): a thread for every ctx.attention_split_bytes of the row's
-  // cache at most. The split costs a fork and two barriers, each a futex call in libgomp: below
+  // cache at most. The split costs a team and two barriers, and its chunks' partial sums: below
   // 512 KiB for two threads it lost (a small model's batch-1 step at 128 tokens, 256 KiB of cache
-  // per row, ran 13% faster unsplit; at 256 tokens they ran alike, at 512 and 1008 the split was
-  // 15–25% faster, and on the base shape at 128 tokens, 1 MiB, too; docs/BENCHMARKS.md, session
-  // 30).
+  // per row, ran 13% faster unsplit under libgomp and 10–15% on cemlm's pool; at 256 tokens they
+  // ran alike, at 512 and 1008 the split was 15–25% faster, and on the base shape at 128 tokens,
+  // 1 MiB, too; docs/BENCHMARKS.md, sessions 30 and 31).
   const int64_t token_bytes =
       (int64_t(kv.k_width) * (kv.has_values() ? 2 : 1) + (kv.has_contexts() ? kv.c_width : 0)) *
       (kv.int8()   ? 1
        : kv.bf16() ? 2
                    : 4);
-  const int threads = omp_get_max_threads();
+  const int threads = compute_threads();
   const int pending = int(std::count_if(owner.begin(), owner.end(), [](int s) { return s >= 0; }));
   const int chunk = chunk_tokens(kv.block_size);
   const int64_t stride = W + oc_width;
@@ -613,12 +616,11 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
       mem.resize(size_t(row_chunks_floats(chunks_of(n_ctx), H, stride)));
       float* mem_data = mem.data();
       const AttnRows row = row_of(i);
-#pragma omp parallel num_threads(P)
-      {
+      parallel_team(P, [&] {
         AttnRows mine = row;
-        mine.sc[0] = ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * omp_get_thread_num();
+        mine.sc[0] = ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * team_thread();
         attend_row_split(kv, seqs[owner[i]].blocks, n_ctx, diag, mine, scale, mem_data, oc_width);
-      }
+      });
       owner[i] = -1;
     }
   // The rest one by one, or in fours of neighbours of one sequence (a prefill's rows) where the
@@ -635,12 +637,12 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
     units.emplace_back(i, n);
     i += n;
   }
-  // The units on a team (team: each thread takes them one at a time, with its own scratch slot
-  // and buffers) or, without entering an OpenMP region, on the calling thread (slot 0: a caller
-  // inside a region passes its own thread's scratch).
+  // The units on a team (each thread takes them one at a time, with its own scratch slot and
+  // buffers) or on the calling thread alone (slot 0: a caller inside a team passes its own
+  // thread's scratch).
+  std::atomic<size_t> next_unit{0};
   auto attend_units = [&](bool team) {
-    float* sc =
-        ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * (team ? omp_get_thread_num() : 0);
+    float* sc = ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * (team ? team_thread() : 0);
     thread_local std::vector<float> mem;
     const int64_t per_row = row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride);
     mem.resize(size_t(kMaxAttnRows * per_row));
@@ -657,16 +659,11 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
       }
       attend_rows(kv, seqs[owner[i]].blocks, context_of(i), diag, rows, scale, row_mem, oc_width);
     };
-    if (team) {
-#pragma omp for schedule(dynamic, 1)
-      for (size_t u = 0; u < units.size(); ++u) unit(u);
-    } else {
-      for (size_t u = 0; u < units.size(); ++u) unit(u);
-    }
+    for (size_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < units.size();) unit(u);
   };
   if (!in_region() && units.size() > 1) {
-#pragma omp parallel
-    attend_units(true);
+    parallel_team(int(std::min<size_t>(units.size(), compute_threads())),
+                  [&] { attend_units(true); });
   } else {
     attend_units(false);
   }

@@ -27,8 +27,6 @@
 
 #if defined(__AVX512F__)
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -390,7 +388,7 @@ struct PanelJob {
 template <typename W, typename Job, typename Stored>
 void panel_products(int M, int K, double flops, float alpha, const InputOf<W>* A, int lda,
                     float beta, int panels, Job job, Stored stored) {
-  const bool parallel = flops >= kParallelFlops && !omp_in_parallel();
+  const bool parallel = flops >= kParallelFlops && !in_parallel();
   parallel_for(panels, parallel, [&](int64_t p) {
     const PanelJob<W> j = job(int(p));
     const PanelOf<W> next = p + 1 < panels ? stored(p + 1) : PanelOf<W>{nullptr, 0};
@@ -409,8 +407,8 @@ inline bool small_gemm_applies(int M, int K) { return M >= 2 && M <= kSmallGemmM
 
 // The threads a one-row product over `bytes` of weight takes (1: the calling thread alone).
 int gemv_threads(double bytes) {
-  if (bytes < kParallelGemvBytes || omp_in_parallel()) return 1;
-  return int(std::min<double>(omp_get_max_threads(), std::max(1.0, 2 * bytes / kParallelGemvBytes)));
+  if (bytes < kParallelGemvBytes || in_parallel()) return 1;
+  return int(std::min<double>(compute_threads(), std::max(1.0, 2 * bytes / kParallelGemvBytes)));
 }
 
 }  // namespace

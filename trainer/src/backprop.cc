@@ -25,6 +25,7 @@
 #include "cemlm/kernels/lev.h"
 #include "cemlm/kernels/lev_grad.h"
 #include "cemlm/kernels/linear.h"
+#include "cemlm/kernels/parallel.h"
 #include "cemlm/kernels/precond.h"
 #include "cemlm/kernels/precond_grad.h"
 #include "cemlm/kernels/rmsnorm.h"
@@ -266,8 +267,7 @@ void Backprop::embed_backward() {
 Tensor Backprop::step_grad(const Tensor& p, const Tensor& Pu, const Tensor& Pv, const Tensor& gp,
                            const Tensor& gPu, const Tensor& gPv, int rank, float* u) {
   const int64_t n = M_ * D_;
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) pu_[i] = eta_ * dx_[i];
+  parallel_for(n, n > 65536, [&](int64_t i) { pu_[i] = eta_ * dx_[i]; });
   if (rank == 0) return rows(pu_, D_);
   precond_backward(ctx_, rows(du_, D_), gp, gPu, gPv, rows(pu_, D_), rows(u, D_), p, Pu, Pv);
   return rows(du_, D_);
@@ -501,16 +501,14 @@ double Backprop::head_backward(float loss_scale) {
         rs(rstd, {n});
     rmsnorm_forward(ctx_, f, rs, x, w_.final_norm, c_.norm_eps);
     linear_forward(ctx_, lo, f, w_.lm_head);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
+    parallel_for(n, true, [&](int64_t i) {
       const int64_t row = r0 + i;
       float* li = logits + i * V;
-      if (pos_[row] == N_ - 1) {  // the last position predicts nothing
+      if (pos_[row] == N_ - 1)  // the last position predicts nothing
         std::fill(li, li + V, 0.0f);
-        continue;
-      }
-      nll[row] = row_nll(li, V, ids_[row + 1], li, coef);
-    }
+      else
+        nll[row] = row_nll(li, V, ids_[row + 1], li, coef);
+    });
     linear_backward(ctx_, df, g_.lm_head, lo, f, w_.lm_head);
     rmsnorm_backward(ctx_, Tensor(dx_ + r0 * D_, {n, D_}), g_.final_norm, df, x, w_.final_norm, rs);
   }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/status.h"
+#include "cemlm/kernels/parallel.h"
 
 namespace cemlm {
 namespace {
@@ -41,12 +42,11 @@ void AdamW::step(std::span<float> params, std::span<const float> grads, double l
     const float keep = s.weight_decay ? float(1.0 - lr * opts_.weight_decay) : 1.0f;
     float *p = params.data() + s.offset, *m = m_.data() + s.offset, *v = v_.data() + s.offset;
     const float* g = grads.data() + s.offset;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < s.numel(); ++i) {
+    parallel_for(s.numel(), true, [&](int64_t i) {
       m[i] = b1 * m[i] + (1.0f - b1) * g[i];
       v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
       p[i] = p[i] * keep - step_size * m[i] / (std::sqrt(v[i]) / root_c2 + eps);
-    }
+    });
   }
 }
 

@@ -1,0 +1,171 @@
+// The compute pool (kernels/include/cemlm/kernels/parallel.h): every index of a loop runs once,
+// whatever the team and the schedule; teams number their threads 0 … P−1 and their barriers hold
+// everyone back; loops inside a team run on the calling thread; a pool thread that fell asleep
+// between jobs is woken for the next; callers on several threads each get their own team; a
+// forked child starts a pool of its own.
+#include "cemlm/kernels/parallel.h"
+
+#include <gtest/gtest.h>
+#include <omp.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace cemlm {
+namespace {
+
+// Sets OpenMP's thread count (the pool's) for the scope.
+class Threads {
+ public:
+  explicit Threads(int n) : before_(omp_get_max_threads()) { omp_set_num_threads(n); }
+  ~Threads() { omp_set_num_threads(before_); }
+
+ private:
+  int before_;
+};
+
+// Runs `loop` over n items and checks each ran exactly once.
+template <typename Loop>
+void expect_each_once(int64_t n, Loop loop) {
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+  loop(n, [&](int64_t i) { hits[size_t(i)].fetch_add(1); });
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_EQ(hits[size_t(i)].load(), 1) << "item " << i << " of " << n;
+}
+
+TEST(ComputePool, EveryIndexRunsOnceWhateverTheTeamAndSchedule) {
+  for (int threads : {1, 2, 3, 5}) {
+    Threads scope(threads);
+    EXPECT_EQ(compute_threads(), threads);
+    for (int64_t n : {0, 1, 2, 3, 7, 64, 1001}) {
+      SCOPED_TRACE(::testing::Message() << threads << " threads, n = " << n);
+      expect_each_once(n, [](int64_t m, auto body) { parallel_for(m, true, body); });
+      expect_each_once(n, [](int64_t m, auto body) { parallel_for(m, false, body); });
+      expect_each_once(n, [](int64_t m, auto body) { parallel_for(m, true, body, 2); });
+      expect_each_once(n, [](int64_t m, auto body) { parallel_for_dynamic(m, true, body); });
+    }
+  }
+}
+
+TEST(ComputePool, ALoopSplitsIntoContiguousRangesOnDistinctThreads) {
+  Threads scope(3);
+  constexpr int kN = 300;
+  std::vector<std::thread::id> who(kN);
+  parallel_for(kN, true, [&](int64_t i) {
+    who[i] = std::this_thread::get_id();
+    std::this_thread::sleep_for(std::chrono::microseconds(20));  // no thread takes it all
+  });
+  std::set<std::thread::id> distinct(who.begin(), who.end());
+  EXPECT_EQ(distinct.size(), 3u);
+  int changes = 0;  // contiguous ranges: the owner changes twice along the items
+  for (int i = 1; i < kN; ++i) changes += who[i] != who[i - 1];
+  EXPECT_EQ(changes, 2);
+  EXPECT_EQ(who[0], std::this_thread::get_id());  // the caller is thread 0
+}
+
+TEST(ComputePool, TeamThreadsAreNumberedAndTheBarrierHoldsEveryoneBack) {
+  for (int threads : {2, 3, 4}) {
+    Threads scope(threads);
+    constexpr int kRounds = 200;
+    std::vector<int> slot(size_t(threads), -1);
+    std::atomic<int> wrong{0}, ran{0};
+    std::vector<std::atomic<int>> seen(static_cast<size_t>(threads));
+    parallel_team(0, [&] {
+      const int t = team_thread(), P = team_size();
+      ran.fetch_add(1);
+      if (P != threads || t < 0 || t >= P) {
+        wrong.fetch_add(1);
+        return;  // a barrier would wait forever on a wrong size
+      }
+      seen[size_t(t)].fetch_add(1);
+      for (int r = 0; r < kRounds; ++r) {
+        slot[size_t(t)] = r;  // every thread writes its own slot …
+        team_barrier();
+        for (int u = 0; u < P; ++u)  // … and, past the barrier, sees everyone's
+          if (slot[size_t(u)] != r) wrong.fetch_add(1);
+        team_barrier();  // no one writes round r + 1 before everyone has read round r
+      }
+    });
+    EXPECT_EQ(ran.load(), threads);
+    EXPECT_EQ(wrong.load(), 0);
+    for (int t = 0; t < threads; ++t) EXPECT_EQ(seen[size_t(t)].load(), 1) << "thread " << t;
+    EXPECT_EQ(team_thread(), 0);  // outside a team again
+    EXPECT_EQ(team_size(), 1);
+  }
+}
+
+TEST(ComputePool, LoopsInsideATeamRunOnTheCallingThread) {
+  Threads scope(2);
+  EXPECT_FALSE(in_parallel());
+  std::atomic<int> inner_elsewhere{0}, outer_not_inside{0};
+  parallel_for(8, true, [&](int64_t) {
+    if (!in_parallel()) outer_not_inside.fetch_add(1);
+    const auto me = std::this_thread::get_id();
+    parallel_for(16, true, [&](int64_t) { inner_elsewhere += std::this_thread::get_id() != me; });
+    parallel_for_dynamic(16, true,
+                         [&](int64_t) { inner_elsewhere += std::this_thread::get_id() != me; });
+  });
+  EXPECT_EQ(outer_not_inside.load(), 0);
+  EXPECT_EQ(inner_elsewhere.load(), 0);
+  EXPECT_FALSE(in_parallel());
+  // Inside an OpenMP region too (OpenBLAS's, or a training op's).
+#pragma omp parallel num_threads(2)
+  { EXPECT_TRUE(in_parallel()); }
+}
+
+TEST(ComputePool, APoolThreadAsleepBetweenJobsIsWokenForTheNext) {
+  Threads scope(2);
+  for (int job = 0; job < 20; ++job) {
+    // Longer than the pool's spin: its thread has gone to sleep (and at 0 it has not).
+    std::this_thread::sleep_for(std::chrono::microseconds(job % 2 ? 300 : 0));
+    std::atomic<int> sum{0};
+    parallel_for(2, true, [&](int64_t i) { sum += int(i) + 1; });
+    ASSERT_EQ(sum.load(), 3) << "job " << job;
+  }
+}
+
+TEST(ComputePool, CallersOnSeveralThreadsEachGetTheirOwnTeam) {
+  Threads scope(2);
+  constexpr int kCallers = 4, kJobs = 300;
+  std::atomic<int> bad{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c)
+    callers.emplace_back([&] {
+      omp_set_num_threads(2);  // the setting is per thread
+      for (int j = 0; j < kJobs; ++j) {
+        std::vector<int> hits(97, 0);
+        parallel_for(97, true, [&](int64_t i) { ++hits[size_t(i)]; });
+        bad += int(std::count(hits.begin(), hits.end(), 1)) != 97;
+      }
+    });
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(bad.load(), 0);
+}
+
+TEST(ComputePool, AForkedChildStartsAPoolOfItsOwn) {
+  Threads scope(2);
+  std::atomic<int> warm{0};
+  parallel_for(2, true, [&](int64_t) { warm.fetch_add(1); });  // this thread's pool exists
+  ASSERT_EQ(warm.load(), 2);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // the parent's pool threads are not here: a new pool must serve
+    alarm(20);       // a child waiting on them forever fails instead of hanging
+    std::atomic<int> sum{0};
+    parallel_for(1000, true, [&](int64_t i) { sum += int(i); });
+    _exit(sum.load() == 999 * 1000 / 2 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child hung or crashed";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+}  // namespace
+}  // namespace cemlm

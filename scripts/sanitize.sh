@@ -3,9 +3,11 @@
 # and run take 30-40 minutes on 2 cores.
 #   scripts/sanitize.sh address   AddressSanitizer + UndefinedBehaviorSanitizer (build-asan), the
 #                                 whole ctest suite
-#   scripts/sanitize.sh thread    ThreadSanitizer (build-tsan), the engine's test programs, with
-#                                 OpenMP limited to one thread (libgomp is not instrumented: its
-#                                 barriers are invisible to TSan). The server is left out: its
+#   scripts/sanitize.sh thread    ThreadSanitizer (build-tsan), the engine's test programs and
+#                                 the compute pool's, with OpenMP limited to one thread (libgomp
+#                                 is not instrumented: its barriers are invisible to TSan); the
+#                                 pool (kernels/cpu/parallel.cc) keeps its threads (OMP_THREAD_LIMIT
+#                                 does not bound it) and is checked. The server is left out: its
 #                                 callbacks are ordered by gRPC's own synchronization, which the
 #                                 Debian libgrpc hides from TSan (hundreds of false reports).
 # Tests that need the SentencePiece plugin cannot run under a sanitizer: the plugin is dlopen'ed
@@ -38,12 +40,15 @@ if [ "$kind" = address ]; then
   export OMP_WAIT_POLICY=passive
   ctest --test-dir "$build" -j2 --timeout 1800 --output-on-failure > "$log" 2>&1 || true
 else
-  cmake --build "$build" -j"$(nproc)" --target engine_test engine_real_test >> "$build/build.log"
+  cmake --build "$build" -j"$(nproc)" --target engine_test engine_real_test parallel_test \
+    >> "$build/build.log"
   export OMP_THREAD_LIMIT=1
   export TSAN_OPTIONS=allocator_may_return_null=1:log_path=$PWD/$reports/tsan
-  # NoThreadOutlivesTheEngine counts threads, and TSan adds one of its own.
+  # NoThreadOutlivesTheEngine counts threads, and TSan adds one of its own; TSan refuses threads
+  # started in a forked child (the pool's fork test).
   ctest --test-dir "$build" -j2 --timeout 1800 --output-on-failure \
-    -R '^(Engine|Variants/EngineReal)' -E 'NoThreadOutlives|EngineText|Cli' > "$log" 2>&1 || true
+    -R '^(Engine|Variants/EngineReal|ComputePool)' -E 'NoThreadOutlives|EngineText|Cli|Fork' \
+    > "$log" 2>&1 || true
 fi
 python3 - "$log" "$reports" "$PLUGIN_SUITES" <<'EOF'
 import pathlib, re, sys

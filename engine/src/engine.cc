@@ -1,10 +1,11 @@
 // Engine implementation: request validation, the step loop on its own thread (schedule → forward →
 // sample → stream events), cancellation, deadlines and shutdown, and prefill-only scoring whose
-// chunks the loop runs between steps. Every model forward and OpenMP region runs on the loop
-// thread, the model's loading included: libgomp gives each thread that starts a parallel region a
-// team of its own, and once it manages more threads than there are cores its barriers stop
-// spinning and sleep instead, which made a batch-1 decode step 5–8× slower after the first score
-// call (docs/BENCHMARKS.md, session 7). Lock order: mu_, then the scheduler's intake lock.
+// chunks the loop runs between steps. Every model forward and parallel loop runs on the loop
+// thread, the model's loading included: each thread that starts parallel work gets a team of its
+// own (cemlm's compute pool, and libgomp's for OpenMP), and once libgomp manages more threads
+// than there are cores its barriers stop spinning and sleep instead, which made a batch-1 decode
+// step 5–8× slower after the first score call (docs/BENCHMARKS.md, session 7). Lock order: mu_,
+// then the scheduler's intake lock.
 #include "cemlm/engine/engine.h"
 
 #include <sys/resource.h>

@@ -12,7 +12,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -240,7 +239,8 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
     sd = next;
     psum = sd + int64_t(R) * n_ctx;
     next = psum + int64_t(R) * n_ctx;
-    gemm(false, true, R, n_ctx, D, 1.0f, qd.data + int64_t(s.row_begin) * D, D, cc, D, 0.0f, sd, n_ctx);
+    gemm(false, true, R, n_ctx, D, 1.0f, qd.data + int64_t(s.row_begin) * D, D, cc, D, 0.0f, sd,
+         n_ctx);
     std::fill(psum, psum + int64_t(R) * n_ctx, 0.0f);
   }
   // Heads round-robin; the shared diagonal's sum over heads is added in head order (ordered),
@@ -250,8 +250,8 @@ void attention_gemm(const ExecCtx& ctx, Tensor out, Tensor out_c, const Tensor& 
     float* S = next + int64_t(omp_get_thread_num()) * R * n_ctx;
     if (diag == DiagKind::kShared) std::copy(sd, sd + int64_t(R) * n_ctx, S);
     if (diag == DiagKind::kPerHead)
-      gemm(false, true, R, n_ctx, D, 1.0f, qd.data + (int64_t(s.row_begin) * H + h) * D, H * D, cc, D,
-           0.0f, S, n_ctx);
+      gemm(false, true, R, n_ctx, D, 1.0f, qd.data + (int64_t(s.row_begin) * H + h) * D, H * D, cc,
+           D, 0.0f, S, n_ctx);
     gemm(false, true, R, n_ctx, dh, 1.0f, qs + h * dh, W, kc + h * dh, W,
          diag == DiagKind::kNone ? 0.0f : 1.0f, S, n_ctx);
     masked_softmax_rows(S, R, n_ctx, s.pos_begin, scale);
@@ -637,36 +637,27 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
     units.emplace_back(i, n);
     i += n;
   }
-  // The units on a team (each thread takes them one at a time, with its own scratch slot and
-  // buffers) or on the calling thread alone (slot 0: a caller inside a team passes its own
-  // thread's scratch).
-  std::atomic<size_t> next_unit{0};
-  auto attend_units = [&](bool team) {
+  // The units claimed one at a time by the threads (each with its own scratch slot and buffers)
+  // or on the calling thread alone (slot 0: a caller inside a team passes its own thread's
+  // scratch).
+  const bool team = !in_region() && units.size() > 1;
+  const int64_t per_row = row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride);
+  parallel_for_dynamic(int64_t(units.size()), team, [&](int64_t u) {
     float* sc = ctx.scratch + kMaxAttnRows * int64_t(H) * max_ctx * (team ? team_thread() : 0);
     thread_local std::vector<float> mem;
-    const int64_t per_row = row_chunks_floats(chunks_of(std::max(max_ctx, 1)), H, stride);
     mem.resize(size_t(kMaxAttnRows * per_row));
     float* row_mem[kMaxAttnRows];
     for (int k = 0; k < kMaxAttnRows; ++k) row_mem[k] = mem.data() + k * per_row;
-    auto unit = [&](size_t u) {
-      const int i = units[u].first;
-      AttnRows rows;
-      rows.n = units[u].second;
-      for (int k = 0; k < rows.n; ++k) {
-        const AttnRows one = row_of(i + k);
-        rows.q[k] = one.q[0], rows.qd[k] = one.qd[0], rows.out[k] = one.out[0],
-        rows.oc[k] = one.oc[0], rows.sc[k] = sc + k * int64_t(H) * max_ctx;
-      }
-      attend_rows(kv, seqs[owner[i]].blocks, context_of(i), diag, rows, scale, row_mem, oc_width);
-    };
-    for (size_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < units.size();) unit(u);
-  };
-  if (!in_region() && units.size() > 1) {
-    parallel_team(int(std::min<size_t>(units.size(), compute_threads())),
-                  [&] { attend_units(true); });
-  } else {
-    attend_units(false);
-  }
+    const int i = units[size_t(u)].first;
+    AttnRows rows;
+    rows.n = units[size_t(u)].second;
+    for (int k = 0; k < rows.n; ++k) {
+      const AttnRows one = row_of(i + k);
+      rows.q[k] = one.q[0], rows.qd[k] = one.qd[0], rows.out[k] = one.out[0],
+      rows.oc[k] = one.oc[0], rows.sc[k] = sc + k * int64_t(H) * max_ctx;
+    }
+    attend_rows(kv, seqs[owner[i]].blocks, context_of(i), diag, rows, scale, row_mem, oc_width);
+  });
 }
 
 }  // namespace cemlm

@@ -1,12 +1,15 @@
 // The compute pool (kernels/include/cemlm/kernels/parallel.h): every index of a loop runs once,
-// whatever the team and the schedule; teams number their threads 0 … P−1 and their barriers hold
-// everyone back; loops inside a team run on the calling thread; a pool thread that fell asleep
-// between jobs is woken for the next; callers on several threads each get their own team; a
-// forked child starts a pool of its own.
+// whatever the team and the schedule, in contiguous chunks; teams number their threads 0 … P−1
+// and their barriers hold everyone back; loops inside a team run on the calling thread; a pool
+// thread that fell asleep between jobs is woken for the next; one that never comes (kept off its
+// core) holds no loop back; callers on several threads each get their own team; a forked child
+// starts a pool of its own.
 #include "cemlm/kernels/parallel.h"
 
 #include <gtest/gtest.h>
 #include <omp.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -53,20 +56,40 @@ TEST(ComputePool, EveryIndexRunsOnceWhateverTheTeamAndSchedule) {
   }
 }
 
-TEST(ComputePool, ALoopSplitsIntoContiguousRangesOnDistinctThreads) {
+TEST(ComputePool, ALoopRunsInContiguousChunksOnSeveralThreads) {
   Threads scope(3);
   constexpr int kN = 300;
   std::vector<std::thread::id> who(kN);
-  parallel_for(kN, true, [&](int64_t i) {
-    who[i] = std::this_thread::get_id();
-    std::this_thread::sleep_for(std::chrono::microseconds(20));  // no thread takes it all
-  });
+  std::vector<int> index(kN, -1);
+  // A pool thread may rest (left out after holding a loop back on a busy machine) for up to 64
+  // ms: the loop runs again until more than one thread ran it.
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    parallel_for(kN, true, [&](int64_t i) {
+      who[size_t(i)] = std::this_thread::get_id();
+      index[size_t(i)] = team_thread();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));  // no thread takes it all
+    });
+    if (std::set<std::thread::id>(who.begin(), who.end()).size() >= 2) break;
+  }
   std::set<std::thread::id> distinct(who.begin(), who.end());
-  EXPECT_EQ(distinct.size(), 3u);
-  int changes = 0;  // contiguous ranges: the owner changes twice along the items
-  for (int i = 1; i < kN; ++i) changes += who[i] != who[i - 1];
-  EXPECT_EQ(changes, 2);
-  EXPECT_EQ(who[0], std::this_thread::get_id());  // the caller is thread 0
+  ASSERT_GE(distinct.size(), 2u);
+  // kChunksPerThread chunks per thread, each of consecutive items on one thread.
+  const int64_t chunks = 3 * detail::kChunksPerThread;
+  int changes = 0;
+  for (int i = 1; i < kN; ++i) changes += who[size_t(i)] != who[size_t(i - 1)];
+  EXPECT_LE(changes, chunks - 1);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t i = kN * c / chunks + 1; i < kN * (c + 1) / chunks; ++i)
+      ASSERT_EQ(who[size_t(i)], who[size_t(i - 1)]) << "chunk " << c << " split at item " << i;
+  // Each thread's number is its own, one of the loop's three.
+  for (int i = 0; i < kN; ++i) {
+    ASSERT_GE(index[size_t(i)], 0);
+    ASSERT_LT(index[size_t(i)], 3);
+    for (int j = 0; j < i; ++j) {
+      if (index[size_t(j)] != index[size_t(i)]) continue;
+      ASSERT_EQ(who[size_t(j)], who[size_t(i)]) << "items " << j << " and " << i;
+    }
+  }
 }
 
 TEST(ComputePool, TeamThreadsAreNumberedAndTheBarrierHoldsEveryoneBack) {
@@ -76,6 +99,14 @@ TEST(ComputePool, TeamThreadsAreNumberedAndTheBarrierHoldsEveryoneBack) {
     std::vector<int> slot(size_t(threads), -1);
     std::atomic<int> wrong{0}, ran{0};
     std::vector<std::atomic<int>> seen(static_cast<size_t>(threads));
+    // A resting pool thread (see ALoopRunsInContiguousChunksOnSeveralThreads) is left out of a
+    // team: wait until the pool gives the whole team.
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      std::atomic<int> size{0};
+      parallel_team(0, [&] { size.fetch_add(1); });
+      if (size.load() == threads) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     parallel_team(0, [&] {
       const int t = team_thread(), P = team_size();
       ran.fetch_add(1);
@@ -128,6 +159,53 @@ TEST(ComputePool, APoolThreadAsleepBetweenJobsIsWokenForTheNext) {
     parallel_for(2, true, [&](int64_t i) { sum += int(i) + 1; });
     ASSERT_EQ(sum.load(), 3) << "job " << job;
   }
+}
+
+// A pool thread held in a signal handler stands for one the scheduler keeps off its core: the
+// loops posted to it still finish, on the caller (the old pool waited for every thread of a
+// team). In a child, so that a hang fails on an alarm instead of stalling the suite.
+std::atomic<int> g_held{0}, g_release{0};
+void hold_here(int) {
+  g_held.store(1);
+  while (g_release.load() == 0) sched_yield();
+}
+
+TEST(ComputePool, AThreadThatNeverComesHoldsNoLoopBack) {
+  Threads scope(2);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(20);
+    std::atomic<pid_t> helper{0};
+    while (helper.load() == 0)  // until the pool's thread has run a chunk (it finds its own)
+      parallel_for(2, true, [&](int64_t) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (team_thread() != 0) helper.store(pid_t(syscall(SYS_gettid)));
+      });
+    struct sigaction sa = {};
+    sa.sa_handler = hold_here;
+    sigaction(SIGUSR1, &sa, nullptr);
+    syscall(SYS_tgkill, getpid(), helper.load(), SIGUSR1);
+    while (g_held.load() == 0) sched_yield();
+    int bad = 0;
+    for (int job = 0; job < 300; ++job) {
+      std::vector<int> hits(64, 0);
+      auto once = [&](int64_t i) { ++hits[size_t(i)]; };  // one thread: no race on hits
+      if (job % 2)
+        parallel_for(64, true, once);
+      else
+        parallel_for_dynamic(64, true, once);
+      bad += int(std::count(hits.begin(), hits.end(), 1)) != 64;
+    }
+    g_release.store(1);
+    std::atomic<int> sum{0};  // and back to work
+    parallel_for(1000, true, [&](int64_t i) { sum += int(i); });
+    _exit(bad == 0 && sum.load() == 999 * 1000 / 2 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child hung (a loop waited for the held thread) or crashed";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 TEST(ComputePool, CallersOnSeveralThreadsEachGetTheirOwnTeam) {

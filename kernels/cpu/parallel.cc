@@ -51,6 +51,8 @@ constexpr int64_t kQuietNanos = 1'000'000;
 constexpr int64_t kMinRestNanos = 2'000'000;
 constexpr int64_t kMaxRestNanos = 64'000'000;
 
+std::atomic<uint64_t> g_rests{0};  // compute_thread_rests()
+
 int64_t now_nanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -307,6 +309,7 @@ class Pool {
       h.quiet_since = now;
     } else if (h.held_back || now - h.quiet_since >= kQuietNanos) {
       h.rest_until = now + h.rest;
+      g_rests.fetch_add(1, std::memory_order_relaxed);
       h.rest = std::min(2 * h.rest, kMaxRestNanos);
       h.quiet_since = -1;
       h.held_back = false;
@@ -379,6 +382,8 @@ bool in_parallel() { return t_member.pool != nullptr || omp_get_level() > 0; }
 
 int team_thread() { return t_member.index; }
 int team_size() { return t_member.size; }
+
+uint64_t compute_thread_rests() { return g_rests.load(std::memory_order_relaxed); }
 
 void team_barrier() {
   if (t_member.pool && t_member.size > 1) t_member.pool->barrier();

@@ -3,6 +3,7 @@
 // generation at a high T on a CPU takes minutes (past the last edge, quantiles read as that edge).
 #include "cemlm/server/metrics.h"
 
+#include "cemlm/kernels/parallel.h"
 #include "cemlm/server/status_map.h"
 
 namespace cemlm::server {
@@ -30,8 +31,9 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
     return &prometheus::BuildHistogram().Name(name).Help(help).Register(*registry_).Add(labels, b);
   };
   running_ = gauge("cemlm:num_requests_running", "Requests decoding in the engine.");
-  waiting_ = gauge("cemlm:num_requests_waiting",
-                   "Requests queued in the engine, Score calls waiting for KV cache room included.");
+  waiting_ =
+      gauge("cemlm:num_requests_waiting",
+            "Requests queued in the engine, Score calls waiting for KV cache room included.");
   kv_usage_ = gauge("cemlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).");
   kv_capacity_ = gauge("cemlm:kv_cache_capacity_tokens",
                        "Tokens the KV cache holds at once (its blocks x block size); 0 until the "
@@ -51,6 +53,11 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
       "for --unread-timeout; they are also counted in requests_total, as OK when the engine "
       "finished them normally.");
   preemptions_ = counter("cemlm:num_preemptions_total", "Requests preempted by recompute.");
+  compute_rests_ = counter(
+      "cemlm:compute_thread_rests_total",
+      "Times a CPU compute thread was left out of the engine's work for 2-64 ms because it held "
+      "a step back or did not come to it (the scheduler kept it off its core: other work on the "
+      "server's cores).");
   prompt_tokens_ =
       counter("cemlm:prompt_tokens_total",
               "Prompt tokens of Generate requests, counted at their first token (Score "
@@ -171,6 +178,10 @@ void ServerMetrics::refresh_gauges() const {
   if (s.prefix_cache_hits_total > prefix_hits_seen_) {
     prefix_hit_tokens_->Increment(double(s.prefix_cache_hits_total - prefix_hits_seen_));
     prefix_hits_seen_ = s.prefix_cache_hits_total;
+  }
+  if (const uint64_t rests = compute_thread_rests(); rests > compute_rests_seen_) {
+    compute_rests_->Increment(double(rests - compute_rests_seen_));
+    compute_rests_seen_ = rests;
   }
 }
 

@@ -356,6 +356,7 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
       {"cemlm:kv_cache_capacity_tokens", "gauge"},
       {"cemlm:cache_config_info", "gauge"},
       {"cemlm:num_preemptions_total", "counter"},
+      {"cemlm:compute_thread_rests_total", "counter"},
       {"cemlm:prompt_tokens_total", "counter"},
       {"cemlm:generation_tokens_total", "counter"},
       {"cemlm:time_to_first_token_seconds", "histogram"},

@@ -32,6 +32,11 @@ int team_size();
 // Within parallel_team's body: waits until every thread of the team has called it.
 void team_barrier();
 
+// How many times, since the process started, one of its pool threads was left out of jobs for a
+// while (a rest began) because it held a loop back or came to none: the scheduler kept it off its
+// core. The server exports it as cemlm:compute_thread_rests_total.
+uint64_t compute_thread_rests();
+
 namespace detail {
 using TeamFn = void (*)(void* arg);
 using ChunkFn = void (*)(void* arg, int64_t chunk);

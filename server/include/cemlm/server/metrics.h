@@ -66,7 +66,7 @@ class ServerMetrics : public prometheus::Collectable {
   prometheus::Gauge *running_, *waiting_, *kv_usage_, *kv_capacity_, *unread_;
   prometheus::Family<prometheus::Gauge>* cache_config_;
   prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_,
-      *unread_cancelled_, *score_tokens_;
+      *unread_cancelled_, *score_tokens_, *compute_rests_;
   prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_, *score_latency_,
       *score_recursion_;
   prometheus::Family<prometheus::Counter>* success_;
@@ -76,6 +76,7 @@ class ServerMetrics : public prometheus::Collectable {
   mutable std::mutex stats_mu_;  // guards the source and the engine totals' high-water marks
   std::function<EngineStats()> stats_source_;
   mutable int64_t preemptions_seen_ = 0, prefix_hits_seen_ = 0;
+  mutable uint64_t compute_rests_seen_ = 0;
 };
 
 }  // namespace cemlm::server

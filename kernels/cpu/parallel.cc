@@ -6,12 +6,13 @@
 //
 // Two kinds of job. A team job (parallel_team) runs its body once on every member, which may meet
 // at barriers, so the caller waits for each. A chunk job (parallel_for, parallel_for_dynamic) has
-// its chunks claimed one at a time from a shared word by the caller and by whichever pool threads
-// come: a pool thread that the scheduler keeps off a core (a busy process beside the engine, or
-// the server's own threads) holds back no more than the chunk it claimed. A pool thread that kept
-// its caller waiting on its chunk for longer than half the time the caller ran its own, or came
-// to none of the chunk jobs posted to it for kQuietNanos, is left out of jobs (team jobs shrink)
-// for a rest that doubles each time, so that it stops taking its core's time from the caller.
+// its chunks claimed one at a time (each thread's own range of them first) by the caller and by
+// whichever pool threads come: a pool thread that the scheduler keeps off a core (a busy process
+// beside the engine, or the server's own threads) holds back no more than the chunk it claimed. A
+// pool thread that kept its caller waiting on its chunk for longer than half the time the caller
+// ran its own, or came to none of the chunk jobs posted to it for kQuietNanos, is left out of jobs
+// (team jobs shrink) for a rest that doubles each time, so that it stops taking its core's time
+// from the caller.
 #include "cemlm/kernels/parallel.h"
 
 #include <linux/futex.h>
@@ -42,7 +43,8 @@ constexpr int64_t kSpinNanos = 50'000;
 
 // A pool thread that held its caller back (above), or came to none of the chunk jobs posted to
 // it for kQuietNanos, rests (is not posted jobs) for kMinRestNanos, twice as long after each
-// rest it comes back from as slow, at most kMaxRestNanos. A pool thread woken from its sleep joins
+// rest it comes back from as slow, at most kMaxRestNanos, and kMinRestNanos again once it has
+// helped for kMaxRestNanos. A pool thread woken from its sleep joins
 // its caller's loops within tens of microseconds, and a chunk is at most a quarter of its share;
 // one that the scheduler keeps off its core (a busy process there, or its caller on the same
 // core) is gone for milliseconds (docs/BENCHMARKS.md, session 32). Waits shorter than the spin

@@ -21,6 +21,11 @@ using avx512::reduce16;
 
 constexpr int kGroup = 16;      // tokens per vector
 constexpr int kSideBySide = 4;  // groups whose scores accumulate together (8 FMA chains)
+// How far ahead of its loads the score pass prefetches each group's columns. A decode row's cache
+// comes from memory, block after block in no order, and this guest's prefetchers kept only ~30
+// GB/s of it in flight with two threads; 2 KB ahead, `bench/attention` at 32 rows × 128 tokens
+// went from 19.1 to 14.8 ms (docs/BENCHMARKS.md, session 33).
+constexpr int kAheadBytes = 2048;
 
 // A row's 16-token groups [g0, g0 + n) of one pool: group k's column 0, and the lanes that hold
 // its tokens (the last group's may be fewer; the others' loads are masked off, so that stale
@@ -30,6 +35,7 @@ struct Groups {
   const E* at[kSideBySide];
   __mmask16 lanes[kSideBySide];
   int n;
+  int width;  // columns of the pool: prefetches stop at the block's end
 };
 
 template <typename E>
@@ -37,6 +43,7 @@ Groups<E> groups(const KvLayerView& kv, const E* pool, int width, const int32_t*
                  int j0) {
   Groups<E> g;
   g.n = std::min(kSideBySide, (n_ctx - j0 + kGroup - 1) / kGroup);
+  g.width = width;
   for (int k = 0; k < g.n; ++k) {
     const int j = j0 + kGroup * k;
     g.at[k] = pool + kv.entry(blocks, j, width);
@@ -61,6 +68,10 @@ void col_dots_g(const float* const* x, int n, const Groups<E>& g, int k0, int64_
     for (int k = 0; k < G; ++k) out[r][k0 + k] = _mm512_setzero_ps();
   const E* const* at = g.at + k0;
   const __mmask16* lanes = g.lanes + k0;
+  // Each group's columns kAheadBytes on are prefetched two at a time (the loop's step), up to
+  // the block's last column.
+  const int64_t ahead = std::max<int64_t>(2, kAheadBytes / (cs * int64_t(sizeof(E))));
+  const int64_t pf_bytes = 2 * cs * int64_t(sizeof(E));
   for (int b0 = 0; b0 < n; b0 += kBlock) {
     const int b1 = std::min(n, b0 + kBlock);
     __m512 a0[R][G], a1[R][G];
@@ -75,8 +86,13 @@ void col_dots_g(const float* const* x, int n, const Groups<E>& g, int k0, int64_
       for (int r = 0; r < R; ++r)
         x0[r] = _mm512_set1_ps(x[r][i]), x1[r] = _mm512_set1_ps(x[r][i + 1]);
       const int64_t o = (col0 + i) * cs;
+      const bool prefetch = col0 + i + ahead + 2 <= g.width;
 #pragma GCC unroll 4
       for (int k = 0; k < G; ++k) {
+        if (prefetch) {
+          const char* p = reinterpret_cast<const char*>(at[k] + o + ahead * cs);
+          for (int64_t line = 0; line < pf_bytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T0);
+        }
         const __m512 v0 = load_row(lanes[k], at[k] + o);
         const __m512 v1 = load_row(lanes[k], at[k] + o + cs);
 #pragma GCC unroll 4

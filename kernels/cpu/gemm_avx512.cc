@@ -9,15 +9,16 @@
 // into a [K, 32] buffer, a cost shared by every row tile — or packed once ahead (pack_panels, for
 // weights: PackedLinear), then read in place by small_gemm_packed.
 //
-// A panel's row tiles also prefetch the thread's next panel into L2, shared out over them (tile t
-// of n pulls rows t, t + n, …): without it, a weight beyond the caches arrives only while the
-// first tile asks for it — faster than memory delivers, so that tile waits — and then the other
-// tiles compute with memory idle. Measured on cold weights (two threads, 32 × [2816, 1024]):
-// 107 → 142 GFLOP/s packed; unchanged on hot ones. Pulling the whole next panel during the first
-// tile, as it first did, asks memory for it at n times the rate the products use it, in bursts:
-// spread over the tiles, 32 × [2816, 1024] cold went from 282–295 to 317–352 GFLOP/s on a
-// full-rate Zen 5 (hot: 385–398), and batch-32 decode steps from 60–64 to 50–60 ms
-// (docs/BENCHMARKS.md, session 17).
+// A panel's row tiles also prefetch the thread's next panel, shared out over them: without it, a
+// weight beyond the caches arrives only while the first tile asks for it — faster than memory
+// delivers, so that tile waits — and then the other tiles compute with memory idle. Measured on
+// cold weights (two threads, 32 × [2816, 1024]): 107 → 142 GFLOP/s packed; unchanged on hot
+// ones. Pulling the whole next panel during the first tile, as it first did, asks memory for it
+// at n times the rate the products use it, in bursts: spread over the tiles, 32 × [2816, 1024]
+// cold went from 282–295 to 317–352 GFLOP/s on a full-rate Zen 5 (hot: 385–398), and batch-32
+// decode steps from 60–64 to 50–60 ms (docs/BENCHMARKS.md, session 17). The next panel is pulled
+// as kPrefetchStreams parts side by side, not from its first row to its last: a core's reads of
+// one sequential stream came at ~10 GB/s on a Zen 5 guest, of four at ~20 (session 33).
 //
 // The same tiles also run on bf16 pair panels with AVX512-BF16 dot products (two k per
 // instruction, A rounded to bf16) and on int8 quad panels with AVX512-VNNI (four k per
@@ -47,6 +48,7 @@ using avx512::reduce16;
 using avx512::transpose16;
 
 constexpr int kPanel = 32;  // columns per panel: two vectors of 16 floats
+constexpr int kPrefetchStreams = 4;  // parts of the next panel prefetched side by side
 constexpr int kTileRows = 8;
 // Products smaller than this many flops run on the calling thread (a fork costs more).
 constexpr double kParallelFlops = 4e6;
@@ -173,6 +175,20 @@ template <int R>
   }
 }
 
+// The prefetch of the next panel at a row tile's iteration k, one of k = pf_first, pf_first +
+// pf_every, … (panel_products: tile t of n has pf_first = kPrefetchStreams·t, pf_every =
+// kPrefetchStreams·n): row k / kPrefetchStreams of each of the panel's kPrefetchStreams equal
+// parts, into L1 (into L2 only, the four parts were no faster than one).
+template <typename W>
+[[gnu::always_inline]] inline void prefetch_next(const PanelOf<W>& next, int K, int k) {
+  const int part = (K + kPrefetchStreams - 1) / kPrefetchStreams;
+  for (int s = 0, row = k / kPrefetchStreams; s < kPrefetchStreams && row < K; ++s, row += part) {
+    const char* p = reinterpret_cast<const char*>(next.p + size_t(row) * next.stride);
+    for (size_t line = 0; line < sizeof(W) * kRowWidth<W>; line += 64)
+      _mm_prefetch(p + line, _MM_HINT_T0);
+  }
+}
+
 #if defined(__AVX512VNNI__)
 // S rows of A against quad panels: per block of 8 panel rows (32 k), the integer sums of
 // (q_w + 128) · q_a by vpdpbusd, exact in int32; corr taken off; converted to fp32 (exact: below
@@ -193,9 +209,7 @@ template <int S, int P, bool kPrefetch>
     for (int g = g0; g < g1; ++g) {
       if constexpr (kPrefetch) {
         if (countdown-- == 0) {
-          const char* ahead = reinterpret_cast<const char*>(next.p + size_t(g) * next.stride);
-          _mm_prefetch(ahead, _MM_HINT_T1);
-          _mm_prefetch(ahead + 64, _MM_HINT_T1);
+          prefetch_next(next, K, g);
           countdown = pf_every - 1;
         }
       }
@@ -228,8 +242,9 @@ template <int S, int P, bool kPrefetch>
 }
 #endif
 
-// C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P; with kPrefetch, also pulls
-// rows pf_first, pf_first + pf_every, … of panel `next` into L2, one at each of those rows of P.
+// C[0..R) × [0, 32) (masked by m0, m1) = beta·C + alpha · A[0..R) · P; with kPrefetch, also
+// prefetches part of panel `next` at its iterations pf_first, pf_first + pf_every, …
+// (prefetch_next).
 template <int R, bool kPrefetch, typename W>
 void tile(int K, const InputOf<W>* a, int lda, PanelOf<W> P, PanelOf<W> next, int pf_first,
           int pf_every, float alpha, float beta, float* c, int ldc, __mmask16 m0, __mmask16 m1) {
@@ -248,14 +263,12 @@ void tile(int K, const InputOf<W>* a, int lda, PanelOf<W> P, PanelOf<W> next, in
 #endif
     return;
   } else {
-    // Iterations until the next row of `next` to prefetch (k = pf_first, pf_first + pf_every, …).
+    // Iterations until the next prefetch (k = pf_first, pf_first + pf_every, …).
     int countdown = pf_first;
     for (int k = 0; k < K; ++k) {
       if constexpr (kPrefetch) {
         if (countdown-- == 0) {
-          const char* ahead = reinterpret_cast<const char*>(next.p + size_t(k) * next.stride);
-          for (size_t line = 0; line < sizeof(W) * kRowWidth<W>; line += 64)
-            _mm_prefetch(ahead + line, _MM_HINT_T1);
+          prefetch_next(next, K, k);
           countdown = pf_every - 1;
         }
       }
@@ -395,10 +408,10 @@ void panel_products(int M, int K, double flops, float alpha, const InputOf<W>* A
     const __mmask16 m0 = lane_mask(j.width), m1 = lane_mask(j.width - 16);
     const int tiles = (M + kTileRows - 1) / kTileRows;
     for (int t = 0; t < tiles; ++t) {
-      const int m = t * kTileRows;
-      kTiles<W>[next.p != nullptr && t < K][std::min(kTileRows, M - m)](
-          K, A + size_t(m) * lda, lda, j.panel, next, t, tiles, alpha, beta,
-          j.c + size_t(m) * j.ldc, j.ldc, m0, m1);
+      const int m = t * kTileRows, pf_first = kPrefetchStreams * t;
+      kTiles<W>[next.p != nullptr && pf_first < K][std::min(kTileRows, M - m)](
+          K, A + size_t(m) * lda, lda, j.panel, next, pf_first, kPrefetchStreams * tiles, alpha,
+          beta, j.c + size_t(m) * j.ldc, j.ldc, m0, m1);
     }
   });
 }

@@ -45,9 +45,10 @@ else
   export OMP_THREAD_LIMIT=1
   export TSAN_OPTIONS=allocator_may_return_null=1:log_path=$PWD/$reports/tsan
   # NoThreadOutlivesTheEngine counts threads, and TSan adds one of its own; TSan refuses threads
-  # started in a forked child (the pool's fork test).
+  # started in a forked child (the pool's tests that run in one: fork, rests).
   ctest --test-dir "$build" -j2 --timeout 1800 --output-on-failure \
-    -R '^(Engine|Variants/EngineReal|ComputePool)' -E 'NoThreadOutlives|EngineText|Cli|Fork' \
+    -R '^(Engine|Variants/EngineReal|ComputePool)' \
+    -E 'NoThreadOutlives|EngineText|Cli|Fork|NeverComes|Rest' \
     > "$log" 2>&1 || true
 fi
 python3 - "$log" "$reports" "$PLUGIN_SUITES" <<'EOF'

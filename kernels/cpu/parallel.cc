@@ -15,6 +15,7 @@
 // from the caller.
 #include "cemlm/kernels/parallel.h"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <omp.h>
 #include <pthread.h>
@@ -25,6 +26,7 @@
 #include <array>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -48,10 +50,15 @@ constexpr int64_t kSpinNanos = 50'000;
 // its caller's loops within tens of microseconds, and a chunk is at most a quarter of its share;
 // one that the scheduler keeps off its core (a busy process there, or its caller on the same
 // core) is gone for milliseconds (docs/BENCHMARKS.md, session 32). Waits shorter than the spin
-// are not held against it.
+// are not held against it, nor are those of a thread that has not lately waited for a core in
+// this kernel's run queue for kShortOfCpu of its time there (its schedstat): it was slow, or the
+// hypervisor took its virtual CPU for a while, as it does any other's, and resting it only
+// halved the threads (a base-shape batch-32 decode on a busy host: 100 rests in 10 s, the pool
+// thread ran a quarter of the time, 2.8% of it waiting for a core; session 33).
 constexpr int64_t kQuietNanos = 1'000'000;
 constexpr int64_t kMinRestNanos = 2'000'000;
 constexpr int64_t kMaxRestNanos = 64'000'000;
+constexpr double kShortOfCpu = 0.25;
 
 std::atomic<uint64_t> g_rests{0};  // compute_thread_rests()
 
@@ -162,7 +169,42 @@ struct Helper {
   bool held_back = false;
   uint32_t last_looked = 0;
   int64_t quiet_since = -1, rest_until = 0, rest = kMinRestNanos, good_since = -1;
+  // Its thread's id, once it has read its schedstat (below) for the first time: set by the thread,
+  // then its caller's. The times it had run and waited in the run queue at the last reading (-1:
+  // unreadable).
+  std::atomic<pid_t> tid{0};
+  int64_t ran = -1, queued = -1;
 };
+
+// Thread tid's schedstat (Linux, CONFIG_SCHED_INFO): nanoseconds run and nanoseconds waited in
+// the run queue for a core. False where unreadable.
+bool read_schedstat(pid_t tid, int64_t* ran, int64_t* queued) {
+  char path[64], text[128];
+  std::snprintf(path, sizeof path, "/proc/self/task/%d/schedstat", int(tid));
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const ssize_t n = read(fd, text, sizeof text - 1);
+  close(fd);
+  if (n <= 0) return false;
+  text[n] = '\0';
+  long long r = 0, q = 0;
+  if (std::sscanf(text, "%lld %lld", &r, &q) != 2) return false;
+  *ran = r, *queued = q;
+  return true;
+}
+
+// Whether h's thread waited in the run queue for kShortOfCpu or more of its time since the last
+// reading, and longer than the spin (true where its schedstat cannot be read). The kernel brings
+// a running thread's figures up to date at its ticks and switches: two readings within one may
+// show nothing.
+bool short_of_cpu(Helper& h) {
+  const pid_t tid = h.tid.load(std::memory_order_acquire);
+  int64_t ran = 0, queued = 0;
+  if (tid == 0 || h.ran < 0 || !read_schedstat(tid, &ran, &queued)) return true;
+  const double d_ran = double(ran - h.ran), d_queued = double(queued - h.queued);
+  h.ran = ran, h.queued = queued;
+  return d_queued >= std::max(double(kSpinNanos), kShortOfCpu * (d_ran + d_queued));
+}
 
 class Pool {
  public:
@@ -292,6 +334,7 @@ class Pool {
   // After a chunk job posted to h: whether h held it back or came to it (or to one before it
   // since the last), and what follows for its rests.
   static void heard_from(Helper& h) {
+    if (h.held_back && !short_of_cpu(h)) h.held_back = false;
     const uint32_t looked = h.looked.load(std::memory_order_relaxed);
     const bool came =
         h.helped.exchange(0, std::memory_order_relaxed) != 0 || looked != h.last_looked;
@@ -335,6 +378,9 @@ class Pool {
   }
 
   void serve(Helper& h, int index) {
+    const pid_t tid = pid_t(syscall(SYS_gettid));
+    if (!read_schedstat(tid, &h.ran, &h.queued)) h.ran = -1;
+    h.tid.store(tid, std::memory_order_release);
     for (uint32_t seen = 0;;) {
       seen = h.box.wait([seen](uint32_t posted) { return posted != seen; });
       if (stop_.load(std::memory_order_relaxed)) return;

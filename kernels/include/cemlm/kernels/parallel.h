@@ -3,13 +3,13 @@
 // jobs a pool thread spins a short while on its own flag, then sleeps; a job wakes it with a
 // system call only if it sleeps. A loop's chunks go to whichever of its threads comes for them,
 // so that one kept off its core by the scheduler holds the loop back by no more than a chunk, and
-// a pool thread that held a loop back, or long came to none, is left out of jobs for a while
-// (kernels/cpu/parallel.cc). libgomp ends every region with a futex system call whether or not a
-// thread sleeps (and starts each with another): about 1.5 µs each on a paravirtualized guest, where
-// a small model's decode step spent a third of its time in them (docs/BENCHMARKS.md, sessions 30
-// and 31). OpenMP still runs OpenBLAS and the training-only ops that call it inside a team; its
-// thread count, set by OMP_NUM_THREADS or omp_set_num_threads() (engine/src/cpu_threads.cc), is the
-// pool's too.
+// a pool thread that held a loop back while it waited for its core in the run queue, or long
+// came to none, is left out of jobs for a while (kernels/cpu/parallel.cc). libgomp ends every
+// region with a futex system call whether or not a thread sleeps (and starts each with another):
+// about 1.5 µs each on a paravirtualized guest, where a small model's decode step spent a third of
+// its time in them (docs/BENCHMARKS.md, sessions 30 and 31). OpenMP still runs OpenBLAS and the
+// training-only ops that call it inside a team; its thread count, set by OMP_NUM_THREADS or
+// omp_set_num_threads() (engine/src/cpu_threads.cc), is the pool's too.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -33,8 +33,9 @@ int team_size();
 void team_barrier();
 
 // How many times, since the process started, one of its pool threads was left out of jobs for a
-// while (a rest began) because it held a loop back or came to none: the scheduler kept it off its
-// core. The server exports it as cemlm:compute_thread_rests_total.
+// while (a rest began) because it held a loop back while it waited for its core, or came to none:
+// other threads of the machine had its core. The server exports it as
+// cemlm:compute_thread_rests_total.
 uint64_t compute_thread_rests();
 
 namespace detail {

@@ -274,9 +274,21 @@ void tile(int K, const InputOf<W>* a, int lda, PanelOf<W> P, PanelOf<W> next, in
       }
       decltype(broadcast(*a)) y0, y1;
       load_row(P, k, y0, y1);
+      // Row i's value is read at base[i / 4] + (i % 4)·lda, lda and 3·lda in registers, the
+      // second base and both strides hidden from the optimizer: left to itself, GCC kept one
+      // pointer per row and, short of general registers, moved three of them through vector
+      // registers on every k (batch-32 decode steps 2–3% faster without, docs/BENCHMARKS.md,
+      // session 34).
+      const InputOf<W>* base[2] = {a + k, a + (R > 4 ? 4 * size_t(lda) : 0) + k};
+      size_t l1 = size_t(lda), l3 = 3 * l1;
+      asm("" : "+r"(base[1]), "+r"(l1), "+r"(l3));
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      const auto x = broadcast(a[size_t(i) * lda + k]);
+      const InputOf<W>* b = base[i / 4];
+      const auto x = broadcast(i % 4 == 0   ? *b
+                               : i % 4 == 1 ? b[l1]
+                               : i % 4 == 2 ? b[2 * l1]
+                                            : b[l3]);
       acc[2 * i] = madd(x, y0, acc[2 * i]);
       acc[2 * i + 1] = madd(x, y1, acc[2 * i + 1]);
     }

@@ -9,7 +9,8 @@
 // the one-row path (each row's bits equal to the row attended alone), and the three cache dtypes:
 // fp32, bf16 and int8 (the reference reads the entries as the cache holds them — rounded to bf16,
 // or quantized by its own int8 rounding — so all agree to fp32 rounding). Pool entries (and int8
-// scales) no row wrote are NaN, so a read past a sequence's end fails the comparison.
+// scales) no row wrote are NaN, so a read past a sequence's end fails the comparison. Also: the
+// cache write of many sequences at once (split over threads) against each written alone.
 #include "cemlm/kernels/attention.h"
 
 #include <gtest/gtest.h>
@@ -357,6 +358,99 @@ TEST(AttentionRows, ALaterTokensNaNKeyStaysOutOfEarlierRows) {
       }
     }
   }
+}
+
+// The cache of one layer for `n_blocks` blocks in one dtype, every entry and scale no row wrote
+// NaN (fp32, bf16) or an odd pattern (int8), with keys, values and contexts.
+struct Pools {
+  std::vector<float> k, v, c, ks, vs, cs;
+  std::vector<uint16_t> k16, v16, c16;
+  std::vector<int8_t> k8, v8, c8;
+  KvLayerView view;
+  Pools(Dt dt, int bs, int n_blocks, int H, int W, int D) {
+    const size_t n = size_t(n_blocks) * size_t(bs);
+    view.block_size = bs, view.n_heads = H, view.k_width = W, view.c_width = D;
+    view.tiled = bs % 16 == 0;
+    if (dt == Dt::kF32) {
+      k.assign(n * W, NAN), v.assign(n * W, NAN), c.assign(n * D, NAN);
+      view.k = k.data(), view.v = v.data(), view.c = c.data();
+    } else if (dt == Dt::kBf16) {
+      k16.assign(n * W, 0xFFFF), v16.assign(n * W, 0xFFFF), c16.assign(n * D, 0xFFFF);
+      view.k16 = k16.data(), view.v16 = v16.data(), view.c16 = c16.data();
+    } else {
+      k8.assign(n * W, 0x55), v8.assign(n * W, 0x55), c8.assign(n * D, 0x55);
+      ks.assign(n * H, NAN), vs.assign(n * H, NAN), cs.assign(n, NAN);
+      view.k8 = k8.data(), view.v8 = v8.data(), view.c8 = c8.data();
+      view.k_scale = ks.data(), view.v_scale = vs.data(), view.c_scale = cs.data();
+    }
+  }
+  bool same_bytes(const Pools& o) const {
+    auto eq = [](const auto& a, const auto& b) {
+      return a.size() == b.size() &&
+             std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;  // NaNs too
+    };
+    return eq(k, o.k) && eq(v, o.v) && eq(c, o.c) && eq(ks, o.ks) && eq(vs, o.vs) && eq(cs, o.cs) &&
+           eq(k16, o.k16) && eq(v16, o.v16) && eq(c16, o.c16) && eq(k8, o.k8) && eq(v8, o.v8) &&
+           eq(c8, o.c8);
+  }
+};
+
+// kv_write of many sequences in one call, their rows enough to split them over threads, writes
+// every entry as writing each sequence alone does, bit for bit, in the three dtypes and both
+// layouts; an fp32 cache holds the rows' own numbers at their positions.
+TEST(KvWrite, ManySequencesAtOnceWriteWhatEachWouldAlone) {
+  const int H = 4, dh = 64, W = H * dh, D = 384, n_seqs = 32;
+  struct RestoreThreads {
+    int before = omp_get_max_threads();
+    ~RestoreThreads() { omp_set_num_threads(before); }
+  } restore;
+  omp_set_num_threads(4);  // the split runs whatever the machine's cores
+  for (Dt dt : {Dt::kF32, Dt::kBf16, Dt::kInt8})
+    for (int bs : {16, 3}) {  // tiled, token-major
+      // Sequence s: 1 + s % 3 rows from position 5·s (some across a block boundary), its blocks
+      // scattered over the pool.
+      std::vector<AttnSeq> seqs;
+      std::vector<std::vector<int32_t>> tables;
+      int rows = 0, n_blocks = 0;
+      for (int s = 0; s < n_seqs; ++s) {
+        const AttnSeq sq{rows, 1 + s % 3, 5 * s, nullptr};
+        tables.emplace_back((sq.pos_begin + sq.n_rows + bs - 1) / bs);
+        n_blocks += int(tables.back().size());
+        rows += sq.n_rows;
+        seqs.push_back(sq);
+      }
+      std::vector<int32_t> order(static_cast<size_t>(n_blocks));
+      std::iota(order.begin(), order.end(), 0);
+      Rng rng(uint64_t(bs) * 10 + uint64_t(dt));
+      for (size_t i = order.size() - 1; i > 0; --i)
+        std::swap(order[i], order[rng.next_u64() % (i + 1)]);
+      for (int s = 0, next = 0; s < n_seqs; ++s) {
+        for (int32_t& b : tables[size_t(s)]) b = order[size_t(next++)];
+        seqs[size_t(s)].blocks = tables[size_t(s)].data();
+      }
+      std::vector<float> K(size_t(rows) * W), V(size_t(rows) * W), C(size_t(rows) * D);
+      for (auto* x : {&K, &V, &C})
+        for (float& f : *x) f = float(rng.normal());
+      const Tensor k(K.data(), {rows, W}), v(V.data(), {rows, W}), c(C.data(), {rows, D});
+      ASSERT_GE(int64_t(rows) * (2 * W + D), 1 << 11) << "too few numbers to split";
+      Pools together(dt, bs, n_blocks, H, W, D), alone(dt, bs, n_blocks, H, W, D);
+      kv_write(ExecCtx{}, together.view, seqs.data(), n_seqs, k, v, c);
+      for (const AttnSeq& sq : seqs) kv_write(ExecCtx{}, alone.view, &sq, 1, k, v, c);
+      EXPECT_TRUE(together.same_bytes(alone)) << "dtype " << int(dt) << ", block size " << bs;
+      if (dt != Dt::kF32) continue;
+      const KvLayerView& kv = together.view;
+      for (const AttnSeq& sq : seqs)
+        for (int r = 0; r < sq.n_rows; ++r) {
+          const int pos = sq.pos_begin + r, row = sq.row_begin + r, cs = kv.column_stride();
+          for (int i = 0; i < W; ++i) {
+            ASSERT_EQ(kv.k[kv.entry(sq.blocks, pos, W) + int64_t(i) * cs], K[size_t(row) * W + i])
+                << "bs " << bs << " position " << pos << " key column " << i;
+            ASSERT_EQ(kv.v[kv.entry(sq.blocks, pos, W) + int64_t(i) * cs], V[size_t(row) * W + i]);
+          }
+          for (int i = 0; i < D; ++i)
+            ASSERT_EQ(kv.c[kv.entry(sq.blocks, pos, D) + int64_t(i) * cs], C[size_t(row) * D + i]);
+        }
+    }
 }
 
 TEST(Bf16, RoundsToNearestEven) {

@@ -83,7 +83,8 @@ enum class DiagKind { kNone, kShared, kPerHead };
 bool tiled_kv_cache_preferred(int block_size);
 
 // Writes row r's entries (k[r], v[r], c[r]; v/c when the view has them) at its position, rounded
-// to the nearest bf16 for a bf16 cache, quantized with their scales for an int8 one.
+// to the nearest bf16 for a bf16 cache, quantized with their scales for an int8 one; the sequences
+// split over the compute threads where the rows are many (no two sequences write one entry).
 void kv_write(const ExecCtx&, const KvLayerView& kv, const AttnSeq* seqs, int n_seqs,
               const Tensor& k /*[N,H·d_h]*/, const Tensor& v /*[N,H·d_h] or empty*/,
               const Tensor& c /*[N,D] or empty*/);

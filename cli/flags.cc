@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <sstream>
 #include <string_view>
 #include <system_error>
@@ -27,6 +29,10 @@ bool parse_number(const std::string& s, T* out) {
     double v = 0;
     auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v, std::chars_format::general);
     if (ec != std::errc() || p != s.data() + s.size()) return false;
+    // A finite value T cannot hold would become inf or 0: refused rather than changed.
+    if (std::isfinite(v) &&
+        (std::abs(v) > double(std::numeric_limits<T>::max()) || (v != 0 && T(v) == 0)))
+      return false;
     *out = T(v);
     return true;
   } else {
@@ -186,6 +192,21 @@ int Flags::parse(int argc, char** argv) {
         return 2;
       }
       value = argv[++i];
+      // "--prompt --json" left the prompt's text out rather than asking for "--json" as a prompt.
+      if (std::string_view other = value; other.starts_with("--")) {
+        other.remove_prefix(2);
+        other = other.substr(0, other.find('='));
+        const bool is_flag =
+            other == "help" || std::any_of(flags_.begin(), flags_.end(),
+                                           [&](const Flag& g) { return g.name == other; });
+        if (is_flag) {
+          std::fprintf(stderr,
+                       "error: option '--%s' needs a value, but '%s' follows it, an option "
+                       "of its own; for that text as the value write --%s=%s\n",
+                       name.c_str(), value.c_str(), name.c_str(), value.c_str());
+          return 2;
+        }
+      }
     }
     if (!f->set(value)) {
       std::fprintf(stderr, "error: option '--%s': expected %s, got '%s'\n", name.c_str(),

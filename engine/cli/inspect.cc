@@ -73,7 +73,7 @@ int cmd_inspect(int argc, char** argv) {
 
   std::error_code ec;
   const bool is_dir = std::filesystem::is_directory(path, ec);
-  auto config = load_config(is_dir ? (std::filesystem::path(path) / kConfigFile).string() : path);
+  auto config = is_dir ? load_checkpoint_config(path) : load_config(path);
   if (!config.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(config.status().message()).c_str());
     return 1;

@@ -149,16 +149,21 @@ absl::Status publish(const fs::path& tmp, const fs::path& target, bool target_ex
 
 }  // namespace
 
+absl::StatusOr<ModelConfig> load_checkpoint_config(const std::string& dir) {
+  const fs::path path = fs::path(dir) / kConfigFile;
+  // As for the weights: a FIFO as config.json would make the load wait forever for a writer.
+  // (load_config itself does not refuse one: a --config given to init or train may be a pipe.)
+  if (struct stat sb{};
+      ::stat(path.c_str(), &sb) == 0 && !S_ISREG(sb.st_mode) && !S_ISDIR(sb.st_mode))
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: '", path.string(), "' is not a regular file, not a config.json"));
+  return load_config(path.string());
+}
+
 absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   const fs::path root(dir);
   Checkpoint ck;
-  // As for the weights: a FIFO as config.json would make the load wait forever for a writer.
-  // (load_config itself does not refuse one: a --config given to init or train may be a pipe.)
-  if (struct stat sb{}; ::stat((root / kConfigFile).c_str(), &sb) == 0 && !S_ISREG(sb.st_mode) &&
-                        !S_ISDIR(sb.st_mode))
-    return absl::InvalidArgumentError(absl::StrCat("config: '", (root / kConfigFile).string(),
-                                                   "' is not a regular file, not a config.json"));
-  CEMLM_ASSIGN_OR_RETURN(ck.config, load_config((root / kConfigFile).string()));
+  CEMLM_ASSIGN_OR_RETURN(ck.config, load_checkpoint_config(dir));
   CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file,
                          SafetensorsFile::open((root / kWeightsFile).string()));
   CEMLM_RETURN_IF_ERROR(check_tensors(file, param_layout(ck.config)));

@@ -167,6 +167,9 @@ class EngineImpl final : public Engine {
   void run_jobs();      // the queued on_loop jobs and scoring chunks, on the loop thread
   bool take_control();  // returns whether shutdown began
   bool step();          // false when nothing could be scheduled
+  // The runner's forward, with what it throws (chiefly out of memory for a batch's logits) as a
+  // status: the step thread must outlive a failed batch, and a scoring call release its blocks.
+  absl::Status run_forward(const Batch& batch, std::vector<float>* logits);
   void apply_sample(Request& q, absl::StatusOr<SampleResult> res);
   // Streams the text of the newest of the `generated` ids into `ev`; says whether the request
   // ends with it (a stop token, a stop string, or max_new_tokens).
@@ -462,7 +465,13 @@ bool EngineImpl::step() {
     q.usage.cached_prompt_tokens = std::min(a.cached_tokens, q.n_prompt);
   }
   if (plan.empty()) return false;
-  runner_->forward(plan.batch, &logits_);
+  if (absl::Status failed = run_forward(plan.batch, &logits_); !failed.ok()) {
+    // The batch's requests end with the error; their blocks are freed and none is published.
+    for (const ScheduledRow& r : plan.rows)
+      if (auto it = live_.find(r.id); it != live_.end())
+        finish(*it->second, FinishReason::kError, {}, failed);
+    return true;
+  }
   sched_.complete(plan);
   const size_t V = size_t(config_.vocab_size);
   std::vector<Request*> sampled;
@@ -484,6 +493,21 @@ bool EngineImpl::step() {
   });
   for (size_t i = 0; i < sampled.size(); ++i) apply_sample(*sampled[i], std::move(drawn[i]));
   return true;
+}
+
+absl::Status EngineImpl::run_forward(const Batch& batch, std::vector<float>* logits) {
+  try {
+    runner_->forward(batch, logits);
+    return absl::OkStatus();
+  } catch (const std::bad_alloc&) {
+    int64_t tokens = 0;
+    for (const BatchSeq& s : batch.seqs) tokens += s.n_tokens;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "out of memory running the model on a batch of ", tokens,
+        " tokens; retry later, or run with a lower --max-batch-tokens or --kv-cache-memory"));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("the model's forward failed: ", e.what()));
+  }
 }
 
 void EngineImpl::apply_sample(Request& q, absl::StatusOr<SampleResult> res) {
@@ -702,6 +726,7 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
       return absl::UnavailableError(
           absl::StrCat("the engine shut down after scoring ", pos, " of ", n, " tokens"));
     const int len = std::min(opts_.max_batch_tokens, n - pos);
+    absl::Status ran;
     on_loop_chunk(req.priority, [&] {
       const std::vector<int32_t>& table = blocks_.table(seq);
       BatchSeq s;
@@ -712,8 +737,9 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
       s.block_table = table.data();
       s.n_blocks = int(table.size());
       s.want_all_logits = true;
-      runner_->forward(Batch{{s}}, &logits);
+      ran = run_forward(Batch{{s}}, &logits);
     });
+    CEMLM_RETURN_IF_ERROR(ran);
     CEMLM_CHECK(logits.size() >= size_t(len) * V);
     for (int i = 0; i < len && pos + i + 1 < n; ++i) {
       const std::span<const float> row = std::span<const float>(logits).subspan(size_t(i) * V, V);
@@ -747,7 +773,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts
   CEMLM_RETURN_IF_ERROR(check_options(opts));
   std::unique_ptr<Tokenizer> tokenizer;
   const std::string tok_path = (std::filesystem::path(opts.model_dir) / kTokenizerFile).string();
-  if (std::filesystem::exists(tok_path)) {
+  std::error_code ec;
+  const bool has_tokenizer = std::filesystem::exists(tok_path, ec);
+  if (ec)
+    return absl::InvalidArgumentError("cannot tell whether '" + tok_path +
+                                      "' exists: " + ec.message() +
+                                      "; check the --model directory and its permissions");
+  if (has_tokenizer) {
     std::string error;
     tokenizer = Tokenizer::load(tok_path, &error);
     if (!tokenizer) return absl::InvalidArgumentError(error);

@@ -23,7 +23,7 @@ void* load_plugin_entry(const char* file_name, const char* env_var, const char* 
   candidates.push_back(file_name);
   std::string failure = "not found";
   for (const std::string& path : candidates) {
-    if (path.find('/') != std::string::npos && !fs::exists(path)) continue;
+    if (path.find('/') != std::string::npos && !fs::exists(path, ec)) continue;
     void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | (deep_bind ? RTLD_DEEPBIND : 0));
     if (void* fn = lib ? dlsym(lib, entry) : nullptr) return fn;
     const char* why = dlerror();

@@ -64,7 +64,8 @@ absl::StatusOr<DType> parse_dtype(const json& v) {
     if (s == "BF16") return DType::kBF16;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("dtype ", v.dump(), " is not supported (convert the file to F32, BF16 or F16)"));
+      absl::StrCat("dtype ", v.dump(-1, ' ', /*ensure_ascii=*/true),
+                   " is not supported (convert the file to F32, BF16 or F16)"));
 }
 
 // numel × dtype size in bytes, or an error on negative dims or overflow.

@@ -32,18 +32,20 @@ Scheduler::Scheduler(const SchedulerOptions& opts, BlockManager* blocks)
 
 absl::Status Scheduler::add(SeqSpec spec) {
   std::lock_guard<std::mutex> lock(intake_mu_);
-  if (int(intake_.size()) + waiting_published_ >= opts_.max_waiting + free_slots_published_) {
+  // In 64 bits: --max-waiting and --max-running may each be up to INT_MAX.
+  if (int64_t(intake_.size()) + waiting_published_ >=
+      int64_t(opts_.max_waiting) + free_slots_published_) {
     // Each sequence taken over the bound displaces one of lower priority that has not started:
     // there must be one left that those taken before it have not claimed.
     auto below = std::lower_bound(displaceable_published_.begin(), displaceable_published_.end(),
                                   spec.priority) -
                  displaceable_published_.begin();
     for (const auto& s : intake_) below += s->priority < spec.priority;
-    if (below <= over_bound_)
+    if (below <= int64_t(over_bound_.size()))
       return absl::ResourceExhaustedError(
           absl::StrCat("the waiting queue is full (max_waiting = ", opts_.max_waiting,
                        " requests); retry later"));
-    ++over_bound_;  // a queued sequence of lower priority makes way at the next accept()
+    over_bound_.push_back(spec.priority);  // one of lower priority makes way at accept()
   }
   auto s = std::make_unique<Sequence>();
   s->id = spec.id;
@@ -72,19 +74,26 @@ std::vector<SeqId> Scheduler::accept() {
   }
   intake_.clear();
   // As many as the queue is still over its bound, at most those taken over it (a slot may have
-  // freed since).
+  // freed since), each of lower priority than one taken over it: the lowest-ranked first, each
+  // claimed by the lowest such priority. (The one a sequence was taken to displace may have been
+  // admitted since; it must then not displace one of its own priority, or itself.)
   const int free_slots = std::max(0, opts_.max_running - int(running_.size()));
-  int queued = 0;
+  int64_t queued = 0;
   for (const Sequence* s : waiting_) queued += !s->displaced;
-  int excess = std::min(over_bound_, queued - opts_.max_waiting - free_slots);
-  over_bound_ = 0;
+  int64_t excess =
+      std::min<int64_t>(int64_t(over_bound_.size()), queued - opts_.max_waiting - free_slots);
+  std::sort(over_bound_.begin(), over_bound_.end());
   std::vector<SeqId> displaced;
-  for (auto it = waiting_.rbegin(); excess > 0 && it != waiting_.rend(); ++it)
-    if (!(*it)->admitted_before && !(*it)->displaced) {  // a preempted sequence keeps its place
-      (*it)->displaced = true;
-      displaced.push_back((*it)->id);
-      --excess;
-    }
+  for (auto it = waiting_.rbegin(); excess > 0 && it != waiting_.rend(); ++it) {
+    if ((*it)->admitted_before || (*it)->displaced) continue;  // a preempted one keeps its place
+    const auto by = std::upper_bound(over_bound_.begin(), over_bound_.end(), (*it)->priority);
+    if (by == over_bound_.end()) continue;
+    over_bound_.erase(by);
+    (*it)->displaced = true;
+    displaced.push_back((*it)->id);
+    --excess;
+  }
+  over_bound_.clear();
   publish_locked();
   return displaced;
 }

@@ -160,6 +160,13 @@ absl::StatusOr<json> parse_json_strict(std::string_view text) {
     // what(): "[json.exception.parse_error.101] parse error at line 1, column 2: syntax error ..."
     std::string what = e.what();
     if (const size_t colon = what.find(": "); colon != std::string::npos) what.erase(0, colon + 2);
+    // "…; last read: '<the bytes read>'": those are the file's, escaped as other messages quote it.
+    constexpr std::string_view kLastRead = "last read: '";
+    if (const size_t open = what.find(kLastRead), close = what.rfind('\'');
+        open != std::string::npos && close >= open + kLastRead.size()) {
+      const size_t from = open + kLastRead.size();
+      what.replace(from, close - from, absl::CHexEscape(what.substr(from, close - from)));
+    }
     return absl::InvalidArgumentError(
         absl::StrCat("not valid JSON at ", position(text, at), ": ", what));
   } catch (const json::out_of_range& e) {

@@ -102,7 +102,17 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
              "`cemlm tokenizer train` or spm_train";
     return nullptr;
   }
-  return std::unique_ptr<Tokenizer>(new Tokenizer(sp));
+  std::unique_ptr<Tokenizer> tokenizer(new Tokenizer(sp));
+  // decode() stands the unknown piece in for ids past the pieces (a model's vocabulary may be
+  // larger than its tokenizer's): a model whose unk_piece names no piece of type UNKNOWN has
+  // none, and SentencePiece would refuse the id -1 it then gives.
+  if (const int unk = tokenizer->unk_id(); unk < 0 || unk >= tokenizer->vocab_size()) {
+    *error = "tokenizer '" + path + "' has no unknown piece (its trainer_spec.unk_piece names no " +
+             "piece of type UNKNOWN); pass a .model file written by `cemlm tokenizer train` or " +
+             "spm_train";
+    return nullptr;
+  }
+  return tokenizer;
 }
 
 std::optional<std::vector<int>> Tokenizer::encode(std::string_view text, std::string* error) const {

@@ -110,9 +110,9 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     if (port < 0 || port > 65535)
       return fail(absl::InvalidArgumentError(
           absl::StrCat(flag, " ", port, " is not a port: use 0-65535 (0 picks a free one)")));
-  if (!(f.shutdown_timeout >= 0))
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "--shutdown-timeout ", f.shutdown_timeout, " must be >= 0 seconds")));
+  if (!(f.shutdown_timeout >= 0 && f.shutdown_timeout <= 1e6))  // 11 days: a finite deadline
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--shutdown-timeout ", f.shutdown_timeout, " must be in [0, 1e6] seconds")));
   RunnerOptions runner;  // what needs no checkpoint, before listening
   runner.device = f.device;
   runner.kv_cache_dtype = f.kv_cache_dtype;
@@ -352,7 +352,8 @@ int cmd_serve(int argc, char** argv) {
   flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");
   flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
   flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");
-  flags.add("shutdown-timeout", &f.shutdown_timeout, "seconds to let requests finish on SIGTERM");
+  flags.add("shutdown-timeout", &f.shutdown_timeout,
+            "seconds to let requests finish on SIGTERM (0 to 1e6)");
   flags.add("max-connection-age", &f.max_connection_age,
             "seconds after which a client connection is closed (±10%), its calls given "
             "--shutdown-timeout to finish: clients reconnect and spread over new replicas; 0 = "

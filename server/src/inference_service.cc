@@ -22,13 +22,20 @@
 
 namespace cemlm::server {
 
-grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool stream) {
+grpc::Status ServerState::gate(const grpc::ServerContextBase& context) const {
   if (grpc::Status auth = keys_.check(context); !auth.ok()) return auth;
-  std::unique_lock lock(mu_);
   if (draining_.load())
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
   if (!engine_.load())
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the model is still loading; retry later");
+  return grpc::Status::OK;
+}
+
+grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool stream) {
+  if (grpc::Status auth = keys_.check(context); !auth.ok()) return auth;
+  std::unique_lock lock(mu_);
+  // Under the lock: a drain that begins now waits for this call, or it is refused.
+  if (grpc::Status refused = gate(context); !refused.ok()) return refused;
   // The engine bounds the requests it holds, but a stream it has finished stays open, with its
   // unsent output, until the client reads it: clients that never read would hold memory without
   // a bound. (Streams the engine still runs are its to bound, priority displacement included.)
@@ -634,16 +641,21 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
         !ended_before_body()) {
       // Of the requests, only GenerateRequest has a string field (the others' texts are bytes).
       const bool strings = message_ == v1::GenerateRequest::descriptor()->full_name();
-      const grpc::Status status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("the request body is not a valid ", message_, " message (missing",
-                       strings ? ", bytes that do not parse, or request_id not in UTF-8"
-                               : " or bytes that do not parse",
-                       "); build the client from this server's cemlm/v1/inference.proto (server "
-                       "reflection serves it)"));
+      // A wrong key, a load or a drain refuse the call before its body is looked at.
+      const grpc::Status refused = state_->gate(*info_->server_context());
+      const grpc::Status status =
+          !refused.ok()
+              ? refused
+              : grpc::Status(
+                    grpc::StatusCode::INVALID_ARGUMENT,
+                    absl::StrCat("the request body is not a valid ", message_, " message (missing",
+                                 strings ? ", bytes that do not parse, or request_id not in UTF-8"
+                                         : " or bytes that do not parse",
+                                 "); build the client from this server's cemlm/v1/inference.proto "
+                                 "(server reflection serves it)"));
       m->ModifySendStatus(status);
       state_->metrics().count_rpc(method_.c_str(), status.error_code());
-      if (int64_t left_out = 0; state_->malformed_body_log().allow(&left_out))
+      if (int64_t left_out = 0; refused.ok() && state_->malformed_body_log().allow(&left_out))
         spdlog::info(
             "{} peer={} status=INVALID_ARGUMENT message=\"{}\" malformed_since_last_line={}",
             method_, info_->server_context()->peer(), log_escaped(status.error_message()),

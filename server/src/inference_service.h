@@ -63,6 +63,10 @@ class ServerState {
   // RESOURCE_EXHAUSTED while max_unread finished streams wait for their clients, once those
   // that waited longer than the grace are cancelled.
   grpc::Status admit(const grpc::ServerContextBase& context, bool stream = false);
+  // What admit() refuses every call for, whatever its body: UNAUTHENTICATED, or UNAVAILABLE while
+  // loading or draining. A call whose body did not parse gets this status first (its key is
+  // checked before its body), and only if OK the malformed body's.
+  grpc::Status gate(const grpc::ServerContextBase& context) const;
   // A Generate stream the engine has finished: it holds its unsent output until it is done, and
   // then releases with itself.
   void hold_unread(UnreadStream* stream);

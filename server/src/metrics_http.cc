@@ -82,13 +82,20 @@ bool on_readable(Connection& c, const MetricsHttpServer::Render& render) {
     if (c.closing) continue;  // a body or a pipelined request: read, not answered
     c.in.append(buf, size_t(n));
     const size_t text = c.in.find_first_not_of("\r\n");  // leading empty lines are no end
-    if (text != std::string::npos && (c.in.find("\r\n\r\n", text) != std::string::npos ||
-                                      c.in.find("\n\n", text) != std::string::npos)) {
-      c.out = respond(c.in, render);
+    size_t end = std::string::npos;                      // just past the head's empty line
+    if (text != std::string::npos) {
+      if (const size_t crlf = c.in.find("\r\n\r\n", text); crlf != std::string::npos)
+        end = crlf + 4;
+      if (const size_t lf = c.in.find("\n\n", text); lf != std::string::npos)
+        end = std::min(end, lf + 2);
+    }
+    // The bound holds for a head that ends within the read that crosses it, too.
+    if ((end == std::string::npos ? c.in.size() : end) > kMaxRequestBytes) {
+      c.out = answer(431, "Request Header Fields Too Large", "request too large\n", false);
       return true;
     }
-    if (c.in.size() > kMaxRequestBytes) {
-      c.out = answer(431, "Request Header Fields Too Large", "request too large\n", false);
+    if (end != std::string::npos) {
+      c.out = respond(c.in, render);
       return true;
     }
   }

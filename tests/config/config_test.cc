@@ -2,7 +2,6 @@
 #include "cemlm/engine/config.h"
 
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +10,7 @@
 #include <functional>
 #include <limits>
 
+#include "absl/strings/escaping.h"
 #include "cemlm/engine/params.h"
 #include "cemlm/engine/strict_json.h"
 #include "nlohmann/json.hpp"
@@ -303,6 +303,27 @@ TEST(Config, SyntaxErrorsSayWhere) {
   EXPECT_NE(msg.find("not valid JSON at line"), std::string::npos) << msg;
   EXPECT_NE(msg.find("line 3, column 14"), std::string::npos) << msg;
   EXPECT_NE(msg.find("(byte 33)"), std::string::npos) << msg;
+}
+
+// The bytes nlohmann quotes as "last read" are the file's: escaped like every other quote of it
+// (a right-to-left override or a raw 0xFF went into the message as they were).
+TEST(Config, SyntaxErrorsEscapeTheBytesRead) {
+  for (const std::string& text : {std::string("{\"architecture\": \"\xe2\x80\xae"
+                                              "evil\x01\"}"),
+                                  std::string("{\"a\": \"x\xff\x01\"}")}) {
+    auto c = parse_config(text);
+    ASSERT_FALSE(c.ok());
+    const std::string msg(c.status().message());
+    EXPECT_NE(msg.find("last read: '"), std::string::npos) << msg;
+    for (char ch : msg)
+      EXPECT_TRUE(ch >= 0x20 && ch < 0x7f)
+          << "byte " << int(static_cast<unsigned char>(ch)) << " in: " << absl::CHexEscape(msg);
+  }
+  auto c = parse_config(
+      "{\"architecture\": \"\xe2\x80\xae"
+      "evil\x01\"}");
+  EXPECT_NE(c.status().message().find("last read: '\\\"\\xe2\\x80\\xae"), std::string::npos)
+      << c.status();
 }
 
 // nlohmann's lexer ends the input at a NUL byte, so a config followed by a NUL and anything

@@ -774,6 +774,29 @@ TEST(Engine, NonFiniteLogitsEndTheRequestWithAnError) {
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
+// A forward that throws (a batch's logits out of memory) ends that batch's requests with
+// RESOURCE_EXHAUSTED and frees their blocks; a scoring call it hits returns the error with its
+// blocks freed too; the engine goes on serving. (The step thread died with the exception, and a
+// scoring call's blocks stayed taken for good.)
+TEST(Engine, AForwardThatThrowsEndsItsBatchNotTheEngine) {
+  Built b = build({.throw_at = [](int p) { return p == 40; }});
+  const auto res = run_all(*b.engine, {request({1, 2, 3}, 60), request(tokens(10, 4), 6)});
+  EXPECT_EQ(res[0].reason, FinishReason::kError);
+  EXPECT_EQ(res[0].error.code(), absl::StatusCode::kResourceExhausted) << res[0].error;
+  EXPECT_NE(res[0].error.message().find("out of memory"), std::string::npos) << res[0].error;
+  EXPECT_EQ(res[0].ids.size(), 38u);  // the token fed at position 40 was the 38th generated
+  EXPECT_EQ(res[0].finals, 1);
+  EXPECT_EQ(res[1].reason, FinishReason::kLength);
+  const auto scored = b.engine->score({tokens(50, 2), 1});
+  EXPECT_EQ(scored.status().code(), absl::StatusCode::kResourceExhausted) << scored.status();
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+  // Still serving: a request that stays below position 40, and a scoring call that does.
+  EXPECT_EQ(run_all(*b.engine, {request({7, 8, 9}, 5)})[0].reason, FinishReason::kLength);
+  EXPECT_TRUE(b.engine->score({tokens(30, 2), 1}).ok());
+  b.engine->shutdown(false);
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+}
+
 TEST(Engine, UsageCountsRecursionStepsAndTopLogprobs) {
   Built b = build({});
   auto r = request(tokens(5, 1), 4, 3);
@@ -1194,6 +1217,25 @@ TEST(Engine, BadOptionsAreRefusedNamingTheOption) {
   eo.step_thread_nice = 19;  // the bound itself is valid
   e = Engine::create(eo, std::make_unique<FakeRunner>(FakeOptions{}), nullptr);
   EXPECT_TRUE(e.ok()) << e.status();
+}
+
+// A model directory whose tokenizer.model cannot even be looked at (a symbolic link to itself, a
+// name too long) is an error naming the file: the throwing std::filesystem::exists() ended the
+// process, after a server had already begun to listen.
+TEST(Engine, ATokenizerPathThatCannotBeCheckedIsAnError) {
+  const std::filesystem::path dir = testing_temp::fresh_dir("tokenizer_loop");
+  std::filesystem::create_symlink(dir / "tokenizer.model", dir / "tokenizer.model");
+  EngineOptions eo;
+  eo.model_dir = dir.string();
+  auto e = Engine::create(eo);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+  EXPECT_NE(e.status().message().find((dir / "tokenizer.model").string()), std::string::npos)
+      << e.status();
+  EXPECT_NE(e.status().message().find("symbolic links"), std::string::npos) << e.status();
+  eo.model_dir = (dir / std::string(300, 'd')).string();
+  e = Engine::create(eo);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+  EXPECT_NE(e.status().message().find("File name too long"), std::string::npos) << e.status();
 }
 
 // ---- text: streaming detokenization and stop strings (needs a real tokenizer) ----

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,9 @@ struct FakeOptions {
   std::function<int(int pos)> favorite;
   // When set and true for p, the logits computed at position p hold a NaN (a broken checkpoint).
   std::function<bool(int pos)> nan_at;
+  // When set and true for a position p a forward feeds, that forward throws std::bad_alloc once
+  // it has written the cache (as when a batch's logits find no memory).
+  std::function<bool(int pos)> throw_at;
 };
 
 class FakeRunner final : public ModelRunner {
@@ -58,6 +62,7 @@ class FakeRunner final : public ModelRunner {
     const bool scoring = std::any_of(batch.seqs.begin(), batch.seqs.end(),
                                      [](const BatchSeq& s) { return s.want_all_logits; });
     forwards_.push_back(scoring ? 'S' : 'G');
+    bool fail = false;
     for (size_t i = 0; i < batch.seqs.size(); ++i) {
       const BatchSeq& s = batch.seqs[i];
       // The contract: rows ordered by recursion descending, tables covering the fed positions.
@@ -70,10 +75,12 @@ class FakeRunner final : public ModelRunner {
         const uint64_t h = mix(mix(prev ^ uint64_t(s.tokens[j])) ^ (uint64_t(p) << 20) ^
                                (uint64_t(s.recursion) << 40));
         write(s, p, h);
+        fail = fail || (o_.throw_at && o_.throw_at(p));
         ++tokens_processed_;
         if (s.want_all_logits || (s.want_logits && j == s.n_tokens - 1)) emit(h, p, logits);
       }
     }
+    if (fail) throw std::bad_alloc();
   }
 
   int64_t tokens_processed() const { return tokens_processed_; }

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -195,6 +196,40 @@ TEST(Scheduler, FullQueueTakesOnlyAsManyOverItsBoundAsItCanDisplace) {
   ASSERT_TRUE(h.sched.remove(4));
   EXPECT_TRUE(h.sched.accept().empty());
   EXPECT_EQ(h.sched.num_waiting(), 2);  // 6 and 3
+}
+
+// The sequence a full queue took one over its bound to displace may be admitted before accept()
+// runs: then nothing of lower priority is left, and the newcomer must not displace itself (it
+// was ended "by a request of higher priority" that did not exist).
+TEST(Scheduler, AnArrivalOverTheBoundNeverDisplacesItsOwnPriority) {
+  Harness h({.max_batch_tokens = 100, .max_running = 2, .max_waiting = 1}, 64, 4);
+  h.add(1, 3, 1, 5);                      // A
+  h.add(2, 3, 1, -1);                     // Z
+  h.step();                               // both run
+  ASSERT_TRUE(h.sched.make_room(63, 9));  // Z, the lowest ranked, is preempted
+  ASSERT_FALSE(h.sched.find(2)->running);
+  h.add(3, 3, 1, 0);                                    // X, never admitted
+  EXPECT_TRUE(h.sched.accept().empty());                // X and Z wait, one slot free: full
+  EXPECT_TRUE(h.sched.add({4, prompt(3), 1, 1}).ok());  // N, over the bound, to displace X
+  StepPlan p = h.sched.schedule();                      // but X takes the free slot first
+  h.sched.complete(p);
+  ASSERT_TRUE(h.sched.find(3)->running);
+  EXPECT_TRUE(h.sched.accept().empty());  // N and Z (preempted) wait: nobody below N to displace
+  EXPECT_FALSE(h.sched.find(4)->displaced);
+  EXPECT_EQ(h.sched.num_waiting(), 2);
+}
+
+// --max-waiting and --max-running are only bounded by INT_MAX: their sum wrapped negative, and
+// every submission was refused as over a full queue.
+TEST(Scheduler, BoundsNearIntMaxDoNotOverflow) {
+  for (const auto& [running, waiting] : {std::pair{2, INT_MAX}, {INT_MAX, 1}, {INT_MAX, INT_MAX}}) {
+    Harness h({.max_batch_tokens = 100, .max_running = running, .max_waiting = waiting});
+    for (SeqId id = 1; id <= 3; ++id)
+      EXPECT_TRUE(h.sched.add({id, prompt(3), 1, 0}).ok()) << running << " " << waiting;
+    EXPECT_TRUE(h.sched.accept().empty());
+    h.step();
+    EXPECT_EQ(h.sched.num_running() + h.sched.num_waiting(), 3);
+  }
 }
 
 TEST(Scheduler, BatchRowsAreOrderedByRecursionDescending) {

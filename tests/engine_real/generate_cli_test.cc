@@ -178,6 +178,14 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       // Printed with enough digits to differ from the bound it breaks.
       {{"--top-p", "1.0000001"}, "--top-p must be in (0, 1] (got 1.00000012)"},
       {{"--min-p", "1.5"}, "--min-p must be in [0, 1] (got 1.5)"},
+      // Values a float cannot hold are quoted as typed: they were inf and 0 ("(got inf)").
+      {{"--temperature", "1e39"},
+       "option '--temperature': expected a decimal number like 0.5, got '1e39'"},
+      {{"--top-p", "1e-50"}, "option '--top-p': expected a decimal number like 0.5, got '1e-50'"},
+      // A flag where the value should be is not taken as the value.
+      {{"--kv-cache-dtype", "--json"},
+       "option '--kv-cache-dtype' needs a value, but '--json' follows it, an option of its own; "
+       "for that text as the value write --kv-cache-dtype=--json"},
       {{"--repetition-penalty", "0"}, "--repetition-penalty must be in [0.01, 100]"},
       {{"--presence-penalty", "3"}, "--presence-penalty must be in [-2, 2] (got 3)"},
       {{"--frequency-penalty", "-2.5"}, "--frequency-penalty must be in [-2, 2] (got -2.5)"},

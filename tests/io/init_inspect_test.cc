@@ -1,7 +1,9 @@
 // `cemlm init` and `cemlm inspect` through their entry points: flags, exit codes, a loadable
 // and seed-deterministic checkpoint, and inspect's counts against count_params.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -105,6 +107,18 @@ TEST(InspectCommand, PrintsCountsNextToTheBaseline) {
   }
   EXPECT_EQ(run(cli::cmd_inspect, {dir + "/nothing"}), 1);
   EXPECT_EQ(run(cli::cmd_inspect, {}), 2);
+}
+
+// A directory whose config.json is a FIFO is refused at once, as loading the checkpoint refuses
+// it: inspect read it directly and waited for a writer for good.
+TEST(InspectCommand, AConfigThatIsNoRegularFileIsRefused) {
+  const std::string dir = fresh_dir() + "/fifo";
+  std::filesystem::create_directories(dir);
+  ASSERT_EQ(::mkfifo((dir + "/config.json").c_str(), 0600), 0);
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(run(cli::cmd_inspect, {dir}), 1);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("'" + dir + "/config.json' is not a regular file"), std::string::npos) << err;
 }
 
 }  // namespace

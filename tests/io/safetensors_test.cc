@@ -113,6 +113,12 @@ std::vector<BadFile> bad_files() {
       {"metadata key with a newline", safetensors_bytes(R"({"__metadata__":{"k\n":1}})", ""),
        "'__metadata__.k\\n' must be a string"},
       {"unknown dtype", one(R"({"dtype":"I64","shape":[1],"data_offsets":[0,8]})", body(8)), "'w'"},
+      // The dtype is quoted escaped (a right-to-left override went into the message as it was).
+      {"dtype with a right-to-left override",
+       one("{\"dtype\":\"F\xe2\x80\xae"
+           "32\",\"shape\":[1],\"data_offsets\":[0,4]}",
+           body(4)),
+       "dtype \"F\\u202e32\" is not supported"},
       {"entry not an object", one("[]", ""), "'w'"},
       // A name is escaped in the error: a newline would forge a log line.
       {"name with a newline",

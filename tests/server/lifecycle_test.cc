@@ -255,7 +255,10 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       {"--port 99999", "--port 99999 is not a port"},
       {"--port -5", "--port -5 is not a port"},
       {"--metrics-port 70000", "--metrics-port 70000 is not a port"},
-      {"--shutdown-timeout -1", "--shutdown-timeout -1 must be >= 0"},
+      {"--shutdown-timeout -1", "--shutdown-timeout -1 must be in [0, 1e6] seconds"},
+      // Past the bound the drain deadline overflowed into the past: no drain at all.
+      {"--shutdown-timeout inf", "--shutdown-timeout inf must be in [0, 1e6] seconds"},
+      {"--shutdown-timeout 1e10", "--shutdown-timeout 1e+10 must be in [0, 1e6] seconds"},
       {"--keepalive-time -1", "--keepalive-time -1 must be >= 0 seconds"},
       {"--keepalive-timeout 0", "--keepalive-timeout 0 must be > 0 seconds"},
       {"--keepalive-timeout nan", "--keepalive-timeout nan must be > 0 seconds"},

@@ -72,6 +72,14 @@ TEST(MetricsHttp, ServesMetricsAndAnswersEverythingElseWithAnError) {
   const std::string huge = http_exchange("127.0.0.1", s->port(), "GET /" + std::string(9000, 'a'));
   EXPECT_EQ(huge.rfind("HTTP/1.1 431", 0), 0u) << huge.substr(0, 40);
   EXPECT_EQ(get(s->port(), "/metrics").rfind("HTTP/1.1 200", 0), 0u) << "still serving";
+  // The bound is on the head, 8 KiB, even one that ends within the read that crosses it (a 9 KB
+  // head, read 4 KiB at a time, was answered).
+  auto padded = [&](size_t pad) {
+    return http_exchange("127.0.0.1", s->port(),
+                         "GET /metrics HTTP/1.1\r\nX-Pad: " + std::string(pad, 'a') + "\r\n\r\n");
+  };
+  EXPECT_EQ(padded(9000).rfind("HTTP/1.1 431", 0), 0u);
+  EXPECT_EQ(padded(8000).rfind("HTTP/1.1 200", 0), 0u);
   // The absolute form a proxy sends, and empty lines before the request line (RFC 9112).
   EXPECT_EQ(get(s->port(), "http://127.0.0.1/metrics").rfind("HTTP/1.1 200", 0), 0u);
   EXPECT_EQ(http_exchange("127.0.0.1", s->port(), "\r\n\r\nGET /metrics HTTP/1.1\r\n\r\n")

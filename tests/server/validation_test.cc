@@ -561,12 +561,12 @@ TEST_F(ServerValidation, WithoutKeysAnyAuthorizationIsIgnored) {
 
 // One call of `method` with `body` as its serialized request, whatever the method's type.
 grpc::Status raw_call(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
-                      const std::string& body) {
+                      const std::string& body, const std::string& api_key = "") {
   grpc::GenericStub stub(channel);
   grpc::Slice slice(body);
   grpc::ByteBuffer request(&slice, 1);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  prepare(&ctx, {api_key, std::chrono::milliseconds(10000)});
   grpc::CompletionQueue cq;
   std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
       stub.PrepareUnaryCall(&ctx, method, request, &cq);
@@ -578,6 +578,31 @@ grpc::Status raw_call(const std::shared_ptr<grpc::Channel>& channel, const std::
   bool ok = false;
   if (!cq.Next(&tag, &ok)) return grpc::Status(grpc::StatusCode::UNKNOWN, "no completion");
   return status;
+}
+
+// With API keys on, a wrong key is UNAUTHENTICATED first, whatever the body: a caller without
+// one learned the request types' names from INVALID_ARGUMENT, and was counted and logged as a
+// client with a malformed body.
+TEST(ServerAuth, AMalformedBodyWithoutAKeyIsUnauthenticated) {
+  const std::string dir = fresh_temp_dir();
+  const std::string model = make_tiny_model(dir), keys = dir + "/keys.txt";
+  std::ofstream(keys) << "alpha-key\n";
+  auto server = ServerProcess::start(model, {"--api-key-file", keys});
+  ASSERT_TRUE(server);
+  const std::string body = "\x08" + std::string(10, '\xff');  // a varint longer than any may be
+  for (const std::string m : {"Generate", "Score", "GetModelInfo"}) {
+    for (const std::string key : {"", "wrong"}) {
+      const grpc::Status st = raw_call(server->channel(), "/cemlm.v1.Inference/" + m, body, key);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+          << m << " key '" << key << "': " << st.error_message();
+    }
+    const grpc::Status st =
+        raw_call(server->channel(), "/cemlm.v1.Inference/" + m, body, "alpha-key");
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << m << ": " << st.error_message();
+  }
+  const auto metrics = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(metrics, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 6);
 }
 
 // A call whose deadline passes before its body is sent reaches the server with no message, as a

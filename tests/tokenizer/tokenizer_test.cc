@@ -261,13 +261,14 @@ TEST(TokenizerLoad, ErrorsNameThePath) {
       << huge;
 }
 
-// A protobuf length-delimited field: tag, length, bytes.
+// A protobuf length-delimited field: tag, length (both varints), bytes.
 std::string proto_bytes(int field, const std::string& bytes) {
-  std::string out(1, char((field << 3) | 2));
-  for (size_t n = bytes.size();; n >>= 7) {
-    out += char((n & 0x7F) | (n >= 0x80 ? 0x80 : 0));
-    if (n < 0x80) break;
-  }
+  std::string out;
+  for (size_t v : {size_t(field) << 3 | 2, bytes.size()})
+    for (size_t n = v;; n >>= 7) {
+      out += char((n & 0x7F) | (n >= 0x80 ? 0x80 : 0));
+      if (n < 0x80) break;
+    }
   return out + bytes;
 }
 
@@ -392,6 +393,26 @@ TEST_F(TokenizerTest, LoadRefusesAPieceThatSentencePieceCannotIndex) {
   EXPECT_NE(error.find("SentencePiece cannot index its pieces: failed to insert key"),
             std::string::npos)
       << error;
+}
+
+// A model whose trainer_spec.unk_piece names a piece that is not of type UNKNOWN has no unknown
+// id (SentencePiece gives -1): decode() stands it in for ids past the pieces, and SentencePiece
+// refused that, which aborted the process at the first such id (a Detokenize call could send one).
+TEST_F(TokenizerTest, LoadRefusesAModelWithoutAnUnknownPiece) {
+  std::string model, error;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &model, &error)) << error;
+  const std::string path = *dir_ + "/no_unk.model";
+  // trainer_spec (2) with unk_piece (45) = "e", an ordinary piece.
+  write_file(path, model + proto_bytes(2, proto_bytes(45, "e")));
+  error = load_error(path);
+  EXPECT_NE(error.find(path), std::string::npos) << error;
+  EXPECT_NE(error.find("has no unknown piece"), std::string::npos) << error;
+  // unk_piece naming the model's own unknown piece loads, and decodes an id past the pieces.
+  write_file(path, model + proto_bytes(2, proto_bytes(45, tok_->id_to_piece(tok_->unk_id()))));
+  const auto same = Tokenizer::load(path, &error);
+  ASSERT_NE(same, nullptr) << error;
+  EXPECT_EQ(same->decode(std::vector<int>{same->vocab_size() + 5}),
+            tok_->decode(std::vector<int>{tok_->unk_id()}));
 }
 
 // SentencePiece refuses to encode some texts of some well-formed models: an error for the caller

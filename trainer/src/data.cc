@@ -154,14 +154,21 @@ absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
   std::vector<std::string> found, why_skipped;
   if (!collect_text_files(inputs, &found, &error, &c.skipped, &why_skipped))
     return absl::NotFoundError(absl::StrCat("--data: ", error));
+  // The resolved path, or where symlinks cannot be resolved (a loop) the lexical absolute one.
+  auto resolved = [](const std::string& p) {
+    std::error_code ec;
+    const fs::path abs = fs::absolute(p, ec).lexically_normal();
+    fs::path r = fs::weakly_canonical(abs, ec);
+    return ec ? abs : r;
+  };
   std::vector<fs::path> excluded;
   for (const std::string& d : exclude) {
-    fs::path p = fs::weakly_canonical(fs::absolute(d));
+    fs::path p = resolved(d);
     if (!p.has_filename()) p = p.parent_path();
     excluded.push_back(p);
   }
   auto is_excluded = [&](const std::string& p) {
-    const fs::path abs = fs::weakly_canonical(fs::absolute(p));
+    const fs::path abs = resolved(p);
     return std::any_of(excluded.begin(), excluded.end(),
                        [&](const fs::path& d) { return inside(abs, d); });
   };

@@ -375,8 +375,9 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
     tokenizer_path_ = in_cache(kTokenizerFile);
     const std::string key = absl::StrCat(absl::Hex(corpus.key), "-", cfg_.vocab_size);
     std::string cached, error;
+    std::error_code ec;
     if (read_file(in_cache(kTokenizerKeyFile), &cached, &error) && cached == key &&
-        fs::exists(tokenizer_path_)) {
+        fs::exists(tokenizer_path_, ec)) {
       info(absl::StrCat("tokenizer: reusing ", tokenizer_path_));
     } else {
       info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ", corpus.paths.size(),

@@ -35,6 +35,10 @@ struct Checkpoint {
   std::string tokenizer_path;  // <dir>/tokenizer.model, or empty when the directory has none
 };
 
+// A checkpoint directory's config.json; one that is not a regular file (a FIFO would make the
+// read wait forever for a writer) is refused.
+absl::StatusOr<ModelConfig> load_checkpoint_config(const std::string& dir);
+
 // Missing, extra or mis-shaped tensors, a truncated body and non-finite values are errors that
 // name the tensor. BF16/F16 weights are converted to F32.
 absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir);

@@ -161,7 +161,9 @@ class Scheduler {
   // Priorities of the waiting sequences never admitted (those a full queue may displace), in
   // ascending order, less those accept() named for displacement; likewise.
   std::vector<int> displaceable_published_;
-  int over_bound_ = 0;  // sequences accepted into a full queue, for accept() to displace as many
+  // The priorities of the sequences accepted into a full queue: accept() displaces one of lower
+  // priority for each, where the queue is still over its bound.
+  std::vector<int> over_bound_;
   uint64_t next_arrival_ = 0;
 };
 

@@ -24,24 +24,34 @@ case "$kind" in
 esac
 build=build-${kind:0:1}san
 PLUGIN_SUITES='^(EngineText|GenerateCliText|Server(Auth|Deadlines|Drain|Files|Generate|Lifecycle|Queue|Tls|Tokenizer|Validation)|Tokenizer|DataTest|Train|paper_)'
-scripts/setup.sh > /dev/null  # the Debian packages (and the normal build)
 mkdir -p "$build"
+# A step that fails shows the end of its log (set -e alone would exit without a word).
+failed_step() {
+  echo "sanitize: $1 failed; the end of $2:" >&2
+  tail -50 "$2" >&2
+  exit 1
+}
+CEMLM_SETUP_TESTS=1 scripts/setup.sh > "$build/setup.log" 2>&1 ||  # the Debian packages (and the normal build)
+  failed_step "scripts/setup.sh" "$build/setup.log"
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCEMLM_CUDA=OFF \
   -DCMAKE_CXX_FLAGS="$flags -fno-omit-frame-pointer$extra" -DCMAKE_EXE_LINKER_FLAGS="$flags" \
-  -DCMAKE_SHARED_LINKER_FLAGS="$flags" > "$build/build.log"
+  -DCMAKE_SHARED_LINKER_FLAGS="$flags" > "$build/build.log" 2>&1 ||
+  failed_step "configuring $build" "$build/build.log"
 log=$build/sanitize.log
+ctest_rc=0
 reports=$build/reports
 rm -rf "$reports" && mkdir -p "$reports"
 if [ "$kind" = address ]; then
-  cmake --build "$build" -j"$(nproc)" >> "$build/build.log"
+  cmake --build "$build" -j"$(nproc)" >> "$build/build.log" 2>&1 ||
+    failed_step "building $build" "$build/build.log"
   # A test asks for a 4 PiB KV cache on purpose: the allocator must fail it, not abort.
   export ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:log_path=$PWD/$reports/asan
   export UBSAN_OPTIONS=print_stacktrace=1:log_path=$PWD/$reports/ubsan
   export OMP_WAIT_POLICY=passive
-  ctest --test-dir "$build" -j2 --timeout 1800 --output-on-failure > "$log" 2>&1 || true
+  ctest --test-dir "$build" -j2 --timeout 1800 --output-on-failure > "$log" 2>&1 || ctest_rc=$?
 else
   cmake --build "$build" -j"$(nproc)" --target engine_test engine_real_test parallel_test \
-    >> "$build/build.log"
+    >> "$build/build.log" 2>&1 || failed_step "building $build" "$build/build.log"
   export OMP_THREAD_LIMIT=1
   export TSAN_OPTIONS=allocator_may_return_null=1:log_path=$PWD/$reports/tsan
   # NoThreadOutlivesTheEngine counts threads, and TSan adds one of its own; TSan refuses threads
@@ -49,13 +59,25 @@ else
   ctest --test-dir "$build" -j2 --timeout 1800 --output-on-failure \
     -R '^(Engine|Variants/EngineReal|ComputePool)' \
     -E 'NoThreadOutlives|EngineText|Cli|Fork|NeverComes|Rest' \
-    > "$log" 2>&1 || true
+    > "$log" 2>&1 || ctest_rc=$?
 fi
-python3 - "$log" "$reports" "$PLUGIN_SUITES" <<'EOF'
+python3 - "$log" "$reports" "$PLUGIN_SUITES" "$ctest_rc" <<'EOF'
 import pathlib, re, sys
-log, reports, plugin_suites = sys.argv[1:4]
+log, reports, plugin_suites, ctest_rc = sys.argv[1:5]
 text = open(log).read()
-failed = re.findall(r"^\s*\d+ - (\S+) \(Failed\)", text, re.M)
+# ctest's list after "The following tests FAILED:", one line each, whatever the way it failed:
+# "  12 - Suite.Name (Failed)", "(Timeout)", "(Subprocess aborted)", "(SEGFAULT)", "(Not Run)",
+# and parameterised names with "  # GetParam() = …" before the parenthesis.
+failed = []
+if "The following tests FAILED:" in text:
+    for line in text.split("The following tests FAILED:", 1)[1].splitlines()[1:]:
+        m = re.match(r"^\s*\d+ - (\S+).*\([^()]+\)\s*$", line)
+        if not m:
+            break
+        failed.append(m.group(1))
+if ctest_rc != "0" and not failed:
+    print(f"sanitize: ctest exited {ctest_rc} without a list of failed tests; see {log}")
+    sys.exit(1)
 blocked = [n for n in failed if re.match(plugin_suites, n)]
 real = [n for n in failed if n not in blocked]
 total = re.search(r"tests failed out of (\d+)", text)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages cemlm needs (only those missing) and builds it into ./build.
-# Usage: scripts/setup.sh [extra cmake args]. Needs root (or sudo) for apt-get on a fresh machine.
+# Usage: [CEMLM_SETUP_TESTS=1] scripts/setup.sh [extra cmake args]. Needs root (or sudo) for
+# apt-get on a fresh machine. CEMLM_SETUP_TESTS=1 (scripts/test.sh) adds what only the tests use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,8 +13,12 @@ PACKAGES=(
   libopenblas-openmp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   fortunes fortunes-min
-  python3 python3-yaml python3-grpcio python3-protobuf prometheus shellcheck curl
+  python3 python3-yaml python3-grpcio python3-protobuf shellcheck curl
 )
+# promtool, for the deploy checks of the alert rules: the prometheus package's. Its install also
+# starts and enables a Prometheus server on :9090, which is stopped and disabled again below.
+TEST_PACKAGES=(prometheus)
+[ "${CEMLM_SETUP_TESTS:-0}" = 1 ] && PACKAGES+=("${TEST_PACKAGES[@]}")
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -25,6 +30,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now prometheus > /dev/null 2>&1 || true
+  fi
 fi
 
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "$@" > build.log 2>&1 || { cat build.log; exit 1; }

@@ -25,11 +25,11 @@ before the service sees them (not in requests_total), as docs/API.md says.
 import argparse
 import collections
 import importlib
-import json
 import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -347,13 +347,17 @@ def start_server(args, log_path):
     line = proc.stdout.readline()
     ports = re.search(r"grpc port (\d+), metrics port (\d+)", line)
     # The ports come before the model is loaded: the baseline is taken once it serves.
+    serving = False
     for _ in range(1200):
-        if not ports or proc.poll() is not None or " info serving " in open(log_path).read():
+        serving = " info serving " in open(log_path).read()
+        if not ports or proc.poll() is not None or serving:
             break
         time.sleep(0.1)
-    if not ports or proc.poll() is not None:
+    if not serving:
         proc.kill()
-        sys.exit("cemlm serve did not start: " + line + open(log_path).read())
+        proc.wait()
+        sys.exit("cemlm serve did not start serving within 120 s: " + line +
+                 open(log_path).read())
     return proc, int(ports.group(1)), int(ports.group(2))
 
 
@@ -368,7 +372,7 @@ def load_stubs(out_dir):
 
 
 def main():
-    global grpc, pb, pbg, ADDR, CEMLM
+    global grpc, pb, pbg, CEMLM
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cemlm", default=os.path.join(ROOT, "build/cli/cemlm"),
                     help="the cemlm binary (default: build/cli/cemlm in this repository)")
@@ -394,7 +398,20 @@ def main():
     finally:
         shutil.rmtree(stubs)
     log_path = os.path.join(out, "serve.log")
+    # SIGTERM (a CI runner's, a supervisor's) ends the soak through the finally below, which
+    # stops the server too: it was left running, re-parented to init.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("soak: SIGTERM"))
     server, port, mport = start_server(args, log_path)
+    try:
+        return soak(args, server, port, mport, log_path)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def soak(args, server, port, mport, log_path):
+    global ADDR
     ADDR, url = "127.0.0.1:%d" % port, "http://127.0.0.1:%d/metrics" % mport
     print("cemlm serve pid %d, grpc %s, metrics %s, log %s" % (server.pid, ADDR, url, log_path))
     # One call of each kind first: gRPC opens some of its descriptors (pollers) at the first call.
@@ -438,8 +455,11 @@ def main():
                                    sum(v for k, v in extra.items() if k.startswith("killer_")),
                                    sum(server_counts.values()), dict(extra)))
     server.terminate()
-    if server.wait(timeout=60) != 0:
-        problems.append("SIGTERM: exit %d" % server.returncode)
+    try:
+        if server.wait(timeout=60) != 0:
+            problems.append("SIGTERM: exit %d" % server.returncode)
+    except subprocess.TimeoutExpired:
+        problems.append("SIGTERM: still running 60 s later (killed)")
     bad = [ln for ln in open(log_path) if not re.match(r"\S+ info ", ln)]
     if bad:
         problems.append("%d log lines above info, the first: %s" % (len(bad), bad[0].strip()))

@@ -118,6 +118,20 @@ absl::Status write_contents(const fs::path& tmp, const ModelConfig& config,
   return write_extra ? write_extra(tmp.string()) : absl::OkStatus();
 }
 
+// Whether `dir` is the root of a mount (a Docker or Kubernetes volume): the kernel's word where it
+// has one (Linux 5.8 on), else a device other than its parent's (a bind mount of the same
+// filesystem then goes unseen).
+bool is_mount_point(const fs::path& dir) {
+  struct statx sx {};
+  if (::statx(AT_FDCWD, dir.c_str(), 0, STATX_BASIC_STATS, &sx) == 0 &&
+      (sx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT))
+    return (sx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
+  struct stat self {
+  }, parent{};
+  return ::stat(dir.c_str(), &self) == 0 && ::stat((dir / "..").c_str(), &parent) == 0 &&
+         self.st_dev != parent.st_dev;
+}
+
 // Replaces `target` with `tmp`; afterwards `tmp`, if it still exists, holds what is to delete.
 absl::Status publish(const fs::path& tmp, const fs::path& target, bool target_exists) {
   if (!target_exists) {
@@ -201,6 +215,12 @@ absl::Status check_checkpoint_target(const std::string& dir) {
         "'", target.string(),
         "' exists and is not a checkpoint directory (no config.json); refusing to replace it: "
         "choose another output directory or remove it"));
+  if (fs::is_directory(target, ec) && is_mount_point(target))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "'", target.string(),
+        "' is a mount point (a volume): a save swaps a new directory in for it, which a mount "
+        "point cannot be; write into a directory inside it, like ",
+        (target / "run1").string(), " (and serve that)"));
   if (fs::is_directory(target, ec))
     for (fs::directory_iterator it(target, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string name = it->path().filename().string();

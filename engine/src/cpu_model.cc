@@ -3,6 +3,7 @@
 #include "cemlm/engine/cpu_model.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -40,7 +41,9 @@ KvPool::KvPool(const ModelConfig& c, int block_size, int64_t n_blocks, KvDtype d
 
 int64_t KvPool::blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes,
                                   KvDtype dtype) {
-  return bytes / (int64_t(block_size) * c.kv_bytes_per_token(dtype));
+  // Block tables hold int32 ids: a larger pool (a tiny model's at a budget of hundreds of GB)
+  // would give two blocks one id.
+  return std::min<int64_t>(bytes / (int64_t(block_size) * c.kv_bytes_per_token(dtype)), INT32_MAX);
 }
 
 int64_t KvPool::bytes_per_token() const {

@@ -27,6 +27,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -234,6 +235,7 @@ class Pool {
       if (std::exchange(posted_[size_t(i)], char(0))) post(helpers_[size_t(i)]->box);
     member(0);
     pending_.wait([](uint32_t left) { return left == 0; });
+    rethrow_failure();
   }
 
   // fn(arg, c) for c in [0, chunks), each claimed by the caller or by a pool thread of the
@@ -271,6 +273,7 @@ class Pool {
     }
     for (int i = 0; i < threads - 1; ++i)
       if (std::exchange(posted_[size_t(i)], char(0))) heard_from(*helpers_[size_t(i)]);
+    rethrow_failure();
   }
 
   void barrier() {
@@ -287,8 +290,32 @@ class Pool {
  private:
   void member(int index) {
     t_member = {this, index, size_};
-    fn_(arg_);
+    // (A team body that meets barriers must not throw between them: the others would wait.)
+    run_guarded([&] { fn_(arg_); });
     t_member = {};
+  }
+
+  // f(), with what it throws (std::bad_alloc from a chunk's buffers, chiefly) kept for the
+  // caller: thrown on a pool thread it would end the process, and thrown out of the caller's
+  // own share it would leave the job's other threads running on a frame already unwound.
+  template <typename F>
+  void run_guarded(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      std::lock_guard lock(failure_mu_);
+      if (!failure_) failure_ = std::current_exception();
+    }
+  }
+
+  // After a job, every thread done with it: the first exception one of them threw, on the caller.
+  void rethrow_failure() {
+    std::exception_ptr e;
+    {
+      std::lock_guard lock(failure_mu_);
+      e = std::exchange(failure_, nullptr);
+    }
+    if (e) std::rethrow_exception(e);
   }
 
   // Claims chunk job `job`'s chunks and runs them until none is left, as thread `index` (0: the
@@ -311,7 +338,7 @@ class Pool {
         const uint32_t chunks = chunks_;
         t_member = {this, index, chunk_threads_.load(std::memory_order_relaxed)};
         if (h) h->running.store(1, std::memory_order_relaxed);
-        fn(arg, next);
+        run_guarded([&] { fn(arg, next); });
         if (h) {
           h->running.store(0, std::memory_order_relaxed);
           h->helped.fetch_add(1, std::memory_order_relaxed);
@@ -414,6 +441,8 @@ class Pool {
   uint32_t job_ = 0;                   // chunk jobs started
   std::array<Range, detail::kMaxChunkThreads> ranges_;
   Signal done_;  // chunks run
+  std::mutex failure_mu_;
+  std::exception_ptr failure_;  // the current job's first exception
 };
 
 thread_local std::unique_ptr<Pool> t_pool;  // the pool of the teams this thread starts

@@ -25,6 +25,8 @@ namespace {
 using SteadyClock = std::chrono::steady_clock;
 
 constexpr int kMaxConnections = 64;
+// Prompt tokens per request at most: each request in flight holds its prompt (4 bytes a token).
+constexpr int kMaxPromptLen = 1 << 20;
 
 struct BenchFlags {
   int concurrency = 1, requests = 16, recursion = 0, max_new_tokens = 64, prompt_len = 32;
@@ -122,6 +124,11 @@ class Driver {
         mine_.overhead.push_back(e2e_ - engine_e2e_);
         if (!mine_.ttft.empty()) mine_.first_overhead.push_back(mine_.ttft.back() - engine_ttft_);
       } else {
+        // A failed stream's partial timings and tokens are not those of an answer: the
+        // percentiles and token rate are over the requests that completed ("ok").
+        mine_.ttft.clear();
+        mine_.itl.clear();
+        mine_.tokens = 0;
         const std::string code = server::grpc_code_name(status.error_code());
         ++mine_.errors[code];
         mine_.first_error.try_emplace(code, status.error_message());
@@ -235,12 +242,12 @@ int cmd_bench_serve(int argc, char** argv) {
                 std::to_string(kMaxConnections) +
                 "); each adds its own reads and writes on both sides");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
-  if (f.concurrency < 1 || f.requests < 1 || f.prompt_len < 1 || f.connections < 1 ||
-      f.connections > kMaxConnections) {
+  if (f.concurrency < 1 || f.requests < 1 || f.max_new_tokens < 1 || f.prompt_len < 1 ||
+      f.prompt_len > kMaxPromptLen || f.connections < 1 || f.connections > kMaxConnections) {
     std::fprintf(stderr,
-                 "error: --concurrency, --requests and --prompt-len must be >= 1, --connections in "
-                 "[1, %d]\n",
-                 kMaxConnections);
+                 "error: --concurrency, --requests and --max-new-tokens must be >= 1, "
+                 "--prompt-len in [1, %d], --connections in [1, %d]\n",
+                 kMaxPromptLen, kMaxConnections);
     return 2;
   }
   const int n_conn = f.connections;

@@ -222,7 +222,7 @@ int client_generate(int argc, char** argv) {
     last = msg;
   }
   grpc::Status status = reader->Finish();
-  if (!g.json) std::printf("\n");
+  if (!g.json && (status.ok() || !text.empty())) std::printf("\n");  // ends the streamed line
   if (!status.ok()) return report_error(status);
   // A drawn seed is reported (--json has it as "seed"), so that a sample can be made again.
   if (!g.json && !flags.given("seed") &&

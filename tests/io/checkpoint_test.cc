@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -344,6 +345,29 @@ TEST(Checkpoint, SaveRefusesACheckpointDirectoryHoldingOtherFiles) {
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(loaded->params.flat(), random_params(c, 2).flat()) << "a refused save changed it";
   EXPECT_EQ(list_dir(dir), std::vector<std::string>{"ck"}) << "temporary directory left";
+}
+
+// A volume's mount point (Docker's, a Kubernetes PVC's) cannot be swapped for a new directory:
+// the save failed with EBUSY after the whole training. It is refused up front, naming a
+// directory inside it, which works.
+TEST(Checkpoint, SaveRefusesAMountPointUpFront) {
+  const std::string vol = fresh_dir() + "/vol";
+  fs::create_directories(vol);
+  if (::mount("tmpfs", vol.c_str(), "tmpfs", 0, "size=16m") != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{vol};
+  const ModelConfig c = config_of(small_config());
+  const absl::Status st = check_checkpoint_target(vol);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("'" + vol + "' is a mount point"), std::string::npos) << st;
+  EXPECT_NE(st.message().find(vol + "/run1"), std::string::npos) << st;
+  EXPECT_EQ(save_checkpoint(vol, c, random_params(c, 1)).code(), st.code());
+  ASSERT_TRUE(save_checkpoint(vol + "/run1", c, random_params(c, 1)).ok());
+  ASSERT_TRUE(save_checkpoint(vol + "/run1", c, random_params(c, 2)).ok());
+  EXPECT_TRUE(load_checkpoint(vol + "/run1").ok());
 }
 
 // An output path that is a symbolic link (models/latest -> run3) saves into what it points at,

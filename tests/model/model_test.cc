@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
 
 #include "cemlm/engine/cpu_model.h"
@@ -147,6 +148,9 @@ TEST_P(ModelTest, KvPoolHoldsTheBytesPerTokenItIsBudgetedFor) {
         std::pair{KvDtype::kInt8, numbers + 4 * scales}}) {
     EXPECT_EQ(cfg_.kv_bytes_per_token(dtype), want) << int(dtype);
     EXPECT_EQ(KvPool(cfg_, 16, 3, dtype).bytes_per_token(), want) << int(dtype);
+    EXPECT_EQ(KvPool::blocks_for_budget(cfg_, 16, 160 * want, dtype), 10) << int(dtype);
+    // Block ids are int32: a budget for more blocks gets as many as the ids can tell apart.
+    EXPECT_EQ(KvPool::blocks_for_budget(cfg_, 1, INT64_MAX, dtype), INT32_MAX) << int(dtype);
   }
 }
 

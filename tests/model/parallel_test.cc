@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,6 +131,51 @@ TEST(ComputePool, ALoopRunsInContiguousChunksOnSeveralThreads) {
       ASSERT_EQ(who[size_t(j)], who[size_t(i)]) << "items " << j << " and " << i;
     }
   }
+}
+
+// A loop body that throws (std::bad_alloc from a chunk's buffers) reaches the caller once every
+// thread is done with the loop, whichever thread threw, and the pool goes on serving loops; a
+// team member's exception likewise. (Thrown on a pool thread it ended the process; on the caller
+// it left the other threads running chunks of a frame already unwound.)
+TEST(ComputePool, AnExceptionInALoopReachesTheCallerAndThePoolGoesOn) {
+  Threads scope(3);
+  bool pool_thread_threw = false;
+  for (int attempt = 0; attempt < 50 && !pool_thread_threw; ++attempt) {
+    std::atomic<int> ran{0};
+    std::atomic<bool> threw_off_caller{false};
+    bool caught = false;
+    try {
+      parallel_for(64, true, [&](int64_t i) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        ran.fetch_add(1);
+        if (i % 8 == 3) {
+          if (team_thread() != 0) threw_off_caller = true;
+          throw std::runtime_error("item " + std::to_string(i));
+        }
+      });
+    } catch (const std::runtime_error& e) {
+      caught = std::string(e.what()).starts_with("item ");
+    }
+    ASSERT_TRUE(caught);
+    EXPECT_FALSE(in_parallel());
+    const int seen = ran.load();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    EXPECT_EQ(ran.load(), seen) << "a chunk ran on after the loop returned";
+    pool_thread_threw = threw_off_caller;
+    expect_each_once(300, [](int64_t m, auto body) { parallel_for(m, true, body); });
+  }
+  EXPECT_TRUE(pool_thread_threw) << "no pool thread ran a throwing item in 50 loops";
+  bool caught = false;
+  try {
+    parallel_team(3, [] {
+      if (team_thread() == team_size() - 1) throw std::runtime_error("member");
+    });
+  } catch (const std::runtime_error&) {
+    caught = true;
+  }
+  EXPECT_TRUE(caught);
+  EXPECT_FALSE(in_parallel());
+  expect_each_once(300, [](int64_t m, auto body) { parallel_for_dynamic(m, true, body); });
 }
 
 TEST(ComputePool, TeamThreadsAreNumberedAndTheBarrierHoldsEveryoneBack) {

@@ -743,6 +743,8 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_NE(out.find("concurrency 4  connections 2"), std::string::npos) << out;
   EXPECT_NE(out.find("ok 6  errors 0"), std::string::npos) << out;
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--connections", "0"}, &out), 2);
+  EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--max-new-tokens", "0"}, &out), 2);
+  EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--prompt-len", "2000000"}, &out), 2);
   // Failed requests are counted by code, with each code's first message (and the closed loop
   // still runs them all).
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "3", "--requests", "7",

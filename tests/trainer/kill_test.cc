@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -96,7 +97,8 @@ int64_t saved_step(const std::string& out_dir) {
   return at == std::string::npos ? -1 : std::stoll(state.substr(at + 8));
 }
 
-// SIGTERM (docker stop) and then SIGINT (Ctrl-C) on the resumed run: each run finishes its step,
+// SIGTERM (docker stop), then SIGINT (Ctrl-C) and SIGHUP (the terminal closed) on the resumed
+// runs: each run finishes its step,
 // saves although no periodic save is due, and exits with 128 + the signal's number (so that
 // `cemlm train … && cemlm serve …` stops); the next run resumes from the step it saved.
 TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
@@ -109,7 +111,7 @@ TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
       "--eval-every", "100000",     "--batch-size", "2",           "--seq-len",    "16",
       "--threads",  "1",            "--log-every",  "1"};
   int64_t last_step = 0;
-  for (int sig : {SIGTERM, SIGINT}) {
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
     auto run_args = args;
     if (last_step > 0) run_args.push_back("--resume");
     const size_t log_before = fs::exists(log) ? fs::file_size(log) : 0;
@@ -141,6 +143,54 @@ TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
     EXPECT_GT(step, last_step + 2) << text;  // saved where it stopped, not at a periodic save
     last_step = step;
   }
+}
+
+// Output piped to a reader that Ctrl-C ended too (`cemlm train … | tee log`): the run still
+// saves and exits 130. Its next progress line killed it with SIGPIPE, before the save.
+TEST(TrainKill, SigintWithTheOutputsReaderGoneStillSaves) {
+  const std::string dir = testing_trainer::fresh_dir();
+  TrainOptions o = testing_trainer::tiny_options(dir);
+  std::vector<std::string> args = {CEMLM_BINARY,   "train",   "--config",     o.config_path,
+                                   "--data",       o.data[0], "--out",        o.out_dir,
+                                   "--steps",      "100000",  "--save-every", "100000",
+                                   "--eval-every", "100000",  "--batch-size", "2",
+                                   "--seq-len",    "16",      "--threads",    "1",
+                                   "--log-every",  "1"};
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 2);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  // Read until the run has logged a few steps, then close the pipe as the reader's death would.
+  std::string text;
+  char buf[4096];
+  size_t steps = 0;
+  while (steps < 3) {
+    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    ASSERT_GT(n, 0) << text;
+    text.append(buf, size_t(n));
+    steps = 0;
+    for (size_t at = text.find("\nstep "); at != std::string::npos;
+         at = text.find("\nstep ", at + 1))
+      ++steps;
+  }
+  ::close(fds[0]);
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status) << " instead of saving";
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT);
+  ASSERT_TRUE(load_checkpoint(o.out_dir).ok());
+  EXPECT_GE(saved_step(o.out_dir), 3);
 }
 
 // SIGINT while the tokenizer trains: the run stops once that part is done, before any step, with

@@ -129,6 +129,7 @@ TEST(Train, ResumeWithChangedOptionsNamesThem) {
   o.max_minutes = 10;
   std::string said = resume_saying(o);
   EXPECT_EQ(said.find("differ"), std::string::npos) << said;
+  EXPECT_EQ(said.find("learning rate"), std::string::npos) << said;
   o.threads = 2;
   o.steps = 6;
   o.lr = 5e-3;
@@ -139,6 +140,11 @@ TEST(Train, ResumeWithChangedOptionsNamesThem) {
             std::string::npos)
       << said;
   EXPECT_EQ(said.find("--max-minutes"), std::string::npos) << said;
+  // The learning rate's jump (the schedule spans --steps, and --lr changed) is said with it.
+  EXPECT_NE(said.find("note: at step 3 the learning rate is now "), std::string::npos) << said;
+  EXPECT_NE(said.find("on the run's schedule), since the schedule spans --steps 6"),
+            std::string::npos)
+      << said;
 }
 
 // A model trained at depths that leave out its recursion.default is served at a T it never

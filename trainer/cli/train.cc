@@ -24,10 +24,11 @@
 namespace cemlm::cli {
 namespace {
 
-// SIGINT (Ctrl-C) or SIGTERM (docker stop, a Kubernetes Job's eviction): finish the step, save,
-// exit with 128 + the signal's number; during setup (tokenizer, data), stop once the current part
-// is done, with nothing trained or saved. A second signal ends the process at once (checkpoints
-// are written atomically, so the last one stays whole).
+// SIGINT (Ctrl-C), SIGTERM (docker stop, a Kubernetes Job's eviction) or SIGHUP (the terminal or
+// ssh session closed): finish the step, save, exit with 128 + the signal's number; during setup
+// (tokenizer, data), stop once the current part is done, with nothing trained or saved. A second
+// signal ends the process at once (checkpoints are written atomically, so the last one stays
+// whole).
 std::atomic<int> g_stop_signal{0};  // lock-free: safe in a handler, on whichever thread
 static_assert(std::atomic<int>::is_always_lock_free);
 // kStopAsked by the handler, kTraining by the last check before the first step: set in one
@@ -35,10 +36,11 @@ static_assert(std::atomic<int>::is_always_lock_free);
 constexpr int kStopAsked = 1, kTraining = 2;
 std::atomic<int> g_state{0};
 
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
 void on_stop_signal(int sig) {
   g_stop_signal = sig;
-  std::signal(SIGINT, SIG_DFL);
-  std::signal(SIGTERM, SIG_DFL);
+  for (int s : kStopSignals) std::signal(s, SIG_DFL);
   static const char kSaving[] =
       "\nstopping: saving after the current step (send the signal again to quit at once)\n";
   static const char kNothing[] =
@@ -73,7 +75,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
       "(config.json, model.safetensors, tokenizer.model, optimizer and trainer state,\n"
       "train.jsonl, loss.svg) every --save-every steps and at the end, atomically.\n"
       "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).\n"
-      "Ctrl-C or SIGTERM finishes the step, saves, and exits with 130 or 143; --resume goes on\n"
+      "Ctrl-C, SIGTERM or SIGHUP finishes the step, saves, and exits with 130, 143 or 129;\n"
+      "--resume goes on\n"
       "(before the first step, during the tokenizer or data setup: stops, saving nothing).");
   f.add("out", &o.out_dir,
         "checkpoint directory to write, by one run at a time (locked with .<name>.lock beside "
@@ -294,11 +297,13 @@ int cmd_train(int argc, char** argv) {
   };
   g_stop_signal = 0;
   g_state = 0;
-  std::signal(SIGINT, on_stop_signal);
-  std::signal(SIGTERM, on_stop_signal);
+  for (int s : kStopSignals) std::signal(s, on_stop_signal);
+  // Output piped to `tee` or `head`: Ctrl-C ends the reader too, and the next progress line
+  // would have ended the run with SIGPIPE before its save. Writes to a closed pipe just fail
+  // (to the end of the command: its last lines come after the save).
+  std::signal(SIGPIPE, SIG_IGN);
   auto summary = train(opts, cb);
-  std::signal(SIGINT, SIG_DFL);
-  std::signal(SIGTERM, SIG_DFL);
+  for (int s : kStopSignals) std::signal(s, SIG_DFL);
   progress.finish();
   if (!summary.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(summary.status().message()).c_str());

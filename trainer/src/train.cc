@@ -559,11 +559,24 @@ absl::Status Trainer::restore() {
   // Flags given again with other values apply from here on: said, since the run then no longer
   // continues as it would have (a changed --val-fraction or --data also moves the validation
   // split, so that validation losses before and after are not comparable).
-  if (auto saved = options_from_json(options_text); saved.ok())
+  if (auto saved = options_from_json(options_text); saved.ok()) {
     if (const std::string changed = changed_options(*saved, o_); !changed.empty())
       info(absl::StrCat("note: resuming with options that differ from the run's: ", changed,
                         "; the run goes on with these, so it no longer matches an uninterrupted "
                         "run with its saved options"));
+    // The schedule spans --steps: extending a finished run's --steps lifts its annealed rate
+    // back up (600 → 1200 steps with the defaults: about 6×). Said with the numbers.
+    const double was = LrSchedule{saved->lr, saved->min_lr, saved->warmup, saved->steps}.at(step_),
+                 now = sched_.at(step_);
+    if (std::abs(now - was) > 0.01 * std::max(now, was))
+      info(absl::StrCat("note: at step ", step_, " the learning rate is now ", absl::SixDigits(now),
+                        " (", absl::SixDigits(was),
+                        " on the run's schedule), since the schedule "
+                        "spans --steps ",
+                        o_.steps,
+                        "; to go on near the old rate, pass a lower "
+                        "--lr as well"));
+  }
   if (split != kSplitRule)
     info(absl::StrCat("note: this run began with an older cemlm, whose validation split cut "
                       "documents in two; from here on it trains and evaluates on the current, "

@@ -708,6 +708,7 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
               1)
         << flag;
     EXPECT_NE(err.find("INVALID_ARGUMENT: " + flag + " must be in"), std::string::npos) << err;
+    EXPECT_EQ(out, "") << flag << ": a call that failed before any text printed an empty line";
     ASSERT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5,6,7",
                          "--max-new-tokens", "2", flag, "1.5", "--json"},
                         &out, &err),

@@ -285,6 +285,10 @@ bool check_out_file(const std::string& flag, const std::string& path, const std:
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path out(path);
+  if (path.empty()) {
+    *error = flag + " is empty; name the file to write, like " + example;
+    return false;
+  }
   if (!out.has_filename() || fs::is_directory(out, ec)) {
     *error = flag + " '" + path + "' is a directory; name the file to write, like " +
              (out / example).lexically_normal().string();

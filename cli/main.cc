@@ -1,4 +1,5 @@
 // `cemlm`: one program, many subcommands. This file only dispatches; see commands.h.
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <new>
@@ -41,6 +42,15 @@ void print_help(std::FILE* to) {
   std::fprintf(to, "\nRun 'cemlm <command> --help' for the options of a command.\n");
 }
 
+// rc, or 1 where stdout could not be written: output lost to a full disk or a closed pipe
+// (`cemlm score … > out.json`) must not read as success.
+int output_written(const char* command, int rc) {
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return rc;
+  std::fprintf(stderr, "cemlm %s: cannot write the output: %s\n", command,
+               std::strerror(errno ? errno : EIO));
+  return rc != 0 ? rc : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -48,12 +58,12 @@ int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "help") || !std::strcmp(argv[1], "--help") ||
       !std::strcmp(argv[1], "-h")) {
     print_help(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+    return output_written("help", argc < 2 ? 2 : 0);
   }
   for (const auto& c : kCommands)
     if (!std::strcmp(argv[1], c.name)) {
       try {
-        return c.run(argc - 2, argv + 2);
+        return output_written(c.name, c.run(argc - 2, argv + 2));
       } catch (const std::bad_alloc&) {  // a config or batch beyond this machine's memory
         std::fprintf(stderr,
                      "cemlm %s: out of memory: the model or the batch does not fit in this "

@@ -49,8 +49,8 @@ int cmd_score(int argc, char** argv) {
     return usage_error("--no-bos applies to --text only: --ids are used as given");
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
-  if (std::string err;
-      !dump.empty() && !check_out_file("--dump-logits", dump, "logits.safetensors", false, &err))
+  if (std::string err; f.given("dump-logits") &&
+                       !check_out_file("--dump-logits", dump, "logits.safetensors", false, &err))
     return fail(err);
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));

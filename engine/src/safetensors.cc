@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <string_view>
 #include <utility>
@@ -140,8 +141,22 @@ int64_t TensorInfo::numel() const {
   return n;
 }
 
-absl::Status write_file_atomic(const std::string& path,
+absl::Status write_file_atomic(const std::string& path_given,
                                const std::function<absl::Status(std::FILE*)>& fill) {
+  // Through a symbolic link, its target is replaced and the link kept (the rename replaced the
+  // link). Anything but a regular file is refused: renamed over, a device (/dev/null, as root)
+  // or a FIFO would have become a plain file.
+  std::string path = path_given;
+  std::error_code ec;
+  if (std::filesystem::is_symlink(path, ec))
+    if (const std::filesystem::path target = std::filesystem::weakly_canonical(path, ec); !ec)
+      path = target.string();
+  if (const std::filesystem::file_status st = std::filesystem::status(path, ec);
+      std::filesystem::exists(st) && !std::filesystem::is_regular_file(st))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "'", path_given,
+        "' exists and is not a regular file (a directory, a device such as "
+        "/dev/null, a pipe or a socket), which a write would replace; name a file to write"));
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
   std::FILE* f = std::fopen(tmp.c_str(), "wb");

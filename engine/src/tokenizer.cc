@@ -241,7 +241,11 @@ std::unordered_map<std::string, std::string> trainer_args(const TokenizerTrainOp
       // Bounds memory on big corpora; the seeded shuffle keeps the sample deterministic.
       {"input_sentence_size", "2000000"},
       {"shuffle_input_sentence", "true"},
-      {"max_sentence_length", "65536"},
+      // Longer lines are fed in parts of at most this many bytes (engine/spm/spm_plugin.cc). Not
+      // more: SentencePiece 0.1.97's BPE trainer keeps a character's place in a sentence in 16
+      // bits of a signed int, and crashed on a run of 32,768 characters without a space (a base64
+      // blob, minified code).
+      {"max_sentence_length", "32767"},
       {"num_threads", std::to_string(cpu_threads(0).threads)},
       {"minloglevel", opts.verbose ? "0" : "2"},
   };

@@ -135,7 +135,10 @@ void head_backward(const LevDims& d, const LevWeights& w, int l, const float* do
       }
       dzeta += dB * t.slope[e * kn + q];
     }
-    const double dy = dzeta * t.zeta[e] * (1.0 - t.zeta[e]);
+    // σ'(y) = ζ(1 − ζ), from y: a float ζ rounds to 1 from y ≈ 16.6 on, which zeroed it (and
+    // 1 − ζ loses digits well before that).
+    const double y = gam[e] * t.nrm[e] + w.ln_bias.data[l * s + e], ey = std::exp(-std::abs(y));
+    const double dy = dzeta * ey / ((1.0 + ey) * (1.0 + ey));
     g.g_lnw[l * s + e] += dy * t.nrm[e];
     g.g_lnb[l * s + e] += dy;
     t.dn[e] = float(dy * gam[e]);

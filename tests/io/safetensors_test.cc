@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <filesystem>
 #include <limits>
 
 #include "io_test_util.h"
@@ -266,6 +267,31 @@ TEST(Safetensors, FailedAtomicWriteKeepsTheOldFile) {
                 return absl::OkStatus();
               }).ok());
   EXPECT_EQ(read_bytes(path), "new");
+}
+
+// A link is written through (the link was replaced by a file, its target left as it was), and a
+// FIFO or a device is refused (renamed over, it became a plain file: /dev/null too, as root).
+TEST(Safetensors, AtomicWriteGoesThroughALinkAndRefusesAFifo) {
+  const std::string dir = fresh_dir();
+  auto write = [](const std::string& path, const char* text) {
+    return write_file_atomic(path, [text](std::FILE* f) {
+      std::fputs(text, f);
+      return absl::OkStatus();
+    });
+  };
+  write_bytes(dir + "/real.json", "old");
+  std::filesystem::create_symlink("real.json", dir + "/link.json");
+  ASSERT_TRUE(write(dir + "/link.json", "new").ok());
+  EXPECT_TRUE(std::filesystem::is_symlink(dir + "/link.json"));
+  EXPECT_EQ(read_bytes(dir + "/real.json"), "new");
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  const absl::Status st = write(dir + "/fifo", "x");
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("'" + dir + "/fifo' exists and is not a regular file"),
+            std::string::npos)
+      << st;
+  EXPECT_TRUE(std::filesystem::is_fifo(dir + "/fifo"));
+  EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"fifo", "link.json", "real.json"}));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -533,6 +534,18 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   EXPECT_NE(err.find("is a directory; name the file to write, like " + dir + "/logits.safetensors"),
             std::string::npos)
       << err;
+  // An empty path is refused (it wrote nothing and exited 0), as is a FIFO (replaced by a file).
+  EXPECT_EQ(
+      run_cemlm({"score", "--model", model_, "--ids", "5,6", "--dump-logits", ""}, &out, &err), 1);
+  EXPECT_NE(err.find("--dump-logits is empty; name the file to write, like logits.safetensors"),
+            std::string::npos)
+      << err;
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--dump-logits", dir + "/fifo"},
+                      &out, &err),
+            1);
+  EXPECT_NE(err.find("exists and is not a regular file"), std::string::npos) << err;
+  EXPECT_TRUE(std::filesystem::is_fifo(dir + "/fifo"));
   // 0 is a depth too (the model's default): the range says so.
   EXPECT_EQ(
       run_cemlm({"score", "--model", model_, "--ids", "5,6", "--recursion", "-2"}, &out, &err), 1);

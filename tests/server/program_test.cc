@@ -31,6 +31,22 @@ TEST(CemlmProgram, OutOfMemoryIsAnErrorNotAnAbort) {
   EXPECT_NE(err.find("cemlm init: out of memory"), std::string::npos) << err;
 }
 
+// Output that cannot be written (a full disk: /dev/full) fails the command: `cemlm score … >
+// out.json` on a full disk exited 0 with an empty file.
+TEST(CemlmProgram, OutputThatCannotBeWrittenIsAnError) {
+  const std::string dir = fresh_temp_dir();
+  for (const std::string args : {"help", "tokenizer decode --help"}) {
+    const int status =
+        std::system(("'" CEMLM_BIN "' " + args + " >/dev/full 2>'" + dir + "/err.txt'").c_str());
+    ASSERT_TRUE(WIFEXITED(status)) << args;
+    EXPECT_EQ(WEXITSTATUS(status), 1) << args;
+    std::ifstream in(dir + "/err.txt");
+    const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(err.find("cannot write the output: No space left on device"), std::string::npos)
+        << args << ": " << err;
+  }
+}
+
 // Without a command the list goes to stderr with exit 2, as every usage error's message does (it
 // went to stdout, into whatever a script piped on); asked for, to stdout with exit 0.
 // OMP_NUM_THREADS past the system's thread limit: OpenMP's thread creation failed and ended the

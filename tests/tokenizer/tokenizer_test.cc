@@ -462,16 +462,19 @@ TEST(TokenizerTrain, ErrorsNameTheOption) {
   EXPECT_FALSE(std::filesystem::exists(out));
 }
 
-// SentencePiece skips a sentence longer than 64 KiB, and fails with no reason when none is left:
-// such lines are fed in pieces (cut before a space, else between characters), so their words are
-// learned like any others'.
-TEST(TokenizerTrain, LinesLongerThan64KiBAreTrainedOn) {
+// SentencePiece skips a sentence longer than its max_sentence_length (32,767 bytes here), and
+// fails with no reason when none is left: such lines are fed in pieces (cut before a space, else
+// between characters), so their words are learned like any others'.
+TEST(TokenizerTrain, LinesLongerThan32KiBAreTrainedOn) {
   const std::string dir = fresh_temp_dir();
   std::string words, accents;
   for (int i = 0; words.size() < 200000; ++i) words += i % 3 ? "quokka wombat " : "zebra ";
   while (accents.size() < 100000) accents += "é";
   write_file(dir + "/long/words.txt", words + "\r\n\n" + words);
   write_file(dir + "/long/accents.txt", accents);  // no space: cut between characters
+  // 70,000 characters without a space (a base64 blob): parts of 32,768 or more characters
+  // crashed SentencePiece's BPE trainer (SIGSEGV).
+  write_file(dir + "/long/blob.txt", std::string(70000, 'x') + "\n");
   std::string error;
   const TokenizerTrainOptions opts{{dir + "/long"}, 300, dir + "/tok.model"};
   ASSERT_TRUE(train_tokenizer(opts, &error)) << error;

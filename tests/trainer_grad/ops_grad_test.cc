@@ -197,6 +197,38 @@ TEST(OpsGrad, Lev) {
     expect_directional(names[i], f, w[i].data(), g[i], rng, kH, kRel, kAbs);
 }
 
+// A coordinate whose sigmoid saturates (ζ = 1 in float from y ≈ 16.6 on) keeps its gradient: the
+// slope ζ(1 − ζ) taken from the float ζ was exactly 0 there (and 100–200% off from y ≈ 16).
+// σ'(y) = σ'(−y): its ln_bias gradient has the size of e^{−y} times the chain's other factors.
+TEST(OpsGrad, LevSaturatedSigmoidKeepsItsGradient) {
+  Rng rng(6);
+  const int k = 2, b = 4, s = 3, kn = 5, R = 2, nh = 1, D = 5;
+  auto code = randn(k * b * s, rng, 0.5), seed = randn(nh * s * s, rng, 0.5),
+       lnw = std::vector<float>(nh * s, 0.0f), spline = randn(nh * s * kn * R, rng, 0.3, 1.0),
+       outp = randn(nh * R * D, rng, 0.5);
+  const std::vector<int32_t> ids{3};
+  auto r = randn(D, rng);
+  for (float bias : {18.0f, 30.0f}) {
+    auto lnb = std::vector<float>(nh * s, bias);  // y = bias exactly (ln_weight 0)
+    std::vector<float> w[6] = {code, seed, lnw, lnb, spline, outp}, g[6];
+    for (int i = 0; i < 6; ++i) g[i].assign(w[i].size(), 0.0f);
+    std::vector<float> scratch(nh * R);
+    lev_backward(ctx_with(scratch),
+                 LevWeights{Tensor(g[0].data(), {k, b, s}), Tensor(g[1].data(), {nh, s, s}),
+                            Tensor(g[2].data(), {nh, s}), Tensor(g[3].data(), {nh, s}),
+                            Tensor(g[4].data(), {nh, s, kn, R}), Tensor(g[5].data(), {nh, R, D})},
+                 t2(r, 1, D), ids.data(),
+                 LevWeights{Tensor(w[0].data(), {k, b, s}), Tensor(w[1].data(), {nh, s, s}),
+                            Tensor(w[2].data(), {nh, s}), Tensor(w[3].data(), {nh, s}),
+                            Tensor(w[4].data(), {nh, s, kn, R}), Tensor(w[5].data(), {nh, R, D})});
+    for (int e = 0; e < s; ++e) {
+      EXPECT_TRUE(std::isfinite(g[3][e])) << bias;
+      EXPECT_NE(g[3][e], 0.0f) << "ln_bias[" << e << "] at y = " << bias;
+      EXPECT_LT(std::abs(g[3][e]), 1e3 * std::exp(-bias)) << "ln_bias[" << e << "]";
+    }
+  }
+}
+
 // The gradients' bits do not depend on the thread count (a run resumed on another machine goes
 // on as it would have): tokens are summed in fixed spans, then the spans in order.
 TEST(OpsGrad, LevSameBitsOnAnyThreadCount) {

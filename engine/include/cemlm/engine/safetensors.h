@@ -27,7 +27,8 @@ struct NamedTensor {
 
 // Creates `path` atomically: `fill` writes the content into a temporary sibling, which is synced
 // and renamed over `path` only when `fill` succeeds; on failure the temporary is removed and any
-// old `path` is left untouched. For small side files (JSON state) as well as tensors.
+// old `path` is left untouched. For small side files (JSON state) as well as tensors. A symbolic
+// link at `path` is written through; anything else there but a regular file is refused.
 absl::Status write_file_atomic(const std::string& path,
                                const std::function<absl::Status(std::FILE*)>& fill);
 

@@ -86,7 +86,8 @@ int decode(int argc, char** argv) {
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   std::vector<int> ids;  // none: an empty line, as `encode --text ""` gives none
   if (!id_text.empty() && !parse_id_list(id_text, &ids))
-    return fail("--ids '" + id_text + "' is not a comma-separated list of integers like 1,2,3");
+    return usage_error("--ids '" + id_text +
+                       "' is not a comma-separated list of integers like 1,2,3");
   std::string error;
   auto tokenizer = Tokenizer::load(model, &error);
   if (!tokenizer) return fail(error + " (--model)");

@@ -100,7 +100,7 @@ TEST(TokenizerCli, ErrorsNameTheFlag) {
   EXPECT_EQ(missing.rc, 1);
   EXPECT_NE(missing.err.find(model), std::string::npos) << missing.err;
   CliRun bad_ids = run({"decode", "--model", model, "--ids", "1,x"});
-  EXPECT_EQ(bad_ids.rc, 1);
+  EXPECT_EQ(bad_ids.rc, 2);  // a usage error, as score's and grads' malformed --ids are
   EXPECT_NE(bad_ids.err.find("--ids"), std::string::npos) << bad_ids.err;
   CliRun bad_text = run({"encode", "--model", model, "--text", "caf\xE9"});
   EXPECT_EQ(bad_text.rc, 1);

@@ -348,6 +348,8 @@ absl::StatusOr<RequestId> EngineImpl::submit(GenerateRequest req, EventCallback 
 }
 
 void EngineImpl::cancel(RequestId id) {
+  // An id not issued yet is unknown, and ignored: queued, it ended the request that got it next.
+  if (id == 0 || id >= next_id_.load()) return;
   std::lock_guard<std::mutex> lock(mu_);
   cancels_.push_back(id);
   cv_.notify_one();
@@ -465,6 +467,9 @@ bool EngineImpl::step() {
     q.usage.cached_prompt_tokens = std::min(a.cached_tokens, q.n_prompt);
   }
   if (plan.empty()) return false;
+  // As the forward finds them: the requests take_control() just ended gone, those admitted
+  // running (the last stats were the previous step's, and stayed so for this whole forward).
+  publish_stats();
   if (absl::Status failed = run_forward(plan.batch, &logits_); !failed.ok()) {
     // The batch's requests end with the error; their blocks are freed and none is published.
     for (const ScheduledRow& r : plan.rows)

@@ -797,6 +797,48 @@ TEST(Engine, AForwardThatThrowsEndsItsBatchNotTheEngine) {
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
+// cancel() of an id not issued yet is ignored: queued while the step thread ran a forward, it
+// ended the request that got the id next. And a request cancelled meanwhile is gone from the
+// stats before the next step's forward runs (it stayed counted for that whole step).
+TEST(Engine, CancelOfAnIdNotYetIssuedIsIgnored) {
+  // Two gates in the fake forward: A's decode at position 4, then B's prefill (logits at 1).
+  struct Gate {
+    std::promise<void> entered, release;
+    std::shared_future<void> go = release.get_future().share();
+    std::atomic<int> hits{0};
+    void pass() {
+      if (hits.fetch_add(1) != 0) return;
+      entered.set_value();
+      go.wait();
+    }
+  } at4, at1;
+  Built b = build({.favorite = [&at4, &at1](int p) {
+    if (p == 4) at4.pass();
+    if (p == 1) at1.pass();
+    return -1;
+  }});
+  Collector c;
+  auto a = b.engine->submit(request({1, 2, 3}, 6), c.callback());
+  ASSERT_TRUE(a.ok()) << a.status();
+  at4.entered.get_future().wait();  // the step thread is inside A's forward
+  b.engine->cancel(*a + 1);         // not issued yet
+  auto bb = b.engine->submit(request({5, 6}, 2), c.callback());
+  ASSERT_TRUE(bb.ok()) << bb.status();
+  EXPECT_EQ(*bb, *a + 1);
+  b.engine->cancel(*a);
+  at4.release.set_value();
+  at1.entered.get_future().wait();  // inside B's prefill, A ended just before it
+  const EngineStats during = b.engine->stats();
+  EXPECT_EQ(during.running + during.waiting, 1);
+  at1.release.set_value();
+  ASSERT_TRUE(c.wait_finals(2));
+  EXPECT_EQ(c.get(*bb).reason, FinishReason::kLength);
+  EXPECT_EQ(c.get(*bb).ids.size(), 2u);
+  EXPECT_EQ(c.get(*a).reason, FinishReason::kCancelled);
+  b.engine->shutdown(false);
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+}
+
 TEST(Engine, UsageCountsRecursionStepsAndTopLogprobs) {
   Built b = build({});
   auto r = request(tokens(5, 1), 4, 3);

@@ -181,6 +181,9 @@ class EngineImpl final : public Engine {
   // or the engine stops; at most max_waiting calls wait at once.
   absl::Status wait_for_score_room(SeqId seq, int64_t need, int T, int n, const ScoreRequest& req);
   SeqId first_score_wait() const;  // the scoring call first in line for blocks (0: none)
+  // score_turn_, bumped first (waking the calls waiting for their turn) where the first in line
+  // is no longer `first_before` (engine thread).
+  uint64_t next_score_turn(SeqId first_before);
   void hold_for_first_score();     // holds blocks for it (engine thread, as both)
   absl::Status score_chunks(SeqId seq, int T, const ScoreRequest& req, ScoreResult* out);
 
@@ -214,6 +217,11 @@ class EngineImpl final : public Engine {
   int scoring_ = 0;                               // score() calls under way: the loop outlives them
   // Scoring calls waiting for blocks: their need and priority, by sequence (engine thread).
   std::map<SeqId, std::pair<int64_t, int>> score_waits_;
+  // Bumped (under mu_) whenever the first waiting scoring call changes: only the first tries for
+  // room every millisecond, the others wait for their turn (each try is a job on the engine
+  // thread; a thousand calls polling stalled the steps of every request).
+  uint64_t score_turn_ = 0;
+  std::condition_variable score_turn_cv_;
   bool stopping_ = false, cancel_all_ = false;
   EngineStats stats_;
 
@@ -597,6 +605,7 @@ void EngineImpl::shutdown(bool cancel_running) {
     stopping_ = true;
     cancel_all_ = cancel_all_ || cancel_running;
     cv_.notify_one();
+    score_turn_cv_.notify_all();
   }
   std::lock_guard<std::mutex> lock(join_mu_);
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
@@ -651,25 +660,31 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
 absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int n,
                                              const ScoreRequest& req) {
   enum { kRoom, kWait, kFull } got = kWait;
-  for (;;) {
-    on_loop([&] {
-      // First come, first served among scoring calls: one behind a waiting call of its priority
-      // or higher waits too, rather than take the blocks held for that one.
-      const SeqId first = first_score_wait();
-      const bool behind = first != 0 && first != seq && score_waits_[first].second >= req.priority;
-      if (!behind && sched_.make_room(need, req.priority)) {
-        CEMLM_CHECK(blocks_.start(seq, {}, T, n));
-        got = kRoom;
-        score_waits_.erase(seq);
-      } else if (score_waits_.count(seq) || int(score_waits_.size()) < opts_.max_waiting) {
-        got = kWait;
-        score_waits_[seq] = {need, req.priority};
-      } else {
-        got = kFull;
-      }
-      hold_for_first_score();
-      publish_stats();
-    });
+  bool is_first = false;
+  uint64_t turn = 0;  // score_turn_ as this call's last try left it
+  for (bool try_now = true;;) {
+    if (try_now)
+      on_loop([&] {
+        // First come, first served among scoring calls: one behind a waiting call of its priority
+        // or higher waits too, rather than take the blocks held for that one.
+        const SeqId first = first_score_wait();
+        const bool behind =
+            first != 0 && first != seq && score_waits_[first].second >= req.priority;
+        if (!behind && sched_.make_room(need, req.priority)) {
+          CEMLM_CHECK(blocks_.start(seq, {}, T, n));
+          got = kRoom;
+          score_waits_.erase(seq);
+        } else if (score_waits_.count(seq) || int(score_waits_.size()) < opts_.max_waiting) {
+          got = kWait;
+          score_waits_[seq] = {need, req.priority};
+        } else {
+          got = kFull;
+        }
+        hold_for_first_score();
+        publish_stats();
+        is_first = first_score_wait() == seq;
+        turn = next_score_turn(first);
+      });
     if (got == kRoom) return absl::OkStatus();
     if (got == kFull)
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -687,15 +702,36 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
       gave_up = absl::UnavailableError("the engine is shutting down");
     if (!gave_up.ok()) {
       on_loop([&] {
+        const SeqId first = first_score_wait();
         score_waits_.erase(seq);
         hold_for_first_score();
         publish_stats();
+        next_score_turn(first);
       });
       return gave_up;
     }
-    // Each try runs between two engine steps; the pause only matters when no step runs.
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // Each try runs between two engine steps; the pause only matters when no step runs. A call
+    // behind another waits for its turn, looking at its deadline, cancellation and a shutdown
+    // every 50 ms.
+    std::unique_lock<std::mutex> lock(mu_);
+    if (is_first) {
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } else {
+      auto until = Clock::now() + std::chrono::milliseconds(50);
+      if (req.deadline) until = std::min(until, *req.deadline);
+      try_now = score_turn_cv_.wait_until(lock, until, [&] { return score_turn_ != turn; });
+    }
   }
+}
+
+uint64_t EngineImpl::next_score_turn(SeqId first_before) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (first_score_wait() != first_before) {
+    ++score_turn_;
+    score_turn_cv_.notify_all();
+  }
+  return score_turn_;
 }
 
 SeqId EngineImpl::first_score_wait() const {

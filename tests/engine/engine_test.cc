@@ -1142,6 +1142,33 @@ TEST(Engine, ScoringCallsDoNotOvertakeAWaitingOneOfTheirPriority) {
   ASSERT_TRUE(busy.c.wait_finals(1));
 }
 
+// A call waiting behind another (it sleeps until the first in line changes, rather than try for
+// room every millisecond) still ends at its deadline, or when its caller gives up, while the
+// first waits on.
+TEST(Engine, ACallWaitingBehindAnotherStillEndsAtItsDeadlineOrCancellation) {
+  BusyEngine busy(4);
+  Engine& e = *busy.b.engine;
+  std::atomic<bool> give_up_first{false}, give_up_third{false};
+  ScoreRequest large{tokens(60, 2), 1};
+  large.cancelled = [&] { return give_up_first.load(); };
+  auto first = std::async(std::launch::async, [&] { return e.score(large); });
+  ASSERT_TRUE(busy.waiting(1, first));
+  ScoreRequest timed{tokens(6, 3), 1};
+  timed.deadline = Clock::now() + std::chrono::milliseconds(200);
+  auto second = std::async(std::launch::async, [&] { return e.score(timed); });
+  ScoreRequest cancelled{tokens(6, 4), 1};
+  cancelled.cancelled = [&] { return give_up_third.load(); };
+  auto third = std::async(std::launch::async, [&] { return e.score(cancelled); });
+  EXPECT_EQ(second.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  give_up_third = true;
+  EXPECT_EQ(third.get().status().code(), absl::StatusCode::kCancelled);
+  give_up_first = true;  // (room comes once the busy request's ~1 s of steps end)
+  const absl::StatusCode code = first.get().status().code();
+  EXPECT_TRUE(code == absl::StatusCode::kCancelled || code == absl::StatusCode::kOk) << code;
+  ASSERT_TRUE(busy.c.wait_finals(1));
+  EXPECT_EQ(e.stats().waiting, 0);
+}
+
 // Blocks are held for a waiting scoring call: a request of its priority submitted after it is not
 // admitted into them, so the call gets its room first (here as soon as the busy request ends).
 TEST(Engine, AWaitingScoringCallIsNotStarvedByLaterRequestsOfItsPriority) {

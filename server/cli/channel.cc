@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -17,7 +18,9 @@ namespace cemlm::cli {
 
 void add_channel_flags(Flags* flags, ChannelFlags* f) {
   flags->add("addr", &f->addr, "server address HOST:PORT");
-  flags->add("api-key", &f->api_key, "sent as 'authorization: Bearer KEY'");
+  flags->add("api-key", &f->api_key,
+             "sent as 'authorization: Bearer KEY' (default: $CEMLM_API_KEY, which keeps the key "
+             "out of the process list and the shell's history)");
   flags->add("tls-ca", &f->tls_ca, "PEM root certificate(s): connect with TLS, trusting these");
   flags->add("timeout", &f->timeout, "deadline of each call in seconds; 0 = none");
 }
@@ -52,7 +55,9 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
 }
 
 void prepare_context(const ChannelFlags& f, grpc::ClientContext* context) {
-  if (!f.api_key.empty()) context->AddMetadata("authorization", "Bearer " + f.api_key);
+  std::string key = f.api_key;
+  if (const char* env = std::getenv("CEMLM_API_KEY"); key.empty() && env) key = env;
+  if (!key.empty()) context->AddMetadata("authorization", "Bearer " + key);
   if (f.timeout > 0)
     context->set_deadline(std::chrono::system_clock::now() +
                           std::chrono::duration_cast<std::chrono::system_clock::duration>(

@@ -542,6 +542,18 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
     ++lines;
   EXPECT_GE(lines, 1u);
   EXPECT_LE(double(lines), 2 + seconds) << log;
+  // The command-line client takes its key from CEMLM_API_KEY too (out of `ps` and the shell's
+  // history); --api-key wins over it.
+  std::string out_info, err_info;
+  ::setenv("CEMLM_API_KEY", "beta-key", 1);
+  EXPECT_EQ(run_cemlm({"client", "info", "--addr", server->addr()}, &out_info, &err_info), 0)
+      << err_info;
+  EXPECT_NE(run_cemlm({"client", "info", "--addr", server->addr(), "--api-key", "wrong"}, &out_info,
+                      &err_info),
+            0);
+  EXPECT_NE(err_info.find("UNAUTHENTICATED"), std::string::npos) << err_info;
+  ::unsetenv("CEMLM_API_KEY");
+  EXPECT_NE(run_cemlm({"client", "info", "--addr", server->addr()}, &out_info, &err_info), 0);
   // An empty --api-key-file is a mistake, not "no keys".
   std::string out;
   EXPECT_EQ(run_cemlm({"serve", "--model", model, "--api-key-file", ""}, &out), 2);

@@ -11,6 +11,7 @@ CEMLM_MODEL             --model
 CEMLM_HOST              --host
 CEMLM_PORT              --port
 CEMLM_METRICS_PORT      --metrics-port
+CEMLM_METRICS_HOST      --metrics-host
 CEMLM_DEVICE            --device
 CEMLM_KV_CACHE_MEMORY   --kv-cache-memory
 CEMLM_KV_CACHE_DTYPE    --kv-cache-dtype

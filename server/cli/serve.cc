@@ -44,6 +44,7 @@ struct ServeFlags {
   std::string model, host = "0.0.0.0", device = "cpu", kv_cache_memory = "256M";
   std::string kv_cache_dtype = "fp32";
   std::string api_key_file, tls_cert, tls_key, log_level = "info", model_name;
+  std::string metrics_host;  // empty: host's
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
   int max_running = 256, engine_nice = 10;
   double shutdown_timeout = 30;
@@ -178,7 +179,8 @@ int serve(const ServeFlags& f, sigset_t* signals) {
                      "the key of --tls-cert in PEM")));
 
   auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name);
-  auto metrics_http = server::MetricsHttpServer::start(f.host, f.metrics_port, [metrics] {
+  const std::string& metrics_host = f.metrics_host.empty() ? f.host : f.metrics_host;
+  auto metrics_http = server::MetricsHttpServer::start(metrics_host, f.metrics_port, [metrics] {
     return prometheus::TextSerializer().Serialize(metrics->Collect());
   });
   if (!metrics_http.ok()) return fail(metrics_http.status());
@@ -189,8 +191,9 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   std::printf("cemlm serve: grpc port %d, metrics port %d\n", (*server)->port(), metrics_port);
   std::fflush(stdout);
   spdlog::info("listening grpc={} metrics=http://{}/metrics model={} tls={} api_keys={}",
-               server::host_port(f.host, (*server)->port()), server::host_port(f.host, metrics_port),
-               f.model, !opts.tls_cert_pem.empty(), opts.api_keys.enabled());
+               server::host_port(f.host, (*server)->port()),
+               server::host_port(metrics_host, metrics_port), f.model, !opts.tls_cert_pem.empty(),
+               opts.api_keys.enabled());
 
   // The model loads on a thread of its own while this one waits for a signal. A signal during
   // the load ends the process at once, exit 0 (nothing was served; a load cannot be stopped
@@ -323,6 +326,9 @@ int cmd_serve(int argc, char** argv) {
             "gRPC port; 0 picks a free one (printed on stdout as soon as it listens, before the "
             "model loads: health says SERVING once requests are served)");
   flags.add("metrics-port", &f.metrics_port, "HTTP port of /metrics; 0 picks a free one");
+  flags.add("metrics-host", &f.metrics_host,
+            "address /metrics listens on (default: --host's); 127.0.0.1 keeps it, which has no "
+            "authentication, off the network while gRPC listens on every interface");
   flags.add("device", &f.device,
             "cpu (= cpu:fp32) | cpu:bf16 | cpu:int8 (product weights held in bf16, or in int8 "
             "with a scale per 32x32 block, computed in fp32: a half or a quarter of the weight "

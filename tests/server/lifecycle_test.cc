@@ -328,6 +328,21 @@ TEST_F(ServerLifecycle, MetricsPortSurvivesOtherPaths) {
   EXPECT_EQ(health(s->channel()), "SERVING");
 }
 
+// --metrics-host puts /metrics on an address of its own (it has no authentication: kept off the
+// network while gRPC listens on every interface); by default it is --host's.
+TEST_F(ServerLifecycle, MetricsHostBindsTheMetricsApart) {
+  auto s = ServerProcess::start(model_, {"--metrics-host", "127.0.0.2"});
+  ASSERT_TRUE(s);
+  const std::string get = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  const std::string there = testing_server::http_exchange("127.0.0.2", s->metrics_port(), get);
+  EXPECT_EQ(there.rfind("HTTP/1.1 200", 0), 0u) << there.substr(0, 80);
+  EXPECT_EQ(testing_server::http_exchange(s->host(), s->metrics_port(), get), "")
+      << "/metrics answered on --host too";
+  EXPECT_NE(s->log().find("metrics=http://127.0.0.2:" + std::to_string(s->metrics_port())),
+            std::string::npos)
+      << s->log();
+}
+
 // --max-connection-age closes a client's connection once it is that old (GOAWAY), so the channel
 // goes idle and its next call reconnects (to whichever replica DNS gives); without the flag the
 // connection stays up. A negative age is refused, naming the flag.

@@ -18,7 +18,9 @@ CEMLM_KV_CACHE_DTYPE    --kv-cache-dtype
 CEMLM_MAX_BATCH_TOKENS  --max-batch-tokens
 CEMLM_MAX_RUNNING       --max-running
 CEMLM_MAX_WAITING       --max-waiting
+CEMLM_GRPC_MEMORY       --grpc-memory
 CEMLM_API_KEY_FILE      --api-key-file
+CEMLM_MAX_PRIORITY      --max-priority
 CEMLM_TLS_CERT          --tls-cert
 CEMLM_TLS_KEY           --tls-key
 CEMLM_SHUTDOWN_TIMEOUT  --shutdown-timeout

@@ -17,7 +17,8 @@ PACKAGES=(
 )
 # promtool, for the deploy checks of the alert rules: the prometheus package's. Its install also
 # starts and enables a Prometheus server on :9090, which is stopped and disabled again below.
-TEST_PACKAGES=(prometheus)
+# python3-h2: the raw HTTP/2 client of the server's slow-body test (tests/server/body_flood.py).
+TEST_PACKAGES=(prometheus python3-h2)
 [ "${CEMLM_SETUP_TESTS:-0}" = 1 ] && PACKAGES+=("${TEST_PACKAGES[@]}")
 
 missing=()

@@ -42,11 +42,11 @@ namespace {
 
 struct ServeFlags {
   std::string model, host = "0.0.0.0", device = "cpu", kv_cache_memory = "256M";
-  std::string kv_cache_dtype = "fp32";
+  std::string kv_cache_dtype = "fp32", grpc_memory = "256M";
   std::string api_key_file, tls_cert, tls_key, log_level = "info", model_name;
   std::string metrics_host;  // empty: host's
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
-  int max_running = 256, engine_nice = 10;
+  int max_running = 256, engine_nice = 10, max_priority = INT32_MAX;
   double shutdown_timeout = 30;
   double max_connection_age = 0;
   double keepalive_time = 60, keepalive_timeout = 20;
@@ -104,6 +104,16 @@ int serve(const ServeFlags& f, sigset_t* signals) {
         absl::InvalidArgumentError("--kv-cache-memory: expected bytes like 4G, 512M or "
                                    "1048576, got '" +
                                    f.kv_cache_memory + "'"));
+  int64_t grpc_memory = 0;
+  if (!parse_bytes(f.grpc_memory, &grpc_memory) || grpc_memory < 0)
+    return fail(absl::InvalidArgumentError(
+        "--grpc-memory: expected bytes like 256M or 1G (0: no bound), got '" + f.grpc_memory +
+        "'"));
+  if (grpc_memory > 0 && grpc_memory < (int64_t(16) << 20))  // a few connections' read buffers
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--grpc-memory ", f.grpc_memory,
+                     " is under 16M, too little for gRPC to serve; use 0 "
+                     "for no bound")));
   if (f.engine_nice < 0 || f.engine_nice > 19)
     return fail(absl::InvalidArgumentError("--engine-nice " + std::to_string(f.engine_nice) +
                                            " must be in [0, 19] (0: the process's priority)"));
@@ -150,6 +160,8 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   opts.max_unread_streams =
       int(std::min<int64_t>(INT32_MAX, int64_t(f.max_running) + f.max_waiting));
   opts.unread_timeout_s = f.unread_timeout;
+  opts.grpc_memory_bytes = grpc_memory;
+  opts.max_priority = f.max_priority;
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
   // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
   if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())
@@ -355,7 +367,18 @@ int cmd_serve(int argc, char** argv) {
             "seconds a finished Generate stream may go without its client reading any of it once "
             "--max-running + --max-waiting such streams wait (and at shutdown); then it is "
             "cancelled to make room (its output undelivered)");
-  flags.add("api-key-file", &f.api_key_file, "require 'authorization: Bearer KEY', one key a line");
+  flags.add("grpc-memory", &f.grpc_memory,
+            "memory gRPC may hold for all connections (request bodies still arriving, read "
+            "buffers; K/M/G suffixes; 0 = no bound): over it, it resets streams "
+            "(RESOURCE_EXHAUSTED) and closes idle connections, so that clients sending bodies "
+            "slowly cannot fill the server's memory, key or no key");
+  flags.add("api-key-file", &f.api_key_file,
+            "require 'authorization: Bearer KEY', one key a line; 'KEY max_priority=N' lets that "
+            "key's requests ask for a priority of at most N (above: PERMISSION_DENIED)");
+  flags.add("max-priority", &f.max_priority,
+            "the highest priority a request may ask for (above: PERMISSION_DENIED), unless its "
+            "API key's line sets its own max_priority=; the default allows any, so that any "
+            "client can preempt the others");
   flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
   flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");
   flags.add("shutdown-timeout", &f.shutdown_timeout,

@@ -7,6 +7,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace cemlm::server {
@@ -26,6 +28,7 @@ bool equal_constant_time(absl::string_view key, absl::string_view given) {
 }
 
 constexpr absl::string_view kUtf8Bom = "\xEF\xBB\xBF";
+constexpr absl::string_view kMaxPriority = "max_priority=";
 
 }  // namespace
 
@@ -39,13 +42,25 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
     if (++number == 1 && absl::StartsWith(line, kUtf8Bom)) line.erase(0, kUtf8Bom.size());
     absl::string_view key = absl::StripAsciiWhitespace(line);
     if (key.empty() || key[0] == '#') continue;
+    const std::string where = absl::StrCat("--api-key-file: line ", number, " of '", path, "'");
+    std::optional<int> max_priority;
+    // "KEY max_priority=N": the last word, after whitespace (a key may hold spaces itself).
+    if (const size_t space = key.find_last_of(" \t");
+        space != absl::string_view::npos && absl::StartsWith(key.substr(space + 1), kMaxPriority)) {
+      int value = 0;
+      if (!absl::SimpleAtoi(key.substr(space + 1 + kMaxPriority.size()), &value))
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": '", key.substr(space + 1),
+                         "' is not max_priority=N with N an integer in [-2^31, 2^31)"));
+      max_priority = value;
+      key = absl::StripTrailingAsciiWhitespace(key.substr(0, space));
+    }
     // Metadata values are visible ASCII (and spaces): gRPC clients refuse to send other bytes.
     for (const char c : key)
       if (c < 0x20 || c > 0x7E)
         return absl::InvalidArgumentError(
-            "--api-key-file: line " + std::to_string(number) + " of '" + path +
-            "' holds a byte no client can send in metadata; keys are printable ASCII");
-    out.keys_.emplace_back(key);
+            where + " holds a byte no client can send in metadata; keys are printable ASCII");
+    out.keys_.push_back({std::string(key), max_priority});
   }
   if (out.keys_.empty())
     return absl::InvalidArgumentError("--api-key-file: '" + path +
@@ -53,13 +68,15 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
   return out;
 }
 
-bool ApiKeys::known(absl::string_view key) const {
-  bool found = false;
-  for (const auto& k : keys_) found |= equal_constant_time(k, key);
+const ApiKeys::Key* ApiKeys::find(absl::string_view key) const {
+  const Key* found = nullptr;
+  for (const auto& k : keys_)  // every key compared, whichever matches
+    if (equal_constant_time(k.key, key)) found = &k;
   return found;
 }
 
-grpc::Status ApiKeys::check(const grpc::ServerContextBase& context) const {
+grpc::Status ApiKeys::check(const grpc::ServerContextBase& context,
+                            std::optional<int>* max_priority) const {
   if (!enabled()) return grpc::Status::OK;
   const auto& md = context.client_metadata();
   auto it = md.find("authorization");
@@ -73,9 +90,12 @@ grpc::Status ApiKeys::check(const grpc::ServerContextBase& context) const {
                             " 'authorization' metadata entries; send exactly one");
   absl::string_view value(it->second.data(), it->second.size());
   // The scheme is case-insensitive (RFC 7235 §2.1): "bearer KEY" is as good as "Bearer KEY".
-  if (!absl::StartsWithIgnoreCase(value, kBearer) || !known(value.substr(kBearer.size())))
+  const Key* key =
+      absl::StartsWithIgnoreCase(value, kBearer) ? find(value.substr(kBearer.size())) : nullptr;
+  if (!key)
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "invalid API key in the 'authorization' metadata");
+  if (max_priority && key->max_priority) *max_priority = key->max_priority;
   return grpc::Status::OK;
 }
 

@@ -4,6 +4,7 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
@@ -45,10 +46,11 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   if (opts.tls_cert_pem.empty() != opts.tls_key_pem.empty())
     return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
   std::unique_ptr<InferenceServer> s(new InferenceServer());
-  s->state_ =
-      std::make_unique<ServerState>(opts.api_keys, opts.model_name, metrics, opts.max_unread_streams,
-                                    std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(opts.unread_timeout_s)));
+  s->state_ = std::make_unique<ServerState>(
+      opts.api_keys, opts.model_name, metrics, opts.max_unread_streams,
+      std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(opts.unread_timeout_s)),
+      opts.max_priority);
   s->service_ = std::make_unique<InferenceService>(s->state_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -65,6 +67,12 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kMaxConnectionIdleMs);
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
+  // The builder keeps a reference to the quota's core object: this one can go out of scope.
+  grpc::ResourceQuota quota("cemlm-grpc");
+  if (opts.grpc_memory_bytes > 0) {
+    quota.Resize(size_t(opts.grpc_memory_bytes));
+    builder.SetResourceQuota(quota);
+  }
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              kMinClientPingIntervalMs);
   // On a connection without calls too: a client keeping its channel warm between calls (Go's

@@ -31,6 +31,20 @@ grpc::Status ServerState::gate(const grpc::ServerContextBase& context) const {
   return grpc::Status::OK;
 }
 
+grpc::Status ServerState::check_priority(const grpc::ServerContextBase& context,
+                                         int priority) const {
+  std::optional<int> key_most;
+  if (grpc::Status auth = keys_.check(context, &key_most); !auth.ok()) return auth;
+  const int most = key_most.value_or(max_priority_);
+  if (priority <= most) return grpc::Status::OK;
+  return grpc::Status(
+      grpc::StatusCode::PERMISSION_DENIED,
+      absl::StrCat("priority = ", priority, " is above ", most, ", the most ",
+                   key_most ? "this API key may ask for (its max_priority= in the key file)"
+                            : "this server allows (--max-priority)",
+                   "; send a priority of at most ", most));
+}
+
 grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool stream) {
   if (grpc::Status auth = keys_.check(context); !auth.ok()) return auth;
   std::unique_lock lock(mu_);
@@ -307,6 +321,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
 
  private:
   void start(const v1::GenerateRequest& request) {
+    if (grpc::Status st = state_->check_priority(*context_, request.priority()); !st.ok())
+      return finish_early(st);
     Engine& engine = state_->engine();
     absl::StatusOr<GenerateRequest> req = to_engine(request, engine);
     if (!req.ok()) return finish_early(to_grpc_status(req.status()));
@@ -562,6 +578,8 @@ grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::Sco
                                      v1::ScoreResponse* response) {
   const Clock::time_point arrival = Clock::now();
   grpc::Status status = unary(context, "Score", [&](Engine& engine) -> absl::Status {
+    if (grpc::Status st = state_->check_priority(*context, request->priority()); !st.ok())
+      return absl::PermissionDeniedError(st.error_message());
     CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, to_engine(*request, engine));
     // A long text is scored in chunks; a client that gave up (or ran out of time) stops it
     // between two, freeing the cache blocks it held.

@@ -50,11 +50,13 @@ class ServerState {
  public:
   // `max_unread`: finished Generate streams not yet read (0: no bound), and `unread_grace`, how
   // long one may wait before it is cancelled for room: see ServerOptions.
+  // `max_priority`: the highest request priority a call may ask for when its key sets none.
   ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics, int max_unread,
-              Clock::duration unread_grace)
+              Clock::duration unread_grace, int max_priority)
       : keys_(std::move(keys)),
         model_name_(std::move(model_name)),
         metrics_(metrics),
+        max_priority_(max_priority),
         max_unread_(max_unread),
         unread_grace_(unread_grace) {}
 
@@ -67,6 +69,9 @@ class ServerState {
   // loading or draining. A call whose body did not parse gets this status first (its key is
   // checked before its body), and only if OK the malformed body's.
   grpc::Status gate(const grpc::ServerContextBase& context) const;
+  // PERMISSION_DENIED when `priority` is above what the call's key may ask for (its
+  // max_priority= in the key file, else the server's --max-priority).
+  grpc::Status check_priority(const grpc::ServerContextBase& context, int priority) const;
   // A Generate stream the engine has finished: it holds its unsent output until it is done, and
   // then releases with itself.
   void hold_unread(UnreadStream* stream);
@@ -93,6 +98,7 @@ class ServerState {
   const ApiKeys keys_;
   const std::string model_name_;
   ServerMetrics* const metrics_;
+  const int max_priority_;
   // Cancels held streams that have seen no write complete for the grace, with mu_ released around
   // each cancel_unread() (which may run callbacks inline: a new call's handler, even OnDone).
   void cancel_stale_unread(std::unique_lock<std::mutex>& lock);

@@ -261,6 +261,10 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       {"--shutdown-timeout inf", "--shutdown-timeout inf must be in [0, 1e6] seconds"},
       {"--shutdown-timeout 1e10", "--shutdown-timeout 1e+10 must be in [0, 1e6] seconds"},
       {"--keepalive-time -1", "--keepalive-time -1 must be >= 0 seconds"},
+      {"--grpc-memory lots",
+       "--grpc-memory: expected bytes like 256M or 1G (0: no bound), got "
+       "'lots'"},
+      {"--grpc-memory 1M", "--grpc-memory 1M is under 16M, too little for gRPC to serve"},
       {"--keepalive-timeout 0", "--keepalive-timeout 0 must be > 0 seconds"},
       {"--keepalive-timeout nan", "--keepalive-timeout nan must be > 0 seconds"},
       {"--threads -3", "--threads -3 must be >= 0"},

@@ -1,8 +1,10 @@
 // Optional API keys (--api-key-file): every Inference RPC must then send the metadata
-// `authorization: Bearer KEY`; health checks and reflection stay open.
+// `authorization: Bearer KEY`; health checks and reflection stay open. A key may carry the highest
+// request priority its callers may ask for.
 #pragma once
 #include <grpcpp/server_context.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,16 +15,25 @@ namespace cemlm::server {
 class ApiKeys {
  public:
   ApiKeys() = default;  // no keys: every request is allowed
-  // One key per line; blank lines and lines starting with '#' are skipped.
+  // One key per line, optionally followed by ` max_priority=N` (an int32); blank lines and lines
+  // starting with '#' are skipped.
   static absl::StatusOr<ApiKeys> load(const std::string& path);
 
   bool enabled() const { return !keys_.empty(); }
-  // UNAUTHENTICATED when keys are on and the call does not carry one of them.
-  grpc::Status check(const grpc::ServerContextBase& context) const;
+  // UNAUTHENTICATED when keys are on and the call does not carry one of them. When OK and
+  // `max_priority` is given, it is set to the key's max_priority= (left as it is when its line
+  // has none, or keys are off).
+  grpc::Status check(const grpc::ServerContextBase& context,
+                     std::optional<int>* max_priority = nullptr) const;
 
  private:
-  bool known(absl::string_view key) const;
-  std::vector<std::string> keys_;
+  struct Key {
+    std::string key;
+    std::optional<int> max_priority;
+  };
+  // The key's entry, found comparing every key in constant time; null when none matches.
+  const Key* find(absl::string_view key) const;
+  std::vector<Key> keys_;
 };
 
 }  // namespace cemlm::server

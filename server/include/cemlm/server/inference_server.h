@@ -4,6 +4,7 @@
 #pragma once
 #include <grpcpp/server.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -39,6 +40,14 @@ struct ServerOptions {
   // make room (their output undelivered), so that one client that stopped reading cannot keep
   // every other client's streams out.
   double unread_timeout_s = 10;
+  // gRPC's resource quota: the memory its transport may hold for all connections together (read
+  // buffers, request bodies still arriving). Over it gRPC closes idle connections and resets
+  // streams (clients see RESOURCE_EXHAUSTED) until it is back under: without it, clients sending
+  // request bodies slowly, with or without a valid key, hold up to 4 MiB a stream for as long as
+  // they like. 0: no quota.
+  int64_t grpc_memory_bytes = int64_t(256) << 20;
+  // The highest request priority a call may ask for, unless its API key's line sets its own.
+  int max_priority = INT32_MAX;
 };
 
 class InferenceServer {

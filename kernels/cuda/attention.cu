@@ -248,6 +248,8 @@ AttentionSmem paged_attention_prepare(int head_dim, int d_model, bool diag) {
 void kv_write_rows(const ExecCtx& ctx, const KvLayerView& kv, const AttnRow* rows, int n_rows,
                    const Tensor& k, const Tensor& v, const Tensor& c) {
   CEMLM_CHECK(kv.k != nullptr && kv.block_size > 0);
+  // Token-major fp32 only: the tiled, bf16 and int8 layouts are the CPU runner's.
+  CEMLM_CHECK(!kv.tiled && !kv.bf16() && !kv.int8());
   detail::require_device(k, int64_t(n_rows) * kv.k_width);
   const bool with_v = kv.v && !v.empty(), with_c = kv.c && !c.empty();
   if (with_v) detail::require_device(v, int64_t(n_rows) * kv.k_width);
@@ -264,6 +266,7 @@ void paged_attention_rows(const ExecCtx& ctx, Tensor out, Tensor out_c, const Te
                           const AttnRow* rows, int n_rows, float scale) {
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads;
   CEMLM_CHECK(H >= 1 && W % H == 0 && kv.k != nullptr && kv.block_size > 0);
+  CEMLM_CHECK(!kv.tiled && !kv.bf16() && !kv.int8());  // as kv_write_rows
   detail::require_device(q, int64_t(n_rows) * W);
   detail::require_device(out, int64_t(n_rows) * W);
   const int qd_heads = diag == DiagKind::kNone ? 0 : diag == DiagKind::kShared ? 1 : H;

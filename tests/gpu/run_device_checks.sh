@@ -114,8 +114,9 @@ elif ! run_for 30 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/gpu
 else
   say "compute-sanitizer memcheck over the op and sampling tests"
   for t in gpu_ops_test gpu_sampling_test; do
+    # LEV at the config limits is ~250M instrumented loads: its whole cap for one test.
     run_for "$(phase_s 60 5)" compute-sanitizer --tool memcheck --error-exitcode 9 \
-      "$bin/$t" --gtest_color=no >"$out/memcheck_$t.log" 2>&1
+      "$bin/$t" --gtest_color=no --gtest_filter='-*ConfigLimits*' >"$out/memcheck_$t.log" 2>&1
     rc=$?
     echo "memcheck $t: exit $rc"; grep -E "ERROR SUMMARY|Invalid|out of bounds" "$out/memcheck_$t.log" | head -5
     [ "$rc" -eq 9 ] && status=1

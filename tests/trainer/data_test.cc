@@ -61,6 +61,30 @@ TEST_F(DataTest, DocumentsAreSeparatedByPercentLines) {
   EXPECT_EQ(encode_documents("no separators\n", *tokenizer_, -1, -1).value(), plain);
 }
 
+// A long document is encoded in pieces (SentencePiece's BPE holds ~170 bytes per byte of what it
+// encodes): cut after a newline, else before a space, which for a tokenizer cemlm trained gives
+// the ids of the whole document. Pieces of 1 to 200 bytes against one piece, on a document with
+// blank lines, runs of spaces, lines longer than a piece and a line with no space at all.
+TEST_F(DataTest, ALongDocumentEncodedInPiecesHasTheIdsOfTheWhole) {
+  std::string doc = testing_trainer::corpus_text(60, 3);
+  for (size_t at = 0; (at = doc.find("%\n", at)) != std::string::npos;) doc.replace(at, 2, "\n");
+  doc += "the cat  sees   a red apple and the old man follows the quiet river to the open door\n";
+  doc += std::string(150, 'x') + "\n\n  leading spaces then words\n" + std::string(90, 'y');
+  const std::vector<int32_t> whole = encode_documents(doc, *tokenizer_, 1, 2, doc.size()).value();
+  ASSERT_GT(whole.size(), 100u);
+  for (size_t piece : {1, 2, 7, 16, 33, 64, 100, 200}) {
+    SCOPED_TRACE(piece);
+    EXPECT_EQ(encode_documents(doc, *tokenizer_, 1, 2, piece).value(), whole);
+    // And within a file of several documents.
+    EXPECT_EQ(encode_documents("one\n%\n" + doc + "%\n", *tokenizer_, 1, 2, piece).value(),
+              encode_documents("one\n%\n" + doc + "%\n", *tokenizer_, 1, 2, doc.size()).value());
+  }
+  // A stop asked for between two pieces ends the encoding.
+  int asked = 0;
+  const auto stopped = encode_documents(doc, *tokenizer_, 1, 2, 64, [&] { return ++asked == 3; });
+  EXPECT_TRUE(absl::IsCancelled(stopped.status())) << stopped.status();
+}
+
 // A document the tokenizer refuses to encode is an error naming where it starts, and the file.
 TEST_F(DataTest, ADocumentTheTokenizerRefusesIsNamedByItsOffset) {
   write_file(dir_ + "/refuses.model", testing_tokens::kRefusesSpaceX);

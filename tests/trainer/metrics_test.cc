@@ -98,5 +98,19 @@ TEST(LineChart, EscapesTextAndSurvivesEmptyAndFlatSeries) {
   EXPECT_EQ(svg.find("inf"), std::string::npos);
 }
 
+// Values far from 0 against their spread (a damaged train.jsonl, an exploding loss): the ticks
+// are counted, so that a step under half an ulp of the values cannot loop for good, and a range
+// too wide for doubles gets one tick. Each chart is drawn, with its ticks' text labels.
+TEST(LineChart, ValuesFarFromZeroOrTooWideForDoublesEndWithAFewTicks) {
+  const double big = 1e17, huge = std::numeric_limits<double>::max();
+  for (const std::vector<double>& y :
+       {std::vector<double>{big, big + 16}, {-huge, huge}, {big, big + 64, big + 128}}) {
+    const std::string svg = line_chart_svg({{"s", {1, 2, 3}, y}}, "t", "x", "y");
+    const size_t labels = size_t(std::count(svg.begin(), svg.end(), '<'));
+    EXPECT_LT(labels, 400u) << y[0];
+    EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace cemlm

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
@@ -145,6 +146,56 @@ TEST(Train, ResumeWithChangedOptionsNamesThem) {
   EXPECT_NE(said.find("on the run's schedule), since the schedule spans --steps 6"),
             std::string::npos)
       << said;
+}
+
+// With --threads 0 the count comes from OMP_NUM_THREADS or the CPUs, so the same flags on another
+// machine run on another count, whose products split their sums otherwise: the state saves the
+// count the run had, and a resume on another says that it is no longer bit-exact. (The count is
+// edited in the state here: OpenMP reads OMP_NUM_THREADS once per process.)
+TEST(Train, ResumeOnAnotherThreadCountSaysSo) {
+  TrainOptions o = tiny_options(fresh_dir());  // --threads 1
+  o.steps = 4;
+  record(o, 2);
+  const std::string state_path = o.out_dir + "/" + kTrainerStateFile;
+  auto state = [&] {
+    std::string text, error;
+    EXPECT_TRUE(read_file(state_path, &text, &error)) << error;
+    return nlohmann::json::parse(text);
+  };
+  EXPECT_EQ(state()["compute_threads"], 1);
+  auto resume_saying = [&] {
+    std::string lines;
+    TrainCallbacks cb;
+    cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+    cb.on_step = [](const StepMetrics& m) { return m.step < 3; };
+    TrainOptions r = o;
+    r.resume = true;
+    EXPECT_TRUE(train(r, cb).ok());
+    return lines;
+  };
+  std::string said = resume_saying();
+  EXPECT_EQ(said.find("compute threads where"), std::string::npos) << said;
+  nlohmann::json edited = state();
+  edited["compute_threads"] = 6;
+  testing_trainer::write_file(state_path, edited.dump());
+  said = resume_saying();
+  EXPECT_NE(said.find("note: resuming on 1 compute threads where the run had 6: products split "
+                      "their sums otherwise, so the run no longer matches an uninterrupted one "
+                      "bit for bit (--threads 6 keeps it)"),
+            std::string::npos)
+      << said;
+  EXPECT_EQ(said.find("options that differ"), std::string::npos) << said;  // the flags are equal
+  // A count that is no thread count is a damaged state, named.
+  edited["compute_threads"] = 0;
+  testing_trainer::write_file(state_path, edited.dump());
+  TrainOptions r = o;
+  r.resume = true;
+  const auto refused = train(r, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find(
+                "\"compute_threads\": must be an integer of at least 1 (got 0)"),
+            std::string::npos)
+      << refused.status();
 }
 
 // A model trained at depths that leave out its recursion.default is served at a T it never
@@ -431,6 +482,62 @@ TEST(Train, CheckpointKeepsItsTokenizerWhenTheSharedCacheChanges) {
   ASSERT_FALSE(original.empty());
   EXPECT_TRUE(saved == original) << "the checkpoint took the replaced cache file";
   EXPECT_TRUE(load_checkpoint(o.out_dir).ok());
+}
+
+// The cache's tokenizer is reused only while its key names this data, this vocabulary and the
+// model file's bytes: one replaced behind the key (a run sharing --cache, a save cut between the
+// two files), or damaged, is trained again; a tokenizer that does not load is named by where it
+// came from (--init, --resume), not as a --tokenizer the run was not given.
+TEST(Train, ACachedTokenizerThatIsNotTheKeysIsTrainedAgain) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.cache_dir = dir + "/cache";
+  o.steps = 1;
+  auto run_saying = [&](const TrainOptions& opts) {
+    std::string lines;
+    TrainCallbacks cb;
+    cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+    const auto r = train(opts, cb);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return lines;
+  };
+  std::string said = run_saying(o);
+  EXPECT_NE(said.find("tokenizer: training"), std::string::npos) << said;
+  std::string trained, error;
+  ASSERT_TRUE(read_file(o.cache_dir + "/tokenizer.model", &trained, &error)) << error;
+  fs::remove_all(o.out_dir);
+  said = run_saying(o);
+  EXPECT_NE(said.find("tokenizer: reusing"), std::string::npos) << said;
+  // Damaged behind its key: trained again, and said why.
+  testing_trainer::write_file(o.cache_dir + "/tokenizer.model", "damaged");
+  fs::remove_all(o.out_dir);
+  said = run_saying(o);
+  EXPECT_NE(said.find("tokenizer: training"), std::string::npos) << said;
+  std::string again;
+  ASSERT_TRUE(read_file(o.cache_dir + "/tokenizer.model", &again, &error)) << error;
+  EXPECT_TRUE(again == trained) << "training is deterministic: the same tokenizer again";
+  // Another valid tokenizer put there (another corpus's) does not pass for this one.
+  TrainOptions other = tiny_options(dir + "/other");
+  other.cache_dir = dir + "/other-cache";
+  testing_trainer::write_file(dir + "/other/text/a.txt", testing_trainer::corpus_text(300, 7));
+  run_saying(other);
+  std::string foreign;
+  ASSERT_TRUE(read_file(other.cache_dir + "/tokenizer.model", &foreign, &error)) << error;
+  ASSERT_FALSE(foreign == trained);
+  fs::copy_file(other.cache_dir + "/tokenizer.model", o.cache_dir + "/tokenizer.model",
+                fs::copy_options::overwrite_existing);
+  fs::remove_all(o.out_dir);
+  said = run_saying(o);
+  EXPECT_NE(said.find("tokenizer: training"), std::string::npos) << said;
+  // A checkpoint's own tokenizer that does not load is named by the flag that brought it.
+  testing_trainer::write_file(o.out_dir + "/tokenizer.model", "damaged");
+  TrainOptions init = o;
+  init.init_dir = o.out_dir;
+  init.config_path.clear();
+  init.out_dir = dir + "/from-init";
+  const auto refused = train(init, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::StartsWith(refused.status().message(), "--init: ")) << refused.status();
 }
 
 // --resume needs the tokenizer its data was encoded with; --init keeps its checkpoint's

@@ -112,16 +112,39 @@ bool is_blank(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char ch) { return std::isspace((unsigned char)ch); });
 }
 
-// The document at byte `at` of its file.
+// Where to end a piece of `doc` that starts at `from` and holds at most `most` bytes: after its
+// last '\n', else before its last space that follows no space, else at the next '\n' after it
+// (the document's end when none). The tokenizers cemlm trains learn no piece holding a '\n' (they
+// train on lines) nor a space within or at the end of one, so the pieces' ids are the document's.
+size_t piece_end(std::string_view doc, size_t from, size_t most) {
+  if (doc.size() - from <= most) return doc.size();
+  const std::string_view window = doc.substr(from, most);
+  if (const size_t nl = window.rfind('\n'); nl != std::string_view::npos) return from + nl + 1;
+  for (size_t sp = window.rfind(' '); sp != std::string_view::npos && sp > 0;
+       sp = window.rfind(' ', sp - 1))
+    if (window[sp - 1] != ' ') return from + sp;
+  const size_t nl = doc.find('\n', from + most);
+  return nl == std::string_view::npos ? doc.size() : nl + 1;
+}
+
+// The document at byte `at` of its file, encoded `piece_bytes` at a time (see encode_documents).
 absl::Status append_document(std::string_view doc, size_t at, const Tokenizer& tokenizer, int bos,
-                             int eos, std::vector<int32_t>* out) {
+                             int eos, size_t piece_bytes, const std::function<bool()>& stop,
+                             std::vector<int32_t>* out) {
   if (is_blank(doc)) return absl::OkStatus();
-  std::string error;
-  const std::optional<std::vector<int>> ids = encode_input(tokenizer, doc, bos, &error);
-  if (!ids)
-    return absl::InvalidArgumentError(absl::StrCat("the document at byte ", at, ": ", error,
-                                                   "; remove it or use another tokenizer"));
-  out->insert(out->end(), ids->begin(), ids->end());
+  for (size_t from = 0; from < doc.size();) {
+    if (from > 0 && stop && stop()) return absl::CancelledError("stopped while encoding --data");
+    const size_t end = piece_end(doc, from, piece_bytes);
+    std::string error;
+    const std::optional<std::vector<int>> ids =
+        from == 0 ? encode_input(tokenizer, doc.substr(0, end), bos, &error)
+                  : tokenizer.encode(doc.substr(from, end - from), &error);
+    if (!ids)
+      return absl::InvalidArgumentError(absl::StrCat("the document at byte ", at, ": ", error,
+                                                     "; remove it or use another tokenizer"));
+    out->insert(out->end(), ids->begin(), ids->end());
+    from = end;
+  }
   if (eos >= 0) out->push_back(eos);
   return absl::OkStatus();
 }
@@ -190,21 +213,22 @@ absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
 }
 
 absl::StatusOr<std::vector<int32_t>> encode_documents(std::string_view text,
-                                                      const Tokenizer& tokenizer, int bos,
-                                                      int eos) {
+                                                      const Tokenizer& tokenizer, int bos, int eos,
+                                                      size_t piece_bytes,
+                                                      const std::function<bool()>& stop) {
   std::vector<int32_t> out;
   size_t doc_begin = 0, pos = 0;
   while (pos < text.size()) {
     const size_t end = std::min(text.find('\n', pos), text.size());
     if (is_separator(text.substr(pos, end - pos))) {
       CEMLM_RETURN_IF_ERROR(append_document(text.substr(doc_begin, pos - doc_begin), doc_begin,
-                                            tokenizer, bos, eos, &out));
+                                            tokenizer, bos, eos, piece_bytes, stop, &out));
       doc_begin = std::min(end + 1, text.size());
     }
     pos = end + 1;
   }
-  CEMLM_RETURN_IF_ERROR(
-      append_document(text.substr(doc_begin), doc_begin, tokenizer, bos, eos, &out));
+  CEMLM_RETURN_IF_ERROR(append_document(text.substr(doc_begin), doc_begin, tokenizer, bos, eos,
+                                        piece_bytes, stop, &out));
   return out;
 }
 
@@ -243,7 +267,9 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
       if (stop && stop()) return absl::CancelledError("stopped while encoding --data");
       std::string text, error;
       if (!read_text_file(p, &text, &error)) return absl::UnavailableError("--data: " + error);
-      absl::StatusOr<std::vector<int32_t>> ids = encode_documents(text, tokenizer, bos, eos);
+      absl::StatusOr<std::vector<int32_t>> ids =
+          encode_documents(text, tokenizer, bos, eos, kEncodePieceBytes, stop);
+      if (absl::IsCancelled(ids.status())) return ids.status();
       if (!ids.ok())
         return absl::InvalidArgumentError(
             absl::StrCat("--data: '", p, "': ", ids.status().message()));

@@ -39,6 +39,18 @@ double tick_range(Range& r) {
   return step;
 }
 
+// The ticks lo, lo + step, ..., hi of a range tick_range() widened: counted, not summed (a step
+// under half an ulp of lo never moves a running sum: 1e17 and 1e17 + 16 looped for good), and at
+// most kMaxTicks + 1 (a range too wide for doubles gets its first tick only).
+std::vector<double> ticks(const Range& r, double step) {
+  constexpr double kMaxTicks = 100;
+  const double n = std::floor((r.hi - r.lo) / step + 0.5);
+  if (!(n >= 0 && n <= kMaxTicks)) return {r.lo};
+  std::vector<double> out;
+  for (int i = 0; i <= int(n); ++i) out.push_back(r.lo + i * step);
+  return out;
+}
+
 std::string escape(const std::string& s) {
   std::string out;
   for (char ch : s) {
@@ -82,13 +94,13 @@ std::string line_chart_svg(const std::vector<Series>& series, const std::string&
   svg += fmt("<rect width=\"%g\" height=\"%g\" fill=\"white\"/>\n", kWidth, kHeight);
   svg += fmt("<text x=\"%g\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">", kLeft + pw / 2) +
          escape(title) + "</text>\n";
-  for (double x = xr.lo; x <= xr.hi + xstep / 2; x += xstep) {
+  for (const double x : ticks(xr, xstep)) {
     svg += fmt("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", px(x),
                kTop, px(x), kTop + ph);
     svg += fmt("<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">", px(x), kTop + ph + 18) +
            tick_label(x) + "</text>\n";
   }
-  for (double y = yr.lo; y <= yr.hi + ystep / 2; y += ystep) {
+  for (const double y : ticks(yr, ystep)) {
     svg += fmt("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", kLeft,
                py(y), kLeft + pw, py(y));
     svg += fmt("<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">", kLeft - 6, py(y) + 4) +

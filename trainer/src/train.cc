@@ -169,6 +169,9 @@ class Trainer {
   MetricsLog log_;
   int64_t step_ = 0, tokens_ = 0;
   double prior_elapsed_s_ = 0;  // before this invocation (resume)
+  // The products' threads, resolved (--threads 0: the CPUs or OMP_NUM_THREADS): saved, since a
+  // resume on another count splits products otherwise and loses bit-exactness.
+  int compute_threads_ = 0;
   Clock::time_point start_;
   // When run() began: --max-minutes is the budget of the whole run, its set-up included.
   const Clock::time_point run_start_ = Clock::now();
@@ -370,24 +373,41 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
         "--tokenizer: the checkpoint of --init has its own ", kTokenizerFile,
         ", which its weights were trained with; leave --tokenizer out (it is for a model "
         "without one)"));
-  if (tokenizer_path_.empty() && !o_.tokenizer_path.empty()) tokenizer_path_ = o_.tokenizer_path;
+  // Named in errors: where the tokenizer came from.
+  std::string source = o_.resume ? "--resume" : "--init";
+  if (tokenizer_path_.empty() && !o_.tokenizer_path.empty()) {
+    tokenizer_path_ = o_.tokenizer_path;
+    source = "--tokenizer";
+  }
   if (tokenizer_path_.empty()) {
     tokenizer_path_ = in_cache(kTokenizerFile);
+    source = "--cache";
+    // The key names the data and vocabulary it was trained for, and the model file's hash: a save
+    // interrupted between the two files, or another run sharing --cache that replaced the model,
+    // leaves a key that matches no model, and the tokenizer is trained again.
     const std::string key = absl::StrCat(absl::Hex(corpus.key), "-", cfg_.vocab_size);
     std::string cached, error;
-    std::error_code ec;
-    if (read_file(in_cache(kTokenizerKeyFile), &cached, &error) && cached == key &&
-        fs::exists(tokenizer_path_, ec)) {
+    const absl::StatusOr<uint64_t> model_hash = hash_file(tokenizer_path_);
+    std::unique_ptr<Tokenizer> loads;
+    if (read_file(in_cache(kTokenizerKeyFile), &cached, &error) && model_hash.ok() &&
+        cached == absl::StrCat(key, " ", absl::Hex(*model_hash)) &&
+        (loads = Tokenizer::load(tokenizer_path_, &error))) {
       info(absl::StrCat("tokenizer: reusing ", tokenizer_path_));
     } else {
+      if (!cached.empty() && model_hash.ok() && !loads && !error.empty())
+        info(absl::StrCat("tokenizer: the cached ", tokenizer_path_, " does not load (", error,
+                          "): training it again"));
       info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ", corpus.paths.size(),
                         " files"));
+      std::error_code ec;
+      fs::remove(in_cache(kTokenizerKeyFile), ec);  // no key for a model being replaced
       // The data's own files: collecting --data again would take in what list_corpus leaves out
       // (this run's --cache and --out, when --data holds them).
       TokenizerTrainOptions t{corpus.paths, cfg_.vocab_size, tokenizer_path_};
       t.inputs_flag = "--data";
       t.out_flag = "--cache";  // the tokenizer is written there, not into --out
       TokenizerTrainStats stats;
+      error.clear();
       if (!train_tokenizer(t, &error, &stats)) {
         if (!fresh_ && stats.min_vocab_size > 0)  // --init: its vocabulary cannot be raised
           return absl::InvalidArgumentError(absl::StrCat(
@@ -404,14 +424,16 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       }
       info(absl::StrCat("tokenizer: trained on ", stats.files, " files (",
                         absl::SixDigits(double(stats.bytes) / 1e6), " MB)"));
-      CEMLM_RETURN_IF_ERROR(write_text(in_cache(kTokenizerKeyFile), key));
+      CEMLM_ASSIGN_OR_RETURN(const uint64_t trained_hash, hash_file(tokenizer_path_));
+      CEMLM_RETURN_IF_ERROR(
+          write_text(in_cache(kTokenizerKeyFile), absl::StrCat(key, " ", absl::Hex(trained_hash))));
     }
   }
   std::string error, again;
   if (!read_file(tokenizer_path_, &tokenizer_bytes_, &error))
-    return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", error));
   tokenizer_ = Tokenizer::load(tokenizer_path_, &error);
-  if (!tokenizer_) return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
+  if (!tokenizer_) return absl::InvalidArgumentError(absl::StrCat(source, ": ", error));
   // The bytes kept must be those loaded: a run sharing --cache may replace the file meanwhile.
   if (!read_file(tokenizer_path_, &again, &error) || again != tokenizer_bytes_)
     return absl::UnavailableError(absl::StrCat(
@@ -499,6 +521,7 @@ absl::Status Trainer::restore() {
                                                    " (the file is damaged)"));
   const json& j = *parsed;
   std::string split, options_text;
+  int saved_threads = 0;  // 0: not saved
   const char* key = "";  // the one being read, named in the error
   auto get = [&](const char* k) -> const json& {
     key = k;
@@ -513,7 +536,8 @@ absl::Status Trainer::restore() {
     if (!j.is_object()) throw std::invalid_argument("not a JSON object (the file is damaged)");
     for (const auto& [k, v] : j.items())
       if (k != "format_version" && k != "step" && k != "tokens" && k != "elapsed_s" &&
-          k != "data_rng" && k != "recursion_rng" && k != "split" && k != "options") {
+          k != "data_rng" && k != "recursion_rng" && k != "split" && k != "options" &&
+          k != "compute_threads") {
         key = "";
         throw std::invalid_argument(absl::StrCat("unknown key \"", absl::CHexEscape(k),
                                                  "\" (the file is damaged, or "
@@ -544,6 +568,13 @@ absl::Status Trainer::restore() {
       throw std::invalid_argument(absl::StrCat("must be a string (got ", j["split"].dump(), ")"));
     split = j.value("split", "");
     if (j.contains("options")) options_text = j["options"].dump();
+    if (j.contains("compute_threads")) {  // not in the states of cemlm before it was saved
+      key = "compute_threads";
+      if (!integer_fits<int>(j[key]) || j[key].get<int>() < 1)
+        throw std::invalid_argument(
+            absl::StrCat("must be an integer of at least 1 (got ", j[key].dump(), ")"));
+      saved_threads = j[key].get<int>();
+    }
   } catch (const std::exception& e) {  // nlohmann reports missing keys and wrong types by throwing
     return absl::InvalidArgumentError(absl::StrCat("--resume: ", in_out(kTrainerStateFile), ": ",
                                                    *key ? absl::StrCat("\"", key, "\": ") : "",
@@ -559,6 +590,12 @@ absl::Status Trainer::restore() {
   // Flags given again with other values apply from here on: said, since the run then no longer
   // continues as it would have (a changed --val-fraction or --data also moves the validation
   // split, so that validation losses before and after are not comparable).
+  if (saved_threads > 0 && saved_threads != compute_threads_)
+    info(absl::StrCat("note: resuming on ", compute_threads_, " compute threads where the run had ",
+                      saved_threads,
+                      ": products split their sums otherwise, so the run no longer matches an "
+                      "uninterrupted one bit for bit (--threads ",
+                      saved_threads, " keeps it)"));
   if (auto saved = options_from_json(options_text); saved.ok()) {
     if (const std::string changed = changed_options(*saved, o_); !changed.empty())
       info(absl::StrCat("note: resuming with options that differ from the run's: ", changed,
@@ -639,6 +676,7 @@ absl::Status Trainer::write_extra(const std::string& dir) const {
                       {"elapsed_s", prior_elapsed_s_ + seconds_since(start_)},
                       {"data_rng", data_rng_.state()},
                       {"recursion_rng", t_rng_.state()},
+                      {"compute_threads", compute_threads_},
                       {"split", kSplitRule},
                       {"options", json::parse(options_to_json(o_))}};
   CEMLM_RETURN_IF_ERROR(write_text((d / kTrainerStateFile).string(), state.dump(2) + "\n"));
@@ -703,6 +741,7 @@ absl::Status Trainer::set_up() {
 absl::StatusOr<TrainSummary> Trainer::run() {
   CEMLM_RETURN_IF_ERROR(validate_options(o_));
   const CpuThreads threads = use_cpu_threads(o_.threads);
+  compute_threads_ = threads.threads;
   info(absl::StrCat("compute threads: ", threads.threads, " (", threads.why, ")"));
   absolute_paths();
   CEMLM_RETURN_IF_ERROR(check_paths_are_utf8());

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <vector>
 
 #include "cemlm/engine/utf8.h"
 
@@ -48,6 +49,39 @@ std::string why_not_text(const std::string& bytes) {
   return "";
 }
 
+// why_not_text() of the file at `path`, read a MiB at a time (checking a corpus of large files
+// holds none of them whole). False with *error when it cannot be read.
+bool why_not_text_file(const std::string& path, std::string* why, std::string* error) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> chunk(size_t(1) << 20);
+  std::string buf;             // a character the last chunk left unfinished, then this chunk
+  size_t at = 0;               // the file offset of buf[0]
+  size_t bad_utf8 = SIZE_MAX;  // the first invalid byte's offset: a NUL after it still wins
+  while (in) {
+    in.read(chunk.data(), std::streamsize(chunk.size()));
+    if (in.bad()) break;
+    const bool last = !in;  // the end of the file
+    buf.append(chunk.data(), size_t(in.gcount()));
+    if (const size_t nul = buf.find('\0'); nul != std::string::npos) {
+      *why = "a NUL byte at offset " + std::to_string(at + nul) + " (binary file?)";
+      return true;
+    }
+    const size_t body = buf.size() - (last ? 0 : utf8_unfinished_suffix(buf));
+    if (const size_t valid = utf8_valid_prefix(std::string_view(buf).substr(0, body));
+        valid != body && bad_utf8 == SIZE_MAX)
+      bad_utf8 = at + valid;
+    if (last) {
+      why->clear();
+      if (bad_utf8 != SIZE_MAX) *why = "invalid UTF-8 at byte offset " + std::to_string(bad_utf8);
+      return true;
+    }
+    at += body;
+    buf.erase(0, body);
+  }
+  *error = "cannot read '" + path + "'";
+  return false;
+}
+
 std::string not_text_message(const std::string& path, const std::string& why) {
   return "'" + path + "' is not UTF-8 text: " + why;
 }
@@ -81,9 +115,9 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
   return true;
 }
 
-// Calls `use(path, text)` for every text file of `paths`, in order; the walk behind both public
-// collectors, so each file is read once.
-bool for_each_text_file(const std::vector<std::string>& paths,
+// Calls `use(path, text)` for every text file of `paths`, in order (`text` empty unless
+// `with_text`); the walk behind both public collectors, so each file is read once.
+bool for_each_text_file(const std::vector<std::string>& paths, bool with_text,
                         const std::function<void(const std::string&, std::string&&)>& use,
                         std::string* error, std::vector<std::string>* skipped,
                         std::vector<std::string>* why_skipped) {
@@ -94,8 +128,15 @@ bool for_each_text_file(const std::vector<std::string>& paths,
     std::string why;
     if (!skipped_by_name(path)) {
       std::string bytes;
-      if (!read_file(path, &bytes, error)) return false;
-      why = why_not_text(bytes);
+      if (with_text) {
+        if (!read_file(path, &bytes, error)) return false;
+        why = why_not_text(bytes);
+      } else if (std::error_code ec; !fs::is_regular_file(path, ec)) {
+        read_file(path, &bytes, error);  // fails, saying why as it does for a whole read
+        return false;
+      } else if (!why_not_text_file(path, &why, error)) {
+        return false;
+      }
       if (why.empty()) {
         use(path, std::move(bytes));
         continue;
@@ -123,14 +164,15 @@ bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::
                         std::string* error, std::vector<std::string>* skipped,
                         std::vector<std::string>* why_skipped) {
   return for_each_text_file(
-      paths, [&](const std::string& path, std::string&&) { files->push_back(path); }, error,
-      skipped, why_skipped);
+      paths, /*with_text=*/false,
+      [&](const std::string& path, std::string&&) { files->push_back(path); }, error, skipped,
+      why_skipped);
 }
 
 bool read_corpus(const std::vector<std::string>& paths, std::vector<TextFile>* files,
                  std::string* error, std::vector<std::string>* skipped) {
   return for_each_text_file(
-      paths,
+      paths, /*with_text=*/true,
       [&](const std::string& path, std::string&& text) {
         files->push_back(TextFile{path, std::move(text)});
       },

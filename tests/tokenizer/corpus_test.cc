@@ -103,6 +103,38 @@ TEST_F(CorpusTest, ReadsTheTexts) {
   EXPECT_EQ(files[1].text, "ay\n");
 }
 
+// Collecting checks each file a MiB at a time (no file held whole): a character cut by a chunk's
+// end is fine, and a file's reason to be skipped is the one a whole read gives: the first bad
+// byte's offset, and a NUL anywhere over a bad byte before it. Each case against read_text_file.
+TEST_F(CorpusTest, CollectingChecksLargeFilesAsAWholeReadDoes) {
+  const size_t mib = size_t(1) << 20;
+  const std::string big = fresh_temp_dir();
+  const std::string fill(mib - 1, 'a');  // 日 (3 bytes) then straddles the first MiB's end
+  const struct {
+    std::string name, bytes, why;
+  } cases[] = {{"straddling", fill + "日" + std::string(mib, 'b') + "é", ""},
+               {"bad_late", fill + "日" + std::string(mib, 'b') + "\xFF" + "c",
+                "offset " + std::to_string(2 * mib + 2)},
+               {"cut_at_end", fill + "\xE6\x97", "offset " + std::to_string(mib - 1)},
+               {"nul_after_bad", "x\xFF" + std::string(2 * mib, 'c') + std::string(1, '\0'),
+                "NUL byte at offset " + std::to_string(2 * mib + 2)}};
+  for (const auto& c : cases) write_file(big + "/" + c.name, c.bytes);
+  std::vector<std::string> files, skipped, why;
+  std::string error;
+  ASSERT_TRUE(collect_text_files({big}, &files, &error, &skipped, &why)) << error;
+  EXPECT_EQ(files, (std::vector<std::string>{big + "/straddling"}));
+  ASSERT_EQ(skipped.size(), 3u);
+  for (size_t i = 0; i < skipped.size(); ++i) {
+    const auto& c = *std::find_if(std::begin(cases), std::end(cases),
+                                  [&](const auto& k) { return big + "/" + k.name == skipped[i]; });
+    SCOPED_TRACE(c.name);
+    EXPECT_NE(why[i].find(c.why), std::string::npos) << why[i];
+    std::string text, whole;
+    EXPECT_FALSE(read_text_file(skipped[i], &text, &whole));
+    EXPECT_EQ(whole, why[i]);
+  }
+}
+
 TEST_F(CorpusTest, ErrorsNameThePath) {
   std::vector<std::string> files;
   std::string error;

@@ -19,7 +19,8 @@ bool read_text_file(const std::string& path, std::string* text, std::string* err
 // indexes and symlinked duplicates of Debian's fortunes) and binary or non-UTF-8 files, listing
 // them in `*skipped` when given, and in `*why_skipped` (beside them, one for one) why: empty for
 // a file left out by its name, unread, else "'path' is not UTF-8 text: ..." with the offending
-// byte. False (error names the path) when a path does not exist or cannot be read.
+// byte. Each file is checked a MiB at a time, not held whole. False (error names the path) when
+// a path does not exist or cannot be read.
 bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
                         std::string* error, std::vector<std::string>* skipped = nullptr,
                         std::vector<std::string>* why_skipped = nullptr);

@@ -75,10 +75,8 @@ const ApiKeys::Key* ApiKeys::find(absl::string_view key) const {
   return found;
 }
 
-grpc::Status ApiKeys::check(const grpc::ServerContextBase& context,
-                            std::optional<int>* max_priority) const {
+grpc::Status ApiKeys::check(const Metadata& md, std::optional<int>* max_priority) const {
   if (!enabled()) return grpc::Status::OK;
-  const auto& md = context.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end())
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,

@@ -5,6 +5,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
+#include <grpcpp/security/auth_metadata_processor.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
@@ -32,11 +33,31 @@ constexpr int kMaxRequestBytes = 4 << 20;
 // every 10 s at most.
 constexpr int kMinClientPingIntervalMs = 1000;
 
-std::shared_ptr<grpc::ServerCredentials> credentials(const ServerOptions& opts) {
+// Runs ServerState::check_at_headers on each call's headers, in gRPC's auth filter: a call it
+// refuses ends there, its body unread.
+class KeyCheckAtHeaders final : public grpc::AuthMetadataProcessor {
+ public:
+  explicit KeyCheckAtHeaders(ServerState* state) : state_(state) {}
+  bool IsBlocking() const override { return false; }  // a lookup: no thread of its own
+  grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext*, OutputMetadata*,
+                       OutputMetadata*) override {
+    return state_->check_at_headers(metadata);
+  }
+
+ private:
+  ServerState* const state_;
+};
+
+std::shared_ptr<grpc::ServerCredentials> credentials(const ServerOptions& opts,
+                                                     ServerState* state) {
   if (opts.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({opts.tls_key_pem, opts.tls_cert_pem});
-  return grpc::SslServerCredentials(ssl);
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::SslServerCredentials(ssl);
+  // Only under TLS: gRPC runs no auth filter on a plaintext port (the service checks keys there).
+  if (opts.api_keys.enabled())
+    creds->SetAuthMetadataProcessor(std::make_shared<KeyCheckAtHeaders>(state));
+  return creds;
 }
 
 }  // namespace
@@ -57,7 +78,7 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   const std::string address = host_port(opts.host, opts.port);
-  builder.AddListeningPort(address, credentials(opts), &s->port_);
+  builder.AddListeningPort(address, credentials(opts, s->state_.get()), &s->port_);
   // gRPC sets SO_REUSEPORT by default: a second server on a port in use would start and take a
   // share of the first one's connections. A busy port is an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/tokenizer.h"
@@ -540,6 +541,27 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
 };
 
 }  // namespace
+
+grpc::Status ServerState::check_at_headers(const ApiKeys::Metadata& metadata) {
+  constexpr absl::string_view kService = "/cemlm.v1.Inference/";
+  const auto path = metadata.find(":path");
+  if (path == metadata.end()) return grpc::Status::OK;
+  const absl::string_view p(path->second.data(), path->second.size());
+  if (!absl::StartsWith(p, kService)) return grpc::Status::OK;
+  grpc::Status status = keys_.check(metadata);
+  if (status.ok()) return status;
+  // Counted under its method's name when it names one (any other name would be a new series).
+  const absl::string_view method = p.substr(kService.size());
+  for (const char* known : {"Generate", "Score", "Tokenize", "Detokenize", "GetModelInfo"})
+    if (method == known) metrics_->count_rpc(known, status.error_code());
+  if (int64_t left_out = 0; refused_key_log_.allow(&left_out))
+    spdlog::info(
+        "{} refused at its headers (TLS) status=UNAUTHENTICATED message=\"{}\" "
+        "refused_since_last_line={}",
+        log_escaped(std::string_view(method.data(), method.size())),
+        log_escaped(status.error_message()), left_out);
+  return status;
+}
 
 grpc::ServerWriteReactor<Response>* InferenceService::Generate(grpc::CallbackServerContext* context,
                                                                const v1::GenerateRequest* request) {

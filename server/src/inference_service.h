@@ -69,6 +69,12 @@ class ServerState {
   // loading or draining. A call whose body did not parse gets this status first (its key is
   // checked before its body), and only if OK the malformed body's.
   grpc::Status gate(const grpc::ServerContextBase& context) const;
+  // Under TLS, each call's key is also checked as its headers arrive (an AuthMetadataProcessor,
+  // inference_server.cc), so that gRPC never reads the body of a call without one:
+  // UNAUTHENTICATED for a call of cemlm.v1.Inference (by its ":path") without a valid key,
+  // counted and logged as the service counts and logs those it refuses; OK for anything else
+  // (health, reflection).
+  grpc::Status check_at_headers(const ApiKeys::Metadata& metadata);
   // PERMISSION_DENIED when `priority` is above what the call's key may ask for (its
   // max_priority= in the key file, else the server's --max-priority).
   grpc::Status check_priority(const grpc::ServerContextBase& context, int priority) const;

@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
 """Slow-body flood against `cemlm serve` (used by server_test's ServerSecurity tests).
 
-Opens one HTTP/2 connection and STREAMS Generate calls on it, without an API key. Each declares a
+Opens one HTTP/2 connection (TLS when a 5th argument `tls` is given, the certificate not
+checked) and STREAMS Generate calls on it, without an API key. Each declares a
 gRPC message of 4,000,000 bytes (under the server's 4 MiB limit) and sends all of it but the last
 byte, as fast as the server's flow control lets it, so that gRPC holds the bodies waiting for the
 rest. Prints one JSON line: bytes sent, streams the server reset (and with which HTTP/2 codes),
 whether the connection was closed, and the server's resident memory before and at most during the
-flood (from /proc/PID/status).
+flood (from /proc/PID/status), and the grpc-status codes of the calls the server answered.
 
-usage: body_flood.py PORT SERVER_PID [STREAMS] [SECONDS]
+usage: body_flood.py PORT SERVER_PID [STREAMS] [SECONDS] [tls]
 (it stops early once every stream was reset, or after 2 s in which nothing moved)
 """
 import json
 import select
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -39,9 +41,17 @@ def main():
     port, pid = int(sys.argv[1]), int(sys.argv[2])
     streams = int(sys.argv[3]) if len(sys.argv) > 3 else 200
     seconds = float(sys.argv[4]) if len(sys.argv) > 4 else 30
-    out = {"sent": 0, "resets": 0, "codes": [], "closed": False, "rss_before_kb": rss_kb(pid)}
+    tls = len(sys.argv) > 5 and sys.argv[5] == "tls"
+    out = {"sent": 0, "resets": 0, "codes": [], "grpc_status": {}, "closed": False,
+           "rss_before_kb": rss_kb(pid)}
     out["rss_peak_kb"] = out["rss_before_kb"]
     sock = socket.create_connection(("127.0.0.1", port))
+    if tls:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        context.set_alpn_protocols(["h2"])
+        sock = context.wrap_socket(sock, server_hostname="localhost")
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     sock.sendall(conn.data_to_send())
@@ -64,6 +74,11 @@ def main():
                     if code not in out["codes"]:
                         out["codes"].append(code)
                     left.pop(event.stream_id, None)
+                elif isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    for name, value in event.headers:
+                        if name == b"grpc-status":
+                            key = value.decode()
+                            out["grpc_status"][key] = out["grpc_status"].get(key, 0) + 1
                 elif isinstance(event, h2.events.StreamEnded):
                     left.pop(event.stream_id, None)
                 elif isinstance(event, h2.events.ConnectionTerminated):

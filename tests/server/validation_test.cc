@@ -838,21 +838,32 @@ TEST_F(ServerValidation, OversizeRequestBodyIsRefused) {
   EXPECT_TRUE(generate(server_->channel(), valid_request()).status.ok());
 }
 
-TEST(ServerTls, ServesOverTls) {
-  const std::string dir = fresh_temp_dir();
-  const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
+// A self-signed certificate for localhost and 127.0.0.1 and its key, as dir/cert.pem and
+// dir/key.pem; false when openssl is missing.
+bool make_certificate(const std::string& dir) {
   const std::string openssl =
       "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
       "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " +
-      key + " -out " + cert + " >/dev/null 2>&1";
-  if (std::system(openssl.c_str()) != 0) GTEST_SKIP() << "openssl is not available";
-  std::ifstream pem_in(cert);
+      dir + "/key.pem -out " + dir + "/cert.pem >/dev/null 2>&1";
+  return std::system(openssl.c_str()) == 0;
+}
+
+// Client credentials that trust dir/cert.pem.
+std::shared_ptr<grpc::ChannelCredentials> trusting(const std::string& dir) {
+  std::ifstream pem_in(dir + "/cert.pem");
   std::stringstream pem;
   pem << pem_in.rdbuf();
   grpc::SslCredentialsOptions ssl;
   ssl.pem_root_certs = pem.str();
+  return grpc::SslCredentials(ssl);
+}
+
+TEST(ServerTls, ServesOverTls) {
+  const std::string dir = fresh_temp_dir();
+  const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
+  if (!make_certificate(dir)) GTEST_SKIP() << "openssl is not available";
   auto server = ServerProcess::start(make_tiny_model(dir), {"--tls-cert", cert, "--tls-key", key},
-                                     grpc::SslCredentials(ssl));
+                                     trusting(dir));
   ASSERT_TRUE(server);
   EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
   std::string out;
@@ -873,18 +884,51 @@ TEST(ServerTls, ServesOverTls) {
       << err;
 }
 
+// Under TLS, a call of cemlm.v1.Inference without a valid key is refused as its headers arrive
+// (gRPC's auth filter), so the slow-body flood of SlowBodiesCannotHoldMoreThanTheGrpcMemory gets
+// no body read at all: every stream answered UNAUTHENTICATED at once, counted as the service
+// counts refused keys. Health stays open and a valid key is served. (On plaintext the service
+// checks keys once the body has arrived: the quota bounds that case.)
+TEST(ServerTls, CallsWithoutAKeyAreRefusedBeforeTheirBodies) {
+  if (std::system("/usr/bin/python3 -c 'import h2' 2>/dev/null") != 0)
+    GTEST_SKIP() << "python3-h2 is not installed (scripts/setup.sh installs it for the tests)";
+  const std::string dir = fresh_temp_dir();
+  if (!make_certificate(dir)) GTEST_SKIP() << "openssl is not available";
+  std::ofstream(dir + "/keys.txt") << "alpha-key\n";
+  auto server =
+      ServerProcess::start(make_tiny_model(dir),
+                           {"--tls-cert", dir + "/cert.pem", "--tls-key", dir + "/key.pem",
+                            "--api-key-file", dir + "/keys.txt", "--grpc-memory", "0"},
+                           trusting(dir));
+  ASSERT_TRUE(server);
+  const std::string out = dir + "/flood.json";
+  const std::string cmd = "/usr/bin/python3 '" + std::string(std::getenv("CEMLM_SOURCE_DIR")) +
+                          "/tests/server/body_flood.py' " + std::to_string(server->port()) + " " +
+                          std::to_string(server->pid()) + " 200 60 tls > '" + out + "'";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(out);
+  const auto flood = nlohmann::json::parse(in);
+  SCOPED_TRACE(flood.dump());
+  EXPECT_EQ(flood["grpc_status"], nlohmann::json({{"16", 200}}));
+  // The streams' first windows at most (64 KiB each), not their 800 MB of bodies.
+  EXPECT_LT(flood["sent"].get<int64_t>(), 200 * 65536 + 1);
+  EXPECT_LT(flood["rss_peak_kb"].get<int64_t>() - flood["rss_before_kb"].get<int64_t>(), 100'000);
+  EXPECT_EQ(health(server->channel()), "SERVING");
+  EXPECT_TRUE(generate(server->channel(), valid_request(), {"alpha-key"}).status.ok());
+  EXPECT_EQ(generate(server->channel(), valid_request(), {"wrong"}).status.error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  const auto m = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 201);
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"UNAUTHENTICATED\",method=\"Generate\""), 201);
+}
+
 // The server names the TLS file it cannot use, instead of failing to listen on a free port.
 TEST(ServerTls, BadCertificateOrKeyIsNamed) {
   const std::string dir = fresh_temp_dir();
   const std::string cert = dir + "/cert.pem", key = dir + "/key.pem", other = dir + "/other.pem";
-  const std::string openssl =
-      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
-      "-keyout " +
-      key + " -out " + cert +
-      " >/dev/null 2>&1 && openssl "
-      "genrsa -out " +
-      other + " 2048 >/dev/null 2>&1";
-  if (std::system(openssl.c_str()) != 0) GTEST_SKIP() << "openssl is not available";
+  if (!make_certificate(dir) ||
+      std::system(("openssl genrsa -out " + other + " 2048 >/dev/null 2>&1").c_str()) != 0)
+    GTEST_SKIP() << "openssl is not available";
   const std::string model = make_tiny_model(dir), notes = dir + "/notes.txt";
   std::ofstream(notes) << "not PEM\n";
   struct Case {

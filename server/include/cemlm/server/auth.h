@@ -4,6 +4,7 @@
 #pragma once
 #include <grpcpp/server_context.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,7 +25,12 @@ class ApiKeys {
   // `max_priority` is given, it is set to the key's max_priority= (left as it is when its line
   // has none, or keys are off).
   grpc::Status check(const grpc::ServerContextBase& context,
-                     std::optional<int>* max_priority = nullptr) const;
+                     std::optional<int>* max_priority = nullptr) const {
+    return check(context.client_metadata(), max_priority);
+  }
+  // The same, on a call's metadata (a ServerContext's, or what an AuthMetadataProcessor gets).
+  using Metadata = std::multimap<grpc::string_ref, grpc::string_ref>;
+  grpc::Status check(const Metadata& metadata, std::optional<int>* max_priority = nullptr) const;
 
  private:
   struct Key {

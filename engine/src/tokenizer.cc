@@ -337,7 +337,9 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
     }
     return false;
   }
-  return write_atomically(opts.out_path, model, opts.out_flag, error);
+  if (!write_atomically(opts.out_path, model, opts.out_flag, error)) return false;
+  st.model = std::move(model);
+  return true;
 }
 
 }  // namespace cemlm

@@ -55,12 +55,25 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
       max_priority = value;
       key = absl::StripTrailingAsciiWhitespace(key.substr(0, space));
     }
+    // Anything else with the word is a cap written wrong ("max_priority = 5", a line of the cap
+    // alone, a comment after it): refused, as it would have made a key that anyone could guess or
+    // that nobody meant.
+    if (absl::StrContains(key, "max_priority"))
+      return absl::InvalidArgumentError(absl::StrCat(
+          where,
+          ": write a key's cap as its line's last word, 'KEY max_priority=N', after the "
+          "key and with no spaces around '='"));
     // Metadata values are visible ASCII (and spaces): gRPC clients refuse to send other bytes.
     for (const char c : key)
       if (c < 0x20 || c > 0x7E)
         return absl::InvalidArgumentError(
             where + " holds a byte no client can send in metadata; keys are printable ASCII");
-    out.keys_.push_back({std::string(key), max_priority});
+    // Which line's cap would hold is not for the order of lines to decide.
+    for (const Key& k : out.keys_)
+      if (k.key == key)
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, " repeats the key of line ", k.line, "; list each key once"));
+    out.keys_.push_back({std::string(key), max_priority, number});
   }
   if (out.keys_.empty())
     return absl::InvalidArgumentError("--api-key-file: '" + path +

@@ -633,6 +633,22 @@ TEST(ServerAuth, PriorityIsCappedByTheKeyOrTheServer) {
         std::string::npos)
         << err;
   }
+  // So is a cap written any other way (each would have made a key of the whole line: the cap
+  // alone one that anyone could guess), and a key given twice (which line's cap would hold?).
+  for (const std::string bad : {"max_priority=5", "other-key max_priority= 5",
+                                "other-key max_priority = 5", "other-key max_priority=5 # ops"}) {
+    std::ofstream(keys) << "good-key\n" << bad << "\n";
+    std::string out, err;
+    EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", keys}, &out, &err), 0);
+    EXPECT_NE(err.find("line 2 of '" + keys + "': write a key's cap as its line's last word"),
+              std::string::npos)
+        << bad << ": " << err;
+  }
+  std::ofstream(keys) << "good-key max_priority=0\n# comment\ngood-key\n";
+  std::string out, err;
+  EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", keys}, &out, &err), 0);
+  EXPECT_NE(err.find("line 3 of '" + keys + "' repeats the key of line 1"), std::string::npos)
+      << err;
 }
 
 TEST_F(ServerValidation, WithoutKeysAnyAuthorizationIsIgnored) {
@@ -686,6 +702,19 @@ TEST(ServerAuth, AMalformedBodyWithoutAKeyIsUnauthenticated) {
   EXPECT_EQ(metric(metrics, "cemlm:request_errors_total", "code=\"UNAUTHENTICATED\""), 6);
 }
 
+// tests/server/body_flood.py against `server`: 200 slow 4 MB bodies without a key on one
+// connection (`tls`: "tls" or ""); its JSON summary, or null when it failed.
+nlohmann::json body_flood(const ServerProcess& server, const std::string& dir,
+                          const std::string& tls) {
+  const std::string out = dir + "/flood.json";
+  const std::string cmd = "/usr/bin/python3 '" + std::string(std::getenv("CEMLM_SOURCE_DIR")) +
+                          "/tests/server/body_flood.py' " + std::to_string(server.port()) + " " +
+                          std::to_string(server.pid()) + " 200 60 " + tls + " > '" + out + "'";
+  if (std::system(cmd.c_str()) != 0) return nullptr;
+  std::ifstream in(out);
+  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+}
+
 // Streams that send all of a large body but its last byte, without a key, are held by gRPC before
 // the service sees them. --grpc-memory bounds what they hold: gRPC resets streams
 // (ENHANCE_YOUR_CALM, RESOURCE_EXHAUSTED at a gRPC client) once it is over the quota, and the
@@ -699,13 +728,7 @@ TEST(ServerSecurity, SlowBodiesCannotHoldMoreThanTheGrpcMemory) {
   std::ofstream(keys) << "alpha-key\n";
   auto server = ServerProcess::start(model, {"--api-key-file", keys, "--grpc-memory", "32M"});
   ASSERT_TRUE(server);
-  const std::string out = dir + "/flood.json";
-  const std::string cmd = "/usr/bin/python3 '" + std::string(std::getenv("CEMLM_SOURCE_DIR")) +
-                          "/tests/server/body_flood.py' " + std::to_string(server->port()) + " " +
-                          std::to_string(server->pid()) + " 200 60 > '" + out + "'";
-  ASSERT_EQ(std::system(cmd.c_str()), 0);
-  std::ifstream in(out);
-  const auto flood = nlohmann::json::parse(in);
+  const nlohmann::json flood = body_flood(*server, dir, "");
   SCOPED_TRACE(flood.dump());
   EXPECT_GT(flood["resets"].get<int>(), 0);
   EXPECT_EQ(flood["codes"], nlohmann::json::array({11}));  // ENHANCE_YOUR_CALM
@@ -901,13 +924,7 @@ TEST(ServerTls, CallsWithoutAKeyAreRefusedBeforeTheirBodies) {
                             "--api-key-file", dir + "/keys.txt", "--grpc-memory", "0"},
                            trusting(dir));
   ASSERT_TRUE(server);
-  const std::string out = dir + "/flood.json";
-  const std::string cmd = "/usr/bin/python3 '" + std::string(std::getenv("CEMLM_SOURCE_DIR")) +
-                          "/tests/server/body_flood.py' " + std::to_string(server->port()) + " " +
-                          std::to_string(server->pid()) + " 200 60 tls > '" + out + "'";
-  ASSERT_EQ(std::system(cmd.c_str()), 0);
-  std::ifstream in(out);
-  const auto flood = nlohmann::json::parse(in);
+  const nlohmann::json flood = body_flood(*server, dir, "tls");
   SCOPED_TRACE(flood.dump());
   EXPECT_EQ(flood["grpc_status"], nlohmann::json({{"16", 200}}));
   // The streams' first windows at most (64 KiB each), not their 800 MB of bodies.

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <set>
 
+#include "../tokenizer/test_files.h"
 #include "absl/strings/str_join.h"
 #include "cemlm/engine/corpus.h"
 #include "tokenizer_util.h"
@@ -79,6 +80,16 @@ TEST_F(DataTest, ALongDocumentEncodedInPiecesHasTheIdsOfTheWhole) {
     EXPECT_EQ(encode_documents("one\n%\n" + doc + "%\n", *tokenizer_, 1, 2, piece).value(),
               encode_documents("one\n%\n" + doc + "%\n", *tokenizer_, 1, 2, doc.size()).value());
   }
+  // A tokenizer with a dummy prefix (spm_train's default, Llama's) puts a "▁" before every text
+  // it encodes, so pieces would gain a space at every cut: it encodes the document whole.
+  std::string bytes, error;
+  ASSERT_TRUE(read_file(dir_ + "/tok.model", &bytes, &error)) << error;
+  write_file(dir_ + "/dummy.model", testing_files::with_dummy_prefix(bytes));
+  const auto dummy = Tokenizer::load(dir_ + "/dummy.model", &error);
+  ASSERT_TRUE(dummy) << error;
+  const std::vector<int32_t> dummy_whole = encode_documents(doc, *dummy, 1, 2, doc.size()).value();
+  EXPECT_EQ(encode_documents(doc, *dummy, 1, 2, 16).value(), dummy_whole);
+  EXPECT_NE(dummy_whole, whole);  // the prefix does change the ids
   // A stop asked for between two pieces ends the encoding.
   int asked = 0;
   const auto stopped = encode_documents(doc, *tokenizer_, 1, 2, 64, [&] { return ++asked == 3; });

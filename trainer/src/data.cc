@@ -127,6 +127,20 @@ size_t piece_end(std::string_view doc, size_t from, size_t most) {
   return nl == std::string_view::npos ? doc.size() : nl + 1;
 }
 
+// Whether a text encoded in pieces cut as piece_end() cuts it gets the text's own ids: so for the
+// tokenizers cemlm trains, not for one that puts a "▁" before every text (add_dummy_prefix,
+// spm_train's default and Llama's), which gained a space at every cut.
+bool cuts_keep_ids(const Tokenizer& tokenizer) {
+  std::string error;
+  std::vector<int> pieces;
+  for (std::string_view piece : {"ab\n", "cd", " ef"}) {
+    const std::optional<std::vector<int>> ids = tokenizer.encode(piece, &error);
+    if (!ids) return false;
+    pieces.insert(pieces.end(), ids->begin(), ids->end());
+  }
+  return tokenizer.encode("ab\ncd ef", &error) == pieces;
+}
+
 // The document at byte `at` of its file, encoded `piece_bytes` at a time (see encode_documents).
 absl::Status append_document(std::string_view doc, size_t at, const Tokenizer& tokenizer, int bos,
                              int eos, size_t piece_bytes, const std::function<bool()>& stop,
@@ -216,6 +230,7 @@ absl::StatusOr<std::vector<int32_t>> encode_documents(std::string_view text,
                                                       const Tokenizer& tokenizer, int bos, int eos,
                                                       size_t piece_bytes,
                                                       const std::function<bool()>& stop) {
+  if (!cuts_keep_ids(tokenizer)) piece_bytes = SIZE_MAX;  // whole documents
   std::vector<int32_t> out;
   size_t doc_begin = 0, pos = 0;
   while (pos < text.size()) {

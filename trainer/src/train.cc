@@ -394,9 +394,14 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
         (loads = Tokenizer::load(tokenizer_path_, &error))) {
       info(absl::StrCat("tokenizer: reusing ", tokenizer_path_));
     } else {
-      if (!cached.empty() && model_hash.ok() && !loads && !error.empty())
-        info(absl::StrCat("tokenizer: the cached ", tokenizer_path_, " does not load (", error,
-                          "): training it again"));
+      if (!cached.empty())
+        info(absl::StrCat("tokenizer: ", in_cache(kTokenizerKeyFile),
+                          !loads && !error.empty() && model_hash.ok() &&
+                                  cached == absl::StrCat(key, " ", absl::Hex(*model_hash))
+                              ? absl::StrCat(" matches, but its model does not load (", error, ")")
+                              : " is for other data, another vocabulary or another model file (a "
+                                "run sharing --cache, an older cemlm, a damaged or replaced file)",
+                          ": training it again"));
       info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ", corpus.paths.size(),
                         " files"));
       std::error_code ec;
@@ -424,9 +429,10 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       }
       info(absl::StrCat("tokenizer: trained on ", stats.files, " files (",
                         absl::SixDigits(double(stats.bytes) / 1e6), " MB)"));
-      CEMLM_ASSIGN_OR_RETURN(const uint64_t trained_hash, hash_file(tokenizer_path_));
-      CEMLM_RETURN_IF_ERROR(
-          write_text(in_cache(kTokenizerKeyFile), absl::StrCat(key, " ", absl::Hex(trained_hash))));
+      // The hash of the bytes trained, not of the file now: a run sharing --cache may have
+      // replaced it since, and the key must not vouch for that one.
+      CEMLM_RETURN_IF_ERROR(write_text(in_cache(kTokenizerKeyFile),
+                                       absl::StrCat(key, " ", absl::Hex(hash_bytes(stats.model)))));
     }
   }
   std::string error, again;

@@ -119,6 +119,8 @@ struct TokenizerTrainStats {
   // When training failed because vocab_size is too small: the least one that the special and
   // byte pieces and the text's characters need (0 when that was not the cause).
   int min_vocab_size = 0;
+  // The model written to out_path (its bytes as written: another process may replace the file).
+  std::string model;
 };
 
 // Trains a byte-fallback BPE SentencePiece model (unk 0, bos 1, eos 2, pad 3; identity

@@ -17,7 +17,7 @@ class ApiKeys {
  public:
   ApiKeys() = default;  // no keys: every request is allowed
   // One key per line, optionally followed by ` max_priority=N` (an int32); blank lines and lines
-  // starting with '#' are skipped.
+  // starting with '#' are skipped. A key given twice, or "max_priority" anywhere else, is refused.
   static absl::StatusOr<ApiKeys> load(const std::string& path);
 
   bool enabled() const { return !keys_.empty(); }
@@ -36,6 +36,7 @@ class ApiKeys {
   struct Key {
     std::string key;
     std::optional<int> max_priority;
+    int line = 0;  // in the file, for errors
   };
   // The key's entry, found comparing every key in constant time; null when none matches.
   const Key* find(absl::string_view key) const;

@@ -45,8 +45,9 @@ inline constexpr size_t kEncodePieceBytes = size_t(64) << 10;
 // documents; each non-blank document becomes [bos] ids [eos] (bos/eos left out when < 0),
 // its ids encoded `piece_bytes` at a time, each piece cut after a '\n' (else before a space; a
 // line without either is not cut), which for the tokenizers cemlm trains gives the ids of the
-// whole document. An error names the byte offset of a document the tokenizer cannot encode;
-// CancelledError when `stop` says so between two pieces.
+// whole document; a tokenizer for which it would not (one with a dummy prefix, which puts a "▁"
+// before every piece) encodes documents whole. An error names the byte offset of a document the
+// tokenizer cannot encode; CancelledError when `stop` says so between two pieces.
 absl::StatusOr<std::vector<int32_t>> encode_documents(std::string_view text,
                                                       const Tokenizer& tokenizer, int bos, int eos,
                                                       size_t piece_bytes = kEncodePieceBytes,

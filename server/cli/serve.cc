@@ -202,10 +202,13 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // One stable line on stdout, so scripts and tests can find the ports (--port 0 picks one).
   std::printf("cemlm serve: grpc port %d, metrics port %d\n", (*server)->port(), metrics_port);
   std::fflush(stdout);
-  spdlog::info("listening grpc={} metrics=http://{}/metrics model={} tls={} api_keys={}",
-               server::host_port(f.host, (*server)->port()),
-               server::host_port(metrics_host, metrics_port), f.model, !opts.tls_cert_pem.empty(),
-               opts.api_keys.enabled());
+  spdlog::info(
+      "listening grpc={} metrics=http://{}/metrics model={} tls={} api_keys={} grpc_memory={} "
+      "max_priority={}",
+      server::host_port(f.host, (*server)->port()), server::host_port(metrics_host, metrics_port),
+      f.model, !opts.tls_cert_pem.empty(), opts.api_keys.enabled(),
+      grpc_memory > 0 ? f.grpc_memory : "unbounded",
+      f.max_priority == INT32_MAX ? "any" : std::to_string(f.max_priority));
 
   // The model loads on a thread of its own while this one waits for a signal. A signal during
   // the load ends the process at once, exit 0 (nothing was served; a load cannot be stopped

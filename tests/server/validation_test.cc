@@ -576,6 +576,9 @@ TEST(ServerAuth, PriorityIsCappedByTheKeyOrTheServer) {
                          "spaced key  max_priority=3\n";
   auto server = ServerProcess::start(model, {"--api-key-file", keys, "--max-priority", "5"});
   ASSERT_TRUE(server);
+  // The start-up line says what holds (and that the gRPC quota is the default's).
+  EXPECT_NE(server->log().find("api_keys=true grpc_memory=256M max_priority=5"), std::string::npos)
+      << server->log();
   auto generate_at = [&](const std::string& key, int priority) {
     v1::GenerateRequest req = valid_request();
     req.set_priority(priority);
@@ -615,8 +618,11 @@ TEST(ServerAuth, PriorityIsCappedByTheKeyOrTheServer) {
   EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"PERMISSION_DENIED\""), 8);
   server.reset();
   // Without keys, --max-priority alone.
-  auto open = ServerProcess::start(model, {"--max-priority", "0"});
+  auto open = ServerProcess::start(model, {"--max-priority", "0", "--grpc-memory", "0"});
   ASSERT_TRUE(open);
+  EXPECT_NE(open->log().find("api_keys=false grpc_memory=unbounded max_priority=0"),
+            std::string::npos)
+      << open->log();
   v1::GenerateRequest req = valid_request();
   req.set_priority(1);
   EXPECT_EQ(generate(open->channel(), req).status.error_code(),

@@ -432,6 +432,11 @@ void chunk_scores(const KvLayerView& kv, const int32_t* blocks, const RowChunks*
       float m = sh[0];
       for (int j = 1; j < n; ++j) m = std::max(m, sh[j]);
       rc[i]->maxima[int64_t(c) * H + h] = m;
+      if (m == -INFINITY) {  // every score -inf (overflowed): weight 0, not exp(-inf + inf) = NaN
+        std::fill(sh, sh + n, 0.0f);
+        rc[i]->sums[int64_t(c) * H + h] = 0;
+        continue;
+      }
       rc[i]->sums[int64_t(c) * H + h] = float(simd::exp_shifted(sh, n, m));
     }
   for (int i = 0; i < rows.n; ++i) rows.oc[i] = nullptr;

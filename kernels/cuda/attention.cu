@@ -85,12 +85,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(AttnArgs a) {
       const float s = lane < nt ? sp[lane] : -INFINITY;
       const float m_old = s_m;
       const float m_new = fmaxf(m_old, detail::warp_max(s));
-      const float p = lane < nt ? expf(s - m_new) : 0.0f;
+      // Scores all -inf so far (overflowed): weights 0 against 0, not exp(-inf + inf) = NaN, as
+      // the CPU's chunks do.
+      const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
+      const float p = lane < nt ? expf(s - m_ref) : 0.0f;
       const float sum = detail::warp_sum(p);
       if (lane < nt) sp[lane] = p;
       __syncwarp();  // every lane has read s_m before lane 0 replaces it
       if (lane == 0) {
-        const float alpha = expf(m_old - m_new);  // 0 on the first tile (m_old = −∞)
+        const float alpha = expf(m_old - m_ref);  // 0 on the first tile (m_old = −∞)
         s_alpha = alpha;
         s_l = s_l * alpha + sum;
         s_m = m_new;

@@ -248,6 +248,9 @@ struct AttnCase {
   DiagKind diag;
   bool with_v;
   int H = 3, dh = 6, D = 11;
+  // The decode row's first 64 scores overflow to -inf in every head (a whole tile of them, and a
+  // whole CPU chunk): they get no weight, not NaN.
+  bool overflow = false;
 };
 
 class AttentionTest : public gpu_test::GpuFixture<::testing::TestWithParam<AttnCase>> {};
@@ -285,6 +288,16 @@ TEST_P(AttentionTest, KvWriteAndAttentionMatchCpu) {
        q = random_vec(N * W, 36),
        qd = random_vec(N * qd_heads * D, 37, 0.3f * std::sqrt(11.0f / float(D)));  // qd·c ~ 1
   const int64_t oc_w = int64_t(qd_heads) * D;
+  if (cs.overflow) {  // the decode row (the last one): -3e19 · 3e19 in the first 64 keys
+    for (int h = 0; h < H; ++h) {
+      q[size_t(N - 1) * W + h * dh] = 3e19f;
+      k[size_t(N - 1) * W + h * dh] = 0.0f;  // its own key scores as the later ones do
+      for (int p = 0; p < shape.back().pos; ++p) {
+        const int64_t slot = int64_t(tables.back()[p / bs]) * bs + p % bs;
+        k_pool[slot * W + h * dh] = p < 64 ? -3e19f : 0.0f;
+      }
+    }
+  }
 
   KvLayerView hkv{
       k_pool.data(), cs.with_v ? v_pool.data() : nullptr, diag ? c_pool.data() : nullptr, bs, H, W,
@@ -340,7 +353,9 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{"wide_standard", DiagKind::kNone, true, 2, 160, 300},
                       AttnCase{"wide_cem_shared", DiagKind::kShared, false, 2, 72, 300},
                       AttnCase{"wide_cem_per_head", DiagKind::kPerHead, false, 2, 72, 300},
-                      AttnCase{"optin_cem_shared", DiagKind::kShared, false, 2, 64, 7000}),
+                      AttnCase{"optin_cem_shared", DiagKind::kShared, false, 2, 64, 7000},
+                      AttnCase{"overflow_standard", DiagKind::kNone, true, 3, 6, 11, true},
+                      AttnCase{"overflow_cem_shared", DiagKind::kShared, false, 3, 6, 11, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

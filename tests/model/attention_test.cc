@@ -360,6 +360,66 @@ TEST(AttentionRows, ALaterTokensNaNKeyStaysOutOfEarlierRows) {
   }
 }
 
+// A chunk whose every score overflowed to -inf for a head gets no weight, as in a softmax over
+// the whole row: the one-row path (the engine's) scored each 64-token chunk against its own
+// maximum, exp(-inf - -inf) = NaN, and the row came out NaN where the many-row path gives a
+// finite mix of the later tokens' values. Both paths, tiled and token-major blocks.
+TEST(AttentionRows, AChunkWhoseScoresAllOverflowGetsNoWeight) {
+  const int H = 2, dh = 8, W = H * dh, n_ctx = 101, overflowed = 64;
+  const float scale = 1.0f / std::sqrt(float(dh));
+  for (int bs : {16, 5}) {
+    const int n_blocks = (n_ctx + bs - 1) / bs;
+    Rng rng(3);
+    std::vector<float> K(size_t(n_ctx) * W), V(size_t(n_ctx) * W), q(W);
+    for (float& x : K) x = float(rng.normal());
+    for (float& x : V) x = float(rng.normal());
+    for (float& x : q) x = float(rng.normal());
+    // Each head's first query number meets -3e19 in the first 64 tokens' keys (a product past
+    // fp32's range: score -inf) and 0 in the later ones (ordinary scores).
+    for (int h = 0; h < H; ++h) {
+      q[h * dh] = 3e19f;
+      for (int t = 0; t < n_ctx; ++t) K[size_t(t) * W + h * dh] = t < overflowed ? -3e19f : 0.0f;
+    }
+    std::vector<float> kp(size_t(n_blocks) * bs * W), vp(kp.size());
+    std::vector<int32_t> table(static_cast<size_t>(n_blocks));
+    std::iota(table.begin(), table.end(), 0);
+    KvLayerView kv;
+    kv.block_size = bs, kv.n_heads = H, kv.k_width = W, kv.tiled = bs % 16 == 0;
+    kv.k = kp.data(), kv.v = vp.data();
+    const AttnSeq all{0, n_ctx, 0, table.data()}, row{0, 1, n_ctx - 1, table.data()};
+    kv_write(ExecCtx{}, kv, &all, 1, Tensor(K.data(), {n_ctx, W}), Tensor(V.data(), {n_ctx, W}),
+             Tensor{});
+    // The reference: the later tokens' values, weighted by their scores' softmax, per head.
+    std::vector<double> want(W, 0.0);
+    for (int h = 0; h < H; ++h) {
+      std::vector<double> s;
+      for (int t = overflowed; t < n_ctx; ++t) {
+        double dot = 0;
+        for (int d = 0; d < dh; ++d) dot += double(q[h * dh + d]) * K[size_t(t) * W + h * dh + d];
+        s.push_back(dot * scale);
+      }
+      const double m = *std::max_element(s.begin(), s.end());
+      double z = 0;
+      for (double& x : s) z += (x = std::exp(x - m));
+      for (int t = overflowed; t < n_ctx; ++t)
+        for (int d = 0; d < dh; ++d)
+          want[h * dh + d] += s[t - overflowed] / z * V[size_t(t) * W + h * dh + d];
+    }
+    std::vector<float> scratch(
+        size_t(paged_attention_scratch_floats(&row, 1, kv, DiagKind::kNone)));
+    for (bool invariant : {true, false}) {
+      ExecCtx ex;
+      ex.batch_invariant = invariant;
+      ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
+      std::vector<float> out(W, NAN);
+      paged_attention_forward(ex, Tensor(out.data(), {1, W}), Tensor{}, Tensor(q.data(), {1, W}),
+                              Tensor{}, DiagKind::kNone, kv, &row, 1, scale);
+      for (int i = 0; i < W; ++i)
+        EXPECT_NEAR(out[i], want[i], 1e-4) << "bs " << bs << " invariant " << invariant << " " << i;
+    }
+  }
+}
+
 // The cache of one layer for `n_blocks` blocks in one dtype, every entry and scale no row wrote
 // NaN (fp32, bf16) or an odd pattern (int8), with keys, values and contexts.
 struct Pools {

@@ -12,8 +12,11 @@ namespace cemlm {
 namespace {
 
 // A penalized logit kept finite: a repetition penalty of 0.01 makes a logit near the float
-// maximum +inf, which no shift can take back out of the draw.
+// maximum +inf, which no shift can take back out of the draw. A token the model gives no
+// probability (-inf) keeps none: clamped, it once became drawable when every other token was
+// held back.
 float finite(float x) {
+  if (x == -std::numeric_limits<float>::infinity()) return x;
   return std::clamp(x, std::numeric_limits<float>::lowest(), std::numeric_limits<float>::max());
 }
 
@@ -99,6 +102,11 @@ absl::StatusOr<SampleResult> Sampler::sample(std::span<const float> logits,
     for (int id : params_.stop_token_ids) work_[size_t(id)] = kOut;
     if (!params_.ignore_eos && eos_id_ >= 0 && size_t(eos_id_) < work_.size())
       work_[size_t(eos_id_)] = kOut;
+    // What the model leaves possible may be only those tokens: there is then nothing to draw.
+    if (std::none_of(work_.begin(), work_.end(), [](float x) { return x > kOut; }))
+      return absl::FailedPreconditionError(
+          "min_new_tokens: the model gives every token but the stop tokens it holds back "
+          "probability 0 here, so no token can be drawn; lower min_new_tokens");
   }
   r.token = draw();
   r.logprob = logits[size_t(r.token)] - lse;

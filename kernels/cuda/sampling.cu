@@ -91,7 +91,10 @@ T* at(const ExecCtx& ctx, size_t offset) {
 
 // Is (v, i) ahead of (w, j) for the argmax: larger value, then lower id.
 __device__ bool ahead(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
-__device__ float clamp_finite(float x) { return fminf(fmaxf(x, -FLT_MAX), FLT_MAX); }
+// As the host's finite(): -inf (probability 0) stays -inf.
+__device__ float clamp_finite(float x) {
+  return x == -INFINITY ? x : fminf(fmaxf(x, -FLT_MAX), FLT_MAX);
+}
 
 __global__ void __launch_bounds__(kSampleThreads)
     prepare_kernel(const float* logits, int V, const DevRow* rows, const int32_t* hist,

@@ -525,6 +525,37 @@ TEST(Sampler, AHeldBackLastIdIsNotDrawn) {
   }
 }
 
+// When the model gives probability 0 (-inf) to every token min_new_tokens leaves, nothing can be
+// drawn: an error naming min_new_tokens, greedy or sampled, penalized or not. (Before, the draw
+// fell through to a held-back stop token, or took a token of probability 0.)
+TEST(Sampler, NothingLeftToDrawUnderMinNewTokensIsAnError) {
+  const std::vector<float> row = {-INFINITY, -INFINITY, 0.0f};  // all on the eos, 2
+  for (const float temperature : {0.0f, 1.0f})
+    for (const float repetition : {1.0f, 1.5f}) {
+      SamplingParams p;
+      p.temperature = temperature;
+      p.repetition_penalty = repetition;
+      p.presence_penalty = repetition - 1;
+      p.min_new_tokens = 1;
+      ASSERT_TRUE(validate_sampling(p, 3, 2).ok());
+      auto r = Sampler(p, 2, 1).sample(row, std::vector<int>{0, 1}, 2);
+      ASSERT_FALSE(r.ok()) << "temperature " << temperature << " repetition " << repetition
+                           << ": drew " << r->token;
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_NE(r.status().message().find("min_new_tokens"), std::string::npos);
+    }
+  // One token left with a probability: it is the only one drawn, penalized or not.
+  const std::vector<float> one = {-INFINITY, -30.0f, 0.0f};
+  SamplingParams p;
+  p.min_new_tokens = 1;
+  p.repetition_penalty = 1.5f;
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    auto r = Sampler(p, 2, seed).sample(one, std::vector<int>{0, 1}, 2);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->token, 1) << "seed " << seed;
+  }
+}
+
 TEST(StopMatcher, MatchesAcrossPiecesAndHoldsBackPossiblePrefixes) {
   StopMatcher m({"END", "xyz"});
   bool stopped = false;

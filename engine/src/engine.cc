@@ -71,6 +71,14 @@ namespace {
 // Scoring sequences share the block manager with the scheduler's, under ids with this bit set.
 constexpr SeqId kScoreSeqBit = SeqId(1) << 63;
 
+// "FIELD (N tokens)", or "FIELD (as tokens: N tokens)" when the field's name ends in a remark of
+// its own ("prompt_text (as tokens)"), which a second parenthesis would follow clumsily.
+std::string field_with_count(const std::string& field, size_t n) {
+  if (!field.empty() && field.back() == ')')
+    return absl::StrCat(field.substr(0, field.size() - 1), ": ", n, " tokens)");
+  return absl::StrCat(field, " (", n, " tokens)");
+}
+
 absl::Status check_options(const EngineOptions& o) {
   auto at_least_one = [](int v, const char* name) {
     return v >= 1 ? absl::OkStatus()
@@ -316,12 +324,11 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
         "sampling.stop_token_ids");
   const int64_t total = int64_t(req.prompt_ids.size()) + req.sampling.max_new_tokens;
   if (total > config_.max_seq_len)
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " (", req.prompt_ids.size(), " tokens) + sampling.max_new_tokens (",
-                     req.sampling.max_new_tokens, ") = ", total,
-                     " exceeds the model's max_seq_len = ", config_.max_seq_len,
-                     "; shorten the prompt or lower sampling.max_new_tokens (",
-                     SamplingParams{}.max_new_tokens, " when not set)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field_with_count(field, req.prompt_ids.size()), " + sampling.max_new_tokens (",
+        req.sampling.max_new_tokens, ") = ", total, " exceeds the model's max_seq_len = ",
+        config_.max_seq_len, "; shorten the prompt or lower sampling.max_new_tokens (",
+        SamplingParams{}.max_new_tokens, " when not set)"));
   if (blocks_.blocks_for(total) > blocks_.num_blocks())
     return absl::InvalidArgumentError(absl::StrCat(
         field, " + sampling.max_new_tokens = ", total, " tokens need ", blocks_.blocks_for(total),

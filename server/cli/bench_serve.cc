@@ -263,6 +263,14 @@ int cmd_bench_serve(int argc, char** argv) {
     prepare_context(c, &context);
     if (auto st = stub->GetModelInfo(&context, {}, &info); !st.ok()) return report_error(st);
   }
+  // Every request would be refused, each an error in the report rather than a measurement.
+  if (int64_t(f.prompt_len) + f.max_new_tokens > info.max_context()) {
+    std::fprintf(stderr,
+                 "error: --prompt-len %d + --max-new-tokens %d exceeds the model's context of %d "
+                 "tokens (GetModelInfo.max_context); lower them\n",
+                 f.prompt_len, f.max_new_tokens, info.max_context());
+    return 2;
+  }
   const auto start = SteadyClock::now();
   const Samples all = Driver(stubs, c, f, info.vocab_size()).run();
   print_report(f, c.addr, n_conn, all, ms_since(start) / 1e3);

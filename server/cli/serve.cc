@@ -359,12 +359,15 @@ int cmd_serve(int argc, char** argv) {
       "3.7-3.9x the tokens of fp32 with heads of 32-64 (a byte per number plus a 4-byte scale "
       "per head; `cemlm inspect` gives the bytes), "
       "entries quantized (logprobs move by ~2e-3)");
-  flags.add("max-batch-tokens", &f.max_batch_tokens, "tokens per engine step (chunked prefill)");
+  flags.add("max-batch-tokens", &f.max_batch_tokens,
+            "tokens per engine step (chunked prefill; at least 1)");
   flags.add("max-running", &f.max_running,
-            "requests in the running batch at once (the rest queue; a higher priority preempts)");
+            "requests in the running batch at once, at least 1 (the rest queue; a higher priority "
+            "preempts)");
   flags.add("max-waiting", &f.max_waiting,
-            "requests queued beyond the running batch's free slots before RESOURCE_EXHAUSTED; "
-            "--max-running + --max-waiting also bounds finished Generate streams whose clients "
+            "requests queued beyond the running batch's free slots before RESOURCE_EXHAUSTED "
+            "(at least 1); --max-running + --max-waiting also bounds finished Generate streams "
+            "whose clients "
             "have not read them");
   flags.add("unread-timeout", &f.unread_timeout,
             "seconds a finished Generate stream may go without its client reading any of it once "

@@ -268,6 +268,9 @@ def check_k8s(errors):
     target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "cemlm"}
     errors.expect(hpa["scaleTargetRef"] == target,
                   "hpa.yaml: scaleTargetRef must be Deployment cemlm")
+    errors.expect("replicas" not in dep["spec"],
+                  "deployment.yaml: the HPA owns the replica count; a `replicas` field would reset "
+                  "it at every kubectl apply")
     adapter = yaml.safe_load((DEPLOY / "k8s" / "prometheus-adapter-values.yaml").read_text())
     published = {r["name"]["as"] for r in adapter["rules"]["custom"]}
     for m in hpa["metrics"]:

@@ -427,7 +427,7 @@ TEST_F(GenerateCliText, ErrorsOnATextPromptSayTheCountIncludesBos) {
     ::testing::internal::CaptureStderr();
     EXPECT_EQ(run(args), 1);
     err = ::testing::internal::GetCapturedStderr();
-    EXPECT_NE(err.find(no_bos ? "--prompt (as tokens) (" : "--prompt (as tokens, BOS included) ("),
+    EXPECT_NE(err.find(no_bos ? "--prompt (as tokens: " : "--prompt (as tokens, BOS included: "),
               std::string::npos)
         << err;
   }

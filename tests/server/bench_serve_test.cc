@@ -1,4 +1,5 @@
-// `cemlm bench-serve` against a scripted server: what it reports of streams that fail part-way.
+// `cemlm bench-serve` against a scripted server: what it reports of streams that fail part-way,
+// and requests that could not fit the model's context.
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <gtest/gtest.h>
@@ -12,13 +13,15 @@
 namespace cemlm::testing_server {
 namespace {
 
-// Answers GetModelInfo, and Generate with two one-token messages, then: for an even request
+// Answers GetModelInfo (a context of 64 tokens), and Generate with two one-token messages, then:
+// for an even request
 // ("bench-0", "bench-2", ...) INTERNAL, for an odd one a last message with a third token and
 // FINISH_REASON_LENGTH.
 class ScriptedInference final : public v1::Inference::Service {
   grpc::Status GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*,
                             v1::ModelInfo* info) override {
     info->set_vocab_size(100);
+    info->set_max_context(64);
     return grpc::Status::OK;
   }
   grpc::Status Generate(grpc::ServerContext*, const v1::GenerateRequest* request,
@@ -39,14 +42,25 @@ class ScriptedInference final : public v1::Inference::Service {
 // fail after two tokens each count as errors only, and every latency row holds the 4 answers'
 // samples alone (one first token and two inter-token gaps each), not the failed streams' partial
 // ones.
-TEST(BenchServe, StreamsThatFailPartWayAreLeftOutOfTheLatencies) {
-  ScriptedInference service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_TRUE(server && port > 0);
+class BenchServe : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    ASSERT_TRUE(server_ && port_ > 0);
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+  ScriptedInference service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+TEST_F(BenchServe, StreamsThatFailPartWayAreLeftOutOfTheLatencies) {
+  const int port = port_;
   std::string out;
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", "127.0.0.1:" + std::to_string(port),
                        "--concurrency", "2", "--requests", "8", "--max-new-tokens", "3"},
@@ -65,7 +79,26 @@ TEST(BenchServe, StreamsThatFailPartWayAreLeftOutOfTheLatencies) {
   EXPECT_EQ(count_of("ttft"), "4") << out;
   EXPECT_EQ(count_of("inter-token"), "8") << out;
   EXPECT_EQ(count_of("e2e (client)"), "4") << out;
-  server->Shutdown();
+}
+
+// A prompt and a generation that cannot fit the model's context would make every request an
+// error: refused before any is sent, naming both flags and the context.
+TEST_F(BenchServe, RequestsLongerThanTheContextAreRefusedUpFront) {
+  const std::string addr = "127.0.0.1:" + std::to_string(port_);
+  std::string out, err;
+  EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--requests", "2", "--prompt-len", "60",
+                       "--max-new-tokens", "8"},
+                      &out, &err),
+            2);
+  EXPECT_NE(err.find("--prompt-len 60 + --max-new-tokens 8 exceeds the model's context of 64"),
+            std::string::npos)
+      << err;
+  // Exactly the context is fine (the scripted answers are then counted).
+  EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--requests", "2", "--prompt-len", "61",
+                       "--max-new-tokens", "3"},
+                      &out),
+            1);  // the scripted server fails one of the two
+  EXPECT_NE(out.find("ok 1  errors 1"), std::string::npos) << out;
 }
 
 }  // namespace

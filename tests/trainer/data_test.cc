@@ -261,24 +261,53 @@ TEST_F(DataTest, SplitTakesTheEndOfEveryFileAtADocumentStart) {
   EXPECT_TRUE(std::equal(half->train.begin(), half->train.begin() + 100, d->train.begin()));
 }
 
+// Through load_token_data: of a corpus whose files are one document each, training holds every
+// file's EOS and validation none, and validation is the asked share.
+TEST_F(DataTest, OneDocumentFilesTrainOnTheirEos) {
+  const std::string one = fresh_dir();
+  for (int f = 0; f < 3; ++f) {
+    std::string text = testing_trainer::corpus_text(40, 5 + f);
+    for (size_t at = 0; (at = text.find("%\n", at)) != std::string::npos;)
+      text.replace(at, 2, "\n");
+    write_file(one + "/f" + std::to_string(f) + ".txt", text);
+  }
+  auto corpus = list_corpus({one});
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  auto hash = hash_file(dir_ + "/tok.model");
+  ASSERT_TRUE(hash.ok());
+  auto d = load_token_data(*corpus, *tokenizer_, *hash, 1, 2, dir_ + "/one_cache/tokens.bin", 0.1);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(std::count(d->train.begin(), d->train.end(), 2), 3);
+  EXPECT_EQ(std::count(d->val.begin(), d->val.end(), 2), 0);
+  EXPECT_EQ(std::count(d->train.begin(), d->train.end(), 1), 3);  // and every BOS
+  EXPECT_EQ(d->train.back(), 2);
+  EXPECT_NEAR(double(d->val.size()) / double(d->train.size() + d->val.size()), 0.1, 0.01);
+}
+
 // The split moves to the nearest document start, but not beyond half to twice the validation
-// size asked for; a BOS that is also the EOS starts a document only after an EOS.
+// size asked for; a BOS that is also the EOS starts a document only after an EOS. With no start in
+// range, the file's end through its EOS trains and the ids before it validate.
 TEST(Split, MovesToADocumentStartWithinBounds) {
   auto doc = [](int len, std::vector<int32_t>* out) {
     out->push_back(1);
     for (int i = 0; i < len; ++i) out->push_back(7);
     out->push_back(2);
   };
+  auto part = [](std::span<const int32_t> ids, double f, int bos, int eos) {
+    const ValidationPart v = validation_part(ids, f, bos, eos);
+    return std::pair<size_t, size_t>(v.begin, v.end);
+  };
+  using P = std::pair<size_t, size_t>;
   std::vector<int32_t> ids;
   for (int d = 0; d < 20; ++d) doc(8, &ids);  // 200 tokens, documents every 10
-  EXPECT_EQ(split_point(ids, 0.1, 1, 2), 180u);
-  EXPECT_EQ(split_point(ids, 0.12, 1, 2), 180u);  // cut 176 -> the start at 180
-  EXPECT_EQ(split_point(ids, 0.12, -1, 2), 180u);  // EOS-only markers
-  EXPECT_EQ(split_point(ids, 0.12, -1, -1), 176u);  // no markers: the plain cut
+  EXPECT_EQ(part(ids, 0.1, 1, 2), P(180, 200));
+  EXPECT_EQ(part(ids, 0.12, 1, 2), P(180, 200));    // cut 176 -> the start at 180
+  EXPECT_EQ(part(ids, 0.12, -1, 2), P(180, 200));   // EOS-only markers
+  EXPECT_EQ(part(ids, 0.12, -1, -1), P(176, 200));  // no markers: the plain cut
   std::vector<int32_t> two;
   doc(298, &two);
   doc(698, &two);  // documents of 300 and 700 tokens: the start at 300 is far off
-  EXPECT_EQ(split_point(two, 0.05, 1, 2), 950u);
+  EXPECT_EQ(part(two, 0.05, 1, 2), P(900, 950));  // the last 50 train, the 50 before validate
   // One id for both markers (<|endoftext|>): documents are 2 ids... 2, so a document's last
   // marker is no document start (the old rule took 89 and 99 below).
   std::vector<int32_t> same;
@@ -287,9 +316,28 @@ TEST(Split, MovesToADocumentStartWithinBounds) {
     same.insert(same.end(), 8, 0);
     same.push_back(2);
   }
-  EXPECT_EQ(split_point(same, 0.15, 2, 2), 80u);  // cut 85: starts at 80 and 90, not 89
-  EXPECT_EQ(split_point(same, 0.02, 2, 2), 98u);  // cut 98: no start within bounds
-  EXPECT_EQ(split_point(ids, 0.0, 1, 2), ids.size());
+  EXPECT_EQ(part(same, 0.15, 2, 2), P(80, 100));  // cut 85: starts at 80 and 90, not 89
+  EXPECT_EQ(part(same, 0.02, 2, 2), P(96, 98));   // cut 98: no start within bounds
+  EXPECT_EQ(part(ids, 0.0, 1, 2), P(200, 200));
+}
+
+// A file that is one document gives validation a slice of it and keeps its end, EOS included, in
+// training (a corpus of such files otherwise never trained on an EOS); with BOS markers only (no
+// EOS to keep) or a short file, what is left to cut.
+TEST(Split, AOneDocumentFileKeepsItsEndInTraining) {
+  std::vector<int32_t> one = {1};
+  one.insert(one.end(), 98, 7);
+  one.push_back(2);  // 100 ids
+  const ValidationPart v = validation_part(one, 0.1, 1, 2);
+  EXPECT_EQ(v.begin, 80u);
+  EXPECT_EQ(v.end, 90u);
+  const ValidationPart half = validation_part(one, 0.5, 1, 2);  // the head keeps half of the cut
+  EXPECT_EQ(half.begin, 25u);
+  EXPECT_EQ(half.end, 75u);
+  std::vector<int32_t> bos_only(one.begin(), one.end() - 1);  // 99 ids, no EOS
+  const ValidationPart b = validation_part(bos_only, 0.1, 1, -1);
+  EXPECT_EQ(b.begin, 89u);
+  EXPECT_EQ(b.end, 99u);
 }
 
 TEST(Windows, SampledWindowsAreSlicesDrawnBySeed) {

@@ -13,10 +13,12 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/tokenizer.h"
+#include "cemlm/trainer/data.h"
 #include "nlohmann/json.hpp"
 #include "tiny_models.h"
 #include "trainer_test_util.h"
@@ -604,7 +606,21 @@ TEST(Train, ResumingARunFromBeforeTheSplitChangeSaysSo) {
   const size_t line = state.rfind('\n', at) + 1;
   state.erase(line, state.find('\n', at) + 1 - line);
   testing_trainer::write_file(state_file, state);
-  EXPECT_NE(resume_lines(4).find("older cemlm"), std::string::npos);
+  const std::string older = resume_lines(4);
+  EXPECT_NE(older.find("older cemlm, whose validation split cut documents in two"),
+            std::string::npos)
+      << older;
+  // The rule before one-document files kept their end in training.
+  ASSERT_TRUE(read_file(state_file, &state, &error));
+  const size_t rule = state.find(kSplitRule);
+  ASSERT_NE(rule, std::string::npos);
+  state.replace(rule, std::string(kSplitRule).size(), "document-start");
+  testing_trainer::write_file(state_file, state);
+  const std::string previous = resume_lines(5);
+  EXPECT_NE(previous.find("older cemlm, whose validation split gave the end of a file"),
+            std::string::npos)
+      << previous;
+  EXPECT_EQ(resume_lines(6).find("older cemlm"), std::string::npos);  // saved with the current
 }
 
 TEST(Train, DamagedSavedOptionsNameTheKey) {
@@ -989,7 +1005,7 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
       // Keys are escaped: a newline in one could forge a line of the trainer's output.
       {edited(step, "\"a\\nb\": 1, " + step), "unknown key \"a\\nb\""},
       {edited(lr, "\"l\\nr\": 0.001, " + lr), "training options: unknown key \"l\\nr\""},
-      {edited("\"split\": \"document-start\"", "\"split\": 5"),
+      {edited(absl::StrCat("\"split\": \"", kSplitRule, "\""), "\"split\": 5"),
        "\"split\": must be a string (got 5)"},
       {edited(seed, "\"seed\": -1"), "\"seed\": must be an integer in [0, 2^64)"},
       {edited(lr, "\"lr\": 5"),

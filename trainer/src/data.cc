@@ -247,23 +247,27 @@ absl::StatusOr<std::vector<int32_t>> encode_documents(std::string_view text,
   return out;
 }
 
-size_t split_point(std::span<const int32_t> ids, double val_fraction, int bos, int eos) {
+ValidationPart validation_part(std::span<const int32_t> ids, double val_fraction, int bos,
+                               int eos) {
   const size_t n = ids.size();
   const size_t cut = n - size_t(std::ceil(double(n) * val_fraction));
-  if (cut == 0 || cut == n || (bos < 0 && eos < 0)) return cut;
+  if (cut == 0 || cut == n || (bos < 0 && eos < 0)) return {cut, n};
   // A document starts at its BOS, after the previous one's EOS (both, when a model has both: the
   // same id may serve as both markers).
   auto starts_document = [&](size_t p) {
     return bos >= 0 ? ids[p] == bos && (eos < 0 || ids[p - 1] == eos) : ids[p - 1] == eos;
   };
-  // Within [half, twice] the asked validation size, else the plain cut.
+  // Within [half, twice] the asked validation size.
   const size_t n_val = n - cut;
   const size_t lo = n > 2 * n_val ? n - 2 * n_val : 1, hi = n - (n_val + 1) / 2;
   for (size_t d = 0; cut >= lo + d || cut + d <= hi; ++d) {
-    if (cut >= lo + d && starts_document(cut - d)) return cut - d;
-    if (cut + d <= hi && starts_document(cut + d)) return cut + d;
+    if (cut >= lo + d && starts_document(cut - d)) return {cut - d, n};
+    if (cut + d <= hi && starts_document(cut + d)) return {cut + d, n};
   }
-  return cut;
+  // The cut falls inside a document: its end trains, the ids before it validate.
+  const size_t keep = std::min(n_val, cut / 2);
+  if (eos < 0 || ids[n - 1] != eos || keep == 0) return {cut, n};
+  return {cut - keep, n - keep};
 }
 
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
@@ -293,9 +297,10 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
     CEMLM_RETURN_IF_ERROR(write_cache(cache_path, corpus, encoding, files));
   }
   for (const auto& ids : files) {
-    const size_t cut = split_point(ids, val_fraction, bos, eos);
-    data.train.insert(data.train.end(), ids.begin(), ids.begin() + cut);
-    data.val.insert(data.val.end(), ids.begin() + cut, ids.end());
+    const ValidationPart v = validation_part(ids, val_fraction, bos, eos);
+    data.train.insert(data.train.end(), ids.begin(), ids.begin() + long(v.begin));
+    data.val.insert(data.val.end(), ids.begin() + long(v.begin), ids.begin() + long(v.end));
+    data.train.insert(data.train.end(), ids.begin() + long(v.end), ids.end());
   }
   return data;
 }

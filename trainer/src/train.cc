@@ -621,10 +621,13 @@ absl::Status Trainer::restore() {
                         "--lr as well"));
   }
   if (split != kSplitRule)
-    info(absl::StrCat("note: this run began with an older cemlm, whose validation split cut "
-                      "documents in two; from here on it trains and evaluates on the current, "
-                      "document-aligned split (the validation curve may step, and the run is no "
-                      "longer bit-identical to an uninterrupted one)"));
+    info(absl::StrCat(
+        "note: this run began with an older cemlm, whose validation split ",
+        split.empty() ? "cut documents in two"
+                      : "gave the end of a file that is one document, its EOS, to validation",
+        "; from here on it trains and evaluates on the current split, which cuts no document in "
+        "two and trains on such a file's end (the validation curve may step, and the run is no "
+        "longer bit-identical to an uninterrupted one)"));
   info(absl::StrCat("resuming at step ", step_, " of ", o_.steps));
   return absl::OkStatus();
 }

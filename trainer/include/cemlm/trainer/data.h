@@ -60,15 +60,23 @@ struct TokenData {
 };
 
 // Token ids of `corpus`, read from `cache_path` when it was written for the same corpus key and
-// tokenizer hash, else encoded and cached there (atomically). Each file's last val_fraction of
-// tokens goes to validation, the rest to training, so that every file is in both; the cut moves
-// to the nearest document start (kSplitRule names this rule in a run's saved state). `stop` is
-// asked before each file is encoded: true ends with a CancelledError, and nothing is cached.
-inline constexpr char kSplitRule[] = "document-start";
-// Where a file's validation part begins: before its last `val_fraction` of `ids`, moved to the
-// nearest document start when one lies within half to twice that validation size (else the plain
-// cut), so that no document is split between training and validation.
-size_t split_point(std::span<const int32_t> ids, double val_fraction, int bos, int eos);
+// tokenizer hash, else encoded and cached there (atomically). Each file's validation part is
+// validation_part()'s, the rest of it training, so that every file is in both (kSplitRule names
+// this rule in a run's saved state). `stop` is asked before each file is encoded: true ends with
+// a CancelledError, and nothing is cached.
+inline constexpr char kSplitRule[] = "document-start,end-trains";
+// A file's validation ids, ids[begin, end); the others train.
+struct ValidationPart {
+  size_t begin = 0, end = 0;
+};
+// The file's last `val_fraction` of `ids`, its start moved to the nearest document start when one
+// lies within half to twice that validation size, so that no document is split between training
+// and validation. With no start there (the cut falls inside a document: a file that is one long
+// document, say), the end of the file through its EOS stays in training and validation is the
+// same number of ids just before it, or fewer when the file is short: else a corpus of
+// one-document files would never train on an EOS (nor learn to end a generation). Without
+// document markers, or without an EOS at the file's end, the plain cut.
+ValidationPart validation_part(std::span<const int32_t> ids, double val_fraction, int bos, int eos);
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
                                           uint64_t tokenizer_hash, int bos, int eos,
                                           const std::string& cache_path, double val_fraction,

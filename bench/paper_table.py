@@ -220,13 +220,14 @@ def inspect_params(cemlm, run_dir):
                 params_non_embedding=total - emb - head)
 
 
-def split_point(ids, val_fraction, bos, eos):
-    """Where a file's validation part starts (trainer/src/data.cc split_point): before its last
-    val_fraction of tokens, moved to the nearest document start within half to twice that size."""
+def validation_part(ids, val_fraction, bos, eos):
+    """A file's validation ids, ids[begin:end] (trainer/src/data.cc validation_part): its last
+    val_fraction of tokens, moved to the nearest document start within half to twice that size;
+    with none there, the file's end through its EOS trains and the ids just before it validate."""
     n = len(ids)
     cut = n - math.ceil(n * val_fraction)
     if cut in (0, n) or (bos < 0 and eos < 0):
-        return cut
+        return cut, n
 
     def starts_document(p):
         if bos >= 0:
@@ -238,11 +239,14 @@ def split_point(ids, val_fraction, bos, eos):
     d = 0
     while cut >= lo + d or cut + d <= hi:
         if cut >= lo + d and starts_document(cut - d):
-            return cut - d
+            return cut - d, n
         if cut + d <= hi and starts_document(cut + d):
-            return cut + d
+            return cut + d, n
         d += 1
-    return cut
+    keep = min(n_val, cut // 2)
+    if eos < 0 or ids[n - 1] != eos or keep == 0:
+        return cut, n
+    return cut - keep, n - keep
 
 
 def cache_splits(cache_dir, val_fraction=0.05, bos=1, eos=2):
@@ -260,9 +264,9 @@ def cache_splits(cache_dir, val_fraction=0.05, bos=1, eos=2):
     for n in counts:
         ids = struct.unpack_from(f"<{n}i", blob, pos)
         pos += 4 * n
-        cut = split_point(ids, val_fraction, bos, eos)
-        train_ids += ids[:cut]
-        val_ids += ids[cut:]
+        begin, end = validation_part(ids, val_fraction, bos, eos)
+        train_ids += ids[:begin] + ids[end:]
+        val_ids += ids[begin:end]
     return train_ids, val_ids
 
 

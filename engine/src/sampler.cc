@@ -12,13 +12,15 @@ namespace cemlm {
 namespace {
 
 // A penalized logit kept finite: a repetition penalty of 0.01 makes a logit near the float
-// maximum +inf, which no shift can take back out of the draw. A token the model gives no
-// probability (-inf) keeps none: clamped, it once became drawable when every other token was
-// held back.
+// maximum +inf, which no shift can take back out of the draw (and one of 100, a logit of -1e37
+// -inf). Only a token the model itself gives no probability is -inf: is_out() tokens are left
+// as they are by the penalties and the bias (clamped, one once became drawable when every
+// other token was held back).
 float finite(float x) {
-  if (x == -std::numeric_limits<float>::infinity()) return x;
   return std::clamp(x, std::numeric_limits<float>::lowest(), std::numeric_limits<float>::max());
 }
+
+bool is_out(float x) { return x == -std::numeric_limits<float>::infinity(); }
 
 bool better(const std::pair<float, int>& a, const std::pair<float, int>& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
@@ -95,7 +97,7 @@ absl::StatusOr<SampleResult> Sampler::sample(std::span<const float> logits,
   counts_.resize(logits.size(), 0);
   apply_penalties(tokens, n_prompt);
   for (const auto& [id, bias] : params_.logit_bias)
-    work_[size_t(id)] = finite(work_[size_t(id)] + bias);
+    if (float& x = work_[size_t(id)]; !is_out(x)) x = finite(x + bias);
   if (int64_t(tokens.size()) - n_prompt < params_.min_new_tokens) {
     // Not yet: the tokens that would end generation get no chance (validation left others).
     constexpr float kOut = -std::numeric_limits<float>::infinity();
@@ -103,10 +105,10 @@ absl::StatusOr<SampleResult> Sampler::sample(std::span<const float> logits,
     if (!params_.ignore_eos && eos_id_ >= 0 && size_t(eos_id_) < work_.size())
       work_[size_t(eos_id_)] = kOut;
     // What the model leaves possible may be only those tokens: there is then nothing to draw.
-    if (std::none_of(work_.begin(), work_.end(), [](float x) { return x > kOut; }))
+    if (std::all_of(work_.begin(), work_.end(), is_out))
       return absl::FailedPreconditionError(
-          "min_new_tokens: the model gives every token but the stop tokens it holds back "
-          "probability 0 here, so no token can be drawn; lower min_new_tokens");
+          "sampling.min_new_tokens: the model gives every token but the stop tokens it holds "
+          "back probability 0 here, so no token can be drawn; lower sampling.min_new_tokens");
   }
   r.token = draw();
   r.logprob = logits[size_t(r.token)] - lse;
@@ -120,7 +122,7 @@ void Sampler::apply_penalties(std::span<const int> tokens, int n_prompt) {
     for (int t : tokens)
       if (counts_[size_t(t)]++ == 0) {
         float& x = work_[size_t(t)];
-        x = finite(x > 0 ? x / rp : x * rp);
+        if (!is_out(x)) x = finite(x > 0 ? x / rp : x * rp);
       }
     for (int t : tokens) counts_[size_t(t)] = 0;
   }
@@ -131,7 +133,8 @@ void Sampler::apply_penalties(std::span<const int> tokens, int n_prompt) {
     int& c = counts_[size_t(t)];
     if (c == 0) continue;
     float& x = work_[size_t(t)];
-    x = finite(x - (params_.presence_penalty + params_.frequency_penalty * float(c)));
+    if (!is_out(x))
+      x = finite(x - (params_.presence_penalty + params_.frequency_penalty * float(c)));
     c = 0;
   }
 }

@@ -91,10 +91,7 @@ T* at(const ExecCtx& ctx, size_t offset) {
 
 // Is (v, i) ahead of (w, j) for the argmax: larger value, then lower id.
 __device__ bool ahead(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
-// As the host's finite(): -inf (probability 0) stays -inf.
-__device__ float clamp_finite(float x) {
-  return x == -INFINITY ? x : fminf(fmaxf(x, -FLT_MAX), FLT_MAX);
-}
+__device__ float clamp_finite(float x) { return fminf(fmaxf(x, -FLT_MAX), FLT_MAX); }
 
 __global__ void __launch_bounds__(kSampleThreads)
     prepare_kernel(const float* logits, int V, const DevRow* rows, const int32_t* hist,
@@ -135,10 +132,11 @@ __global__ void __launch_bounds__(kSampleThreads)
   int bi = INT_MAX;
   float* key = keys + int64_t(row) * V;
   for (int v = tid; v < V; v += blockDim.x) {
-    // Penalized logits stay finite, as the host Sampler's do.
+    // Penalized logits stay finite, as the host Sampler's do, and a token the model gives no
+    // probability (-inf) keeps none.
     float w = x[v];
-    if (rep && ca[v] > 0) w = clamp_finite(w > 0 ? w / R.rep : w * R.rep);
-    if (pf && cg[v] > 0) w = clamp_finite(w - (R.pres + R.freq * float(cg[v])));
+    if (rep && ca[v] > 0 && w != -INFINITY) w = clamp_finite(w > 0 ? w / R.rep : w * R.rep);
+    if (pf && cg[v] > 0 && w != -INFINITY) w = clamp_finite(w - (R.pres + R.freq * float(cg[v])));
     if (ahead(w, v, bv, bi)) bv = w, bi = v;
     key[v] = w;
     ids[int64_t(row) * V + v] = v;

@@ -544,6 +544,21 @@ TEST(Sampler, NothingLeftToDrawUnderMinNewTokensIsAnError) {
       EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
       EXPECT_NE(r.status().message().find("min_new_tokens"), std::string::npos);
     }
+  // A finite logit that a penalty takes past the float range is clamped, not taken out: it is
+  // still the model's only token with a probability.
+  const std::vector<float> huge = {-INFINITY, -1e37f, -INFINITY};
+  for (const float temperature : {0.0f, 1.0f}) {
+    SamplingParams q;
+    q.temperature = temperature;
+    q.repetition_penalty = 100;
+    auto r = Sampler(q, -1, 1).sample(huge, std::vector<int>{1}, 1);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->token, 1) << "temperature " << temperature;
+    q.min_new_tokens = 1;
+    r = Sampler(q, 0, 1).sample(huge, std::vector<int>{1}, 1);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->token, 1) << "temperature " << temperature;
+  }
   // One token left with a probability: it is the only one drawn, penalized or not.
   const std::vector<float> one = {-INFINITY, -30.0f, 0.0f};
   SamplingParams p;

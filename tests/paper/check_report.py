@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -19,7 +20,7 @@ N_VARIANTS, N_SCALING, SCALING_T = 12, 4, range(1, 9)
 # The driver runs from the corpus directory with the quick mode's own files as relative --data:
 # a rerun must still recognise its runs (the trainer saves --data absolute).
 FORTUNES = "/usr/share/games/fortunes"
-QUICK_DATA = ["riddles", "love"]
+QUICK_DATA = ["riddles", "love", "pratchett"]  # pratchett: a cut with no document start near
 
 
 def finite(x, what, faults):
@@ -87,8 +88,17 @@ def check(out):
     return faults
 
 
+def fnv1a64(data):
+    """trainer/src/data.cc hash_bytes."""
+    h = 0xcbf29ce484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
 def check_split(driver, out, faults):
-    """The driver's train/validation ids are the trainer's: same sizes as the trainer logged."""
+    """The driver's train/validation ids are the trainer's: same sizes as the trainer logged, and
+    validation ids whose hash is the one the trainer saved."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(driver)))
     import paper_table  # noqa: E402 (the driver, imported for its split)
     train_ids, val_ids = paper_table.cache_splits(os.path.join(out, "cache"))
@@ -99,6 +109,11 @@ def check_split(driver, out, faults):
     elif (len(train_ids), len(val_ids)) != (int(m.group(1)), int(m.group(2))):
         faults.append(f"the driver's split is {len(train_ids)} + {len(val_ids)} ids, the "
                       f"trainer's {m.group(1)} + {m.group(2)}")
+    with open(os.path.join(out, "runs", "llama_tied", "trainer_state.json")) as f:
+        saved = json.load(f).get("validation_hash")
+    mine = fnv1a64(struct.pack(f"<{len(val_ids)}i", *val_ids))
+    if saved != mine:
+        faults.append(f"the driver's validation ids hash to {mine}, the trainer's to {saved}")
 
 
 def check_rerun(cmd, out, faults):

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -584,7 +585,10 @@ TEST(Train, ResumeWithoutTokenizerAndInitWithAnotherVocabularyAreRefused) {
 
 // A run saved before the split moved to document starts resumes on the current split, and says
 // so; one saved since says nothing.
-TEST(Train, ResumingARunFromBeforeTheSplitChangeSaysSo) {
+// A resume says when the validation split is not the run's: its saved validation ids' hash
+// differs (here: another --val-fraction... or a damaged hash), or a state saved before the hash was
+// names an older split rule.
+TEST(Train, ResumingOnAnotherValidationSplitSaysSo) {
   TrainOptions o = tiny_options(fresh_dir());
   o.steps = 2;
   ASSERT_TRUE(train(o).ok());
@@ -597,30 +601,40 @@ TEST(Train, ResumingARunFromBeforeTheSplitChangeSaysSo) {
     EXPECT_TRUE(train(o, cb).ok());
     return lines;
   };
-  EXPECT_EQ(resume_lines(3).find("older cemlm"), std::string::npos);
+  EXPECT_EQ(resume_lines(3).find("validation split"), std::string::npos);
   const std::string state_file = o.out_dir + "/trainer_state.json";
-  std::string state, error;
-  ASSERT_TRUE(read_file(state_file, &state, &error));
-  const size_t at = state.find("\"split\"");  // an older cemlm's state has none
-  ASSERT_NE(at, std::string::npos);
-  const size_t line = state.rfind('\n', at) + 1;
-  state.erase(line, state.find('\n', at) + 1 - line);
-  testing_trainer::write_file(state_file, state);
-  const std::string older = resume_lines(4);
-  EXPECT_NE(older.find("older cemlm, whose validation split cut documents in two"),
-            std::string::npos)
-      << older;
-  // The rule before one-document files kept their end in training.
-  ASSERT_TRUE(read_file(state_file, &state, &error));
-  const size_t rule = state.find(kSplitRule);
-  ASSERT_NE(rule, std::string::npos);
-  state.replace(rule, std::string(kSplitRule).size(), "document-start");
-  testing_trainer::write_file(state_file, state);
-  const std::string previous = resume_lines(5);
-  EXPECT_NE(previous.find("older cemlm, whose validation split gave the end of a file"),
-            std::string::npos)
-      << previous;
-  EXPECT_EQ(resume_lines(6).find("older cemlm"), std::string::npos);  // saved with the current
+  // The state as `edit` leaves it, then the resume's lines.
+  auto resume_edited = [&](int64_t steps, const std::function<void(nlohmann::json&)>& edit) {
+    std::string state, error;
+    EXPECT_TRUE(read_file(state_file, &state, &error)) << error;
+    nlohmann::json j = nlohmann::json::parse(state);
+    edit(j);
+    testing_trainer::write_file(state_file, j.dump(2) + "\n");
+    return resume_lines(steps);
+  };
+  std::string lines = resume_edited(4, [](nlohmann::json& j) {
+    j["validation_hash"] = j["validation_hash"].get<uint64_t>() ^ 1;
+  });
+  EXPECT_NE(lines.find("the validation split is not the run's (other --data"), std::string::npos)
+      << lines;
+  // Saved before the hash: the rule tells. None (the first rule), the one before the current.
+  lines = resume_edited(5, [](nlohmann::json& j) {
+    j.erase("validation_hash");
+    j.erase("split");
+  });
+  EXPECT_NE(lines.find("older cemlm, whose split cut documents in two"), std::string::npos)
+      << lines;
+  lines = resume_edited(6, [](nlohmann::json& j) {
+    j.erase("validation_hash");
+    j["split"] = "document-start";
+  });
+  EXPECT_NE(lines.find("older cemlm, whose split gave the end of a file"), std::string::npos)
+      << lines;
+  // The current rule without a hash, and a hash that matches: nothing to say.
+  lines = resume_edited(7, [](nlohmann::json& j) { j.erase("validation_hash"); });
+  EXPECT_EQ(lines.find("validation split"), std::string::npos) << lines;
+  lines = resume_edited(8, [](nlohmann::json& j) { j["split"] = "document-start"; });
+  EXPECT_EQ(lines.find("validation split"), std::string::npos) << lines;
 }
 
 TEST(Train, DamagedSavedOptionsNameTheKey) {
@@ -984,6 +998,8 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
   };
   const nlohmann::json j = nlohmann::json::parse(good);
   const std::string step = "\"step\": " + std::to_string(j["step"].get<int64_t>());
+  const std::string hash =
+      "\"validation_hash\": " + std::to_string(j["validation_hash"].get<uint64_t>());
   const std::string lr = "\"lr\": " + j["options"]["lr"].dump();
   const std::string seed = "\"seed\": " + j["options"]["seed"].dump();
   const std::string data_rng = "\"data_rng\": " + j["data_rng"].dump();
@@ -1007,6 +1023,8 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
       {edited(lr, "\"l\\nr\": 0.001, " + lr), "training options: unknown key \"l\\nr\""},
       {edited(absl::StrCat("\"split\": \"", kSplitRule, "\""), "\"split\": 5"),
        "\"split\": must be a string (got 5)"},
+      {edited(hash, "\"validation_hash\": -4"),
+       "\"validation_hash\": must be an integer in [0, 2^64) (got -4)"},
       {edited(seed, "\"seed\": -1"), "\"seed\": must be an integer in [0, 2^64)"},
       {edited(lr, "\"lr\": 5"),
        "--lr must be in (0, 1] (got 5) (with --resume, each option not given again is the run's, "

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 
 #include "absl/strings/escaping.h"
@@ -165,6 +166,7 @@ class Trainer {
   std::string tokenizer_bytes_;
   std::unique_ptr<Tokenizer> tokenizer_;
   TokenData data_;
+  uint64_t val_hash_ = 0;  // of data_.val's ids, saved so that a resume sees its split change
   std::vector<int> eval_ids_, eval_T_, batch_ids_;
   MetricsLog log_;
   int64_t step_ = 0, tokens_ = 0;
@@ -499,6 +501,8 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   CEMLM_ASSIGN_OR_RETURN(
       data_, load_token_data(corpus, *tokenizer, tok_hash, bos, eos, in_cache(kTokenCacheFile),
                              o_.val_fraction, [this] { return stop_asked(false); }));
+  val_hash_ = hash_bytes(
+      {reinterpret_cast<const char*>(data_.val.data()), data_.val.size() * sizeof(int32_t)});
   info(absl::StrCat("data: ", data_.files, " files, ", data_.train.size(), " training and ",
                     data_.val.size(), " validation tokens", data_.from_cache ? " (cached)" : ""));
   if (data_.train.size() < size_t(o_.seq_len))
@@ -528,6 +532,7 @@ absl::Status Trainer::restore() {
   const json& j = *parsed;
   std::string split, options_text;
   int saved_threads = 0;  // 0: not saved
+  std::optional<uint64_t> saved_val_hash;  // not in the states of cemlm before it was saved
   const char* key = "";  // the one being read, named in the error
   auto get = [&](const char* k) -> const json& {
     key = k;
@@ -543,7 +548,7 @@ absl::Status Trainer::restore() {
     for (const auto& [k, v] : j.items())
       if (k != "format_version" && k != "step" && k != "tokens" && k != "elapsed_s" &&
           k != "data_rng" && k != "recursion_rng" && k != "split" && k != "options" &&
-          k != "compute_threads") {
+          k != "compute_threads" && k != "validation_hash") {
         key = "";
         throw std::invalid_argument(absl::StrCat("unknown key \"", absl::CHexEscape(k),
                                                  "\" (the file is damaged, or "
@@ -573,6 +578,13 @@ absl::Status Trainer::restore() {
     if (j.contains("split") && !j["split"].is_string())
       throw std::invalid_argument(absl::StrCat("must be a string (got ", j["split"].dump(), ")"));
     split = j.value("split", "");
+    if (j.contains("validation_hash")) {
+      key = "validation_hash";
+      if (!j[key].is_number_unsigned())
+        throw std::invalid_argument(
+            absl::StrCat("must be an integer in [0, 2^64) (got ", j[key].dump(), ")"));
+      saved_val_hash = j[key].get<uint64_t>();
+    }
     if (j.contains("options")) options_text = j["options"].dump();
     if (j.contains("compute_threads")) {  // not in the states of cemlm before it was saved
       key = "compute_threads";
@@ -620,14 +632,19 @@ absl::Status Trainer::restore() {
                         "; to go on near the old rate, pass a lower "
                         "--lr as well"));
   }
-  if (split != kSplitRule)
+  // The validation ids as saved tell whether they moved (other files, fraction, tokenizer or
+  // split rule); a state without them, only whether the split rule did.
+  if (saved_val_hash ? *saved_val_hash != val_hash_ : split != kSplitRule)
     info(absl::StrCat(
-        "note: this run began with an older cemlm, whose validation split ",
-        split.empty() ? "cut documents in two"
-                      : "gave the end of a file that is one document, its EOS, to validation",
-        "; from here on it trains and evaluates on the current split, which cuts no document in "
-        "two and trains on such a file's end (the validation curve may step, and the run is no "
-        "longer bit-identical to an uninterrupted one)"));
+        "note: the validation split is not the run's",
+        saved_val_hash ? " (other --data files or contents, --val-fraction, tokenizer, or split "
+                         "rule)"
+        : split.empty()
+            ? ": the run began with an older cemlm, whose split cut documents in two"
+            : ": the run began with an older cemlm, whose split gave the end of a file that is "
+              "one document, its EOS, to validation",
+        "; from here on it trains and evaluates on the current one (the validation curve may "
+        "step, and the run is no longer bit-identical to an uninterrupted one)"));
   info(absl::StrCat("resuming at step ", step_, " of ", o_.steps));
   return absl::OkStatus();
 }
@@ -687,6 +704,7 @@ absl::Status Trainer::write_extra(const std::string& dir) const {
                       {"recursion_rng", t_rng_.state()},
                       {"compute_threads", compute_threads_},
                       {"split", kSplitRule},
+                      {"validation_hash", val_hash_},
                       {"options", json::parse(options_to_json(o_))}};
   CEMLM_RETURN_IF_ERROR(write_text((d / kTrainerStateFile).string(), state.dump(2) + "\n"));
   CEMLM_RETURN_IF_ERROR(write_text((d / kMetricsFile).string(), log_.jsonl()));

@@ -37,7 +37,9 @@ class Sampler {
   Sampler(const SamplingParams& params, int eos_id, uint64_t seed);
 
   // `logits`: the raw row [V]; `tokens`: prompt then generated tokens, `n_prompt` of the former.
-  // INTERNAL when the model produced a non-finite logit (a fault of the server, not the request).
+  // INTERNAL when the model produced a non-finite logit (a fault of the server, not the request);
+  // FAILED_PRECONDITION when min_new_tokens holds back the only tokens the model gives a
+  // probability (nothing is left to draw).
   absl::StatusOr<SampleResult> sample(std::span<const float> logits, std::span<const int> tokens,
                                       int n_prompt);
   // True for a stop token id, and for eos unless ignore_eos. Generation ends after it.

@@ -72,10 +72,11 @@ struct ValidationPart {
 // The file's last `val_fraction` of `ids`, its start moved to the nearest document start when one
 // lies within half to twice that validation size, so that no document is split between training
 // and validation. With no start there (the cut falls inside a document: a file that is one long
-// document, say), the end of the file through its EOS stays in training and validation is the
-// same number of ids just before it, or fewer when the file is short: else a corpus of
-// one-document files would never train on an EOS (nor learn to end a generation). Without
-// document markers, or without an EOS at the file's end, the plain cut.
+// document, say), validation keeps its size but moves back: the file's end through its EOS, as
+// many ids as validation holds (at most half of the rest), stays in training, which then jumps
+// over validation mid-document once. Else a corpus of one-document files would never train on an
+// EOS (nor learn to end a generation). Without document markers, or without an EOS at the file's
+// end, the plain cut.
 ValidationPart validation_part(std::span<const int32_t> ids, double val_fraction, int bos, int eos);
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
                                           uint64_t tokenizer_hash, int bos, int eos,

@@ -678,12 +678,12 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
     if (malformed_ && m->QueryInterceptionHookPoint(Hook::PRE_SEND_STATUS) &&
         (m->GetSendStatus().error_code() == grpc::StatusCode::INTERNAL ||
          m->GetSendStatus().error_code() == grpc::StatusCode::UNIMPLEMENTED) &&
-        !ended_before_body()) {
+        (streaming() || !ended_before_body())) {
       // Of the requests, only GenerateRequest has a string field (the others' texts are bytes).
-      const bool strings = message_ == v1::GenerateRequest::descriptor()->full_name();
+      const bool strings = streaming();
       // A wrong key, a load or a drain refuse the call before its body is looked at.
       const grpc::Status refused = state_->gate(*info_->server_context());
-      const grpc::Status status =
+      sent_ =
           !refused.ok()
               ? refused
               : grpc::Status(
@@ -691,20 +691,40 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
                     absl::StrCat("the request body is not a valid ", message_, " message (missing",
                                  strings ? ", bytes that do not parse, or request_id not in UTF-8"
                                          : " or bytes that do not parse",
-                                 "); build the client from this server's cemlm/v1/inference.proto "
-                                 "(server reflection serves it)"));
-      m->ModifySendStatus(status);
-      state_->metrics().count_rpc(method_.c_str(), status.error_code());
-      if (int64_t left_out = 0; refused.ok() && state_->malformed_body_log().allow(&left_out))
-        spdlog::info(
-            "{} peer={} status=INVALID_ARGUMENT message=\"{}\" malformed_since_last_line={}",
-            method_, info_->server_context()->peer(), log_escaped(status.error_message()),
-            left_out);
+                                 "); build the client from this server's "
+                                 "cemlm/v1/inference.proto (server reflection serves it)"));
+      m->ModifySendStatus(*sent_);
+      if (!streaming()) record(false);
     }
+    // Generate's calls (gRPC's callback API) are counted once over, when gRPC knows whether they
+    // were cancelled: at the status, a client's cancel may not have reached the call yet (9 of 10
+    // cancels within 2 ms of the headers counted as malformed bodies). The unary methods (the sync
+    // API) cannot ask then (IsCancelled() runs this very hook again), so they decide at the status.
+    if (sent_ && streaming() && m->QueryInterceptionHookPoint(Hook::POST_RECV_CLOSE))
+      record(info_->server_context()->IsCancelled());
     m->Proceed();
   }
 
  private:
+  bool streaming() const { return message_ == v1::GenerateRequest::descriptor()->full_name(); }
+
+  // Counts the call, and logs a malformed body, unless it was `cancelled` (by its client or at its
+  // deadline): then it counts as that, and is not logged as a client's mistake.
+  void record(bool cancelled) {
+    grpc::ServerContextBase* const ctx = info_->server_context();
+    if (cancelled) {
+      state_->metrics().count_rpc(method_.c_str(), deadline_reached(*ctx)
+                                                       ? grpc::StatusCode::DEADLINE_EXCEEDED
+                                                       : grpc::StatusCode::CANCELLED);
+      return;
+    }
+    state_->metrics().count_rpc(method_.c_str(), sent_->error_code());
+    if (int64_t left_out = 0; sent_->error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+                              state_->malformed_body_log().allow(&left_out))
+      spdlog::info("{} peer={} status=INVALID_ARGUMENT message=\"{}\" malformed_since_last_line={}",
+                   method_, ctx->peer(), log_escaped(sent_->error_message()), left_out);
+  }
+
   // A call whose deadline passed, or that its client cancelled, before its body arrived also
   // reaches the interceptors with no message: that is no malformed body. It is counted as what it
   // was (the client sees that status, not ours), and not logged as a client's mistake.
@@ -727,6 +747,7 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
   grpc::experimental::ServerRpcInfo* const info_;
   const std::string method_, message_;
   bool malformed_ = false;
+  std::optional<grpc::Status> sent_;  // the status this interceptor put in gRPC's place
 };
 
 class MalformedBodyInterceptors final

@@ -281,7 +281,7 @@ int usage_error(const std::string& msg) {
 }
 
 bool check_out_file(const std::string& flag, const std::string& path, const std::string& example,
-                    bool makes_dirs, std::string* error) {
+                    bool makes_dirs, std::string* error, const std::vector<std::string>& inputs) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path out(path);
@@ -289,6 +289,13 @@ bool check_out_file(const std::string& flag, const std::string& path, const std:
     *error = flag + " is empty; name the file to write, like " + example;
     return false;
   }
+  for (const std::string& in : inputs)
+    if (fs::equivalent(out, in, ec)) {
+      *error = flag + " '" + path + "' is an input of this command" +
+               (in != path ? " ('" + in + "')" : std::string()) +
+               ": writing it would lose it; name another file";
+      return false;
+    }
   if (!out.has_filename() || fs::is_directory(out, ec)) {
     *error = flag + " '" + path + "' is a directory; name the file to write, like " +
              (out / example).lexically_normal().string();

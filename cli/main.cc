@@ -38,7 +38,7 @@ void print_help(std::FILE* to) {
                "usage: cemlm <command> [options]\n\nCEM/Leviathan language models: train, serve, "
                "score.\n\ncommands:\n");
   for (const auto& c : kCommands) std::fprintf(to, "  %-12s %s\n", c.name, c.summary);
-  std::fprintf(to, "  %-12s %s\n", "help", "show this list");
+  std::fprintf(to, "  %-12s %s\n", "help", "show this list (help COMMAND: that command's options)");
   std::fprintf(to, "\nRun 'cemlm <command> --help' for the options of a command.\n");
 }
 
@@ -55,6 +55,17 @@ int output_written(const char* command, int rc) {
 
 int main(int argc, char** argv) {
   cemlm::reexec_with_runtime_env(argv);
+  // `cemlm help COMMAND` is `cemlm COMMAND --help`.
+  char help_flag[] = "--help";
+  if (argc == 3 && !std::strcmp(argv[1], "help")) {
+    for (const auto& c : kCommands)
+      if (!std::strcmp(argv[2], c.name)) {
+        char* args[] = {help_flag, nullptr};
+        return output_written(c.name, c.run(1, args));
+      }
+    std::fprintf(stderr, "cemlm: unknown command '%s' (run 'cemlm help')\n", argv[2]);
+    return 2;
+  }
   if (argc < 2 || !std::strcmp(argv[1], "help") || !std::strcmp(argv[1], "--help") ||
       !std::strcmp(argv[1], "-h")) {
     print_help(argc < 2 ? stderr : stdout);

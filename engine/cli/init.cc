@@ -73,9 +73,10 @@ int cmd_init(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", std::string(st.message()).c_str());
     return 1;
   }
-  std::printf("wrote %s: %s, %lld parameters, seed %lld%s\n", out_dir.c_str(),
+  std::printf("wrote %s: %s, %lld parameters, seed %llu%s\n", out_dir.c_str(),
               config->variant_name().c_str(), static_cast<long long>(params.size()),
-              static_cast<long long>(seed), tokenizer_path.empty() ? ", no tokenizer" : "");
+              static_cast<unsigned long long>(seed),
+              tokenizer_path.empty() ? ", no tokenizer" : "");
   return 0;
 }
 

@@ -2,14 +2,15 @@
 // with the full-sequence CPU forward (the oracle); optionally dumps the [N, V] logits.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/checkpoint.h"
-#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/cpu_model.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/sampler.h"
 #include "cemlm/engine/tokenizer.h"
@@ -49,8 +50,13 @@ int cmd_score(int argc, char** argv) {
     return usage_error("--no-bos applies to --text only: --ids are used as given");
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
-  if (std::string err; f.given("dump-logits") &&
-                       !check_out_file("--dump-logits", dump, "logits.safetensors", false, &err))
+  std::vector<std::string> checkpoint_files;  // the checkpoint's own files: not to be written
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(model, ec))
+    checkpoint_files.push_back(e.path().string());
+  if (std::string err;
+      f.given("dump-logits") &&
+      !check_out_file("--dump-logits", dump, "logits.safetensors", false, &err, checkpoint_files))
     return fail(err);
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));

@@ -40,7 +40,8 @@ int train(int argc, char** argv) {
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   std::string error;
   if (!opts.out_path.empty() &&  // train_tokenizer says so when it is
-      !check_out_file("--out", opts.out_path, "tokenizer.model", /*makes_dirs=*/true, &error))
+      !check_out_file("--out", opts.out_path, "tokenizer.model", /*makes_dirs=*/true, &error,
+                      opts.inputs))
     return fail(error);
   TokenizerTrainStats stats;
   if (!train_tokenizer(opts, &error, &stats)) return fail(error);

@@ -25,7 +25,50 @@ void add_channel_flags(Flags* flags, ChannelFlags* f) {
   flags->add("timeout", &f->timeout, "deadline of each call in seconds; 0 = none");
 }
 
+namespace {
+
+// HOST:PORT with a port in [1, 65535] ([V6]:PORT for an IPv6 address), or a gRPC target given
+// with its scheme (dns:///…, unix:…, ipv4:…), passed on as it is.
+bool valid_addr(const std::string& a) {
+  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"})
+    if (a.rfind(scheme, 0) == 0) return true;
+  const size_t colon = a.rfind(':');
+  if (colon == std::string::npos || colon == 0) return false;
+  const std::string host = a.substr(0, colon), port = a.substr(colon + 1);
+  if (port.empty() || port.size() > 5 ||
+      port.find_first_not_of("0123456789") != std::string::npos || std::stoi(port) < 1 ||
+      std::stoi(port) > 65535)
+    return false;
+  if (host.front() == '[') return host.size() > 2 && host.back() == ']';
+  return host.find(':') == std::string::npos;
+}
+
+std::string api_key(const ChannelFlags& f) {
+  if (!f.api_key.empty()) return f.api_key;
+  const char* env = std::getenv("CEMLM_API_KEY");
+  return env ? env : "";
+}
+
+}  // namespace
+
 std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_connection) {
+  if (!valid_addr(f.addr)) {
+    std::fprintf(stderr,
+                 "error: --addr '%s' is not HOST:PORT (a port in [1, 65535]; [ADDR]:PORT for "
+                 "IPv6, or a gRPC target such as dns:///HOST:PORT)\n",
+                 f.addr.c_str());
+    return nullptr;
+  }
+  // gRPC aborts the process on a header value it cannot send (a key read from a file with its
+  // line's CR or LF, say).
+  for (const unsigned char ch : api_key(f))
+    if (ch <= 0x20 || ch >= 0x7f) {
+      std::fprintf(stderr,
+                   "error: %s holds a byte 0x%02x: a key is printable ASCII without spaces "
+                   "(a line end read from a file?)\n",
+                   f.api_key.empty() ? "CEMLM_API_KEY" : "--api-key", ch);
+      return nullptr;
+    }
   if (!(f.timeout >= 0) || !std::isfinite(f.timeout)) {
     std::fprintf(stderr, "error: --timeout %g must be a number of seconds >= 0 (0 = no deadline)\n",
                  f.timeout);
@@ -55,9 +98,8 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
 }
 
 void prepare_context(const ChannelFlags& f, grpc::ClientContext* context) {
-  std::string key = f.api_key;
-  if (const char* env = std::getenv("CEMLM_API_KEY"); key.empty() && env) key = env;
-  if (!key.empty()) context->AddMetadata("authorization", "Bearer " + key);
+  if (const std::string key = api_key(f); !key.empty())
+    context->AddMetadata("authorization", "Bearer " + key);
   if (f.timeout > 0)
     context->set_deadline(std::chrono::system_clock::now() +
                           std::chrono::duration_cast<std::chrono::system_clock::duration>(

@@ -19,7 +19,8 @@ struct ChannelFlags {
 };
 
 void add_channel_flags(Flags* flags, ChannelFlags* f);
-// Null (with a message on stderr) when --tls-ca cannot be read. With `own_connection` the channel
+// Null (with a message on stderr) when --addr is not HOST:PORT, the API key holds a byte a
+// header cannot, or --tls-ca cannot be read. With `own_connection` the channel
 // opens a TCP connection of its own instead of sharing one with the process's other channels to
 // the same address.
 std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_connection = false);

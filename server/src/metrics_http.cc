@@ -160,7 +160,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::start(
   addrinfo* found = nullptr;
   const std::string where = absl::StrCat("--metrics-port ", port, ": cannot listen on ", host);
   if (const int rc = ::getaddrinfo(name.c_str(), std::to_string(port).c_str(), &hints, &found))
-    return absl::InvalidArgumentError(absl::StrCat(where, " (", ::gai_strerror(rc), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("--metrics-host (or --host) ", host,
+                                                   ": cannot listen on ", host, " (",
+                                                   ::gai_strerror(rc), "); give an address"));
   // Every address of the name ("localhost": ::1 and 127.0.0.1), on one port: the first one's
   // when port 0 lets the system pick. An address this machine lacks is skipped.
   std::vector<int> fds;

@@ -48,6 +48,18 @@ TEST(InitCommand, WritesALoadableSeedDeterministicCheckpoint) {
   EXPECT_EQ(a->params.flat()[a->params.find("layers.1.attn.diag")->offset], 0.0f);
 }
 
+// A seed past 2^63 is said as given (it printed as a negative number).
+TEST(InitCommand, SaysALargeSeedAsGiven) {
+  const std::string dir = fresh_dir(), cfg = dir + "/config.json";
+  write_bytes(cfg, kConfig);
+  testing::internal::CaptureStdout();
+  ASSERT_EQ(run(cli::cmd_init,
+                {"--config", cfg, "--out", dir + "/a", "--seed", "18446744073709551615"}),
+            0);
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("seed 18446744073709551615"), std::string::npos) << out;
+}
+
 // A checkpoint in --out (a trained run's as likely as not) is replaced only with --force.
 TEST(InitCommand, AnExistingCheckpointIsReplacedOnlyWithForce) {
   const std::string dir = fresh_dir(), cfg = dir + "/config.json", out = dir + "/run";

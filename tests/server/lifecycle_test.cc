@@ -559,6 +559,28 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   EXPECT_NE(err.find("--dump-logits is empty; name the file to write, like logits.safetensors"),
             std::string::npos)
       << err;
+  // Nor the checkpoint's own files (the logits replaced its weights), by any path to them.
+  for (const std::string& own : {model_ + "/model.safetensors", model_ + "/./config.json"}) {
+    EXPECT_EQ(
+        run_cemlm({"score", "--model", model_, "--ids", "5,6", "--dump-logits", own}, &out, &err),
+        1);
+    EXPECT_NE(err.find("--dump-logits '" + own + "' is an input of this command"),
+              std::string::npos)
+        << err;
+  }
+  ASSERT_TRUE(run_cemlm({"score", "--model", model_, "--ids", "5,6"}, &out) == 0) << out;
+  // And `tokenizer train` does not write its model over its text.
+  const std::string corpus = dir + "/corpus.txt";
+  { std::ofstream(corpus) << "the cat sat on the mat\n"; }
+  EXPECT_EQ(run_cemlm({"tokenizer", "train", "--input", corpus, "--out", corpus}, &out, &err), 1);
+  EXPECT_NE(err.find("--out '" + corpus + "' is an input of this command"), std::string::npos)
+      << err;
+  {
+    std::ifstream in(corpus);
+    std::string line;
+    std::getline(in, line);
+    EXPECT_EQ(line, "the cat sat on the mat");
+  }
   ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
   EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,6", "--dump-logits", dir + "/fifo"},
                       &out, &err),

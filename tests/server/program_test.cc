@@ -78,6 +78,31 @@ TEST(CemlmProgram, CommandListIsAnErrorOnlyWhenNoCommandIsGiven) {
   EXPECT_EQ(run_cemlm({"no-such-command"}, &out, &err), 2);
   EXPECT_EQ(out, "");
   EXPECT_NE(err.find("unknown command 'no-such-command'"), std::string::npos) << err;
+  // help COMMAND is COMMAND --help; an unknown one is an error.
+  EXPECT_EQ(run_cemlm({"help", "generate"}, &out, &err), 0);
+  EXPECT_NE(out.find("usage: cemlm generate"), std::string::npos) << out;
+  EXPECT_EQ(run_cemlm({"help", "bogus"}, &out, &err), 2);
+  EXPECT_NE(err.find("unknown command 'bogus'"), std::string::npos) << err;
+}
+
+// The client refuses an address that is not HOST:PORT and an API key that a header cannot carry
+// before it connects (a key with its file's line end made gRPC abort the process), exit 2.
+TEST(CemlmProgram, ClientAddressesAndKeysAreCheckedBeforeAnyCall) {
+  std::string out, err;
+  for (const char* addr :
+       {"127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1:abc", "127.0.0.1", "", "::1:5", "[]:5"}) {
+    EXPECT_EQ(run_cemlm({"client", "health", "--addr", addr}, &out, &err), 2) << addr;
+    EXPECT_NE(err.find("--addr '" + std::string(addr) + "' is not HOST:PORT"), std::string::npos)
+        << err;
+  }
+  EXPECT_EQ(
+      run_cemlm({"client", "info", "--addr", "127.0.0.1:1", "--api-key", "key\n"}, &out, &err), 2);
+  EXPECT_NE(err.find("--api-key holds a byte 0x0a"), std::string::npos) << err;
+  setenv("CEMLM_API_KEY", "key\r", 1);
+  const int rc = run_cemlm({"client", "health", "--addr", "127.0.0.1:1"}, &out, &err);
+  unsetenv("CEMLM_API_KEY");
+  EXPECT_EQ(rc, 2) << err;
+  EXPECT_NE(err.find("CEMLM_API_KEY holds a byte 0x0d"), std::string::npos) << err;
 }
 
 }  // namespace

@@ -65,10 +65,12 @@ bool parse_bytes(const std::string& s, int64_t* out);
 
 // Whether `path` can take the file a command writes at its end, checked before the (long) work
 // without touching the disk: not a directory, and its directory writable, or where the write
-// creates missing directories (`makes_dirs`), its nearest existing ancestor. The error names
+// creates missing directories (`makes_dirs`), its nearest existing ancestor, and not one of the
+// files in `inputs` (the command's own inputs: writing over one loses it). The error names
 // `flag`, and for a directory given, suggests `example` (a file name) inside it.
 bool check_out_file(const std::string& flag, const std::string& path, const std::string& example,
-                    bool makes_dirs, std::string* error);
+                    bool makes_dirs, std::string* error,
+                    const std::vector<std::string>& inputs = {});
 
 // A request error in the terms of the generate/score/client flags: the engine and the server name
 // request fields ("sampling.top_p", "prompt_ids", "recursion_depth"), a command's user gave flags.

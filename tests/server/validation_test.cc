@@ -747,22 +747,32 @@ TEST(ServerSecurity, SlowBodiesCannotHoldMoreThanTheGrpcMemory) {
 // A call whose deadline passes before its body is sent reaches the server with no message, as a
 // malformed body does; it is counted DEADLINE_EXCEEDED, not as a malformed body the client sent
 // (a loaded server that read a call late counted it so).
-TEST_F(ServerValidation, ADeadlineBeforeTheBodyIsNoMalformedBody) {
-  const auto before = parse_metrics(server_->metrics_text());
-  grpc::GenericStub stub(server_->channel());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+// A Generate call of which the client sends the headers only, then does `after_headers` (with the
+// call's context) and waits for its status.
+grpc::Status headers_only(const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* ctx,
+                          const std::function<void(grpc::ClientContext*)>& after_headers) {
+  grpc::GenericStub stub(channel);
   grpc::CompletionQueue cq;
-  auto call = stub.PrepareCall(&ctx, "/cemlm.v1.Inference/Generate", &cq);
+  auto call = stub.PrepareCall(ctx, "/cemlm.v1.Inference/Generate", &cq);
   void* tag = nullptr;
   bool ok = false;
-  call->StartCall(reinterpret_cast<void*>(1));  // the headers only
-  ASSERT_TRUE(cq.Next(&tag, &ok));
-  std::this_thread::sleep_for(std::chrono::seconds(1));  // past the deadline, whatever the load
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (!cq.Next(&tag, &ok)) return grpc::Status(grpc::StatusCode::INTERNAL, "no start");
+  after_headers(ctx);
   grpc::Status status;
   call->Finish(&status, reinterpret_cast<void*>(2));
   while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(2)) {
   }
+  return status;
+}
+
+TEST_F(ServerValidation, ADeadlineBeforeTheBodyIsNoMalformedBody) {
+  const auto before = parse_metrics(server_->metrics_text());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  const grpc::Status status = headers_only(server_->channel(), &ctx, [](grpc::ClientContext*) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));  // past the deadline, whatever the load
+  });
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
   const std::string labels = "method=\"Generate\"";
   EXPECT_TRUE(wait_for_metrics(*server_, [&](const auto& now) {
@@ -781,21 +791,11 @@ TEST_F(ServerValidation, ADeadlineBeforeTheBodyIsNoMalformedBody) {
 // 9 of 10 such cancels within 2 ms of the headers counted INVALID_ARGUMENT and were logged).
 TEST_F(ServerValidation, ACancelBeforeTheBodyIsNoMalformedBody) {
   const auto before = parse_metrics(server_->metrics_text());
-  grpc::GenericStub stub(server_->channel());
   constexpr int kCalls = 20;
   for (int i = 0; i < kCalls; ++i) {
     grpc::ClientContext ctx;
-    grpc::CompletionQueue cq;
-    auto call = stub.PrepareCall(&ctx, "/cemlm.v1.Inference/Generate", &cq);
-    void* tag = nullptr;
-    bool ok = false;
-    call->StartCall(reinterpret_cast<void*>(1));  // the headers only
-    ASSERT_TRUE(cq.Next(&tag, &ok));
-    ctx.TryCancel();
-    grpc::Status status;
-    call->Finish(&status, reinterpret_cast<void*>(2));
-    while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(2)) {
-    }
+    const grpc::Status status =
+        headers_only(server_->channel(), &ctx, [](grpc::ClientContext* c) { c->TryCancel(); });
     EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << status.error_message();
   }
   auto sum = [](const std::map<std::string, double>& m, const char* code) {

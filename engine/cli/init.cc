@@ -50,6 +50,8 @@ int cmd_init(int argc, char** argv) {
   flags.add("seed", &seed, "random seed; the same seed gives the same weights");
   flags.add("tokenizer", &tokenizer_path, "SentencePiece model to copy in as tokenizer.model");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  if (flags.given("tokenizer") && tokenizer_path.empty())
+    return usage_error("--tokenizer is empty; name a SentencePiece .model file, or leave it out");
   // Replacing a checkpoint deletes its weights and training state: a trained run's, as likely as
   // a random one's, so the user says so.
   std::error_code ec;

@@ -175,6 +175,9 @@ absl::StatusOr<ModelConfig> load_checkpoint_config(const std::string& dir) {
 }
 
 absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
+  if (dir.empty())
+    return absl::InvalidArgumentError(
+        "the checkpoint directory is empty: name one (with config.json and model.safetensors)");
   const fs::path root(dir);
   Checkpoint ck;
   CEMLM_ASSIGN_OR_RETURN(ck.config, load_checkpoint_config(dir));

@@ -48,6 +48,22 @@ TEST(InitCommand, WritesALoadableSeedDeterministicCheckpoint) {
   EXPECT_EQ(a->params.flat()[a->params.find("layers.1.attn.diag")->offset], 0.0f);
 }
 
+// An empty --tokenizer is a usage error (it wrote a checkpoint without one, exit 0), and an empty
+// checkpoint directory is named as such (it read as the current directory).
+TEST(InitCommand, EmptyPathsAreRefused) {
+  const std::string dir = fresh_dir(), cfg = dir + "/config.json";
+  write_bytes(cfg, kConfig);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", dir + "/a", "--tokenizer", ""}), 2);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("--tokenizer is empty"), std::string::npos) << err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/a/model.safetensors"));
+  const auto none = load_checkpoint("");
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("the checkpoint directory is empty"), std::string::npos)
+      << none.status();
+}
+
 // A seed past 2^63 is said as given (it printed as a negative number).
 TEST(InitCommand, SaysALargeSeedAsGiven) {
   const std::string dir = fresh_dir(), cfg = dir + "/config.json";

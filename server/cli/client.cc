@@ -171,6 +171,16 @@ int client_generate(int argc, char** argv) {
     std::fprintf(stderr, "error: --request-id is not valid UTF-8 (bad byte at offset %zu)\n", ok);
     return 2;
   }
+  if (flags.given("prompt") == flags.given("prompt-ids")) {
+    std::fprintf(stderr, "error: give exactly one of --prompt and --prompt-ids (see --help)\n");
+    return 2;
+  }
+  if (flags.given("prompt") && g.prompt.empty()) {  // as the server reads it: no prompt at all
+    std::fprintf(stderr,
+                 "error: --prompt is empty; to generate from the model's BOS alone, give its id "
+                 "as --prompt-ids (cemlm client info shows bos_id)\n");
+    return 2;
+  }
   if (g.no_bos && flags.given("prompt-ids")) {
     std::fprintf(stderr, "error: --no-bos applies to --prompt only: --prompt-ids are used as given\n");
     return 2;

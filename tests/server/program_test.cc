@@ -85,8 +85,9 @@ TEST(CemlmProgram, CommandListIsAnErrorOnlyWhenNoCommandIsGiven) {
   EXPECT_NE(err.find("unknown command 'bogus'"), std::string::npos) << err;
 }
 
-// The client refuses an address that is not HOST:PORT and an API key that a header cannot carry
-// before it connects (a key with its file's line end made gRPC abort the process), exit 2.
+// The client refuses an address that is not HOST:PORT, an API key that a header cannot carry (a
+// key with its file's line end made gRPC abort the process) and prompt flags that do not go
+// together before it connects, exit 2.
 TEST(CemlmProgram, ClientAddressesAndKeysAreCheckedBeforeAnyCall) {
   std::string out, err;
   for (const char* addr :
@@ -103,6 +104,15 @@ TEST(CemlmProgram, ClientAddressesAndKeysAreCheckedBeforeAnyCall) {
   unsetenv("CEMLM_API_KEY");
   EXPECT_EQ(rc, 2) << err;
   EXPECT_NE(err.find("CEMLM_API_KEY holds a byte 0x0d"), std::string::npos) << err;
+  // The prompt flags are checked here too, as `cemlm generate` checks them (they went to the
+  // server and came back INVALID_ARGUMENT, exit 1).
+  for (const auto& prompt : std::vector<std::vector<std::string>>{
+           {}, {"--prompt", "x", "--prompt-ids", "1"}, {"--prompt", ""}}) {
+    std::vector<std::string> args = {"client", "generate", "--addr", "127.0.0.1:1"};
+    args.insert(args.end(), prompt.begin(), prompt.end());
+    EXPECT_EQ(run_cemlm(args, &out, &err), 2) << err;
+    EXPECT_NE(err.find("--prompt"), std::string::npos) << err;
+  }
 }
 
 }  // namespace

@@ -446,8 +446,10 @@ struct Pools {
   }
   bool same_bytes(const Pools& o) const {
     auto eq = [](const auto& a, const auto& b) {
+      // (An empty vector's data() may be null, which memcmp must not be given.)
       return a.size() == b.size() &&
-             std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;  // NaNs too
+             (a.empty() ||
+              std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);  // NaNs too
     };
     return eq(k, o.k) && eq(v, o.v) && eq(c, o.c) && eq(ks, o.ks) && eq(vs, o.vs) && eq(cs, o.cs) &&
            eq(k16, o.k16) && eq(v16, o.v16) && eq(c16, o.c16) && eq(k8, o.k8) && eq(v8, o.v8) &&

@@ -83,7 +83,9 @@ CEMLM_NUMERIC_FLAG(int, "N", "an integer")
 CEMLM_NUMERIC_FLAG(int64_t, "N", "an integer")
 CEMLM_NUMERIC_FLAG(uint64_t, "N", "an integer in [0, 2^64)")
 CEMLM_NUMERIC_FLAG(double, "X", "a decimal number like 0.001 or 1e-3")
-CEMLM_NUMERIC_FLAG(float, "X", "a decimal number like 0.5")
+CEMLM_NUMERIC_FLAG(float, "X",
+                   "a decimal number like 0.5 that a float holds (within ±3.4e38, and 0 or at "
+                   "least 1.2e-38 in size: smaller ones would round to 0)")
 #undef CEMLM_NUMERIC_FLAG
 
 void Flags::add_bool(const std::string& name, bool* out, const std::string& help) {

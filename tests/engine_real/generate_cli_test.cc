@@ -180,8 +180,8 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--min-p", "1.5"}, "--min-p must be in [0, 1] (got 1.5)"},
       // Values a float cannot hold are quoted as typed: they were inf and 0 ("(got inf)").
       {{"--temperature", "1e39"},
-       "option '--temperature': expected a decimal number like 0.5, got '1e39'"},
-      {{"--top-p", "1e-50"}, "option '--top-p': expected a decimal number like 0.5, got '1e-50'"},
+       "option '--temperature': expected a decimal number like 0.5 that a float holds"},
+      {{"--top-p", "1e-50"}, "smaller ones would round to 0), got '1e-50'"},
       // A flag where the value should be is not taken as the value.
       {{"--kv-cache-dtype", "--json"},
        "option '--kv-cache-dtype' needs a value, but '--json' follows it, an option of its own; "

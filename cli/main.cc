@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   cemlm::reexec_with_runtime_env(argv);
   // `cemlm help COMMAND` is `cemlm COMMAND --help`.
   char help_flag[] = "--help";
-  if (argc == 3 && !std::strcmp(argv[1], "help")) {
+  if (argc == 3 && !std::strcmp(argv[1], "help") && std::strcmp(argv[2], "help") != 0) {
     for (const auto& c : kCommands)
       if (!std::strcmp(argv[2], c.name)) {
         char* args[] = {help_flag, nullptr};

@@ -10,9 +10,11 @@
 #include <filesystem>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
+#include "cemlm/engine/corpus.h"
 #include "cemlm/engine/utf8.h"
 
 namespace cemlm::cli {
@@ -21,6 +23,23 @@ namespace {
 int fail(const std::string& message) {
   std::fprintf(stderr, "error: %s\n", message.c_str());
   return 1;
+}
+
+// The --input paths, and --out too when it is a text file inside an --input directory: the
+// corpus holds it, so writing the model over it would lose one of its own texts.
+std::vector<std::string> inputs_of(const TokenizerTrainOptions& opts) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> inputs = opts.inputs, text;
+  std::error_code ec;
+  std::string ignored;
+  if (!fs::is_regular_file(opts.out_path, ec) ||
+      !collect_text_files({opts.out_path}, &text, &ignored) || text.empty())
+    return inputs;
+  const std::string out = fs::weakly_canonical(opts.out_path, ec).string();
+  for (const std::string& in : opts.inputs)
+    if (fs::is_directory(in, ec) && out.rfind(fs::weakly_canonical(in, ec).string() + "/", 0) == 0)
+      inputs.push_back(opts.out_path);
+  return inputs;
 }
 
 int train(int argc, char** argv) {
@@ -41,7 +60,7 @@ int train(int argc, char** argv) {
   std::string error;
   if (!opts.out_path.empty() &&  // train_tokenizer says so when it is
       !check_out_file("--out", opts.out_path, "tokenizer.model", /*makes_dirs=*/true, &error,
-                      opts.inputs))
+                      inputs_of(opts)))
     return fail(error);
   TokenizerTrainStats stats;
   if (!train_tokenizer(opts, &error, &stats)) return fail(error);

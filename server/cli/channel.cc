@@ -30,7 +30,7 @@ namespace {
 // HOST:PORT with a port in [1, 65535] ([V6]:PORT for an IPv6 address), or a gRPC target given
 // with its scheme (dns:///…, unix:…, ipv4:…), passed on as it is.
 bool valid_addr(const std::string& a) {
-  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"})
+  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:"})
     if (a.rfind(scheme, 0) == 0) return true;
   const size_t colon = a.rfind(':');
   if (colon == std::string::npos || colon == 0) return false;
@@ -60,12 +60,12 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
     return nullptr;
   }
   // gRPC aborts the process on a header value it cannot send (a key read from a file with its
-  // line's CR or LF, say).
+  // line's CR or LF, say): visible ASCII and spaces, as the server's key file takes.
   for (const unsigned char ch : api_key(f))
-    if (ch <= 0x20 || ch >= 0x7f) {
+    if (ch < 0x20 || ch > 0x7e) {
       std::fprintf(stderr,
-                   "error: %s holds a byte 0x%02x: a key is printable ASCII without spaces "
-                   "(a line end read from a file?)\n",
+                   "error: %s holds a byte 0x%02x: a key is printable ASCII (a line end read "
+                   "from a file?)\n",
                    f.api_key.empty() ? "CEMLM_API_KEY" : "--api-key", ch);
       return nullptr;
     }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <mutex>
 #include <optional>
 #include <string_view>
 #include <utility>
@@ -683,7 +684,7 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
       const bool strings = streaming();
       // A wrong key, a load or a drain refuse the call before its body is looked at.
       const grpc::Status refused = state_->gate(*info_->server_context());
-      sent_ =
+      const grpc::Status status =
           !refused.ok()
               ? refused
               : grpc::Status(
@@ -693,15 +694,32 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
                                          : " or bytes that do not parse",
                                  "); build the client from this server's "
                                  "cemlm/v1/inference.proto (server reflection serves it)"));
-      m->ModifySendStatus(*sent_);
-      if (!streaming()) record(false);
+      m->ModifySendStatus(status);
+      std::optional<bool> closed;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        sent_ = status;
+        closed = closed_cancelled_;
+      }
+      if (!streaming())
+        record(false);
+      else if (closed)  // the call ended first (its close ran on another thread)
+        record(*closed);
     }
     // Generate's calls (gRPC's callback API) are counted once over, when gRPC knows whether they
     // were cancelled: at the status, a client's cancel may not have reached the call yet (9 of 10
     // cancels within 2 ms of the headers counted as malformed bodies). The unary methods (the sync
     // API) cannot ask then (IsCancelled() runs this very hook again), so they decide at the status.
-    if (sent_ && streaming() && m->QueryInterceptionHookPoint(Hook::POST_RECV_CLOSE))
-      record(info_->server_context()->IsCancelled());
+    if (streaming() && m->QueryInterceptionHookPoint(Hook::POST_RECV_CLOSE)) {
+      const bool cancelled = info_->server_context()->IsCancelled();
+      bool sent = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        closed_cancelled_ = cancelled;
+        sent = sent_.has_value();
+      }
+      if (sent) record(cancelled);
+    }
     m->Proceed();
   }
 
@@ -747,7 +765,10 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
   grpc::experimental::ServerRpcInfo* const info_;
   const std::string method_, message_;
   bool malformed_ = false;
-  std::optional<grpc::Status> sent_;  // the status this interceptor put in gRPC's place
+  // The status and the close may come on two threads (gRPC runs a call's close where it lands).
+  std::mutex mu_;
+  std::optional<grpc::Status> sent_;      // the status this interceptor put in gRPC's place
+  std::optional<bool> closed_cancelled_;  // at the close: whether the call was cancelled
 };
 
 class MalformedBodyInterceptors final

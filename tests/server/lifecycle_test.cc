@@ -575,6 +575,10 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   EXPECT_EQ(run_cemlm({"tokenizer", "train", "--input", corpus, "--out", corpus}, &out, &err), 1);
   EXPECT_NE(err.find("--out '" + corpus + "' is an input of this command"), std::string::npos)
       << err;
+  // Nor over a text of an --input directory; a model file there is no input (it is rewritten).
+  EXPECT_EQ(run_cemlm({"tokenizer", "train", "--input", dir, "--out", corpus}, &out, &err), 1);
+  EXPECT_NE(err.find("--out '" + corpus + "' is an input of this command"), std::string::npos)
+      << err;
   {
     std::ifstream in(corpus);
     std::string line;

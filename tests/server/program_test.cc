@@ -99,6 +99,12 @@ TEST(CemlmProgram, ClientAddressesAndKeysAreCheckedBeforeAnyCall) {
   EXPECT_EQ(
       run_cemlm({"client", "info", "--addr", "127.0.0.1:1", "--api-key", "key\n"}, &out, &err), 2);
   EXPECT_NE(err.find("--api-key holds a byte 0x0a"), std::string::npos) << err;
+  // A space is a byte the server's key file takes: sent (the call then fails to connect, exit 1).
+  EXPECT_EQ(run_cemlm({"client", "health", "--addr", "127.0.0.1:1", "--api-key", "a key",
+                       "--timeout", "2"},
+                      &out, &err),
+            1)
+      << err;
   setenv("CEMLM_API_KEY", "key\r", 1);
   const int rc = run_cemlm({"client", "health", "--addr", "127.0.0.1:1"}, &out, &err);
   unsetenv("CEMLM_API_KEY");

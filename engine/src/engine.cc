@@ -577,6 +577,9 @@ void EngineImpl::finish(Request& q, FinishReason why, StreamEvent ev, absl::Stat
   ev.timings = q.timings;
   const EventCallback on_event = std::move(q.on_event);
   live_.erase(q.id);  // q is gone from here on
+  // Its blocks and its running slot are free before its client hears of its end: a scrape right
+  // after a stream's last message showed it still running (the stats were the step's start's).
+  publish_stats();
   on_event(ev);
 }
 

@@ -187,6 +187,29 @@ struct Gate {
   bool open = false;
 };
 
+// By a request's final event, the stats no longer count it: its client may scrape the gauges
+// right after its stream's last message (they showed it running, its blocks in use, until the
+// next step published).
+TEST(Engine, StatsAtTheFinalEventNoLongerCountTheRequest) {
+  Built b = build(FakeOptions{});
+  Engine* e = b.engine.get();
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<EngineStats> at_final;
+  auto id = e->submit(request(tokens(20, 1), 4), [&](const StreamEvent& ev) {
+    if (ev.finish_reason == FinishReason::kNone) return;
+    const EngineStats st = e->stats();  // from the engine's thread, as a scrape could be
+    std::lock_guard<std::mutex> lock(mu);
+    at_final = st;
+    cv.notify_all();
+  });
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return at_final.has_value(); }));
+  EXPECT_EQ(at_final->running, 0);
+  EXPECT_EQ(at_final->kv_blocks_free, at_final->kv_blocks_total);
+}
+
 TEST(QueueSeconds, ScheduledRequestsWaitedUntilScheduledTheOthersUntilTheyEnded) {
   RequestTimings t;
   t.submitted = Clock::now();

@@ -721,8 +721,8 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
       return gave_up;
     }
     // Each try runs between two engine steps; the pause only matters when no step runs. A call
-    // behind another waits for its turn, looking at its deadline, cancellation and a shutdown
-    // every 50 ms.
+    // behind another waits for its turn or a shutdown (both notify), looking at its deadline and
+    // cancellation every 50 ms.
     std::unique_lock<std::mutex> lock(mu_);
     if (is_first) {
       lock.unlock();
@@ -730,7 +730,8 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
     } else {
       auto until = Clock::now() + std::chrono::milliseconds(50);
       if (req.deadline) until = std::min(until, *req.deadline);
-      try_now = score_turn_cv_.wait_until(lock, until, [&] { return score_turn_ != turn; });
+      score_turn_cv_.wait_until(lock, until, [&] { return score_turn_ != turn || stopping_; });
+      try_now = score_turn_ != turn;
     }
   }
 }

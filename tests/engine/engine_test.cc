@@ -1192,6 +1192,30 @@ TEST(Engine, ACallWaitingBehindAnotherStillEndsAtItsDeadlineOrCancellation) {
   EXPECT_EQ(e.stats().waiting, 0);
 }
 
+// Scoring calls waiting for room (one first in line, one behind it) end UNAVAILABLE when a
+// shutdown begins, while the running request they wait for still runs to its end.
+TEST(Engine, ScoringCallsWaitingForRoomEndAtAShutdown) {
+  BusyEngine busy(4);
+  Engine& e = *busy.b.engine;
+  auto first = std::async(std::launch::async, [&] { return e.score({tokens(60, 2), 1}); });
+  ASSERT_TRUE(busy.waiting(1, first));
+  auto second = std::async(std::launch::async, [&] { return e.score({tokens(60, 3), 1}); });
+  ASSERT_TRUE(busy.waiting(2, second));
+  std::thread stopper([&] { e.shutdown(false); });
+  for (auto* call : {&first, &second}) {
+    const auto got = call->get();
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+    EXPECT_NE(got.status().message().find("shutting down"), std::string::npos) << got.status();
+  }
+  stopper.join();
+  ASSERT_TRUE(busy.c.wait_finals(1));
+  const Result r = busy.c.all().begin()->second;
+  EXPECT_EQ(r.ids.size(), 50u);
+  EXPECT_EQ(r.reason, FinishReason::kLength);
+  EXPECT_EQ(e.stats().waiting, 0);
+  EXPECT_EQ(e.stats().kv_blocks_free, 16);
+}
+
 // Blocks are held for a waiting scoring call: a request of its priority submitted after it is not
 // admitted into them, so the call gets its room first (here as soon as the busy request ends).
 TEST(Engine, AWaitingScoringCallIsNotStarvedByLaterRequestsOfItsPriority) {

@@ -160,7 +160,9 @@ __global__ void __launch_bounds__(kSampleThreads)
   // small temperature cannot overflow to +inf.
   bv = best_v[0];
   for (int v = tid; v < V; v += blockDim.x)
-    key[v] = (key[v] - bv) * inv_t + 0.0f;  // −0 as +0: the radix sort tells them apart
+    // −0 as +0: the radix sort tells them apart. Not contracted to an FMA, which keeps the sign
+    // of a product that underflows to −0.
+    key[v] = __fmul_rn(key[v] - bv, inv_t) + 0.0f;
 }
 
 using BlockScan = cub::BlockScan<double, kSampleThreads>;

@@ -52,10 +52,16 @@ inline std::vector<int> random_ids(int n, int vocab, uint64_t seed) {
   return ids;
 }
 
+// Largest |a - b| over the largest finite |b|; infinite where one holds a NaN or an infinity the
+// other does not hold there (std::max alone drops a NaN difference: all-NaN output passed).
 inline double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
   double diff = 0, mag = 1e-30;
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    const bool same_special =
+        (std::isnan(a[i]) && std::isnan(b[i])) || (std::isinf(a[i]) && a[i] == b[i]);
+    if (same_special) continue;
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
     diff = std::max(diff, std::fabs(double(a[i]) - b[i]));
     mag = std::max(mag, std::fabs(double(b[i])));
   }

@@ -96,6 +96,51 @@ TEST_F(SamplingTest, MatchesHostSampler) {
   expect_matches_host(random_vec(size_t(N) * V, 40, 2.0f), N, V, "random");
 }
 
+// One call whose rows differ in everything: settings (greedy, sorted filters, penalties, plain
+// temperature), history length (none included) and prompt length, some rows with -inf logits (a
+// token the model rules out) where top-k cuts. Rows that all shared one history and one setting
+// would not see a row read another's history or settings.
+TEST_F(SamplingTest, RowsWithTheirOwnSettingsAndHistoriesMatchTheHost) {
+  const int V = 2053;
+  const std::vector<SamplingParams> row_params = {
+      params(0, 0, 1, 0),
+      params(1.2f, 50, 0.8f, 0.02f, 1.1f, 0.3f, 0.1f),
+      params(0.8f, 0, 1, 0),
+      params(0, 0, 1, 0, 1.3f, 0.5f, 0.2f),
+      params(1.0f, 3, 1, 0),
+      params(1.0f, 0, 0.5f, 0),
+      params(1.0f, 0, 1, 0.05f, 1.0f, 0.0f, 0.4f),
+      params(0.7f, 20, 0.9f, 0),
+  };
+  const int N = int(row_params.size());
+  auto logits = random_vec(size_t(N) * V, 44, 2.0f);
+  for (int r : {1, 4, 7})  // -inf on every 97th token (ruled out by the model): top-k rows too
+    for (int v = 0; v < V; v += 97) logits[size_t(r) * V + size_t(v)] = -INFINITY;
+  std::vector<std::vector<int>> hists(static_cast<size_t>(N));
+  std::vector<int> n_prompts(static_cast<size_t>(N));
+  for (int r = 0; r < N; ++r) {
+    for (int i = 0; i < 3 * r; ++i) hists[size_t(r)].push_back((r * 131 + i * 17) % (8 + r));
+    n_prompts[size_t(r)] = int(hists[size_t(r)].size()) / 2;
+  }
+  std::vector<cuda::SampleRowSpec> specs;
+  for (int r = 0; r < N; ++r)
+    specs.push_back(
+        spec_of(row_params[size_t(r)], 500 + r, hists[size_t(r)], n_prompts[size_t(r)]));
+  set_scratch(cuda::sample_rows_scratch_floats(specs.data(), N, V));
+  std::vector<cuda::SampledToken> got(static_cast<size_t>(N));
+  cuda::sample_rows(ctx_, dev(logits, {N, V}), specs.data(), N, got.data());
+  for (int r = 0; r < N; ++r) {
+    Sampler host_sampler(row_params[size_t(r)], -1, 500 + r);
+    auto want = host_sampler.sample(std::span<const float>(logits.data() + size_t(r) * V, V),
+                                    hists[size_t(r)], n_prompts[size_t(r)]);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got[size_t(r)].token, want->token) << "row " << r;
+    EXPECT_NEAR(got[size_t(r)].logprob, want->logprob,
+                1e-4 * std::max(1.0, std::abs(double(want->logprob))))
+        << "row " << r;
+  }
+}
+
 TEST_F(SamplingTest, TiesAtTheFilterBoundaryMatchTheHost) {
   // Whole-number logits in [-4, 4]: hundreds of tokens share each value, so top-k, the top-p
   // prefix and the min-p cut all end inside a run of ties, which the lower ids win.

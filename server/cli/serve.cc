@@ -162,6 +162,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   opts.unread_timeout_s = f.unread_timeout;
   opts.grpc_memory_bytes = grpc_memory;
   opts.max_priority = f.max_priority;
+  opts.text_slots = cpu_threads(f.threads).threads;  // tokenizing is CPU work like a step's
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
   // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
   if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())

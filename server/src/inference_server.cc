@@ -71,7 +71,7 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
       opts.api_keys, opts.model_name, metrics, opts.max_unread_streams,
       std::chrono::duration_cast<Clock::duration>(
           std::chrono::duration<double>(opts.unread_timeout_s)),
-      opts.max_priority);
+      opts.max_priority, opts.text_slots);
   s->service_ = std::make_unique<InferenceService>(s->state_.get());
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -543,6 +543,35 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
 
 }  // namespace
 
+absl::Status ServerState::acquire_text_slot(const grpc::ServerContextBase& context) {
+  const Clock::time_point deadline = steady_deadline(context);
+  {
+    std::unique_lock lock(text_mu_);
+    // No polling for a cancel (a thousand waiting calls polling every 50 ms took most of the
+    // CPU): a call cancelled while it waits ends when its turn comes, a few texts later.
+    while (text_slots_ == 0) {
+      if (deadline == Clock::time_point::max())
+        text_free_.wait(lock);
+      else if (text_free_.wait_until(lock, deadline) == std::cv_status::timeout && text_slots_ == 0)
+        return absl::DeadlineExceededError(absl::StrCat("deadline exceeded waiting for one of the ",
+                                                        text_slots_total_,
+                                                        " texts tokenized at once to finish"));
+    }
+    --text_slots_;
+  }
+  if (!context.IsCancelled()) return absl::OkStatus();
+  release_text_slot();
+  return absl::CancelledError("cancelled while waiting for its turn to tokenize");
+}
+
+void ServerState::release_text_slot() {
+  {
+    std::lock_guard lock(text_mu_);
+    ++text_slots_;
+  }
+  text_free_.notify_one();
+}
+
 grpc::Status ServerState::check_at_headers(const ApiKeys::Metadata& metadata) {
   constexpr absl::string_view kService = "/cemlm.v1.Inference/";
   const auto path = metadata.find(":path");
@@ -563,6 +592,26 @@ grpc::Status ServerState::check_at_headers(const ApiKeys::Metadata& metadata) {
         log_escaped(status.error_message()), left_out);
   return status;
 }
+
+// A slot of ServerState::acquire_text_slot, given back at the end of its scope.
+class TextSlot {
+ public:
+  explicit TextSlot(ServerState* state) : state_(state) {}
+  TextSlot(const TextSlot&) = delete;
+  TextSlot& operator=(const TextSlot&) = delete;
+  ~TextSlot() {
+    if (held_) state_->release_text_slot();
+  }
+  absl::Status take(const grpc::ServerContextBase& context) {
+    absl::Status st = state_->acquire_text_slot(context);
+    held_ = st.ok();
+    return st;
+  }
+
+ private:
+  ServerState* const state_;
+  bool held_ = false;
+};
 
 grpc::ServerWriteReactor<Response>* InferenceService::Generate(grpc::CallbackServerContext* context,
                                                                const v1::GenerateRequest* request) {
@@ -603,7 +652,13 @@ grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::Sco
   grpc::Status status = unary(context, "Score", [&](Engine& engine) -> absl::Status {
     if (grpc::Status st = state_->check_priority(*context, request->priority()); !st.ok())
       return absl::PermissionDeniedError(st.error_message());
-    CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, to_engine(*request, engine));
+    absl::StatusOr<ScoreRequest> converted;
+    {
+      TextSlot slot(state_);
+      if (!request->text().empty()) CEMLM_RETURN_IF_ERROR(slot.take(*context));
+      converted = to_engine(*request, engine);
+    }
+    CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, std::move(converted));
     // A long text is scored in chunks; a client that gave up (or ran out of time) stops it
     // between two, freeing the cache blocks it held.
     if (Clock::time_point d = steady_deadline(*context); d != Clock::time_point::max())
@@ -625,6 +680,8 @@ grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,
                                         const v1::TokenizeRequest* request,
                                         v1::TokenizeResponse* response) {
   return unary(context, "Tokenize", [&](Engine& engine) -> absl::Status {
+    TextSlot slot(state_);
+    CEMLM_RETURN_IF_ERROR(slot.take(*context));
     CEMLM_ASSIGN_OR_RETURN(std::vector<int> ids,
                            encode_text(engine, request->text(), "text", "", request->add_bos()));
     for (int id : ids) {
@@ -646,6 +703,8 @@ grpc::Status InferenceService::Detokenize(grpc::ServerContext* context,
       return absl::InvalidArgumentError(absl::StrCat("ids has ", request->ids_size(),
                                                      " ids; at most ", most, " (see Tokenize)"));
     CEMLM_RETURN_IF_ERROR(check_ids(request->ids(), engine.config().vocab_size, "ids"));
+    TextSlot slot(state_);
+    CEMLM_RETURN_IF_ERROR(slot.take(*context));
     const std::vector<int> ids(request->ids().begin(), request->ids().end());
     response->set_text(engine.tokenizer()->decode(ids));
     return absl::OkStatus();

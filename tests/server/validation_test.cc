@@ -5,7 +5,10 @@
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -369,6 +372,72 @@ TEST_F(ServerValidation, TokenizeRoundTripsAndInfoDescribesTheModel) {
   EXPECT_EQ(info.device(), "cpu");
   EXPECT_TRUE(info.has_tokenizer());
   EXPECT_FALSE(info.variant().empty());
+}
+
+// With --threads 1 the server tokenizes or decodes one text at a time: many Tokenize, Detokenize
+// and Score calls at once all get their own answer, and calls that fail while holding the slot
+// (a text that is not UTF-8) give it back (else every later call would wait to its deadline).
+TEST(ServerTextSlots, TextCallsAtOnceAllAnswerAndFailedOnesGiveTheirSlotBack) {
+  const std::string model = make_tiny_model(fresh_temp_dir());
+  auto server = ServerProcess::start(model, {"--threads", "1"});
+  ASSERT_TRUE(server);
+  auto stub = v1::Inference::NewStub(server->channel());
+  auto tokenize = [&](const std::string& text, v1::TokenizeResponse* resp) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::TokenizeRequest req;
+    req.set_text(text);
+    return stub->Tokenize(&context, req, resp);
+  };
+  for (int i = 0; i < 8; ++i) {
+    v1::TokenizeResponse resp;
+    EXPECT_EQ(tokenize("bad \xC3\x28", &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    v1::ScoreRequest sreq;
+    sreq.set_text("bad \xE2\x82");
+    v1::ScoreResponse sresp;
+    EXPECT_EQ(score(server->channel(), sreq, &sresp).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  const int kTexts = 6;
+  std::vector<std::string> texts;
+  std::vector<v1::TokenizeResponse> want(kTexts);
+  std::vector<v1::ScoreResponse> want_score(kTexts);
+  for (int i = 0; i < kTexts; ++i) {
+    texts.push_back(
+        absl::StrCat("Text number ", i, " says ", std::string(size_t(i) * 7, 'a'), " and café"));
+    ASSERT_TRUE(tokenize(texts.back(), &want[size_t(i)]).ok());
+    v1::ScoreRequest sreq;
+    sreq.set_text(texts.back());
+    ASSERT_TRUE(score(server->channel(), sreq, &want_score[size_t(i)]).ok());
+  }
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 12; ++c)
+    clients.emplace_back([&, c] {
+      for (int k = 0; k < 6; ++k) {
+        const size_t i = size_t(c + k) % kTexts;
+        v1::TokenizeResponse got;
+        if (!tokenize(texts[i], &got).ok() ||
+            got.SerializeAsString() != want[i].SerializeAsString())
+          ++wrong;
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+        v1::DetokenizeRequest dreq;
+        dreq.mutable_ids()->CopyFrom(want[i].ids());
+        v1::DetokenizeResponse dresp;
+        if (!stub->Detokenize(&context, dreq, &dresp).ok() || dresp.text() != texts[i]) ++wrong;
+        v1::ScoreRequest sreq;
+        sreq.set_text(texts[i]);
+        v1::ScoreResponse sresp;
+        if (!score(server->channel(), sreq, &sresp).ok() ||
+            !std::equal(sresp.token_ids().begin(), sresp.token_ids().end(),
+                        want_score[i].token_ids().begin(), want_score[i].token_ids().end()) ||
+            std::abs(sresp.nll() - want_score[i].nll()) > 1e-5)
+          ++wrong;
+      }
+    });
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(wrong.load(), 0) << "of " << 12 * 6 * 3 << " calls";
 }
 
 // A tokenizer.model that SentencePiece loads but that refuses to encode some texts: such a text

@@ -48,6 +48,9 @@ struct ServerOptions {
   int64_t grpc_memory_bytes = int64_t(256) << 20;
   // The highest request priority a call may ask for, unless its API key's line sets its own.
   int max_priority = INT32_MAX;
+  // Texts that Tokenize, Detokenize and Score calls tokenize or decode at once (the others wait
+  // for a slot); at least 1.
+  int text_slots = 2;
 };
 
 class InferenceServer {

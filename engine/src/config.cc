@@ -57,11 +57,11 @@ class Reader {
       return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be a number"));
     double x = v.get<double>();
     if (!(x > 0 && x <= hi))
-      return absl::InvalidArgumentError(
-          absl::StrCat("config: '", path(key), "' = ", x, " is out of range (0, ", hi, "]"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: '", path(key), "' = ", exact_number(x), " is out of range (0, ", hi, "]"));
     if (!positive_normal_float(x))  // 1e-50 passes the check above and is 0 as a float
       return absl::InvalidArgumentError(
-          absl::StrCat("config: '", path(key), "' = ", x, " ", kTooSmallForFloat));
+          absl::StrCat("config: '", path(key), "' = ", exact_number(x), " ", kTooSmallForFloat));
     *out = float(x);
     return absl::OkStatus();
   }

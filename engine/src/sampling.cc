@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cemlm/engine/float32.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/utf8.h"
 
@@ -20,13 +20,9 @@ absl::Status out_of_range(const char* field, const std::string& range, const std
       absl::StrCat("sampling.", field, " must be ", range, " (got ", got, ")"));
 }
 
-// Floats print with 9 significant digits, enough to tell any two floats apart: StrCat's 6 would
-// say "(got 1)" for a top_p of 1.0000001.
 absl::Status check(bool ok, const char* field, const std::string& range, float value) {
   if (ok) return absl::OkStatus();
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.9g", double(value));
-  return out_of_range(field, range, buf);
+  return out_of_range(field, range, exact_number(value));
 }
 absl::Status check(bool ok, const char* field, const std::string& range, int value) {
   if (ok) return absl::OkStatus();

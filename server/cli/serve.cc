@@ -30,6 +30,7 @@
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/cpu_threads.h"
+#include "cemlm/engine/float32.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/utf8.h"
@@ -122,8 +123,8 @@ int serve(const ServeFlags& f, sigset_t* signals) {
       return fail(absl::InvalidArgumentError(
           absl::StrCat(flag, " ", port, " is not a port: use 0-65535 (0 picks a free one)")));
   if (!(f.shutdown_timeout >= 0 && f.shutdown_timeout <= 1e6))  // 11 days: a finite deadline
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("--shutdown-timeout ", f.shutdown_timeout, " must be in [0, 1e6] seconds")));
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--shutdown-timeout ", exact_number(f.shutdown_timeout), " must be in [0, 1e6] seconds")));
   RunnerOptions runner;  // what needs no checkpoint, before listening
   runner.device = f.device;
   runner.kv_cache_dtype = f.kv_cache_dtype;
@@ -139,16 +140,18 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // Below a second, a client reading at an ordinary pace could lose its stream's last message.
   if (!(f.unread_timeout >= 1 && f.unread_timeout <= 1e6))
     return fail(absl::InvalidArgumentError(absl::StrCat(
-        "--unread-timeout ", f.unread_timeout, " must be in [1, 1e6] seconds")));
+        "--unread-timeout ", exact_number(f.unread_timeout), " must be in [1, 1e6] seconds")));
   if (!(f.max_connection_age >= 0))
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "--max-connection-age ", f.max_connection_age, " must be >= 0 seconds (0: no limit)")));
+    return fail(absl::InvalidArgumentError(absl::StrCat("--max-connection-age ",
+                                                        exact_number(f.max_connection_age),
+                                                        " must be >= 0 seconds (0: no limit)")));
   if (!(f.keepalive_time >= 0))
-    return fail(absl::InvalidArgumentError(absl::StrCat("--keepalive-time ", f.keepalive_time,
-                                                        " must be >= 0 seconds (0: no pings)")));
+    return fail(
+        absl::InvalidArgumentError(absl::StrCat("--keepalive-time ", exact_number(f.keepalive_time),
+                                                " must be >= 0 seconds (0: no pings)")));
   if (!(f.keepalive_timeout > 0))
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("--keepalive-timeout ", f.keepalive_timeout, " must be > 0 seconds")));
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--keepalive-timeout ", exact_number(f.keepalive_timeout), " must be > 0 seconds")));
   server::ServerOptions opts;
   opts.host = f.host;
   opts.port = f.port;

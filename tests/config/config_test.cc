@@ -219,6 +219,19 @@ TEST(Config, ValuesBeyondTheTypesAreRefusedAsGiven) {
       << error_of(j);
 }
 
+// A refused value is quoted as it reads back: with 6 digits, 1.0000001 read "= 1 is out of range
+// (0, 1]".
+TEST(Config, ARefusedNumberIsQuotedExactly) {
+  auto j = base();
+  j["norm_eps"] = 1.0000001;
+  EXPECT_NE(error_of(j).find("'norm_eps' = 1.0000001 is out of range (0, 1]"), std::string::npos)
+      << error_of(j);
+  j = base();
+  j["rope_theta"] = 1000000000000.5;
+  EXPECT_NE(error_of(j).find("'rope_theta' = 1000000000000.5 is out of range"), std::string::npos)
+      << error_of(j);
+}
+
 TEST(Config, EveryBadConfigIsRefusedNamingTheKey) {
   for (const BadConfig& b : bad_configs()) {
     auto j = base();

@@ -772,7 +772,7 @@ TEST(ValidateSampling, EveryBadFieldIsNamed) {
        [](SamplingParams& p) {
          p.logit_bias = {{7, 1.0f}, {8, 1.0f}, {7, 2.0f}};
        }},
-      {"sampling.logit_bias[7] must be in [-100, 100] (got 100.000008)",
+      {"sampling.logit_bias[7] must be in [-100, 100] (got 100.00001)",
        [](SamplingParams& p) {
          p.logit_bias = {{7, 100.00001f}};
        }},
@@ -819,13 +819,13 @@ TEST(ValidateSampling, ValuesPrintWithEnoughDigitsToTellThemFromTheBound) {
   // StrCat's 6 digits would print "(got 1)" for a top_p just above 1, and "(got 2)" for a
   // presence_penalty just above 2.
   const std::vector<std::pair<std::string, std::function<void(SamplingParams&)>>> cases = {
-      {"(got 1.00000012)", [](SamplingParams& p) { p.top_p = 1.0000001f; }},
-      {"(got 1.00000012)", [](SamplingParams& p) { p.min_p = 1.0000001f; }},
-      {"(got 2.00000024)", [](SamplingParams& p) { p.presence_penalty = 2.0000002f; }},
-      {"(got -2.00000024)", [](SamplingParams& p) { p.frequency_penalty = -2.0000002f; }},
-      {"(got 100.000008)", [](SamplingParams& p) { p.repetition_penalty = 100.00001f; }},
-      {"(got 0.00999990012)", [](SamplingParams& p) { p.repetition_penalty = 0.0099999f; }},
-      {"(got -1.00000001e-07)", [](SamplingParams& p) { p.temperature = -1e-7f; }},
+      {"(got 1.0000001)", [](SamplingParams& p) { p.top_p = 1.0000001f; }},
+      {"(got 1.0000001)", [](SamplingParams& p) { p.min_p = 1.0000001f; }},
+      {"(got 2.0000002)", [](SamplingParams& p) { p.presence_penalty = 2.0000002f; }},
+      {"(got -2.0000002)", [](SamplingParams& p) { p.frequency_penalty = -2.0000002f; }},
+      {"(got 100.00001)", [](SamplingParams& p) { p.repetition_penalty = 100.00001f; }},
+      {"(got 0.0099999)", [](SamplingParams& p) { p.repetition_penalty = 0.0099999f; }},
+      {"(got -1e-07)", [](SamplingParams& p) { p.temperature = -1e-7f; }},
       {"(got nan)", [](SamplingParams& p) { p.top_p = NAN; }},
       // Integers print whole, however large.
       {"(got -2147483647)", [](SamplingParams& p) { p.max_new_tokens = -2147483647; }},

@@ -176,7 +176,7 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--max-new-tokens", "9999"}, "--max-new-tokens"},
       {{"--top-p", "2"}, "--top-p"},
       // Printed with enough digits to differ from the bound it breaks.
-      {{"--top-p", "1.0000001"}, "--top-p must be in (0, 1] (got 1.00000012)"},
+      {{"--top-p", "1.0000001"}, "--top-p must be in (0, 1] (got 1.0000001)"},
       {{"--min-p", "1.5"}, "--min-p must be in [0, 1] (got 1.5)"},
       // Values a float cannot hold are quoted as typed: they were inf and 0 ("(got inf)").
       {{"--temperature", "1e39"},

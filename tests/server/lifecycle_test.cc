@@ -260,6 +260,9 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       // Past the bound the drain deadline overflowed into the past: no drain at all.
       {"--shutdown-timeout inf", "--shutdown-timeout inf must be in [0, 1e6] seconds"},
       {"--shutdown-timeout 1e10", "--shutdown-timeout 1e+10 must be in [0, 1e6] seconds"},
+      // Quoted as given: with 6 digits it read "1e+06 must be in [0, 1e6]".
+      {"--shutdown-timeout 1000000.1", "--shutdown-timeout 1000000.1 must be in [0, 1e6] seconds"},
+      {"--unread-timeout 0.9999999", "--unread-timeout 0.9999999 must be in [1, 1e6] seconds"},
       {"--keepalive-time -1", "--keepalive-time -1 must be >= 0 seconds"},
       {"--grpc-memory lots",
        "--grpc-memory: expected bytes like 256M or 1G (0: no bound), got "

@@ -1137,6 +1137,9 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--beta2", "0.99999999999"}, "--beta2"},
       {{"--adam-eps", "1e-50"}, "--adam-eps"},  // 0 as a float
       {{"--val-fraction", "0"}, "--val-fraction"},
+      // Quoted as given: with 6 digits, "must be in (0, 0.5] (got 0.5)".
+      {{"--val-fraction", "0.5000001"}, "--val-fraction must be in (0, 0.5] (got 0.5000001)"},
+      {{"--lr", "1.0000001"}, "--lr must be in (0, 1] (got 1.0000001)"},
       {{"--eval-every", "0"}, "--eval-every"},
       {{"--save-every", "0"}, "--save-every"},
       {{"--max-minutes", "-1"}, "--max-minutes"},

@@ -41,7 +41,7 @@ absl::Status in_range(const std::string& flag, double value, double lo, double h
                   (hi_open ? value < hi : value <= hi);
   if (ok) return absl::OkStatus();
   return flag_error(flag, absl::StrCat("must be in ", lo_open ? "(" : "[", lo, ", ", hi,
-                                       hi_open ? ")" : "]", " (got ", value, ")"));
+                                       hi_open ? ")" : "]", " (got ", exact_number(value), ")"));
 }
 
 // AdamW computes in 32-bit floats (optimizer.cc): a value that passes its range check as a double
@@ -50,8 +50,8 @@ absl::Status in_range(const std::string& flag, double value, double lo, double h
 // The learning rate too: 1e-50 is 0 there, and nothing would train.
 absl::Status check_positive_as_float(const std::string& flag, double value, double default_value) {
   if (positive_normal_float(value)) return absl::OkStatus();
-  return flag_error(flag, absl::StrCat(value, " ", kTooSmallForFloat, ": raise it (the default is ",
-                                       default_value, ")"));
+  return flag_error(flag, absl::StrCat(exact_number(value), " ", kTooSmallForFloat,
+                                       ": raise it (the default is ", default_value, ")"));
 }
 
 absl::Status check_beta_as_float(const std::string& flag, double value) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "cemlm/engine/safetensors.h"
 #include "trainer_test_util.h"
 
 namespace cemlm {
@@ -89,6 +90,39 @@ TEST(AdamW, LoadRefusesStateOfAnotherLayout) {
   const absl::Status st2 = AdamW(other, AdamWOptions{}).load(dir + "/opt.safetensors");
   ASSERT_FALSE(st2.ok());
   EXPECT_NE(st2.message().find("adam_m.a"), std::string::npos) << st2.message();
+}
+
+// A negative second moment (a damaged file, or the moments' names swapped) is refused naming the
+// file, the tensor and the element: it made the first step NaN, and the run stopped blaming the
+// learning rate.
+TEST(AdamW, LoadRefusesANegativeSecondMoment) {
+  const std::string dir = testing_trainer::fresh_dir();
+  const std::string path = dir + "/opt.safetensors";
+  const std::vector<float> m_a = {0.5f, -0.25f}, m_b = {0.125f}, v_a = {0.5f, 0.25f};
+  const std::vector<float> bad_b = {-1.0f}, good_b = {0.0f};
+  auto write = [&](const std::vector<float>& v_b, bool swapped) {
+    const std::string m = swapped ? "adam_v." : "adam_m.", v = swapped ? "adam_m." : "adam_v.";
+    ASSERT_TRUE(
+        write_safetensors(
+            path,
+            {{m + "a", {2}, m_a}, {m + "b", {1}, m_b}, {v + "a", {2}, v_a}, {v + "b", {1}, v_b}},
+            {{"step", "3"}})
+            .ok());
+  };
+  write(good_b, false);
+  EXPECT_TRUE(AdamW(toy_specs(), AdamWOptions{}).load(path).ok());  // zero is a second moment
+  write(bad_b, false);
+  absl::Status st = AdamW(toy_specs(), AdamWOptions{}).load(path);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("opt.safetensors: tensor 'adam_v.b' element 0 is -1, a second "
+                              "moment cannot be negative"),
+            std::string::npos)
+      << st.message();
+  write(good_b, true);  // the first moments, with a negative value, read as the second
+  st = AdamW(toy_specs(), AdamWOptions{}).load(path);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("tensor 'adam_v.a' element 1 is -0.25"), std::string::npos)
+      << st.message();
 }
 
 TEST(LrSchedule, WarmupThenCosineToTheFloor) {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "cemlm/engine/float32.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/kernels/parallel.h"
@@ -74,7 +75,18 @@ absl::Status AdamW::load(const std::string& path) {
         return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' is ",
                                                        t ? "mis-shaped" : "missing", " (expected ",
                                                        shape_string(s.shape), ")"));
-      CEMLM_RETURN_IF_ERROR(file.read_f32(*t, {moments->data() + s.offset, size_t(s.numel())}));
+      const std::span<float> values{moments->data() + s.offset, size_t(s.numel())};
+      CEMLM_RETURN_IF_ERROR(file.read_f32(*t, values));
+      // A second moment is a running mean of squares: a negative one (a damaged file, or the two
+      // moments' names swapped) made the first step's update NaN, blamed on the learning rate.
+      if (moments == &v_)
+        if (auto neg = std::find_if(values.begin(), values.end(), [](float x) { return x < 0; });
+            neg != values.end())
+          return absl::InvalidArgumentError(absl::StrCat(
+              path, ": tensor '", name, "' element ", neg - values.begin(), " is ",
+              exact_number(*neg),
+              ", a second moment cannot be negative (a mean of squares): the file is damaged; "
+              "resume from a good copy, or start the run again"));
     }
   auto it = file.metadata().find("step");
   int64_t steps = -1;

@@ -186,10 +186,24 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   CEMLM_RETURN_IF_ERROR(check_tensors(file, param_layout(ck.config)));
   ck.params = ParamStore(ck.config);
   CEMLM_RETURN_IF_ERROR(load_tensors(file, ck.params));
-  std::error_code ec;
-  if (fs::is_regular_file(root / kTokenizerFile, ec))
-    ck.tokenizer_path = (root / kTokenizerFile).string();
+  CEMLM_ASSIGN_OR_RETURN(ck.tokenizer_path, checkpoint_tokenizer_path(dir));
   return ck;
+}
+
+absl::StatusOr<std::string> checkpoint_tokenizer_path(const std::string& dir) {
+  const fs::path path = fs::path(dir) / kTokenizerFile;
+  std::error_code ec;
+  const fs::file_status entry = fs::symlink_status(path, ec);
+  if (entry.type() == fs::file_type::not_found) return std::string();
+  const fs::file_status target = fs::status(path, ec);
+  if (target.type() == fs::file_type::regular) return path.string();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "'", path.string(), "' is ",
+      target.type() == fs::file_type::not_found ? "a link to nothing"
+      : ec                                      ? absl::StrCat("unreadable (", ec.message(), ")")
+                                                : "not a regular file",
+      ": replace it with the tokenizer of these weights, or remove it (the model then takes "
+      "token ids only)"));
 }
 
 fs::path checkpoint_target_path(const std::string& dir) {

@@ -824,14 +824,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts
 absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
   CEMLM_RETURN_IF_ERROR(check_options(opts));
   std::unique_ptr<Tokenizer> tokenizer;
-  const std::string tok_path = (std::filesystem::path(opts.model_dir) / kTokenizerFile).string();
-  std::error_code ec;
-  const bool has_tokenizer = std::filesystem::exists(tok_path, ec);
-  if (ec)
-    return absl::InvalidArgumentError("cannot tell whether '" + tok_path +
-                                      "' exists: " + ec.message() +
-                                      "; check the --model directory and its permissions");
-  if (has_tokenizer) {
+  CEMLM_ASSIGN_OR_RETURN(const std::string tok_path, checkpoint_tokenizer_path(opts.model_dir));
+  if (!tok_path.empty()) {
     std::string error;
     tokenizer = Tokenizer::load(tok_path, &error);
     if (!tokenizer) return absl::InvalidArgumentError(error);

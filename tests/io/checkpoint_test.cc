@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <future>
 
 #include "cemlm/engine/safetensors.h"
@@ -229,6 +231,38 @@ TEST(Checkpoint, FifoConfigIsRefusedWithoutWaiting) {
   EXPECT_TRUE(absl::IsInvalidArgument(loaded.status())) << loaded.status();
   EXPECT_NE(loaded.status().message().find("config.json' is not a regular file"), std::string::npos)
       << loaded.status();
+}
+
+// A tokenizer.model that is no file to read (a directory, a FIFO, a link to nothing) is an error
+// naming it: it read as "no tokenizer", and `train --init` trained another one for the weights.
+// No entry at all is a checkpoint without a tokenizer; a link to a file is its tokenizer.
+TEST(Checkpoint, ATokenizerEntryThatIsNoFileIsRefused) {
+  const std::string ck = fresh_dir() + "/ck";
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 5)).ok());
+  const std::string tok = ck + "/tokenizer.model";
+  auto loaded = load_checkpoint(ck);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->tokenizer_path, "");
+  const std::string elsewhere = fresh_dir() + "/some.model";
+  std::ofstream(elsewhere) << "bytes";
+  std::filesystem::create_symlink(elsewhere, tok);
+  loaded = load_checkpoint(ck);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->tokenizer_path, tok);
+  const std::pair<std::function<void()>, std::string> kinds[] = {
+      {[&] { std::filesystem::create_directory(tok); }, "' is not a regular file"},
+      {[&] { ASSERT_EQ(::mkfifo(tok.c_str(), 0600), 0); }, "' is not a regular file"},
+      {[&] { std::filesystem::create_symlink(ck + "/nothing", tok); }, "' is a link to nothing"}};
+  for (const auto& [make, what] : kinds) {
+    std::filesystem::remove(tok);
+    make();
+    loaded = load_checkpoint(ck);
+    ASSERT_FALSE(loaded.ok()) << what;
+    EXPECT_TRUE(absl::IsInvalidArgument(loaded.status())) << loaded.status();
+    EXPECT_NE(loaded.status().message().find("'" + tok + what), std::string::npos)
+        << loaded.status();
+  }
 }
 
 TEST(Checkpoint, ConfigFarLargerThanTheWeightsIsRefusedBeforeAllocating) {

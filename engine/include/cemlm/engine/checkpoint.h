@@ -39,8 +39,14 @@ struct Checkpoint {
 // read wait forever for a writer) is refused.
 absl::StatusOr<ModelConfig> load_checkpoint_config(const std::string& dir);
 
+// <dir>/tokenizer.model when it is a regular file (through links), "" when there is no such
+// entry; INVALID_ARGUMENT naming it when there is one that is no file to read (a directory, a
+// FIFO, a device, a link to nothing): it was taken for "no tokenizer", and `train --init` then
+// trained another one for the weights.
+absl::StatusOr<std::string> checkpoint_tokenizer_path(const std::string& dir);
+
 // Missing, extra or mis-shaped tensors, a truncated body and non-finite values are errors that
-// name the tensor. BF16/F16 weights are converted to F32.
+// name the tensor. BF16/F16 weights are converted to F32. The tokenizer as above.
 absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir);
 
 // Writes extra files (optimizer state, training progress) into the not-yet-published directory,

@@ -145,6 +145,60 @@ TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
   }
 }
 
+// A run started with SIGHUP and SIGINT ignored (`nohup cemlm train … &` from a script) is not
+// stopped by them: it went on past both here, and SIGTERM then stopped it. Its handlers
+// replaced the ignored dispositions, and closing the terminal stopped a nohup'ed run.
+TEST(TrainKill, SignalsIgnoredAtTheStartStayIgnored) {
+  const std::string dir = testing_trainer::fresh_dir();
+  TrainOptions o = testing_trainer::tiny_options(dir);
+  const std::string log = dir + "/train.log";
+  const std::vector<std::string> args = {CEMLM_BINARY,   "train",   "--config",     o.config_path,
+                                         "--data",       o.data[0], "--out",        o.out_dir,
+                                         "--steps",      "100000",  "--save-every", "100000",
+                                         "--eval-every", "100000",  "--batch-size", "2",
+                                         "--seq-len",    "16",      "--threads",    "1",
+                                         "--log-every",  "1"};
+  // Inherited through exec, as nohup and a non-interactive shell's `&` leave them.
+  struct sigaction ignore {
+  }, was_hup{}, was_int{};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(::sigaction(SIGHUP, &ignore, &was_hup), 0);
+  ASSERT_EQ(::sigaction(SIGINT, &ignore, &was_int), 0);
+  const pid_t pid = spawn_quietly(args, log);
+  ::sigaction(SIGHUP, &was_hup, nullptr);
+  ::sigaction(SIGINT, &was_int, nullptr);
+  ASSERT_GT(pid, 0);
+  // Waits for `n` more step lines than the log has at the call; false after 60 s.
+  auto steps_in_log = [&] {
+    std::string text, error;
+    size_t steps = 0;
+    if (read_file(log, &text, &error))
+      for (size_t at = text.find("\nstep "); at != std::string::npos;
+           at = text.find("\nstep ", at + 1))
+        ++steps;
+    return steps;
+  };
+  auto wait_steps = [&](size_t n) {
+    const size_t want = steps_in_log() + n;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (steps_in_log() >= want) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  };
+  EXPECT_TRUE(wait_steps(3));
+  ASSERT_EQ(::kill(pid, SIGHUP), 0);
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  EXPECT_TRUE(wait_steps(3)) << "the run stopped at an ignored signal";
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+  EXPECT_TRUE(load_checkpoint(o.out_dir).ok());
+}
+
 // Output piped to a reader that Ctrl-C ended too (`cemlm train … | tee log`): the run still
 // saves and exits 130. Its next progress line killed it with SIGPIPE, before the save.
 TEST(TrainKill, SigintWithTheOutputsReaderGoneStillSaves) {

@@ -37,10 +37,16 @@ constexpr int kStopAsked = 1, kTraining = 2;
 std::atomic<int> g_state{0};
 
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+// Those of kStopSignals this run handles (a bit each): one the process started with ignored
+// stays ignored, as `nohup cemlm train …` (SIGHUP) and a background job of a script (SIGINT)
+// expect; the handler replaced that, and a closed terminal stopped a nohup'ed run.
+std::atomic<unsigned> g_handled{0};
+static_assert(std::atomic<unsigned>::is_always_lock_free);
 
 void on_stop_signal(int sig) {
   g_stop_signal = sig;
-  for (int s : kStopSignals) std::signal(s, SIG_DFL);
+  for (int s : kStopSignals)
+    if (g_handled.load() & (1u << s)) std::signal(s, SIG_DFL);
   static const char kSaving[] =
       "\nstopping: saving after the current step (send the signal again to quit at once)\n";
   static const char kNothing[] =
@@ -77,7 +83,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
       "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).\n"
       "Ctrl-C, SIGTERM or SIGHUP finishes the step, saves, and exits with 130, 143 or 129;\n"
       "--resume goes on\n"
-      "(before the first step, during the tokenizer or data setup: stops, saving nothing).");
+      "(before the first step, during the tokenizer or data setup: stops, saving nothing).\n"
+      "A signal ignored at the start stays ignored (nohup: SIGHUP).");
   f.add("out", &o.out_dir,
         "checkpoint directory to write, by one run at a time (locked with .<name>.lock beside "
         "it)");
@@ -297,13 +304,19 @@ int cmd_train(int argc, char** argv) {
   };
   g_stop_signal = 0;
   g_state = 0;
-  for (int s : kStopSignals) std::signal(s, on_stop_signal);
+  g_handled = 0;
+  for (int s : kStopSignals)
+    if (struct sigaction was{}; ::sigaction(s, nullptr, &was) == 0 && was.sa_handler != SIG_IGN) {
+      g_handled.fetch_or(1u << s);
+      std::signal(s, on_stop_signal);
+    }
   // Output piped to `tee` or `head`: Ctrl-C ends the reader too, and the next progress line
   // would have ended the run with SIGPIPE before its save. Writes to a closed pipe just fail
   // (to the end of the command: its last lines come after the save).
   std::signal(SIGPIPE, SIG_IGN);
   auto summary = train(opts, cb);
-  for (int s : kStopSignals) std::signal(s, SIG_DFL);
+  for (int s : kStopSignals)
+    if (g_handled.load() & (1u << s)) std::signal(s, SIG_DFL);
   progress.finish();
   if (!summary.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(summary.status().message()).c_str());

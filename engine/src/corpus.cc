@@ -13,7 +13,8 @@ namespace cemlm {
 
 namespace fs = std::filesystem;
 
-bool read_file(const std::string& path, std::string* bytes, std::string* error) {
+bool read_file(const std::string& path, std::string* bytes, std::string* error,
+               uint64_t max_bytes) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
     *error = "'" + path + "' does not exist";
@@ -24,6 +25,11 @@ bool read_file(const std::string& path, std::string* bytes, std::string* error) 
     return false;
   }
   const auto size = fs::file_size(path, ec);
+  if (!ec && size > max_bytes) {
+    *error = "'" + path + "' is " + std::to_string(size) + " bytes, more than the " +
+             std::to_string(max_bytes) + " such a file can be (is it damaged?)";
+    return false;
+  }
   bytes->resize(ec ? 0 : size);
   std::ifstream in(path, std::ios::binary);
   if (ec || !in.read(bytes->data(), std::streamsize(bytes->size()))) {

@@ -901,6 +901,55 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   EXPECT_EQ(load_run_options(o.out_dir)->steps, 6);
 }
 
+// The command line too puts back a checkpoint an interrupted save moved aside: it read the run's
+// options from --out before the run could, and --resume failed with "trainer_state.json does not
+// exist", while the error of a new run told the user to pass --resume.
+TEST(TrainCli, ResumePutsBackACheckpointMovedAsideByAnInterruptedSave) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  std::vector<std::string> args = {
+      "--config", o.config_path, "--data", o.data[0],   "--out", o.out_dir, "--batch-size",
+      "4",        "--seq-len",   "24",     "--threads", "1",     "--steps", "3"};
+  ASSERT_EQ(cli(args).first, 0);
+  const std::string aside = o.out_dir + ".tmp-99999-4.old";
+  fs::rename(o.out_dir, aside);
+  auto [rc, err] = cli(args);
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(err.find("pass --resume to put it back"), std::string::npos) << err;
+  std::tie(rc, err) = cli({"--out", o.out_dir, "--resume", "--steps", "5"});
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_FALSE(fs::exists(aside));
+  auto saved = load_run_options(o.out_dir);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->steps, 5);
+  EXPECT_EQ(saved->seq_len, 24);  // the run's own options, read from the checkpoint aside
+  std::string text, error;
+  ASSERT_TRUE(read_file(o.out_dir + "/" + kMetricsFile, &text, &error)) << error;
+  auto log = MetricsLog::parse(text, "train.jsonl");
+  ASSERT_TRUE(log.ok()) << log.status();
+  EXPECT_EQ(log->steps().front().step, 1);  // continued: the first run's steps are there
+  EXPECT_EQ(log->steps().back().step, 5);
+}
+
+// A trainer_state.json far larger than any (a damaged file) is refused without reading it whole.
+TEST(TrainCli, AHugeTrainerStateIsRefusedUnread) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  ASSERT_EQ(cli({"--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--batch-size",
+                 "4", "--seq-len", "24", "--threads", "1", "--steps", "1"})
+                .first,
+            0);
+  const std::string state = o.out_dir + "/" + kTrainerStateFile;
+  fs::resize_file(state, kMaxTrainerStateBytes + 1);  // sparse: no disk used
+  const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "2"});
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(err.find("'" + state + "' is " + std::to_string(kMaxTrainerStateBytes + 1) +
+                     " bytes, more than the " + std::to_string(kMaxTrainerStateBytes) +
+                     " such a file can be"),
+            std::string::npos)
+      << err;
+}
+
 // The working directory of a test, restored when it ends.
 struct InDirectory {
   explicit InDirectory(const std::string& dir) : before(fs::current_path()) {

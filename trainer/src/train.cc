@@ -303,44 +303,15 @@ absl::Status Trainer::lock_out() {
   return absl::OkStatus();
 }
 
-// A process killed while saving leaves its temporary "<out>.tmp-<pid>-<n>" directory behind
-// (the checkpoint itself stays whole); one run owns --out, so any such leftover is stale. On a
-// file system that cannot swap two directories in one rename (NFS), a save moves the previous
-// checkpoint aside to "<out>.tmp-<pid>-<n>.old" before renaming the new one in: killed between
-// the two renames, it leaves no --out, and the previous checkpoint there, which --resume puts
-// back (a new run is refused rather than have it deleted); killed after them, it is stale too.
+// Saves left by interrupted runs (saves_left_beside): one run owns --out, so they are stale, but
+// for a checkpoint moved aside while no --out exists, which --resume puts back (a new run is
+// refused rather than have it deleted).
 absl::Status Trainer::remove_stale_saves() const {
   const fs::path out = out_path();
-  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
-  const std::string prefix = out.filename().string() + ".tmp-";
-  auto digits = [](std::string_view s) {
-    return !s.empty() &&
-           std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
-  };
-  // Exactly "<pid>-<n>" (or "<pid>-<n>.old") after the prefix: anything else there is not a
-  // save's, and stays.
-  auto is_save = [&](std::string_view rest) {
-    const size_t dash = rest.find('-');
-    return dash != std::string::npos && digits(rest.substr(0, dash)) &&
-           digits(rest.substr(dash + 1));
-  };
+  SavesLeft left = saves_left_beside(out);
   std::error_code ec;
-  std::vector<fs::path> stale, aside;
-  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (!name.starts_with(prefix)) continue;
-    const std::string_view rest = std::string_view(name).substr(prefix.size());
-    if (is_save(rest)) stale.push_back(it->path());
-    if (rest.ends_with(".old") && is_save(rest.substr(0, rest.size() - 4)))
-      aside.push_back(it->path());
-  }
-  if (!aside.empty() && !fs::exists(out, ec)) {
-    // The latest, should several have been left (each run restores the one before it).
-    const fs::path last =
-        *std::max_element(aside.begin(), aside.end(), [](const fs::path& a, const fs::path& b) {
-          std::error_code e;
-          return fs::last_write_time(a, e) < fs::last_write_time(b, e);
-        });
+  if (!left.aside.empty() && !fs::exists(out, ec)) {
+    const fs::path last = left.latest_aside();
     if (!o_.resume)
       return absl::FailedPreconditionError(absl::StrCat(
           "--out '", o_.out_dir, "': its checkpoint was moved aside to '", last.string(),
@@ -352,13 +323,13 @@ absl::Status Trainer::remove_stale_saves() const {
     if (ec)
       return absl::UnavailableError(absl::StrCat("--resume: cannot rename '", last.string(),
                                                  "' back to '", out.string(), "': ", ec.message()));
-    aside.erase(std::find(aside.begin(), aside.end(), last));
+    left.aside.erase(std::find(left.aside.begin(), left.aside.end(), last));
   }
-  stale.insert(stale.end(), aside.begin(), aside.end());
-  for (const fs::path& p : stale) {
-    info(absl::StrCat("removing ", p.string(), " (left by an interrupted save)"));
-    fs::remove_all(p, ec);
-  }
+  for (const auto* list : {&left.unfinished, &left.aside})
+    for (const fs::path& p : *list) {
+      info(absl::StrCat("removing ", p.string(), " (left by an interrupted save)"));
+      fs::remove_all(p, ec);
+    }
   return absl::OkStatus();
 }
 
@@ -521,7 +492,7 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
 absl::Status Trainer::restore() {
   CEMLM_RETURN_IF_ERROR(with_prefix("--resume: ", opt_->load(in_out(kOptimizerFile))));
   std::string text, error;
-  if (!read_file(in_out(kTrainerStateFile), &text, &error))
+  if (!read_file(in_out(kTrainerStateFile), &text, &error, kMaxTrainerStateBytes))
     return absl::NotFoundError("--resume: " + error);
   // Strict, as config.json is read: a syntax error says where, and a key given twice is refused.
   absl::StatusOr<json> parsed = parse_json_strict(text);

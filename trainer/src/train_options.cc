@@ -262,10 +262,52 @@ absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text) {
   return o;
 }
 
+SavesLeft saves_left_beside(const std::filesystem::path& out) {
+  namespace fs = std::filesystem;
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  const std::string prefix = out.filename().string() + ".tmp-";
+  auto digits = [](std::string_view s) {
+    return !s.empty() &&
+           std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  // Exactly "<pid>-<n>" (or "<pid>-<n>.old") after the prefix: anything else there is not a
+  // save's, and stays.
+  auto is_save = [&](std::string_view rest) {
+    const size_t dash = rest.find('-');
+    return dash != std::string::npos && digits(rest.substr(0, dash)) &&
+           digits(rest.substr(dash + 1));
+  };
+  SavesLeft left;
+  std::error_code ec;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with(prefix)) continue;
+    const std::string_view rest = std::string_view(name).substr(prefix.size());
+    if (is_save(rest)) left.unfinished.push_back(it->path());
+    if (rest.ends_with(".old") && is_save(rest.substr(0, rest.size() - 4)))
+      left.aside.push_back(it->path());
+  }
+  return left;
+}
+
+std::filesystem::path SavesLeft::latest_aside() const {
+  if (aside.empty()) return {};
+  return *std::max_element(aside.begin(), aside.end(), [](const auto& a, const auto& b) {
+    std::error_code e;
+    return std::filesystem::last_write_time(a, e) < std::filesystem::last_write_time(b, e);
+  });
+}
+
 absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir) {
-  const std::string path = (std::filesystem::path(out_dir) / kTrainerStateFile).string();
+  std::filesystem::path dir(out_dir);
+  std::error_code ec;
+  if (const std::filesystem::path out = checkpoint_target_path(out_dir);
+      !std::filesystem::exists(out, ec) && !ec)
+    if (const std::filesystem::path aside = saves_left_beside(out).latest_aside(); !aside.empty())
+      dir = aside;
+  const std::string path = (dir / kTrainerStateFile).string();
   std::string text, error;
-  if (!read_file(path, &text, &error))
+  if (!read_file(path, &text, &error, kMaxTrainerStateBytes))
     return absl::NotFoundError(
         absl::StrCat("--resume: ", error, " (is --out the directory of a `cemlm train` run?)"));
   // Strict, as options_from_json: a syntax error is said as one, not as missing "options".

@@ -2,13 +2,16 @@
 // deterministic list of UTF-8 text files and reads them. Abseil-free on purpose (tokenizer.cc,
 // which may not include abseil, uses it): failures return false and fill `*error`.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
 namespace cemlm {
 
-// Reads a whole file's bytes; false (error names the path) when it is missing or unreadable.
-bool read_file(const std::string& path, std::string* bytes, std::string* error);
+// Reads a whole file's bytes; false (error names the path) when it is missing, unreadable, or
+// larger than `max_bytes`.
+bool read_file(const std::string& path, std::string* bytes, std::string* error,
+               uint64_t max_bytes = UINT64_MAX);
 
 // Reads a whole file as UTF-8 text; false (error names the path) when it cannot be read or is
 // not UTF-8 text (a NUL byte or an invalid sequence, with its byte offset).

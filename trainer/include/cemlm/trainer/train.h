@@ -3,6 +3,7 @@
 // terminal IO: it reports through TrainCallbacks, and the CLI draws progress.
 #pragma once
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -82,8 +83,25 @@ absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text);
 // The model `cemlm train` builds when given no --config or --init (see docs/TRAINING.md).
 ModelConfig default_model_config();
 
-// The options a run in `out_dir` was started with (its trainer_state.json), for --resume.
+// The options a run in `out_dir` was started with (its trainer_state.json), for --resume. When
+// an interrupted save left no `out_dir` but its checkpoint moved aside (see SavesLeft), those of
+// that checkpoint, which the resumed run puts back.
 absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir);
+
+// trainer_state.json is a few KB; a larger one is damaged (not read whole into memory).
+inline constexpr uint64_t kMaxTrainerStateBytes = uint64_t(64) << 20;
+
+// What interrupted saves left beside the checkpoint directory `out`: a process killed while
+// saving leaves its "<out>.tmp-<pid>-<n>" (`unfinished`). On a file system that cannot swap two
+// directories in one rename (NFS), a save moves the previous checkpoint aside to
+// "<out>.tmp-<pid>-<n>.old" before renaming the new one in (`aside`): killed between the two
+// renames, it leaves no `out`, and the previous checkpoint there.
+struct SavesLeft {
+  std::vector<std::filesystem::path> unfinished, aside;
+  // The newest of `aside` (several: each run restores the one before it); empty when none.
+  std::filesystem::path latest_aside() const;
+};
+SavesLeft saves_left_beside(const std::filesystem::path& out);
 
 struct TrainCallbacks {
   std::function<void(const std::string&)> on_info;  // setup messages

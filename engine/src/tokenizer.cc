@@ -278,7 +278,7 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
   TokenizerTrainStats& st = stats ? *stats : local;
   if (opts.vocab_size < kMinVocab) {
     st.min_vocab_size = kMinVocab;
-    *error = "vocab_size (--vocab-size) " + std::to_string(opts.vocab_size) +
+    *error = opts.vocab_flag + " " + std::to_string(opts.vocab_size) +
              " is too small: the special and byte-fallback pieces alone take " +
              std::to_string(kSpecialIds + kByteIds) +
              " ids; use a few hundred more for the text's characters and merges";
@@ -319,18 +319,28 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
   if (!api->train(trainer_args(opts), corpus, kTrainSeed, &model, &why)) {
     // SentencePiece's "Vocabulary size is smaller than required_chars. 300 vs 331. ..." speaks
     // of its own options; say it in terms of ours.
-    const size_t at = why.find("required_chars. ");
-    int asked = 0, needed = 0;
+    // Its "Vocabulary size too high (512). Please set it to a value <= 375.", for a text too
+    // small to make that many pieces, too.
+    const size_t at = why.find("required_chars. "), high = why.find("Please set it to a value <= ");
+    int asked = 0, needed = 0, most = 0;
     if (at != std::string::npos &&
         std::sscanf(why.c_str() + at + 16, "%d vs %d", &asked, &needed) == 2) {
       st.min_vocab_size = needed;
-      *error = "--vocab-size " + std::to_string(asked) + " is too small for this text: its " +
+      *error = opts.vocab_flag + " " + std::to_string(asked) + " is too small for this text: its " +
                "characters and the special and byte pieces need " + std::to_string(needed) +
                " ids before any merge; use at least " + std::to_string(needed) +
                ", plus a few hundred for merges";
+    } else if (high != std::string::npos &&
+               std::sscanf(why.c_str() + high + 28, "%d", &most) == 1) {
+      st.max_vocab_size = most;
+      *error = opts.vocab_flag + " " + std::to_string(opts.vocab_size) +
+               " is more pieces than this text makes (" + std::to_string(st.bytes) +
+               " bytes): at most " + std::to_string(most) + "; use at most " +
+               std::to_string(most) + ", or give more text";
     } else {
       *error =
-          "training the tokenizer (--vocab-size " + std::to_string(opts.vocab_size) + ") failed: " +
+          "training the tokenizer (" + opts.vocab_flag + " " + std::to_string(opts.vocab_size) +
+          ") failed: " +
           (why.empty()
                ? "SentencePiece gave no reason (`cemlm tokenizer train --verbose` shows its log)"
                : why);

@@ -459,6 +459,24 @@ TEST(TokenizerTrain, ErrorsNameTheOption) {
   EXPECT_NE(few.find("use at least"), std::string::npos) << few;
   EXPECT_EQ(few.find("character_coverage"), std::string::npos) << few;  // not our option
   EXPECT_NE(train_error({small_corpus(), kVocab, ""}).find("--out"), std::string::npos);
+  // More pieces than a small text makes: SentencePiece's "Vocabulary size too high (2000).
+  // Please set it to a value <= N." said in the caller's words, the most it makes in the stats.
+  write_file(dir + "/tiny.txt", "hello world, hello there, world of words\n");
+  TokenizerTrainOptions many{{dir + "/tiny.txt"}, 2000, out};
+  many.vocab_flag = "--config's vocab_size";
+  TokenizerTrainStats stats;
+  std::string error;
+  EXPECT_FALSE(train_tokenizer(many, &error, &stats));
+  EXPECT_GT(stats.max_vocab_size, 259);
+  EXPECT_LT(stats.max_vocab_size, 2000);
+  EXPECT_NE(error.find("--config's vocab_size 2000 is more pieces than this text makes (41 "
+                       "bytes): at most " +
+                       std::to_string(stats.max_vocab_size)),
+            std::string::npos)
+      << error;
+  many.vocab_size = stats.max_vocab_size;  // the most it makes does train
+  EXPECT_TRUE(train_tokenizer(many, &error)) << error;
+  std::filesystem::remove(out);
   EXPECT_FALSE(std::filesystem::exists(out));
 }
 

@@ -816,6 +816,87 @@ TEST(Train, InitErrorsAboutTheVocabularyDoNotAdviseVocabSize) {
   EXPECT_FALSE(fs::exists(init.out_dir + "/config.json"));
 }
 
+// A warmup as long as the run reaches --lr at its last step (step s runs at --lr (s + 1) /
+// --warmup); a longer one never does. The note said "never" for both.
+TEST(Train, AWarmupAsLongAsTheRunIsNotedAsSuch) {
+  const std::string dir = fresh_dir();
+  for (int warmup : {2, 3}) {
+    TrainOptions o = tiny_options(dir);
+    o.out_dir = dir + "/w" + std::to_string(warmup);
+    o.steps = 2;
+    o.warmup = warmup;
+    std::string lines;
+    std::vector<double> lrs;
+    TrainCallbacks cb;
+    cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+    cb.on_step = [&](const StepMetrics& m) {
+      lrs.push_back(m.lr);
+      return true;
+    };
+    ASSERT_TRUE(train(o, cb).ok());
+    ASSERT_EQ(lrs.size(), 2u);
+    if (warmup == 2) {
+      EXPECT_EQ(lrs.back(), o.lr);
+      EXPECT_NE(lines.find("the learning rate reaches --lr only at the last step and never "
+                           "decays"),
+                std::string::npos)
+          << lines;
+    } else {
+      EXPECT_LT(lrs.back(), o.lr);
+      EXPECT_NE(lines.find("the learning rate never reaches --lr"), std::string::npos) << lines;
+    }
+  }
+}
+
+// --init on a text too small for the model's vocabulary trains a tokenizer with the most pieces
+// the text makes (a tokenizer may use fewer ids than the model has): it failed, advising a
+// --vocab-size that --init refuses. A new model's error names where its vocab_size came from.
+TEST(Train, InitOnASmallTextTrainsATokenizerWithFewerPieces) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  ASSERT_TRUE(train(o).ok());
+  fs::remove(o.out_dir + "/tokenizer.model");  // like a `cemlm init` checkpoint
+  std::string small;  // a few letters: fewer than 300 pieces in all, the byte pieces included
+  for (int i = 0; i < 60; ++i) small += i % 2 ? "abba baab ab\n" : "baba abab ba\n";
+  testing_trainer::write_file(dir + "/small/a.txt", small);
+  TrainOptions init = tiny_options(dir);
+  init.config_path.clear();
+  init.init_dir = o.out_dir;
+  init.out_dir = dir + "/finetune";
+  init.data = {dir + "/small"};
+  init.steps = 1;
+  init.seq_len = 8;
+  init.val_fraction = 0.2;
+  std::string lines;
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+  auto done = train(init, cb);
+  ASSERT_TRUE(done.ok()) << done.status() << "\n" << lines;
+  EXPECT_NE(lines.find("fewer than the --init model's vocab_size 300: training "),
+            std::string::npos)
+      << lines;
+  auto ck = load_checkpoint(init.out_dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  EXPECT_EQ(ck->config.vocab_size, 300);
+  std::string error;
+  auto tok = Tokenizer::load(ck->tokenizer_path, &error);
+  ASSERT_TRUE(tok) << error;
+  EXPECT_LT(tok->vocab_size(), 300);
+
+  TrainOptions fresh = tiny_options(dir);  // its --config's vocab_size: 300
+  fresh.out_dir = dir + "/fresh";
+  fresh.data = init.data;
+  fresh.seq_len = 8;
+  fresh.val_fraction = 0.2;
+  auto refused = train(fresh);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("--config's vocab_size 300 is more pieces than this "
+                                            "text makes"),
+            std::string::npos)
+      << refused.status();
+}
+
 // --max-minutes stops when the step's own due evaluation and save, the next step, and the final
 // evaluation and save would not fit the budget.
 TEST(TimeBudget, LeavesRoomForTheNextStepAndTheFinalEvaluationAndSave) {
@@ -1061,7 +1142,7 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
   struct Case {
     std::string state, message;
   };
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {edited(step, "\"step\": \"forty\""), "\"step\": "},
       {edited(step, "\"step\": -3"), "\"step\": must be at least 0"},
       {edited(data_rng, "\"data_rng\": -1"), "\"data_rng\": must be an integer in [0, 2^64)"},
@@ -1093,11 +1174,29 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
       // Said as the field's type, not as nlohmann's "[json.exception.type_error.302]".
       {edited(config, "\"config\": 5"), "\"config\": must be a string (got 5)"},
   };
+  // Saved options that only the command line or the run check: said to come from the file too
+  // ("--data: input … does not exist" blamed a flag the command did not give), exit 1.
+  const std::string from_file =
+      " (with --resume, each option not given again is the run's, read "
+      "from '" +
+      o.out_dir + "/trainer_state.json'";
+  auto with_option = [&](const char* key, const nlohmann::json& value) {
+    nlohmann::json k = j;
+    k["options"][key] = value;
+    return k.dump(2);
+  };
+  cases.push_back({with_option("eval_recursion", {0, -1}), "--eval-recursion '0,-1'"});
+  cases.push_back({with_option("data", {dir + "/nonexistent"}), "--data"});
+  cases.push_back({with_option("seq_len", 100000), "--seq-len"});
   for (const Case& c : cases) {
     testing_trainer::write_file(state_file, c.state);
     const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "3"});
     EXPECT_NE(rc, 0) << c.message;
     EXPECT_NE(err.find(c.message), std::string::npos) << err;
+    if (c.message.starts_with("--")) {
+      EXPECT_EQ(rc, 1) << err;
+      EXPECT_NE(err.find(from_file), std::string::npos) << err;
+    }
   }
   testing_trainer::write_file(state_file, edited(lr, "\"lr\": 5"));
   const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "3", "--lr", "0.001"});

@@ -170,6 +170,26 @@ bool same_path(const std::string& a, const std::string& b) {
   return resolved(a) == resolved(b);
 }
 
+// An error about an option (its message starts with the flag: "--lr must be …", "--data: …"):
+// with --resume, a flag not given on this command line has the run's saved value, so the message
+// says so. True when that is the case (the bad value is the file's, not a usage error).
+bool print_option_error(absl::string_view message, const TrainOptions& o, int argc, char** argv) {
+  const std::string flag(message.substr(0, message.find_first_of(" :")));
+  const bool saved =
+      o.resume && flag.starts_with("--") && std::none_of(argv, argv + argc, [&](const char* a) {
+        const std::string_view arg = a;
+        return arg == flag || arg.starts_with(flag + "=");
+      });
+  if (saved)
+    std::fprintf(stderr,
+                 "error: %.*s (with --resume, each option not given again is the run's, read "
+                 "from '%s/%s'; give it again to replace it)\n",
+                 int(message.size()), message.data(), o.out_dir.c_str(), kTrainerStateFile);
+  else
+    std::fprintf(stderr, "error: %.*s\n", int(message.size()), message.data());
+  return saved;
+}
+
 // TrainOptions from argv; with --resume, the saved run's options overridden by the flags given.
 int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
@@ -201,38 +221,22 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
       }
     if (t.data.empty() && !saved_data_found(o.data)) return 1;
   }
+  // A saved value that is wrong (the state file edited, or written by another version) is named
+  // as the flag it stands for, and said to come from there: exit 1, no usage error.
   auto range = parse_recursion_range(t.train_recursion);
-  if (!range.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(range.status().message()).c_str());
-    return 2;
-  }
+  if (!range.ok()) return print_option_error(range.status().message(), o, argc, argv) ? 1 : 2;
   o.train_recursion = *range;
   auto eval = parse_recursion_list(t.eval_recursion);
-  if (!eval.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(eval.status().message()).c_str());
-    return 2;
-  }
+  if (!eval.ok()) return print_option_error(eval.status().message(), o, argc, argv) ? 1 : 2;
   o.eval_recursion = *eval;
   if (t.log_every < 1) {
     std::fprintf(stderr, "error: --log-every must be at least 1 (got %d)\n", t.log_every);
     return 2;
   }
-  // A saved value that is wrong (the state file edited, or written by another version) is named
-  // as the flag it stands for, and said to come from there (train() refuses those given here).
-  if (const absl::Status st = validate_options(o); !st.ok() && o.resume) {
-    const std::string message(st.message());
-    const std::string flag = message.substr(0, message.find(' '));
-    const bool given = std::any_of(argv, argv + argc, [&](const char* a) {
-      const std::string arg = a;
-      return arg == flag || arg.starts_with(flag + "=");
-    });
-    if (!given) {
-      std::fprintf(stderr,
-                   "error: %s (with --resume, each option not given again is the run's, read "
-                   "from '%s/%s'; give it again to replace it)\n",
-                   message.c_str(), o.out_dir.c_str(), kTrainerStateFile);
-      return 1;
-    }
+  // (train() checks them again, and refuses those given here in the same words.)
+  if (const absl::Status st = validate_options(o); !st.ok()) {
+    print_option_error(st.message(), o, argc, argv);
+    return 1;
   }
   return -1;
 }
@@ -319,7 +323,7 @@ int cmd_train(int argc, char** argv) {
     if (g_handled.load() & (1u << s)) std::signal(s, SIG_DFL);
   progress.finish();
   if (!summary.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(summary.status().message()).c_str());
+    print_option_error(summary.status().message(), opts, argc, argv);
     return 1;
   }
   if (summary->finished) return 0;  // a signal during the last step or save changes nothing

@@ -23,6 +23,7 @@
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/cpu_threads.h"
+#include "cemlm/engine/float32.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/strict_json.h"
@@ -384,9 +385,25 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       TokenizerTrainOptions t{corpus.paths, cfg_.vocab_size, tokenizer_path_};
       t.inputs_flag = "--data";
       t.out_flag = "--cache";  // the tokenizer is written there, not into --out
+      t.vocab_flag = !fresh_                  ? "the --init model's vocab_size"
+                     : o_.vocab_size > 0      ? "--vocab-size"
+                     : o_.config_path.empty() ? "--vocab-size (the default model's)"
+                                              : "--config's vocab_size";
       TokenizerTrainStats stats;
       error.clear();
-      if (!train_tokenizer(t, &error, &stats)) {
+      bool trained = train_tokenizer(t, &error, &stats);
+      if (!trained && !fresh_ && stats.max_vocab_size > 0) {
+        // The weights fix the vocabulary, but a tokenizer may use fewer of its ids than it has.
+        info(absl::StrCat("tokenizer: this text makes at most ", stats.max_vocab_size,
+                          " pieces, fewer than the --init model's vocab_size ", cfg_.vocab_size,
+                          ": training ", stats.max_vocab_size, " (ids ", stats.max_vocab_size,
+                          " to ", cfg_.vocab_size - 1, " stay unused)"));
+        t.vocab_size = stats.max_vocab_size;
+        stats = {};
+        error.clear();
+        trained = train_tokenizer(t, &error, &stats);
+      }
+      if (!trained) {
         if (!fresh_ && stats.min_vocab_size > 0)  // --init: its vocabulary cannot be raised
           return absl::InvalidArgumentError(absl::StrCat(
               "training the tokenizer on --data: this text needs at least ", stats.min_vocab_size,
@@ -728,10 +745,14 @@ absl::Status Trainer::set_up() {
                       cfg_.recursion_default,
                       "; set recursion.default in the config to change "
                       "that"));
+  // Step s of the warmup runs at --lr · (s + 1) / --warmup: the last step of a run with
+  // --warmup = --steps reaches --lr, and none decays.
   if (o_.warmup >= o_.steps)
-    info(absl::StrCat("note: --warmup ", o_.warmup, " is not below --steps ", o_.steps,
-                      ": the learning rate never reaches --lr ", o_.lr,
-                      " nor decays; lower --warmup for a short run"));
+    info(absl::StrCat(
+        "note: --warmup ", o_.warmup, " is not below --steps ", o_.steps, ": the learning rate ",
+        o_.warmup == o_.steps ? "reaches --lr only at the last step"
+                              : absl::StrCat("never reaches --lr ", exact_number(o_.lr)),
+        " and never decays; lower --warmup for a short run"));
   if (stop_asked(true)) return absl::CancelledError("stopped before the first step");
   return absl::OkStatus();
 }

@@ -110,6 +110,8 @@ struct TokenizerTrainOptions {
   // The caller's flags for `inputs` and for where `out_path` comes from, named in errors: the
   // trainer's are --data and --cache (`cemlm train` has --out too, for another directory).
   std::string inputs_flag = "--input", out_flag = "--out";
+  // And for vocab_size: the trainer's may be a config's vocab_size, not a flag.
+  std::string vocab_flag = "--vocab-size";
 };
 
 struct TokenizerTrainStats {
@@ -119,6 +121,8 @@ struct TokenizerTrainStats {
   // When training failed because vocab_size is too small: the least one that the special and
   // byte pieces and the text's characters need (0 when that was not the cause).
   int min_vocab_size = 0;
+  // When it failed because the text makes fewer pieces than vocab_size: the most it makes.
+  int max_vocab_size = 0;
   // The model written to out_path (its bytes as written: another process may replace the file).
   std::string model;
 };

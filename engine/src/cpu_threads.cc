@@ -13,9 +13,13 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 extern "C" void openblas_set_num_threads(int);  // OpenBLAS's, not in the generic cblas.h
@@ -124,13 +128,25 @@ CpuThreads at_most_max(CpuThreads t) {
 
 CpuThreads cpu_threads(int asked) {
   if (asked > 0) return {asked, "--threads"};
-  if (const char* env = std::getenv("OMP_NUM_THREADS"); env && *env)
-    return at_most_max({omp_get_max_threads(), "OMP_NUM_THREADS"});
+  // OpenMP's own reading of it: its first count (a list is per nesting level). One OpenMP
+  // refuses ("abc", "0") leaves it at its default, the CPU count: said as such, and the cgroup
+  // limit below applies, not reported as OMP_NUM_THREADS.
+  std::string ignored;
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env && *env) {
+    const std::string first(absl::StripAsciiWhitespace(
+        absl::string_view(env).substr(0, absl::string_view(env).find(','))));
+    if (int n = 0; absl::SimpleAtoi(first, &n) && n > 0 &&
+                   first.find_first_not_of("0123456789") == std::string::npos)
+      return at_most_max({omp_get_max_threads(), "OMP_NUM_THREADS"});
+    ignored =
+        absl::StrCat("; OMP_NUM_THREADS='", absl::CHexEscape(env), "' is no thread count, ignored");
+  }
   const int cpus = affinity_cpus();
   const double limit = cgroup_cpu_limit();
   if (limit > 0 && std::ceil(limit) < cpus)
-    return {int(std::ceil(limit)), absl::StrCat("the cgroup CPU limit ", limit, " of ", cpus, " CPUs")};
-  return at_most_max({cpus, absl::StrCat(cpus, " CPUs")});
+    return {int(std::ceil(limit)),
+            absl::StrCat("the cgroup CPU limit ", limit, " of ", cpus, " CPUs", ignored)};
+  return at_most_max({cpus, absl::StrCat(cpus, " CPUs", ignored)});
 }
 
 CpuThreads use_cpu_threads(int asked) {

@@ -99,5 +99,28 @@ TEST(CpuThreads, DefaultIsTheAffinityMaskCappedByTheLimit) {
   EXPECT_NE(t.why.find("CPUs"), std::string::npos) << t.why;
 }
 
+// OMP_NUM_THREADS that OpenMP refuses leaves it at its default: said to be ignored, and the CPU
+// count (under the cgroup limit) is the count, not reported as OMP_NUM_THREADS's.
+TEST(CpuThreads, AnOmpNumThreadsOpenMpRefusesIsSaidToBeIgnored) {
+  const char* was = std::getenv("OMP_NUM_THREADS");
+  const std::string saved = was ? was : "";
+  for (const char* bad : {"abc", "0", "-2", "4x", ",3"}) {
+    ::setenv("OMP_NUM_THREADS", bad, 1);
+    const CpuThreads t = cpu_threads(0);
+    EXPECT_NE(t.why.find(std::string("OMP_NUM_THREADS='") + bad + "' is no thread count, ignored"),
+              std::string::npos)
+        << bad << ": " << t.why;
+    EXPECT_NE(t.why.find("CPUs"), std::string::npos) << t.why;
+  }
+  for (const char* good : {"3", " 3 ", "2,1"}) {
+    ::setenv("OMP_NUM_THREADS", good, 1);
+    EXPECT_EQ(cpu_threads(0).why, "OMP_NUM_THREADS") << good;
+  }
+  if (was)
+    ::setenv("OMP_NUM_THREADS", saved.c_str(), 1);
+  else
+    ::unsetenv("OMP_NUM_THREADS");
+}
+
 }  // namespace
 }  // namespace cemlm

@@ -1012,6 +1012,47 @@ TEST(TrainCli, ResumePutsBackACheckpointMovedAsideByAnInterruptedSave) {
   EXPECT_EQ(log->steps().back().step, 5);
 }
 
+// A token count near 2^63 (a damaged state) stops there instead of overflowing: the negative
+// count saved made the next resume fail.
+TEST(TrainCli, TheTokenCountSaturates) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  ASSERT_EQ(cli({"--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--batch-size",
+                 "4", "--seq-len", "24", "--threads", "1", "--steps", "1"})
+                .first,
+            0);
+  const std::string state = o.out_dir + "/" + kTrainerStateFile;
+  auto tokens_saved = [&] {
+    std::string text, error;
+    EXPECT_TRUE(read_file(state, &text, &error)) << error;
+    return nlohmann::json::parse(text)["tokens"];
+  };
+  std::string text, error;
+  ASSERT_TRUE(read_file(state, &text, &error)) << error;
+  nlohmann::json j = nlohmann::json::parse(text);
+  j["tokens"] = INT64_MAX - 5;
+  testing_trainer::write_file(state, j.dump(2));
+  for (const char* steps : {"2", "3"}) {
+    const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", steps});
+    ASSERT_EQ(rc, 0) << err;
+    EXPECT_EQ(tokens_saved(), INT64_MAX) << steps;
+  }
+}
+
+// Data inside --cache (or --out) is all the run's own output, left out: the error says so
+// instead of only "no UTF-8 text file".
+TEST(TrainCli, DataInsideTheCacheIsNamedAsSuch) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  const std::string corpus = o.data[0];  // a directory of texts, made the cache too
+  const auto [rc, err] =
+      cli({"--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--cache", corpus,
+           "--seq-len", "24", "--threads", "1", "--steps", "1"});
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(err.find("'" + o.data[0] + "' lies inside --cache '" + corpus + "'"), std::string::npos)
+      << err;
+}
+
 // A trainer_state.json far larger than any (a damaged file) is refused without reading it whole.
 TEST(TrainCli, AHugeTrainerStateIsRefusedUnread) {
   const std::string dir = fresh_dir();

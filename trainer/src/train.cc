@@ -659,7 +659,10 @@ StepMetrics Trainer::step() {
   if (!finite_step(m)) return m;  // run() stops: the weights stay those of the last good step
   opt_->step(params_.flat(), grads_.flat(), m.lr);
   ++step_;
-  tokens_ += int64_t(o_.accum) * o_.batch_size * o_.seq_len;
+  // Saturating: a "tokens" count near 2^63 in a damaged state file overflowed (undefined
+  // behaviour), and the negative count saved made the next resume fail.
+  const int64_t step_tokens = int64_t(o_.accum) * o_.batch_size * o_.seq_len;
+  tokens_ = tokens_ > INT64_MAX - step_tokens ? INT64_MAX : tokens_ + step_tokens;
   m.tokens = tokens_;
   return m;
 }
@@ -724,11 +727,23 @@ absl::Status Trainer::set_up() {
                       n > kNamed ? absl::StrCat("; and ", n - kNamed, " more") : "",
                       " (convert a text file to UTF-8, e.g. with iconv, to train on it)"));
   }
-  if (corpus.paths.empty())
-    return absl::InvalidArgumentError(
-        absl::StrCat("--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (",
-                     corpus.skipped.size(),
-                     " files skipped as .dat/.u8, binary, not UTF-8 or this run's own output)"));
+  if (corpus.paths.empty()) {
+    // Data inside --cache or --out (`--cache .` run beside it) is all this run's own output.
+    std::string inside;
+    for (const std::string& d : o_.data)
+      for (const auto& [flag, dir] : {std::pair{"--cache", cache_path()}, {"--out", out_path()}}) {
+        std::error_code ec;
+        const fs::path rel = fs::weakly_canonical(fs::absolute(d), ec)
+                                 .lexically_relative(fs::weakly_canonical(fs::absolute(dir), ec));
+        if (inside.empty() && !ec && !rel.empty() && *rel.begin() != "..")
+          inside =
+              absl::StrCat("; '", d, "' lies inside ", flag, " '", dir.string(),
+                           "', whose files a run leaves out as its own: choose another ", flag);
+      }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (", corpus.skipped.size(),
+        " files skipped as .dat/.u8, binary, not UTF-8 or this run's own output)", inside));
+  }
   CEMLM_RETURN_IF_ERROR(prepare_tokenizer(corpus));
   if (stop_asked(false)) return absl::CancelledError("stopped after the tokenizer");
   CEMLM_RETURN_IF_ERROR(prepare_params());

@@ -775,14 +775,26 @@ TEST(Train, NonFiniteLossOrGradientStopsTheRunBeforeTheUpdate) {
   }
 }
 
+// Options of an --init run on `data` into dir/finetune, from a one-step checkpoint of the tiny
+// model (300 ids) without its tokenizer, as `cemlm init` writes one.
+TrainOptions init_without_tokenizer(const std::string& dir, std::vector<std::string> data) {
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  EXPECT_TRUE(train(o).ok());
+  fs::remove(o.out_dir + "/tokenizer.model");
+  TrainOptions init = tiny_options(dir);
+  init.config_path.clear();
+  init.init_dir = o.out_dir;
+  init.out_dir = dir + "/finetune";
+  init.data = std::move(data);
+  return init;
+}
+
 // --init keeps its checkpoint's vocabulary: errors about a tokenizer that does not fit it say
 // what can be done instead of "raise --vocab-size", which --init refuses.
 TEST(Train, InitErrorsAboutTheVocabularyDoNotAdviseVocabSize) {
   const std::string dir = fresh_dir();
-  TrainOptions o = tiny_options(dir);
-  o.steps = 1;
-  ASSERT_TRUE(train(o).ok());
-  fs::remove(o.out_dir + "/tokenizer.model");  // like a `cemlm init` checkpoint
+  TrainOptions init = init_without_tokenizer(dir, {dir + "/text", dir + "/han"});
   std::string han;  // 120 characters the tiny model's 300 ids cannot hold with the bytes
   for (int i = 0; i < 40; ++i)
     for (char32_t c = 0x4E00; c < 0x4E00 + 120; ++c)
@@ -790,11 +802,6 @@ TEST(Train, InitErrorsAboutTheVocabularyDoNotAdviseVocabSize) {
                          char(0x80 | (c & 0x3F))} +
              (c % 10 ? "" : "\n");
   testing_trainer::write_file(dir + "/han/a.txt", han);
-  TrainOptions init = tiny_options(dir);
-  init.config_path.clear();
-  init.init_dir = o.out_dir;
-  init.out_dir = dir + "/finetune";
-  init.data = {dir + "/text", dir + "/han"};
   auto st = train(init);
   ASSERT_FALSE(st.ok());
   const std::string trained(st.status().message());
@@ -853,18 +860,10 @@ TEST(Train, AWarmupAsLongAsTheRunIsNotedAsSuch) {
 // --vocab-size that --init refuses. A new model's error names where its vocab_size came from.
 TEST(Train, InitOnASmallTextTrainsATokenizerWithFewerPieces) {
   const std::string dir = fresh_dir();
-  TrainOptions o = tiny_options(dir);
-  o.steps = 1;
-  ASSERT_TRUE(train(o).ok());
-  fs::remove(o.out_dir + "/tokenizer.model");  // like a `cemlm init` checkpoint
+  TrainOptions init = init_without_tokenizer(dir, {dir + "/small"});
   std::string small;  // a few letters: fewer than 300 pieces in all, the byte pieces included
   for (int i = 0; i < 60; ++i) small += i % 2 ? "abba baab ab\n" : "baba abab ba\n";
   testing_trainer::write_file(dir + "/small/a.txt", small);
-  TrainOptions init = tiny_options(dir);
-  init.config_path.clear();
-  init.init_dir = o.out_dir;
-  init.out_dir = dir + "/finetune";
-  init.data = {dir + "/small"};
   init.steps = 1;
   init.seq_len = 8;
   init.val_fraction = 0.2;
@@ -1012,16 +1011,23 @@ TEST(TrainCli, ResumePutsBackACheckpointMovedAsideByAnInterruptedSave) {
   EXPECT_EQ(log->steps().back().step, 5);
 }
 
+// One step of the tiny model into o.out_dir by the command line: its trainer_state.json's path
+// ("" when the run failed).
+std::string one_step_run(const TrainOptions& o) {
+  const auto [rc, err] =
+      cli({"--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--batch-size", "4",
+           "--seq-len", "24", "--threads", "1", "--steps", "1"});
+  EXPECT_EQ(rc, 0) << err;
+  return rc == 0 ? o.out_dir + "/" + kTrainerStateFile : "";
+}
+
 // A token count near 2^63 (a damaged state) stops there instead of overflowing: the negative
 // count saved made the next resume fail.
 TEST(TrainCli, TheTokenCountSaturates) {
   const std::string dir = fresh_dir();
   const TrainOptions o = tiny_options(dir);
-  ASSERT_EQ(cli({"--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--batch-size",
-                 "4", "--seq-len", "24", "--threads", "1", "--steps", "1"})
-                .first,
-            0);
-  const std::string state = o.out_dir + "/" + kTrainerStateFile;
+  const std::string state = one_step_run(o);
+  ASSERT_FALSE(state.empty());
   auto tokens_saved = [&] {
     std::string text, error;
     EXPECT_TRUE(read_file(state, &text, &error)) << error;
@@ -1057,11 +1063,8 @@ TEST(TrainCli, DataInsideTheCacheIsNamedAsSuch) {
 TEST(TrainCli, AHugeTrainerStateIsRefusedUnread) {
   const std::string dir = fresh_dir();
   const TrainOptions o = tiny_options(dir);
-  ASSERT_EQ(cli({"--config", o.config_path, "--data", o.data[0], "--out", o.out_dir, "--batch-size",
-                 "4", "--seq-len", "24", "--threads", "1", "--steps", "1"})
-                .first,
-            0);
-  const std::string state = o.out_dir + "/" + kTrainerStateFile;
+  const std::string state = one_step_run(o);
+  ASSERT_FALSE(state.empty());
   fs::resize_file(state, kMaxTrainerStateBytes + 1);  // sparse: no disk used
   const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "2"});
   EXPECT_EQ(rc, 1);

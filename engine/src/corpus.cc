@@ -13,11 +13,21 @@ namespace cemlm {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// Why fs::exists said no: a path that is not there, or one it could not follow (a loop of
+// links: "Too many levels of symbolic links"; a directory it may not search).
+std::string missing_or_why(const std::error_code& ec) {
+  return ec ? "cannot be looked up: " + ec.message() : "does not exist";
+}
+
+}  // namespace
+
 bool read_file(const std::string& path, std::string* bytes, std::string* error,
                uint64_t max_bytes) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    *error = "'" + path + "' does not exist";
+    *error = "'" + path + "' " + missing_or_why(ec);
     return false;
   }
   if (!fs::is_regular_file(path, ec)) {
@@ -96,7 +106,7 @@ std::string not_text_message(const std::string& path, const std::string& why) {
 bool expand(const std::string& path, std::vector<std::string>* out, std::string* error) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    *error = "input '" + path + "' does not exist";
+    *error = "input '" + path + "' " + missing_or_why(ec);
     return false;
   }
   if (!fs::is_directory(path, ec)) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 
 #include "cemlm/engine/utf8.h"
 #include "test_files.h"
@@ -148,6 +149,19 @@ TEST_F(CorpusTest, ErrorsNameThePath) {
   EXPECT_NE(error.find("NUL byte at offset 2"), std::string::npos) << error;
   EXPECT_FALSE(read_file(dir_ + "/sub", &text, &error));
   EXPECT_NE(error.find(dir_ + "/sub"), std::string::npos) << error;
+  // A loop of links is no missing file: said as what it is.
+  std::filesystem::create_symlink(dir_ + "/loop_b", dir_ + "/loop_a");
+  std::filesystem::create_symlink(dir_ + "/loop_a", dir_ + "/loop_b");
+  EXPECT_FALSE(collect_text_files({dir_ + "/loop_a"}, &files, &error));
+  EXPECT_NE(error.find("input '" + dir_ +
+                       "/loop_a' cannot be looked up: Too many levels of "
+                       "symbolic links"),
+            std::string::npos)
+      << error;
+  EXPECT_FALSE(read_file(dir_ + "/loop_a", &text, &error));
+  EXPECT_NE(error.find("'" + dir_ + "/loop_a' cannot be looked up"), std::string::npos) << error;
+  EXPECT_FALSE(collect_text_files({dir_ + "/missing"}, &files, &error));
+  EXPECT_NE(error.find("' does not exist"), std::string::npos) << error;
 }
 
 TEST(Corpus, FortunesDirectoryYieldsOnlyTextFiles) {

@@ -76,6 +76,28 @@ TEST(MetricsLog, CountsThatAreNoIntegersOfTheirTypeAreRefused) {
   }
 }
 
+// A validation depth is a key of digits ("1x" read as 1, "-5" as -5), and a NUL byte ends no
+// record early (`{…}\0garbage` parsed as the record before it).
+TEST(MetricsLog, DepthKeysAndNulBytesAreChecked) {
+  const std::string text = sample_log().jsonl();
+  auto edited = [&](const std::string& from, const std::string& to) {
+    std::string s = text;
+    const size_t at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) s.replace(at, from.size(), to);
+    return s;
+  };
+  const std::string first_line_end = text.substr(0, text.find('\n'));
+  for (const std::string& bad :
+       {edited("\"1\":", "\"1x\":"), edited("\"1\":", "\"-5\":"), edited("\"1\":", "\"\":"),
+        edited("\"1\":", "\"0\":"),
+        edited(first_line_end, first_line_end + std::string("\0garbage", 8))}) {
+    auto back = MetricsLog::parse(bad, "run/train.jsonl");
+    EXPECT_FALSE(back.ok()) << bad;
+  }
+  EXPECT_TRUE(MetricsLog::parse(text, "run/train.jsonl").ok());
+}
+
 TEST(LossCurve, SvgHasEveryCurveAxesAndLabels) {
   const std::string svg = sample_log().svg("my run");
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);

@@ -1232,6 +1232,10 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
   cases.push_back({with_option("eval_recursion", {0, -1}), "--eval-recursion '0,-1'"});
   cases.push_back({with_option("data", {dir + "/nonexistent"}), "--data"});
   cases.push_back({with_option("seq_len", 100000), "--seq-len"});
+  // An emptied log lost the run's history silently.
+  const std::string metrics_file = o.out_dir + "/" + kMetricsFile;
+  std::string metrics;
+  ASSERT_TRUE(read_file(metrics_file, &metrics, &error)) << error;
   for (const Case& c : cases) {
     testing_trainer::write_file(state_file, c.state);
     const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "3"});
@@ -1242,6 +1246,17 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
       EXPECT_NE(err.find(from_file), std::string::npos) << err;
     }
   }
+  testing_trainer::write_file(state_file, good);
+  for (const std::string& cut : {std::string(), metrics.substr(0, metrics.find('\n') + 1)}) {
+    testing_trainer::write_file(metrics_file, cut);
+    const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "3"});
+    EXPECT_EQ(rc, 1) << err;
+    EXPECT_NE(err.find("train.jsonl ends at step " + std::string(cut.empty() ? "0" : "1") +
+                       " but " + state_file + " is at step 2"),
+              std::string::npos)
+        << err;
+  }
+  testing_trainer::write_file(metrics_file, metrics);
   testing_trainer::write_file(state_file, edited(lr, "\"lr\": 5"));
   const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "3", "--lr", "0.001"});
   EXPECT_EQ(rc, 0) << err;  // given again, the flag replaces the bad value

@@ -7,6 +7,7 @@
 #include <map>
 #include <stdexcept>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "cemlm/engine/strict_json.h"
@@ -59,8 +60,14 @@ bool parse_line(const ordered_json& j, MetricsLog& log) {
   if (j.contains("val_loss")) {
     EvalMetrics m;
     m.step = integer<int64_t>(j.at("step"));
-    for (const auto& [T, nll] : j.at("val_loss").items())
-      m.loss.emplace_back(std::stoi(T), loss_value(nll));
+    for (const auto& [key, nll] : j.at("val_loss").items()) {
+      // A depth as the log writes it: digits only ("1x" read as 1 with stoi, "-5" as -5).
+      int T = 0;
+      if (key.empty() || key.find_first_not_of("0123456789") != std::string::npos ||
+          !absl::SimpleAtoi(key, &T) || T < 1)
+        return false;
+      m.loss.emplace_back(T, loss_value(nll));
+    }
     log.add(m);
     return true;
   }
@@ -100,8 +107,11 @@ absl::StatusOr<MetricsLog> MetricsLog::parse(const std::string& jsonl, const std
   int line_no = 0;
   for (absl::string_view line : absl::StrSplit(jsonl, '\n', absl::SkipEmpty())) {
     ++line_no;
+    // nlohmann's parser ends at a NUL byte: `{…}\0garbage` parsed as the record before it.
     const ordered_json j =
-        ordered_json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+        line.find('\0') != absl::string_view::npos
+            ? ordered_json()
+            : ordered_json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
     bool ok = false;
     try {
       ok = parse_line(j, log);

@@ -593,6 +593,12 @@ absl::Status Trainer::restore() {
   if (!read_file(in_out(kMetricsFile), &text, &error))
     return absl::NotFoundError("--resume: " + error);
   CEMLM_ASSIGN_OR_RETURN(log_, MetricsLog::parse(text, in_out(kMetricsFile)));
+  // Every step is logged: an emptied or cut log would lose the run's history from here on.
+  if (const int64_t logged = log_.steps().empty() ? 0 : log_.steps().back().step; logged != step_)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--resume: ", in_out(kMetricsFile), " ends at step ", logged, " but ",
+                     in_out(kTrainerStateFile), " is at step ", step_,
+                     " (the file is damaged, or the checkpoint was not written by one save)"));
   // Flags given again with other values apply from here on: said, since the run then no longer
   // continues as it would have (a changed --val-fraction or --data also moves the validation
   // split, so that validation losses before and after are not comparable).

@@ -17,10 +17,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 extern "C" void openblas_set_num_threads(int);  // OpenBLAS's, not in the generic cblas.h
 
@@ -128,16 +131,19 @@ CpuThreads at_most_max(CpuThreads t) {
 
 CpuThreads cpu_threads(int asked) {
   if (asked > 0) return {asked, "--threads"};
-  // OpenMP's own reading of it: its first count (a list is per nesting level). One OpenMP
-  // refuses ("abc", "0") leaves it at its default, the CPU count: said as such, and the cgroup
-  // limit below applies, not reported as OMP_NUM_THREADS.
+  // As OpenMP reads it: a count per nesting level, each "[+]digits" above 0 between blanks.
+  // One it refuses ("abc", "0", "1,abc") leaves it at its default, the CPU count: said as such,
+  // and the cgroup limit below applies, not reported as OMP_NUM_THREADS.
   std::string ignored;
   if (const char* env = std::getenv("OMP_NUM_THREADS"); env && *env) {
-    const std::string first(absl::StripAsciiWhitespace(
-        absl::string_view(env).substr(0, absl::string_view(env).find(','))));
-    if (int n = 0; absl::SimpleAtoi(first, &n) && n > 0 &&
-                   first.find_first_not_of("0123456789") == std::string::npos)
-      return at_most_max({omp_get_max_threads(), "OMP_NUM_THREADS"});
+    const bool valid = absl::c_all_of(absl::StrSplit(env, ','), [](absl::string_view item) {
+      item = absl::StripAsciiWhitespace(item);
+      if (absl::ConsumePrefix(&item, "+") && item.empty()) return false;
+      int n = 0;
+      return !item.empty() && item.find_first_not_of("0123456789") == absl::string_view::npos &&
+             absl::SimpleAtoi(item, &n) && n > 0;
+    });
+    if (valid) return at_most_max({omp_get_max_threads(), "OMP_NUM_THREADS"});
     ignored =
         absl::StrCat("; OMP_NUM_THREADS='", absl::CHexEscape(env), "' is no thread count, ignored");
   }

@@ -544,32 +544,19 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
 }  // namespace
 
 absl::Status ServerState::acquire_text_slot(const grpc::ServerContextBase& context) {
+  // No polling for a cancel (a thousand waiting calls polling every 50 ms took most of the CPU):
+  // a call cancelled while it waits ends when its turn comes.
   const Clock::time_point deadline = steady_deadline(context);
-  {
-    std::unique_lock lock(text_mu_);
-    // No polling for a cancel (a thousand waiting calls polling every 50 ms took most of the
-    // CPU): a call cancelled while it waits ends when its turn comes, a few texts later.
-    while (text_slots_ == 0) {
-      if (deadline == Clock::time_point::max())
-        text_free_.wait(lock);
-      else if (text_free_.wait_until(lock, deadline) == std::cv_status::timeout && text_slots_ == 0)
-        return absl::DeadlineExceededError(absl::StrCat("deadline exceeded waiting for one of the ",
-                                                        text_slots_total_,
-                                                        " texts tokenized at once to finish"));
-    }
-    --text_slots_;
-  }
-  if (!context.IsCancelled()) return absl::OkStatus();
-  release_text_slot();
+  const bool got = text_slots_.acquire(deadline);
+  // Served just as its deadline passed, or after its client gave up: the slot goes on at once.
+  const bool expired = Clock::now() >= deadline;
+  if (got && !expired && !context.IsCancelled()) return absl::OkStatus();
+  if (got) text_slots_.release();
+  if (!got || expired)
+    return absl::DeadlineExceededError(absl::StrCat("deadline exceeded waiting for one of the ",
+                                                    text_slots_.total(),
+                                                    " texts tokenized at once to finish"));
   return absl::CancelledError("cancelled while waiting for its turn to tokenize");
-}
-
-void ServerState::release_text_slot() {
-  {
-    std::lock_guard lock(text_mu_);
-    ++text_slots_;
-  }
-  text_free_.notify_one();
 }
 
 grpc::Status ServerState::check_at_headers(const ApiKeys::Metadata& metadata) {

@@ -14,6 +14,7 @@
 
 #include "cemlm/engine/engine.h"
 #include "cemlm/server/auth.h"
+#include "cemlm/server/fifo_slots.h"
 #include "cemlm/server/metrics.h"
 #include "cemlm/v1/inference.grpc.pb.h"
 
@@ -60,7 +61,6 @@ class ServerState {
         max_priority_(max_priority),
         max_unread_(max_unread),
         unread_grace_(unread_grace),
-        text_slots_total_(text_slots),
         text_slots_(text_slots) {}
 
   // OK admits the call (then release() once when it is over); otherwise the status to return:
@@ -92,11 +92,12 @@ class ServerState {
 
   // Tokenize, Detokenize and Score's text run on gRPC's sync threads, one a call: each is CPU
   // work and a response of up to max_text_bytes pieces. Only text_slots of them run at once; the
-  // others wait here for a slot (a flood of 2000 calls of 30 KB ran 560 at once on 2 CPUs, the
-  // server's memory 290 MB -> 1.2 GB). OK: the call holds a slot (release_text_slot() once);
-  // CANCELLED or DEADLINE_EXCEEDED when the call ends while it waits.
+  // others wait here for a slot, first come, first served (a flood of 2000 calls of 30 KB ran 560
+  // at once on 2 CPUs, the server's memory 290 MB -> 1.2 GB). OK: the call holds a slot
+  // (release_text_slot() once); DEADLINE_EXCEEDED or CANCELLED when the call ended while it
+  // waited.
   absl::Status acquire_text_slot(const grpc::ServerContextBase& context);
-  void release_text_slot();
+  void release_text_slot() { text_slots_.release(); }
 
   void set_engine(Engine* engine) { engine_.store(engine); }
   Engine& engine() const { return *engine_.load(); }
@@ -137,10 +138,7 @@ class ServerState {
   int unread_counted_ = 0;  // those not cancelled
   std::condition_variable uncancelling_;  // a cancel_unread() returned
   LogLimiter refused_key_log_, malformed_body_log_;
-  std::mutex text_mu_;
-  std::condition_variable text_free_;
-  const int text_slots_total_;
-  int text_slots_;  // free ones, guarded by text_mu_
+  FifoSlots text_slots_;
 };
 
 // Calls of cemlm.v1.Inference whose request body does not parse as the method's message: gRPC

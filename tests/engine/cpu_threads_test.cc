@@ -104,7 +104,7 @@ TEST(CpuThreads, DefaultIsTheAffinityMaskCappedByTheLimit) {
 TEST(CpuThreads, AnOmpNumThreadsOpenMpRefusesIsSaidToBeIgnored) {
   const char* was = std::getenv("OMP_NUM_THREADS");
   const std::string saved = was ? was : "";
-  for (const char* bad : {"abc", "0", "-2", "4x", ",3"}) {
+  for (const char* bad : {"abc", "0", "-2", "4x", ",3", "1,abc", "2,0", "+"}) {
     ::setenv("OMP_NUM_THREADS", bad, 1);
     const CpuThreads t = cpu_threads(0);
     EXPECT_NE(t.why.find(std::string("OMP_NUM_THREADS='") + bad + "' is no thread count, ignored"),
@@ -112,7 +112,7 @@ TEST(CpuThreads, AnOmpNumThreadsOpenMpRefusesIsSaidToBeIgnored) {
         << bad << ": " << t.why;
     EXPECT_NE(t.why.find("CPUs"), std::string::npos) << t.why;
   }
-  for (const char* good : {"3", " 3 ", "2,1"}) {
+  for (const char* good : {"3", " 3 ", "2,1", "+1", "4, 2"}) {
     ::setenv("OMP_NUM_THREADS", good, 1);
     EXPECT_EQ(cpu_threads(0).why, "OMP_NUM_THREADS") << good;
   }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <span>
 
 #include "cemlm/engine/sampler.h"
@@ -118,8 +119,15 @@ TEST_F(SamplingTest, RowsWithTheirOwnSettingsAndHistoriesMatchTheHost) {
     for (int v = 0; v < V; v += 97) logits[size_t(r) * V + size_t(v)] = -INFINITY;
   std::vector<std::vector<int>> hists(static_cast<size_t>(N));
   std::vector<int> n_prompts(static_cast<size_t>(N));
+  // Each row's history holds its own best tokens (so that its penalties change its pick, and a
+  // row that read another's history would pick otherwise), some of them twice.
   for (int r = 0; r < N; ++r) {
-    for (int i = 0; i < 3 * r; ++i) hists[size_t(r)].push_back((r * 131 + i * 17) % (8 + r));
+    const float* row = logits.data() + size_t(r) * V;
+    std::vector<int> best(static_cast<size_t>(V));
+    std::iota(best.begin(), best.end(), 0);
+    std::partial_sort(best.begin(), best.begin() + 3, best.end(),
+                      [&](int a, int b) { return row[a] > row[b]; });
+    for (int i = 0; i < r; ++i) hists[size_t(r)].push_back(best[size_t(i % 3)]);
     n_prompts[size_t(r)] = int(hists[size_t(r)].size()) / 2;
   }
   std::vector<cuda::SampleRowSpec> specs;

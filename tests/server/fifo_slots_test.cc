@@ -1,0 +1,69 @@
+// FifoSlots: at most N holders, the rest served in arrival order, a deadline leaves the line.
+#include "cemlm/server/fifo_slots.h"
+
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace cemlm::server {
+namespace {
+
+// Waits until `n` callers are in line (a thread started has reached acquire()).
+void wait_in_line(const FifoSlots& slots, int n) {
+  while (slots.waiting() < n) std::this_thread::yield();
+}
+
+// Five callers that queued one after another get the one slot in that order, and one arriving
+// while they wait does not take a slot given back ahead of them.
+TEST(FifoSlots, WaitersAreServedInArrivalOrder) {
+  FifoSlots slots(1);
+  ASSERT_TRUE(slots.acquire(Clock::time_point::max()));
+  std::mutex mu;
+  std::vector<int> served;
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 5; ++i) {
+    callers.emplace_back([&, i] {
+      ASSERT_TRUE(slots.acquire(Clock::time_point::max()));
+      {
+        std::lock_guard lock(mu);
+        served.push_back(i);
+      }
+      slots.release();
+    });
+    wait_in_line(slots, i + 1);
+  }
+  slots.release();  // to caller 0, never free in between: a newcomer finds none
+  EXPECT_FALSE(slots.acquire(Clock::now())) << "a newcomer went ahead of the line";
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(served, (std::vector<int>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(slots.waiting(), 0);
+  EXPECT_TRUE(slots.acquire(Clock::now()));  // the slot is free again
+}
+
+// At most `total` hold slots at once; a caller whose deadline passes leaves the line without
+// taking one (the slot it would have had goes to the next, or stays free).
+TEST(FifoSlots, AtMostTotalHoldAndADeadlineLeavesTheLine) {
+  FifoSlots slots(2);
+  EXPECT_EQ(slots.total(), 2);
+  ASSERT_TRUE(slots.acquire(Clock::time_point::max()));
+  ASSERT_TRUE(slots.acquire(Clock::now()));
+  EXPECT_FALSE(slots.acquire(Clock::now()));
+  EXPECT_FALSE(slots.acquire(Clock::now() + std::chrono::milliseconds(20)));
+  EXPECT_EQ(slots.waiting(), 0);
+  bool second = false;
+  std::thread waiter([&] { second = slots.acquire(Clock::time_point::max()); });
+  wait_in_line(slots, 1);
+  slots.release();
+  waiter.join();
+  EXPECT_TRUE(second);
+  slots.release();
+  slots.release();
+  EXPECT_TRUE(slots.acquire(Clock::now()));
+  EXPECT_TRUE(slots.acquire(Clock::now()));
+  EXPECT_EQ(FifoSlots(0).total(), 1);  // no server without a slot: every call would wait
+}
+
+}  // namespace
+}  // namespace cemlm::server

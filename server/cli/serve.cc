@@ -404,7 +404,10 @@ int cmd_serve(int argc, char** argv) {
   flags.add("keepalive-timeout", &f.keepalive_timeout,
             "seconds a ping may go unanswered before its connection is closed and its calls "
             "cancelled, their KV blocks freed");
-  flags.add("threads", &f.threads, kThreadsHelp);
+  flags.add("threads", &f.threads,
+            absl::StrCat(kThreadsHelp,
+                         "; also the texts tokenized or decoded at once (Tokenize, Detokenize, "
+                         "Score's text), the others waiting their turn"));
   flags.add("engine-nice", &f.engine_nice,
             "niceness (0..19) the engine's step and compute threads add to the process's, so "
             "that gRPC's threads read requests and write tokens without waiting behind a step");

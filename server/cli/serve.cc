@@ -233,8 +233,9 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   metrics->set_stats_source([e] { return e->stats(); });
   metrics->set_model_info(e->info());
   (*server)->set_engine(e);
-  spdlog::info("serving model={} variant={} device={} kv_cache={} blas=\"{}\"", opts.model_name,
-               e->config().variant_name(), f.device, f.kv_cache_dtype, blas_description());
+  spdlog::info("serving model={} variant={} device={} kv_cache={} texts_at_once={} blas=\"{}\"",
+               opts.model_name, e->config().variant_name(), f.device, f.kv_cache_dtype,
+               opts.text_slots, blas_description());
   if (is_cpu_device(f.device)) {
     const CpuThreads t = cpu_threads(f.threads);
     spdlog::info("compute threads={} ({}); {}", t.threads, t.why, openmp_wait_description());

@@ -381,6 +381,13 @@ TEST(ServerTextSlots, TextCallsAtOnceAllAnswerAndFailedOnesGiveTheirSlotBack) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(model, {"--threads", "1"});
   ASSERT_TRUE(server);
+  // Said at start-up, with the rest of the serving line (after health turned SERVING).
+  std::string log = server->log();
+  for (auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       log.find(" blas=") == std::string::npos && std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(std::chrono::milliseconds(10)))
+    log = server->log();
+  EXPECT_NE(log.find(" texts_at_once=1 "), std::string::npos) << log;
   auto stub = v1::Inference::NewStub(server->channel());
   auto tokenize = [&](const std::string& text, v1::TokenizeResponse* resp) {
     grpc::ClientContext context;

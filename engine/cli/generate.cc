@@ -112,8 +112,9 @@ int cmd_generate(int argc, char** argv) {
         "KV-cache budget in bytes (K/M/G/T suffixes); a model whose max_seq_len does not fit "
         "needs more");
   f.add("kv-cache-dtype", &kv_dtype,
-        "fp32 | bf16 | int8 (CPU: bf16 half the cache bytes, keys rounded; int8 about a quarter, "
-        "keys quantized with a scale per head)");
+        "fp32 | bf16 | int8 (CPU: bf16 half the cache bytes, entries rounded (keys and the "
+        "diag term's contexts); int8 about a quarter, entries quantized with a scale per head of "
+        "each key row and one per context row)");
   f.add("threads", &threads, kThreadsHelp);
   f.add_bool("json", &json, "print one JSON object instead of streaming text");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;

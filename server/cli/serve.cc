@@ -360,10 +360,11 @@ int cmd_serve(int argc, char** argv) {
   flags.add(
       "kv-cache-dtype", &f.kv_cache_dtype,
       "fp32 | bf16 | int8 (CPU): bf16 holds twice the tokens of fp32 and reads half the "
-      "bytes per decode step, entries rounded to bf16 (logprobs move by ~1e-3); int8 holds "
+      "bytes per decode step, entries (keys and the diag term's contexts) rounded to bf16 "
+      "(logprobs move by ~1e-3 on the default model, more where logits are large); int8 holds "
       "3.7-3.9x the tokens of fp32 with heads of 32-64 (a byte per number plus a 4-byte scale "
-      "per head; `cemlm inspect` gives the bytes), "
-      "entries quantized (logprobs move by ~2e-3)");
+      "per head of each key row and one per context row; `cemlm inspect` gives the bytes), "
+      "entries quantized (logprobs move by ~2e-3 on the default model)");
   flags.add("max-batch-tokens", &f.max_batch_tokens,
             "tokens per engine step (chunked prefill; at least 1)");
   flags.add("max-running", &f.max_running,

@@ -797,16 +797,27 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
   // DEADLINE_EXCEEDED while its client got gRPC's own INTERNAL or UNIMPLEMENTED.
   // A cancel that came before the body reaches the call a moment after its missing message (2 to
   // 15% of such unary calls counted as malformed): the call looks again for up to 20 ms before it
-  // counts as one. Only calls whose body is missing or does not parse wait.
+  // counts as one, never past its deadline (its answer would then come too late), and only while
+  // fewer than 64 such calls look at once (each holds a gRPC thread meanwhile). Only calls whose
+  // body is missing or does not parse look.
   bool ended_before_body() {
     grpc::ServerContextBase* const ctx = info_->server_context();
     grpc::StatusCode code = grpc::StatusCode::OK;
-    for (int look = 0; code == grpc::StatusCode::OK && look < 80; ++look) {
-      if (look > 0) std::this_thread::sleep_for(std::chrono::microseconds(250));
-      if (steady_deadline(*ctx) <= Clock::now())
-        code = grpc::StatusCode::DEADLINE_EXCEEDED;
-      else if (ctx->IsCancelled())
-        code = grpc::StatusCode::CANCELLED;
+    if (steady_deadline(*ctx) <= Clock::now())
+      code = grpc::StatusCode::DEADLINE_EXCEEDED;
+    else if (ctx->IsCancelled())
+      code = grpc::StatusCode::CANCELLED;
+    constexpr auto kLook = std::chrono::microseconds(250);
+    const Clock::time_point until = std::min(Clock::now() + std::chrono::milliseconds(20),
+                                             steady_deadline(*ctx) - kDeadlineSlack - kLook);
+    if (code == grpc::StatusCode::OK && state_->begin_bodyless_look()) {
+      while (code == grpc::StatusCode::OK && Clock::now() < until) {
+        std::this_thread::sleep_for(kLook);
+        if (ctx->IsCancelled())
+          code = deadline_reached(*ctx) ? grpc::StatusCode::DEADLINE_EXCEEDED
+                                        : grpc::StatusCode::CANCELLED;
+      }
+      state_->end_bodyless_look();
     }
     if (code == grpc::StatusCode::OK) return false;
     state_->metrics().count_rpc(method_.c_str(), code);

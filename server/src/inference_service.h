@@ -99,6 +99,15 @@ class ServerState {
   absl::Status acquire_text_slot(const grpc::ServerContextBase& context);
   void release_text_slot() { text_slots_.release(); }
 
+  // A unary call without a body looking again for a cancel (MalformedBodyInterceptor): true when
+  // it may (then end_bodyless_look() once), false while 64 already look.
+  bool begin_bodyless_look() {
+    if (bodyless_looks_.fetch_add(1) < 64) return true;
+    bodyless_looks_.fetch_sub(1);
+    return false;
+  }
+  void end_bodyless_look() { bodyless_looks_.fetch_sub(1); }
+
   void set_engine(Engine* engine) { engine_.store(engine); }
   Engine& engine() const { return *engine_.load(); }
   bool draining() const { return draining_.load(); }
@@ -139,6 +148,7 @@ class ServerState {
   std::condition_variable uncancelling_;  // a cancel_unread() returned
   LogLimiter refused_key_log_, malformed_body_log_;
   FifoSlots text_slots_;
+  std::atomic<int> bodyless_looks_{0};
 };
 
 // Calls of cemlm.v1.Inference whose request body does not parse as the method's message: gRPC

@@ -332,6 +332,18 @@ def check_dashboard(errors):
     errors.expect(any(p["type"] in ("heatmap", "bargauge")
                       and "recursion_depth_bucket" in json.dumps(p) for p in dash["panels"]),
                   f"{path}: no distribution panel of recursion depth T")
+    # A query filtered with `> 0` has gaps; a value alone between two is drawn only as a point,
+    # so such a panel must not hide its points (a single error burst was invisible).
+    for p in dash["panels"]:
+        gaps = any(t.get("expr", "").rstrip().endswith("> 0") for t in p.get("targets", []))
+        points = p.get("fieldConfig", {}).get("defaults", {}).get("custom", {}).get("showPoints")
+        errors.expect(not gaps or points != "never",
+                      f"{path}: panel {p.get('title')!r} filters with > 0 but never shows points")
+    # An increase() over a rate window wider than the panel's step counts a sample in several
+    # steps (the recursion-depth heatmap counted each request up to 4 times): rates instead.
+    for _, e in exprs:
+        errors.expect(not re.search(r"increase\([^\]]*\[\$__rate_interval\]", e),
+                      f"{path}: increase() over $__rate_interval counts samples twice: {e}")
     # promtool has no bare PromQL parser: wrap each panel query as a recording rule.
     grafana_vars = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "1m",
                     "$model": ".*", "$instance": ".*"}

@@ -29,9 +29,9 @@ constexpr int kByteIds = 256;   // byte fallback: one piece per byte value
 constexpr unsigned kTrainSeed = 20240229;
 constexpr char kPluginName[] = "libcemlm_spm.so";
 constexpr char kSpaceSymbol[] = "\xE2\x96\x81";  // U+2581 "▁", SentencePiece's space
-// Prompt ids the first generated ids are decoded after, for tokenizers that drop a
-// text-initial space: one word piece is enough; a few cover prompts ending in byte pieces.
-constexpr size_t kLeadIds = 4;
+// The ids before the new ones that a streamed decode re-reads: enough for a UTF-8 character
+// begun by byte pieces (at most 3 bytes) and the piece before it.
+constexpr size_t kContextIds = 4;
 
 // The plugin's table, loaded once; null with *error when no candidate loads.
 const SpmApi* spm(std::string* error) {
@@ -73,6 +73,14 @@ Tokenizer::Tokenizer(void* sp) : sp_(sp) {
       byte_values_[size_t(id)] = int16_t(value);
   }
   if (spaced >= 0) drops_leading_space_ = !decode(std::span<const int>(&spaced, 1)).starts_with(' ');
+  if (!drops_leading_space_) return;
+  // An id after which a "▁" piece keeps its space: one with text of its own that is no byte.
+  const std::string alone = decode(std::span<const int>(&spaced, 1));
+  for (int id = 0; id < vocab_size() && anchor_id_ < 0; ++id) {
+    const std::string text = decode(std::span<const int>(&id, 1));
+    const int pair[] = {id, spaced};
+    if (!text.empty() && byte_value(id) < 0 && decode(pair) == text + " " + alone) anchor_id_ = id;
+  }
 }
 Tokenizer::~Tokenizer() { loaded_spm().destroy(sp_); }
 
@@ -187,37 +195,57 @@ size_t unfinished_bytes(const Tokenizer& tokenizer, std::span<const int> ids) {
 IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer,
                                                std::span<const int> prompt)
     : tokenizer_(&tokenizer) {
-  if (tokenizer.drops_leading_space())
-    lead_.assign(prompt.end() - std::min(prompt.size(), kLeadIds), prompt.end());
+  if (!tokenizer.drops_leading_space()) return;
+  // The prompt's text so far decides whether a first "▁" keeps its space; its last ids are the
+  // context (they may have begun a character the new ids finish).
+  for (auto it = prompt.rbegin(); it != prompt.rend() && !text_before_; ++it)
+    text_before_ = !tokenizer.decode(std::span<const int>(&*it, 1)).empty();
+  for (const int id : prompt) push_context(id);
 }
 
 std::string IncrementalDetokenizer::next(std::span<const int> ids) { return emit(ids, false); }
 std::string IncrementalDetokenizer::finish(std::span<const int> ids) { return emit(ids, true); }
 
+void IncrementalDetokenizer::push_context(int id) {
+  // Runs of ids without text (BOS, EOS, pad) count as one: they only end a run of bytes.
+  const bool silent = tokenizer_->byte_value(id) < 0 &&
+                      tokenizer_->decode(std::span<const int>(&id, 1)).empty() &&
+                      !tokenizer_->id_to_piece(id).starts_with(kSpaceSymbol);
+  if (silent && last_silent_) return;
+  last_silent_ = silent;
+  context_.push_back(id);
+  if (context_.size() > kContextIds) context_.erase(context_.begin());
+}
+
 std::string IncrementalDetokenizer::emit(std::span<const int> ids, bool final) {
   CEMLM_CHECK(ids.size() >= read_offset_);
-  std::vector<int> window = lead_;
-  window.insert(window.end(), ids.begin() + prefix_offset_, ids.end());
+  // After text, a tokenizer that drops a text-initial space decodes the window after an anchor
+  // piece, so that a "▁" the window starts with keeps its space as it does in the whole text.
+  std::vector<int> window;
+  const int anchor = tokenizer_->anchor_id();
+  if (text_before_ && anchor >= 0) window.push_back(anchor);
+  window.insert(window.end(), context_.begin(), context_.end());
+  const size_t context_size = window.size();
+  window.insert(window.end(), ids.begin() + read_offset_, ids.end());
   // The byte ids that end the window with a character still unfinished wait for the rest of it
   // (the prompt's last ids may have begun it); at the end they decode as U+FFFD.
   const size_t unfinished = final ? 0 : unfinished_bytes(*tokenizer_, window);
   const size_t end = ids.size() - std::min(unfinished, ids.size() - read_offset_);
   if (end == read_offset_) return "";
-  const std::span<const int> all =
-      std::span<const int>(window).first(window.size() - (ids.size() - end));
-  const std::string context =
-      tokenizer_->decode(all.first(lead_.size() + read_offset_ - prefix_offset_));
-  const std::string text = tokenizer_->decode(all);
-  // The context is text already out, but a lead ending in part of a character decodes it as
+  window.resize(window.size() - (ids.size() - end));
+  const std::string context = tokenizer_->decode(std::span<const int>(window).first(context_size));
+  const std::string text = tokenizer_->decode(window);
+  // The context is text already out, but a context ending in part of a character decodes it as
   // U+FFFD, which the ids after it may complete: the characters after the common part are new.
   size_t old = size_t(
       std::mismatch(context.begin(), context.end(), text.begin(), text.end()).first -
       context.begin());
   while (old > 0 && old < text.size() && (uint8_t(text[old]) & 0xC0) == 0x80) --old;
-  if (text.size() <= old) return "";
-  lead_.clear();
-  prefix_offset_ = read_offset_;
+  // Ids without text (a run of EOS under ignore_eos) are read too: the window stays a few ids.
+  for (size_t i = read_offset_; i < end; ++i) push_context(ids[i]);
   read_offset_ = end;
+  if (text.size() <= old) return "";
+  text_before_ = true;
   return text.substr(old);
 }
 

@@ -30,9 +30,11 @@ inline std::vector<std::string> small_corpus() {
 }
 
 // A serialized SentencePiece model with normalizer_spec.add_dummy_prefix turned on, as spm_train
-// leaves it by default (`cemlm tokenizer train` writes it off): the ModelProto's field 3 holds
-// the NormalizerSpec, whose field 3 is that bool. Fails the test when the field is not there.
-inline std::string with_dummy_prefix(std::string model) {
+// leaves it by default (`cemlm tokenizer train` writes it off), and remove_extra_whitespaces too
+// when `extra_whitespaces_removed` (spm_train's default as well: decode then drops every "▁"
+// before a text's first text, not only the first): the ModelProto's field 3 holds the
+// NormalizerSpec, whose fields 3 and 4 are those bools. Fails the test when a field is not there.
+inline std::string with_dummy_prefix(std::string model, bool extra_whitespaces_removed = false) {
   size_t at = 0;
   auto varint = [&](size_t end) {
     uint64_t v = 0;
@@ -59,16 +61,21 @@ inline std::string with_dummy_prefix(std::string model) {
       continue;
     }
     const size_t end = at + varint(model.size());
+    int turned_on = 0;
     while (at < end) {
       const uint64_t field = varint(end);
-      if (field == (3 << 3) && at < end && model[at] == 0) {
+      if ((field == (3 << 3) || (extra_whitespaces_removed && field == (4 << 3))) && at < end &&
+          model[at] == 0) {
         model[at] = 1;
-        return model;
+        ++turned_on;
       }
       skip(field, end);
     }
+    if (turned_on == (extra_whitespaces_removed ? 2 : 1)) return model;
+    break;
   }
-  ADD_FAILURE() << "no normalizer_spec.add_dummy_prefix = false in the model";
+  ADD_FAILURE() << "no normalizer_spec.add_dummy_prefix (or remove_extra_whitespaces) = false in "
+                   "the model";
   return model;
 }
 

@@ -41,6 +41,9 @@ class Tokenizer {
   // add_dummy_prefix: spm_train's default; `cemlm tokenizer train` leaves it off), so that
   // ids continuing a text decode differently alone than after it.
   bool drops_leading_space() const { return drops_leading_space_; }
+  // For such a tokenizer, an id with text of its own after which a "▁" piece keeps its space
+  // (IncrementalDetokenizer decodes after it); -1 otherwise, or when the vocabulary has none.
+  int anchor_id() const { return anchor_id_; }
 
   // The longest piece in bytes: no token stands for more of a text than that (normalisation
   // aside), so a text of n bytes encodes to at least about n / max_piece_bytes() tokens.
@@ -57,6 +60,7 @@ class Tokenizer {
   void* sp_;  // owned: the plugin's SentencePieceProcessor
   int max_piece_bytes_ = 1;
   bool drops_leading_space_ = false;
+  int anchor_id_ = -1;
   std::vector<int16_t> byte_values_;  // per id: byte_value()
 };
 
@@ -81,8 +85,9 @@ std::optional<std::vector<int>> encode_input(const Tokenizer& tokenizer, std::st
 // that can form none come out at once as U+FFFD, as decode gives them), so pieces are always
 // valid UTF-8 and stop strings can be matched on them; the pieces of next() and finish()
 // concatenate to tokenizer.decode(ids). For a tokenizer that drops a text-initial space, the
-// ids continue `prompt`: the first ones are decoded after its last few ids, so the pieces are
-// the text the ids add to the prompt's (a leading "▁" keeps its space after a prompt's word).
+// ids continue `prompt`: the pieces are the text the ids add to the prompt's (a leading "▁" keeps
+// its space after a prompt's word, and loses it where no id before it has text).
+// Each call decodes the new ids and a few before them, whatever the length of the stream.
 // One per request; the tokenizer must outlive it.
 class IncrementalDetokenizer {
  public:
@@ -90,16 +95,17 @@ class IncrementalDetokenizer {
   std::string next(std::span<const int> ids);
   // The held-back rest at the end of the stream (an unfinished character becomes U+FFFD).
   std::string finish(std::span<const int> ids);
+  // The ids read before the new ones that the next call decodes again (at most 4).
+  size_t context_size() const { return context_.size(); }
 
  private:
-  // Decodes a short window before the new ids too, so that decoding stays context-correct
-  // (models with a dummy prefix drop the space of a text-initial "▁") at a cost independent
-  // of the sequence length.
   std::string emit(std::span<const int> ids, bool final);
+  void push_context(int id);
   const Tokenizer* tokenizer_;
-  std::vector<int> lead_;     // the prompt's last ids, context until the first text is out
-  size_t prefix_offset_ = 0;  // start of the context window
-  size_t read_offset_ = 0;    // ids before this have been emitted
+  std::vector<int> context_;  // the last ids read (a run of ids without text as one)
+  bool last_silent_ = false;  // context_ ends in an id without text
+  bool text_before_ = false;  // an id read (or the prompt's) had text
+  size_t read_offset_ = 0;    // ids before this have been read
 };
 
 struct TokenizerTrainOptions {

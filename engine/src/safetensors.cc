@@ -3,7 +3,6 @@
 #include "cemlm/engine/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -24,7 +23,6 @@
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/strict_json.h"
 #include "cemlm/kernels/bf16.h"
-#include "cemlm/kernels/huge_pages.h"
 #include "nlohmann/json.hpp"
 
 namespace cemlm {
@@ -125,6 +123,27 @@ absl::Status errno_error(const std::string& what, const std::string& path) {
       absl::StrCat("cannot ", what, " '", path, "': ", std::strerror(errno)));
 }
 
+// Reads `bytes` bytes at `offset` of the file, all of them or an error: a file cut short since it
+// was opened (overwritten in place while a model loads) is an error naming it, where reading a
+// mapping of it past its new end killed the process with SIGBUS.
+absl::Status read_at(int fd, const std::string& path, uint64_t offset, void* out, size_t bytes) {
+  auto* p = static_cast<char*>(out);
+  while (bytes > 0) {
+    const ssize_t got = ::pread(fd, p, bytes, off_t(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return errno_error("read", path);
+    if (got == 0)
+      return absl::DataLossError(absl::StrCat(
+          "'", path, "' ends at byte ", offset,
+          ", short of what it held when it was opened: it changed while it was read (a copy "
+          "over it?); load it again once it is written whole"));
+    p += got;
+    offset += uint64_t(got);
+    bytes -= size_t(got);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* dtype_name(DType d) {
@@ -205,11 +224,10 @@ SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept { *this = std::mo
 
 SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
   if (this != &o) {
-    unmap();
+    close();
     path_ = std::move(o.path_);
-    map_ = std::exchange(o.map_, nullptr);
-    map_size_ = std::exchange(o.map_size_, 0);
-    body_ = std::exchange(o.body_, nullptr);
+    fd_ = std::exchange(o.fd_, -1);
+    body_offset_ = o.body_offset_;
     tensors_ = std::move(o.tensors_);
     index_ = std::move(o.index_);
     metadata_ = std::move(o.metadata_);
@@ -217,56 +235,57 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
   return *this;
 }
 
-SafetensorsFile::~SafetensorsFile() { unmap(); }
+SafetensorsFile::~SafetensorsFile() { close(); }
 
-void SafetensorsFile::unmap() {
-  if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
-  map_ = nullptr;
+void SafetensorsFile::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   // O_NONBLOCK: opening a FIFO would otherwise wait forever for a writer (it is refused below,
-  // as anything but a regular file is: none can be mapped).
+  // as anything but a regular file is).
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     return absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
   struct stat sb {};
-  const bool stat_ok = ::fstat(fd, &sb) == 0;
-  if (stat_ok && !S_ISREG(sb.st_mode)) {
+  if (::fstat(fd, &sb) != 0) {
+    const absl::Status st = errno_error("stat", path);
+    ::close(fd);
+    return st;
+  }
+  if (!S_ISREG(sb.st_mode)) {
     ::close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat("'", path, "' is ", S_ISDIR(sb.st_mode) ? "a directory" : "not a regular file",
                      ", not a safetensors file: point at the .safetensors file itself"));
   }
-  const uint64_t size = stat_ok ? uint64_t(sb.st_size) : 0;
-  if (stat_ok && size < 8) {
+  const uint64_t size = uint64_t(sb.st_size);
+  if (size < 8) {
     ::close(fd);
     return header_error(path,
                         absl::StrCat("file is ", size,
                                      " bytes, too short for the 8-byte header length: truncated"));
   }
-  void* m = stat_ok ? ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
-  ::close(fd);
-  if (m == MAP_FAILED) return errno_error("map", path);
   SafetensorsFile f;
   f.path_ = path;
-  f.map_ = static_cast<const uint8_t*>(m);
-  f.map_size_ = size;
+  f.fd_ = fd;  // closed with f
   uint64_t n = 0;
-  std::memcpy(&n, f.map_, 8);
+  CEMLM_RETURN_IF_ERROR(read_at(fd, path, 0, &n, 8));
   if (n > kMaxHeaderBytes && n <= size - 8)
     return header_error(path, absl::StrCat("header length ", n, " is over the format's limit of ",
                                            kMaxHeaderBytes, " bytes: not a safetensors file"));
   if (n > size - 8)
     return header_error(path, absl::StrCat("header length ", n, " is beyond the end of the file (",
                                            size, " bytes): truncated or not a safetensors file"));
+  std::string text(size_t(n), '\0');
+  CEMLM_RETURN_IF_ERROR(read_at(fd, path, 8, text.data(), text.size()));
   // Strict: a tensor named twice would otherwise be silently the last one.
-  absl::StatusOr<json> parsed =
-      parse_json_strict(std::string_view(reinterpret_cast<const char*>(f.map_ + 8), n));
+  absl::StatusOr<json> parsed = parse_json_strict(text);
   if (!parsed.ok()) return header_error(path, std::string(parsed.status().message()));
   const json& header = *parsed;
   if (!header.is_object()) return header_error(path, "not a valid JSON object");
-  f.body_ = f.map_ + 8 + n;
+  f.body_offset_ = 8 + n;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") {
       if (auto st = parse_metadata(it.value(), &f.metadata_); !st.ok())
@@ -316,20 +335,21 @@ absl::Status SafetensorsFile::read_f32(const TensorInfo& t, std::span<float> out
     return tensor_error(
         path_, t.name,
         absl::StrCat("caller's buffer holds ", out.size(), " floats, tensor has ", t.numel()));
-  const uint8_t* src = body_ + t.begin;
   if (out.empty()) return absl::OkStatus();  // (an empty span's data() may be null)
+  const uint64_t at = body_offset_ + t.begin;
   if (t.dtype == DType::kF32) {
-    std::memcpy(out.data(), src, out.size() * 4);
+    CEMLM_RETURN_IF_ERROR(read_at(fd_, path_, at, out.data(), out.size() * 4));
   } else {
-    for (size_t i = 0; i < out.size(); ++i) {
-      uint16_t h;
-      std::memcpy(&h, src + 2 * i, 2);
-      out[i] = t.dtype == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    // Read in parts, converted as they come: no copy of the whole tensor's half-size values.
+    constexpr size_t kPart = size_t(1) << 18;
+    std::vector<uint16_t> half(std::min(kPart, out.size()));
+    for (size_t i = 0; i < out.size(); i += half.size()) {
+      const size_t count = std::min(half.size(), out.size() - i);
+      CEMLM_RETURN_IF_ERROR(read_at(fd_, path_, at + 2 * i, half.data(), 2 * count));
+      for (size_t j = 0; j < count; ++j)
+        out[i + j] = t.dtype == DType::kBF16 ? bf16_to_f32(half[j]) : f16_to_f32(half[j]);
     }
   }
-  // Copied out: a checkpoint's mapping need not stay resident beside the copy (it would double the
-  // memory a model takes while it loads). Read again, the pages come back from the file.
-  release_pages(const_cast<uint8_t*>(src), size_t(t.end - t.begin));
   for (size_t i = 0; i < out.size(); ++i)
     if (!std::isfinite(out[i]))
       return tensor_error(

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -71,6 +72,44 @@ TEST(Safetensors, Bf16ConvertsExactly) {
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_EQ(*v, (std::vector<float>{1.0f, -2.0f, 0.5f, 3.140625f, 0.0f, -0.0f}));
   EXPECT_TRUE(std::signbit((*v)[5]));
+}
+
+// A half-precision tensor longer than one part of the reads (2^18 values) converts whole.
+TEST(Safetensors, LongBf16TensorConvertsAcrossReads) {
+  const std::string path = fresh_dir() + "/t.safetensors";
+  constexpr size_t kCount = 300'007;
+  std::vector<uint16_t> bits(kCount);
+  for (size_t i = 0; i < kCount; ++i) bits[i] = uint16_t(0x3F80 + i % 128);  // 1 + (i % 128) / 128
+  write_bytes(path,
+              safetensors_bytes(R"({"x":{"dtype":"BF16","shape":[300007],"data_offsets":[0,)" +
+                                    std::to_string(2 * kCount) + "]}}",
+                                raw(bits)));
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto v = f->read_f32("x");
+  ASSERT_TRUE(v.ok()) << v.status();
+  ASSERT_EQ(v->size(), kCount);
+  for (size_t i = 0; i < kCount; ++i)
+    ASSERT_EQ((*v)[i], 1.0f + float(i % 128) / 128.0f) << "value " << i;
+}
+
+// A file cut short after it was opened (a copy over a checkpoint while a server loads it) is an
+// error naming it; reading a mapping of it past its new end killed the process with SIGBUS.
+TEST(Safetensors, AFileCutShortWhileOpenIsAnError) {
+  const std::string path = fresh_dir() + "/t.safetensors";
+  const std::vector<float> a(100'000, 0.5f), b(10, 2.0f);
+  ASSERT_TRUE(write_safetensors(path, {{"a", {100'000}, a}, {"b", {10}, b}}).ok());
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ(::truncate(path.c_str(), 4096), 0);
+  for (const char* name : {"a", "b"}) {
+    auto v = f->read_f32(name);
+    ASSERT_FALSE(v.ok()) << name;
+    EXPECT_EQ(v.status().code(), absl::StatusCode::kDataLoss) << v.status();
+    EXPECT_NE(v.status().message().find(path), std::string::npos) << v.status();
+    EXPECT_NE(v.status().message().find("changed while it was read"), std::string::npos)
+        << v.status();
+  }
 }
 
 TEST(Safetensors, F16ConvertsExactly) {

@@ -68,12 +68,11 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
-  void unmap();
+  void close();
 
   std::string path_;
-  const uint8_t* map_ = nullptr;
-  size_t map_size_ = 0;
-  const uint8_t* body_ = nullptr;
+  int fd_ = -1;               // open for the reads of read_f32
+  uint64_t body_offset_ = 0;  // where the tensors' data starts in the file
   std::vector<TensorInfo> tensors_;
   std::map<std::string, size_t> index_;  // name → position in tensors_
   std::map<std::string, std::string> metadata_;

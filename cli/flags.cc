@@ -178,12 +178,23 @@ int Flags::parse(int argc, char** argv) {
       continue;
     }
     if (f->is_list) {
+      // The values run to the next option: "--" then a letter. "--" and "-- Larry Wall" are values
+      // (stop strings the default model writes); "--ab" as a value is written --stop=--ab.
+      auto option = [](std::string_view arg) {
+        return arg.size() > 2 && arg.starts_with("--") && std::isalpha(uint8_t(arg[2]));
+      };
       const int before = i;
       if (has_value) f->set(value);
-      while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) f->set(argv[++i]);
+      while (i + 1 < argc && !option(argv[i + 1])) f->set(argv[++i]);
       if (!has_value && i == before) {  // "--data $EMPTY" must not fall back to the default
-        std::fprintf(stderr, "error: option '--%s' needs at least one value (see --help)\n",
-                     name.c_str());
+        if (i + 1 < argc)
+          std::fprintf(stderr,
+                       "error: option '--%s' needs at least one value, but '%s' follows it, read "
+                       "as an option; for that text as a value write --%s=%s\n",
+                       name.c_str(), argv[i + 1], name.c_str(), argv[i + 1]);
+        else
+          std::fprintf(stderr, "error: option '--%s' needs at least one value (see --help)\n",
+                       name.c_str());
         return 2;
       }
       continue;
@@ -322,6 +333,14 @@ bool check_out_file(const std::string& flag, const std::string& path, const std:
     return false;
   }
   return true;
+}
+
+std::vector<std::string> files_in(const std::string& dir) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    files.push_back(e.path().string());
+  return files;
 }
 
 std::string in_flag_terms(std::string msg) {

@@ -2,7 +2,6 @@
 // with the full-sequence CPU forward (the oracle); optionally dumps the [N, V] logits.
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -50,13 +49,9 @@ int cmd_score(int argc, char** argv) {
     return usage_error("--no-bos applies to --text only: --ids are used as given");
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
-  std::vector<std::string> checkpoint_files;  // the checkpoint's own files: not to be written
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(model, ec))
-    checkpoint_files.push_back(e.path().string());
   if (std::string err;
       f.given("dump-logits") &&
-      !check_out_file("--dump-logits", dump, "logits.safetensors", false, &err, checkpoint_files))
+      !check_out_file("--dump-logits", dump, "logits.safetensors", false, &err, files_in(model)))
     return fail(err);
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));

@@ -507,6 +507,18 @@ TEST_F(GenerateCliText, StopStringsCutTheText) {
   EXPECT_EQ(output({"--stop", ""}, &rc), "");
   EXPECT_EQ(rc, 1);
   EXPECT_NE(::testing::internal::GetCapturedStderr().find("--stop[0] is empty"), std::string::npos);
+  // Values beginning with "--" that read as no option are stop strings ("-- Larry Wall" ends
+  // fortunes); they were refused as "needs at least one value". One that reads as an option is
+  // refused with how to pass it.
+  args = common;
+  args.insert(args.end(), {"--stop", "--", "-- Larry Wall"});
+  const nlohmann::json dashes = nlohmann::json::parse(output(args, &rc));
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(dashes["text"], text.substr(0, text.find("--")));
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(output({"--stop", "--ab"}, &rc), "");
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("write --stop=--ab"), std::string::npos);
 }
 
 // With a tokenizer that drops a text-initial space (spm_train's default), the generated text is

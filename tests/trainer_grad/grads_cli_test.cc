@@ -135,6 +135,20 @@ TEST_F(GradsCli, AnOutThatIsADirectoryIsRefusedFirst) {
   EXPECT_NE(err.find("does not exist"), std::string::npos) << err;
 }
 
+// --out naming one of the checkpoint's own files is refused before anything is written: it
+// replaced the weights (or the config) with the gradients, and the checkpoint no longer loaded.
+TEST_F(GradsCli, AnOutThatIsACheckpointFileIsRefused) {
+  for (const char* file : {"model.safetensors", "config.json"}) {
+    const std::string target = model_dir() + "/" + file;
+    const uintmax_t size = fs::file_size(target);
+    std::string err;
+    EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", target}, &err), 1) << file;
+    EXPECT_NE(err.find("is an input of this command"), std::string::npos) << err;
+    EXPECT_EQ(fs::file_size(target), size) << file;
+  }
+  EXPECT_TRUE(load_checkpoint(model_dir()).ok());
+}
+
 TEST_F(GradsCli, MissingFlagsAndModelAreNamed) {
   std::string err;
   EXPECT_NE(run({"--model", model_dir(), "--ids", "3,4"}, &err), 0);

@@ -74,8 +74,10 @@ int cmd_grads(int argc, char** argv) {
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
   f.add("out", &out, "safetensors file to write", true);
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
-  // Checked before the forward and backward: a path they cannot take was refused only after.
-  if (std::string err; !check_out_file("--out", out, "grads.safetensors", false, &err))
+  // Checked before the forward and backward: a path they cannot take was refused only after. The
+  // checkpoint's own files are not to be written (the weights were replaced by gradients).
+  if (std::string err;
+      !check_out_file("--out", out, "grads.safetensors", false, &err, files_in(model)))
     return fail(err);
 
   auto ck = load_checkpoint(model);

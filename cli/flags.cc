@@ -71,6 +71,12 @@ void Flags::add(const std::string& name, std::string* out, const std::string& he
   f.set = [out](const std::string& v) { *out = v; return true; };
 }
 
+void Flags::add_nonempty(const std::string& name, std::string* out, const std::string& help,
+                         const std::string& if_empty) {
+  add(name, out, help);
+  flags_.back().if_empty = if_empty;
+}
+
 #define CEMLM_NUMERIC_FLAG(T, META, EXPECTED)                                                \
   void Flags::add(const std::string& name, T* out, const std::string& help, bool required) { \
     Flag& f = declare(name, help, required);                                                 \
@@ -220,6 +226,10 @@ int Flags::parse(int argc, char** argv) {
           return 2;
         }
       }
+    }
+    if (value.empty() && !f->if_empty.empty()) {
+      std::fprintf(stderr, "error: --%s is empty: %s\n", name.c_str(), f->if_empty.c_str());
+      return 2;
     }
     if (!f->set(value)) {
       std::fprintf(stderr, "error: option '--%s': expected %s, got '%s'\n", name.c_str(),

@@ -340,15 +340,18 @@ int cmd_serve(int argc, char** argv) {
               "SIGTERM/SIGINT drain in-flight requests, then exit 0 (at once while the model "
               "loads).");
   flags.add("model", &f.model, "checkpoint directory (config.json, model.safetensors, ...)", true);
-  flags.add("host", &f.host,
-            "address to listen on, gRPC and metrics (IPv4 or IPv6; :: takes both)");
+  flags.add_nonempty("host", &f.host,
+                     "address to listen on, gRPC and metrics (IPv4 or IPv6; :: takes both)",
+                     "name an address, such as 0.0.0.0, 127.0.0.1 or ::");
   flags.add("port", &f.port,
             "gRPC port; 0 picks a free one (printed on stdout as soon as it listens, before the "
             "model loads: health says SERVING once requests are served)");
   flags.add("metrics-port", &f.metrics_port, "HTTP port of /metrics; 0 picks a free one");
-  flags.add("metrics-host", &f.metrics_host,
-            "address /metrics listens on (default: --host's); 127.0.0.1 keeps it, which has no "
-            "authentication, off the network while gRPC listens on every interface");
+  flags.add_nonempty("metrics-host", &f.metrics_host,
+                     "address /metrics listens on (default: --host's); 127.0.0.1 keeps it, which "
+                     "has no authentication, off the network while gRPC listens on every "
+                     "interface",
+                     "name an address, or leave the flag out for --host's");
   flags.add("device", &f.device,
             "cpu (= cpu:fp32) | cpu:bf16 | cpu:int8 (product weights held in bf16, or in int8 "
             "with a scale per 32x32 block, computed in fp32: a half or a quarter of the weight "
@@ -384,15 +387,23 @@ int cmd_serve(int argc, char** argv) {
             "buffers; K/M/G suffixes; 0 = no bound): over it, it resets streams "
             "(RESOURCE_EXHAUSTED) and closes idle connections, so that clients sending bodies "
             "slowly cannot fill the server's memory, key or no key");
-  flags.add("api-key-file", &f.api_key_file,
-            "require 'authorization: Bearer KEY', one key a line; 'KEY max_priority=N' lets that "
-            "key's requests ask for a priority of at most N (above: PERMISSION_DENIED)");
+  flags.add_nonempty("api-key-file", &f.api_key_file,
+                     "require 'authorization: Bearer KEY', one key a line; 'KEY max_priority=N' "
+                     "lets that key's requests ask for a priority of at most N (above: "
+                     "PERMISSION_DENIED)",
+                     "name a file of keys, or leave the flag out to serve without keys");
   flags.add("max-priority", &f.max_priority,
             "the highest priority a request may ask for (above: PERMISSION_DENIED), unless its "
             "API key's line sets its own max_priority=; the default allows any, so that any "
             "client can preempt the others");
-  flags.add("tls-cert", &f.tls_cert, "PEM certificate chain (with --tls-key: serve TLS only)");
-  flags.add("tls-key", &f.tls_key, "PEM private key of --tls-cert");
+  // Empty, they served plaintext: API keys would cross the network in clear.
+  flags.add_nonempty("tls-cert", &f.tls_cert,
+                     "PEM certificate chain (with --tls-key: serve TLS only)",
+                     "name a PEM certificate file, or leave --tls-cert and --tls-key out to "
+                     "serve without TLS");
+  flags.add_nonempty("tls-key", &f.tls_key, "PEM private key of --tls-cert",
+                     "name a PEM private key file, or leave --tls-cert and --tls-key out to "
+                     "serve without TLS");
   flags.add("shutdown-timeout", &f.shutdown_timeout,
             "seconds to let requests finish on SIGTERM (0 to 1e6)");
   flags.add("max-connection-age", &f.max_connection_age,
@@ -414,14 +425,10 @@ int cmd_serve(int argc, char** argv) {
             "niceness (0..19) the engine's step and compute threads add to the process's, so "
             "that gRPC's threads read requests and write tokens without waiting behind a step");
   flags.add("log-level", &f.log_level, "trace | debug | info | warn | error | critical | off");
-  flags.add("model-name", &f.model_name, "name in metrics and GetModelInfo (default: DIR's name)");
+  flags.add_nonempty("model-name", &f.model_name,
+                     "name in metrics and GetModelInfo (default: DIR's name)",
+                     "name the model, or leave the flag out for its directory's name");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
-  if (flags.given("api-key-file") && f.api_key_file.empty()) {
-    std::fprintf(stderr,
-                 "error: --api-key-file is empty: name a file of keys, or leave the flag out to "
-                 "serve without keys\n");
-    return 2;
-  }
 
   // Logs go to stderr: stdout carries the port line and nothing else.
   spdlog::set_default_logger(spdlog::stderr_color_mt("serve"));

@@ -630,9 +630,16 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   EXPECT_NE(err_info.find("UNAUTHENTICATED"), std::string::npos) << err_info;
   ::unsetenv("CEMLM_API_KEY");
   EXPECT_NE(run_cemlm({"client", "info", "--addr", server->addr()}, &out_info, &err_info), 0);
-  // An empty --api-key-file is a mistake, not "no keys".
+  // An empty --api-key-file is a mistake, not "no keys"; so is an empty --tls-cert/--tls-key
+  // (it served plaintext), host, metrics host or model name.
   std::string out;
-  EXPECT_EQ(run_cemlm({"serve", "--model", model, "--api-key-file", ""}, &out), 2);
+  for (const char* flag :
+       {"--api-key-file", "--tls-cert", "--tls-key", "--host", "--metrics-host", "--model-name"}) {
+    std::string empty_err;
+    EXPECT_EQ(run_cemlm({"serve", "--model", model, flag, ""}, &out, &empty_err), 2) << flag;
+    EXPECT_NE(empty_err.find(std::string("error: ") + flag + " is empty: name "), std::string::npos)
+        << empty_err;
+  }
   // So is a key no client can send (gRPC metadata values are printable ASCII): refused by line.
   const std::string bad = fresh_temp_dir() + "/keys.txt";
   std::ofstream(bad) << "good-key\n# a comment: \xC3\xA9 is fine here\ncl\xC3\xA9\n";

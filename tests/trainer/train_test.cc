@@ -1387,6 +1387,15 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
   auto [rc2, err2] = cli(args);
   EXPECT_NE(rc2, 0);
   EXPECT_NE(err2.find("option '--data' needs at least one value"), std::string::npos) << err2;
+  // Nor is an empty path the default's: "--init $CKPT" with CKPT unset trained a new model.
+  for (const char* flag : {"--init", "--config", "--tokenizer", "--cache"}) {
+    auto empty = base;
+    empty.insert(empty.end(), {"--data", o.data[0], flag, ""});
+    std::tie(rc2, err2) = cli(empty);
+    EXPECT_EQ(rc2, 2) << flag;
+    EXPECT_NE(err2.find(std::string(flag) + " is empty: name "), std::string::npos) << err2;
+    EXPECT_FALSE(fs::exists(dir + "/bad/config.json")) << flag;
+  }
   args.insert(args.end(), {o.data[0], "--resume=no"});
   std::tie(rc2, err2) = cli(args);
   EXPECT_NE(rc2, 0);

@@ -90,17 +90,25 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
         "it)");
   f.add_bool("resume", &o.resume,
              "continue the run saved in --out (same options unless given again; bit-exact)");
-  f.add("config", &o.config_path, "model config.json (default: the built-in small CEM model)");
-  f.add("init", &o.init_dir, "start from this checkpoint's config, weights and tokenizer");
-  f.add("tokenizer", &o.tokenizer_path,
-        "SentencePiece model to use when the model has none (default: train one on --data)");
+  // Empty, these meant their defaults: "--init $CKPT" with CKPT unset trained a new model.
+  f.add_nonempty("config", &o.config_path,
+                 "model config.json (default: the built-in small CEM model)",
+                 "name a config.json, or leave the flag out for the built-in small model");
+  f.add_nonempty("init", &o.init_dir, "start from this checkpoint's config, weights and tokenizer",
+                 "name a checkpoint directory, or leave the flag out to train a new model");
+  f.add_nonempty(
+      "tokenizer", &o.tokenizer_path,
+      "SentencePiece model to use when the model has none (default: train one on --data)",
+      "name a .model file, or leave the flag out to train one on --data");
   f.add("vocab-size", &o.vocab_size,
         "vocabulary of a new model and of the tokenizer trained for it (0: the config's)");
   f.add_list("data", &t.data,
              std::string("UTF-8 text files or directories (walked recursively; .dat/.u8 skipped; "
                          "a line '%' separates documents) (default: ") +
                  kDefaultData + ")");
-  f.add("cache", &o.cache_dir, "token and tokenizer cache directory (default: <out>.cache)");
+  f.add_nonempty("cache", &o.cache_dir,
+                 "token and tokenizer cache directory (default: <out>.cache)",
+                 "name a directory, or leave the flag out for <out>.cache");
   f.add("val-fraction", &o.val_fraction,
         "share of each file's tokens (its end) held out for validation");
   f.add("steps", &o.steps, "optimizer updates in the whole run");

@@ -16,6 +16,10 @@ class Flags {
 
   // Declare flags. `name` without leading dashes. Defaults are the current values of *out.
   void add(const std::string& name, std::string* out, const std::string& help, bool required = false);
+  // A string flag whose empty value is refused (an unset variable in "--init $DIR" must not mean
+  // the default): "error: --NAME is empty: IF_EMPTY", which says what to give or leave out.
+  void add_nonempty(const std::string& name, std::string* out, const std::string& help,
+                    const std::string& if_empty);
   void add(const std::string& name, int* out, const std::string& help, bool required = false);
   void add(const std::string& name, int64_t* out, const std::string& help, bool required = false);
   // An integer in [0, 2^64) (a seed): a sign is refused, not wrapped.
@@ -40,6 +44,7 @@ class Flags {
     std::string name, help, default_text, metavar;
     bool required = false, is_bool = false, is_list = false, given = false;
     std::string expected;  // what a value must be, for the error when one does not parse
+    std::string if_empty;  // add_nonempty's advice; empty: an empty value is a value
     std::function<bool(const std::string&)> set;  // false: value does not parse
   };
   Flag& declare(const std::string& name, const std::string& help, bool required);

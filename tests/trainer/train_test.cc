@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -572,6 +573,25 @@ TEST(Train, ResumeWithoutTokenizerAndInitWithAnotherVocabularyAreRefused) {
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.status().message().find("--vocab-size 999"), std::string::npos) << st.status();
   EXPECT_FALSE(fs::exists(init.out_dir + "/config.json"));
+  // A --cache in --init's checkpoint is refused before it is written: its tokens.bin made the
+  // checkpoint one that no run could save or resume into.
+  init.vocab_size = 0;
+  auto names = [](const std::string& d) {
+    std::set<std::string> n;
+    for (const auto& e : fs::directory_iterator(d)) n.insert(e.path().filename().string());
+    return n;
+  };
+  const auto before = names(o.out_dir);
+  for (const std::string& cache : {o.out_dir, o.out_dir + "/cache"}) {
+    init.cache_dir = cache;
+    st = train(init);
+    ASSERT_FALSE(st.ok()) << cache;
+    EXPECT_NE(st.status().message().find("--init"), std::string::npos) << st.status();
+    EXPECT_NE(st.status().message().find("choose a --cache outside it"), std::string::npos)
+        << st.status();
+    EXPECT_EQ(names(o.out_dir), before) << cache;
+  }
+  init.cache_dir.clear();
 
   fs::remove(o.out_dir + "/tokenizer.model");
   o.resume = true;

@@ -255,19 +255,30 @@ absl::Status Trainer::load_model() {
 }
 
 // A save replaces --out whole (a checkpoint directory holds the checkpoint alone), so a --cache
-// there would be refused at the first save, after the training, or lost with it.
+// there would be refused at the first save, after the training, or lost with it. In --init's
+// checkpoint, the cache's files made it a directory no run could save or resume into.
 absl::Status Trainer::check_cache_outside_out() const {
   std::error_code ec;
-  const fs::path out = fs::weakly_canonical(fs::absolute(out_path()), ec);
   const fs::path cache = fs::weakly_canonical(fs::absolute(cache_path()), ec);
   if (ec) return absl::OkStatus();  // what cannot be resolved is reported where it is used
-  const fs::path rel = cache.lexically_relative(out);
-  if (rel.empty() || *rel.begin() == "..") return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--cache '", o_.cache_dir, "' is ", rel == "." ? "--out itself" : "inside --out", " ('",
-      o_.out_dir,
-      "'), which every save replaces with the checkpoint alone: choose a --cache outside it, or "
-      "leave it out (the default is '<out>.cache' beside it)"));
+  const std::pair<const char*, std::string> checkpoints[] = {{"--out", o_.out_dir},
+                                                             {"--init", o_.init_dir}};
+  for (const auto& [flag, dir] : checkpoints) {
+    if (dir.empty()) continue;
+    const fs::path checkpoint = fs::weakly_canonical(fs::absolute(dir), ec);
+    if (ec) continue;
+    const fs::path rel = cache.lexically_relative(checkpoint);
+    if (rel.empty() || *rel.begin() == "..") continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--cache '", o_.cache_dir, "' is ",
+        rel == "." ? absl::StrCat(flag, " itself") : absl::StrCat("inside ", flag), " ('", dir,
+        "'), ",
+        std::string_view(flag) == "--out" ? "which every save replaces with the checkpoint alone"
+                                          : "a checkpoint, which holds its own files alone",
+        ": choose a --cache outside it, or leave it out (the default is '<out>.cache' beside "
+        "--out)"));
+  }
+  return absl::OkStatus();
 }
 
 // One run at a time writes --out: a second would save over the first's checkpoint, and its

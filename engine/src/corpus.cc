@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <vector>
 
 #include "cemlm/engine/utf8.h"
@@ -113,11 +114,25 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
     out->push_back(path);
     return true;
   }
+  // Links to directories are walked too (they were left out, uncounted): a link back to a
+  // directory being walked is not (a loop), and a file reached twice counts once, by the first of
+  // its paths in sorted order.
   std::vector<std::string> found;
-  fs::recursive_directory_iterator it(path, ec), end;
-  for (; !ec && it != end; it.increment(ec)) {
+  std::vector<fs::path> walking = {fs::canonical(path, ec)};  // [d]: the directory at depth d - 1
+  fs::recursive_directory_iterator it(path, fs::directory_options::follow_directory_symlink, ec);
+  for (const fs::recursive_directory_iterator end; !ec && it != end; it.increment(ec)) {
     if (it->path().filename().string().starts_with(".")) {
       if (it->is_directory(ec)) it.disable_recursion_pending();
+      continue;
+    }
+    if (it->is_directory(ec)) {
+      walking.resize(size_t(it.depth()) + 1);
+      std::error_code resolve;
+      fs::path dir = fs::canonical(it->path(), resolve);
+      if (resolve || std::find(walking.begin(), walking.end(), dir) != walking.end())
+        it.disable_recursion_pending();
+      else
+        walking.push_back(std::move(dir));
       continue;
     }
     if (it->is_regular_file(ec)) found.push_back(it->path().string());
@@ -127,7 +142,10 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
     return false;
   }
   std::sort(found.begin(), found.end());
-  out->insert(out->end(), found.begin(), found.end());
+  std::set<fs::path> files;
+  for (const std::string& f : found)
+    if (std::error_code resolve; files.insert(fs::canonical(f, resolve)).second || resolve)
+      out->push_back(f);
   return true;
 }
 

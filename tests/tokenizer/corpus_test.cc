@@ -85,6 +85,27 @@ TEST_F(CorpusTest, CollectsSortedTextFilesAndSkipsTheRest) {
                                                dir_ + "/sub/c.dat", dir_ + "/sub/c.u8"}));
 }
 
+// A link to a directory is walked like one (it was left out, and not counted as skipped); a link
+// back to a directory being walked is not (a loop), and a file reached by two paths is read once.
+TEST_F(CorpusTest, LinkedDirectoriesAreWalkedOnce) {
+  namespace fs = std::filesystem;
+  write_file(dir_ + "/shared/e.txt", "ee\n");
+  fs::create_directory(dir_ + "/top");
+  fs::create_directory_symlink(dir_ + "/shared", dir_ + "/top/more");   // another tree
+  fs::create_directory_symlink(dir_ + "/top", dir_ + "/top/again");     // a loop
+  fs::create_directory_symlink(dir_ + "/shared", dir_ + "/top/twice");  // the same again
+  fs::create_symlink(dir_ + "/missing", dir_ + "/top/dangling");
+  std::vector<std::string> files, skipped;
+  std::string error;
+  ASSERT_TRUE(collect_text_files({dir_ + "/top"}, &files, &error, &skipped)) << error;
+  EXPECT_EQ(files, std::vector<std::string>{dir_ + "/top/more/e.txt"});
+  EXPECT_TRUE(skipped.empty()) << testing::PrintToString(skipped);
+  files.clear();
+  ASSERT_TRUE(collect_text_files({dir_}, &files, &error)) << error;
+  EXPECT_EQ(files, (std::vector<std::string>{dir_ + "/a.txt", dir_ + "/b.txt",
+                                             dir_ + "/shared/e.txt", dir_ + "/sub/c"}));
+}
+
 TEST_F(CorpusTest, KeepsTheOrderOfExplicitInputs) {
   std::vector<std::string> files;
   std::string error;

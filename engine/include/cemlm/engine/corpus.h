@@ -18,7 +18,8 @@ bool read_file(const std::string& path, std::string* bytes, std::string* error,
 bool read_text_file(const std::string& path, std::string* text, std::string* error);
 
 // Expands `paths` (files, or directories walked recursively in sorted order, hidden entries
-// skipped) into the text files to train on, in input order. Skips `.dat`/`.u8` files (the strfile
+// skipped, links to directories followed but not around a loop, a file reached by two paths of a
+// directory taken once) into the text files to train on, in input order. Skips `.dat`/`.u8` files (the strfile
 // indexes and symlinked duplicates of Debian's fortunes) and binary or non-UTF-8 files, listing
 // them in `*skipped` when given, and in `*why_skipped` (beside them, one for one) why: empty for
 // a file left out by its name, unread, else "'path' is not UTF-8 text: ..." with the offending

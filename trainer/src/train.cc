@@ -370,7 +370,10 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
     // The key names the data and vocabulary it was trained for, and the model file's hash: a save
     // interrupted between the two files, or another run sharing --cache that replaced the model,
     // leaves a key that matches no model, and the tokenizer is trained again.
-    const std::string key = absl::StrCat(absl::Hex(corpus.key), "-", cfg_.vocab_size);
+    auto key_for = [&](int vocab_size) {
+      return absl::StrCat(absl::Hex(corpus.key), "-", vocab_size);
+    };
+    const std::string key = key_for(cfg_.vocab_size);
     std::string cached, error;
     const absl::StatusOr<uint64_t> model_hash = hash_file(tokenizer_path_);
     std::unique_ptr<Tokenizer> loads;
@@ -431,9 +434,12 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       info(absl::StrCat("tokenizer: trained on ", stats.files, " files (",
                         absl::SixDigits(double(stats.bytes) / 1e6), " MB)"));
       // The hash of the bytes trained, not of the file now: a run sharing --cache may have
-      // replaced it since, and the key must not vouch for that one.
-      CEMLM_RETURN_IF_ERROR(write_text(in_cache(kTokenizerKeyFile),
-                                       absl::StrCat(key, " ", absl::Hex(hash_bytes(stats.model)))));
+      // replaced it since, and the key must not vouch for that one. The key names the pieces
+      // trained: fewer than the --init model's vocabulary, it is no tokenizer for a new model of
+      // that vocabulary (such a run reused it, where a fresh --cache refused it).
+      CEMLM_RETURN_IF_ERROR(
+          write_text(in_cache(kTokenizerKeyFile),
+                     absl::StrCat(key_for(t.vocab_size), " ", absl::Hex(hash_bytes(stats.model)))));
     }
   }
   std::string error, again;

@@ -56,9 +56,10 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
       key = absl::StripTrailingAsciiWhitespace(key.substr(0, space));
     }
     // Anything else with the word is a cap written wrong ("max_priority = 5", a line of the cap
-    // alone, a comment after it): refused, as it would have made a key that anyone could guess or
-    // that nobody meant.
-    if (absl::StrContains(key, "max_priority"))
+    // alone, a comment after it, MAX_PRIORITY=5, max-priority=5 as the flag is spelt): refused, as
+    // it would have made a key that anyone could guess or that nobody meant.
+    if (const std::string lower = absl::AsciiStrToLower(key);
+        absl::StrContains(lower, "max_priority") || absl::StrContains(lower, "max-priority"))
       return absl::InvalidArgumentError(absl::StrCat(
           where,
           ": write a key's cap as its line's last word, 'KEY max_priority=N', after the "
@@ -100,9 +101,11 @@ grpc::Status ApiKeys::check(const Metadata& md, std::optional<int>* max_priority
                         "the call carries " + std::to_string(n) +
                             " 'authorization' metadata entries; send exactly one");
   absl::string_view value(it->second.data(), it->second.size());
-  // The scheme is case-insensitive (RFC 7235 §2.1): "bearer KEY" is as good as "Bearer KEY".
-  const Key* key =
-      absl::StartsWithIgnoreCase(value, kBearer) ? find(value.substr(kBearer.size())) : nullptr;
+  // The scheme is case-insensitive (RFC 7235 §2.1): "bearer KEY" is as good as "Bearer KEY";
+  // spaces after it and at the end are none of the key (RFC 9110 §11.4, §5.5), as in the key file.
+  const Key* key = absl::StartsWithIgnoreCase(value, kBearer)
+                       ? find(absl::StripAsciiWhitespace(value.substr(kBearer.size())))
+                       : nullptr;
   if (!key)
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "invalid API key in the 'authorization' metadata");

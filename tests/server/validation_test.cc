@@ -587,6 +587,9 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   EXPECT_TRUE(generate(server->channel(), req, {"alpha-key", t, "BEARER"}).status.ok());
   EXPECT_EQ(generate(server->channel(), req, {"alpha-key", t, "Basic"}).status.error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
+  // Spaces after the scheme, or at the end, are none of the key (RFC 9110), as in the key file.
+  EXPECT_TRUE(generate(server->channel(), req, {"alpha-key", t, "Bearer "}).status.ok());
+  EXPECT_TRUE(generate(server->channel(), req, {"alpha-key  ", t}).status.ok());
   // Two keys, whichever comes first: no telling which one a proxy on the way added.
   for (const auto& keys : {std::pair{"alpha-key", "wrong"}, {"wrong", "alpha-key"}}) {
     grpc::ClientContext context;
@@ -724,8 +727,10 @@ TEST(ServerAuth, PriorityIsCappedByTheKeyOrTheServer) {
   }
   // So is a cap written any other way (each would have made a key of the whole line: the cap
   // alone one that anyone could guess), and a key given twice (which line's cap would hold?).
-  for (const std::string bad : {"max_priority=5", "other-key max_priority= 5",
-                                "other-key max_priority = 5", "other-key max_priority=5 # ops"}) {
+  for (const std::string bad :
+       {"max_priority=5", "other-key max_priority= 5", "other-key max_priority = 5",
+        "other-key max_priority=5 # ops", "MAX_PRIORITY=5", "other-key Max_Priority=0",
+        "other-key max-priority=0"}) {
     std::ofstream(keys) << "good-key\n" << bad << "\n";
     std::string out, err;
     EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", keys}, &out, &err), 0);

@@ -193,6 +193,13 @@ int serve(const ServeFlags& f, sigset_t* signals) {
         absl::StrCat("--tls-key '", f.tls_key,
                      "' holds no PEM private key (no '-----BEGIN … PRIVATE KEY-----' line): give "
                      "the key of --tls-cert in PEM")));
+  // PKCS#8 ("ENCRYPTED PRIVATE KEY") or OpenSSL's traditional form ("Proc-Type: 4,ENCRYPTED"):
+  // gRPC said only "Invalid private key".
+  if (!f.tls_key.empty() && opts.tls_key_pem.find("ENCRYPTED") != std::string::npos)
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--tls-key '", f.tls_key,
+        "' is encrypted (protected by a passphrase), which the server cannot ask for: give it "
+        "the key unencrypted (openssl pkey -in KEY -out PLAIN.pem), readable by its user only")));
 
   auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name);
   const std::string& metrics_host = f.metrics_host.empty() ? f.host : f.metrics_host;

@@ -1108,8 +1108,12 @@ TEST(ServerTls, CallsWithoutAKeyAreRefusedBeforeTheirBodies) {
 TEST(ServerTls, BadCertificateOrKeyIsNamed) {
   const std::string dir = fresh_temp_dir();
   const std::string cert = dir + "/cert.pem", key = dir + "/key.pem", other = dir + "/other.pem";
+  const std::string encrypted = dir + "/encrypted.pem";
   if (!make_certificate(dir) ||
-      std::system(("openssl genrsa -out " + other + " 2048 >/dev/null 2>&1").c_str()) != 0)
+      std::system(("openssl genrsa -out " + other + " 2048 >/dev/null 2>&1").c_str()) != 0 ||
+      std::system(("openssl pkey -in " + key + " -aes256 -passout pass:secret -out " + encrypted +
+                   " >/dev/null 2>&1")
+                      .c_str()) != 0)
     GTEST_SKIP() << "openssl is not available";
   const std::string model = make_tiny_model(dir), notes = dir + "/notes.txt";
   std::ofstream(notes) << "not PEM\n";
@@ -1121,6 +1125,7 @@ TEST(ServerTls, BadCertificateOrKeyIsNamed) {
       {cert, notes, "--tls-key '" + notes + "' holds no PEM private key"},
       {cert, other,
        "--tls-cert and --tls-key are not a valid certificate chain and its private key"},
+      {cert, encrypted, "--tls-key '" + encrypted + "' is encrypted (protected by a passphrase)"},
   };
   for (const Case& c : cases) {
     std::string out, err;

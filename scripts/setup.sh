@@ -18,7 +18,8 @@ PACKAGES=(
 # promtool, for the deploy checks of the alert rules: the prometheus package's. Its install also
 # starts and enables a Prometheus server on :9090, which is stopped and disabled again below.
 # python3-h2: the raw HTTP/2 client of the server's slow-body test (tests/server/body_flood.py).
-TEST_PACKAGES=(prometheus python3-h2)
+# openssl: the certificates of the TLS tests (a minimal Debian 12 has no openssl command).
+TEST_PACKAGES=(prometheus python3-h2 openssl)
 [ "${CEMLM_SETUP_TESTS:-0}" = 1 ] && PACKAGES+=("${TEST_PACKAGES[@]}")
 
 missing=()

@@ -1049,7 +1049,8 @@ std::shared_ptr<grpc::ChannelCredentials> trusting(const std::string& dir) {
 TEST(ServerTls, ServesOverTls) {
   const std::string dir = fresh_temp_dir();
   const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
-  if (!make_certificate(dir)) GTEST_SKIP() << "openssl is not available";
+  if (!make_certificate(dir))
+    GTEST_SKIP() << "openssl is not installed (scripts/setup.sh installs it for the tests)";
   auto server = ServerProcess::start(make_tiny_model(dir), {"--tls-cert", cert, "--tls-key", key},
                                      trusting(dir));
   ASSERT_TRUE(server);
@@ -1081,7 +1082,8 @@ TEST(ServerTls, CallsWithoutAKeyAreRefusedBeforeTheirBodies) {
   if (std::system("/usr/bin/python3 -c 'import h2' 2>/dev/null") != 0)
     GTEST_SKIP() << "python3-h2 is not installed (scripts/setup.sh installs it for the tests)";
   const std::string dir = fresh_temp_dir();
-  if (!make_certificate(dir)) GTEST_SKIP() << "openssl is not available";
+  if (!make_certificate(dir))
+    GTEST_SKIP() << "openssl is not installed (scripts/setup.sh installs it for the tests)";
   std::ofstream(dir + "/keys.txt") << "alpha-key\n";
   auto server =
       ServerProcess::start(make_tiny_model(dir),
@@ -1114,7 +1116,7 @@ TEST(ServerTls, BadCertificateOrKeyIsNamed) {
       std::system(("openssl pkey -in " + key + " -aes256 -passout pass:secret -out " + encrypted +
                    " >/dev/null 2>&1")
                       .c_str()) != 0)
-    GTEST_SKIP() << "openssl is not available";
+    GTEST_SKIP() << "openssl is not installed (scripts/setup.sh installs it for the tests)";
   const std::string model = make_tiny_model(dir), notes = dir + "/notes.txt";
   std::ofstream(notes) << "not PEM\n";
   struct Case {

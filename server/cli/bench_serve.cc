@@ -194,12 +194,15 @@ void print_row(const char* name, const std::vector<double>& v) {
               percentile(v, 90), percentile(v, 99), mean, v.size());
 }
 
-void print_report(const BenchFlags& f, const std::string& addr, int connections, const Samples& s,
-                  double wall_s) {
+// `default_T`: the model's recursion.default (GetModelInfo), which --recursion 0 asks for.
+void print_report(const BenchFlags& f, const std::string& addr, int connections, int default_T,
+                  const Samples& s, double wall_s) {
+  const std::string T = f.recursion > 0 ? std::to_string(f.recursion)
+                                        : std::to_string(default_T) + " (the model's default)";
   std::printf(
-      "cemlm bench-serve  addr %s  concurrency %d  connections %d  requests %d  T %d  prompt %d  "
+      "cemlm bench-serve  addr %s  concurrency %d  connections %d  requests %d  T %s  prompt %d  "
       "new tokens %d\nclient machine: %u cores\n\n",
-      addr.c_str(), f.concurrency, connections, f.requests, f.recursion, f.prompt_len,
+      addr.c_str(), f.concurrency, connections, f.requests, T.c_str(), f.prompt_len,
       f.max_new_tokens, std::thread::hardware_concurrency());
   std::printf("%-20s %10s %10s %10s %10s %8s\n", "latency (ms)", "p50", "p90", "p99", "mean", "n");
   print_row("ttft", s.ttft);
@@ -273,7 +276,7 @@ int cmd_bench_serve(int argc, char** argv) {
   }
   const auto start = SteadyClock::now();
   const Samples all = Driver(stubs, c, f, info.vocab_size()).run();
-  print_report(f, c.addr, n_conn, all, ms_since(start) / 1e3);
+  print_report(f, c.addr, n_conn, info.default_recursion_depth(), all, ms_since(start) / 1e3);
   return all.errors.empty() ? 0 : 1;
 }
 

@@ -22,6 +22,7 @@ class ScriptedInference final : public v1::Inference::Service {
                             v1::ModelInfo* info) override {
     info->set_vocab_size(100);
     info->set_max_context(64);
+    info->set_default_recursion_depth(3);
     return grpc::Status::OK;
   }
   grpc::Status Generate(grpc::ServerContext*, const v1::GenerateRequest* request,
@@ -67,6 +68,8 @@ TEST_F(BenchServe, StreamsThatFailPartWayAreLeftOutOfTheLatencies) {
                       &out),
             1);  // errors: exit 1
   EXPECT_NE(out.find("ok 4  errors 4  INTERNAL=4"), std::string::npos) << out;
+  // Without --recursion, the T the server runs: its model's default, not "0".
+  EXPECT_NE(out.find("  T 3 (the model's default)  "), std::string::npos) << out;
   EXPECT_NE(out.find("INTERNAL, first: scripted failure"), std::string::npos) << out;
   // The last column of each row is its sample count.
   auto count_of = [&](const std::string& row) {

@@ -207,8 +207,10 @@ std::string log_escaped(std::string_view s) {
   return out;
 }
 
-// A cancellation this close to a call's deadline is taken for the deadline's.
+// A cancellation this close to a call's deadline is taken for the deadline's, and this share of
+// the time from the call's arrival to its deadline on top (see deadline_reached).
 constexpr auto kDeadlineSlack = std::chrono::milliseconds(20);
+constexpr int kDeadlineSlackShare = 50;  // 1/50: 2%
 
 // The call's deadline on this process's steady clock; max() for none. Read from gRPC's own
 // timespec: its system_clock deadline() wraps past the year 2262, so a legal grpc-timeout of
@@ -223,16 +225,27 @@ Clock::time_point steady_deadline(const grpc::ServerContextBase& context) {
   return Clock::now() + std::chrono::seconds(left.tv_sec) + std::chrono::nanoseconds(left.tv_nsec);
 }
 
-// gRPC ends a call whose deadline passed by cancelling it, and that cancellation (the client's
-// timer runs a transit time ahead of this deadline; gRPC's own converts between clocks) can come
-// a little before this clock reaches the deadline: such a call ended by its deadline. Nothing
-// tells a client's deadline from its cancel (both send RST_STREAM CANCEL; gRPC's own status for
-// it compares with the deadline too), and this deadline starts when gRPC read the headers. A
-// deadline's cancel more than the slack early (its headers waited that long to be read, as under
-// load) counts as CANCELLED: a wider slack would count clients' own cancels that close to their
-// deadlines as DEADLINE_EXCEEDED instead.
-bool deadline_reached(const grpc::ServerContextBase& context) {
-  return steady_deadline(context) - kDeadlineSlack <= Clock::now();
+// The slack of deadline_reached for a call that arrived at `arrival` with `deadline`.
+Clock::duration deadline_slack(Clock::time_point deadline, Clock::time_point arrival) {
+  if (deadline == Clock::time_point::max() || deadline <= arrival) return kDeadlineSlack;
+  return kDeadlineSlack + (deadline - arrival) / kDeadlineSlackShare;
+}
+
+// gRPC ends a call whose deadline passed by cancelling it, and that cancellation can come before
+// this clock reaches the deadline: such a call ended by its deadline. The client's timer runs a
+// transit time ahead of this deadline (gRPC's own converts between clocks), and a gRPC client
+// rounds the grpc-timeout it sends up to two or three significant digits (2 s is sent as 2010m,
+// 15 s as 15100m, 120 s as 121S): its own timer cancels the call up to 1% of its timeout before
+// this deadline. Nothing tells a client's deadline from its cancel (both send RST_STREAM CANCEL;
+// gRPC's own status for it compares with the deadline too), and this deadline starts when gRPC
+// read the headers. So a cancel within 20 ms plus 2% of the call's time (from `arrival`, when the
+// service got it, to its deadline) counts as the deadline's: with 20 ms alone, every deadline of
+// 10 s or more counted as CANCELLED, and was logged as cancelled by its client. One earlier (its
+// headers waited that long to be read, as under load) counts as CANCELLED: a wider slack would
+// count clients' own cancels that close to their deadlines as DEADLINE_EXCEEDED instead.
+bool deadline_reached(const grpc::ServerContextBase& context, Clock::time_point arrival) {
+  const Clock::time_point deadline = steady_deadline(context);
+  return deadline - deadline_slack(deadline, arrival) <= Clock::now();
 }
 
 // What the client of a unary call sees once its handler returns `status`: gRPC sends no status
@@ -242,10 +255,11 @@ bool deadline_reached(const grpc::ServerContextBase& context) {
 // last chunk past the deadline returned OK; one that the deadline's cancellation stopped between
 // two chunks returned CANCELLED), and one its client cancelled ended CANCELLED even when the
 // handler finished it (other errors, such as UNAVAILABLE at shutdown, stay as they are).
-grpc::Status as_client_saw(const grpc::ServerContext& context, grpc::Status status) {
+grpc::Status as_client_saw(const grpc::ServerContext& context, Clock::time_point arrival,
+                           grpc::Status status) {
   const bool past_deadline = steady_deadline(context) <= Clock::now();
   if (!past_deadline && !context.IsCancelled()) return status;
-  if (past_deadline || deadline_reached(context)) {
+  if (past_deadline || deadline_reached(context, arrival)) {
     if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) return status;
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                         status.ok()
@@ -371,7 +385,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       // deadline (or after its client cancelled) finished normally, but its client has seen
       // DEADLINE_EXCEEDED (CANCELLED) and gets none of the end.
       if (final_status_.ok() && (client_cancelled_ || steady_deadline(*context_) <= Clock::now()))
-        final_status_ = deadline_reached(*context_)
+        final_status_ = deadline_reached(*context_, arrival_)
                             ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                                            "deadline exceeded before the last token")
                             : grpc::Status(grpc::StatusCode::CANCELLED,
@@ -425,7 +439,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
           return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                               "the server shut down before the request finished "
                               "(--shutdown-timeout)");
-        if (deadline_reached(*context_))
+        if (deadline_reached(*context_, arrival_))
           return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
         return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
       default:
@@ -458,7 +472,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       // cancellation ended the call (one the server cancelled unread counts as the engine
       // finished it, and in unread_streams_cancelled_total).
       if (final_status_.ok() && !unread_cancelled_)
-        final_status_ = deadline_reached(*context_)
+        final_status_ = deadline_reached(*context_, arrival_)
                             ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                                            "deadline exceeded before the stream was read")
                             : grpc::Status(grpc::StatusCode::CANCELLED,
@@ -613,7 +627,7 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
   const Clock::time_point start = Clock::now();
   grpc::Status status = state_->admit(*context);
   if (status.ok()) {
-    status = as_client_saw(*context, to_grpc_status(body(state_->engine())));
+    status = as_client_saw(*context, start, to_grpc_status(body(state_->engine())));
     state_->release();
   }
   state_->metrics().count_rpc(method, status.error_code());
@@ -713,7 +727,11 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
  public:
   MalformedBodyInterceptor(ServerState* state, grpc::experimental::ServerRpcInfo* info,
                            std::string method, std::string message)
-      : state_(state), info_(info), method_(std::move(method)), message_(std::move(message)) {}
+      : state_(state),
+        info_(info),
+        method_(std::move(method)),
+        message_(std::move(message)),
+        arrival_(Clock::now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
     using Hook = grpc::experimental::InterceptionHookPoints;
@@ -784,7 +802,7 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
   void record(bool cancelled) {
     grpc::ServerContextBase* const ctx = info_->server_context();
     if (cancelled) {
-      state_->metrics().count_rpc(method_.c_str(), deadline_reached(*ctx)
+      state_->metrics().count_rpc(method_.c_str(), deadline_reached(*ctx, arrival_)
                                                        ? grpc::StatusCode::DEADLINE_EXCEEDED
                                                        : grpc::StatusCode::CANCELLED);
       return;
@@ -819,20 +837,20 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
     if (deadline <= Clock::now())
       code = grpc::StatusCode::DEADLINE_EXCEEDED;
     else if (ctx->IsCancelled())
-      code = deadline_reached(*ctx) ? grpc::StatusCode::DEADLINE_EXCEEDED
-                                    : grpc::StatusCode::CANCELLED;
+      code = deadline_reached(*ctx, arrival_) ? grpc::StatusCode::DEADLINE_EXCEEDED
+                                              : grpc::StatusCode::CANCELLED;
     constexpr auto kLook = std::chrono::microseconds(250);
-    const bool near_deadline = deadline_reached(*ctx);
-    const Clock::time_point until = near_deadline
-                                        ? deadline
-                                        : std::min(Clock::now() + std::chrono::milliseconds(20),
-                                                   deadline - kDeadlineSlack - kLook);
+    const bool near_deadline = deadline_reached(*ctx, arrival_);
+    const Clock::time_point until =
+        near_deadline ? deadline
+                      : std::min(Clock::now() + std::chrono::milliseconds(20),
+                                 deadline - deadline_slack(deadline, arrival_) - kLook);
     if (code == grpc::StatusCode::OK && state_->begin_bodyless_look()) {
       while (code == grpc::StatusCode::OK && Clock::now() < until) {
         std::this_thread::sleep_for(std::min<Clock::duration>(kLook, until - Clock::now()));
         if (ctx->IsCancelled())
-          code = deadline_reached(*ctx) ? grpc::StatusCode::DEADLINE_EXCEEDED
-                                        : grpc::StatusCode::CANCELLED;
+          code = deadline_reached(*ctx, arrival_) ? grpc::StatusCode::DEADLINE_EXCEEDED
+                                                  : grpc::StatusCode::CANCELLED;
       }
       state_->end_bodyless_look();
       if (code == grpc::StatusCode::OK && near_deadline) code = grpc::StatusCode::DEADLINE_EXCEEDED;
@@ -845,6 +863,7 @@ class MalformedBodyInterceptor final : public grpc::experimental::Interceptor {
   ServerState* const state_;
   grpc::experimental::ServerRpcInfo* const info_;
   const std::string method_, message_;
+  const Clock::time_point arrival_;  // about when the call arrived (its interceptors are made)
   bool malformed_ = false;
   // The status and the close may come on two threads (gRPC runs a call's close where it lands).
   std::mutex mu_;

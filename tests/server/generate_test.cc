@@ -801,9 +801,10 @@ TEST(ServerQueue, StreamsUnreadPastTheTimeoutMakeRoom) {
 // saw it: DEADLINE_EXCEEDED when the call's deadline ended it while the last messages waited for
 // the client to read, CANCELLED when the client cancelled it then. Both were counted OK, and as
 // successes. (Those the server cancels unread, at --unread-timeout, stay counted as the engine
-// finished them.) The timed call goes by hand, so that only the server's deadline ends it: a gRPC
-// client's own timer sends its cancel at the same moment, and under load the server, whose deadline
-// starts when it has read the call's headers, then saw a cancel before its deadline.
+// finished them.) One timed call goes by hand, so that only the server's deadline ends it; the
+// other's gRPC client cancels it by its own timer before the server's deadline (by the rounding of
+// the timeout it sent, and by how late the server read the headers): within 20 ms plus 2% of the
+// call's time, that is the deadline's cancel.
 TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(model, {"--unread-timeout", "600"});
@@ -819,8 +820,13 @@ TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
                 {{"grpc-timeout", "10S"}}, 1024);
   grpc::ClientContext cancelled;
   auto cancelled_reader = stub->Generate(&cancelled, req);
+  // A gRPC client's deadline too: it sends 10.55 s rounded up (10.6 s: 10600m), and its own timer
+  // cancels the call ~50 ms before the server's deadline, which counted it CANCELLED.
+  grpc::ClientContext client_timed;
+  client_timed.set_deadline(std::chrono::system_clock::now() + 10550ms);
+  auto client_timed_reader = stub->Generate(&client_timed, req);
   ASSERT_TRUE(wait_for_metrics(*server, [](const auto& m) {
-    return metric(m, "cemlm:generation_tokens_total") >= 800 &&
+    return metric(m, "cemlm:generation_tokens_total") >= 1200 &&
            metric(m, "cemlm:num_requests_running") == 0 &&
            metric(m, "cemlm:num_requests_waiting") == 0;
   })) << server->metrics_text();
@@ -836,11 +842,12 @@ TEST(ServerQueue, AFinishedStreamItsClientNeverGotCountsAsItsClientSawIt) {
       });
   EXPECT_EQ(end, RawCall::End::kStopped);
   EXPECT_TRUE(status == -1 || status == int(grpc::StatusCode::DEADLINE_EXCEEDED)) << status;
+  EXPECT_EQ(client_timed_reader->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_TRUE(wait_for_metrics(*server, [](const auto& m) {
-    return metric(m, "cemlm:requests_total", "method=\"Generate\"") == 2;
+    return metric(m, "cemlm:requests_total", "method=\"Generate\"") == 3;
   })) << server->metrics_text();
   const auto m = parse_metrics(server->metrics_text());
-  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"DEADLINE_EXCEEDED\",method=\"Generate\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"DEADLINE_EXCEEDED\",method=\"Generate\""), 2);
   EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"CANCELLED\",method=\"Generate\""), 1);
   EXPECT_EQ(metric(m, "cemlm:request_success_total"), 0);
   EXPECT_EQ(metric(m, "cemlm:unread_streams_cancelled_total"), 0);

@@ -159,6 +159,7 @@ void InferenceServer::shutdown() {
   // connections, which an idle client keeping its channel never does, so once no call of ours
   // is left it only waits long enough for the last unary responses to go out.
   const bool idle = state_->drain(std::chrono::seconds(2));
+  state_->stop_calls();
   server_->Shutdown(std::chrono::system_clock::now() +
                     (idle ? std::chrono::milliseconds(100) : std::chrono::milliseconds(0)));
   server_->Wait();

@@ -385,11 +385,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       // deadline (or after its client cancelled) finished normally, but its client has seen
       // DEADLINE_EXCEEDED (CANCELLED) and gets none of the end.
       if (final_status_.ok() && (client_cancelled_ || steady_deadline(*context_) <= Clock::now()))
-        final_status_ = deadline_reached(*context_, arrival_)
-                            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                           "deadline exceeded before the last token")
-                            : grpc::Status(grpc::StatusCode::CANCELLED,
-                                           "cancelled by the client before the last token");
+        final_status_ = ended_before("the last token");
       if (final_status_.ok()) {
         set_final(event, request_id_, &pending_);
         has_pending_ = true;
@@ -439,13 +435,22 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
           return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                               "the server shut down before the request finished "
                               "(--shutdown-timeout)");
-        if (deadline_reached(*context_, arrival_))
-          return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
-        return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+        return ended_before("the request finished");
       default:
         return event.error.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "engine error")
                                 : to_grpc_status(event.error);
     }
+  }
+
+  // The status of a call ended before `what`, as its client saw it: its deadline, gRPC's stop of
+  // the calls left at the end of a shutdown (UNAVAILABLE: counted CANCELLED before), or its
+  // client's cancel.
+  grpc::Status ended_before(const std::string& what) const {
+    if (deadline_reached(*context_, arrival_))
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded before " + what);
+    if (state_->stopping())  // its last write failed, or it was cancelled: gRPC stops the calls
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server shut down before " + what);
+    return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client before " + what);
   }
 
   // Starts the next write or the Finish if one is due and none is in flight. Decides under the
@@ -472,11 +477,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       // cancellation ended the call (one the server cancelled unread counts as the engine
       // finished it, and in unread_streams_cancelled_total).
       if (final_status_.ok() && !unread_cancelled_)
-        final_status_ = deadline_reached(*context_, arrival_)
-                            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                           "deadline exceeded before the stream was read")
-                            : grpc::Status(grpc::StatusCode::CANCELLED,
-                                           "cancelled by the client before the stream was read");
+        final_status_ = ended_before("the stream was read");
       record_metrics();
       const grpc::Status status = final_status_;
       lock.unlock();

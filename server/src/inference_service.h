@@ -111,6 +111,9 @@ class ServerState {
   void set_engine(Engine* engine) { engine_.store(engine); }
   Engine& engine() const { return *engine_.load(); }
   bool draining() const { return draining_.load(); }
+  // gRPC is about to cancel the calls left (the end of a shutdown): their clients see UNAVAILABLE.
+  void stop_calls() { stopping_.store(true); }
+  bool stopping() const { return stopping_.load(); }
   // Refuses new calls from now on; true once no admitted call is left, false at the timeout.
   bool drain(Clock::duration timeout);
 
@@ -133,7 +136,7 @@ class ServerState {
   const int max_unread_;
   const Clock::duration unread_grace_;
   std::atomic<Engine*> engine_{nullptr};
-  std::atomic<bool> draining_{false};
+  std::atomic<bool> draining_{false}, stopping_{false};
   std::mutex mu_;
   std::condition_variable idle_;
   int in_flight_ = 0;  // guarded by mu_, as is:

@@ -870,6 +870,36 @@ TEST(ServerQueue, ADrainCancelsStreamsLeftUnread) {
   EXPECT_NE(server->log().find("undelivered=unread_timeout"), std::string::npos) << server->log();
 }
 
+// Streams still unread when the drain's time is up are cut by gRPC at the end of the shutdown:
+// their clients see UNAVAILABLE, and so the log says (they were logged CANCELLED, cancelled by
+// their clients). A stream whose last message gRPC took just before it stopped was sent as far as
+// the server can tell, and stays OK.
+TEST(ServerQueue, StreamsCutAtTheEndOfAShutdownAreUnavailable) {
+  const std::string model = make_tiny_model(fresh_temp_dir());
+  auto server =
+      ServerProcess::start(model, {"--unread-timeout", "600", "--shutdown-timeout", "0.2"});
+  ASSERT_TRUE(server);
+  UnreadStreams unread(*server);
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(60s), 0) << server->log();
+  for (auto& reader : unread.readers) {
+    for (v1::GenerateResponse r; reader->Read(&r);) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
+  const std::string log = server->log();
+  size_t lines = 0;
+  for (size_t at = log.find("finish=length status="); at != std::string::npos;
+       at = log.find("finish=length status=", at + 1)) {
+    ++lines;
+    const std::string_view line = std::string_view(log).substr(at);
+    EXPECT_TRUE(line.starts_with("finish=length status=UNAVAILABLE ") ||
+                line.starts_with("finish=length status=OK "))
+        << log;
+  }
+  EXPECT_EQ(lines, 2u) << log;
+}
+
 // With the engine full (one running, one waiting), a higher priority still gets in through
 // serve: the queued request of lower priority is displaced (open streams of the engine's are not
 // the unread-stream bound's to refuse).

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -22,6 +23,7 @@ TEST(FifoSlots, WaitersAreServedInArrivalOrder) {
   ASSERT_TRUE(slots.acquire(Clock::time_point::max()));
   std::mutex mu;
   std::vector<int> served;
+  std::atomic<bool> newcomer_tried{false};
   std::vector<std::thread> callers;
   for (int i = 0; i < 5; ++i) {
     callers.emplace_back([&, i] {
@@ -30,12 +32,15 @@ TEST(FifoSlots, WaitersAreServedInArrivalOrder) {
         std::lock_guard lock(mu);
         served.push_back(i);
       }
+      // Held until the newcomer has tried (else all five may be through before it tries).
+      while (!newcomer_tried.load()) std::this_thread::yield();
       slots.release();
     });
     wait_in_line(slots, i + 1);
   }
   slots.release();  // to caller 0, never free in between: a newcomer finds none
   EXPECT_FALSE(slots.acquire(Clock::now())) << "a newcomer went ahead of the line";
+  newcomer_tried.store(true);
   for (auto& t : callers) t.join();
   EXPECT_EQ(served, (std::vector<int>{0, 1, 2, 3, 4}));
   EXPECT_EQ(slots.waiting(), 0);

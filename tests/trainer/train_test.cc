@@ -592,6 +592,20 @@ TEST(Train, ResumeWithoutTokenizerAndInitWithAnotherVocabularyAreRefused) {
     EXPECT_EQ(names(o.out_dir), before) << cache;
   }
   init.cache_dir.clear();
+  // So is the default '<out>.cache' of an --out inside --init, named as such.
+  const std::string out = init.out_dir;
+  init.out_dir = o.out_dir + "/run2";
+  st = train(init);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("the default --cache '" + o.out_dir +
+                                       "/run2.cache' is "
+                                       "inside --init"),
+            std::string::npos)
+      << st.status();
+  EXPECT_NE(st.status().message().find("choose an --out outside --init"), std::string::npos)
+      << st.status();
+  EXPECT_EQ(names(o.out_dir), before);
+  init.out_dir = out;
 
   fs::remove(o.out_dir + "/tokenizer.model");
   o.resume = true;
@@ -902,6 +916,14 @@ TEST(Train, InitOnASmallTextTrainsATokenizerWithFewerPieces) {
   auto tok = Tokenizer::load(ck->tokenizer_path, &error);
   ASSERT_TRUE(tok) << error;
   EXPECT_LT(tok->vocab_size(), 300);
+  // Another --init run of that vocabulary on the same data and cache reuses that tokenizer.
+  TrainOptions again = init;
+  again.out_dir = dir + "/again";
+  again.cache_dir = init.cache_dir.empty() ? init.out_dir + ".cache" : init.cache_dir;
+  lines.clear();
+  done = train(again, cb);
+  ASSERT_TRUE(done.ok()) << done.status() << "\n" << lines;
+  EXPECT_NE(lines.find("tokenizer: reusing"), std::string::npos) << lines;
 
   TrainOptions fresh = tiny_options(dir);  // its --config's vocab_size: 300
   fresh.out_dir = dir + "/fresh";

@@ -18,6 +18,7 @@
 #include <stdexcept>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cemlm/engine/checkpoint.h"
@@ -269,14 +270,17 @@ absl::Status Trainer::check_cache_outside_out() const {
     if (ec) continue;
     const fs::path rel = cache.lexically_relative(checkpoint);
     if (rel.empty() || *rel.begin() == "..") continue;
+    // Left out, --cache is '<out>.cache': inside --init only when --out is.
+    const bool given = !o_.cache_dir.empty();
     return absl::InvalidArgumentError(absl::StrCat(
-        "--cache '", o_.cache_dir, "' is ",
-        rel == "." ? absl::StrCat(flag, " itself") : absl::StrCat("inside ", flag), " ('", dir,
-        "'), ",
+        given ? "--cache '" : "the default --cache '", given ? o_.cache_dir : cache_path().string(),
+        "' is ", rel == "." ? absl::StrCat(flag, " itself") : absl::StrCat("inside ", flag), " ('",
+        dir, "'), ",
         std::string_view(flag) == "--out" ? "which every save replaces with the checkpoint alone"
                                           : "a checkpoint, which holds its own files alone",
-        ": choose a --cache outside it, or leave it out (the default is '<out>.cache' beside "
-        "--out)"));
+        given ? ": choose a --cache outside it, or leave it out (the default is '<out>.cache' "
+                "beside --out)"
+              : ": choose an --out outside --init, or a --cache outside it"));
   }
   return absl::OkStatus();
 }
@@ -370,25 +374,31 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
     // The key names the data and vocabulary it was trained for, and the model file's hash: a save
     // interrupted between the two files, or another run sharing --cache that replaced the model,
     // leaves a key that matches no model, and the tokenizer is trained again.
-    auto key_for = [&](int vocab_size) {
-      return absl::StrCat(absl::Hex(corpus.key), "-", vocab_size);
-    };
-    const std::string key = key_for(cfg_.vocab_size);
+    // A tokenizer an --init run trained with fewer pieces than its vocabulary (the most its
+    // text makes) is keyed "<data>-<vocabulary>-<pieces>": another --init run of that vocabulary
+    // reuses it, a new model of that vocabulary does not (it refuses such a text).
+    const std::string key = absl::StrCat(absl::Hex(corpus.key), "-", cfg_.vocab_size);
     std::string cached, error;
     const absl::StatusOr<uint64_t> model_hash = hash_file(tokenizer_path_);
     std::unique_ptr<Tokenizer> loads;
-    if (read_file(in_cache(kTokenizerKeyFile), &cached, &error) && model_hash.ok() &&
-        cached == absl::StrCat(key, " ", absl::Hex(*model_hash)) &&
-        (loads = Tokenizer::load(tokenizer_path_, &error))) {
+    const bool matches = [&] {
+      if (!read_file(in_cache(kTokenizerKeyFile), &cached, &error) || !model_hash.ok())
+        return false;
+      const std::string hash = absl::StrCat(" ", absl::Hex(*model_hash));
+      if (!absl::EndsWith(cached, hash)) return false;
+      const absl::string_view cached_key(cached.data(), cached.size() - hash.size());
+      return cached_key == key || (!fresh_ && absl::StartsWith(cached_key, key + "-"));
+    }();
+    if (matches && (loads = Tokenizer::load(tokenizer_path_, &error))) {
       info(absl::StrCat("tokenizer: reusing ", tokenizer_path_));
     } else {
       if (!cached.empty())
         info(absl::StrCat("tokenizer: ", in_cache(kTokenizerKeyFile),
-                          !loads && !error.empty() && model_hash.ok() &&
-                                  cached == absl::StrCat(key, " ", absl::Hex(*model_hash))
+                          matches
                               ? absl::StrCat(" matches, but its model does not load (", error, ")")
-                              : " is for other data, another vocabulary or another model file (a "
-                                "run sharing --cache, an older cemlm, a damaged or replaced file)",
+                              : " is for other data, another vocabulary or another model file "
+                                "(a run sharing --cache, an older cemlm, a damaged or replaced "
+                                "file)",
                           ": training it again"));
       info(absl::StrCat("tokenizer: training ", cfg_.vocab_size, " pieces on ", corpus.paths.size(),
                         " files"));
@@ -437,9 +447,10 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       // replaced it since, and the key must not vouch for that one. The key names the pieces
       // trained: fewer than the --init model's vocabulary, it is no tokenizer for a new model of
       // that vocabulary (such a run reused it, where a fresh --cache refused it).
-      CEMLM_RETURN_IF_ERROR(
-          write_text(in_cache(kTokenizerKeyFile),
-                     absl::StrCat(key_for(t.vocab_size), " ", absl::Hex(hash_bytes(stats.model)))));
+      CEMLM_RETURN_IF_ERROR(write_text(
+          in_cache(kTokenizerKeyFile),
+          absl::StrCat(key, t.vocab_size == cfg_.vocab_size ? "" : absl::StrCat("-", t.vocab_size),
+                       " ", absl::Hex(hash_bytes(stats.model)))));
     }
   }
   std::string error, again;

@@ -345,14 +345,6 @@ bool check_out_file(const std::string& flag, const std::string& path, const std:
   return true;
 }
 
-std::vector<std::string> files_in(const std::string& dir) {
-  std::vector<std::string> files;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
-    files.push_back(e.path().string());
-  return files;
-}
-
 std::string in_flag_terms(std::string msg) {
   static const std::pair<std::string_view, std::string_view> kFlags[] = {
       {"sampling.max_new_tokens", "--max-new-tokens"},

@@ -50,8 +50,8 @@ int cmd_score(int argc, char** argv) {
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
   if (std::string err;
-      f.given("dump-logits") &&
-      !check_out_file("--dump-logits", dump, "logits.safetensors", false, &err, files_in(model)))
+      f.given("dump-logits") && !check_out_file("--dump-logits", dump, "logits.safetensors", false,
+                                                &err, checkpoint_file_paths(model)))
     return fail(err);
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));

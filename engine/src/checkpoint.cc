@@ -279,4 +279,11 @@ absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
   return st;
 }
 
+std::vector<std::string> checkpoint_file_paths(const std::string& dir) {
+  std::vector<std::string> paths;
+  for (const std::string_view name : kCheckpointFiles)
+    paths.push_back((std::filesystem::path(dir) / name).string());
+  return paths;
+}
+
 }  // namespace cemlm

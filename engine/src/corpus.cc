@@ -142,9 +142,12 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
     return false;
   }
   std::sort(found.begin(), found.end());
+  // Among the files read: one skipped by its name (a ".u8" link to a fortune file) leaves the
+  // file to its other path.
   std::set<fs::path> files;
   for (const std::string& f : found)
-    if (std::error_code resolve; files.insert(fs::canonical(f, resolve)).second || resolve)
+    if (std::error_code resolve;
+        skipped_by_name(f) || files.insert(fs::canonical(f, resolve)).second || resolve)
       out->push_back(f);
   return true;
 }

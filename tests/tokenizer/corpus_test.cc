@@ -104,6 +104,15 @@ TEST_F(CorpusTest, LinkedDirectoriesAreWalkedOnce) {
   ASSERT_TRUE(collect_text_files({dir_}, &files, &error)) << error;
   EXPECT_EQ(files, (std::vector<std::string>{dir_ + "/a.txt", dir_ + "/b.txt",
                                              dir_ + "/shared/e.txt", dir_ + "/sub/c"}));
+  // A path skipped by its name does not take the file from its other path (it was lost: the
+  // ".u8" path sorted first and counted as the file's one path).
+  write_file(dir_ + "/named/art.u8", "art\n");
+  fs::create_symlink("art.u8", dir_ + "/named/art2");
+  files.clear();
+  skipped.clear();
+  ASSERT_TRUE(collect_text_files({dir_ + "/named"}, &files, &error, &skipped)) << error;
+  EXPECT_EQ(files, std::vector<std::string>{dir_ + "/named/art2"});
+  EXPECT_EQ(skipped, std::vector<std::string>{dir_ + "/named/art.u8"});
 }
 
 TEST_F(CorpusTest, KeepsTheOrderOfExplicitInputs) {

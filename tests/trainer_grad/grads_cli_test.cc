@@ -147,6 +147,12 @@ TEST_F(GradsCli, AnOutThatIsACheckpointFileIsRefused) {
     EXPECT_EQ(fs::file_size(target), size) << file;
   }
   EXPECT_TRUE(load_checkpoint(model_dir()).ok());
+  // Another file there is no input: written again and again (the directory's listing was taken
+  // for the inputs, so a second run refused the first one's output).
+  const std::string beside = model_dir() + "/grads.safetensors";
+  EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", beside}), 0);
+  std::string err;
+  EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", beside}, &err), 0) << err;
 }
 
 TEST_F(GradsCli, MissingFlagsAndModelAreNamed) {

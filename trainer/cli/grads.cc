@@ -77,7 +77,7 @@ int cmd_grads(int argc, char** argv) {
   // Checked before the forward and backward: a path they cannot take was refused only after. The
   // checkpoint's own files are not to be written (the weights were replaced by gradients).
   if (std::string err;
-      !check_out_file("--out", out, "grads.safetensors", false, &err, files_in(model)))
+      !check_out_file("--out", out, "grads.safetensors", false, &err, checkpoint_file_paths(model)))
     return fail(err);
 
   auto ck = load_checkpoint(model);

@@ -77,10 +77,6 @@ bool check_out_file(const std::string& flag, const std::string& path, const std:
                     bool makes_dirs, std::string* error,
                     const std::vector<std::string>& inputs = {});
 
-// The paths of the entries of directory `dir` (none where it cannot be listed): a checkpoint's
-// files, as check_out_file's `inputs` of a command that reads the checkpoint.
-std::vector<std::string> files_in(const std::string& dir);
-
 // A request error in the terms of the generate/score/client flags: the engine and the server name
 // request fields ("sampling.top_p", "prompt_ids", "recursion_depth"), a command's user gave flags.
 std::string in_flag_terms(std::string msg);

@@ -7,6 +7,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -28,6 +29,10 @@ inline constexpr char kLossCurveFile[] = "loss.svg";
 inline constexpr std::array<std::string_view, 7> kCheckpointFiles = {
     kConfigFile, kWeightsFile, kTokenizerFile, kOptimizerFile, kTrainerStateFile, kMetricsFile,
     kLossCurveFile};
+
+// The paths of the files of kCheckpointFiles in directory `dir` (whether they exist or not): what
+// a command reading the checkpoint must not write over.
+std::vector<std::string> checkpoint_file_paths(const std::string& dir);
 
 struct Checkpoint {
   ModelConfig config;

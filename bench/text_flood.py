@@ -84,11 +84,15 @@ def main():
         grpc.channel_ready_future(chans[0]).result(timeout=120)
         info = chans[0].unary_unary("/cemlm.v1.Inference/GetModelInfo")
         for _ in range(600):  # health says SERVING once loaded; an answer is simpler here
+            if serve.poll() is not None:
+                sys.exit(f"cemlm serve exited with {serve.returncode} before it served")
             try:
                 info(b"", timeout=10)
                 break
             except grpc.RpcError:
                 time.sleep(0.1)
+        else:
+            sys.exit("cemlm serve did not answer GetModelInfo within a minute")
         before = proc_status(serve.pid)
         peak = list(before)
         done = threading.Event()

@@ -312,8 +312,17 @@ bool check_out_file(const std::string& flag, const std::string& path, const std:
     *error = flag + " is empty; name the file to write, like " + example;
     return false;
   }
+  // The same file, or the same path once resolved (an input that does not exist yet, such as a
+  // checkpoint's tokenizer.model, was written and made the checkpoint one that no longer loads).
+  auto same = [&](const std::string& in) {
+    if (fs::equivalent(out, in, ec)) return true;
+    std::error_code a, b;
+    const fs::path x = fs::weakly_canonical(fs::absolute(out), a);
+    const fs::path y = fs::weakly_canonical(fs::absolute(in), b);
+    return !a && !b && x == y;
+  };
   for (const std::string& in : inputs)
-    if (fs::equivalent(out, in, ec)) {
+    if (same(in)) {
       *error = flag + " '" + path + "' is an input of this command" +
                (in != path ? " ('" + in + "')" : std::string()) +
                ": writing it would lose it; name another file";

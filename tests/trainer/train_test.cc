@@ -592,19 +592,33 @@ TEST(Train, ResumeWithoutTokenizerAndInitWithAnotherVocabularyAreRefused) {
     EXPECT_EQ(names(o.out_dir), before) << cache;
   }
   init.cache_dir.clear();
-  // So is the default '<out>.cache' of an --out inside --init, named as such.
+  // So is an --out inside --init (its directory and lock file were left there), with or without
+  // --cache; and a default '<out>.cache' that is --init, named as such.
   const std::string out = init.out_dir;
   init.out_dir = o.out_dir + "/run2";
+  for (const std::string& cache : {std::string(), dir + "/elsewhere"}) {
+    init.cache_dir = cache;
+    st = train(init);
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.status().message().find("--out '" + o.out_dir + "/run2' is inside --init"),
+              std::string::npos)
+        << st.status();
+    EXPECT_EQ(names(o.out_dir), before);
+  }
+  init.cache_dir.clear();
+  fs::copy(o.out_dir, dir + "/ck.cache", fs::copy_options::recursive);
+  init.init_dir = dir + "/ck.cache";
+  init.out_dir = dir + "/ck";
   st = train(init);
   ASSERT_FALSE(st.ok());
-  EXPECT_NE(st.status().message().find("the default --cache '" + o.out_dir +
-                                       "/run2.cache' is "
-                                       "inside --init"),
+  EXPECT_NE(
+      st.status().message().find("the default --cache '" + dir + "/ck.cache' is --init itself"),
+      std::string::npos)
+      << st.status();
+  EXPECT_NE(st.status().message().find("give a --cache outside it, or another --out"),
             std::string::npos)
       << st.status();
-  EXPECT_NE(st.status().message().find("choose an --out outside --init"), std::string::npos)
-      << st.status();
-  EXPECT_EQ(names(o.out_dir), before);
+  init.init_dir = o.out_dir;
   init.out_dir = out;
 
   fs::remove(o.out_dir + "/tokenizer.model");

@@ -146,12 +146,20 @@ TEST_F(GradsCli, AnOutThatIsACheckpointFileIsRefused) {
     EXPECT_NE(err.find("is an input of this command"), std::string::npos) << err;
     EXPECT_EQ(fs::file_size(target), size) << file;
   }
+  // Also one the checkpoint does not have yet: written, a tokenizer.model of gradients made it
+  // one that no longer loads.
+  ASSERT_FALSE(fs::exists(model_dir() + "/tokenizer.model"));
+  std::string err;
+  EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", model_dir() + "/tokenizer.model"},
+                &err),
+            1);
+  EXPECT_NE(err.find("is an input of this command"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(model_dir() + "/tokenizer.model"));
   EXPECT_TRUE(load_checkpoint(model_dir()).ok());
   // Another file there is no input: written again and again (the directory's listing was taken
   // for the inputs, so a second run refused the first one's output).
   const std::string beside = model_dir() + "/grads.safetensors";
   EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", beside}), 0);
-  std::string err;
   EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", beside}, &err), 0) << err;
 }
 

@@ -125,7 +125,7 @@ class Trainer {
   void absolute_paths();
   absl::Status check_paths_are_utf8() const;
   absl::Status load_model();
-  absl::Status check_cache_outside_out() const;
+  absl::Status check_out_and_cache_paths() const;
   absl::Status lock_out();
   absl::Status remove_stale_saves() const;
   absl::Status set_up();
@@ -240,7 +240,7 @@ absl::Status Trainer::load_model() {
                      "--init to start from its weights, or choose another --out"));
   // Before any training, not at the first save (a resumed run's --out included).
   CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", check_checkpoint_target(o_.out_dir)));
-  CEMLM_RETURN_IF_ERROR(check_cache_outside_out());
+  CEMLM_RETURN_IF_ERROR(check_out_and_cache_paths());
   if (!fresh_ && o_.vocab_size > 0 && o_.vocab_size != cfg_.vocab_size)
     return absl::InvalidArgumentError(absl::StrCat(
         "--vocab-size ", o_.vocab_size, " applies to a new model; the checkpoint of ",
@@ -258,29 +258,44 @@ absl::Status Trainer::load_model() {
 // A save replaces --out whole (a checkpoint directory holds the checkpoint alone), so a --cache
 // there would be refused at the first save, after the training, or lost with it. In --init's
 // checkpoint, the cache's files made it a directory no run could save or resume into.
-absl::Status Trainer::check_cache_outside_out() const {
+absl::Status Trainer::check_out_and_cache_paths() const {
   std::error_code ec;
-  const fs::path cache = fs::weakly_canonical(fs::absolute(cache_path()), ec);
+  auto resolved = [&](const fs::path& p) { return fs::weakly_canonical(fs::absolute(p), ec); };
+  auto inside = [](const fs::path& path, const fs::path& dir) {
+    const fs::path rel = path.lexically_relative(dir);
+    return rel.empty() || *rel.begin() == ".." ? std::optional<fs::path>() : rel;
+  };
+  const fs::path cache = resolved(cache_path());
   if (ec) return absl::OkStatus();  // what cannot be resolved is reported where it is used
+  // --out inside --init's checkpoint would leave a directory there, and its lock file: a
+  // checkpoint no run could save or resume into. (--out equal to --init holds a checkpoint:
+  // refused before as such.)
+  if (!o_.init_dir.empty()) {
+    const fs::path init = resolved(o_.init_dir), out = resolved(out_path());
+    if (const auto rel = ec ? std::nullopt : inside(out, init); rel && *rel != ".")
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--out '", o_.out_dir, "' is inside --init ('", o_.init_dir,
+          "'), a checkpoint, which holds its own files alone: choose an --out outside it"));
+  }
   const std::pair<const char*, std::string> checkpoints[] = {{"--out", o_.out_dir},
                                                              {"--init", o_.init_dir}};
   for (const auto& [flag, dir] : checkpoints) {
     if (dir.empty()) continue;
-    const fs::path checkpoint = fs::weakly_canonical(fs::absolute(dir), ec);
+    const fs::path checkpoint = resolved(dir);
     if (ec) continue;
-    const fs::path rel = cache.lexically_relative(checkpoint);
-    if (rel.empty() || *rel.begin() == "..") continue;
-    // Left out, --cache is '<out>.cache': inside --init only when --out is.
-    const bool given = !o_.cache_dir.empty();
+    const auto rel = inside(cache, checkpoint);
+    if (!rel) continue;
+    const bool given = !o_.cache_dir.empty();  // left out, it is '<out>.cache'
     return absl::InvalidArgumentError(absl::StrCat(
         given ? "--cache '" : "the default --cache '", given ? o_.cache_dir : cache_path().string(),
-        "' is ", rel == "." ? absl::StrCat(flag, " itself") : absl::StrCat("inside ", flag), " ('",
+        "' is ", *rel == "." ? absl::StrCat(flag, " itself") : absl::StrCat("inside ", flag), " ('",
         dir, "'), ",
         std::string_view(flag) == "--out" ? "which every save replaces with the checkpoint alone"
                                           : "a checkpoint, which holds its own files alone",
         given ? ": choose a --cache outside it, or leave it out (the default is '<out>.cache' "
                 "beside --out)"
-              : ": choose an --out outside --init, or a --cache outside it"));
+              : ": give a --cache outside it, or another --out (the default --cache is "
+                "'<out>.cache')"));
   }
   return absl::OkStatus();
 }

@@ -9,8 +9,10 @@
 // few-row product kernel's rates on hot and on cold weights); and whole-Engine decode
 // tokens/s (scheduling and sampling included) for greedy and nucleus sampling. Not a ctest;
 // `--quick` for a smoke run.
-#include <unistd.h>
+#include "cemlm/engine/engine.h"
 
+#include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -32,7 +34,6 @@
 
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/cpu_threads.h"
-#include "cemlm/engine/engine.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/params.h"
 #include "cemlm/kernels/linear.h"
@@ -127,7 +128,9 @@ double decode_flops(const ModelConfig& c, int T, double n_ctx) {
 struct ProductRates {
   double hot, cold;  // flop/s
 };
-ProductRates product_rates(const ModelConfig& c, const std::string& device) {
+// On `threads` threads, as the runner's steps (a new thread's OpenMP default is every CPU).
+ProductRates product_rates(const ModelConfig& c, const std::string& device, int threads) {
+  omp_set_num_threads(threads);
   const int M = 32, N = c.d_ff, K = c.d_model;
   const WeightDtype dtype = *cpu_weight_dtype(device);
   std::vector<float> w(size_t(N) * K, 0.01f), x(size_t(M) * K, 0.5f), y(size_t(M) * N);
@@ -406,8 +409,9 @@ int profile_cell(std::vector<Model>& models, const Settings& s) {
                   s.cell_T, s.cell_B, s.cell_context, sec * 1e3, s.cell_B / sec);
       return 0;
     }
-  std::fprintf(stderr, "--cell %s: no model named %s (standard, cem, %s)\n", s.cell.c_str(),
-               s.cell_model.c_str(), models.back().name.c_str());
+  std::fprintf(stderr, "%s %s: no model named %s (standard, cem, %s)\n",
+               s.cell_prefill ? "--prefill-cell" : "--cell", s.cell.c_str(), s.cell_model.c_str(),
+               models.back().name.c_str());
   return 2;
 }
 
@@ -477,11 +481,15 @@ int main(int argc, char** argv) {
       const bool prefill = !std::strcmp(argv[i], "--prefill-cell");
       const char* what = prefill ? "N" : "B";
       const int most = prefill ? 1024 : kMaxBatch;
-      int n = 0;
+      if (!s.cell.empty()) {  // the second would run with part of the first's settings
+        std::fprintf(stderr, "%s: give one --cell or --prefill-cell\n", argv[i]);
+        return 2;
+      }
+      int n = 0, end = 0;
       char name[32] = {};
       s.cell = argv[++i];
-      if (std::sscanf(s.cell.c_str(), "%31[^:]:%d:%d", name, &s.cell_T, &n) != 3 || s.cell_T < 1 ||
-          n < 1 || n > most) {
+      if (std::sscanf(s.cell.c_str(), "%31[^:]:%d:%d%n", name, &s.cell_T, &n, &end) != 3 ||
+          size_t(end) != s.cell.size() || s.cell_T < 1 || n < 1 || n > most) {
         std::fprintf(stderr, "%s %s: expected MODEL:T:%s with T >= 1 and 1 <= %s <= %d\n",
                      argv[i - 1], s.cell.c_str(), what, what, most);
         return 2;
@@ -573,7 +581,8 @@ int main(int argc, char** argv) {
           std::printf("| %s | %d | %d | %.2f | %.0f | %.0f |\n", m.name.c_str(), T, B,
                       it->second * 1e3, B / it->second, gflops(m, T, B));
   std::fflush(stdout);
-  const ProductRates rates = on_own_thread([&] { return product_rates(models[1].cfg, s.device); });
+  const ProductRates rates =
+      on_own_thread([&] { return product_rates(models[1].cfg, s.device, threads.threads); });
   const double hot = rates.hot / 1e9, cold = rates.cold / 1e9;
 
   // Batch 1 over longer contexts: a lone sequence's attention passes split over the threads.

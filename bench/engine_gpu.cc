@@ -269,7 +269,7 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CEMLM_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s\n", bench::machine_line().c_str());
+  std::printf("%s\n", bench::machine_line(/*gpu=*/true).c_str());
   std::printf("GPU: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount,
               double(prop.totalGlobalMem) / double(1 << 30));
   const double bw = copy_bandwidth(), rate = bf16_gemm_rate();

@@ -14,7 +14,8 @@
 
 namespace cemlm::bench {
 
-inline std::string machine_line() {
+// The CPU, its cores and BLAS; `gpu`: the program runs on a GPU (named on a line of its own).
+inline std::string machine_line(bool gpu = false) {
   std::ifstream f("/proc/cpuinfo");
   std::string line, model = "unknown CPU";
   while (std::getline(f, line))
@@ -23,7 +24,7 @@ inline std::string machine_line() {
       break;
     }
   return "machine: " + model + ", " + std::to_string(std::thread::hardware_concurrency()) +
-         " cores, no GPU used; " + blas_description();
+         " cores, " + (gpu ? "a GPU used (below)" : "no GPU used") + "; " + blas_description();
 }
 
 // Positional counts (each an integer ≥ 1) into *out[i], in order; those not given keep their

@@ -1,7 +1,8 @@
 // bench/train: training throughput of `cemlm train`'s default model (and its standard baseline):
 // tokens/s of whole steps (forward, backward through every recursion step, clipping, AdamW) at
-// T = 1, 2, 4, and the achieved matmul GFLOP/s as a fraction of OpenBLAS sgemm on the same shapes
-// (forward, dX and dW of every linear map; the attention products), measured in the same run. See
+// T = 1, 2, 4, and the achieved matmul GFLOP/s as a fraction of plain gemm calls on the same shapes
+// (forward, dX and dW of every linear map; the attention products; cemlm's own kernels up to 256
+// rows, OpenBLAS sgemm above), measured in the same run. See
 // docs/BENCHMARKS.md.
 #include "cemlm/trainer/train.h"
 
@@ -101,6 +102,10 @@ int main(int argc, char** argv) {
   if (seq < 2 || seq > default_model_config().max_seq_len) {
     std::fprintf(stderr, "SEQ_LEN %d must be in [2, %d]\n", seq,
                  default_model_config().max_seq_len);
+    return 2;
+  }
+  if (int64_t(batch) * seq > (int64_t(1) << 20)) {  // activations of GBs a token row
+    std::fprintf(stderr, "BATCH %d × SEQ_LEN %d must be at most %d tokens\n", batch, seq, 1 << 20);
     return 2;
   }
   const int N = batch * seq;

@@ -150,7 +150,10 @@ int cmd_generate(int argc, char** argv) {
   if (!json && !(*engine)->tokenizer())
     return fail("the checkpoint '" + model +
                 "' has no tokenizer.model, so its tokens have no text to stream; add --json to "
-                "get the generated ids");
+                "get the generated ids" +
+                (f.given("prompt") ? " (and give the prompt as --prompt-ids: it has no text "
+                                     "either)"
+                                   : ""));
 
   GenerateRequest req;
   req.prompt_field = f.given("prompt-ids") ? "--prompt-ids"
@@ -197,7 +200,7 @@ int cmd_generate(int argc, char** argv) {
       return usage_error("--seed: expected an integer in [0, 2^64), got '" + seed_text + "'");
   } else {  // drawn here, so that --json can report it and the sample can be reproduced
     std::random_device rd;
-    seed = (uint64_t(rd()) << 32) | rd();
+    seed = ((uint64_t(rd()) << 32) | rd()) >> 11;  // below 2^53, as the engine's (engine.cc)
   }
   req.sampling.seed = seed;
 

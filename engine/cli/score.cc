@@ -95,14 +95,22 @@ int cmd_score(int argc, char** argv) {
   double nll = 0;
   for (size_t i = 0; i + 1 < ids.size(); ++i) {
     std::span<const float> row(logits.data() + i * V, V);
-    const double lp = double(row[size_t(ids[i + 1])]) - log_sum_exp(row);
-    if (!std::isfinite(lp)) return fail("the model produced non-finite logits at position " + std::to_string(i));
+    const LogNormalizer norm = log_normalizer(row);
+    const double lp = norm.logprob(row[size_t(ids[i + 1])]);
+    // The server's Score keeps float logprobs: one past the float range fails both alike.
+    if (!norm.finite() || !std::isfinite(float(lp)))
+      return fail(
+          std::string("the model produced ") +
+          (norm.finite() ? "a log-probability below the float range" : "non-finite logits") +
+          " at position " + std::to_string(i));
     out["logprobs"].push_back(lp);
     nll -= lp;
   }
   nll /= double(ids.size() - 1);
+  const absl::StatusOr<double> perplexity = perplexity_of(nll);
+  if (!perplexity.ok()) return fail(std::string(perplexity.status().message()));
   out["nll"] = nll;
-  out["perplexity"] = std::exp(nll);
+  out["perplexity"] = *perplexity;
   out["recursion"] = T;
   if (!dump.empty()) {
     auto st = write_safetensors(dump, {NamedTensor{"logits", {int64_t(ids.size()), int64_t(V)}, logits}});

@@ -340,7 +340,9 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
 std::unique_ptr<Request> EngineImpl::make_request(RequestId id, const GenerateRequest& req,
                                                   EventCallback on_event) const {
   const SamplingParams& p = req.sampling;
-  const uint64_t seed = p.seed ? *p.seed : Rng(seed_base_ + id).next_u64();
+  // A drawn seed is below 2^53, so that JSON readers holding numbers as doubles (jq, JavaScript)
+  // keep it exact and the sample can be made again from it.
+  const uint64_t seed = p.seed ? *p.seed : Rng(seed_base_ + id).next_u64() >> 11;
   return std::unique_ptr<Request>(new Request{
       id, int(req.prompt_ids.size()), resolve_recursion(req.recursion_depth), p.max_new_tokens,
       p.top_logprobs, seed, req.deadline, std::move(on_event), Sampler(p, eos_id_, seed),
@@ -663,7 +665,7 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
   double sum = 0;
   for (int i = 1; i < n; ++i) sum += out.logprobs[size_t(i)];
   out.nll = -sum / (n - 1);
-  out.perplexity = std::exp(out.nll);
+  CEMLM_ASSIGN_OR_RETURN(out.perplexity, perplexity_of(out.nll));
   return out;
 }
 
@@ -795,12 +797,14 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
     CEMLM_CHECK(logits.size() >= size_t(len) * V);
     for (int i = 0; i < len && pos + i + 1 < n; ++i) {
       const std::span<const float> row = std::span<const float>(logits).subspan(size_t(i) * V, V);
-      const float lse = log_sum_exp(row);
-      if (!std::isfinite(lse))
-        return absl::InternalError(
-            absl::StrCat("the model produced non-finite logits at position ", pos + i,
-                         "; check the checkpoint"));
-      out->logprobs[size_t(pos + i + 1)] = row[size_t(ids[size_t(pos + i + 1)])] - lse;
+      const LogNormalizer norm = log_normalizer(row);
+      const float lp = float(norm.logprob(row[size_t(ids[size_t(pos + i + 1)])]));
+      if (!norm.finite() || !std::isfinite(lp))
+        return absl::InternalError(absl::StrCat(
+            "the model produced ",
+            norm.finite() ? "a log-probability below the float range" : "non-finite logits",
+            " at position ", pos + i, "; check the checkpoint"));
+      out->logprobs[size_t(pos + i + 1)] = lp;
     }
   }
   return absl::OkStatus();

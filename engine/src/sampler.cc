@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "cemlm/kernels/simd.h"
 
 namespace cemlm {
@@ -63,7 +64,7 @@ size_t select_mass(std::vector<std::pair<float, int>>& cand, size_t n,
 
 }  // namespace
 
-float log_sum_exp(std::span<const float> x) {
+LogNormalizer log_normalizer(std::span<const float> x) {
   float mx = -std::numeric_limits<float>::infinity();
   int nan = 0;
 #pragma omp simd reduction(max : mx) reduction(| : nan)
@@ -71,9 +72,19 @@ float log_sum_exp(std::span<const float> x) {
     nan |= x[i] != x[i];
     mx = std::max(mx, x[i]);
   }
-  if (nan) return std::numeric_limits<float>::quiet_NaN();
-  if (!std::isfinite(mx)) return mx;
-  return mx + float(std::log(simd::sum_exp_shifted(x.data(), int(x.size()), mx)));
+  LogNormalizer n;
+  n.max = nan ? std::numeric_limits<float>::quiet_NaN() : mx;
+  if (n.finite()) n.log_sum = std::log(simd::sum_exp_shifted(x.data(), int(x.size()), mx));
+  return n;
+}
+
+absl::StatusOr<double> perplexity_of(double nll) {
+  const double p = std::exp(nll);
+  if (!std::isfinite(p))
+    return absl::InternalError(absl::StrCat("the perplexity exp(", nll,
+                                            ") overflows: the model gives the text almost no "
+                                            "probability; check the checkpoint"));
+  return p;
 }
 
 Sampler::Sampler(const SamplingParams& params, int eos_id, uint64_t seed)
@@ -87,12 +98,12 @@ bool Sampler::is_stop_token(int token) const {
 
 absl::StatusOr<SampleResult> Sampler::sample(std::span<const float> logits,
                                              std::span<const int> tokens, int n_prompt) {
-  const float lse = log_sum_exp(logits);
-  if (!std::isfinite(lse))
+  const LogNormalizer norm = log_normalizer(logits);
+  if (!norm.finite())
     return absl::InternalError(
         "the model produced non-finite logits; check the checkpoint (cemlm score)");
   SampleResult r;
-  top_alternatives(logits, lse, &r.top);
+  top_alternatives(logits, norm, &r.top);
   work_.assign(logits.begin(), logits.end());
   counts_.resize(logits.size(), 0);
   apply_penalties(tokens, n_prompt);
@@ -111,7 +122,7 @@ absl::StatusOr<SampleResult> Sampler::sample(std::span<const float> logits,
           "back probability 0 here, so no token can be drawn; lower sampling.min_new_tokens");
   }
   r.token = draw();
-  r.logprob = logits[size_t(r.token)] - lse;
+  r.logprob = float(norm.logprob(logits[size_t(r.token)]));
   return r;
 }
 
@@ -194,14 +205,15 @@ int Sampler::draw() {
   return int(last);
 }
 
-void Sampler::top_alternatives(std::span<const float> logits, float lse,
+void Sampler::top_alternatives(std::span<const float> logits, const LogNormalizer& norm,
                                std::vector<TopLogprob>* out) {
   const size_t k = std::min(size_t(params_.top_logprobs), logits.size());
   if (k == 0) return;
   cand_.clear();
   for (size_t i = 0; i < logits.size(); ++i) cand_.push_back({logits[i], int(i)});
   std::partial_sort(cand_.begin(), cand_.begin() + long(k), cand_.end(), better);
-  for (size_t i = 0; i < k; ++i) out->push_back({cand_[i].second, cand_[i].first - lse});
+  for (size_t i = 0; i < k; ++i)
+    out->push_back({cand_[i].second, float(norm.logprob(cand_[i].first))});
 }
 
 std::string StopMatcher::push(std::string_view piece, bool* stopped) {

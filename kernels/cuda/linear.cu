@@ -19,10 +19,15 @@ cublasHandle_t handle_of(const ExecCtx& ctx) {
 
 cublasOperation_t op(bool t) { return t ? CUBLAS_OP_T : CUBLAS_OP_N; }
 
+// Nearest-even, finite values saturating at ±bf16's largest (as the host's f32_to_bf16): a
+// finite weight within 0.4% of FLT_MAX would round to inf.
 __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* in, int64_t n) {
+  constexpr float kMax = 3.38953139e38f;  // bf16 0x7F7F
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = in[i];
+    out[i] = __float2bfloat16_rn(isfinite(x) ? fminf(fmaxf(x, -kMax), kMax) : x);
+  }
 }
 
 // Row-major C[M,N] = beta·C + op(A)·op(B) with A, B bf16 and C fp32, fp32 accumulation.

@@ -921,6 +921,34 @@ TEST(Engine, ScoreMatchesGenerationLogprobsChunkByChunk) {
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
+// Finite logits whose log-probabilities leave the range of the results are INTERNAL, as
+// `cemlm score` refuses them, not an OK answer of −inf or an infinite perplexity; the call's
+// blocks are freed, and a text the same logits give a finite answer still scores.
+TEST(Engine, ScoreRefusesResultsPastTheirRange) {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  Built b = build({.spread = [](int p) { return p == 2 ? kMax : p >= 3 ? 1000.0f : 0.0f; }});
+  // Token 5 after position 2: log p = −2·FLT_MAX, below a float.
+  auto s = b.engine->score({{1, 2, 3, 5}, 1});
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInternal) << s.status();
+  EXPECT_NE(s.status().message().find("below the float range at position 2"), std::string::npos)
+      << s.status();
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+  // Token 0 there has probability 1; token 5 after position 3 has log p = −2000: the mean
+  // negative log-likelihood of the 4 tokens scored is about 500, its exp finite.
+  s = b.engine->score({{1, 2, 3, 0, 5}, 1});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->logprobs[3], 0.0f);
+  EXPECT_EQ(s->logprobs[4], -2000.0f);
+  EXPECT_NEAR(s->nll, 500 - (s->logprobs[1] + s->logprobs[2]) / 4, 1e-4);
+  EXPECT_NEAR(s->perplexity, std::exp(s->nll), 1e-9 * s->perplexity);
+  // Once more after position 4: about 800, whose exp passes a double's range.
+  s = b.engine->score({{1, 2, 3, 0, 5, 5}, 1});
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInternal) << s.status();
+  EXPECT_NE(s.status().message().find("perplexity"), std::string::npos) << s.status();
+  b.engine->shutdown(false);
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+}
+
 // A score call stops between chunks once its deadline has passed or its caller gave up, with
 // the status that says which, and frees the blocks it held; a live call is not disturbed.
 TEST(Engine, ScoreStopsAtItsDeadlineOrCancellation) {

@@ -27,6 +27,10 @@ struct FakeOptions {
   std::function<int(int pos)> favorite;
   // When set and true for p, the logits computed at position p hold a NaN (a broken checkpoint).
   std::function<bool(int pos)> nan_at;
+  // When set and M = spread(p) > 0, the logits computed at position p are +M on token 0 and −M on
+  // every other: finite, but with M = FLT_MAX the others' log-probabilities (−2M) pass a float's
+  // range, and with M = 1000 a text of tokens other than 0 has a perplexity past a double's.
+  std::function<float(int pos)> spread;
   // When set and true for a position p a forward feeds, that forward throws std::bad_alloc once
   // it has written the cache (as when a batch's logits find no memory).
   std::function<bool(int pos)> throw_at;
@@ -120,6 +124,11 @@ class FakeRunner final : public ModelRunner {
       logits->push_back(float(6.0 * u - 3.0) + (v == fav ? 10.0f : 0.0f));
     }
     if (o_.nan_at && o_.nan_at(p)) logits->back() = std::numeric_limits<float>::quiet_NaN();
+    if (const float m = o_.spread ? o_.spread(p) : 0.0f; m > 0) {
+      float* row = logits->data() + logits->size() - size_t(o_.vocab);
+      std::fill(row, row + o_.vocab, -m);
+      row[0] = m;
+    }
   }
 
   FakeOptions o_;

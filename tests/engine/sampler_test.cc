@@ -12,6 +12,7 @@
 #include <set>
 
 #include "cemlm/engine/utf8.h"
+#include "ref_log_softmax.h"
 
 namespace cemlm {
 namespace {
@@ -250,7 +251,7 @@ TEST(Sampler, PenaltiesBiasAndMinNewTokensThenFiltersFollowTheDocumentedOrder) {
       const int want = p.temperature == 0 ? int(std::max_element(w.begin(), w.end()) - w.begin())
                                           : reference_draw(w, p, seed);
       ASSERT_EQ(r->token, want) << "row " << row_i << " seed " << seed;
-      ASSERT_NEAR(r->logprob, logits[size_t(r->token)] - log_sum_exp(logits), 1e-5);
+      ASSERT_NEAR(r->logprob, testing_ref::log_softmax(logits, r->token), 1e-5);
       ++compared;
     }
   }
@@ -362,7 +363,7 @@ TEST(Sampler, LogprobIsUnderTheUnmodifiedDistribution) {
   Sampler s(p, -1, 1);
   auto r = s.sample(kRow, std::vector<int>{3}, 1);
   ASSERT_TRUE(r.ok());
-  const float lse = log_sum_exp(kRow);
+  const double lse = double(testing_ref::log_sum_exp(kRow));
   EXPECT_EQ(r->token, 1);
   EXPECT_NEAR(r->logprob, 2.0f - lse, 1e-6);
   ASSERT_EQ(r->top.size(), 3u);
@@ -380,7 +381,7 @@ TEST(Sampler, LogprobIsUnderTheUnmodifiedDistribution) {
   EXPECT_EQ(r->top.back().token_id, 5);
   EXPECT_NEAR(r->top.back().logprob, -2.0f - lse, 1e-6);
   double total = 0;
-  for (float x : kRow) total += std::exp(x - lse);
+  for (float x : kRow) total += std::exp(double(x) - lse);
   // A chosen token that was penalized still reports its unmodified logprob, greedy or sampled.
   p = greedy();
   p.presence_penalty = 0.5f;  // token 3: 3 → 2.5, still the best
@@ -395,6 +396,35 @@ TEST(Sampler, LogprobIsUnderTheUnmodifiedDistribution) {
   EXPECT_EQ(r->token, 3);
   EXPECT_NEAR(r->logprob, 3.0f - lse, 1e-6);
   EXPECT_NEAR(total, 1.0, 1e-5);
+}
+
+// Large logits keep their logprobs: a 10-way tie at 1e8 is −ln 10 for each, the chosen token
+// and the alternatives alike (taken as max + log Σ in one float, log Σ was lost: 0, probability
+// 1); and logits that span more than a float holds give −inf, not NaN, to the hopeless tokens.
+TEST(Sampler, LogprobsOfLargeLogits) {
+  std::vector<float> row(64, 0.0f);
+  for (int i = 20; i < 30; ++i) row[size_t(i)] = 1e8f;
+  SamplingParams p;
+  p.temperature = 1;
+  p.top_logprobs = 12;
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    auto r = Sampler(p, -1, seed).sample(row, {}, 0);
+    ASSERT_TRUE(r.ok());
+    EXPECT_GE(r->token, 20);
+    EXPECT_LT(r->token, 30);
+    EXPECT_NEAR(r->logprob, -std::log(10.0), 1e-6);
+    ASSERT_EQ(r->top.size(), 12u);
+    for (int i = 0; i < 10; ++i) EXPECT_NEAR(r->top[size_t(i)].logprob, -std::log(10.0), 1e-6);
+    EXPECT_EQ(r->top[10].logprob, -1e8f);
+  }
+  row.assign(4, -std::numeric_limits<float>::max());
+  row[2] = std::numeric_limits<float>::max();
+  p.top_logprobs = 4;
+  auto r = Sampler(p, -1, 1).sample(row, {}, 0);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->token, 2);
+  EXPECT_EQ(r->logprob, 0.0f);
+  EXPECT_EQ(r->top[3].logprob, -INFINITY);
 }
 
 TEST(Sampler, NonFiniteLogitsAreAnError) {
@@ -423,7 +453,7 @@ TEST(Sampler, StopTokensAndEos) {
 }
 
 TEST(Sampler, LogitBiasMovesTheDrawNotTheLogprob) {
-  const float lse = log_sum_exp(kRow);
+  const double lse = double(testing_ref::log_sum_exp(kRow));
   SamplingParams p = greedy();
   p.logit_bias = {{5, 100.0f}};  // the worst token (-2) forced
   auto r = Sampler(p, -1, 1).sample(kRow, {}, 0);
@@ -501,7 +531,7 @@ TEST(Sampler, MinNewTokensHoldsBackTheStopTokens) {
   {  // the reported logprob stays the unmodified one
     auto r = Sampler(p, eos, 1).sample(kRow, std::vector<int>{0}, 1);
     ASSERT_TRUE(r.ok());
-    EXPECT_NEAR(r->logprob, 1.0f - log_sum_exp(kRow), 1e-6);
+    EXPECT_NEAR(r->logprob, double(1.0L - testing_ref::log_sum_exp(kRow)), 1e-6);
   }
   for (const int top_k : {0, 2}) {
     p.temperature = 1, p.top_k = top_k;

@@ -14,15 +14,15 @@
 #include <string>
 #include <vector>
 
+#include "../tokenizer/test_files.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/cpu_model.h"
-#include "cemlm/engine/sampler.h"
 #include "cemlm/engine/tokenizer.h"
-#include "../tokenizer/test_files.h"
-#include "tiny_models.h"
+#include "ref_log_softmax.h"
 #include "temp_dir.h"
+#include "tiny_models.h"
 
 namespace cemlm {
 namespace {
@@ -70,7 +70,7 @@ class GenerateCli : public ::testing::Test {
     std::vector<double> lp;
     for (size_t i = 0; i < ids.size(); ++i) {
       const auto row = std::span<const float>(logits).subspan((prompt.size() - 1 + i) * V, V);
-      lp.push_back(double(row[size_t(ids[i])]) - log_sum_exp(row));
+      lp.push_back(testing_ref::log_softmax(row, ids[i]));
     }
     return lp;
   }
@@ -126,6 +126,7 @@ TEST_F(GenerateCli, JsonLogprobsAreTheModelsAtEachDepth) {
   const nlohmann::json drawn = generate({"--temperature", "0.9"});
   ASSERT_FALSE(drawn.is_null());
   ASSERT_TRUE(drawn["seed"].is_number_unsigned());
+  EXPECT_LT(drawn["seed"].get<uint64_t>(), uint64_t(1) << 53);  // exact in a double: jq keeps it
   const nlohmann::json replay = generate(
       {"--temperature", "0.9", "--seed", std::to_string(drawn["seed"].get<uint64_t>())});
   EXPECT_EQ(replay["ids"], drawn["ids"]);
@@ -216,6 +217,31 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
     EXPECT_NE(rc, 0) << b.args[0];
     EXPECT_NE(err.find(b.message), std::string::npos) << b.args[0] << ": " << err;
   }
+}
+
+// `cemlm score` refuses a perplexity past a double's range, as the server's Score does: with the
+// head's weights ×1e30 the mean negative log-likelihood is ~1e30, and the perplexity was printed
+// as null (JSON has no inf) with exit 0.
+TEST_F(GenerateCli, ScoreRefusesAPerplexityPastItsRange) {
+  ParamStore store(cfg_);
+  testing_models::randomize(store, 3);
+  const Tensor head = store.get("lm_head.weight");
+  for (int64_t i = 0; i < head.numel(); ++i) head.data[i] *= 1e30f;
+  const std::string dir = testing_temp::fresh_dir("score_overflow");
+  ASSERT_TRUE(save_checkpoint(dir, cfg_, store).ok());
+  std::vector<std::string> args = {"--model", dir, "--ids", "3,9,4,20"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int rc = cli::cmd_score(int(argv.size()), argv.data());
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_EQ(out, "");
+  EXPECT_NE(err.find(") overflows: the model gives the text almost no probability"),
+            std::string::npos)
+      << err;
 }
 
 // Without a tokenizer the tokens have no text: streamed, they printed an empty line (exit 0), so a

@@ -515,7 +515,7 @@ TEST(KvWrite, ManySequencesAtOnceWriteWhatEachWouldAlone) {
     }
 }
 
-TEST(Bf16, RoundsToNearestEven) {
+TEST(Bf16, RoundsToNearestEvenAndSaturates) {
   auto bits = [](uint32_t u) { return f32_to_bf16(std::bit_cast<float>(u)); };
   EXPECT_EQ(f32_to_bf16(1.0f), 0x3F80);
   EXPECT_EQ(bits(0x3F808000u), 0x3F80);  // halfway, even below: stays
@@ -523,8 +523,14 @@ TEST(Bf16, RoundsToNearestEven) {
   EXPECT_EQ(bits(0x3F808001u), 0x3F81);  // past halfway: up
   EXPECT_EQ(bits(0x3F807FFFu), 0x3F80);  // below halfway: down
   EXPECT_EQ(bits(0xBF818000u), 0xBF82);  // the sign does not matter
-  EXPECT_EQ(bits(0x7F7FFFFFu), 0x7F80);  // the largest float rounds to infinity
+  // Finite values past bf16's largest (0x7F7F, 3.3895e38) saturate: rounded to nearest they
+  // were infinity, and a finite weight made a model that serves as fp32 fail every request.
+  EXPECT_EQ(bits(0x7F7FFFFFu), 0x7F7F);  // the largest float
+  EXPECT_EQ(bits(0xFF7FFFFFu), 0xFF7F);
+  EXPECT_EQ(bits(0x7F7F8000u), 0x7F7F);  // halfway past 0x7F7F, which is odd
+  EXPECT_EQ(bits(0x7F7F7FFFu), 0x7F7F);
   EXPECT_EQ(bits(0x7F800000u), 0x7F80);  // infinity stays
+  EXPECT_EQ(bits(0xFF800000u), 0xFF80);
   EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(std::nanf("")))));
   EXPECT_TRUE(std::isnan(bf16_to_f32(bits(0x7F800001u))));  // a NaN whose payload sits low
   EXPECT_EQ(bf16_to_f32(0x4049), 3.140625f);

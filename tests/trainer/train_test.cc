@@ -796,16 +796,29 @@ TEST(Train, NonFiniteLossOrGradientStopsTheRunBeforeTheUpdate) {
   testing_models::scale_param(infinite_logits, "lm_head.weight", 1e30f);
   ASSERT_TRUE(
       save_checkpoint(dir + "/infinite", ck->config, infinite_logits, ck->tokenizer_path).ok());
+  // Logits ~1e22: loss and gradient finite, but the gradient's squares past a float.
+  ParamStore huge_logits = ck->params;
+  testing_models::scale_param(huge_logits, "lm_head.weight", 1e22f);
+  ASSERT_TRUE(save_checkpoint(dir + "/huge", ck->config, huge_logits, ck->tokenizer_path).ok());
   testing_models::overflow_the_backward(ck->config, ck->params);  // the loss stays finite
   ASSERT_TRUE(save_checkpoint(dir + "/overflow", ck->config, ck->params, ck->tokenizer_path).ok());
 
-  for (const auto& [from, says] : std::vector<std::pair<std::string, std::string>>{
-           {"infinite", "the loss at step 1 is not finite"},
-           {"overflow", "the gradient norm at step 1 is not finite"}}) {
+  struct Case {
+    std::string from;
+    double clip;
+    std::string says;
+  };
+  for (const auto& [from, clip, says] :
+       std::vector<Case>{{"infinite", 1.0, "the loss at step 1 is not finite"},
+                         {"overflow", 1.0, "the gradient norm at step 1 is not finite"},
+                         // Unclipped, its moments were inf: those weights froze without a word and
+                         // the saved optimizer state failed --resume.
+                         {"huge", 0.0, "the gradient norm at step 1 is "}}) {
     TrainOptions init = tiny_options(dir);
     init.config_path.clear();
     init.init_dir = dir + "/" + from;
     init.out_dir = dir + "/finetune-" + from;
+    init.clip = clip;
     init.eval_every = 1;
     init.save_every = 1;
     int steps = 0, evals = 0;
@@ -817,10 +830,25 @@ TEST(Train, NonFiniteLossOrGradientStopsTheRunBeforeTheUpdate) {
     const std::string error(st.status().message());
     EXPECT_NE(error.find("training diverged: " + says), std::string::npos) << error;
     EXPECT_NE(error.find("(the last checkpoint is kept)"), std::string::npos) << error;
+    if (clip == 0) {
+      EXPECT_NE(error.find("whose squares AdamW's float moments hold (the loss is "),
+                std::string::npos)
+          << error;
+    }
     EXPECT_EQ(steps, 0) << from;
     EXPECT_EQ(evals, 0) << from;
     EXPECT_FALSE(fs::exists(init.out_dir + "/config.json")) << from;
   }
+  // Clipped, the same gradient is a step, and the run saves a state it resumes from.
+  TrainOptions clipped = tiny_options(dir);
+  clipped.config_path.clear();
+  clipped.init_dir = dir + "/huge";
+  clipped.out_dir = dir + "/finetune-clipped";
+  ASSERT_TRUE(train(clipped).ok());
+  clipped.init_dir.clear();
+  clipped.resume = true;
+  clipped.steps += 1;
+  EXPECT_TRUE(train(clipped).ok());
 }
 
 // Options of an --init run on `data` into dir/finetune, from a one-step checkpoint of the tiny

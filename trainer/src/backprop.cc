@@ -39,10 +39,10 @@ constexpr int64_t kHeadRows = 256;  // rows of logits held at once
 // −log softmax(logits)[target]; with `grad`, also writes coef·(softmax − onehot) there (it may
 // be `logits` itself).
 double row_nll(const float* logits, int V, int target, float* grad, float coef) {
-  const float lse = log_sum_exp(std::span<const float>(logits, size_t(V)));
-  const double nll = double(lse) - logits[target];
+  const LogNormalizer norm = log_normalizer(std::span<const float>(logits, size_t(V)));
+  const double nll = -norm.logprob(logits[target]);
   if (grad) {
-    for (int v = 0; v < V; ++v) grad[v] = coef * std::exp(logits[v] - lse);
+    for (int v = 0; v < V; ++v) grad[v] = coef * std::exp(float(norm.logprob(logits[v])));
     grad[target] -= coef;
   }
   return nll;

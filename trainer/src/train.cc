@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -63,14 +64,31 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// A step is applied only when its loss and gradient norm are finite: a NaN or inf update would
-// reach every weight. The loss can be finite while the gradient overflows (weights near fp32's
-// range), so both are checked. Else the run stops, before the update and any save.
-bool finite_step(const StepMetrics& m) {
-  return std::isfinite(m.loss) && std::isfinite(m.grad_norm);
+// The largest gradient norm AdamW takes: the square of each element must fit its float second
+// moment. Past it (--clip 0 and weights near fp32's range) moments became inf, which froze their
+// weights without a word and saved an optimizer state that --resume refuses.
+const double kMaxUpdateNorm = std::sqrt(double(std::numeric_limits<float>::max()));
+
+// The norm of the gradient the optimizer gets: clipped to --clip when that is on.
+double update_norm(const StepMetrics& m, double clip) {
+  return clip > 0 ? std::min(m.grad_norm, clip) : m.grad_norm;  // NaN stays NaN
 }
 
-absl::Status diverged(const StepMetrics& m) {
+// A step is applied only when its loss and gradient norm are finite, and its update's norm at
+// most kMaxUpdateNorm: a NaN or inf update would reach every weight. The loss can be finite while
+// the gradient overflows (weights near fp32's range), so both are checked. Else the run stops,
+// before the update and any save.
+bool finite_step(const StepMetrics& m, double clip) {
+  return std::isfinite(m.loss) && std::isfinite(m.grad_norm) &&
+         update_norm(m, clip) <= kMaxUpdateNorm;
+}
+
+absl::Status diverged(const StepMetrics& m, double clip) {
+  if (std::isfinite(m.loss) && std::isfinite(m.grad_norm))
+    return absl::InternalError(absl::StrCat(
+        "training diverged: the gradient norm at step ", m.step, " is ", update_norm(m, clip),
+        ", past the ", kMaxUpdateNorm, " whose squares AdamW's float moments hold (the loss is ",
+        m.loss, "); clip it with --clip (the last checkpoint is kept)"));
   const std::string what = std::isfinite(m.loss)
                                ? absl::StrCat("the gradient norm at step ", m.step,
                                               " is not finite (the loss is ", m.loss, ")")
@@ -135,7 +153,7 @@ class Trainer {
   absl::Status load_data(const CorpusFiles& corpus);
   absl::Status restore();
   int draw_T();
-  // One update, left out (step_ unchanged) when finite_step(m) is false.
+  // One update, left out (step_ unchanged) when finite_step(m, clip) is false.
   StepMetrics step();
   EvalMetrics evaluate();
   // An evaluation's time before one was measured: its forward passes (over eval windows, at each
@@ -705,7 +723,8 @@ StepMetrics Trainer::step() {
   m.grad_norm = clip_grad_norm(grads_.flat(), o_.clip);
   m.lr = sched_.at(step_);
   m.step = step_ + 1;
-  if (!finite_step(m)) return m;  // run() stops: the weights stay those of the last good step
+  if (!finite_step(m, o_.clip))
+    return m;  // run() stops: the weights stay those of the last good step
   opt_->step(params_.flat(), grads_.flat(), m.lr);
   ++step_;
   // Saturating: a "tokens" count near 2^63 in a damaged state file overflowed (undefined
@@ -862,7 +881,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     StepMetrics m = step();
     train_s_ += seconds_since(t0);
     ++steps_run_;
-    if (!finite_step(m)) return diverged(m);
+    if (!finite_step(m, o_.clip)) return diverged(m, o_.clip);
     const double step_s = train_s_ / double(steps_run_);
     m.tokens_per_s = double(steps_run_) * o_.accum * o_.batch_size * o_.seq_len / train_s_;
     m.elapsed_s = prior_elapsed_s_ + seconds_since(start_);

@@ -3,6 +3,7 @@
 // tokens, and the chosen token's logprob under the UNMODIFIED model distribution. StopMatcher cuts
 // the detokenized text at stop strings that may span token boundaries.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -16,8 +17,22 @@
 
 namespace cemlm {
 
-// log Σ exp(x); NaN or ±inf when a value is not finite (callers check with std::isfinite).
-float log_sum_exp(std::span<const float> x);
+// The log-normalizer log Σ exp(x) of a row of logits, kept in two parts: the row's max and
+// log Σ exp(x − max), which lies in [0, log V]. A log-probability taken as (x − max) − log_sum
+// keeps its precision when the logits are large, where max + log_sum in one float would lose
+// log_sum (from |max| ≈ 1e5 up: a 10-way tie at 1e8 read as probability 1).
+struct LogNormalizer {
+  float max = 0;       // NaN when a logit is NaN, ±inf when the largest is infinite
+  double log_sum = 0;  // log Σ exp(x − max) when max is finite
+  bool finite() const { return std::isfinite(max); }
+  // log softmax(row)[i] for x = row[i], in double: below −FLT_MAX it is −inf once made a float.
+  double logprob(float x) const { return (double(x) - double(max)) - log_sum; }
+};
+LogNormalizer log_normalizer(std::span<const float> x);
+
+// exp(nll) of a mean negative log-likelihood; INTERNAL when it overflows (past nll ≈ 709, a
+// broken checkpoint), as the server's Score and `cemlm score` refuse a non-finite result.
+absl::StatusOr<double> perplexity_of(double nll);
 
 struct SampleResult {
   int token = -1;
@@ -49,7 +64,8 @@ class Sampler {
  private:
   void apply_penalties(std::span<const int> tokens, int n_prompt);
   int draw();  // from work_, already penalized and scaled by 1/temperature
-  void top_alternatives(std::span<const float> logits, float lse, std::vector<TopLogprob>* out);
+  void top_alternatives(std::span<const float> logits, const LogNormalizer& norm,
+                        std::vector<TopLogprob>* out);
 
   SamplingParams params_;
   int eos_id_;

@@ -10,6 +10,7 @@ that is installed.
 """
 import argparse
 import importlib
+import os
 import pathlib
 import shutil
 import subprocess
@@ -87,10 +88,19 @@ def main():
                     help="recursion depth T; 0 = model default (default: 0)")
     ap.add_argument("--max-new-tokens", type=int, default=32,
                     help="tokens to generate at most (default: 32)")
-    ap.add_argument("--api-key", help="sent as 'authorization: Bearer KEY'")
+    ap.add_argument("--api-key",
+                    help="sent as 'authorization: Bearer KEY' (default: $CEMLM_API_KEY)")
     ap.add_argument("--tls-ca", help="PEM CA certificate: connect with TLS (else plaintext)")
     ap.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds (default: 30)")
     args = ap.parse_args()
+    source = "--api-key"
+    if args.api_key is None:
+        args.api_key, source = os.environ.get("CEMLM_API_KEY"), "CEMLM_API_KEY"
+    # gRPC refuses header values outside printable ASCII (a key read with its line end) with a
+    # traceback; say which.
+    if args.api_key and any(not 0x20 <= ord(c) <= 0x7E for c in args.api_key):
+        sys.exit(f"{source} holds a character other than printable ASCII (a line end read from a "
+                 "file?)")
 
     try:
         import grpc  # imported late so that --help works without python3-grpcio
@@ -103,6 +113,8 @@ def main():
             run(args, grpc, pb, pb_grpc)
         except grpc.RpcError as e:
             sys.exit(f"{args.addr}: {e.code().name}: {e.details()}")
+        except OSError as e:  # --tls-ca unreadable
+            sys.exit(f"--tls-ca: cannot read '{args.tls_ca}': {e.strerror}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 // deadline every call carries.
 #include "channel.h"
 
+#include <grpc/support/log.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <string>
 
 #include "cemlm/server/status_map.h"
 
@@ -43,6 +45,12 @@ bool valid_addr(const std::string& a) {
   return host.find(':') == std::string::npos;
 }
 
+bool tls_channel = false;  // whether make_channel made a TLS channel (report_error's hints)
+
+// gRPC's own error lines ("E1206 … ssl_transport_security.cc:1501] Handshake failed …") said on
+// stderr what the call's status then says again, before cemlm's "error:" line: left out.
+void drop_grpc_line(gpr_log_func_args*) {}
+
 std::string api_key(const ChannelFlags& f) {
   if (!f.api_key.empty()) return f.api_key;
   const char* env = std::getenv("CEMLM_API_KEY");
@@ -74,6 +82,8 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
                  f.timeout);
     return nullptr;
   }
+  gpr_set_log_function(drop_grpc_line);
+  tls_channel = !f.tls_ca.empty();
   grpc::ChannelArguments args;
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (f.tls_ca.empty())
@@ -107,8 +117,19 @@ void prepare_context(const ChannelFlags& f, grpc::ClientContext* context) {
 }
 
 int report_error(const grpc::Status& status) {
-  std::fprintf(stderr, "error: %s: %s\n", server::grpc_code_name(status.error_code()).c_str(),
-               in_flag_terms(status.error_message()).c_str());
+  // What the connection's failures mean for the flags (gRPC names only the TLS library's error).
+  const std::string& m = status.error_message();
+  std::string hint;
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    if (!tls_channel && m.find("Socket closed") != std::string::npos)
+      hint = " (a server with TLS on closes plaintext connections: is --tls-ca missing?)";
+    else if (tls_channel && m.find("wrong version number") != std::string::npos)
+      hint = " (the server does not speak TLS: leave out --tls-ca)";
+    else if (tls_channel && m.find("certificate verify failed") != std::string::npos)
+      hint = " (the server's certificate is not signed by a --tls-ca certificate)";
+  }
+  std::fprintf(stderr, "error: %s: %s%s\n", server::grpc_code_name(status.error_code()).c_str(),
+               in_flag_terms(m).c_str(), hint.c_str());
   return 1;
 }
 

@@ -205,7 +205,10 @@ int client_generate(int argc, char** argv) {
     if (!info.has_tokenizer()) {
       std::fprintf(stderr,
                    "error: the server's model has no tokenizer, so its tokens have no text to "
-                   "stream; add --json to get the generated ids\n");
+                   "stream; add --json to get the generated ids%s\n",
+                   g.prompt_ids.empty()
+                       ? " (and give the prompt as --prompt-ids: it has no text either)"
+                       : "");
       return 2;
     }
   }
@@ -362,6 +365,9 @@ int client_info(int argc, char** argv) {
 
 int client_health(int argc, char** argv) {
   ChannelFlags c;
+  // A probe that waits for good is none: a port that takes the connection and never answers
+  // held it until it was killed (and probes in loops for ever).
+  c.timeout = 5;
   std::string service;
   Flags flags("cemlm client health --addr HOST:PORT [--service NAME]",
               "grpc.health.v1 status: prints SERVING / NOT_SERVING; exit 0 only when SERVING.");

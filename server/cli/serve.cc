@@ -66,11 +66,15 @@ bool read_file(const std::string& path, const char* flag, std::string* out) {
   return true;
 }
 
-// "models/tiny/" -> "tiny": the default model_name label.
+// "models/tiny/" -> "tiny": the default model_name label. Taken from the absolute path, so that
+// `--model .` or `..` names the directory, not "." (the root alone gives "model").
 std::string dir_name(const std::string& dir) {
-  std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(dir, ec).lexically_normal();
+  if (ec) p = std::filesystem::path(dir).lexically_normal();
   if (p.filename().empty()) p = p.parent_path();
-  return p.filename().string();
+  const std::string name = p.filename().string();
+  return name.empty() || name == "." || name == ".." ? "model" : name;
 }
 
 int fail(const absl::Status& st) {

@@ -64,6 +64,13 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
           where,
           ": write a key's cap as its line's last word, 'KEY max_priority=N', after the "
           "key and with no spaces around '='"));
+    // Comments take whole lines: "KEY  # the ops team" made the whole line the key.
+    if (const size_t hash = key.find('#');
+        hash != absl::string_view::npos && hash > 0 && absl::ascii_isspace(key[hash - 1]))
+      return absl::InvalidArgumentError(absl::StrCat(
+          where,
+          ": a '#' after a space reads as a comment after the key, which this file does not "
+          "have: write comments on lines of their own (a key cannot hold ' #')"));
     // Metadata values are visible ASCII (and spaces): gRPC clients refuse to send other bytes.
     for (const char c : key)
       if (c < 0x20 || c > 0x7E)

@@ -194,6 +194,61 @@ void WriterThread::loop() {
   }
 }
 
+TextWorkers::TextWorkers(int threads) {
+  for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { loop(); });
+}
+
+TextWorkers::~TextWorkers() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void TextWorkers::post(std::function<void()> job) {
+  {
+    std::lock_guard lock(mu_);
+    queue_.push_back(std::move(job));
+  }
+  wake_.notify_one();
+}
+
+void TextWorkers::loop() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock lock(mu_);
+      wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    job();
+  }
+}
+
+// A slot of ServerState::acquire_text_slot, given back at the end of its scope.
+class TextSlot {
+ public:
+  explicit TextSlot(ServerState* state) : state_(state) {}
+  TextSlot(const TextSlot&) = delete;
+  TextSlot& operator=(const TextSlot&) = delete;
+  ~TextSlot() {
+    if (held_) state_->release_text_slot();
+  }
+  absl::Status take(const grpc::ServerContextBase& context) {
+    absl::Status st = state_->acquire_text_slot(context);
+    held_ = st.ok();
+    return st;
+  }
+
+ private:
+  ServerState* const state_;
+  bool held_ = false;
+};
+
 namespace {
 
 using Response = v1::GenerateResponse;
@@ -276,8 +331,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
                               public IdleStream,
                               public UnreadStream {
  public:
-  GenerateReactor(ServerState* state, WriterThread* writer, grpc::CallbackServerContext* context,
-                  const v1::GenerateRequest& request)
+  GenerateReactor(ServerState* state, WriterThread* writer, TextWorkers* text_workers,
+                  grpc::CallbackServerContext* context, const v1::GenerateRequest& request)
       : state_(state),
         writer_(writer),
         context_(context),
@@ -286,10 +341,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
         peer_(context->peer()) {
     grpc::Status admitted = state_->admit(*context, /*stream=*/true);
     admitted_ = admitted.ok();
-    if (admitted_) {
-      start(request);
-    } else {
+    if (!admitted_) {
       finish_early(admitted);
+    } else if (request.prompt_text().empty()) {
+      start(request);
+    } else {  // tokenized on a text worker, with a text slot; nothing can Finish meanwhile
+      text_workers->post([this, copy = request] { start(copy); });
     }
   }
 
@@ -340,7 +397,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     if (grpc::Status st = state_->check_priority(*context_, request.priority()); !st.ok())
       return finish_early(st);
     Engine& engine = state_->engine();
-    absl::StatusOr<GenerateRequest> req = to_engine(request, engine);
+    absl::StatusOr<GenerateRequest> req;
+    {
+      TextSlot slot(state_);
+      if (!request.prompt_text().empty())
+        if (absl::Status st = slot.take(*context_); !st.ok())
+          return finish_early(to_grpc_status(st));
+      req = to_engine(request, engine);
+    }
     if (!req.ok()) return finish_early(to_grpc_status(req.status()));
     if (Clock::time_point d = steady_deadline(*context_); d != Clock::time_point::max())
       req->deadline = d;
@@ -595,29 +659,9 @@ grpc::Status ServerState::check_at_headers(const ApiKeys::Metadata& metadata) {
   return status;
 }
 
-// A slot of ServerState::acquire_text_slot, given back at the end of its scope.
-class TextSlot {
- public:
-  explicit TextSlot(ServerState* state) : state_(state) {}
-  TextSlot(const TextSlot&) = delete;
-  TextSlot& operator=(const TextSlot&) = delete;
-  ~TextSlot() {
-    if (held_) state_->release_text_slot();
-  }
-  absl::Status take(const grpc::ServerContextBase& context) {
-    absl::Status st = state_->acquire_text_slot(context);
-    held_ = st.ok();
-    return st;
-  }
-
- private:
-  ServerState* const state_;
-  bool held_ = false;
-};
-
 grpc::ServerWriteReactor<Response>* InferenceService::Generate(grpc::CallbackServerContext* context,
                                                                const v1::GenerateRequest* request) {
-  return new GenerateReactor(state_, &writer_, context, *request);
+  return new GenerateReactor(state_, &writer_, &text_workers_, context, *request);
 }
 
 // One log line per call: at info for scoring and for every failure (a refused key, a bad input,

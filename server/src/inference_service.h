@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -98,6 +100,7 @@ class ServerState {
   // waited.
   absl::Status acquire_text_slot(const grpc::ServerContextBase& context);
   void release_text_slot() { text_slots_.release(); }
+  int text_slots() const { return text_slots_.total(); }
 
   // A unary call without a body looking again for a cancel (MalformedBodyInterceptor): true when
   // it may (then end_bodyless_look() once), false while 64 already look.
@@ -188,10 +191,30 @@ class WriterThread {
   std::thread thread_;
 };
 
+// Runs the start of Generate streams with a prompt_text off gRPC's callback threads, which
+// tokenizing it would hold (~100 ms for a text of the largest size taken): a flood of them made
+// health checks wait seconds. Jobs run first come, first served, on as many threads as the
+// server has text slots; each job takes a slot as the unary calls do.
+class TextWorkers {
+ public:
+  explicit TextWorkers(int threads);
+  ~TextWorkers();  // after every stream has finished
+  void post(std::function<void()> job);
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> queue_;  // guarded by mu_
+  bool stop_ = false;                        // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
 class InferenceService final
     : public v1::Inference::WithCallbackMethod_Generate<v1::Inference::Service> {
  public:
-  explicit InferenceService(ServerState* state) : state_(state) {}
+  explicit InferenceService(ServerState* state)
+      : state_(state), text_workers_(state->text_slots()) {}
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
@@ -211,6 +234,7 @@ class InferenceService final
 
   ServerState* state_;
   WriterThread writer_;
+  TextWorkers text_workers_;
 };
 
 }  // namespace cemlm::server

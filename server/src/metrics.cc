@@ -17,7 +17,10 @@ const Histogram::BucketBoundaries kLatencyBuckets = {
     0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.001, 0.0025, 0.005, 0.01,
     0.025,   0.05,   0.075,   0.1,    0.15,   0.25,   0.5,   0.75,   1.0,   2.5,
     5.0,     7.5,    10.0,    20.0,   40.0,   80.0,   160.0, 320.0,  640.0, 1280.0};
-const Histogram::BucketBoundaries kRecursionBuckets = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64};
+// One bucket per T up to 8 (the usual recursion.max: each T its own bar on the dashboard), then
+// coarser up to the largest recursion.max a config may set.
+const Histogram::BucketBoundaries kRecursionBuckets = {1, 2,  3,  4,  5,  6,  7,
+                                                       8, 12, 16, 24, 32, 48, 64};
 
 }  // namespace
 

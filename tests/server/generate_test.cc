@@ -221,6 +221,9 @@ TEST_F(ServerGenerate, StreamsTokensLogprobsAndFinalUsage) {
   const Stream drawn = generate(server_->channel(), req), other = generate(server_->channel(), req);
   ASSERT_TRUE(drawn.status.ok() && other.status.ok());
   EXPECT_NE(drawn.messages.back().seed(), other.messages.back().seed());
+  // Below 2^53, so that a JSON reader holding numbers as doubles (jq, JavaScript) keeps it.
+  EXPECT_LT(drawn.messages.back().seed(), uint64_t(1) << 53);
+  EXPECT_LT(other.messages.back().seed(), uint64_t(1) << 53);
   req.mutable_sampling()->set_seed(drawn.messages.back().seed());
   EXPECT_EQ(generate(server_->channel(), req).ids(), drawn.ids());
 }

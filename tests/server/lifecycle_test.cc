@@ -293,6 +293,20 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
 
 // A second server on a port in use is refused (gRPC's default SO_REUSEPORT would let it start
 // and take a share of the first one's connections), and the first keeps serving alone.
+// The default model name is the directory's, also when --model is relative: `--model .` named
+// the model "." in ModelInfo and in every series' label.
+TEST_F(ServerLifecycle, ModelNameOfADotDirectoryIsItsName) {
+  const std::filesystem::path here = std::filesystem::current_path();
+  std::filesystem::current_path(model_);  // the server starts here
+  auto dot = ServerProcess::start(".");
+  std::filesystem::current_path(here);
+  ASSERT_TRUE(dot);
+  EXPECT_EQ(model_info(*dot).model_name(), std::filesystem::path(model_).filename().string());
+  EXPECT_NE(dot->metrics_text().find("model_name=\"" +
+                                     std::filesystem::path(model_).filename().string() + "\""),
+            std::string::npos);
+}
+
 TEST_F(ServerLifecycle, PortInUseIsRefused) {
   const std::string err = refused_serve(
       model_, "--host 127.0.0.1 --port " + std::to_string(server_->port()) + " --model-name second");
@@ -464,8 +478,8 @@ TEST_F(ServerLifecycle, ScoreMetricsCountOkCallsOnly) {
     return req;
   };
   v1::ScoreResponse first, second, refused;
-  ASSERT_TRUE(score(server_->channel(), request(12, 3), &first).ok());
-  ASSERT_TRUE(score(server_->channel(), request(20, 2), &second).ok());
+  ASSERT_TRUE(score(server_->channel(), request(12, 5), &first).ok());
+  ASSERT_TRUE(score(server_->channel(), request(20, 7), &second).ok());
   v1::ScoreRequest bad = request(8, 1);
   bad.add_ids(-1);
   ASSERT_EQ(score(server_->channel(), bad, &refused).error_code(),
@@ -477,7 +491,12 @@ TEST_F(ServerLifecycle, ScoreMetricsCountOkCallsOnly) {
   EXPECT_EQ(metric(m, "cemlm:score_request_latency_seconds_bucket", "le=\"+Inf\""), 2);
   EXPECT_EQ(metric(m, "cemlm:score_tokens_total"), 32);
   EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_count"), 2);
-  EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_sum"), 3 + 2);
+  EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_sum"), 5 + 7);
+  // Each T up to 8 has its own bucket (5 and 7 fell in 6 and 8 with 4 and 6).
+  EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_bucket", "le=\"4\""), 0);
+  EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_bucket", "le=\"5\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_bucket", "le=\"6\""), 1);
+  EXPECT_EQ(metric(m, "cemlm:score_recursion_depth_bucket", "le=\"7\""), 2);
   EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_count"), 0);
   EXPECT_EQ(metric(m, "cemlm:recursion_depth_count"), 0);
   EXPECT_EQ(metric(m, "cemlm:prompt_tokens_total"), 0);
@@ -838,6 +857,18 @@ TEST_F(ServerLifecycle, PythonExampleClient) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("INVALID_ARGUMENT: recursion_depth = 99"), std::string::npos) << text;
   EXPECT_EQ(text.find("Traceback"), std::string::npos) << text;
+  // So do a --tls-ca that cannot be read and a key gRPC cannot send, read from CEMLM_API_KEY as
+  // the other clients read it (it was ignored).
+  auto fails_with = [&](const std::string& run, const std::string& says) {
+    EXPECT_NE(std::system((run + " 2>'" + err + "'").c_str()), 0) << run;
+    std::ifstream e(err);
+    const std::string t((std::istreambuf_iterator<char>(e)), std::istreambuf_iterator<char>());
+    EXPECT_NE(t.find(says), std::string::npos) << t;
+    EXPECT_EQ(t.find("Traceback"), std::string::npos) << t;
+  };
+  fails_with(cmd + " --tls-ca /nonexistent/ca.pem", "--tls-ca: cannot read '/nonexistent/ca.pem'");
+  fails_with("CEMLM_API_KEY=\"$(printf 'key\\r')\" " + cmd,
+             "CEMLM_API_KEY holds a character other than printable ASCII");
   EXPECT_EQ(stub_dirs(), dirs_before) << "the generated stubs were left in the temp directory";
 }
 

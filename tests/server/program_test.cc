@@ -1,12 +1,16 @@
 // The `cemlm` program as a whole, beyond one subcommand: what its dispatcher does with a command
 // that runs out of memory, and with no command at all.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <string>
-#include <sys/wait.h>
 
 #include "server_process.h"
 
@@ -119,6 +123,27 @@ TEST(CemlmProgram, ClientAddressesAndKeysAreCheckedBeforeAnyCall) {
     EXPECT_EQ(run_cemlm(args, &out, &err), 2) << err;
     EXPECT_NE(err.find("--prompt"), std::string::npos) << err;
   }
+}
+
+// `cemlm client health` has a deadline of its own (5 s) unless --timeout says otherwise: against a
+// port that takes the connection and never answers it waited until it was killed, and so did
+// the probes and start-up loops built on it.
+TEST(CemlmProgram, ClientHealthDoesNotWaitForever) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(listen(fd, 8), 0);  // the kernel completes connections; nothing ever answers
+  socklen_t len = sizeof a;
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  std::string out, err;
+  const int rc = run_cemlm(
+      {"client", "health", "--addr", "127.0.0.1:" + std::to_string(ntohs(a.sin_port))}, &out, &err);
+  close(fd);
+  EXPECT_EQ(rc, 1) << err;
+  EXPECT_NE(err.find("DEADLINE_EXCEEDED"), std::string::npos) << err;
 }
 
 }  // namespace

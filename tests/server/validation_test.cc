@@ -374,9 +374,10 @@ TEST_F(ServerValidation, TokenizeRoundTripsAndInfoDescribesTheModel) {
   EXPECT_FALSE(info.variant().empty());
 }
 
-// With --threads 1 the server tokenizes or decodes one text at a time: many Tokenize, Detokenize
-// and Score calls at once all get their own answer, and calls that fail while holding the slot
-// (a text that is not UTF-8) give it back (else every later call would wait to its deadline).
+// With --threads 1 the server tokenizes or decodes one text at a time: many Tokenize, Detokenize,
+// Score and Generate (prompt_text: tokenized on a text worker, off gRPC's callback threads) calls
+// at once all get their own answer, and calls that fail while holding the slot (a text that is
+// not UTF-8) give it back (else every later call would wait to its deadline).
 TEST(ServerTextSlots, TextCallsAtOnceAllAnswerAndFailedOnesGiveTheirSlotBack) {
   const std::string model = make_tiny_model(fresh_temp_dir());
   auto server = ServerProcess::start(model, {"--threads", "1"});
@@ -404,11 +405,22 @@ TEST(ServerTextSlots, TextCallsAtOnceAllAnswerAndFailedOnesGiveTheirSlotBack) {
     v1::ScoreResponse sresp;
     EXPECT_EQ(score(server->channel(), sreq, &sresp).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT);
+    v1::GenerateRequest greq = valid_request();
+    greq.set_prompt_text("bad \xC3\x28");
+    EXPECT_EQ(generate(server->channel(), greq).status.error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
   }
   const int kTexts = 6;
   std::vector<std::string> texts;
   std::vector<v1::TokenizeResponse> want(kTexts);
   std::vector<v1::ScoreResponse> want_score(kTexts);
+  std::vector<std::vector<int>> want_ids(kTexts);
+  auto generate_text = [&](const std::string& text) {
+    v1::GenerateRequest greq = valid_request();
+    greq.mutable_sampling()->set_temperature(0);  // greedy
+    greq.set_prompt_text(text);
+    return generate(server->channel(), greq);
+  };
   for (int i = 0; i < kTexts; ++i) {
     texts.push_back(
         absl::StrCat("Text number ", i, " says ", std::string(size_t(i) * 7, 'a'), " and café"));
@@ -416,6 +428,9 @@ TEST(ServerTextSlots, TextCallsAtOnceAllAnswerAndFailedOnesGiveTheirSlotBack) {
     v1::ScoreRequest sreq;
     sreq.set_text(texts.back());
     ASSERT_TRUE(score(server->channel(), sreq, &want_score[size_t(i)]).ok());
+    const Stream g = generate_text(texts.back());
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    want_ids[size_t(i)] = g.ids();
   }
   std::atomic<int> wrong{0};
   std::vector<std::thread> clients;
@@ -441,10 +456,12 @@ TEST(ServerTextSlots, TextCallsAtOnceAllAnswerAndFailedOnesGiveTheirSlotBack) {
                         want_score[i].token_ids().begin(), want_score[i].token_ids().end()) ||
             std::abs(sresp.nll() - want_score[i].nll()) > 1e-5)
           ++wrong;
+        if (const Stream g = generate_text(texts[i]); !g.status.ok() || g.ids() != want_ids[i])
+          ++wrong;
       }
     });
   for (auto& t : clients) t.join();
-  EXPECT_EQ(wrong.load(), 0) << "of " << 12 * 6 * 3 << " calls";
+  EXPECT_EQ(wrong.load(), 0) << "of " << 12 * 6 * 4 << " calls";
 }
 
 // A tokenizer.model that SentencePiece loads but that refuses to encode some texts: such a text
@@ -649,6 +666,15 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   std::string err;
   EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", bad}, &out, &err), 0);
   EXPECT_NE(err.find("line 3 of '" + bad + "' holds a byte no client can send"), std::string::npos)
+      << err;
+  // And a comment after a key, which made the whole line the key (a '#' inside a word is kept).
+  std::ofstream(bad) << "good#key\n# ok\ntok1   # the ops team\n";
+  err.clear();
+  EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", bad}, &out, &err), 0);
+  EXPECT_NE(err.find("line 3 of '" + bad +
+                     "': a '#' after a space reads as a comment after the "
+                     "key"),
+            std::string::npos)
       << err;
 }
 
@@ -1071,6 +1097,29 @@ TEST(ServerTls, ServesOverTls) {
   EXPECT_NE(err.find("--tls-ca: '" + dir + "/notes.txt' holds no PEM certificate"),
             std::string::npos)
       << err;
+  // The client's connection errors say what to change, without gRPC's own log lines before them
+  // ("E1206 … ssl_transport_security.cc:1501] Handshake failed …"): plaintext against TLS, a
+  // CA that did not sign the server's certificate, TLS against plaintext.
+  const std::string other = fresh_temp_dir();
+  ASSERT_TRUE(make_certificate(other));
+  auto plaintext = ServerProcess::start(make_tiny_model(fresh_temp_dir()));
+  ASSERT_TRUE(plaintext);
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--addr", server->addr()},
+            "(a server with TLS on closes plaintext connections: is "
+            "--tls-ca missing?)"},
+           {{"--addr", server->addr(), "--tls-ca", other + "/cert.pem"},
+            "certificate verify failed (the server's certificate is not signed by a --tls-ca "
+            "certificate)"},
+           {{"--addr", plaintext->addr(), "--tls-ca", cert},
+            "(the server does not speak TLS: leave out --tls-ca)"}}) {
+    std::vector<std::string> cmd = {"client", "health"};
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    EXPECT_EQ(run_cemlm(cmd, &out, &err), 1) << err;
+    EXPECT_TRUE(err.starts_with("error: UNAVAILABLE: ")) << err;
+    EXPECT_NE(err.find(says), std::string::npos) << err;
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  }
 }
 
 // Under TLS, a call of cemlm.v1.Inference without a valid key is refused as its headers arrive

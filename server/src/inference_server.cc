@@ -32,6 +32,10 @@ constexpr int kMaxRequestBytes = 4 << 20;
 // UNAVAILABLE "Too many pings". A ping a second costs nothing; gRPC-Go and Java clients ping
 // every 10 s at most.
 constexpr int kMinClientPingIntervalMs = 1000;
+// A call's headers past gRPC's 8 KB default (a large bearer token, tracing baggage) fail not only
+// that call: gRPC 1.51's HTTP/2 parser fails its whole connection, and every stream on it ends
+// RESOURCE_EXHAUSTED (fixed in gRPC 1.53.2). 64 KB leaves room for any header a client means.
+constexpr int kMaxMetadataBytes = 64 << 10;
 
 // Runs ServerState::check_at_headers on each call's headers, in gRPC's auth filter: a call it
 // refuses ends there, its body unread.
@@ -88,6 +92,7 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kMaxConnectionIdleMs);
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeTimeoutMs);
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
   // The builder keeps a reference to the quota's core object: this one can go out of scope.
   grpc::ResourceQuota quota("cemlm-grpc");
   if (opts.grpc_memory_bytes > 0) {

@@ -355,6 +355,27 @@ TEST_F(ServerGenerate, SixtyFourConcurrentStreamsWithMixedT) {
   EXPECT_EQ(metric(m, "cemlm:generation_tokens_total"), kStreams * kTokens);
 }
 
+// A call with headers past gRPC's 8 KB default (a large bearer token or tracing baggage) is
+// served, and the streams beside it on its connection go on: gRPC 1.51 failed the whole
+// connection, every stream on it ending RESOURCE_EXHAUSTED.
+TEST_F(ServerGenerate, LargeHeadersAreServedBesideOtherStreams) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto reader = v1::Inference::NewStub(server_->channel())
+                    ->Generate(&context, ids_request(some_ids(12), 2000, 8));
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));  // under way on the channel's connection
+  grpc::ClientContext big;
+  big.AddMetadata("x-baggage", std::string(32 << 10, 'a'));
+  v1::ModelInfo info;
+  const grpc::Status st = v1::Inference::NewStub(server_->channel())->GetModelInfo(&big, {}, &info);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  while (reader->Read(&m)) {
+  }
+  const grpc::Status stream = reader->Finish();
+  EXPECT_TRUE(stream.ok()) << stream.error_message();
+}
+
 TEST_F(ServerGenerate, CancelMidStreamFreesTheBlocks) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + 60s);

@@ -249,12 +249,26 @@ absl::Status check_checkpoint_target(const std::string& dir) {
             "', which is not a checkpoint file; saving replaces the whole directory and would "
             "delete it: move it out, or choose another output directory"));
     }
-  if (target.has_parent_path() && !fs::create_directories(target.parent_path(), ec) && ec)
-    return fs_error("create", target.parent_path(), ec);
-  const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  // Nothing is created here (a run refused later, for a flag, left --out's parents behind): the
+  // parent, or the nearest of its ancestors that exists, must be a directory one may write in.
+  fs::path parent = target.parent_path();
+  while (!parent.empty() && !fs::exists(parent, ec) && parent != parent.parent_path())
+    parent = parent.parent_path();
+  if (parent.empty()) parent = ".";
+  if (!fs::is_directory(parent, ec))
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot write a checkpoint under '", parent.string(), "': not a directory"));
   if (::access(parent.c_str(), W_OK) != 0)
     return absl::PermissionDeniedError(absl::StrCat(
         "cannot write a checkpoint into '", parent.string(), "': ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+absl::Status create_checkpoint_parent(const std::string& dir) {
+  const fs::path target = checkpoint_target_path(dir);
+  std::error_code ec;
+  if (target.has_parent_path() && !fs::create_directories(target.parent_path(), ec) && ec)
+    return fs_error("create", target.parent_path(), ec);
   return absl::OkStatus();
 }
 
@@ -263,6 +277,7 @@ absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
                              const ExtraFilesWriter& write_extra) {
   CEMLM_RETURN_IF_ERROR(check_params(config, params));
   CEMLM_RETURN_IF_ERROR(check_checkpoint_target(dir));
+  CEMLM_RETURN_IF_ERROR(create_checkpoint_parent(dir));
   const fs::path target = checkpoint_target_path(dir);
   std::error_code ec;
   const bool exists = fs::exists(target, ec);

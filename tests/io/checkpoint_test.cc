@@ -345,6 +345,24 @@ TEST(Checkpoint, SaveRefusesToReplaceSomethingElse) {
   fs::create_directories(dir + "/empty");
   EXPECT_TRUE(save_checkpoint(dir + "/empty", c, random_params(c, 1)).ok());
   EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"empty", "file", "notes"}));
+  // Under a file, nothing can be made; the check says so up front.
+  const absl::Status under_file = check_checkpoint_target(dir + "/file/ck");
+  EXPECT_EQ(under_file.code(), absl::StatusCode::kFailedPrecondition) << under_file;
+  EXPECT_NE(under_file.message().find("'" + dir + "/file': not a directory"), std::string::npos)
+      << under_file;
+}
+
+// The check creates nothing (a trainer refused later, for a flag, left --out's parents behind);
+// the save creates the missing parents.
+TEST(Checkpoint, CheckCreatesNothingAndSaveCreatesTheParents) {
+  const std::string dir = fresh_dir();
+  const ModelConfig c = config_of(small_config());
+  EXPECT_TRUE(check_checkpoint_target(dir + "/a/b/ck").ok());
+  EXPECT_TRUE(check_checkpoint_target("relative-name-not-here/ck").ok());
+  EXPECT_TRUE(list_dir(dir).empty());
+  EXPECT_FALSE(fs::exists("relative-name-not-here"));
+  ASSERT_TRUE(save_checkpoint(dir + "/a/b/ck", c, random_params(c, 1)).ok());
+  EXPECT_TRUE(load_checkpoint(dir + "/a/b/ck").ok());
 }
 
 // Saving swaps in a whole new directory, so a checkpoint directory holding anything besides

@@ -1466,6 +1466,14 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
     EXPECT_NE(err.find(c.flag), std::string::npos) << c.args[0] << " " << c.args[1] << ": " << err;
     EXPECT_FALSE(fs::exists(dir + "/bad/config.json")) << c.args[0] << " " << c.args[1];
   }
+  // Refused for a flag once the model is loaded: --out's missing parents are not left behind.
+  {
+    const auto [rc, err] = cli({"--config", o.config_path, "--out", dir + "/new/sub/run", "--data",
+                                o.data[0], "--steps", "2", "--threads", "1", "--seq-len", "65"});
+    EXPECT_NE(rc, 0);
+    EXPECT_NE(err.find("--seq-len"), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(dir + "/new"));
+  }
   const auto [rc, err] = cli({"--out", dir + "/never-trained", "--resume"});
   EXPECT_NE(rc, 0);
   EXPECT_NE(err.find("--resume"), std::string::npos) << err;

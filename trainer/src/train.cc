@@ -325,6 +325,7 @@ absl::Status Trainer::check_out_and_cache_paths() const {
 // process is killed. The file stays: a run that unlinked it could leave two holders (one of the
 // unlinked file, one of a new file at the same path).
 absl::Status Trainer::lock_out() {
+  CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", create_checkpoint_parent(o_.out_dir)));
   const fs::path out = out_path();
   const fs::path lock = out.parent_path() / ("." + out.filename().string() + ".lock");
   lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
@@ -890,21 +891,35 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     if (cb_.on_step && !cb_.on_step(m)) stop = true;
     budget.step_s = step_s;
     if (!eval_measured) budget.eval_s = estimated_eval_s(step_s);
-    if (o_.max_minutes > 0 && step_ < o_.steps &&
-        budget.stop_now(seconds_since(run_start_), o_.max_minutes * 60, step_ % o_.eval_every == 0,
-                        step_ % o_.save_every == 0)) {
-      info(absl::StrCat("--max-minutes ", o_.max_minutes, " reached at step ", step_));
-      stop = true;
-    }
-    const bool last = stop || step_ == o_.steps;
-    if (step_ % o_.eval_every == 0 || last) {
+    bool evaluated = false;
+    auto run_eval = [&] {
       const Clock::time_point e0 = Clock::now();
       summary.last_eval = evaluate();
       budget.eval_s = seconds_since(e0);
-      eval_measured = true;
+      eval_measured = evaluated = true;
       log_.add(summary.last_eval);
       if (cb_.on_eval) cb_.on_eval(summary.last_eval);
+    };
+    if (o_.max_minutes > 0 && step_ < o_.steps) {
+      const double budget_s = o_.max_minutes * 60;
+      const bool save_due = step_ % o_.save_every == 0;
+      bool over = budget.stop_now(seconds_since(run_start_), budget_s, step_ % o_.eval_every == 0,
+                                  save_due);
+      // Before any evaluation was timed, its cost is estimated from the steps', which can be far
+      // off (the first step's one-time costs made it 30× too long, and runs of a budget for
+      // hundreds of steps stopped after one). An estimate alone does not stop the run: the
+      // evaluation runs now, the final one if the run does stop, and the decision is remade.
+      if (over && !eval_measured) {
+        run_eval();
+        over = budget.stop_now(seconds_since(run_start_), budget_s, false, save_due);
+      }
+      if (over) {
+        info(absl::StrCat("--max-minutes ", o_.max_minutes, " reached at step ", step_));
+        stop = true;
+      }
     }
+    const bool last = stop || step_ == o_.steps;
+    if (!evaluated && (step_ % o_.eval_every == 0 || last)) run_eval();
     if (step_ % o_.save_every == 0 || last) {
       const Clock::time_point s0 = Clock::now();
       CEMLM_RETURN_IF_ERROR(save());

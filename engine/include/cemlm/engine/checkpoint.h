@@ -62,10 +62,14 @@ using ExtraFilesWriter = std::function<absl::Status(const std::string& tmp_dir)>
 // followed, so the link keeps pointing at the new checkpoint.
 std::filesystem::path checkpoint_target_path(const std::string& dir);
 
-// Whether save_checkpoint may write `dir`: absent (its parent is created), empty, or a
-// checkpoint directory (config.json, and nothing but kCheckpointFiles), with a writable parent.
-// A trainer asks before training, so a bad --out fails at once rather than at the first save.
+// Whether save_checkpoint may write `dir`: absent, empty, or a checkpoint directory (config.json,
+// and nothing but kCheckpointFiles), with a writable parent (or, when that is absent, a writable
+// nearest ancestor: save_checkpoint creates the rest). Creates nothing. A trainer asks before
+// training, so a bad --out fails at once rather than at the first save.
 absl::Status check_checkpoint_target(const std::string& dir);
+// Creates the directories above `dir` that are missing (save_checkpoint does; a trainer before
+// its lock file, which sits beside `dir`).
+absl::Status create_checkpoint_parent(const std::string& dir);
 
 // Writes config.json, model.safetensors (F32, layout order) and, when `tokenizer_path` is not
 // empty, a copy of it as tokenizer.model. An existing `dir` is replaced only once the new one is

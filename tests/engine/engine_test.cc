@@ -1339,6 +1339,9 @@ TEST(Engine, BadScoreRequestsAreRefusedNamingTheField) {
     EXPECT_NE(st.status().message().find(want), std::string::npos)
         << want << " vs " << st.status();
   }
+  // The limits' own values are accepted: 40 tokens fill exactly the cache's 10 blocks of 4.
+  const auto full = b.engine->score({std::vector<int>(40, 1), 0});
+  EXPECT_TRUE(full.ok()) << full.status();
 }
 
 TEST(Engine, BadOptionsAreRefusedNamingTheOption) {

@@ -172,7 +172,8 @@ TEST_F(ServerGenerate, StreamsTokensLogprobsAndFinalUsage) {
   req.set_prompt_text("The cat sat on the mat.");
   req.set_recursion_depth(3);
   req.set_logprobs(true);
-  req.set_request_id("stream-1");
+  const std::string request_id = "stream-1" + std::string(248, '-');  // 256 bytes, the most
+  req.set_request_id(request_id);
   req.mutable_sampling()->set_max_new_tokens(12);
   req.mutable_sampling()->set_ignore_eos(true);
   req.mutable_sampling()->set_top_logprobs(3);
@@ -197,7 +198,7 @@ TEST_F(ServerGenerate, StreamsTokensLogprobsAndFinalUsage) {
   EXPECT_EQ(tops, 12);
   const v1::GenerateResponse& last = s.messages.back();
   EXPECT_EQ(last.finish_reason(), v1::FINISH_REASON_LENGTH);
-  EXPECT_EQ(last.request_id(), "stream-1");
+  EXPECT_EQ(last.request_id(), request_id);
   EXPECT_EQ(last.usage().generated_tokens(), 12);
   EXPECT_GT(last.usage().prompt_tokens(), 0);
   EXPECT_GT(last.usage().recursion_steps(), 0);

@@ -202,6 +202,19 @@ TEST(Train, ResumeOnAnotherThreadCountSaysSo) {
       << refused.status();
 }
 
+// --train-recursion MIN-MAX draws every depth of the range, both ends included.
+TEST(Train, TrainingDepthsCoverTheirWholeRange) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.steps = 30;
+  o.eval_every = 100;
+  o.train_recursion = {1, 3};
+  std::set<int> seen;
+  TrainCallbacks cb;
+  cb.on_step = [&](const StepMetrics& m) { return seen.insert(m.T), true; };
+  ASSERT_TRUE(train(o, cb).ok());
+  EXPECT_EQ(seen, (std::set<int>{1, 2, 3}));
+}
+
 // A model trained at depths that leave out its recursion.default is served at a T it never
 // trained at by the requests that leave T unset: the run says so.
 TEST(Train, TrainingAwayFromTheDefaultDepthSaysSo) {

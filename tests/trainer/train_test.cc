@@ -4,6 +4,8 @@
 #include "cemlm/trainer/train.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -474,6 +476,35 @@ TEST(Train, PathsThatAreNotUtf8AreRefusedByNameBeforeTraining) {
     EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), before)
         << flag << ": something was created";
   }
+}
+
+// A run killed while it wrote a cache file left its temporary file for good: the next run removes
+// those of processes that are gone, and keeps a live process's (a run sharing the cache, writing
+// now) and files of other names.
+TEST(Train, TemporaryCacheFilesOfKilledRunsAreRemoved) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.cache_dir = dir + "/cache";
+  o.steps = 1;
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  ASSERT_GT(gone, 0);
+  ASSERT_EQ(waitpid(gone, nullptr, 0), gone);
+  const std::string dead = o.cache_dir + "/tokens.bin.tmp." + std::to_string(gone) + ".3",
+                    dead_key = o.cache_dir + "/tokenizer.key.tmp." + std::to_string(gone) + ".0",
+                    live = o.cache_dir + "/tokens.bin.tmp." + std::to_string(getpid()) + ".0",
+                    other = o.cache_dir + "/notes.tmp." + std::to_string(gone) + ".0";
+  for (const std::string& f : {dead, dead_key, live, other}) testing_trainer::write_file(f, "x");
+  std::string lines;
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+  ASSERT_TRUE(train(o, cb).ok());
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_FALSE(fs::exists(dead_key));
+  EXPECT_TRUE(fs::exists(live));
+  EXPECT_TRUE(fs::exists(other));
+  EXPECT_NE(lines.find("removed " + dead + ", left by a run that was killed"), std::string::npos)
+      << lines;
 }
 
 // Runs that share a --cache: another run training its own tokenizer into the cache while this one

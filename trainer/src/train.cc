@@ -4,6 +4,7 @@
 #include "cemlm/trainer/train.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -20,8 +21,10 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/cpu_threads.h"
@@ -146,6 +149,7 @@ class Trainer {
   absl::Status check_out_and_cache_paths() const;
   absl::Status lock_out();
   absl::Status remove_stale_saves() const;
+  void remove_dead_cache_temps() const;
   absl::Status set_up();
   absl::Status prepare_tokenizer(const CorpusFiles& corpus);
   absl::Status prepare_params();
@@ -783,7 +787,31 @@ absl::Status Trainer::save() {
 // Tokenizer, parameters, data and the resumed state; CancelledError when the caller asks to stop
 // before the first step (checked after each phase that may take long, and before each data file
 // is encoded).
+// A run killed while it wrote a cache file left its temporary "<file>.tmp.<pid>.<n>"
+// (write_file_atomic's) there for good, megabytes each. Those of processes that are gone are
+// removed; a live one's may be a run sharing the cache, writing now.
+void Trainer::remove_dead_cache_temps() const {
+  std::error_code ec;
+  for (fs::directory_iterator it(cache_path(), ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    for (const char* file : {kTokenCacheFile, kTokenizerFile, kTokenizerKeyFile}) {
+      const std::string prefix = absl::StrCat(file, ".tmp.");
+      if (!absl::StartsWith(name, prefix)) continue;
+      const std::vector<std::string> parts = absl::StrSplit(name.substr(prefix.size()), '.');
+      int pid = 0;
+      uint64_t n = 0;
+      if (parts.size() == 2 && absl::SimpleAtoi(parts[0], &pid) && pid > 0 &&
+          absl::SimpleAtoi(parts[1], &n) && ::kill(pid, 0) != 0 && errno == ESRCH) {
+        std::error_code rm;
+        if (fs::remove(it->path(), rm))
+          info(absl::StrCat("removed ", it->path().string(), ", left by a run that was killed"));
+      }
+    }
+  }
+}
+
 absl::Status Trainer::set_up() {
+  remove_dead_cache_temps();
   CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus,
                          list_corpus(o_.data, {out_path().string(), cache_path().string()}));
   if (!corpus.not_text.empty()) {

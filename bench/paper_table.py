@@ -221,13 +221,14 @@ def inspect_params(cemlm, run_dir):
 
 
 def validation_part(ids, val_fraction, bos, eos):
-    """A file's validation ids, ids[begin:end] (trainer/src/data.cc validation_part): its last
-    val_fraction of tokens, moved to the nearest document start within half to twice that size;
-    with none there, the file's end through its EOS trains and the ids just before it validate."""
+    """A file's validation ids, ids[begin:end], and whether its cut fell inside a document
+    (trainer/src/data.cc validation_part): its last val_fraction of tokens, moved to the nearest
+    document start within half to twice that size; with none there, the file's end through its
+    EOS trains and the ids just before it validate."""
     n = len(ids)
     cut = n - math.ceil(n * val_fraction)
     if cut in (0, n) or (bos < 0 and eos < 0):
-        return cut, n
+        return cut, n, False
 
     def starts_document(p):
         if bos >= 0:
@@ -239,14 +240,32 @@ def validation_part(ids, val_fraction, bos, eos):
     d = 0
     while cut >= lo + d or cut + d <= hi:
         if cut >= lo + d and starts_document(cut - d):
-            return cut - d, n
+            return cut - d, n, False
         if cut + d <= hi and starts_document(cut + d):
-            return cut + d, n
+            return cut + d, n, False
         d += 1
     keep = min(n_val, cut // 2)
     if eos < 0 or ids[n - 1] != eos or keep == 0:
-        return cut, n
-    return cut - keep, n - keep
+        return cut, n, True
+    return cut - keep, n - keep, True
+
+
+def validation_parts(files, val_fraction, bos, eos):
+    """Each file's (begin, end) as data.cc validation_parts gives them: validation_part's, but
+    with at least 1 / val_fraction files cut inside a document, those go whole to validation
+    (while its share of their ids is below val_fraction) or to training, in order."""
+    parts = [validation_part(ids, val_fraction, bos, eos) for ids in files]
+    if val_fraction <= 0 or sum(p[2] for p in parts) < math.ceil(1 / val_fraction):
+        return [(b, e) for b, e, _ in parts]
+    out, total, val = [], 0.0, 0.0
+    for ids, (b, e, inside) in zip(files, parts):
+        if inside:
+            total += len(ids)
+            to_val = val < val_fraction * total
+            b, e = (0 if to_val else len(ids)), len(ids)
+            val += len(ids) if to_val else 0
+        out.append((b, e))
+    return out
 
 
 def cache_splits(cache_dir, val_fraction=0.05, bos=1, eos=2):
@@ -260,11 +279,12 @@ def cache_splits(cache_dir, val_fraction=0.05, bos=1, eos=2):
         sys.exit(f"paper_table: {cache_dir}/tokens.bin is not a version 2 cemlm token cache")
     counts = struct.unpack_from(f"<{n_files}Q", blob, struct.calcsize(header))
     pos = struct.calcsize(header) + 8 * n_files
-    train_ids, val_ids = [], []
+    files = []
     for n in counts:
-        ids = struct.unpack_from(f"<{n}i", blob, pos)
+        files.append(struct.unpack_from(f"<{n}i", blob, pos))
         pos += 4 * n
-        begin, end = validation_part(ids, val_fraction, bos, eos)
+    train_ids, val_ids = [], []
+    for ids, (begin, end) in zip(files, validation_parts(files, val_fraction, bos, eos)):
         train_ids += ids[:begin] + ids[end:]
         val_ids += ids[begin:end]
     return train_ids, val_ids

@@ -340,6 +340,51 @@ TEST(Split, AOneDocumentFileKeepsItsEndInTraining) {
   EXPECT_EQ(b.end, 99u);
 }
 
+// With at least 1 / val_fraction files cut inside a document (one short document per file), those
+// go whole to validation or training (cut, each gave validation a few ids from before its EOS,
+// holing every document); fewer are cut as validation_part cuts them, and files with a document
+// start near their cut always are.
+TEST(Split, ManyOneDocumentFilesGoWhole) {
+  auto one_doc = [](int len) {
+    std::vector<int32_t> ids = {1};
+    ids.insert(ids.end(), size_t(len), 7);
+    ids.push_back(2);
+    return ids;
+  };
+  std::vector<std::vector<int32_t>> files;
+  for (int i = 0; i < 40; ++i) files.push_back(one_doc(18 + i % 5));
+  std::vector<int32_t> many;  // 20 documents of 10 ids: cut at a document start
+  for (int d = 0; d < 20; ++d) {
+    const auto doc = one_doc(8);
+    many.insert(many.end(), doc.begin(), doc.end());
+  }
+  files.insert(files.begin() + 3, many);
+  const std::vector<ValidationPart> parts = validation_parts(files, 0.1, 1, 2);
+  ASSERT_EQ(parts.size(), files.size());
+  size_t val = 0, total = 0, whole = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const ValidationPart& p = parts[i];
+    if (i == 3) {  // its own split, as alone
+      EXPECT_EQ(p.begin, validation_part(files[i], 0.1, 1, 2).begin);
+      EXPECT_EQ(p.end, files[i].size());
+      continue;
+    }
+    EXPECT_EQ(p.end, files[i].size()) << i;
+    EXPECT_TRUE(p.begin == 0 || p.begin == files[i].size()) << i << ": cut at " << p.begin;
+    whole += p.begin == 0;
+    val += files[i].size() - p.begin;
+    total += files[i].size();
+  }
+  EXPECT_EQ(whole, 4u);  // a tenth of the 40
+  EXPECT_NEAR(double(val) / double(total), 0.1, 0.02);
+  // Fewer such files than 1 / val_fraction: each is cut as alone.
+  files.resize(9);
+  for (size_t i = 0; i < files.size(); ++i) {
+    const ValidationPart alone = validation_part(files[i], 0.1, 1, 2);
+    EXPECT_EQ(validation_parts(files, 0.1, 1, 2)[i].begin, alone.begin) << i;
+  }
+}
+
 TEST(Windows, SampledWindowsAreSlicesDrawnBySeed) {
   std::vector<int32_t> tokens(100);
   for (int i = 0; i < 100; ++i) tokens[i] = i;

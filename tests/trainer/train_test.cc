@@ -722,10 +722,18 @@ TEST(Train, ResumingOnAnotherValidationSplitSaysSo) {
   });
   EXPECT_NE(lines.find("older cemlm, whose split gave the end of a file"), std::string::npos)
       << lines;
+  lines = resume_edited(7, [](nlohmann::json& j) {
+    j.erase("validation_hash");
+    j["split"] = "document-start,end-trains";
+  });
+  EXPECT_NE(lines.find("older cemlm, whose split cut a piece out of each file that is one "
+                       "document"),
+            std::string::npos)
+      << lines;
   // The current rule without a hash, and a hash that matches: nothing to say.
-  lines = resume_edited(7, [](nlohmann::json& j) { j.erase("validation_hash"); });
+  lines = resume_edited(8, [](nlohmann::json& j) { j.erase("validation_hash"); });
   EXPECT_EQ(lines.find("validation split"), std::string::npos) << lines;
-  lines = resume_edited(8, [](nlohmann::json& j) { j["split"] = "document-start"; });
+  lines = resume_edited(9, [](nlohmann::json& j) { j["split"] = "document-start"; });
   EXPECT_EQ(lines.find("validation split"), std::string::npos) << lines;
 }
 

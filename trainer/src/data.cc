@@ -266,8 +266,29 @@ ValidationPart validation_part(std::span<const int32_t> ids, double val_fraction
   }
   // The cut falls inside a document: its end trains, the ids before it validate.
   const size_t keep = std::min(n_val, cut / 2);
-  if (eos < 0 || ids[n - 1] != eos || keep == 0) return {cut, n};
-  return {cut - keep, n - keep};
+  if (eos < 0 || ids[n - 1] != eos || keep == 0) return {cut, n, true};
+  return {cut - keep, n - keep, true};
+}
+
+std::vector<ValidationPart> validation_parts(const std::vector<std::vector<int32_t>>& files,
+                                             double val_fraction, int bos, int eos) {
+  std::vector<ValidationPart> parts;
+  size_t inside = 0;
+  for (const auto& ids : files) {
+    parts.push_back(validation_part(ids, val_fraction, bos, eos));
+    inside += parts.back().inside_document;
+  }
+  if (val_fraction <= 0 || double(inside) < std::ceil(1 / val_fraction)) return parts;
+  double total = 0, val = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (!parts[i].inside_document) continue;
+    const size_t n = files[i].size();
+    total += double(n);
+    const bool to_val = val < val_fraction * total;
+    parts[i] = {to_val ? 0 : n, n, true};
+    if (to_val) val += double(n);
+  }
+  return parts;
 }
 
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
@@ -296,8 +317,10 @@ absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Token
     }
     CEMLM_RETURN_IF_ERROR(write_cache(cache_path, corpus, encoding, files));
   }
-  for (const auto& ids : files) {
-    const ValidationPart v = validation_part(ids, val_fraction, bos, eos);
+  const std::vector<ValidationPart> parts = validation_parts(files, val_fraction, bos, eos);
+  for (size_t i = 0; i < files.size(); ++i) {
+    const std::vector<int32_t>& ids = files[i];
+    const ValidationPart& v = parts[i];
     data.train.insert(data.train.end(), ids.begin(), ids.begin() + long(v.begin));
     data.val.insert(data.val.end(), ids.begin() + long(v.begin), ids.begin() + long(v.end));
     data.train.insert(data.train.end(), ids.begin() + long(v.end), ids.end());

@@ -697,10 +697,12 @@ absl::Status Trainer::restore() {
   if (saved_val_hash ? *saved_val_hash != val_hash_ : split != kSplitRule)
     info(absl::StrCat(
         "note: the validation split is not the run's",
-        saved_val_hash ? " (other --data files or contents, --val-fraction, tokenizer, or split "
-                         "rule)"
-        : split.empty()
-            ? ": the run began with an older cemlm, whose split cut documents in two"
+        saved_val_hash  ? " (other --data files or contents, --val-fraction, tokenizer, or split "
+                          "rule)"
+        : split.empty() ? ": the run began with an older cemlm, whose split cut documents in two"
+        : split == "document-start,end-trains"
+            ? ": the run began with an older cemlm, whose split cut a piece out of each file "
+              "that is one document, also when there were enough such files to give whole"
             : ": the run began with an older cemlm, whose split gave the end of a file that is "
               "one document, its EOS, to validation",
         "; from here on it trains and evaluates on the current one (the validation curve may "

@@ -64,10 +64,11 @@ struct TokenData {
 // validation_part()'s, the rest of it training, so that every file is in both (kSplitRule names
 // this rule in a run's saved state). `stop` is asked before each file is encoded: true ends with
 // a CancelledError, and nothing is cached.
-inline constexpr char kSplitRule[] = "document-start,end-trains";
+inline constexpr char kSplitRule[] = "document-start,end-trains,whole-files";
 // A file's validation ids, ids[begin, end); the others train.
 struct ValidationPart {
   size_t begin = 0, end = 0;
+  bool inside_document = false;  // the cut fell inside a document (no start near it)
 };
 // The file's last `val_fraction` of `ids`, its start moved to the nearest document start when one
 // lies within half to twice that validation size, so that no document is split between training
@@ -78,6 +79,14 @@ struct ValidationPart {
 // EOS (nor learn to end a generation). Without document markers, or without an EOS at the file's
 // end, the plain cut.
 ValidationPart validation_part(std::span<const int32_t> ids, double val_fraction, int bos, int eos);
+// Every file's validation_part(), except when the corpus has at least 1 / val_fraction files
+// whose cut falls inside a document (a directory of one short document per file, say): those
+// then go to validation or training whole, in order, each to validation while the validation
+// share of their ids is below val_fraction. Cut, each gave validation a few ids from before its
+// EOS, which both holed every document and made validation windows of glued fragments (a review
+// measured validation perplexity 97.5 against 59.8 on the same documents in one file).
+std::vector<ValidationPart> validation_parts(const std::vector<std::vector<int32_t>>& files,
+                                             double val_fraction, int bos, int eos);
 absl::StatusOr<TokenData> load_token_data(const CorpusFiles& corpus, const Tokenizer& tokenizer,
                                           uint64_t tokenizer_hash, int bos, int eos,
                                           const std::string& cache_path, double val_fraction,

@@ -143,7 +143,6 @@ class Trainer {
   bool stop_asked(bool last) const {
     return cb_.stop_before_training && cb_.stop_before_training(last);
   }
-  void absolute_paths();
   absl::Status check_paths_are_utf8() const;
   absl::Status load_model();
   absl::Status check_out_and_cache_paths() const;
@@ -207,14 +206,17 @@ class Trainer {
 
 // Saved with the run's options, so that --resume reads the same files from any directory (a
 // relative --cache resumed elsewhere silently encoded the data again into a new cache there).
-void Trainer::absolute_paths() {
+// Without a trailing separator: "--data data/" is the run's "--data data" (a resume said the
+// options differed).
+void absolute_paths(TrainOptions& o) {
   auto absolute = [](std::string& p) {
     std::error_code ec;
-    const fs::path abs = fs::absolute(p, ec);
-    if (!p.empty() && !ec) p = abs.lexically_normal().string();
+    fs::path abs = fs::absolute(p, ec).lexically_normal();
+    if (!abs.has_filename() && abs.has_relative_path()) abs = abs.parent_path();
+    if (!p.empty() && !ec) p = abs.string();
   };
-  for (std::string& p : o_.data) absolute(p);
-  for (std::string* p : {&o_.cache_dir, &o_.config_path, &o_.init_dir, &o_.tokenizer_path})
+  for (std::string& p : o.data) absolute(p);
+  for (std::string* p : {&o.cache_dir, &o.config_path, &o.init_dir, &o.tokenizer_path})
     absolute(*p);
 }
 
@@ -675,6 +677,7 @@ absl::Status Trainer::restore() {
                       "uninterrupted one bit for bit (--threads ",
                       saved_threads, " keeps it)"));
   if (auto saved = options_from_json(options_text); saved.ok()) {
+    absolute_paths(*saved);  // as saved by an older cemlm: "data/"
     if (const std::string changed = changed_options(*saved, o_); !changed.empty())
       info(absl::StrCat("note: resuming with options that differ from the run's: ", changed,
                         "; the run goes on with these, so it no longer matches an uninterrupted "
@@ -876,7 +879,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   const CpuThreads threads = use_cpu_threads(o_.threads);
   compute_threads_ = threads.threads;
   info(absl::StrCat("compute threads: ", threads.threads, " (", threads.why, ")"));
-  absolute_paths();
+  absolute_paths(o_);
   CEMLM_RETURN_IF_ERROR(check_paths_are_utf8());
   // A resumed run locks --out before loading it: an interrupted save may have left its checkpoint
   // aside, for remove_stale_saves to put back. (A new run's --out may not have a parent yet.)

@@ -684,6 +684,42 @@ TEST(Engine, ScoringChunksOfAHigherPriorityGoFirst) {
   ASSERT_TRUE(c.wait_finals(1));
 }
 
+// Scoring calls of one priority take turns, a chunk each, oldest chunk first: a short call that
+// arrives while a long one runs is done within a few steps, not after all the long one's chunks
+// (newest first, the long call's next chunk, queued as its last ended, would always go first).
+TEST(Engine, ScoringCallsOfOnePriorityTakeTurns) {
+  EngineOptions eo;
+  eo.max_batch_tokens = 4;
+  Built b = build({.favorite =
+                       [](int) {
+                         std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                         return -1;
+                       }},
+                  eo);
+  Collector c;
+  // A generation keeps running, so that each step takes one scoring chunk.
+  const auto gen = b.engine->submit(request(tokens(4, 1), 200), c.callback());
+  ASSERT_TRUE(gen.ok());
+  while (c.get(*gen).ids.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::atomic<int> done{0};
+  int long_done = 0, short_done = 0;
+  auto long_call = std::async(std::launch::async, [&] {
+    EXPECT_TRUE(b.engine->score({tokens(240, 2), 1}).ok());  // 60 chunks, ≥ 4 ms each
+    long_done = ++done;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));  // a few of its chunks have run
+  auto short_call = std::async(std::launch::async, [&] {
+    EXPECT_TRUE(b.engine->score({tokens(8, 3), 1}).ok());  // 2 chunks
+    short_done = ++done;
+  });
+  long_call.get();
+  short_call.get();
+  EXPECT_EQ(short_done, 1);
+  EXPECT_EQ(long_done, 2);
+  b.engine->cancel(*gen);
+  ASSERT_TRUE(c.wait_finals(1));
+}
+
 TEST(Engine, CancelEndsARequestWithinAStepAndFreesItsBlocks) {
   Built b = build({});
   Collector c;
@@ -850,7 +886,12 @@ TEST(Engine, CancelOfAnIdNotYetIssuedIsIgnored) {
   EXPECT_EQ(*bb, *a + 1);
   b.engine->cancel(*a);
   at4.release.set_value();
-  at1.entered.get_future().wait();  // inside B's prefill, A ended just before it
+  // Inside B's prefill, A ended just before it. (Bounded: a cancel that ended B instead left
+  // this waiting for good, a hang rather than a failure.)
+  const bool b_ran =
+      at1.entered.get_future().wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  if (!b_ran) at1.release.set_value();
+  ASSERT_TRUE(b_ran) << "B never ran: the cancel of its id before it was issued ended it";
   const EngineStats during = b.engine->stats();
   EXPECT_EQ(during.running + during.waiting, 1);
   at1.release.set_value();

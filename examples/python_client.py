@@ -49,8 +49,12 @@ def load_stubs(out_dir):
 def channel(grpc, args):
     if not args.tls_ca:
         return grpc.insecure_channel(args.addr)
-    with open(args.tls_ca, "rb") as f:
-        return grpc.secure_channel(args.addr, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    try:
+        with open(args.tls_ca, "rb") as f:
+            pem = f.read()
+    except OSError as e:
+        sys.exit(f"--tls-ca: cannot read '{args.tls_ca}': {e.strerror}")
+    return grpc.secure_channel(args.addr, grpc.ssl_channel_credentials(root_certificates=pem))
 
 
 def run(args, grpc, pb, pb_grpc):
@@ -113,8 +117,6 @@ def main():
             run(args, grpc, pb, pb_grpc)
         except grpc.RpcError as e:
             sys.exit(f"{args.addr}: {e.code().name}: {e.details()}")
-        except OSError as e:  # --tls-ca unreadable
-            sys.exit(f"--tls-ca: cannot read '{args.tls_ca}': {e.strerror}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ bool valid_addr(const std::string& a) {
 bool tls_channel = false;  // whether make_channel made a TLS channel (report_error's hints)
 
 // gRPC's own error lines ("E1206 … ssl_transport_security.cc:1501] Handshake failed …") said on
-// stderr what the call's status then says again, before cemlm's "error:" line: left out.
+// stderr what the call's status then says again, before cemlm's "error:" line: left out, unless
+// GRPC_VERBOSITY or GRPC_TRACE asks for gRPC's lines.
 void drop_grpc_line(gpr_log_func_args*) {}
 
 std::string api_key(const ChannelFlags& f) {
@@ -82,7 +83,8 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
                  f.timeout);
     return nullptr;
   }
-  gpr_set_log_function(drop_grpc_line);
+  if (!std::getenv("GRPC_VERBOSITY") && !std::getenv("GRPC_TRACE"))
+    gpr_set_log_function(drop_grpc_line);
   tls_channel = !f.tls_ca.empty();
   grpc::ChannelArguments args;
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

@@ -343,9 +343,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     admitted_ = admitted.ok();
     if (!admitted_) {
       finish_early(admitted);
-    } else if (request.prompt_text().empty()) {
-      start(request);
-    } else {  // tokenized on a text worker, with a text slot; nothing can Finish meanwhile
+    } else if (request.prompt_text().empty() ||
+               int64_t(request.prompt_text().size()) > max_text_bytes(state_->engine())) {
+      start(request);  // no tokenizing: ids, or a text refused for its size at once
+    } else {  // tokenized on a text worker, with a text slot (nothing Finishes before start())
       text_workers->post([this, copy = request] { start(copy); });
     }
   }
@@ -402,7 +403,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       TextSlot slot(state_);
       if (!request.prompt_text().empty())
         if (absl::Status st = slot.take(*context_); !st.ok())
-          return finish_early(to_grpc_status(st));
+          // Cancelled while it waited: by its client, or by gRPC at the end of a shutdown.
+          return finish_early(absl::IsCancelled(st) ? ended_before("its prompt was tokenized")
+                                                    : to_grpc_status(st));
       req = to_engine(request, engine);
     }
     if (!req.ok()) return finish_early(to_grpc_status(req.status()));
@@ -415,12 +418,16 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     absl::StatusOr<RequestId> id =
         engine.submit(std::move(*req), [this](const StreamEvent& e) { on_event(e); });
     if (!id.ok()) return finish_early(to_grpc_status(id.status()));
+    const RequestId submitted = *id;
     std::unique_lock lock(mu_);
-    id_ = *id;
+    id_ = submitted;
     // A cancellation that came while submitting found no id to cancel.
     const bool cancelled = client_cancelled_;
-    lock.unlock();
-    if (cancelled) engine.cancel(*id);
+    // What the engine sent meanwhile waited for this (see starting_). Once pump() lets go of
+    // the lock, `this` may be gone: nothing of it is used after.
+    starting_ = false;
+    pump(lock);
+    if (cancelled) engine.cancel(submitted);
   }
 
   // Before anything was submitted: no event will come, so finish right away.
@@ -520,7 +527,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
   // Starts the next write or the Finish if one is due and none is in flight. Decides under the
   // lock, acts after releasing it: once Finish is called, OnDone may delete this at any time.
   void pump(std::unique_lock<std::mutex>& lock) {
-    if (writing_ || done_) return;
+    if (writing_ || done_ || starting_) return;
     if (has_pending_ && !broken_) {
       in_flight_.Swap(&pending_);
       pending_.Clear();
@@ -612,6 +619,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
   Response pending_, in_flight_;  // being filled / being written
   bool has_pending_ = false, writing_ = false, queued_ = false, finished_ = false, done_ = false;
   bool broken_ = false, client_cancelled_ = false, first_written_ = false;
+  // Until start() has set id_ after submitting: no write or Finish starts, since a Finish could
+  // delete this (OnDone) under start(), which runs on a text worker for a prompt_text.
+  bool starting_ = true;
   bool unread_held_ = false;       // counted by ServerState::hold_unread
   bool unread_cancelled_ = false;  // by ServerState for room: its output was not all delivered
   FinishReason finish_reason_ = FinishReason::kNone;

@@ -291,8 +291,6 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       << err;
 }
 
-// A second server on a port in use is refused (gRPC's default SO_REUSEPORT would let it start
-// and take a share of the first one's connections), and the first keeps serving alone.
 // The default model name is the directory's, also when --model is relative: `--model .` named
 // the model "." in ModelInfo and in every series' label.
 TEST_F(ServerLifecycle, ModelNameOfADotDirectoryIsItsName) {
@@ -307,6 +305,8 @@ TEST_F(ServerLifecycle, ModelNameOfADotDirectoryIsItsName) {
             std::string::npos);
 }
 
+// A second server on a port in use is refused (gRPC's default SO_REUSEPORT would let it start
+// and take a share of the first one's connections), and the first keeps serving alone.
 TEST_F(ServerLifecycle, PortInUseIsRefused) {
   const std::string err = refused_serve(
       model_, "--host 127.0.0.1 --port " + std::to_string(server_->port()) + " --model-name second");

@@ -481,8 +481,9 @@ TEST(Train, PathsThatAreNotUtf8AreRefusedByNameBeforeTraining) {
 }
 
 // A run killed while it wrote a cache file left its temporary file for good: the next run removes
-// those of processes that are gone, and keeps a live process's (a run sharing the cache, writing
-// now) and files of other names.
+// those of processes that are gone, untouched for 10 minutes, and keeps a live process's (a run
+// sharing the cache, writing now), a recent one's (perhaps another host's) and files of other
+// names.
 TEST(Train, TemporaryCacheFilesOfKilledRunsAreRemoved) {
   const std::string dir = fresh_dir();
   TrainOptions o = tiny_options(dir);
@@ -495,8 +496,13 @@ TEST(Train, TemporaryCacheFilesOfKilledRunsAreRemoved) {
   const std::string dead = o.cache_dir + "/tokens.bin.tmp." + std::to_string(gone) + ".3",
                     dead_key = o.cache_dir + "/tokenizer.key.tmp." + std::to_string(gone) + ".0",
                     live = o.cache_dir + "/tokens.bin.tmp." + std::to_string(getpid()) + ".0",
+                    recent = o.cache_dir + "/tokens.bin.tmp." + std::to_string(gone) + ".9",
                     other = o.cache_dir + "/notes.tmp." + std::to_string(gone) + ".0";
-  for (const std::string& f : {dead, dead_key, live, other}) testing_trainer::write_file(f, "x");
+  for (const std::string& f : {dead, dead_key, live, recent, other}) {
+    testing_trainer::write_file(f, "x");
+    if (f != recent)
+      fs::last_write_time(f, fs::file_time_type::clock::now() - std::chrono::minutes(11));
+  }
   std::string lines;
   TrainCallbacks cb;
   cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
@@ -504,6 +510,7 @@ TEST(Train, TemporaryCacheFilesOfKilledRunsAreRemoved) {
   EXPECT_FALSE(fs::exists(dead));
   EXPECT_FALSE(fs::exists(dead_key));
   EXPECT_TRUE(fs::exists(live));
+  EXPECT_TRUE(fs::exists(recent));
   EXPECT_TRUE(fs::exists(other));
   EXPECT_NE(lines.find("removed " + dead + ", left by a run that was killed"), std::string::npos)
       << lines;
@@ -1521,13 +1528,16 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
     EXPECT_NE(err.find(c.flag), std::string::npos) << c.args[0] << " " << c.args[1] << ": " << err;
     EXPECT_FALSE(fs::exists(dir + "/bad/config.json")) << c.args[0] << " " << c.args[1];
   }
-  // Refused for a flag once the model is loaded: --out's missing parents are not left behind.
-  {
-    const auto [rc, err] = cli({"--config", o.config_path, "--out", dir + "/new/sub/run", "--data",
-                                o.data[0], "--steps", "2", "--threads", "1", "--seq-len", "65"});
+  // Refused for a flag once the model is loaded, or for its data: --out's missing parents (and
+  // its lock file) are not left behind.
+  for (const auto& [data, flag] :
+       {std::pair{o.data[0], "--seq-len"}, {dir + "/only_dat", "--data"}}) {
+    const auto [rc, err] =
+        cli({"--config", o.config_path, "--out", dir + "/new/sub/run", "--data", data, "--steps",
+             "2", "--threads", "1", "--seq-len", std::string(flag) == "--seq-len" ? "65" : "24"});
     EXPECT_NE(rc, 0);
-    EXPECT_NE(err.find("--seq-len"), std::string::npos) << err;
-    EXPECT_FALSE(fs::exists(dir + "/new"));
+    EXPECT_NE(err.find(flag), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(dir + "/new")) << flag;
   }
   const auto [rc, err] = cli({"--out", dir + "/never-trained", "--resume"});
   EXPECT_NE(rc, 0);

@@ -149,7 +149,8 @@ class Trainer {
   absl::Status lock_out();
   absl::Status remove_stale_saves() const;
   void remove_dead_cache_temps() const;
-  absl::Status set_up();
+  absl::StatusOr<CorpusFiles> list_data() const;
+  absl::Status set_up(const CorpusFiles& corpus);
   absl::Status prepare_tokenizer(const CorpusFiles& corpus);
   absl::Status prepare_params();
   absl::Status check_against_model();
@@ -793,10 +794,12 @@ absl::Status Trainer::save() {
 // before the first step (checked after each phase that may take long, and before each data file
 // is encoded).
 // A run killed while it wrote a cache file left its temporary "<file>.tmp.<pid>.<n>"
-// (write_file_atomic's) there for good, megabytes each. Those of processes that are gone are
-// removed; a live one's may be a run sharing the cache, writing now.
+// (write_file_atomic's) there for good, megabytes each. Those of processes that are gone and
+// untouched for 10 minutes are removed: a live one's may be a run sharing the cache, writing now
+// (on another host too, whose process ids this one cannot see).
 void Trainer::remove_dead_cache_temps() const {
   std::error_code ec;
+  const auto stale = fs::file_time_type::clock::now() - std::chrono::minutes(10);
   for (fs::directory_iterator it(cache_path(), ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     for (const char* file : {kTokenCacheFile, kTokenizerFile, kTokenizerKeyFile}) {
@@ -806,7 +809,8 @@ void Trainer::remove_dead_cache_temps() const {
       int pid = 0;
       uint64_t n = 0;
       if (parts.size() == 2 && absl::SimpleAtoi(parts[0], &pid) && pid > 0 &&
-          absl::SimpleAtoi(parts[1], &n) && ::kill(pid, 0) != 0 && errno == ESRCH) {
+          absl::SimpleAtoi(parts[1], &n) && ::kill(pid, 0) != 0 && errno == ESRCH &&
+          fs::last_write_time(it->path(), ec) < stale && !ec) {
         std::error_code rm;
         if (fs::remove(it->path(), rm))
           info(absl::StrCat("removed ", it->path().string(), ", left by a run that was killed"));
@@ -815,9 +819,10 @@ void Trainer::remove_dead_cache_temps() const {
   }
 }
 
-absl::Status Trainer::set_up() {
-  remove_dead_cache_temps();
-  CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus,
+// --data's files, or the error that there are none to train on: before anything is written
+// (a run refused for its data left --out's parents and lock file behind).
+absl::StatusOr<CorpusFiles> Trainer::list_data() const {
+  CEMLM_ASSIGN_OR_RETURN(CorpusFiles corpus,
                          list_corpus(o_.data, {out_path().string(), cache_path().string()}));
   if (!corpus.not_text.empty()) {
     constexpr size_t kNamed = 3;  // a directory of binaries should not flood the log
@@ -846,6 +851,11 @@ absl::Status Trainer::set_up() {
         "--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (", corpus.skipped.size(),
         " files skipped as .dat/.u8, binary, not UTF-8 or this run's own output)", inside));
   }
+  return corpus;
+}
+
+absl::Status Trainer::set_up(const CorpusFiles& corpus) {
+  remove_dead_cache_temps();
   CEMLM_RETURN_IF_ERROR(prepare_tokenizer(corpus));
   if (stop_asked(false)) return absl::CancelledError("stopped after the tokenizer");
   CEMLM_RETURN_IF_ERROR(prepare_params());
@@ -891,12 +901,13 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   }
   CEMLM_RETURN_IF_ERROR(load_model());
   CEMLM_RETURN_IF_ERROR(check_against_model());
+  CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus, list_data());
   if (lock_fd_ < 0) {
     CEMLM_RETURN_IF_ERROR(lock_out());
     CEMLM_RETURN_IF_ERROR(remove_stale_saves());
   }
   TrainSummary summary;
-  if (const absl::Status ready = set_up(); absl::IsCancelled(ready)) {
+  if (const absl::Status ready = set_up(corpus); absl::IsCancelled(ready)) {
     info("stopped before the first step: nothing trained, nothing saved");
     summary.step = step_;
     return summary;

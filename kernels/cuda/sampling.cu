@@ -25,9 +25,12 @@ struct DevRow {
   int top_k, hist_begin, n_hist, n_prompt, sorted;
 };
 
+// log Σ exp(raw) in two parts, as the host's LogNormalizer: max + log_sum in one float loses
+// log_sum once |max| passes ~1e5 (a 10-way tie at 1e8 read as probability 1).
 struct RowStat {
-  float lse;  // log Σ exp(raw)
-  int argmax;  // of the penalized logits, lowest id on ties
+  float mx;       // the raw row's max; NaN when a logit is NaN
+  float log_sum;  // log Σ exp(raw − mx)
+  int argmax;     // of the penalized logits, lowest id on ties
 };
 
 bool needs_order(const SampleRowSpec& r, int V) {
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   for (int v = tid; v < V; v += blockDim.x) s += exp(double(x[v] - mx));
   s = detail::block_sum(s, redd);
   const int any_nan = __syncthreads_or(nan);
-  const float lse = any_nan ? NAN : mx + float(log(s));
+  const float row_max = any_nan ? NAN : mx, log_sum = float(log(s));
 
   const bool rep = R.rep != 1.0f, pf = R.pres != 0.0f || R.freq != 0.0f;
   int* ca = cnt_all ? cnt_all + int64_t(row) * V : nullptr;
@@ -153,7 +156,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     for (int w = 1; w < int(blockDim.x >> 5); ++w)
       if (ahead(best_v[w], best_i[w], bv, bi)) bv = best_v[w], bi = best_i[w];
     best_v[0] = bv;
-    stats[row] = RowStat{lse, bi};
+    stats[row] = RowStat{row_max, log_sum, bi};
   }
   __syncthreads();
   // Keys shifted by the best logit before scaling, as the host Sampler's: huge logits over a
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   const int row = blockIdx.x;
   const DevRow R = rows[row];
   const RowStat st = stats[row];
-  if (!isfinite(st.lse)) {
+  if (!isfinite(st.mx)) {
     if (threadIdx.x == 0) results[row] = SampledToken{-1, NAN};
     return;
   }
@@ -256,7 +259,8 @@ __global__ void __launch_bounds__(kSampleThreads)
     token = first_reaching(e, last_kept, R.uniform * sum, true, temp, &found);
   }
   if (threadIdx.x == 0)
-    results[row] = SampledToken{token, logits[int64_t(row) * V + token] - st.lse};
+    results[row] = SampledToken{
+        token, float((double(logits[int64_t(row) * V + token]) - st.mx) - double(st.log_sum))};
 }
 
 }  // namespace

@@ -180,5 +180,23 @@ TEST_F(SamplingTest, NonFiniteRowGivesNoToken) {
   EXPECT_EQ(got[1].token, -1);
 }
 
+// Large logits keep their logprob on the device as on the host: a 10-way tie at 1e8 is -ln 10
+// (max + log-sum in one float lost the log-sum: 0, probability 1).
+TEST_F(SamplingTest, LogprobsOfLargeLogits) {
+  const int V = 64;
+  std::vector<float> logits(V, 0.0f);
+  for (int i = 20; i < 30; ++i) logits[size_t(i)] = 1e8f;
+  const std::vector<int> hist;
+  for (const float temperature : {0.0f, 1.0f}) {
+    const cuda::SampleRowSpec spec = spec_of(params(temperature, 0, 1.0f, 0.0f), 7, hist, 0);
+    set_scratch(cuda::sample_rows_scratch_floats(&spec, 1, V));
+    cuda::SampledToken got{};
+    cuda::sample_rows(ctx_, dev(logits, {1, V}), &spec, 1, &got);
+    EXPECT_GE(got.token, 20);
+    EXPECT_LT(got.token, 30);
+    EXPECT_NEAR(got.logprob, -std::log(10.0), 1e-6) << "temperature " << temperature;
+  }
+}
+
 }  // namespace
 }  // namespace cemlm

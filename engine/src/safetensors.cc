@@ -18,8 +18,11 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "cemlm/engine/crc32c.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/strict_json.h"
 #include "cemlm/kernels/bf16.h"
@@ -191,7 +194,11 @@ absl::Status write_file_atomic(const std::string& path_given,
 absl::Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                                const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header;
-  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::map<std::string, std::string> meta = metadata;
+  uint32_t crc = 0;
+  for (const NamedTensor& t : tensors) crc = crc32c(t.data.data(), t.data.size_bytes(), crc);
+  meta[kChecksumKey] = absl::StrFormat("%08x", crc);
+  header["__metadata__"] = meta;
   uint64_t offset = 0;
   std::set<std::string> names;
   for (const NamedTensor& t : tensors) {
@@ -280,6 +287,10 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
                                            size, " bytes): truncated or not a safetensors file"));
   std::string text(size_t(n), '\0');
   CEMLM_RETURN_IF_ERROR(read_at(fd, path, 8, text.data(), text.size()));
+  // The format's header starts with its '{' (other readers refuse a byte-order mark or spaces
+  // before it, which the JSON parser alone would skip).
+  if (text.empty() || text[0] != '{')
+    return header_error(path, "the header does not start with '{' (as the format requires)");
   // Strict: a tensor named twice would otherwise be silently the last one.
   absl::StatusOr<json> parsed = parse_json_strict(text);
   if (!parsed.ok()) return header_error(path, std::string(parsed.status().message()));
@@ -322,7 +333,33 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
                                            size - 8 - n,
                                            " follow the header: corrupt, or a header from "
                                            "another file"));
+  CEMLM_RETURN_IF_ERROR(f.check_body());
   return f;
+}
+
+absl::Status SafetensorsFile::check_body() const {
+  const auto it = metadata_.find(kChecksumKey);
+  if (it == metadata_.end()) return absl::OkStatus();  // written by another program
+  uint32_t want = 0;
+  if (it->second.size() != 8 || !absl::SimpleHexAtoi(it->second, &want))
+    return header_error(
+        path_, absl::StrCat("__metadata__.", kChecksumKey, " \"", absl::CHexEscape(it->second),
+                            "\" is not 8 hex digits (a CRC-32C)"));
+  const uint64_t end = tensors_.empty() ? body_offset_ : body_offset_ + tensors_.back().end;
+  std::vector<char> chunk(size_t(1) << 20);
+  uint32_t crc = 0;
+  for (uint64_t at = body_offset_; at < end;) {
+    const size_t n = size_t(std::min<uint64_t>(chunk.size(), end - at));
+    CEMLM_RETURN_IF_ERROR(read_at(fd_, path_, at, chunk.data(), n));
+    crc = crc32c(chunk.data(), n, crc);
+    at += n;
+  }
+  if (crc != want)
+    return absl::DataLossError(absl::StrCat(
+        "'", path_, "' is damaged: its tensors' bytes do not match the CRC-32C written with them (",
+        kChecksumKey, " ", it->second, ", the bytes give ", absl::StrFormat("%08x", crc),
+        "); a disk or copy error changed them. Use a good copy of the file"));
+  return absl::OkStatus();
 }
 
 const TensorInfo* SafetensorsFile::find(const std::string& name) const {

@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <limits>
 
+#include "cemlm/engine/crc32c.h"
 #include "io_test_util.h"
 
 namespace cemlm {
@@ -48,6 +50,71 @@ TEST(Safetensors, RoundTripIsBitExact) {
   EXPECT_TRUE(f->read_f32("empty")->empty());
   EXPECT_FALSE(f->read_f32("nope").ok());
   EXPECT_EQ(list_dir(dir), std::vector<std::string>{"t.safetensors"}) << "temporary file left";
+}
+
+TEST(Crc32c, GivesTheStandardCheckValueWholeOrInParts) {
+  const std::string text = "123456789";
+  EXPECT_EQ(crc32c(text.data(), text.size()), 0xE3069283u);  // RFC 3720's check value
+  EXPECT_EQ(crc32c(text.data(), 0), 0u);
+  // 32 zero bytes and 32 0xFF bytes: RFC 3720 B.4's examples.
+  EXPECT_EQ(crc32c(std::string(32, '\0').data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(crc32c(std::string(32, '\xFF').data(), 32), 0x62A8AB43u);
+  std::string long_text;
+  for (int i = 0; i < 1000; ++i) long_text += char(i * 37 + (i >> 3));
+  const uint32_t whole = crc32c(long_text.data(), long_text.size());
+  for (size_t cut : {size_t(1), size_t(7), size_t(8), size_t(500), size_t(999)})
+    EXPECT_EQ(crc32c(long_text.data() + cut, long_text.size() - cut, crc32c(long_text.data(), cut)),
+              whole)
+        << cut;
+}
+
+// The writer puts the body's CRC-32C in the metadata, and open() refuses a body that does not
+// match it: a flipped bit in a weight (1e-3 read as 1e35) was served, or resumed from, silently.
+TEST(Safetensors, ABodyThatDoesNotMatchItsChecksumIsRefused) {
+  const std::string dir = fresh_dir(), path = dir + "/t.safetensors";
+  const std::vector<float> a = {1e-3f, -2.0f, 0.5f}, b = {42.0f};
+  ASSERT_TRUE(write_safetensors(path, {{"a", {3}, a}, {"b", {1}, b}}, {{"note", "x"}}).ok());
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  std::string body_bytes(reinterpret_cast<const char*>(a.data()), 12);
+  body_bytes.append(reinterpret_cast<const char*>(b.data()), 4);
+  char want[9];
+  std::snprintf(want, sizeof want, "%08x", crc32c(body_bytes.data(), body_bytes.size()));
+  EXPECT_EQ(f->metadata().at(kChecksumKey), want);
+  const std::string good = read_bytes(path);
+  for (size_t from_end : {size_t(1), size_t(9), size_t(16)}) {  // a bit of b, of a, a's first
+    std::string bad = good;
+    bad[bad.size() - from_end] ^= 0x40;  // an exponent bit of a little-endian float
+    write_bytes(path, bad);
+    auto damaged = SafetensorsFile::open(path);
+    ASSERT_FALSE(damaged.ok()) << from_end;
+    EXPECT_TRUE(absl::IsDataLoss(damaged.status())) << damaged.status();
+    EXPECT_NE(damaged.status().message().find(
+                  "is damaged: its tensors' bytes do not match the CRC-32C written with them "
+                  "(crc32c " +
+                  std::string(want)),
+              std::string::npos)
+        << damaged.status();
+  }
+  // A file of another writer has no checksum and is read as it is; one whose checksum is no
+  // CRC is refused by name.
+  write_bytes(path, safetensors_bytes(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                                      std::string(4, '\0')));
+  EXPECT_TRUE(SafetensorsFile::open(path).ok());
+  write_bytes(path, safetensors_bytes(R"({"__metadata__":{"crc32c":"12345"},)"
+                                      R"("w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                                      std::string(4, '\0')));
+  auto bad_key = SafetensorsFile::open(path);
+  ASSERT_FALSE(bad_key.ok());
+  EXPECT_NE(bad_key.status().message().find(
+                "header: __metadata__.crc32c \"12345\" is not 8 hex digits (a CRC-32C)"),
+            std::string::npos)
+      << bad_key.status();
+  // A caller's own crc32c entry is replaced by the body's.
+  ASSERT_TRUE(write_safetensors(path, {{"a", {3}, a}, {"b", {1}, b}}, {{kChecksumKey, "0"}}).ok());
+  auto rewritten = SafetensorsFile::open(path);
+  ASSERT_TRUE(rewritten.ok()) << rewritten.status();
+  EXPECT_EQ(rewritten->metadata().at(kChecksumKey), want);
 }
 
 TEST(Safetensors, MovedFileStaysReadable) {
@@ -192,7 +259,11 @@ std::vector<BadFile> bad_files() {
        safetensors_bytes(R"({"__metadata__":{"format":"pt","format":"np"}})", ""),
        "duplicate key \"__metadata__.format\""},
       {"syntax error position", safetensors_bytes("{\"w\" 1}", ""), "line 1, column 6"},
-      {"bad first byte", safetensors_bytes("#\n{}", ""), "line 1, column 1 (byte 0)"},
+      {"bad first byte", safetensors_bytes("#\n{}", ""), "header does not start with '{'"},
+      // Other readers refuse what the JSON parser alone skipped before the '{'.
+      {"byte-order mark", safetensors_bytes("\xEF\xBB\xBF{}", ""),
+       "header does not start with '{'"},
+      {"space first", safetensors_bytes(" {}", ""), "header does not start with '{'"},
       // The JSON parser alone stops at a NUL: the tensor after it was dropped without a word.
       {"NUL inside the header", safetensors_bytes(std::string("{}\0{\"w\":{}}", 11), ""),
        "header: not valid JSON at line 1, column 3 (byte 2): a NUL byte"},

@@ -21,6 +21,7 @@
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
+#include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/tokenizer.h"
 #include "cemlm/trainer/data.h"
 #include "nlohmann/json.hpp"
@@ -910,6 +911,49 @@ TEST(Train, NonFiniteLossOrGradientStopsTheRunBeforeTheUpdate) {
   clipped.resume = true;
   clipped.steps += 1;
   EXPECT_TRUE(train(clipped).ok());
+}
+
+// An update that leaves the weights finite but their validation loss not (here from first moments
+// of 1e22 put in a sound optimizer file, as a damaged state or a wild step could make one) stops
+// the run: it wrote the ruined weights over the good checkpoint and exited 0.
+TEST(Train, WeightsWithANonFiniteValidationLossAreNotSaved) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  ASSERT_TRUE(train(o).ok());
+  const std::vector<float> good = weights_of(o.out_dir);
+  const std::string path = o.out_dir + "/optimizer.safetensors";
+  {
+    auto file = SafetensorsFile::open(path);
+    ASSERT_TRUE(file.ok()) << file.status();
+    std::vector<std::vector<float>> values;
+    std::vector<NamedTensor> tensors;
+    for (const TensorInfo& t : file->tensors()) {
+      auto v = file->read_f32(t.name);
+      ASSERT_TRUE(v.ok()) << v.status();
+      // Updates of ~1e20 to one weight of the final norm and one of the head that meets it: the
+      // logit of the head's row is past a float.
+      if (t.name == "adam_m.final_norm.weight" || t.name == "adam_m.lm_head.weight")
+        (*v)[3] = 1e22f;
+      if (t.name == "adam_v.final_norm.weight" || t.name == "adam_v.lm_head.weight") (*v)[3] = 1;
+      values.push_back(*std::move(v));
+    }
+    for (size_t i = 0; i < values.size(); ++i)
+      tensors.push_back({file->tensors()[i].name, file->tensors()[i].shape, values[i]});
+    ASSERT_TRUE(write_safetensors(path, tensors, file->metadata()).ok());
+  }
+  o.resume = true;
+  o.steps = 2;
+  auto st = train(o);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find(
+                "training diverged: the validation loss at step 2 is not finite at T = "),
+            std::string::npos)
+      << st.status();
+  EXPECT_NE(st.status().message().find("nothing saved (the last checkpoint is kept)"),
+            std::string::npos)
+      << st.status();
+  EXPECT_EQ(weights_of(o.out_dir), good);
 }
 
 // Options of an --init run on `data` into dir/finetune, from a one-step checkpoint of the tiny

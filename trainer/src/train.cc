@@ -86,6 +86,20 @@ bool finite_step(const StepMetrics& m, double clip) {
          update_norm(m, clip) <= kMaxUpdateNorm;
 }
 
+// Weights whose validation loss is not finite are not saved: a healthy model's log-softmax is
+// finite whatever its logits. A damaged optimizer state that passes --resume's checks (a finite
+// but absurd first moment) made one update that ruined the model, and the run then wrote it over
+// the good checkpoint and exited 0.
+absl::Status finite_eval(const EvalMetrics& e) {
+  for (const auto& [T, loss] : e.loss)
+    if (!std::isfinite(loss))
+      return absl::InternalError(absl::StrCat(
+          "training diverged: the validation loss at step ", e.step, " is not finite at T = ", T,
+          "; nothing saved (the last checkpoint is kept): resume from a good copy, or lower "
+          "--lr or --clip"));
+  return absl::OkStatus();
+}
+
 absl::Status diverged(const StepMetrics& m, double clip) {
   if (std::isfinite(m.loss) && std::isfinite(m.grad_norm))
     return absl::InternalError(absl::StrCat(
@@ -936,13 +950,14 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     budget.step_s = step_s;
     if (!eval_measured) budget.eval_s = estimated_eval_s(step_s);
     bool evaluated = false;
-    auto run_eval = [&] {
+    auto run_eval = [&]() -> absl::Status {
       const Clock::time_point e0 = Clock::now();
       summary.last_eval = evaluate();
       budget.eval_s = seconds_since(e0);
       eval_measured = evaluated = true;
       log_.add(summary.last_eval);
       if (cb_.on_eval) cb_.on_eval(summary.last_eval);
+      return finite_eval(summary.last_eval);
     };
     if (o_.max_minutes > 0 && step_ < o_.steps) {
       const double budget_s = o_.max_minutes * 60;
@@ -954,7 +969,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
       // hundreds of steps stopped after one). An estimate alone does not stop the run: the
       // evaluation runs now, the final one if the run does stop, and the decision is remade.
       if (over && !eval_measured) {
-        run_eval();
+        CEMLM_RETURN_IF_ERROR(run_eval());
         over = budget.stop_now(seconds_since(run_start_), budget_s, false, save_due);
       }
       if (over) {
@@ -963,7 +978,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
       }
     }
     const bool last = stop || step_ == o_.steps;
-    if (!evaluated && (step_ % o_.eval_every == 0 || last)) run_eval();
+    if (!evaluated && (step_ % o_.eval_every == 0 || last)) CEMLM_RETURN_IF_ERROR(run_eval());
     if (step_ % o_.save_every == 0 || last) {
       const Clock::time_point s0 = Clock::now();
       CEMLM_RETURN_IF_ERROR(save());

@@ -32,8 +32,13 @@ struct NamedTensor {
 absl::Status write_file_atomic(const std::string& path,
                                const std::function<absl::Status(std::FILE*)>& fill);
 
-// Writes `tensors` as F32 in the given order. The file appears at `path` only once complete
-// (written to a temporary sibling, synced, then renamed), so readers never see half a file.
+// The __metadata__ key of the CRC-32C of a file's body (8 lowercase hex digits), which
+// write_safetensors adds and SafetensorsFile::open checks when a file has it.
+inline constexpr char kChecksumKey[] = "crc32c";
+
+// Writes `tensors` as F32 in the given order, with `metadata` and the body's kChecksumKey. The file
+// appears at `path` only once complete (written to a temporary sibling, synced, then renamed), so
+// readers never see half a file.
 absl::Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                                const std::map<std::string, std::string>& metadata = {});
 
@@ -45,8 +50,9 @@ struct TensorInfo {
   int64_t numel() const;
 };
 
-// An open, validated file. Opening checks the whole header against the file size; values are
-// converted (and checked finite) only when a tensor is read.
+// An open, validated file. Opening checks the whole header against the file size, and the body
+// against its kChecksumKey when the file has one (a read of the whole file); values are converted
+// (and checked finite) only when a tensor is read.
 class SafetensorsFile {
  public:
   static absl::StatusOr<SafetensorsFile> open(const std::string& path);
@@ -69,6 +75,7 @@ class SafetensorsFile {
  private:
   SafetensorsFile() = default;
   void close();
+  absl::Status check_body() const;  // DataLossError when the body's CRC-32C is not the header's
 
   std::string path_;
   int fd_ = -1;               // open for the reads of read_f32

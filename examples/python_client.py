@@ -65,8 +65,11 @@ def run(args, grpc, pb, pb_grpc):
     print(f"model {info.model_name}: {info.variant}, {info.parameters} parameters, "
           f"T default {info.default_recursion_depth} max {info.max_recursion_depth}")
 
+    # The command line's bytes as given (os.fsencode undoes Python's surrogate escapes): a prompt
+    # that is not UTF-8 gets the server's error naming the byte, not a UnicodeEncodeError here.
+    prompt = os.fsencode(args.prompt)
     request = pb.GenerateRequest(
-        prompt_text=args.prompt.encode(), recursion_depth=args.recursion, logprobs=True,
+        prompt_text=prompt, recursion_depth=args.recursion, logprobs=True,
         sampling=pb.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.8, seed=1))
     last = None
     for msg in stub.Generate(request, metadata=metadata, timeout=args.timeout):
@@ -77,7 +80,7 @@ def run(args, grpc, pb, pb_grpc):
           f"{last.usage.generated_tokens} tokens, {last.usage.recursion_steps} recursion steps, "
           f"engine {last.timing.e2e_seconds * 1e3:.1f} ms")
 
-    score = stub.Score(pb.ScoreRequest(text=args.prompt.encode(), recursion_depth=args.recursion),
+    score = stub.Score(pb.ScoreRequest(text=prompt, recursion_depth=args.recursion),
                        metadata=metadata, timeout=args.timeout)
     print(f"score of the prompt: nll {score.nll:.4f}, perplexity {score.perplexity:.2f}")
 

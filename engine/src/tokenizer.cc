@@ -120,6 +120,18 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
              "spm_train";
     return nullptr;
   }
+  // SentencePiece loads pieces of any bytes; one that is not UTF-8 would reach clients in
+  // decoded text, streamed tokens and proto string fields (which must hold UTF-8). Byte
+  // fallback pieces are named "<0xHH>", so every piece's own text is UTF-8 in a sound model.
+  for (int id = 0; id < tokenizer->vocab_size(); ++id)
+    if (const std::string piece = tokenizer->id_to_piece(id); !is_valid_utf8(piece)) {
+      *error = "tokenizer '" + path + "' has a piece that is not valid UTF-8 (id " +
+               std::to_string(id) + ", bad byte at offset " +
+               std::to_string(utf8_valid_prefix(piece)) +
+               "); the model file is damaged or was converted wrongly: pass a .model file " +
+               "written by `cemlm tokenizer train` or spm_train";
+      return nullptr;
+    }
   return tokenizer;
 }
 

@@ -71,6 +71,11 @@ v1::FinishReason to_proto(FinishReason r) {
   return r == FinishReason::kLength ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_STOP;
 }
 
+// Where the request has an id list, that is the way around a text this model cannot encode.
+std::string use_ids_instead(absl::string_view ids_field) {
+  return ids_field.empty() ? std::string() : absl::StrCat("; send ", ids_field, " instead");
+}
+
 }  // namespace
 
 int bos_id(const Engine& engine) {
@@ -83,17 +88,14 @@ int64_t max_text_bytes(const Engine& engine) {
   return int64_t(4) * engine.config().max_seq_len * (tok ? tok->max_piece_bytes() : 1);
 }
 
-absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
-                                             absl::string_view field, absl::string_view ids_field,
-                                             bool add_bos) {
-  // Where the request has an id list, that is the way around a text this model cannot encode.
-  const std::string instead =
-      ids_field.empty() ? std::string() : absl::StrCat("; send ", ids_field, " instead");
+absl::Status check_text(const Engine& engine, absl::string_view text, absl::string_view field,
+                        absl::string_view ids_field) {
   if (size_t valid = utf8_valid_prefix(std::string_view(text.data(), text.size()));
       valid != text.size())
     return invalid(absl::StrCat(field, " is not valid UTF-8 (bad byte at offset ", valid, ")"));
-  const Tokenizer* tok = engine.tokenizer();
-  if (!tok) return invalid(absl::StrCat(field, ": this model has no tokenizer", instead));
+  if (!engine.tokenizer())
+    return invalid(
+        absl::StrCat(field, ": this model has no tokenizer", use_ids_instead(ids_field)));
   // A text far longer than the context is refused before it is tokenized: encoding megabytes
   // takes seconds of a handler thread, for an answer known from its length.
   const int64_t most = max_text_bytes(engine);
@@ -102,10 +104,18 @@ absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_
                                 " bytes, more than the model's max_seq_len = ",
                                 engine.config().max_seq_len, " tokens can hold (over ", most,
                                 " bytes cannot fit); shorten it"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
+                                             absl::string_view field, absl::string_view ids_field,
+                                             bool add_bos) {
+  CEMLM_RETURN_IF_ERROR(check_text(engine, text, field, ids_field));
   std::string error;
-  std::optional<std::vector<int>> ids = encode_input(
-      *tok, std::string_view(text.data(), text.size()), add_bos ? bos_id(engine) : -1, &error);
-  if (!ids) return invalid(absl::StrCat(field, ": ", error, instead));
+  std::optional<std::vector<int>> ids =
+      encode_input(*engine.tokenizer(), std::string_view(text.data(), text.size()),
+                   add_bos ? bos_id(engine) : -1, &error);
+  if (!ids) return invalid(absl::StrCat(field, ": ", error, use_ids_instead(ids_field)));
   return *std::move(ids);
 }
 

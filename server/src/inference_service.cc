@@ -253,6 +253,13 @@ namespace {
 
 using Response = v1::GenerateResponse;
 
+// Whether a call's text is tokenized, which takes a text slot: an empty one is none, and one
+// refused for what it is (not UTF-8, longer than any prompt, no tokenizer) is answered at once
+// rather than after a wait for a slot.
+bool tokenizes(const Engine& engine, const std::string& text) {
+  return !text.empty() && check_text(engine, text, "", "").ok();
+}
+
 // A client's string as one log field: C escapes (quotes, backslashes, control bytes), at most 256
 // bytes of it.
 std::string log_escaped(std::string_view s) {
@@ -343,9 +350,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     admitted_ = admitted.ok();
     if (!admitted_) {
       finish_early(admitted);
-    } else if (request.prompt_text().empty() ||
-               int64_t(request.prompt_text().size()) > max_text_bytes(state_->engine())) {
-      start(request);  // no tokenizing: ids, or a text refused for its size at once
+    } else if (!tokenizes(state_->engine(), request.prompt_text())) {
+      start(request);  // no tokenizing: ids, or a text refused at once
     } else {  // tokenized on a text worker, with a text slot (nothing Finishes before start())
       text_workers->post([this, copy = request] { start(copy); });
     }
@@ -401,7 +407,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     absl::StatusOr<GenerateRequest> req;
     {
       TextSlot slot(state_);
-      if (!request.prompt_text().empty())
+      if (tokenizes(engine, request.prompt_text()))
         if (absl::Status st = slot.take(*context_); !st.ok())
           // Cancelled while it waited: by its client, or by gRPC at the end of a shutdown.
           return finish_early(absl::IsCancelled(st) ? ended_before("its prompt was tokenized")
@@ -711,7 +717,7 @@ grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::Sco
     absl::StatusOr<ScoreRequest> converted;
     {
       TextSlot slot(state_);
-      if (!request->text().empty()) CEMLM_RETURN_IF_ERROR(slot.take(*context));
+      if (tokenizes(engine, request->text())) CEMLM_RETURN_IF_ERROR(slot.take(*context));
       converted = to_engine(*request, engine);
     }
     CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, std::move(converted));
@@ -737,7 +743,7 @@ grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,
                                         v1::TokenizeResponse* response) {
   return unary(context, "Tokenize", [&](Engine& engine) -> absl::Status {
     TextSlot slot(state_);
-    CEMLM_RETURN_IF_ERROR(slot.take(*context));
+    if (tokenizes(engine, request->text())) CEMLM_RETURN_IF_ERROR(slot.take(*context));
     CEMLM_ASSIGN_OR_RETURN(std::vector<int> ids,
                            encode_text(engine, request->text(), "text", "", request->add_bos()));
     for (int id : ids) {

@@ -869,6 +869,10 @@ TEST_F(ServerLifecycle, PythonExampleClient) {
   fails_with(cmd + " --tls-ca /nonexistent/ca.pem", "--tls-ca: cannot read '/nonexistent/ca.pem'");
   fails_with("CEMLM_API_KEY=\"$(printf 'key\\r')\" " + cmd,
              "CEMLM_API_KEY holds a character other than printable ASCII");
+  // A prompt that is not UTF-8 goes as the bytes given, and the server names the bad one (it was
+  // a UnicodeEncodeError in the script).
+  fails_with(cmd + " --prompt \"$(printf 'caf\\351')\"",
+             "INVALID_ARGUMENT: prompt_text is not valid UTF-8 (bad byte at offset 3)");
   EXPECT_EQ(stub_dirs(), dirs_before) << "the generated stubs were left in the temp directory";
 }
 

@@ -464,6 +464,66 @@ TEST(ServerTextSlots, TextCallsAtOnceAllAnswerAndFailedOnesGiveTheirSlotBack) {
   EXPECT_EQ(wrong.load(), 0) << "of " << 12 * 6 * 4 << " calls";
 }
 
+// A text refused for what it is (longer than any prompt, not UTF-8) is answered at once, without
+// waiting for a text slot: behind a line of long texts it took the caller's whole deadline and
+// ended DEADLINE_EXCEEDED instead of naming its field (and an oversize Generate waited on one of
+// gRPC's callback threads).
+TEST(ServerTextSlots, ATextRefusedForWhatItIsWaitsForNoSlot) {
+  // One slot (--threads 1); a context that lets texts of 200 KB in, each a while to tokenize.
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 16384});
+  auto server = ServerProcess::start(model);
+  ASSERT_TRUE(server);
+  std::string long_text;
+  for (int i = 0; long_text.size() < 200000; ++i)
+    long_text += absl::StrCat("fortune number ", i, " says the line is long ");
+  // Texts of 200 KB in line for the one slot: tokenizing them one after another takes longer
+  // than the refused calls' deadline (their order does not matter: none waits in the fix).
+  constexpr int kLine = 24;
+  std::atomic<int> line_ok{0};
+  std::vector<std::thread> line;
+  for (int i = 0; i < kLine; ++i)
+    line.emplace_back([&] {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+      v1::TokenizeRequest req;
+      req.set_text(long_text);
+      v1::TokenizeResponse resp;
+      if (v1::Inference::NewStub(server->channel())->Tokenize(&context, req, &resp).ok()) ++line_ok;
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the line forms
+  // Past max_text_bytes (4 × max_seq_len × the longest piece, of a few bytes here), within
+  // gRPC's 4 MiB.
+  const std::string oversize(size_t(3) << 20, 'a');
+  const CallOptions quick{.timeout = std::chrono::milliseconds(1500)};
+  for (const std::string& bad : {oversize, std::string("bad \xC3\x28")}) {
+    const std::string why =
+        bad.size() > 100 ? "bytes, more than the model's max_seq_len" : "is not valid UTF-8";
+    v1::GenerateRequest greq = valid_request();
+    greq.set_prompt_text(bad);
+    const grpc::Status g = generate(server->channel(), greq, quick).status;
+    EXPECT_EQ(g.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << g.error_message();
+    EXPECT_NE(g.error_message().find(why), std::string::npos) << g.error_message();
+    EXPECT_TRUE(g.error_message().starts_with("prompt_text ")) << g.error_message();
+    v1::ScoreRequest sreq;
+    sreq.set_text(bad);
+    v1::ScoreResponse sresp;
+    const grpc::Status s = score(server->channel(), sreq, &sresp, quick);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find(why), std::string::npos) << s.error_message();
+    grpc::ClientContext context;
+    prepare(&context, quick);
+    v1::TokenizeRequest treq;
+    treq.set_text(bad);
+    v1::TokenizeResponse tresp;
+    const grpc::Status t =
+        v1::Inference::NewStub(server->channel())->Tokenize(&context, treq, &tresp);
+    EXPECT_EQ(t.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << t.error_message();
+    EXPECT_NE(t.error_message().find(why), std::string::npos) << t.error_message();
+  }
+  for (auto& t : line) t.join();
+  EXPECT_EQ(line_ok.load(), kLine);
+}
+
 // A tokenizer.model that SentencePiece loads but that refuses to encode some texts: such a text
 // is INVALID_ARGUMENT naming its field (it once aborted the server), and the command-line tools
 // name their flag; the server goes on serving.
@@ -761,6 +821,17 @@ TEST(ServerAuth, PriorityIsCappedByTheKeyOrTheServer) {
     std::string out, err;
     EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", keys}, &out, &err), 0);
     EXPECT_NE(err.find("line 2 of '" + keys + "': write a key's cap as its line's last word"),
+              std::string::npos)
+        << bad << ": " << err;
+  }
+  // An option misspelt after the key would have become part of it, its cap lost.
+  for (const std::string bad :
+       {"other-key max_priorty=5", "other-key priority=5", "other key\tmaxPriority=5"}) {
+    std::ofstream(keys) << "good-key\n" << bad << "\n";
+    std::string out, err;
+    EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", keys}, &out, &err), 0);
+    EXPECT_NE(err.find("line 2 of '" + keys + "': '" + bad.substr(bad.find_last_of(" \t") + 1) +
+                       "' after the key reads as an option"),
               std::string::npos)
         << bad << ": " << err;
   }

@@ -480,6 +480,28 @@ TEST_F(TokenizerTest, LoadRefusesAPieceThatSentencePieceCannotIndex) {
       << error;
 }
 
+// SentencePiece loads a piece of any bytes; one that is not UTF-8 went out in Detokenize's and
+// Generate's proto string fields, which clients then failed to parse ("Exception deserializing
+// response"), while the server logged the call OK.
+TEST_F(TokenizerTest, LoadRefusesAPieceThatIsNotUtf8) {
+  std::string model, error;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &model, &error)) << error;
+  const std::string path = *dir_ + "/bad_piece.model";
+  const auto with_piece = [&](const std::string& piece) {  // type (3) = NORMAL
+    return model + proto_bytes(1, proto_bytes(1, piece) + "\x18\x01");
+  };
+  write_file(path, with_piece("e\xffl"));
+  error = load_error(path);
+  EXPECT_NE(error.find(path), std::string::npos) << error;
+  EXPECT_NE(error.find("has a piece that is not valid UTF-8 (id " +
+                       std::to_string(tok_->vocab_size()) + ", bad byte at offset 1)"),
+            std::string::npos)
+      << error;
+  // The same piece in UTF-8 loads.
+  write_file(path, with_piece("e\xc3\xbfl"));
+  EXPECT_NE(Tokenizer::load(path, &error), nullptr) << error;
+}
+
 // A model whose trainer_spec.unk_piece names a piece that is not of type UNKNOWN has no unknown
 // id (SentencePiece gives -1): decode() stands it in for ids past the pieces, and SentencePiece
 // refused that, which aborted the process at the first such id (a Detokenize call could send one).

@@ -15,10 +15,14 @@ namespace cemlm::server {
 // The model's BOS id (config.json first, then the tokenizer); -1 when it has none.
 int bos_id(const Engine& engine);
 
+// Whether a text input can be tokenized at all: UTF-8, a model with a tokenizer, and at most
+// max_text_bytes long. The error names `field`, and `ids_field` as the way around where it is
+// not empty. Cheap (no tokenizing), so that such a text is refused before it waits for anything.
+absl::Status check_text(const Engine& engine, absl::string_view text, absl::string_view field,
+                        absl::string_view ids_field);
 // Ids of a UTF-8 text through the model's tokenizer, with BOS prepended when `add_bos` and the
 // model has one. `field` names the text in errors ("prompt_text"), `ids_field` the request's id
-// list the errors suggest instead ("prompt_ids"; empty where there is none). A text longer in
-// bytes than the model's context could hold as tokens is refused without being tokenized.
+// list the errors suggest instead ("prompt_ids"; empty where there is none). check_text() first.
 absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_view text,
                                              absl::string_view field, absl::string_view ids_field,
                                              bool add_bos);

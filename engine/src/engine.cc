@@ -71,6 +71,14 @@ namespace {
 // Scoring sequences share the block manager with the scheduler's, under ids with this bit set.
 constexpr SeqId kScoreSeqBit = SeqId(1) << 63;
 
+// The base of the seeds drawn for requests that set none: 64 bits of the system's entropy (one
+// random_device() call gives 32: of ~2^16 server starts, two likely shared a base, and so their
+// drawn seeds).
+uint64_t random_seed_base() {
+  std::random_device device;
+  return uint64_t(device()) << 32 | device();
+}
+
 // "FIELD (N tokens)", or "FIELD (as tokens: N tokens)" when the field's name ends in a remark of
 // its own ("prompt_text (as tokens)"), which a second parenthesis would follow clumsily.
 std::string field_with_count(const std::string& field, size_t n) {
@@ -246,7 +254,7 @@ EngineImpl::EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> r
       eos_id_(resolve_eos_id(config_.eos_id, tokenizer_.get())),
       cem_sublayers_(int64_t(config_.n_layers) *
                      ((config_.attention == AttentionType::kCem) + (config_.mlp == MlpType::kCem))),
-      seed_base_(std::random_device()()),
+      seed_base_(random_seed_base()),
       blocks_(runner_->num_blocks(), runner_->block_size(), opts.prefix_caching),
       sched_({opts.max_batch_tokens, opts.max_running, opts.max_waiting}, &blocks_),
       thread_(std::move(loop_thread)) {
@@ -458,7 +466,7 @@ bool EngineImpl::take_control() {
   for (RequestId id : displaced)
     finish(*live_.at(id), FinishReason::kError, {},
            absl::ResourceExhaustedError(absl::StrCat(
-               "displaced from the full waiting queue (max_waiting = ", opts_.max_waiting,
+               "displaced from the full waiting queue (--max-waiting = ", opts_.max_waiting,
                ") by a request of higher priority; retry later")));
   if (cancel_all)
     for (const auto& [id, q] : live_) cancels.push_back(id);
@@ -699,10 +707,10 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
       });
     if (got == kRoom) return absl::OkStatus();
     if (got == kFull)
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "max_waiting = ", opts_.max_waiting,
-          " scoring calls are already waiting for KV cache room; retry later or raise "
-          "max_waiting"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("--max-waiting = ", opts_.max_waiting,
+                       " scoring calls are already waiting for KV cache room; retry later or raise "
+                       "--max-waiting"));
     absl::Status gave_up;
     if (req.deadline && Clock::now() >= *req.deadline)
       gave_up = absl::DeadlineExceededError(

@@ -43,7 +43,7 @@ absl::Status Scheduler::add(SeqSpec spec) {
     for (const auto& s : intake_) below += s->priority < spec.priority;
     if (below <= int64_t(over_bound_.size()))
       return absl::ResourceExhaustedError(
-          absl::StrCat("the waiting queue is full (max_waiting = ", opts_.max_waiting,
+          absl::StrCat("the waiting queue is full (--max-waiting = ", opts_.max_waiting,
                        " requests); retry later"));
     over_bound_.push_back(spec.priority);  // one of lower priority makes way at accept()
   }

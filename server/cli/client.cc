@@ -299,8 +299,9 @@ int client_tokenize(int argc, char** argv) {
   ChannelFlags c;
   std::string text;
   bool add_bos = false, as_json = false;
-  Flags flags("cemlm client tokenize --addr HOST:PORT --text STR [--add-bos]",
-              "Token ids (and pieces) of a text under the served model's tokenizer.");
+  Flags flags(
+      "cemlm client tokenize --addr HOST:PORT --text STR [--add-bos]",
+      "Token ids of a text under the served model's tokenizer (and their pieces, with --json).");
   add_channel_flags(&flags, &c);
   flags.add("text", &text, "text to tokenize", true);
   flags.add_bool("add-bos", &add_bos, "prepend the beginning-of-sequence id");

@@ -584,7 +584,7 @@ TEST(Engine, FullQueueIsResourceExhaustedSaveForAHigherPriority) {
   const RequestId newer = *b.engine->submit(request({1, 2}, 3), c.callback());
   const auto st = b.engine->submit(request({1, 2}, 3), c.callback());
   EXPECT_EQ(st.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(st.status().message().find("max_waiting = 2"), std::string::npos) << st.status();
+  EXPECT_NE(st.status().message().find("--max-waiting = 2"), std::string::npos) << st.status();
   GenerateRequest urgent = request({1, 2}, 3);
   urgent.priority = 5;
   const auto taken = b.engine->submit(urgent, c.callback());
@@ -594,7 +594,7 @@ TEST(Engine, FullQueueIsResourceExhaustedSaveForAHigherPriority) {
   const Result displaced = c.get(newer);
   EXPECT_EQ(displaced.reason, FinishReason::kError);
   EXPECT_EQ(displaced.error.code(), absl::StatusCode::kResourceExhausted) << displaced.error;
-  EXPECT_NE(displaced.error.message().find("max_waiting = 2"), std::string::npos)
+  EXPECT_NE(displaced.error.message().find("--max-waiting = 2"), std::string::npos)
       << displaced.error;
   EXPECT_TRUE(displaced.ids.empty());
   for (RequestId id : {older, *taken}) EXPECT_EQ(c.get(id).reason, FinishReason::kLength) << id;
@@ -1194,7 +1194,7 @@ TEST(Engine, WaitingScoringCallsAreBounded) {
   ASSERT_TRUE(busy.waiting(1, waiting));
   const auto refused = e.score({tokens(60, 3), 1});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(refused.status().message().find("max_waiting = 1"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("--max-waiting = 1"), std::string::npos)
       << refused.status();
   give_up = true;
   EXPECT_EQ(waiting.get().status().code(), absl::StatusCode::kCancelled);

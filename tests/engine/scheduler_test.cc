@@ -125,7 +125,7 @@ TEST(Scheduler, FullQueueIsResourceExhaustedNamingTheLimit) {
   for (SeqId id = 1; id <= 4; ++id) h.add(id, 3);
   const absl::Status st = h.sched.add({5, prompt(3), 1, 0});
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(st.message().find("max_waiting = 2"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("--max-waiting = 2"), std::string::npos) << st;
   h.step();  // two admitted, two waiting: still full
   EXPECT_EQ(h.sched.num_running(), 2);
   EXPECT_EQ(h.sched.add({5, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);

@@ -191,14 +191,27 @@ absl::Status write_file_atomic(const std::string& path_given,
   return st;
 }
 
+namespace {
+
+// The CRC-32C of a file's tensor entries in body order (name, dtype, shape, offsets): tells a
+// file as its writer laid it out from one another program rewrote.
+uint32_t layout_crc(const std::vector<TensorInfo>& tensors) {
+  std::string text;
+  for (const TensorInfo& t : tensors)
+    text += t.name + '\0' +
+            absl::StrCat(dtype_name(t.dtype), " ", shape_string(t.shape), " ", t.begin, " ", t.end,
+                         "\n");
+  return crc32c(text.data(), text.size());
+}
+
+}  // namespace
+
 absl::Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                                const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header;
-  std::map<std::string, std::string> meta = metadata;
+  header["__metadata__"] = nullptr;  // first, filled once the layout is known
+  std::vector<TensorInfo> layout;
   uint32_t crc = 0;
-  for (const NamedTensor& t : tensors) crc = crc32c(t.data.data(), t.data.size_bytes(), crc);
-  meta[kChecksumKey] = absl::StrFormat("%08x", crc);
-  header["__metadata__"] = meta;
   uint64_t offset = 0;
   std::set<std::string> names;
   for (const NamedTensor& t : tensors) {
@@ -213,8 +226,14 @@ absl::Status write_safetensors(const std::string& path, const std::vector<NamedT
     const uint64_t bytes = uint64_t(numel) * 4;
     header[t.name] = {
         {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    layout.push_back({t.name, DType::kF32, t.shape, offset, offset + bytes});
+    crc = crc32c(t.data.data(), t.data.size_bytes(), crc);
     offset += bytes;
   }
+  std::map<std::string, std::string> meta = metadata;
+  meta[kChecksumKey] = absl::StrFormat("%08x", crc);
+  meta[kLayoutChecksumKey] = absl::StrFormat("%08x", layout_crc(layout));
+  header["__metadata__"] = meta;
   std::string text = header.empty() ? "{}" : header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the body 8-byte aligned for mmap users
   return write_file_atomic(path, [&](std::FILE* f) -> absl::Status {
@@ -340,11 +359,22 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
 absl::Status SafetensorsFile::check_body() const {
   const auto it = metadata_.find(kChecksumKey);
   if (it == metadata_.end()) return absl::OkStatus();  // written by another program
+  auto crc_of = [&](const char* key, uint32_t* value) -> absl::Status {
+    const std::string& text = metadata_.at(key);
+    if (text.size() != 8 || !absl::SimpleHexAtoi(text, value))
+      return header_error(path_, absl::StrCat("__metadata__.", key, " \"", absl::CHexEscape(text),
+                                              "\" is not 8 hex digits (a CRC-32C)"));
+    return absl::OkStatus();
+  };
   uint32_t want = 0;
-  if (it->second.size() != 8 || !absl::SimpleHexAtoi(it->second, &want))
-    return header_error(
-        path_, absl::StrCat("__metadata__.", kChecksumKey, " \"", absl::CHexEscape(it->second),
-                            "\" is not 8 hex digits (a CRC-32C)"));
+  CEMLM_RETURN_IF_ERROR(crc_of(kChecksumKey, &want));
+  // Another program that rewrote the file (reordered its tensors, converted them to BF16) and
+  // kept its metadata left a checksum of other bytes: not damage, and nothing to check.
+  if (metadata_.count(kLayoutChecksumKey)) {
+    uint32_t layout = 0;
+    CEMLM_RETURN_IF_ERROR(crc_of(kLayoutChecksumKey, &layout));
+    if (layout != layout_crc(tensors_)) return absl::OkStatus();
+  }
   const uint64_t end = tensors_.empty() ? body_offset_ : body_offset_ + tensors_.back().end;
   std::vector<char> chunk(size_t(1) << 20);
   uint32_t crc = 0;
@@ -358,7 +388,9 @@ absl::Status SafetensorsFile::check_body() const {
     return absl::DataLossError(absl::StrCat(
         "'", path_, "' is damaged: its tensors' bytes do not match the CRC-32C written with them (",
         kChecksumKey, " ", it->second, ", the bytes give ", absl::StrFormat("%08x", crc),
-        "); a disk or copy error changed them. Use a good copy of the file"));
+        "); a disk or copy error changed them, or a program rewrote them in place and kept the "
+        "metadata (then remove its '",
+        kChecksumKey, "' entry). Use a good copy of the file"));
   return absl::OkStatus();
 }
 

@@ -65,19 +65,6 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
           where,
           ": write a key's cap as its line's last word, 'KEY max_priority=N', after the "
           "key and with no spaces around '='"));
-    // Any other "NAME=VALUE" after the key is an option misspelt ("max_priorty=5"), which would
-    // have become part of a key that nobody sends, its cap lost without a word.
-    if (const size_t space = key.find_last_of(" \t"); space != absl::string_view::npos) {
-      const absl::string_view word = key.substr(space + 1);
-      const size_t eq = word.find('=');
-      if (eq != absl::string_view::npos && eq > 0 &&
-          std::all_of(word.begin(), word.begin() + eq,
-                      [](char c) { return absl::ascii_isalpha(c) || c == '_' || c == '-'; }))
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": '", word,
-            "' after the key reads as an option, and the only one is max_priority=N (a key "
-            "cannot end in such a word)"));
-    }
     // Comments take whole lines: "KEY  # the ops team" made the whole line the key.
     if (const size_t hash = key.find('#');
         hash != absl::string_view::npos && hash > 0 && absl::ascii_isspace(key[hash - 1]))
@@ -85,6 +72,20 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
           where,
           ": a '#' after a space reads as a comment after the key, which this file does not "
           "have: write comments on lines of their own (a key cannot hold ' #')"));
+    // Any other "NAME=VALUE" after the key is an option misspelt ("max_priorty=5"), which would
+    // have become part of a key that nobody sends, its cap lost without a word. (Not a word of
+    // base64 padding, "ghIJ==", nor one ending in '=': a key may hold those.)
+    if (const size_t space = key.find_last_of(" \t"); space != absl::string_view::npos) {
+      const absl::string_view word = key.substr(space + 1);
+      const size_t eq = word.find('=');
+      if (eq != absl::string_view::npos && eq > 0 && eq + 1 < word.size() && word[eq + 1] != '=' &&
+          std::all_of(word.begin(), word.begin() + eq,
+                      [](char c) { return absl::ascii_isalpha(c) || c == '_' || c == '-'; }))
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": '", word,
+            "' after the key reads as an option, and the only one is max_priority=N (a key "
+            "cannot end in such a word)"));
+    }
     // Metadata values are visible ASCII (and spaces): gRPC clients refuse to send other bytes.
     for (const char c : key)
       if (c < 0x20 || c > 0x7E)

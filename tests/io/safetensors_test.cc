@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "cemlm/engine/crc32c.h"
 #include "io_test_util.h"
 
@@ -66,6 +67,13 @@ TEST(Crc32c, GivesTheStandardCheckValueWholeOrInParts) {
     EXPECT_EQ(crc32c(long_text.data() + cut, long_text.size() - cut, crc32c(long_text.data(), cut)),
               whole)
         << cut;
+  // The table, which CPUs without SSE4.2 run, gives the same from any start and length.
+  EXPECT_EQ(crc32c_portable(text.data(), text.size()), 0xE3069283u);
+  for (size_t start : {size_t(0), size_t(3)})
+    for (size_t n : {size_t(0), size_t(5), size_t(8), size_t(13), size_t(997)})
+      EXPECT_EQ(crc32c_portable(long_text.data() + start, n, 0x1234u),
+                crc32c(long_text.data() + start, n, 0x1234u))
+          << start << " " << n;
 }
 
 // The writer puts the body's CRC-32C in the metadata, and open() refuses a body that does not
@@ -95,6 +103,26 @@ TEST(Safetensors, ABodyThatDoesNotMatchItsChecksumIsRefused) {
                   std::string(want)),
               std::string::npos)
         << damaged.status();
+  }
+  // Rewritten by another program that kept the metadata (HF's writer orders tensors by name;
+  // a conversion changes their dtype): the checksum is of other bytes, and not held against it.
+  {
+    ASSERT_TRUE(write_safetensors(path, {{"a", {3}, a}, {"b", {1}, b}}).ok());
+    auto ours = SafetensorsFile::open(path);
+    ASSERT_TRUE(ours.ok()) << ours.status();
+    const std::string meta =
+        absl::StrCat(R"("__metadata__":{"crc32c":")", ours->metadata().at(kChecksumKey),
+                     R"(","crc32c_layout":")", ours->metadata().at(kLayoutChecksumKey), R"("})");
+    const std::string b_first =
+        safetensors_bytes("{" + meta +
+                              R"(,"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                              R"("a":{"dtype":"F32","shape":[3],"data_offsets":[4,16]}})",
+                          std::string(reinterpret_cast<const char*>(b.data()), 4) +
+                              std::string(reinterpret_cast<const char*>(a.data()), 12));
+    write_bytes(path, b_first);
+    auto rewritten = SafetensorsFile::open(path);
+    ASSERT_TRUE(rewritten.ok()) << rewritten.status();
+    EXPECT_EQ(*rewritten->read_f32("a"), a);
   }
   // A file of another writer has no checksum and is read as it is; one whose checksum is no
   // CRC is refused by name.

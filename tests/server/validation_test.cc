@@ -745,7 +745,7 @@ TEST(ServerAuth, PriorityIsCappedByTheKeyOrTheServer) {
   const std::string dir = fresh_temp_dir();
   const std::string model = make_tiny_model(dir), keys = dir + "/keys.txt";
   std::ofstream(keys) << "batch-key max_priority=-1\nlive-key\tmax_priority=10\nplain-key\n"
-                         "spaced key  max_priority=3\n";
+                         "spaced key  max_priority=3\nabc/DEF+ ghIJ==\nkey ending in=\n";
   auto server = ServerProcess::start(model, {"--api-key-file", keys, "--max-priority", "5"});
   ASSERT_TRUE(server);
   // The start-up line says what holds (and that the gRPC quota is the default's).
@@ -770,7 +770,10 @@ TEST(ServerAuth, PriorityIsCappedByTheKeyOrTheServer) {
   } cases[] = {{"batch-key", -1, "this API key may ask for"},
                {"live-key", 10, "this API key may ask for"},
                {"spaced key", 3, "this API key may ask for"},
-               {"plain-key", 5, "this server allows (--max-priority)"}};
+               {"plain-key", 5, "this server allows (--max-priority)"},
+               // Keys with spaces whose last word holds '=' but reads as no option.
+               {"abc/DEF+ ghIJ==", 5, "this server allows (--max-priority)"},
+               {"key ending in=", 5, "this server allows (--max-priority)"}};
   for (const auto& c : cases) {
     SCOPED_TRACE(c.key);
     EXPECT_TRUE(generate_at(c.key, c.most).ok());
@@ -787,7 +790,7 @@ TEST(ServerAuth, PriorityIsCappedByTheKeyOrTheServer) {
   // A wrong key is still UNAUTHENTICATED, whatever its priority.
   EXPECT_EQ(generate_at("wrong", 100).error_code(), grpc::StatusCode::UNAUTHENTICATED);
   const auto m = parse_metrics(server->metrics_text());
-  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"PERMISSION_DENIED\""), 8);
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"PERMISSION_DENIED\""), 12);
   server.reset();
   // Without keys, --max-priority alone.
   auto open = ServerProcess::start(model, {"--max-priority", "0", "--grpc-memory", "0"});

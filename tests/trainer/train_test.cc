@@ -13,6 +13,7 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -923,11 +924,12 @@ TEST(Train, WeightsWithANonFiniteValidationLossAreNotSaved) {
   ASSERT_TRUE(train(o).ok());
   const std::vector<float> good = weights_of(o.out_dir);
   const std::string path = o.out_dir + "/optimizer.safetensors";
+  std::vector<NamedTensor> damaged;
+  std::vector<std::vector<float>> values;
+  std::map<std::string, std::string> metadata;
   {
     auto file = SafetensorsFile::open(path);
     ASSERT_TRUE(file.ok()) << file.status();
-    std::vector<std::vector<float>> values;
-    std::vector<NamedTensor> tensors;
     for (const TensorInfo& t : file->tensors()) {
       auto v = file->read_f32(t.name);
       ASSERT_TRUE(v.ok()) << v.status();
@@ -939,21 +941,30 @@ TEST(Train, WeightsWithANonFiniteValidationLossAreNotSaved) {
       values.push_back(*std::move(v));
     }
     for (size_t i = 0; i < values.size(); ++i)
-      tensors.push_back({file->tensors()[i].name, file->tensors()[i].shape, values[i]});
-    ASSERT_TRUE(write_safetensors(path, tensors, file->metadata()).ok());
+      damaged.push_back({file->tensors()[i].name, file->tensors()[i].shape, values[i]});
+    metadata = file->metadata();
   }
-  o.resume = true;
-  o.steps = 2;
-  auto st = train(o);
-  ASSERT_FALSE(st.ok());
-  EXPECT_NE(st.status().message().find(
-                "training diverged: the validation loss at step 2 is not finite at T = "),
-            std::string::npos)
-      << st.status();
-  EXPECT_NE(st.status().message().find("nothing saved (the last checkpoint is kept)"),
-            std::string::npos)
-      << st.status();
-  EXPECT_EQ(weights_of(o.out_dir), good);
+  // Step 2 evaluated (the run's last), and step 2 saved between evaluations (every 4 steps):
+  // there one batch of validation windows is checked before the save.
+  for (const auto& [steps, eval_every] : {std::pair{2, 6}, std::pair{5, 4}}) {
+    SCOPED_TRACE(eval_every);
+    ASSERT_TRUE(write_safetensors(path, damaged, metadata).ok());
+    TrainOptions resumed = o;
+    resumed.resume = true;
+    resumed.steps = steps;
+    resumed.eval_every = eval_every;
+    resumed.save_every = 1;
+    auto st = train(resumed);
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.status().message().find(
+                  "training diverged: the validation loss at step 2 is not finite at T = "),
+              std::string::npos)
+        << st.status();
+    EXPECT_NE(st.status().message().find("nothing saved (the last checkpoint is kept)"),
+              std::string::npos)
+        << st.status();
+    EXPECT_EQ(weights_of(o.out_dir), good);
+  }
 }
 
 // Options of an --init run on `data` into dir/finetune, from a one-step checkpoint of the tiny

@@ -173,7 +173,9 @@ class Trainer {
   int draw_T();
   // One update, left out (step_ unchanged) when finite_step(m, clip) is false.
   StepMetrics step();
-  EvalMetrics evaluate();
+  // Mean validation loss at each evaluation depth, over the first `max_rows` validation windows
+  // (all of them by default).
+  EvalMetrics evaluate(int max_rows = std::numeric_limits<int>::max());
   // An evaluation's time before one was measured: its forward passes (over eval windows, at each
   // evaluated T) against a step's forward and backward (~3 forwards over batch × accum windows at
   // the mean training T).
@@ -760,10 +762,10 @@ StepMetrics Trainer::step() {
   return m;
 }
 
-EvalMetrics Trainer::evaluate() {
+EvalMetrics Trainer::evaluate(int max_rows) {
   EvalMetrics e;
   e.step = step_;
-  const int rows = int(eval_ids_.size() / size_t(o_.seq_len));
+  const int rows = std::min(max_rows, int(eval_ids_.size() / size_t(o_.seq_len)));
   for (int T : eval_T_) {
     double sum = 0;
     for (int r = 0; r < rows; r += o_.batch_size) {
@@ -981,6 +983,9 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     if (!evaluated && (step_ % o_.eval_every == 0 || last)) CEMLM_RETURN_IF_ERROR(run_eval());
     if (step_ % o_.save_every == 0 || last) {
       const Clock::time_point s0 = Clock::now();
+      // A save between evaluations checks one batch of validation windows (a step's forward at
+      // each depth), so that weights ruined since the last evaluation are not saved either.
+      if (!evaluated) CEMLM_RETURN_IF_ERROR(finite_eval(evaluate(o_.batch_size)));
       CEMLM_RETURN_IF_ERROR(save());
       budget.save_s = seconds_since(s0);
     }

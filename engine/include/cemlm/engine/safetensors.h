@@ -32,9 +32,12 @@ struct NamedTensor {
 absl::Status write_file_atomic(const std::string& path,
                                const std::function<absl::Status(std::FILE*)>& fill);
 
-// The __metadata__ key of the CRC-32C of a file's body (8 lowercase hex digits), which
-// write_safetensors adds and SafetensorsFile::open checks when a file has it.
+// The __metadata__ keys of the CRC-32C of a file's body and of its tensor entries (8 lowercase
+// hex digits each), which write_safetensors adds. SafetensorsFile::open checks the body against
+// the first when the file has it, unless the second shows that another program rewrote the file
+// (reordered or converted its tensors) and kept the metadata.
 inline constexpr char kChecksumKey[] = "crc32c";
+inline constexpr char kLayoutChecksumKey[] = "crc32c_layout";
 
 // Writes `tensors` as F32 in the given order, with `metadata` and the body's kChecksumKey. The file
 // appears at `path` only once complete (written to a temporary sibling, synced, then renamed), so

@@ -72,8 +72,8 @@ void Flags::add(const std::string& name, std::string* out, const std::string& he
 }
 
 void Flags::add_nonempty(const std::string& name, std::string* out, const std::string& help,
-                         const std::string& if_empty) {
-  add(name, out, help);
+                         const std::string& if_empty, bool required) {
+  add(name, out, help, required);
   flags_.back().if_empty = if_empty;
 }
 

@@ -83,7 +83,9 @@ class Driver {
       : stubs_(stubs), c_(c), f_(f), vocab_(vocab) {}
 
   Samples run() {
-    for (int w = 0; w < f_.concurrency; ++w) start_next();
+    // At most one stream per request: a --concurrency near INT_MAX wrapped next_ past it, and
+    // the loop sent requests without end.
+    for (int w = 0; w < std::min(f_.concurrency, f_.requests); ++w) start_next();
     std::unique_lock lock(mu_);
     idle_.wait(lock, [&] { return active_ == 0; });
     return std::move(all_);
@@ -151,13 +153,13 @@ class Driver {
 
   // Starts request `next_` if any is left; false when all have been started.
   bool start_next() {
-    const int i = next_++;
+    const int64_t i = next_++;
     if (i >= f_.requests) return false;
     {
       std::lock_guard lock(mu_);
       ++active_;
     }
-    new Stream(this, *stubs_[size_t(i) % stubs_.size()], make_request(f_, vocab_, i));
+    new Stream(this, *stubs_[size_t(i) % stubs_.size()], make_request(f_, vocab_, int(i)));
     return true;
   }
 
@@ -172,7 +174,7 @@ class Driver {
   const ChannelFlags& c_;
   const BenchFlags& f_;
   const int vocab_;
-  std::atomic<int> next_{0};
+  std::atomic<int64_t> next_{0};  // one past each finished stream's: never near its limit
   std::mutex mu_;
   std::condition_variable idle_;
   int active_ = 0;  // streams started and not yet finished

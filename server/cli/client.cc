@@ -191,7 +191,8 @@ int client_generate(int argc, char** argv) {
     return 2;
   }
   v1::GenerateRequest req = generate_request(g, flags);
-  if (!g.prompt_ids.empty() && !set_ids(g.prompt_ids, "prompt-ids", req.mutable_prompt_ids()))
+  // Given empty, as malformed: it sent no prompt, and the server's answer named a missing flag.
+  if (flags.given("prompt-ids") && !set_ids(g.prompt_ids, "prompt-ids", req.mutable_prompt_ids()))
     return 2;
   auto channel = make_channel(c);
   if (!channel) return 2;
@@ -269,6 +270,14 @@ int client_score(int argc, char** argv) {
             "larger first; a full cache preempts running requests of lower priority for it");
   flags.add_bool("json", &as_json, "print the response as JSON");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  if (flags.given("text") == flags.given("ids")) {
+    std::fprintf(stderr, "error: give exactly one of --text and --ids (see --help)\n");
+    return 2;
+  }
+  if (flags.given("text") && text.empty()) {  // as the server reads it: no input at all
+    std::fprintf(stderr, "error: --text is empty; give a text to score, or its ids as --ids\n");
+    return 2;
+  }
   if (no_bos && flags.given("ids")) {
     std::fprintf(stderr, "error: --no-bos applies to --text only: --ids are used as given\n");
     return 2;
@@ -278,7 +287,7 @@ int client_score(int argc, char** argv) {
   if (no_bos) req.set_add_bos(false);
   req.set_recursion_depth(recursion);
   req.set_priority(priority);
-  if (!ids.empty() && !set_ids(ids, "ids", req.mutable_ids())) return 2;
+  if (flags.given("ids") && !set_ids(ids, "ids", req.mutable_ids())) return 2;
   auto channel = make_channel(c);
   if (!channel) return 2;
   grpc::ClientContext context;
@@ -403,7 +412,8 @@ int cmd_client(int argc, char** argv) {
   if (argc >= 1)
     for (const Sub& s : kSubs)
       if (!std::strcmp(argv[0], s.name)) return s.run(argc - 1, argv + 1);
-  const bool help = argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h"));
+  const bool help = argc >= 1 && (!std::strcmp(argv[0], "--help") || !std::strcmp(argv[0], "-h") ||
+                                  !std::strcmp(argv[0], "help"));
   if (argc >= 1 && !help) std::fprintf(stderr, "error: unknown client command '%s'\n", argv[0]);
   std::fprintf(help ? stdout : stderr,
                "usage: cemlm client <generate|score|tokenize|detokenize|info|health> "

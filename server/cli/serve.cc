@@ -29,6 +29,7 @@
 #include "absl/strings/escaping.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
+#include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/float32.h"
 #include "cemlm/engine/model_runner.h"
@@ -205,6 +206,11 @@ int serve(const ServeFlags& f, sigset_t* signals) {
         "' is encrypted (protected by a passphrase), which the server cannot ask for: give it "
         "the key unencrypted (openssl pkey -in KEY -out PLAIN.pem), readable by its user only")));
 
+  // The checkpoint's config.json before anything listens (the weights load after): the ports
+  // line went out for a --model that names no checkpoint, and scripts that wait for it took such
+  // a server for one that had started.
+  if (auto config = load_checkpoint_config(f.model); !config.ok()) return fail(config.status());
+
   auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name);
   const std::string& metrics_host = f.metrics_host.empty() ? f.host : f.metrics_host;
   auto metrics_http = server::MetricsHttpServer::start(metrics_host, f.metrics_port, [metrics] {
@@ -350,7 +356,9 @@ int cmd_serve(int argc, char** argv) {
               "reflection) with Prometheus metrics at http://HOST:METRICS_PORT/metrics.\n"
               "SIGTERM/SIGINT drain in-flight requests, then exit 0 (at once while the model "
               "loads).");
-  flags.add("model", &f.model, "checkpoint directory (config.json, model.safetensors, ...)", true);
+  flags.add_nonempty("model", &f.model,
+                     "checkpoint directory (config.json, model.safetensors, ...)",
+                     "name the checkpoint directory to serve", /*required=*/true);
   flags.add_nonempty("host", &f.host,
                      "address to listen on, gRPC and metrics (IPv4 or IPv6; :: takes both)",
                      "name an address, such as 0.0.0.0, 127.0.0.1 or ::");

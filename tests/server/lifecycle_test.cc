@@ -823,6 +823,13 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
             0);
   EXPECT_NE(out.find("concurrency 4  connections 2"), std::string::npos) << out;
   EXPECT_NE(out.find("ok 6  errors 0"), std::string::npos) << out;
+  // More streams than requests: each request once (a --concurrency near INT_MAX wrapped the
+  // request counter, and requests went out without end).
+  ASSERT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--concurrency", "2147483647", "--requests",
+                       "1", "--max-new-tokens", "2"},
+                      &out),
+            0);
+  EXPECT_NE(out.find("ok 1  errors 0"), std::string::npos) << out;
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--connections", "0"}, &out), 2);
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--max-new-tokens", "0"}, &out), 2);
   EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--prompt-len", "2000000"}, &out), 2);

@@ -117,12 +117,24 @@ TEST(CemlmProgram, ClientAddressesAndKeysAreCheckedBeforeAnyCall) {
   // The prompt flags are checked here too, as `cemlm generate` checks them (they went to the
   // server and came back INVALID_ARGUMENT, exit 1).
   for (const auto& prompt : std::vector<std::vector<std::string>>{
-           {}, {"--prompt", "x", "--prompt-ids", "1"}, {"--prompt", ""}}) {
+           {}, {"--prompt", "x", "--prompt-ids", "1"}, {"--prompt", ""}, {"--prompt-ids", ""}}) {
     std::vector<std::string> args = {"client", "generate", "--addr", "127.0.0.1:1"};
     args.insert(args.end(), prompt.begin(), prompt.end());
     EXPECT_EQ(run_cemlm(args, &out, &err), 2) << err;
     EXPECT_NE(err.find("--prompt"), std::string::npos) << err;
   }
+  // And score's input flags (an empty --ids sent no input, both went to the server).
+  for (const auto& input : std::vector<std::vector<std::string>>{
+           {}, {"--text", "x", "--ids", "1"}, {"--text", ""}, {"--ids", ""}}) {
+    std::vector<std::string> args = {"client", "score", "--addr", "127.0.0.1:1"};
+    args.insert(args.end(), input.begin(), input.end());
+    EXPECT_EQ(run_cemlm(args, &out, &err), 2) << err;
+    EXPECT_TRUE(err.find("--text") != std::string::npos || err.find("--ids") != std::string::npos)
+        << err;
+  }
+  // `cemlm client help` is its --help, as `cemlm help` is cemlm's.
+  EXPECT_EQ(run_cemlm({"client", "help"}, &out, &err), 0) << err;
+  EXPECT_NE(out.find("usage: cemlm client <generate|score"), std::string::npos) << out;
 }
 
 // `cemlm client health` has a deadline of its own (5 s) unless --timeout says otherwise: against a

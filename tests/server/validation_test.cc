@@ -713,12 +713,23 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
   // An empty --api-key-file is a mistake, not "no keys"; so is an empty --tls-cert/--tls-key
   // (it served plaintext), host, metrics host or model name.
   std::string out;
-  for (const char* flag :
-       {"--api-key-file", "--tls-cert", "--tls-key", "--host", "--metrics-host", "--model-name"}) {
+  for (const char* flag : {"--api-key-file", "--tls-cert", "--tls-key", "--host", "--metrics-host",
+                           "--model-name", "--model"}) {
     std::string empty_err;
     EXPECT_EQ(run_cemlm({"serve", "--model", model, flag, ""}, &out, &empty_err), 2) << flag;
     EXPECT_NE(empty_err.find(std::string("error: ") + flag + " is empty: name "), std::string::npos)
         << empty_err;
+  }
+  // A --model that names no checkpoint is refused before the server listens: the ports line,
+  // which scripts wait for, went out first.
+  {
+    std::string missing_out, missing_err;
+    EXPECT_EQ(run_cemlm({"serve", "--model", fresh_temp_dir() + "/none", "--port", "0",
+                         "--metrics-port", "0"},
+                        &missing_out, &missing_err),
+              1);
+    EXPECT_EQ(missing_out, "");
+    EXPECT_NE(missing_err.find("config.json"), std::string::npos) << missing_err;
   }
   // So is a key no client can send (gRPC metadata values are printable ASCII): refused by line.
   const std::string bad = fresh_temp_dir() + "/keys.txt";

@@ -19,7 +19,7 @@ class Flags {
   // A string flag whose empty value is refused (an unset variable in "--init $DIR" must not mean
   // the default): "error: --NAME is empty: IF_EMPTY", which says what to give or leave out.
   void add_nonempty(const std::string& name, std::string* out, const std::string& help,
-                    const std::string& if_empty);
+                    const std::string& if_empty, bool required = false);
   void add(const std::string& name, int* out, const std::string& help, bool required = false);
   void add(const std::string& name, int64_t* out, const std::string& help, bool required = false);
   // An integer in [0, 2^64) (a seed): a sign is refused, not wrapped.

@@ -458,14 +458,14 @@ void CpuModel::mlp_cem(int l, Rows& r) {
 }
 
 std::vector<float> full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids,
-                                int T) {
+                                int T, bool release_weights) {
   const int n = int(ids.size());
   // The model's RoPE table covers max_seq_len positions; this sequence reads its first n. Built for
   // max_seq_len, a checkpoint of a few kilobytes whose config claims 4M positions of head_dim 4096
   // made `cemlm score` allocate 64 GiB. The rows are the same whatever their number.
   ModelConfig fitted = c;
   fitted.max_seq_len = std::min(c.max_seq_len, n);
-  CpuModel model(fitted, w);
+  CpuModel model(fitted, w, /*batch_invariant=*/false, WeightDtype::kFp32, release_weights);
   KvPool kv(fitted, n, 1);
   const int32_t block = 0;
   Batch b;

@@ -114,8 +114,10 @@ DiagKind diag_kind(const ModelConfig& c);
 LevWeights lev_weights(const Weights& w);
 
 // Logits [N, V] of a whole sequence at recursion T: the reference path used by `cemlm score`,
-// tests and the trainer's checks (one contiguous block holds the sequence).
+// tests and the trainer's checks (one contiguous block holds the sequence). release_weights (a
+// caller done with `w`, as `cemlm score` is): the model gives back the pages of the weights it
+// packed (CpuModel's release_unread), so that the weights are not held twice.
 std::vector<float> full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids,
-                                int T);
+                                int T, bool release_weights = false);
 
 }  // namespace cemlm

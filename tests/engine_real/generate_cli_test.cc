@@ -271,6 +271,16 @@ TEST_F(GenerateCli, KvCacheMemoryIsUsed) {
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("kv_cache_memory 2048 bytes"), std::string::npos) << err;
   EXPECT_NE(err.find("raise --kv-cache-memory"), std::string::npos) << err;
+  // Said from config.json, before the weights are read (a large checkpoint loaded for seconds
+  // first): a directory of the config alone gets the same answer.
+  const std::string config_only = testing_temp::fresh_dir("config_only") + "/model";
+  std::filesystem::create_directories(config_only);
+  std::filesystem::copy_file(dir_ + "/config.json", config_only + "/config.json");
+  args[1] = config_only;
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(run(args), 1);
+  const std::string early = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(early.find("kv_cache_memory 2048 bytes"), std::string::npos) << early;
 }
 
 // The default --max-new-tokens (64) is capped to the room the prompt leaves in max_seq_len (64

@@ -164,6 +164,10 @@ absl::Status publish(const fs::path& tmp, const fs::path& target, bool target_ex
 }  // namespace
 
 absl::StatusOr<ModelConfig> load_checkpoint_config(const std::string& dir) {
+  // "" / "config.json" would be the working directory's.
+  if (dir.empty())
+    return absl::InvalidArgumentError(
+        "the checkpoint directory is empty: name one (with config.json and model.safetensors)");
   const fs::path path = fs::path(dir) / kConfigFile;
   // As for the weights: a FIFO as config.json would make the load wait forever for a writer.
   // (load_config itself does not refuse one: a --config given to init or train may be a pipe.)
@@ -175,9 +179,6 @@ absl::StatusOr<ModelConfig> load_checkpoint_config(const std::string& dir) {
 }
 
 absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
-  if (dir.empty())
-    return absl::InvalidArgumentError(
-        "the checkpoint directory is empty: name one (with config.json and model.safetensors)");
   const fs::path root(dir);
   Checkpoint ck;
   CEMLM_ASSIGN_OR_RETURN(ck.config, load_checkpoint_config(dir));

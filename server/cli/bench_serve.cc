@@ -204,8 +204,8 @@ void print_report(const BenchFlags& f, const std::string& addr, int connections,
   std::printf(
       "cemlm bench-serve  addr %s  concurrency %d  connections %d  requests %d  T %s  prompt %d  "
       "new tokens %d\nclient machine: %u cores\n\n",
-      addr.c_str(), f.concurrency, connections, f.requests, T.c_str(), f.prompt_len,
-      f.max_new_tokens, std::thread::hardware_concurrency());
+      addr.c_str(), std::min(f.concurrency, f.requests), connections, f.requests, T.c_str(),
+      f.prompt_len, f.max_new_tokens, std::thread::hardware_concurrency());
   std::printf("%-20s %10s %10s %10s %10s %8s\n", "latency (ms)", "p50", "p90", "p99", "mean", "n");
   print_row("ttft", s.ttft);
   print_row("inter-token", s.itl);

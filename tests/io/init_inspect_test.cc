@@ -62,6 +62,12 @@ TEST(InitCommand, EmptyPathsAreRefused) {
   ASSERT_FALSE(none.ok());
   EXPECT_NE(none.status().message().find("the checkpoint directory is empty"), std::string::npos)
       << none.status();
+  // The config alone too (read first by the runner): "" read the working directory's config.json.
+  const auto no_config = load_checkpoint_config("");
+  ASSERT_FALSE(no_config.ok());
+  EXPECT_NE(no_config.status().message().find("the checkpoint directory is empty"),
+            std::string::npos)
+      << no_config.status();
 }
 
 // A seed past 2^63 is said as given (it printed as a negative number).

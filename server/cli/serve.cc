@@ -83,6 +83,10 @@ int fail(const absl::Status& st) {
   return 1;
 }
 
+// A flag's value refused for itself, before anything else runs: "error: …", exit 2, as every
+// command's usage errors (it was a log line and exit 1).
+int flag_error(const absl::Status& st) { return usage_error(std::string(st.message())); }
+
 // Loads the engine and runs one short scoring pass, so the first request pays no warm-up.
 absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t kv_bytes) {
   EngineOptions opts;
@@ -106,56 +110,57 @@ absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t
 int serve(const ServeFlags& f, sigset_t* signals) {
   int64_t kv_bytes = 0;
   if (!parse_bytes(f.kv_cache_memory, &kv_bytes) || kv_bytes <= 0)
-    return fail(
+    return flag_error(
         absl::InvalidArgumentError("--kv-cache-memory: expected bytes like 4G, 512M or "
                                    "1048576, got '" +
                                    f.kv_cache_memory + "'"));
   int64_t grpc_memory = 0;
   if (!parse_bytes(f.grpc_memory, &grpc_memory) || grpc_memory < 0)
-    return fail(absl::InvalidArgumentError(
+    return flag_error(absl::InvalidArgumentError(
         "--grpc-memory: expected bytes like 256M or 1G (0: no bound), got '" + f.grpc_memory +
         "'"));
   if (grpc_memory > 0 && grpc_memory < (int64_t(16) << 20))  // a few connections' read buffers
-    return fail(absl::InvalidArgumentError(
+    return flag_error(absl::InvalidArgumentError(
         absl::StrCat("--grpc-memory ", f.grpc_memory,
                      " is under 16M, too little for gRPC to serve; use 0 "
                      "for no bound")));
   if (f.engine_nice < 0 || f.engine_nice > 19)
-    return fail(absl::InvalidArgumentError("--engine-nice " + std::to_string(f.engine_nice) +
-                                           " must be in [0, 19] (0: the process's priority)"));
+    return flag_error(
+        absl::InvalidArgumentError("--engine-nice " + std::to_string(f.engine_nice) +
+                                   " must be in [0, 19] (0: the process's priority)"));
   for (const auto& [flag, port] : {std::pair{"--port", f.port}, {"--metrics-port", f.metrics_port}})
     if (port < 0 || port > 65535)
-      return fail(absl::InvalidArgumentError(
+      return flag_error(absl::InvalidArgumentError(
           absl::StrCat(flag, " ", port, " is not a port: use 0-65535 (0 picks a free one)")));
   if (!(f.shutdown_timeout >= 0 && f.shutdown_timeout <= 1e6))  // 11 days: a finite deadline
-    return fail(absl::InvalidArgumentError(absl::StrCat(
+    return flag_error(absl::InvalidArgumentError(absl::StrCat(
         "--shutdown-timeout ", exact_number(f.shutdown_timeout), " must be in [0, 1e6] seconds")));
   RunnerOptions runner;  // what needs no checkpoint, before listening
   runner.device = f.device;
   runner.kv_cache_dtype = f.kv_cache_dtype;
   runner.threads = f.threads;
-  if (absl::Status st = check_runner_options(runner); !st.ok()) return fail(st);
+  if (absl::Status st = check_runner_options(runner); !st.ok()) return flag_error(st);
   const std::pair<const char*, int> at_least_one[] = {{"--max-batch-tokens", f.max_batch_tokens},
                                                       {"--max-running", f.max_running},
                                                       {"--max-waiting", f.max_waiting}};
   for (const auto& [flag, value] : at_least_one)
     if (value < 1)
-      return fail(absl::InvalidArgumentError(
+      return flag_error(absl::InvalidArgumentError(
           absl::StrCat(flag, " ", value, " must be at least 1 (see --help)")));
   // Below a second, a client reading at an ordinary pace could lose its stream's last message.
   if (!(f.unread_timeout >= 1 && f.unread_timeout <= 1e6))
-    return fail(absl::InvalidArgumentError(absl::StrCat(
+    return flag_error(absl::InvalidArgumentError(absl::StrCat(
         "--unread-timeout ", exact_number(f.unread_timeout), " must be in [1, 1e6] seconds")));
   if (!(f.max_connection_age >= 0))
-    return fail(absl::InvalidArgumentError(absl::StrCat("--max-connection-age ",
-                                                        exact_number(f.max_connection_age),
-                                                        " must be >= 0 seconds (0: no limit)")));
+    return flag_error(absl::InvalidArgumentError(
+        absl::StrCat("--max-connection-age ", exact_number(f.max_connection_age),
+                     " must be >= 0 seconds (0: no limit)")));
   if (!(f.keepalive_time >= 0))
-    return fail(
+    return flag_error(
         absl::InvalidArgumentError(absl::StrCat("--keepalive-time ", exact_number(f.keepalive_time),
                                                 " must be >= 0 seconds (0: no pings)")));
   if (!(f.keepalive_timeout > 0))
-    return fail(absl::InvalidArgumentError(absl::StrCat(
+    return flag_error(absl::InvalidArgumentError(absl::StrCat(
         "--keepalive-timeout ", exact_number(f.keepalive_timeout), " must be > 0 seconds")));
   server::ServerOptions opts;
   opts.host = f.host;
@@ -174,7 +179,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
   // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
   if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())
-    return fail(absl::InvalidArgumentError(absl::StrCat(
+    return (f.model_name.empty() ? fail : flag_error)(absl::InvalidArgumentError(absl::StrCat(
         f.model_name.empty() ? "the model directory's name (the default --model-name)"
                              : "--model-name",
         " is not valid UTF-8 (bad byte at offset ", ok, "); pass a --model-name that is")));

@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -195,12 +196,14 @@ TEST_F(ServerLifecycle, LogsTheBlasKernelsItChose) {
 }
 
 // `cemlm serve FLAGS` exits non-zero without serving; returns what it wrote on stderr.
-std::string refused_serve(const std::string& model, const std::string& flags) {
+// `status`: 2 for a flag's value refused for itself (a usage error, "error: …"), 1 for what
+// fails with the flags accepted.
+std::string refused_serve(const std::string& model, const std::string& flags, int status) {
   const std::string log = fresh_temp_dir() + "/serve.log";
   const int rc = std::system(("'" CEMLM_BIN "' serve --model '" + model +
                               "' --port 0 --metrics-port 0 " + flags + " 2>'" + log + "'")
                                  .c_str());
-  EXPECT_NE(rc, 0) << flags;
+  EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == status) << flags << ": " << rc;
   std::ifstream in(log);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
@@ -209,7 +212,7 @@ std::string refused_serve(const std::string& model, const std::string& flags) {
 // quarter, --device cpu:bf16 with bf16
 // weights (ModelInfo says which device); an unknown dtype or device, an --engine-nice out of
 // range or a zero --max-running/--max-waiting/--max-batch-tokens is refused at start with a
-// message naming the flag.
+// message naming the flag, a usage error (exit 2).
 TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
   // bf16 weights need the AVX-512 kernels; a build without them refuses the device (below).
   const std::string device = packed_weights_available() ? "cpu:bf16" : "cpu";
@@ -222,7 +225,7 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
   EXPECT_EQ(model_info(*bf16).device(), device);
   EXPECT_EQ(model_info(*server_).device(), "cpu");
   if (!packed_weights_available()) {
-    const std::string err = refused_serve(model_, "--device cpu:int8");
+    const std::string err = refused_serve(model_, "--device cpu:int8", 2);
     EXPECT_NE(err.find("--device cpu:int8: this build has no AVX-512 kernels"), std::string::npos)
         << err;
   }
@@ -243,13 +246,13 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
   const Stream s8 = generate(int8->channel(), ids_request(prompt(9), 5, 2));
   EXPECT_TRUE(s8.status.ok()) << s8.status.error_message();
   EXPECT_EQ(s8.ids().size(), 5u);
-  std::string err = refused_serve(model_, "--kv-cache-dtype fp16");
+  std::string err = refused_serve(model_, "--kv-cache-dtype fp16", 2);
   EXPECT_NE(err.find("--kv-cache-dtype \"fp16\" is not one of fp32, bf16, int8"), std::string::npos)
       << err;
-  err = refused_serve(model_, "--engine-nice 20");
+  err = refused_serve(model_, "--engine-nice 20", 2);
   EXPECT_NE(err.find("--engine-nice 20 must be in [0, 19]"), std::string::npos) << err;
   for (const char* flag : {"--max-running", "--max-waiting", "--max-batch-tokens"}) {
-    err = refused_serve(model_, std::string(flag) + " 0");
+    err = refused_serve(model_, std::string(flag) + " 0", 2);
     EXPECT_NE(err.find(std::string(flag) + " 0 must be at least 1"), std::string::npos) << err;
   }
   const std::pair<std::string, std::string> bad[] = {
@@ -278,14 +281,14 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
        "cpu:int8dot, cuda"},
       {"--model-name m\xFFx", "--model-name is not valid UTF-8 (bad byte at offset 1)"}};
   for (const auto& [flags, message] : bad) {
-    err = refused_serve(model_, flags);
+    err = refused_serve(model_, flags, 2);
     EXPECT_NE(err.find(message), std::string::npos) << flags << ": " << err;
     EXPECT_EQ(err.find("listening"), std::string::npos) << flags << ": refused only after listening";
   }
   // The default name, the directory's, must be UTF-8 too (it is a metric label).
   const std::string odd = fresh_temp_dir() + "/m\xFFx";
   std::filesystem::create_directory_symlink(std::filesystem::absolute(model_), odd);
-  err = refused_serve(odd, "");
+  err = refused_serve(odd, "", 1);
   EXPECT_NE(err.find("the model directory's name (the default --model-name) is not valid UTF-8"),
             std::string::npos)
       << err;
@@ -309,7 +312,8 @@ TEST_F(ServerLifecycle, ModelNameOfADotDirectoryIsItsName) {
 // and take a share of the first one's connections), and the first keeps serving alone.
 TEST_F(ServerLifecycle, PortInUseIsRefused) {
   const std::string err = refused_serve(
-      model_, "--host 127.0.0.1 --port " + std::to_string(server_->port()) + " --model-name second");
+      model_, "--host 127.0.0.1 --port " + std::to_string(server_->port()) + " --model-name second",
+      1);
   EXPECT_NE(err.find("in use"), std::string::npos) << err;
   EXPECT_EQ(model_info(*server_).model_name(), "model");
 }
@@ -329,7 +333,7 @@ TEST_F(ServerLifecycle, ServesOnAnIpv6Host) {
   const Stream s = generate(v6->channel(), ids_request(prompt(4), 3));
   EXPECT_TRUE(s.status.ok()) << s.status.error_message();
   EXPECT_NE(v6->metrics_text().find("cemlm:generation_tokens_total"), std::string::npos);
-  const std::string err = refused_serve(model_, "--host fe80::1");
+  const std::string err = refused_serve(model_, "--host fe80::1", 1);
   EXPECT_NE(err.find(": cannot listen on fe80::1"), std::string::npos) << err;
 }
 
@@ -384,7 +388,7 @@ TEST_F(ServerLifecycle, MaxConnectionAgeMakesClientsReconnect) {
   EXPECT_TRUE(state_within(aged->channel(), GRPC_CHANNEL_IDLE, 5s));
   EXPECT_FALSE(state_within(server_->channel(), GRPC_CHANNEL_IDLE, 1500ms));
   EXPECT_TRUE(generate(aged->channel(), ids_request(prompt(4), 2)).status.ok());
-  const std::string err = refused_serve(model_, "--max-connection-age -1");
+  const std::string err = refused_serve(model_, "--max-connection-age -1", 2);
   EXPECT_NE(err.find("--max-connection-age -1 must be >= 0 seconds"), std::string::npos) << err;
 }
 

@@ -281,6 +281,16 @@ bool parse_logit_bias(const std::string& s, std::vector<std::pair<int, float>>* 
   return !out->empty();
 }
 
+std::string logit_bias_flag(const std::string& s, std::vector<std::pair<int, float>>* out) {
+  if (!parse_logit_bias(s, out))
+    return "--logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '" + s + "'";
+  for (size_t i = 0; i < out->size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      if ((*out)[i].first == (*out)[j].first)
+        return "--logit-bias gives token " + std::to_string((*out)[i].first) + " more than once";
+  return "";
+}
+
 bool parse_bytes(const std::string& s, int64_t* out) {
   size_t digits = 0;
   while (digits < s.size() && std::isdigit(static_cast<unsigned char>(s[digits]))) ++digits;

@@ -130,9 +130,9 @@ int cmd_generate(int argc, char** argv) {
     return usage_error("--stop-token-ids: expected comma-separated integers like 2,7, got '" +
                        stop_token_ids + "'");
   std::vector<std::pair<int, float>> bias;
-  if (f.given("logit-bias") && !parse_logit_bias(logit_bias, &bias))
-    return usage_error("--logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '" +
-                       logit_bias + "'");
+  if (f.given("logit-bias"))
+    if (const std::string error = logit_bias_flag(logit_bias, &bias); !error.empty())
+      return usage_error(error);
   int64_t kv_bytes = 0;
   if (!parse_bytes(kv_memory, &kv_bytes) || kv_bytes <= 0)
     return usage_error("--kv-cache-memory: expected bytes like 4G, 512M or 1048576, got '" +

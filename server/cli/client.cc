@@ -145,20 +145,9 @@ int client_generate(int argc, char** argv) {
                  g.seed.c_str());
     return 2;
   }
-  if (flags.given("logit-bias") && !parse_logit_bias(logit_bias, &g.logit_bias)) {
-    std::fprintf(stderr,
-                 "error: --logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '%s'\n",
-                 logit_bias.c_str());
-    return 2;
-  }
-  // The request's logit_bias is a map: a second bias for an id would replace the first unsaid.
-  for (size_t i = 0; i < g.logit_bias.size(); ++i)
-    for (size_t j = 0; j < i; ++j)
-      if (g.logit_bias[i].first == g.logit_bias[j].first) {
-        std::fprintf(stderr, "error: --logit-bias gives token %d more than once\n",
-                     g.logit_bias[i].first);
-        return 2;
-      }
+  if (flags.given("logit-bias"))
+    if (const std::string error = logit_bias_flag(logit_bias, &g.logit_bias); !error.empty())
+      return usage_error(error);
   if (flags.given("stop-token-ids") && !parse_id_list(stop_token_ids, &g.stop_token_ids)) {
     std::fprintf(stderr,
                  "error: --stop-token-ids: expected comma-separated ids like 2,7, got '%s'\n",

@@ -163,6 +163,7 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
   struct Bad {
     std::vector<std::string> args;
     std::string message;
+    int status = 0;  // the exit status, where the case checks it
   };
   const std::vector<Bad> bad = {
       {{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype \"fp8\" is not one of fp32, bf16, int8"},
@@ -202,6 +203,8 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--logit-bias", "5:1,x:2"}, "--logit-bias: expected ID:BIAS pairs"},
       {{"--logit-bias", "5:200"}, "--logit-bias[5] must be in [-100, 100] (got 200)"},
       {{"--logit-bias", "61:1"}, "--logit-bias has the key 61, not a token id in [0, 61)"},
+      // A usage error here as in `cemlm client generate` (the engine's refusal exited 1).
+      {{"--logit-bias", "5:1,5:-100"}, "--logit-bias gives token 5 more than once", 2},
       {{"--kv-cache-memory", "12Q"}, "--kv-cache-memory: expected bytes like 4G"},
       {{"--kv-cache-memory", "0"}, "--kv-cache-memory: expected bytes like 4G"},
       {{"--kv-cache-memory", "999999999999999T"}, "--kv-cache-memory: expected bytes like 4G"},
@@ -215,6 +218,9 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
     const int rc = run(args);
     const std::string err = ::testing::internal::GetCapturedStderr();
     EXPECT_NE(rc, 0) << b.args[0];
+    if (b.status != 0) {
+      EXPECT_EQ(rc, b.status) << b.args[0];
+    }
     EXPECT_NE(err.find(b.message), std::string::npos) << b.args[0] << ": " << err;
   }
 }

@@ -62,6 +62,9 @@ int usage_error(const std::string& msg);
 bool parse_id_list(const std::string& s, std::vector<int>* out);
 // Parses "17:-100,42:2.5" (token id:bias pairs) into out; false on anything else.
 bool parse_logit_bias(const std::string& s, std::vector<std::pair<int, float>>* out);
+// --logit-bias's value into `out`: "" when it parses, else the usage error's message (a malformed
+// list, or a token given twice, whose second bias the request's map would drop unsaid).
+std::string logit_bias_flag(const std::string& s, std::vector<std::pair<int, float>>* out);
 // Parses an integer in [0, 2^64) (a seed); false on anything else, a sign included.
 bool parse_uint64(const std::string& s, uint64_t* out);
 // Parses a byte count: "4G", "512M", "64K", "64KB" or plain bytes (powers of 1024); false on

@@ -1522,9 +1522,11 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
   const std::vector<std::string> base = {"--config",  o.config_path, "--out",     dir + "/bad",
                                          "--steps",   "2",           "--threads", "1",
                                          "--seq-len", "24"};
+  // Exit 2 for a value wrong in itself (a usage error); 1 for one wrong for the model or data.
   struct Case {
     std::vector<std::string> args;
     std::string flag;
+    int rc = 2;
   };
   const std::vector<Case> cases = {
       {{"--lr", "-1"}, "--lr"},
@@ -1532,14 +1534,14 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--min-lr", "1"}, "--min-lr"},
       {{"--train-recursion", "0-3"}, "--train-recursion"},
       {{"--train-recursion", "4-1"}, "--train-recursion"},
-      {{"--train-recursion", "1-5"}, "--train-recursion"},  // the tiny model's recursion.max is 4
+      {{"--train-recursion", "1-5"}, "--train-recursion", 1},  // the tiny model's recursion.max is 4
       {{"--train-recursion", "x"}, "--train-recursion"},
       {{"--eval-recursion", "1,0"}, "--eval-recursion"},
-      {{"--eval-recursion", "5,6"}, "--eval-recursion"},
+      {{"--eval-recursion", "5,6"}, "--eval-recursion", 1},
       {{"--steps", "0"}, "--steps"},
       {{"--batch-size", "0"}, "--batch-size"},
       {{"--seq-len", "1"}, "--seq-len"},
-      {{"--seq-len", "65"}, "--seq-len"},  // above max_seq_len
+      {{"--seq-len", "65"}, "--seq-len", 1},  // above max_seq_len
       {{"--accum", "0"}, "--accum"},
       {{"--warmup", "-1"}, "--warmup"},
       {{"--weight-decay", "-0.1"}, "--weight-decay"},
@@ -1565,13 +1567,13 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--seed", "-1"}, "--seed"},  // wrapped to 2^64 - 1 before
       {{"--eval-recursion", "2,1,2"}, "--eval-recursion"},
       // A save replaces --out whole: a cache there is refused before training, not at the save.
-      {{"--cache", dir + "/bad"}, "--cache"},
-      {{"--cache", dir + "/bad/cache"}, "--cache"},
-      {{"--data", dir + "/missing"}, "--data"},
-      {{"--data", dir + "/empty"}, "--data"},
-      {{"--data", dir + "/only_dat"}, "--data"},
+      {{"--cache", dir + "/bad"}, "--cache", 1},
+      {{"--cache", dir + "/bad/cache"}, "--cache", 1},
+      {{"--data", dir + "/missing"}, "--data", 1},
+      {{"--data", dir + "/empty"}, "--data", 1},
+      {{"--data", dir + "/only_dat"}, "--data", 1},
       // One document (the split cannot move to a document start): no validation window.
-      {{"--data", dir + "/one_doc", "--seq-len", "64", "--val-fraction", "0.001"}, "--seq-len"},
+      {{"--data", dir + "/one_doc", "--seq-len", "64", "--val-fraction", "0.001"}, "--seq-len", 1},
   };
   for (const Case& c : cases) {
     auto args = base;
@@ -1579,7 +1581,7 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
     if (std::find(c.args.begin(), c.args.end(), "--data") == c.args.end())
       args.insert(args.end(), {"--data", o.data[0]});
     const auto [rc, err] = cli(args);
-    EXPECT_NE(rc, 0) << c.args[0] << " " << c.args[1];
+    EXPECT_EQ(rc, c.rc) << c.args[0] << " " << c.args[1] << ": " << err;
     EXPECT_NE(err.find(c.flag), std::string::npos) << c.args[0] << " " << c.args[1] << ": " << err;
     EXPECT_FALSE(fs::exists(dir + "/bad/config.json")) << c.args[0] << " " << c.args[1];
   }
@@ -1679,7 +1681,7 @@ TEST(TrainCli, AdamValuesAFloatCannotHoldAreRefusedOnResume) {
            {"--adam-eps", "1e-50"}, {"--beta1", "0.99999999999"}, {"--beta2", "0.99999999999"}}) {
     const auto [resumed, error] =
         cli({"--out", o.out_dir, "--resume", "--steps", "2", flag, value});
-    EXPECT_EQ(resumed, 1) << flag;
+    EXPECT_EQ(resumed, 2) << flag;  // given on the command line: a usage error
     EXPECT_NE(error.find("error: " + flag + " "), std::string::npos) << error;
   }
   EXPECT_EQ(load_run_options(o.out_dir)->steps, 1);  // nothing ran

@@ -242,10 +242,8 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
     return 2;
   }
   // (train() checks them again, and refuses those given here in the same words.)
-  if (const absl::Status st = validate_options(o); !st.ok()) {
-    print_option_error(st.message(), o, argc, argv);
-    return 1;
-  }
+  if (const absl::Status st = validate_options(o); !st.ok())
+    return print_option_error(st.message(), o, argc, argv) ? 1 : 2;
   return -1;
 }
 

@@ -17,6 +17,8 @@
 #include <system_error>
 #include <utility>
 
+#include "nlohmann/json.hpp"
+
 namespace cemlm::cli {
 namespace {
 
@@ -311,6 +313,18 @@ bool parse_bytes(const std::string& s, int64_t* out) {
 int usage_error(const std::string& msg) {
   std::fprintf(stderr, "error: %s\n", msg.c_str());
   return 2;
+}
+
+std::string score_json(const std::vector<int>& tokens, const std::vector<double>& logprobs,
+                       double nll, double perplexity, int recursion) {
+  nlohmann::json lp = nlohmann::json::array({nullptr});
+  for (double x : logprobs) lp.push_back(x);
+  return nlohmann::json{{"tokens", tokens},
+                        {"logprobs", std::move(lp)},
+                        {"nll", nll},
+                        {"perplexity", perplexity},
+                        {"recursion", recursion}}
+      .dump();
 }
 
 bool check_out_file(const std::string& flag, const std::string& path, const std::string& example,

@@ -14,7 +14,6 @@
 #include "cemlm/engine/sampler.h"
 #include "cemlm/engine/tokenizer.h"
 #include "cemlm/engine/utf8.h"
-#include "nlohmann/json.hpp"
 
 namespace cemlm::cli {
 namespace {
@@ -90,9 +89,7 @@ int cmd_score(int argc, char** argv) {
   // The weights are not needed after: packed, their pages go back (peak ~1.5x the file, not 2.5x).
   const std::vector<float> logits = full_forward(c, w, ids, T, /*release_weights=*/true);
   const size_t V = size_t(c.vocab_size);
-  nlohmann::json out;
-  out["tokens"] = ids;
-  out["logprobs"] = nlohmann::json::array({nullptr});
+  std::vector<double> logprobs;
   double nll = 0;
   for (size_t i = 0; i + 1 < ids.size(); ++i) {
     std::span<const float> row(logits.data() + i * V, V);
@@ -104,20 +101,17 @@ int cmd_score(int argc, char** argv) {
           std::string("the model produced ") +
           (norm.finite() ? "a log-probability below the float range" : "non-finite logits") +
           " at position " + std::to_string(i));
-    out["logprobs"].push_back(lp);
+    logprobs.push_back(lp);
     nll -= lp;
   }
   nll /= double(ids.size() - 1);
   const absl::StatusOr<double> perplexity = perplexity_of(nll);
   if (!perplexity.ok()) return fail(std::string(perplexity.status().message()));
-  out["nll"] = nll;
-  out["perplexity"] = *perplexity;
-  out["recursion"] = T;
   if (!dump.empty()) {
     auto st = write_safetensors(dump, {NamedTensor{"logits", {int64_t(ids.size()), int64_t(V)}, logits}});
     if (!st.ok()) return fail("--dump-logits: " + std::string(st.message()));
   }
-  std::printf("%s\n", out.dump().c_str());
+  std::printf("%s\n", score_json(ids, logprobs, nll, *perplexity, T).c_str());
   return 0;
 }
 

@@ -257,7 +257,9 @@ int client_score(int argc, char** argv) {
   flags.add("recursion", &recursion, "recursion depth T; 0 = the model's default");
   flags.add("priority", &priority,
             "larger first; a full cache preempts running requests of lower priority for it");
-  flags.add_bool("json", &as_json, "print the response as JSON");
+  flags.add_bool("json", &as_json,
+                 "print JSON {\"tokens\", \"logprobs\", \"nll\", \"perplexity\", \"recursion\"}, "
+                 "as `cemlm score` does");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   if (flags.given("text") == flags.given("ids")) {
     std::fprintf(stderr, "error: give exactly one of --text and --ids (see --help)\n");
@@ -285,7 +287,10 @@ int client_score(int argc, char** argv) {
   if (auto st = v1::Inference::NewStub(channel)->Score(&context, req, &resp); !st.ok())
     return report_error(st);
   if (as_json) {
-    print_json(resp);
+    std::printf("%s\n", score_json({resp.token_ids().begin(), resp.token_ids().end()},
+                                   {resp.logprobs().begin(), resp.logprobs().end()}, resp.nll(),
+                                   resp.perplexity(), resp.recursion_depth())
+                            .c_str());
   } else {
     std::printf("tokens %d  T %d  nll %.6f  perplexity %.4f\n", resp.token_ids_size(),
                 resp.recursion_depth(), resp.nll(), resp.perplexity());

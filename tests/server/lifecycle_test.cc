@@ -520,15 +520,15 @@ TEST_F(ServerLifecycle, PrefixCacheHitsReachMetrics) {
 
 void expect_same_scores(const v1::ScoreResponse& rpc, const std::string& cli_json) {
   const auto cli = nlohmann::json::parse(cli_json);
-  ASSERT_EQ(cli["tokens"].size(), size_t(rpc.token_ids_size()));
+  ASSERT_EQ(cli.at("tokens").size(), size_t(rpc.token_ids_size()));
   for (int i = 0; i < rpc.token_ids_size(); ++i)
-    EXPECT_EQ(cli["tokens"][size_t(i)], rpc.token_ids(i));
-  ASSERT_EQ(cli["logprobs"].size(), size_t(rpc.logprobs_size()) + 1);
-  EXPECT_TRUE(cli["logprobs"][0].is_null());
+    EXPECT_EQ(cli.at("tokens")[size_t(i)], rpc.token_ids(i));
+  ASSERT_EQ(cli.at("logprobs").size(), size_t(rpc.logprobs_size()) + 1);
+  EXPECT_TRUE(cli.at("logprobs")[0].is_null());
   for (int i = 0; i < rpc.logprobs_size(); ++i)
-    EXPECT_NEAR(rpc.logprobs(i), cli["logprobs"][size_t(i) + 1].get<double>(), 1e-4) << i;
-  EXPECT_NEAR(rpc.nll(), cli["nll"].get<double>(), 1e-5);
-  EXPECT_NEAR(rpc.perplexity(), cli["perplexity"].get<double>(), 1e-4 * rpc.perplexity());
+    EXPECT_NEAR(rpc.logprobs(i), cli.at("logprobs")[size_t(i) + 1].get<double>(), 1e-4) << i;
+  EXPECT_NEAR(rpc.nll(), cli.at("nll").get<double>(), 1e-5);
+  EXPECT_NEAR(rpc.perplexity(), cli.at("perplexity").get<double>(), 1e-4 * rpc.perplexity());
 }
 
 TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
@@ -552,6 +552,19 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
   ASSERT_TRUE(score(server_->channel(), by_text, &rpc).ok());
   ASSERT_EQ(run_cemlm({"score", "--model", model_, "--text", text}, &out), 0);
   expect_same_scores(rpc, out);
+  // `client score --json` prints the local command's shape (it printed the proto's field names,
+  // logprobs one shorter): a script reads either.
+  std::string client_out;
+  ASSERT_EQ(run_cemlm({"client", "score", "--addr", server_->addr(), "--text", text, "--json"},
+                      &client_out),
+            0);
+  expect_same_scores(rpc, client_out);
+  const auto local = nlohmann::json::parse(out), client = nlohmann::json::parse(client_out);
+  EXPECT_EQ(client.at("recursion"), local.at("recursion"));
+  std::vector<std::string> local_keys, client_keys;
+  for (const auto& [k, v] : local.items()) local_keys.push_back(k);
+  for (const auto& [k, v] : client.items()) client_keys.push_back(k);
+  EXPECT_EQ(client_keys, local_keys);
   EXPECT_EQ(rpc.token_ids(0), 1);  // both start the text with the BOS of training documents
   const int with_bos = rpc.token_ids_size();
   by_text.set_add_bos(false);

@@ -80,6 +80,13 @@ bool check_out_file(const std::string& flag, const std::string& path, const std:
                     bool makes_dirs, std::string* error,
                     const std::vector<std::string>& inputs = {});
 
+// The JSON line `cemlm score` and `cemlm client score --json` print, one shape for both:
+// {"tokens", "logprobs", "nll", "perplexity", "recursion"}, where logprobs[i] is the logprob of
+// tokens[i] given its prefix, null for the first token (it has none). `logprobs` has one fewer
+// entry than `tokens` (no null).
+std::string score_json(const std::vector<int>& tokens, const std::vector<double>& logprobs,
+                       double nll, double perplexity, int recursion);
+
 // A request error in the terms of the generate/score/client flags: the engine and the server name
 // request fields ("sampling.top_p", "prompt_ids", "recursion_depth"), a command's user gave flags.
 std::string in_flag_terms(std::string msg);

@@ -337,11 +337,12 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
         req.sampling.max_new_tokens, ") = ", total, " exceeds the model's max_seq_len = ",
         config_.max_seq_len, "; shorten the prompt or lower sampling.max_new_tokens (",
         SamplingParams{}.max_new_tokens, " when not set)"));
-  if (blocks_.blocks_for(total) > blocks_.num_blocks())
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, " + sampling.max_new_tokens = ", total, " tokens need ", blocks_.blocks_for(total),
-        " KV blocks but the cache holds ", blocks_.num_blocks(),
-        "; lower sampling.max_new_tokens, or run with a larger --kv-cache-memory"));
+  // The last token generated is never fed back: the cache holds at most total - 1 positions.
+  if (const int64_t need = blocks_.blocks_for(total - 1); need > blocks_.num_blocks())
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " + sampling.max_new_tokens = ", total, " tokens need ", need,
+                     " KV blocks but the cache holds ", blocks_.num_blocks(),
+                     "; lower sampling.max_new_tokens, or run with a larger --kv-cache-memory"));
   return absl::OkStatus();
 }
 

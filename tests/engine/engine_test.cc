@@ -1335,18 +1335,21 @@ TEST(Engine, BadRequestsAreRefusedNamingTheField) {
       {"recursion_depth = -1", request({1}, 4, -1)},
       {"max_seq_len = 200; shorten the prompt or lower sampling.max_new_tokens (64 when not set)",
        request(std::vector<int>(150, 1), 60)},
-      {"the cache holds 40", request(std::vector<int>(150, 1), 20)},
-      {"sampling.stop needs a tokenizer", [] {
+      {"the cache holds 40", request(std::vector<int>(150, 1), 12)},
+      {"sampling.stop needs a tokenizer",
+       [] {
          auto r = request({1}, 4);
          r.sampling.stop = {"x"};
          return r;
        }()},
-      {"sampling.top_p", [] {
+      {"sampling.top_p",
+       [] {
          auto r = request({1}, 4);
          r.sampling.top_p = 2;
          return r;
        }()},
-      {"sampling.stop_token_ids[0] = 64", [] {
+      {"sampling.stop_token_ids[0] = 64",
+       [] {
          auto r = request({1}, 4);
          r.sampling.stop_token_ids = {64};
          return r;
@@ -1363,6 +1366,11 @@ TEST(Engine, BadRequestsAreRefusedNamingTheField) {
   Built exact = build({.vocab = 64, .num_blocks = 50, .max_seq_len = 200});
   EXPECT_TRUE(exact.engine->validate(request(std::vector<int>(150, 1), 50)).ok());
   EXPECT_FALSE(exact.engine->validate(request(std::vector<int>(150, 1), 51)).ok());
+  // The last token is never fed back: 150 + 11 tokens keep 160 in the cache, its 40 blocks of 4,
+  // and run to their end (one more was refused).
+  const auto full = run_all(e, {request(std::vector<int>(150, 1), 11)});
+  EXPECT_EQ(full[0].reason, FinishReason::kLength);
+  EXPECT_EQ(full[0].ids.size(), 11u);
 }
 
 TEST(Engine, BadScoreRequestsAreRefusedNamingTheField) {

@@ -2,21 +2,14 @@
 // vectors of each thread (sizes are the LEV hyper-parameters, independent of N).
 #include "cemlm/kernels/lev.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "cemlm/kernels/lev_window.h"
+
 namespace cemlm {
-namespace {
-
-inline float b2(float x) {
-  const float a = std::fabs(x);
-  if (a < 0.5f) return 0.75f - x * x;
-  if (a < 1.5f) return 0.5f * (1.5f - a) * (1.5f - a);
-  return 0.0f;
-}
-
-}  // namespace
 
 void lev_digits(int64_t token, int k, int b, int* digits) {
   for (int j = k - 1; j >= 0; --j) {
@@ -28,7 +21,7 @@ void lev_digits(int64_t token, int k, int b, int* digits) {
 void lev_basis(float zeta, int knots, float* w) {
   double sum = 0;
   for (int q = 0; q < knots; ++q) {
-    w[q] = b2((zeta - float(q) / float(knots - 1)) * float(knots - 1));
+    w[q] = lev_b2((zeta - float(q) / float(knots - 1)) * float(knots - 1));
     sum += w[q];
   }
   const float inv = float(1.0 / sum);
@@ -39,9 +32,16 @@ void lev_forward(const ExecCtx&, Tensor out, const int32_t* ids, const LevWeight
   const int k = int(w.codebooks.dim(0)), b = int(w.codebooks.dim(1)), s = int(w.codebooks.dim(2));
   const int nh = int(w.seed_proj.dim(0)), kn = int(w.spline.dim(2)), r = int(w.spline.dim(3));
   const int64_t N = out.dim(0), D = out.dim(1);
+  // W_seed transposed, so that u = W_seed z vectorizes across u with each u_a still summed in
+  // the order of b.
+  std::vector<float> seed_t(size_t(nh) * s * s);
+  for (int l = 0; l < nh; ++l)
+    for (int a = 0; a < s; ++a)
+      for (int e = 0; e < s; ++e)
+        seed_t[(size_t(l) * s + e) * s + a] = w.seed_proj.data[(int64_t(l) * s + a) * s + e];
 #pragma omp parallel
   {
-    std::vector<float> z(s), u(s), basis(kn), m(r);
+    std::vector<float> z(s), u(s), m(r), phi(r);
     std::vector<int> dig(k);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
@@ -54,14 +54,16 @@ void lev_forward(const ExecCtx&, Tensor out, const int32_t* ids, const LevWeight
       float* oi = out.data + i * D;
       std::memset(oi, 0, sizeof(float) * D);
       for (int l = 0; l < nh; ++l) {
-        const float* W = w.seed_proj.data + int64_t(l) * s * s;
-        double mean = 0;
-        for (int a = 0; a < s; ++a) {
-          float acc = 0;
-          for (int e = 0; e < s; ++e) acc += W[a * s + e] * z[e];
-          u[a] = acc;
-          mean += acc;
+        const float* Wt = seed_t.data() + size_t(l) * s * s;
+        float* ul = u.data();
+        std::fill(ul, ul + s, 0.0f);
+        for (int e = 0; e < s; ++e) {
+          const float ze = z[e];
+#pragma omp simd
+          for (int a = 0; a < s; ++a) ul[a] += Wt[e * s + a] * ze;
         }
+        double mean = 0;
+        for (int a = 0; a < s; ++a) mean += u[a];
         mean /= s;
         double var = 0;
         for (int a = 0; a < s; ++a) var += (u[a] - mean) * (u[a] - mean);
@@ -69,17 +71,27 @@ void lev_forward(const ExecCtx&, Tensor out, const int32_t* ids, const LevWeight
         std::fill(m.begin(), m.end(), 1.0f);
         for (int d = 0; d < s; ++d) {
           const float y = w.ln_weight.data[l * s + d] * float(u[d] - mean) * rs + w.ln_bias.data[l * s + d];
-          lev_basis(1.0f / (1.0f + std::exp(-y)), kn, basis.data());
-          const float* S = w.spline.data + (int64_t(l) * s + d) * kn * r;
-          for (int c = 0; c < r; ++c) {
-            float phi = 0;
-            for (int q = 0; q < kn; ++q) phi += basis[q] * S[q * r + c];
-            m[c] *= phi;
+          // Only the window's knots have a share: the other terms of the sum are exact zeros.
+          float basis[kLevWindow];
+          const int q0 = lev_basis_window(1.0f / (1.0f + std::exp(-y)), kn, basis);
+          const int n = std::min(kLevWindow, kn);
+          const float* S = w.spline.data + ((int64_t(l) * s + d) * kn + q0) * r;
+          float* p = phi.data();
+          std::fill(p, p + r, 0.0f);
+          for (int j = 0; j < n; ++j) {
+            const float bj = basis[j];
+#pragma omp simd
+            for (int c = 0; c < r; ++c) p[c] += bj * S[int64_t(j) * r + c];
           }
+          for (int c = 0; c < r; ++c) m[c] *= p[c];
         }
+        // Vectorized across the row (GCC's -O2 would not): the order of each sum is kept.
         const float* O = w.out_proj.data + int64_t(l) * r * D;
-        for (int c = 0; c < r; ++c)
-          for (int64_t e = 0; e < D; ++e) oi[e] += m[c] * O[c * D + e];
+        for (int c = 0; c < r; ++c) {
+          const float mc = m[c];
+#pragma omp simd
+          for (int64_t e = 0; e < D; ++e) oi[e] += mc * O[c * D + e];
+        }
       }
     }
   }

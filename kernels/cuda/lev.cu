@@ -1,7 +1,7 @@
 // CUDA LEV generator (lev.h): one block per token. The per-token hyper-parameter-sized pieces
 // (seed, LayerNorm statistics, spline weights, the rank-r product) follow the CPU oracle
 // (kernels/cpu/lev.cc) in the same summation orders; threads split the s, r and D loops.
-#include "cemlm/kernels/cuda/lev_window.h"
+#include "cemlm/kernels/lev_window.h"
 #include "cemlm/kernels/cuda/ops.h"
 #include "common.cuh"
 

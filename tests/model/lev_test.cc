@@ -1,7 +1,8 @@
 // LEV (MODEL.md §6.2): digits recompose the id, the spline basis is a partition of unity,
 // constant spline coefficients make every token's embedding equal, and the precomputed table
 // the engine builds at load equals the generator evaluated per token; the CUDA kernel's spline
-// window (cuda/lev_window.h, host code too) equals the full basis, with exact zeros outside it.
+// window (lev_window.h, which both generators use) equals the full basis, with exact zeros outside
+// it.
 #include "cemlm/kernels/lev.h"
 
 #include <gtest/gtest.h>
@@ -11,7 +12,7 @@
 #include <numeric>
 
 #include "cemlm/engine/cpu_model.h"
-#include "cemlm/kernels/cuda/lev_window.h"
+#include "cemlm/kernels/lev_window.h"
 #include "tiny_models.h"
 
 namespace cemlm {
@@ -49,7 +50,7 @@ TEST(Lev, BasisIsPartitionOfUnity) {
 // ζ over (0, 1) and its ends, on a fine grid and at every knot and half-knot (where the B-spline
 // changes pieces and floor(ζ·(κ−1)) may round either way), for knot counts below, at and above
 // the window's five.
-TEST(Lev, CudaSplineWindowEqualsTheFullBasis) {
+TEST(Lev, SplineWindowEqualsTheFullBasis) {
   for (int knots : {2, 3, 4, 5, 6, 7, 16, 256}) {
     std::vector<float> zetas = {0.0f, 1.0f, 1e-7f, 1.0f - 1e-7f};
     for (int i = 1; i < 4000; ++i) zetas.push_back(float(i) / 4000.0f);
@@ -58,11 +59,11 @@ TEST(Lev, CudaSplineWindowEqualsTheFullBasis) {
         for (float nudge : {-1e-6f, 0.0f, 1e-6f})
           zetas.push_back(std::clamp((float(q) + half) / float(knots - 1) + nudge, 0.0f, 1.0f));
     std::vector<float> full(size_t(knots), 0.0f);
-    float win[cuda::kLevWindow];
+    float win[kLevWindow];
     for (float z : zetas) {
       lev_basis(z, knots, full.data());
-      const int q0 = cuda::lev_basis_window(z, knots, win);
-      const int n = std::min(cuda::kLevWindow, knots);
+      const int q0 = lev_basis_window(z, knots, win);
+      const int n = std::min(kLevWindow, knots);
       ASSERT_GE(q0, 0);
       ASSERT_LE(q0 + n, knots);
       for (int q = 0; q < knots; ++q) {
@@ -72,7 +73,7 @@ TEST(Lev, CudaSplineWindowEqualsTheFullBasis) {
         else
           ASSERT_NEAR(win[j], full[size_t(q)], 1e-6f) << "knots " << knots << " zeta " << z;
       }
-      for (int j = n; j < cuda::kLevWindow; ++j) ASSERT_EQ(win[j], 0.0f);
+      for (int j = n; j < kLevWindow; ++j) ASSERT_EQ(win[j], 0.0f);
     }
   }
 }

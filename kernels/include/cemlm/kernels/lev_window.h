@@ -1,7 +1,7 @@
-// The CUDA LEV kernel's spline window (kernels/cuda/lev.cu): lev_basis's weights (lev.h) over
-// the few knots around ζ where the quadratic B-spline is non-zero, computed without the others.
-// Host and device code with no CUDA headers, so that a CPU test holds the window to lev_basis
-// (tests/model/lev_test.cc) in builds without a GPU.
+// The LEV spline window of both generators (kernels/cpu/lev.cc, kernels/cuda/lev.cu):
+// lev_basis's weights (lev.h) over the few knots around ζ where the quadratic B-spline is
+// non-zero, computed without the others (a spline's cost no longer grows with its knots). Host and
+// device code with no CUDA headers; tests/model/lev_test.cc holds the window to lev_basis.
 #pragma once
 #include <math.h>
 
@@ -11,7 +11,7 @@
 #define CEMLM_HOST_DEVICE
 #endif
 
-namespace cemlm::cuda {
+namespace cemlm {
 
 // B2 vanishes 1.5 knots from its centre, so at most four knots have a share; five cover them
 // whichever way floor(ζ·(κ−1)) rounds near a knot.
@@ -48,6 +48,6 @@ CEMLM_HOST_DEVICE inline int lev_basis_window(float zeta, int knots, float* w) {
   return q0;
 }
 
-}  // namespace cemlm::cuda
+}  // namespace cemlm
 
 #undef CEMLM_HOST_DEVICE

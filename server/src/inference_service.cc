@@ -315,10 +315,12 @@ bool deadline_reached(const grpc::ServerContextBase& context, Clock::time_point 
 // answer sent after the deadline arrives after the client's own timer ended the call. Such a call
 // ended DEADLINE_EXCEEDED for its client whatever the handler returned (a Score that finished its
 // last chunk past the deadline returned OK; one that the deadline's cancellation stopped between
-// two chunks returned CANCELLED), and one its client cancelled ended CANCELLED even when the
-// handler finished it (other errors, such as UNAVAILABLE at shutdown, stay as they are).
+// two chunks returned CANCELLED), and one its client cancelled ended CANCELLED whatever the
+// handler returned: OK, or an error that came after the cancel (a Score refused for cache room
+// once the step it waited for ended was counted RESOURCE_EXHAUSTED). Calls gRPC cancels at the
+// end of a shutdown (`stopping`) keep their status: their clients see UNAVAILABLE.
 grpc::Status as_client_saw(const grpc::ServerContext& context, Clock::time_point arrival,
-                           grpc::Status status) {
+                           bool stopping, grpc::Status status) {
   const bool past_deadline = steady_deadline(context) <= Clock::now();
   if (!past_deadline && !context.IsCancelled()) return status;
   if (past_deadline || deadline_reached(context, arrival)) {
@@ -328,10 +330,13 @@ grpc::Status as_client_saw(const grpc::ServerContext& context, Clock::time_point
                             ? std::string("deadline exceeded before the answer was sent")
                             : absl::StrCat("deadline exceeded (", status.error_message(), ")"));
   }
-  if (status.ok())
-    return grpc::Status(grpc::StatusCode::CANCELLED,
-                        "cancelled by the client before the answer was sent");
-  return status;
+  if (stopping || status.error_code() == grpc::StatusCode::CANCELLED) return status;
+  return grpc::Status(
+      grpc::StatusCode::CANCELLED,
+      status.ok()
+          ? std::string("cancelled by the client before the answer was sent")
+          : absl::StrCat("cancelled by the client (the server's answer: ",
+                         grpc_code_name(status.error_code()), ": ", status.error_message(), ")"));
 }
 
 class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
@@ -436,9 +441,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     if (cancelled) engine.cancel(submitted);
   }
 
-  // Before anything was submitted: no event will come, so finish right away.
+  // Before anything was submitted: no event will come, so finish right away. An error after its
+  // client cancelled (a full queue, a bad field) is not what the client saw.
   void finish_early(const grpc::Status& status) {
-    final_status_ = status;
+    std::unique_lock lock(mu_);
+    const bool cancelled = client_cancelled_;
+    lock.unlock();
+    final_status_ = status.ok() || !cancelled ? status : ended_before("it was submitted");
     record_metrics();
     Finish(status);
   }
@@ -460,9 +469,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       final_status_ = final_status(event);
       // The engine checks deadlines between its steps: a request whose last step ended past its
       // deadline (or after its client cancelled) finished normally, but its client has seen
-      // DEADLINE_EXCEEDED (CANCELLED) and gets none of the end.
-      if (final_status_.ok() && (client_cancelled_ || steady_deadline(*context_) <= Clock::now()))
-        final_status_ = ended_before("the last token");
+      // DEADLINE_EXCEEDED (CANCELLED) and gets none of the end. Nor does a client that cancelled
+      // see an error that came after (displaced from the queue: RESOURCE_EXHAUSTED).
+      const grpc::StatusCode code = final_status_.error_code();
+      if (client_cancelled_ ? code != grpc::StatusCode::CANCELLED &&
+                                  code != grpc::StatusCode::DEADLINE_EXCEEDED &&
+                                  code != grpc::StatusCode::UNAVAILABLE
+                            : final_status_.ok() && steady_deadline(*context_) <= Clock::now())
+        final_status_ = ended_before(final_status_.ok() ? "the last token" : "the request ended");
       if (final_status_.ok()) {
         set_final(event, request_id_, &pending_);
         has_pending_ = true;
@@ -688,7 +702,8 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
   const Clock::time_point start = Clock::now();
   grpc::Status status = state_->admit(*context);
   if (status.ok()) {
-    status = as_client_saw(*context, start, to_grpc_status(body(state_->engine())));
+    status =
+        as_client_saw(*context, start, state_->stopping(), to_grpc_status(body(state_->engine())));
     state_->release();
   }
   state_->metrics().count_rpc(method, status.error_code());

@@ -966,5 +966,50 @@ TEST(ServerQueue, AHigherPriorityDisplacesAQueuedRequest) {
   EXPECT_EQ(taken.ids().size(), 4u);
 }
 
+// A call its client cancelled is counted CANCELLED, as its client saw it, whatever the server
+// answered after the cancel. Here the engine is held by a long prefill step while a queued
+// request's client cancels it and a higher priority then displaces it: the engine's next pass
+// displaces it (RESOURCE_EXHAUSTED) before it reads the cancel, and the call was counted
+// RESOURCE_EXHAUSTED, an error its client never saw (the error-rate alert counts it).
+TEST(ServerQueue, ACancelledCallIsCountedCancelledWhateverTheServerAnsweredAfter) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 4096});
+  auto server = ServerProcess::start(
+      model, {"--max-running", "1", "--max-waiting", "1", "--max-batch-tokens", "4096"});
+  ASSERT_TRUE(server);
+  auto stub = v1::Inference::NewStub(server->channel());
+  for (int round = 0; round < 2; ++round) {
+    // A 4000-token prompt at T = 8 in one step: long enough for the calls below (its later tokens
+    // keep the running slot taken, so that the urgent request displaces the queued one).
+    Stream held;
+    std::thread holder([&] {
+      held = generate(server->channel(), ids_request(some_ids(4000, 10 + round), 20, 8));
+    });
+    ASSERT_TRUE(wait_for_metrics(*server, [](const auto& m) {
+      return metric(m, "cemlm:num_requests_running") == 1;
+    })) << server->metrics_text();
+    grpc::ClientContext queued_ctx;
+    auto queued = stub->Generate(&queued_ctx, ids_request(some_ids(8, 1 + round), 4));
+    std::this_thread::sleep_for(200ms);  // submitted (a cancel before the handler ends it there)
+    queued_ctx.TryCancel();
+    v1::GenerateRequest urgent = ids_request(some_ids(8, 3 + round), 4);
+    urgent.set_priority(5);
+    const Stream taken = generate(server->channel(), urgent);
+    holder.join();
+    for (v1::GenerateResponse r; queued->Read(&r);) {
+    }
+    EXPECT_EQ(queued->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_TRUE(held.status.ok()) << held.status.error_message();
+    EXPECT_TRUE(taken.status.ok()) << taken.status.error_message();
+  }
+  ASSERT_TRUE(wait_for_metrics(*server, [](const auto& m) {
+    return metric(m, "cemlm:requests_total", "method=\"Generate\"") == 6;
+  })) << server->metrics_text();
+  const auto m = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"CANCELLED\",method=\"Generate\""), 2)
+      << server->metrics_text();
+  EXPECT_EQ(metric(m, "cemlm:request_errors_total", "code=\"RESOURCE_EXHAUSTED\""), 0)
+      << server->metrics_text();
+}
+
 }  // namespace
 }  // namespace cemlm::testing_server

@@ -1336,6 +1336,26 @@ TEST(TrainCli, ResumeFromAnotherDirectoryReadsTheRunsData) {
 
 // Paths given again name the same files however they are spelled, and a relative --cache is
 // saved absolute (resumed elsewhere, it encoded the data again into a new cache there).
+// --resume continues the run it read its options from: without --out, the default's. The state's
+// own "out", relative to where that run started, named another run's directory here, which was
+// resumed (and saved over) with the first run's options.
+TEST(TrainCli, ResumeContinuesTheDirectoryItReadTheRunFrom) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  InDirectory in(dir + "/work");
+  const std::vector<std::string> args = {
+      "--config", o.config_path, "--data", o.data[0], "--threads",      "1", "--seq-len", "24",
+      "--steps",  "2",           "--out",  "runs/a",  "--eval-windows", "4"};
+  ASSERT_EQ(cli(args).first, 0);
+  const TrainOptions defaults;
+  fs::create_directories(fs::path(defaults.out_dir).parent_path());
+  fs::copy("runs/a", defaults.out_dir, fs::copy_options::recursive);
+  const auto [rc, err] = cli({"--resume", "--steps", "3"});
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_EQ(load_run_options(defaults.out_dir)->steps, 3);
+  EXPECT_EQ(load_run_options("runs/a")->steps, 2);  // not the run continued
+}
+
 TEST(TrainCli, ResumeComparesPathsAsFilesAndKeepsTheCacheAbsolute) {
   const std::string dir = fresh_dir();
   const TrainOptions o = tiny_options(dir);

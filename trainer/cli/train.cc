@@ -207,7 +207,11 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
       std::fprintf(stderr, "error: %s\n", std::string(saved.status().message()).c_str());
       return 1;
     }
+    // The run continued is the one read: the state's own "out" (as given when it started,
+    // maybe relative to another directory) could name another run's directory here.
+    const std::string out_dir = o.out_dir;
     o = *saved;
+    o.out_dir = out_dir;
     t = FlagText{};
     if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
     // What makes the run the run it is may be given again (the same command with --resume), but

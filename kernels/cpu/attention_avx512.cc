@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "avx512_util.h"  // first: it includes immintrin.h with GCC 12's false warnings silenced
 
@@ -308,22 +309,36 @@ bool rows_avx512(const KvLayerView& kv) { return kv.tiled && kv.block_size % kGr
 
 void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,
                        const AttnRows& rows, float scale) {
-  auto run = [&](const auto* kpool, const auto* cpool) {
-    switch (rows.n) {
+  auto run = [&](const auto* kpool, const auto* cpool, const AttnRows& q, float qscale) {
+    switch (q.n) {
       case 1:
-        return scores<1>(kv, kpool, cpool, blocks, n_ctx, diag, rows, scale);
+        return scores<1>(kv, kpool, cpool, blocks, n_ctx, diag, q, qscale);
       case 2:
-        return scores<2>(kv, kpool, cpool, blocks, n_ctx, diag, rows, scale);
+        return scores<2>(kv, kpool, cpool, blocks, n_ctx, diag, q, qscale);
       default:
-        return scores<4>(kv, kpool, cpool, blocks, n_ctx, diag, rows, scale);
+        return scores<4>(kv, kpool, cpool, blocks, n_ctx, diag, q, qscale);
     }
   };
-  if (kv.int8())
-    run(kv.k8, kv.c8);
-  else if (kv.bf16())
-    run(kv.k16, kv.c16);
-  else
-    run(kv.k, kv.c);
+  if (kv.bf16()) return run(kv.k16, kv.c16, rows, scale);
+  if (!kv.int8()) return run(kv.k, kv.c, rows, scale);
+  // The int8 dots sum q · the raw values (up to ±127) before their scale: q is taken 2⁻⁷ times
+  // and the result 2⁷ times (exact in the float range), so that a large |q| (past ~1e34) with
+  // small keys cannot overflow where the fp32 scores are finite.
+  const int qd_width = diag == DiagKind::kNone     ? 0
+                       : diag == DiagKind::kShared ? kv.c_width
+                                                   : kv.n_heads * kv.c_width;
+  const int width = kv.k_width + qd_width;
+  thread_local std::vector<float> scaled;
+  scaled.resize(size_t(rows.n) * width);
+  AttnRows down = rows;
+  for (int r = 0; r < rows.n; ++r) {
+    float* q = scaled.data() + size_t(r) * width;
+    for (int i = 0; i < kv.k_width; ++i) q[i] = rows.q[r][i] * 0x1p-7f;
+    for (int i = 0; i < qd_width; ++i) q[kv.k_width + i] = rows.qd[r][i] * 0x1p-7f;
+    down.q[r] = q;
+    down.qd[r] = qd_width ? q + kv.k_width : nullptr;
+  }
+  run(kv.k8, kv.c8, down, scale * 0x1p7f);
 }
 
 void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,

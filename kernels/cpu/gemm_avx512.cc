@@ -231,11 +231,14 @@ template <int S, int P, bool kPrefetch>
       for (int i = 0; i < S; ++i) {
         const Q8Row& r = a[S == 1 ? 0 : i];
         const __m512i corr = _mm512_set1_epi32(r.corr[b]);
-        const __m512 scale = _mm512_set1_ps(r.scale[b] * panels[p].scales[b]);
+        // One scale, then the other: their product overflows past ~5e42 (blocks of very large
+        // inputs and weights), and a block whose integer sum is 0 then gave 0 * inf = NaN.
+        const __m512 in_scale = _mm512_set1_ps(r.scale[b]);
+        const __m512 w_scale = _mm512_set1_ps(panels[p].scales[b]);
         for (int h = 0; h < 2; ++h) {
           __m512& out = acc[2 * (i + p) + h];
-          out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[2 * (i + p) + h], corr)),
-                                scale, out);
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[2 * (i + p) + h], corr));
+          out = _mm512_fmadd_ps(_mm512_mul_ps(dot, in_scale), w_scale, out);
         }
       }
   }

@@ -314,6 +314,43 @@ TEST(Int8Cache, TheLargestFloatReadsBackFinite) {
   }
 }
 
+// A query past ~1e34 against small int8 keys: the scores are finite (q·k ≈ 1e31), but the tiled
+// passes summed q times the raw int8 values (up to ±127) before the keys' scales, which
+// overflowed, and the row came out NaN where token-major blocks and fp32 keep a finite mix. Two
+// tokens, so that the weights depend on the scores; both kinds of blocks, and a diagonal term.
+TEST(Int8Cache, AHugeQueryWithSmallKeysScoresFinite) {
+  const int H = 2, dh = 16, W = H * dh, D = 16;
+  for (int bs : {16, 3})
+    for (DiagKind diag : {DiagKind::kNone, DiagKind::kShared, DiagKind::kPerHead}) {
+      std::vector<float> K(2 * W), C(2 * D), q(W, 1e36f), out(W, 0.0f), oc(D, 0.0f);
+      for (int i = 0; i < 2 * W; ++i) K[size_t(i)] = (i % 3 + 1) * 1e-6f;
+      for (int i = 0; i < 2 * D; ++i) C[size_t(i)] = (i % 2 + 1) * 1e-6f;
+      const int qd_width = diag == DiagKind::kPerHead ? H * D : D;
+      std::vector<float> qd(size_t(qd_width), 1e36f);
+      std::vector<int8_t> k8(size_t(bs) * W, 0), c8(size_t(bs) * D, 0);
+      std::vector<float> ks(size_t(bs) * H, NAN), cs(size_t(bs), NAN);
+      const int32_t table[1] = {0};
+      KvLayerView kv;
+      kv.block_size = bs, kv.n_heads = H, kv.k_width = W, kv.c_width = D, kv.tiled = bs % 16 == 0;
+      kv.k8 = k8.data(), kv.k_scale = ks.data(), kv.c8 = c8.data(), kv.c_scale = cs.data();
+      const AttnSeq both{0, 2, 0, table}, last{0, 1, 1, table};
+      const bool with_diag = diag != DiagKind::kNone;
+      kv_write(ExecCtx{}, kv, &both, 1, Tensor(K.data(), {2, W}), Tensor{},
+               with_diag ? Tensor(C.data(), {2, D}) : Tensor{});
+      std::vector<float> scratch(size_t(paged_attention_scratch_floats(&last, 1, kv, diag)));
+      ExecCtx ex;
+      ex.batch_invariant = true;
+      ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
+      paged_attention_forward(
+          ex, Tensor(out.data(), {1, W}), with_diag ? Tensor(oc.data(), {1, D}) : Tensor{},
+          Tensor(q.data(), {1, W}), with_diag ? Tensor(qd.data(), {1, qd_width}) : Tensor{}, diag,
+          kv, &last, 1, 0.25f);
+      for (int i = 0; i < W; ++i)
+        EXPECT_TRUE(std::isfinite(out[size_t(i)]))
+            << "bs " << bs << " diag " << int(diag) << " column " << i << " = " << out[size_t(i)];
+    }
+}
+
 // A prefill's neighbour rows share their passes: a later token's key must not reach an earlier
 // row even when it is NaN (were rows whose last chunks end a few tokens apart to share them, a
 // zero weight times NaN would be NaN), and each row keeps its bits alone.

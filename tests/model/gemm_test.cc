@@ -288,7 +288,7 @@ int int8_q(float v, float scale) {
 
 // A kInt8Dot PackedLinear gives, bit for bit, what its definition (linear.h, gemm_avx512.h) says,
 // computed here in scalar code: W quantized per 32 × 32 block, each row of x per block of 32 k,
-// the blocks' integer sums Σ q_x · q_w exact, and acc = fma(sum, s_x · s_w, acc) over the blocks
+// the blocks' integer sums Σ q_x · q_w exact, and acc = fma(sum · s_x, s_w, acc) over the blocks
 // in k order; for one row, few rows, ragged panels, K not a multiple of 4 or 32, both uses,
 // beta ≠ 0; rows in slices of 1..9 give the same bits (batch invariance).
 TEST(PackedLinear, Int8DotIsTheExactSumOfQuantizedBlocks) {
@@ -326,7 +326,7 @@ TEST(PackedLinear, Int8DotIsTheExactSumOfQuantizedBlocks) {
                      w_q[c.transposed ? size_t(k) * in + j : size_t(j) * in + k];
             const float sw = c.transposed ? w_scale[size_t(k0 / 32) * bw + j / 32]
                                           : w_scale[size_t(j / 32) * bw + k0 / 32];
-            acc = std::fma(float(sum), sx * sw, acc);
+            acc = std::fma(float(sum) * sx, sw, acc);
           }
           const float y = c.y0[size_t(i) * c.yw + j];
           want[size_t(i) * c.yw + j] = beta != 0.0f ? std::fma(beta, y, acc) : acc;
@@ -352,6 +352,24 @@ TEST(PackedLinear, Int8DotInputBlockWithANonFiniteValueGivesNaNsInItsRow) {
       for (int n = 0; n < 64; ++n)
         EXPECT_EQ(std::isnan(y[size_t(i) * 64 + n]), i == 1) << "bad=" << bad << " row " << i;
   }
+}
+
+// Scales whose product is past the float range (1e21 / 127 · 1e22 / 127 ≈ 6e38): a block's sum
+// is scaled by one, then the other. With the product, the block below (its integer sum 0, the
+// largest x and w at different k) gave 0 · inf = NaN for a true 1e22.
+TEST(PackedLinear, Int8DotScalesPastTheFloatRangeInProductStayFinite) {
+  if (!int8_dot_available()) GTEST_SKIP() << "this build or CPU has no AVX512-VNNI";
+  std::vector<float> W(32 * 32, 0.0f), x(32, 0.0f), y(32);
+  W[0] = 0.1f;   // row 0 (output 0), k = 0
+  W[1] = 1e22f;  // row 0, k = 1
+  x[0] = 1e21f;
+  x[1] = 1.0f;
+  const PackedLinear packed(Tensor(W.data(), {32, 32}), PackedLinear::Use::kForward,
+                            WeightDtype::kInt8Dot);
+  linear_forward(ExecCtx{}, Tensor(y.data(), {1, 32}), Tensor(x.data(), {1, 32}), packed);
+  for (int n = 0; n < 32; ++n) EXPECT_TRUE(std::isfinite(y[n])) << "output " << n << " = " << y[n];
+  // Quantized, x[1] and W[0] are 0 (below half a step of their blocks): the sum is 0 exactly.
+  EXPECT_EQ(y[0], 0.0f);
 }
 
 // An int8 block holding the largest float stands for finite weights: its scale, that / 127,

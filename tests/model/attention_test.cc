@@ -319,14 +319,15 @@ TEST(Int8Cache, TheLargestFloatReadsBackFinite) {
 // overflowed, and the row came out NaN where token-major blocks and fp32 keep a finite mix. Two
 // tokens, so that the weights depend on the scores; both kinds of blocks, and a diagonal term.
 TEST(Int8Cache, AHugeQueryWithSmallKeysScoresFinite) {
-  const int H = 2, dh = 16, W = H * dh, D = 16;
+  const int H = 2, dh = 16, W = H * dh, D = 8;
   for (int bs : {16, 3})
     for (DiagKind diag : {DiagKind::kNone, DiagKind::kShared, DiagKind::kPerHead}) {
-      std::vector<float> K(2 * W), C(2 * D), q(W, 1e36f), out(W, 0.0f), oc(D, 0.0f);
+      std::vector<float> K(2 * W), C(2 * D), q(W, 1e36f), out(W, 0.0f);
       for (int i = 0; i < 2 * W; ++i) K[size_t(i)] = (i % 3 + 1) * 1e-6f;
       for (int i = 0; i < 2 * D; ++i) C[size_t(i)] = (i % 2 + 1) * 1e-6f;
       const int qd_width = diag == DiagKind::kPerHead ? H * D : D;
-      std::vector<float> qd(size_t(qd_width), 1e36f);
+      std::vector<float> qd(size_t(qd_width), 1e36f),
+          oc(size_t(qd_width), 0.0f);  // [H, D] per head
       std::vector<int8_t> k8(size_t(bs) * W, 0), c8(size_t(bs) * D, 0);
       std::vector<float> ks(size_t(bs) * H, NAN), cs(size_t(bs), NAN);
       const int32_t table[1] = {0};
@@ -342,7 +343,7 @@ TEST(Int8Cache, AHugeQueryWithSmallKeysScoresFinite) {
       ex.batch_invariant = true;
       ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
       paged_attention_forward(
-          ex, Tensor(out.data(), {1, W}), with_diag ? Tensor(oc.data(), {1, D}) : Tensor{},
+          ex, Tensor(out.data(), {1, W}), with_diag ? Tensor(oc.data(), {1, qd_width}) : Tensor{},
           Tensor(q.data(), {1, W}), with_diag ? Tensor(qd.data(), {1, qd_width}) : Tensor{}, diag,
           kv, &last, 1, 0.25f);
       for (int i = 0; i < W; ++i)

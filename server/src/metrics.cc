@@ -68,8 +68,9 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
       counter("cemlm:prompt_tokens_total",
               "Prompt tokens of Generate requests, counted at their first token (Score "
               "texts count in score_tokens_total).");
-  generation_tokens_ =
-      counter("cemlm:generation_tokens_total", "Generated tokens, counted as they stream.");
+  generation_tokens_ = counter("cemlm:generation_tokens_total",
+                               "Tokens the engine generated, counted as each is made (those of "
+                               "streams cancelled or never read included).");
   prefix_hit_tokens_ = counter("cemlm:prefix_cache_hit_tokens_total",
                                "Prompt tokens whose KV entries came from the prefix cache, counted "
                                "at their request's first token as prompt_tokens_total is.");

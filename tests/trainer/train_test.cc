@@ -1153,6 +1153,8 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   ASSERT_TRUE(saved.ok());
   EXPECT_EQ(saved->steps, 5);
   EXPECT_EQ(saved->lr, 0.005);
+  // --min-lr left out: a tenth of --lr (a fixed 3e-4 before, which refused `--lr 1e-4` alone).
+  EXPECT_DOUBLE_EQ(saved->min_lr, 0.0005);
   EXPECT_EQ(saved->seq_len, 24);
   auto log = MetricsLog::parse(
       [&] {

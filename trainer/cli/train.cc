@@ -117,7 +117,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   f.add("accum", &o.accum,
         "micro-batches accumulated per update (update = batch-size × accum rows)");
   f.add("lr", &o.lr, "peak learning rate, reached after --warmup steps");
-  f.add("min-lr", &o.min_lr, "learning rate at the end of the cosine decay");
+  f.add("min-lr", &o.min_lr,
+        "learning rate at the end of the cosine decay (left out of a new run: --lr / 10)");
   f.add("warmup", &o.warmup, "linear warmup steps");
   f.add("weight-decay", &o.adamw.weight_decay, "AdamW decoupled weight decay (matrices only)");
   f.add("beta1", &o.adamw.beta1, "AdamW first-moment decay");
@@ -139,6 +140,9 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   f.add("log-every", &t.log_every, "print a progress line every N steps when not on a terminal");
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   if (!t.data.empty()) o.data = t.data;
+  // A tenth of --lr, as the defaults are: `--lr 1e-4` alone was refused for the fixed 3e-4.
+  // (A resumed run keeps its own, as every option not given again.)
+  if (!o.resume && !f.given("min-lr")) o.min_lr = o.lr / 10;
   return -1;
 }
 

@@ -164,10 +164,13 @@ int client_generate(int argc, char** argv) {
     std::fprintf(stderr, "error: give exactly one of --prompt and --prompt-ids (see --help)\n");
     return 2;
   }
-  if (flags.given("prompt") && g.prompt.empty()) {  // as the server reads it: no prompt at all
+  // The server reads an empty prompt_text as no prompt at all: an empty --prompt is sent as the
+  // model's BOS alone (what `cemlm generate --prompt ""` starts from), read from GetModelInfo.
+  const bool from_bos = flags.given("prompt") && g.prompt.empty();
+  if (from_bos && g.no_bos) {
     std::fprintf(stderr,
-                 "error: --prompt is empty; to generate from the model's BOS alone, give its id "
-                 "as --prompt-ids (cemlm client info shows bos_id)\n");
+                 "error: --prompt is empty and --no-bos leaves out the BOS: nothing to generate "
+                 "from; give a prompt\n");
     return 2;
   }
   if (g.no_bos && flags.given("prompt-ids")) {
@@ -187,12 +190,22 @@ int client_generate(int argc, char** argv) {
   if (!channel) return 2;
   auto stub = v1::Inference::NewStub(channel);
   // Streamed, the tokens of a model without a tokenizer printed as nothing: an empty line, exit 0.
-  if (!g.json) {
+  if (!g.json || from_bos) {
     grpc::ClientContext info_context;
     prepare_context(c, &info_context);
     v1::ModelInfo info;
     if (auto st = stub->GetModelInfo(&info_context, {}, &info); !st.ok()) return report_error(st);
-    if (!info.has_tokenizer()) {
+    if (from_bos) {
+      if (info.bos_id() < 0) {
+        std::fprintf(stderr,
+                     "error: --prompt is empty and the server's model has no BOS: nothing to "
+                     "generate from; give a prompt\n");
+        return 2;
+      }
+      req.clear_prompt_text();
+      req.add_prompt_ids(info.bos_id());
+    }
+    if (!g.json && !info.has_tokenizer()) {
       std::fprintf(stderr,
                    "error: the server's model has no tokenizer, so its tokens have no text to "
                    "stream; add --json to get the generated ids%s\n",

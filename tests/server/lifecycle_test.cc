@@ -740,6 +740,23 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
       2);
   EXPECT_NE(err.find("--timeout -1 must be a number of seconds >= 0"), std::string::npos) << err;
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--no-bos"}), 2);
+  // An empty --prompt starts from the model's BOS alone, as `cemlm generate` does (it was
+  // refused: the server reads an empty prompt_text as none).
+  std::string local;
+  const std::vector<std::string> from_bos = {"--prompt",      "",  "--max-new-tokens", "4",
+                                             "--temperature", "0", "--ignore-eos",     "--json"};
+  for (auto* into : {&out, &local}) {
+    std::vector<std::string> args =
+        into == &out ? std::vector<std::string>{"client", "generate", "--addr", addr}
+                     : std::vector<std::string>{"generate", "--model", model_};
+    args.insert(args.end(), from_bos.begin(), from_bos.end());
+    ASSERT_EQ(run_cemlm(args, into, &err), 0) << err;
+  }
+  EXPECT_EQ(nlohmann::json::parse(out)["ids"], nlohmann::json::parse(local)["ids"]) << out << local;
+  EXPECT_EQ(nlohmann::json::parse(out)["ids"].size(), 4u);
+  EXPECT_EQ(
+      run_cemlm({"client", "generate", "--addr", addr, "--prompt", "", "--no-bos"}, &out, &err), 2);
+  EXPECT_NE(err.find("nothing to generate from"), std::string::npos) << err;
   EXPECT_EQ(run_cemlm({"client", "score", "--addr", addr, "--ids", "5,6", "--no-bos"}), 2);
   // --logit-bias and --min-new-tokens reach the server: a +100 bias makes every greedy token its
   // id; a malformed bias is refused here, an out-of-range one by the server.

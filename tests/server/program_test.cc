@@ -116,8 +116,11 @@ TEST(CemlmProgram, ClientAddressesAndKeysAreCheckedBeforeAnyCall) {
   EXPECT_NE(err.find("CEMLM_API_KEY holds a byte 0x0d"), std::string::npos) << err;
   // The prompt flags are checked here too, as `cemlm generate` checks them (they went to the
   // server and came back INVALID_ARGUMENT, exit 1).
-  for (const auto& prompt : std::vector<std::vector<std::string>>{
-           {}, {"--prompt", "x", "--prompt-ids", "1"}, {"--prompt", ""}, {"--prompt-ids", ""}}) {
+  for (const auto& prompt :
+       std::vector<std::vector<std::string>>{{},
+                                             {"--prompt", "x", "--prompt-ids", "1"},
+                                             {"--prompt", "", "--no-bos"},
+                                             {"--prompt-ids", ""}}) {
     std::vector<std::string> args = {"client", "generate", "--addr", "127.0.0.1:1"};
     args.insert(args.end(), prompt.begin(), prompt.end());
     EXPECT_EQ(run_cemlm(args, &out, &err), 2) << err;

@@ -8,6 +8,8 @@
 #if defined(__AVX512F__)
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -321,24 +323,28 @@ void row_scores_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, 
   };
   if (kv.bf16()) return run(kv.k16, kv.c16, rows, scale);
   if (!kv.int8()) return run(kv.k, kv.c, rows, scale);
-  // The int8 dots sum q · the raw values (up to ±127) before their scale: q is taken 2⁻⁷ times
-  // and the result 2⁷ times (exact in the float range), so that a large |q| (past ~1e34) with
-  // small keys cannot overflow where the fp32 scores are finite.
+  // The int8 dots sum q · the raw values (up to ±127) before their scale, over d_h (or D) terms:
+  // q is taken 2^-shift times and the result 2^shift times (exact but for subnormals), with
+  // 2^shift ≥ 127 · 2 · terms, so that a sum cannot overflow where each |q| is finite (a huge
+  // query with small keys gave NaN where the fp32 scores are finite).
   const int qd_width = diag == DiagKind::kNone     ? 0
                        : diag == DiagKind::kShared ? kv.c_width
                                                    : kv.n_heads * kv.c_width;
+  const int terms = std::max(kv.k_width / kv.n_heads, qd_width ? kv.c_width : 0);
+  const int shift = 8 + int(std::bit_width(unsigned(terms)));
+  const float down_by = std::ldexp(1.0f, -shift), up_by = std::ldexp(1.0f, shift);
   const int width = kv.k_width + qd_width;
   thread_local std::vector<float> scaled;
   scaled.resize(size_t(rows.n) * width);
   AttnRows down = rows;
   for (int r = 0; r < rows.n; ++r) {
     float* q = scaled.data() + size_t(r) * width;
-    for (int i = 0; i < kv.k_width; ++i) q[i] = rows.q[r][i] * 0x1p-7f;
-    for (int i = 0; i < qd_width; ++i) q[kv.k_width + i] = rows.qd[r][i] * 0x1p-7f;
+    for (int i = 0; i < kv.k_width; ++i) q[i] = rows.q[r][i] * down_by;
+    for (int i = 0; i < qd_width; ++i) q[kv.k_width + i] = rows.qd[r][i] * down_by;
     down.q[r] = q;
     down.qd[r] = qd_width ? q + kv.k_width : nullptr;
   }
-  run(kv.k8, kv.c8, down, scale * 0x1p7f);
+  run(kv.k8, kv.c8, down, scale * up_by);
 }
 
 void row_sums_avx512(const KvLayerView& kv, const int32_t* blocks, int n_ctx, DiagKind diag,

@@ -231,14 +231,18 @@ template <int S, int P, bool kPrefetch>
       for (int i = 0; i < S; ++i) {
         const Q8Row& r = a[S == 1 ? 0 : i];
         const __m512i corr = _mm512_set1_epi32(r.corr[b]);
-        // One scale, then the other: their product overflows past ~5e42 (blocks of very large
-        // inputs and weights), and a block whose integer sum is 0 then gave 0 * inf = NaN.
-        const __m512 in_scale = _mm512_set1_ps(r.scale[b]);
-        const __m512 w_scale = _mm512_set1_ps(panels[p].scales[b]);
+        // The scales' product, unless it overflows (past ~5e42: blocks of very large inputs and
+        // weights, where a block whose integer sum is 0 gave 0 * inf = NaN); then one scale, and
+        // the other (in that order always, a huge x with small weights would overflow instead).
+        const float sx = r.scale[b], sw = panels[p].scales[b], both = sx * sw;
+        const bool finite = std::isfinite(both);
+        const __m512 first = _mm512_set1_ps(finite ? both : sx);
+        const __m512 second = _mm512_set1_ps(sw);
         for (int h = 0; h < 2; ++h) {
           __m512& out = acc[2 * (i + p) + h];
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[2 * (i + p) + h], corr));
-          out = _mm512_fmadd_ps(_mm512_mul_ps(dot, in_scale), w_scale, out);
+          out = finite ? _mm512_fmadd_ps(dot, first, out)
+                       : _mm512_fmadd_ps(_mm512_mul_ps(dot, first), second, out);
         }
       }
   }

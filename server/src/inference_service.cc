@@ -330,7 +330,11 @@ grpc::Status as_client_saw(const grpc::ServerContext& context, Clock::time_point
                             ? std::string("deadline exceeded before the answer was sent")
                             : absl::StrCat("deadline exceeded (", status.error_message(), ")"));
   }
-  if (stopping || status.error_code() == grpc::StatusCode::CANCELLED) return status;
+  if (stopping)  // gRPC's stop of the calls left at the end of a shutdown
+    return status.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                      "the server shut down before the answer was sent")
+                       : status;
+  if (status.error_code() == grpc::StatusCode::CANCELLED) return status;
   return grpc::Status(
       grpc::StatusCode::CANCELLED,
       status.ok()
@@ -702,8 +706,8 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
   const Clock::time_point start = Clock::now();
   grpc::Status status = state_->admit(*context);
   if (status.ok()) {
-    status =
-        as_client_saw(*context, start, state_->stopping(), to_grpc_status(body(state_->engine())));
+    grpc::Status answer = to_grpc_status(body(state_->engine()));  // before stopping() is read
+    status = as_client_saw(*context, start, state_->stopping(), std::move(answer));
     state_->release();
   }
   state_->metrics().count_rpc(method, status.error_code());

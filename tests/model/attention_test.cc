@@ -314,19 +314,20 @@ TEST(Int8Cache, TheLargestFloatReadsBackFinite) {
   }
 }
 
-// A query past ~1e34 against small int8 keys: the scores are finite (q·k ≈ 1e31), but the tiled
-// passes summed q times the raw int8 values (up to ±127) before the keys' scales, which
-// overflowed, and the row came out NaN where token-major blocks and fp32 keep a finite mix. Two
-// tokens, so that the weights depend on the scores; both kinds of blocks, and a diagonal term.
+// A query near the largest float against small int8 keys: the scores are finite (q·k ≈ 4e34),
+// but the tiled passes summed q times the raw int8 values (up to ±127) over d_h terms before the
+// keys' scales, which overflowed (from |q| ~ 1e34), and the row came out NaN where token-major
+// blocks and fp32 keep a finite mix. Two tokens, so that the weights depend on the scores; both
+// kinds of blocks, and a diagonal term.
 TEST(Int8Cache, AHugeQueryWithSmallKeysScoresFinite) {
-  const int H = 2, dh = 16, W = H * dh, D = 8;
+  const int H = 2, dh = 64, W = H * dh, D = 8;
   for (int bs : {16, 3})
     for (DiagKind diag : {DiagKind::kNone, DiagKind::kShared, DiagKind::kPerHead}) {
-      std::vector<float> K(2 * W), C(2 * D), q(W, 1e36f), out(W, 0.0f);
+      std::vector<float> K(2 * W), C(2 * D), q(W, 3e38f), out(W, 0.0f);
       for (int i = 0; i < 2 * W; ++i) K[size_t(i)] = (i % 3 + 1) * 1e-6f;
       for (int i = 0; i < 2 * D; ++i) C[size_t(i)] = (i % 2 + 1) * 1e-6f;
       const int qd_width = diag == DiagKind::kPerHead ? H * D : D;
-      std::vector<float> qd(size_t(qd_width), 1e36f),
+      std::vector<float> qd(size_t(qd_width), 3e38f),
           oc(size_t(qd_width), 0.0f);  // [H, D] per head
       std::vector<int8_t> k8(size_t(bs) * W, 0), c8(size_t(bs) * D, 0);
       std::vector<float> ks(size_t(bs) * H, NAN), cs(size_t(bs), NAN);

@@ -288,7 +288,8 @@ int int8_q(float v, float scale) {
 
 // A kInt8Dot PackedLinear gives, bit for bit, what its definition (linear.h, gemm_avx512.h) says,
 // computed here in scalar code: W quantized per 32 × 32 block, each row of x per block of 32 k,
-// the blocks' integer sums Σ q_x · q_w exact, and acc = fma(sum · s_x, s_w, acc) over the blocks
+// the blocks' integer sums Σ q_x · q_w exact, and acc = fma(sum, s_x · s_w, acc) over the blocks
+// (fma(sum · s_x, s_w, acc) where s_x · s_w overflows)
 // in k order; for one row, few rows, ragged panels, K not a multiple of 4 or 32, both uses,
 // beta ≠ 0; rows in slices of 1..9 give the same bits (batch invariance).
 TEST(PackedLinear, Int8DotIsTheExactSumOfQuantizedBlocks) {
@@ -326,7 +327,8 @@ TEST(PackedLinear, Int8DotIsTheExactSumOfQuantizedBlocks) {
                      w_q[c.transposed ? size_t(k) * in + j : size_t(j) * in + k];
             const float sw = c.transposed ? w_scale[size_t(k0 / 32) * bw + j / 32]
                                           : w_scale[size_t(j / 32) * bw + k0 / 32];
-            acc = std::fma(float(sum) * sx, sw, acc);
+            acc = std::isfinite(sx * sw) ? std::fma(float(sum), sx * sw, acc)
+                                         : std::fma(float(sum) * sx, sw, acc);
           }
           const float y = c.y0[size_t(i) * c.yw + j];
           want[size_t(i) * c.yw + j] = beta != 0.0f ? std::fma(beta, y, acc) : acc;
@@ -370,6 +372,14 @@ TEST(PackedLinear, Int8DotScalesPastTheFloatRangeInProductStayFinite) {
   for (int n = 0; n < 32; ++n) EXPECT_TRUE(std::isfinite(y[n])) << "output " << n << " = " << y[n];
   // Quantized, x[1] and W[0] are 0 (below half a step of their blocks): the sum is 0 exactly.
   EXPECT_EQ(y[0], 0.0f);
+  // Nor does a huge x with small weights overflow in the first of two scales: the product
+  // (1e35 / 127 · 1e-3 / 127) is finite and taken whole, y = 32 · 1e35 · 1e-3 as in fp32.
+  std::fill(W.begin(), W.end(), 1e-3f);
+  std::fill(x.begin(), x.end(), 1e35f);
+  const PackedLinear small(Tensor(W.data(), {32, 32}), PackedLinear::Use::kForward,
+                           WeightDtype::kInt8Dot);
+  linear_forward(ExecCtx{}, Tensor(y.data(), {1, 32}), Tensor(x.data(), {1, 32}), small);
+  for (int n = 0; n < 32; ++n) EXPECT_NEAR(y[n] / 3.2e33f, 1.0f, 1e-2f) << "output " << n;
 }
 
 // An int8 block holding the largest float stands for finite weights: its scale, that / 127,

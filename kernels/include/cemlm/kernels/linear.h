@@ -36,7 +36,8 @@ void linear_t_forward(const ExecCtx&, Tensor y, const Tensor& x, const Tensor& W
 // products quantize their inputs x the same way (per row, per block of 32 along the product's
 // inner dimension, aligned with W's blocks: scale = the block's largest |x| / 127) and sum q_x ·
 // q_w exactly in int32 with AVX512-VNNI dot products, four k at a time, each block's sum then
-// scaled into an fp32 accumulator (by x's scale, then W's: their product may overflow): a quarter
+// scaled into an fp32 accumulator (by the product of x's and W's scales; where that overflows,
+// by one, then the other): a quarter
 // of the fp32 bytes and no widening, so batch 1 runs at the memory's rate; each sum differs from
 // kInt8's by about x's quantization (~1/254 of a block's largest |x|). Each row's bits do not
 // depend on the other rows. Needs int8_dot_available().

@@ -79,7 +79,7 @@ void ServerState::cancel_stale_unread(std::unique_lock<std::mutex>& lock) {
   const Clock::time_point cutoff = Clock::now() - unread_grace_;
   std::vector<UnreadStream*> stale;
   for (auto& [s, held] : unread_)
-    if (!held.cancelled && held.since <= cutoff) {
+    if (!held.cancelled && !held.delivered && held.since <= cutoff) {
       held.cancelled = true;
       held.cancelling = std::this_thread::get_id();
       --unread_counted_;
@@ -125,6 +125,14 @@ void ServerState::hold_unread(UnreadStream* stream) {
   metrics_->set_unread_streams(++unread_counted_);
 }
 
+void ServerState::delivered(UnreadStream* stream) {
+  std::lock_guard lock(mu_);
+  auto it = unread_.find(stream);
+  if (it == unread_.end() || it->second.cancelled || it->second.delivered) return;
+  it->second.delivered = true;
+  metrics_->set_unread_streams(--unread_counted_);
+}
+
 void ServerState::unread_progress(UnreadStream* stream) {
   std::lock_guard lock(mu_);
   if (auto it = unread_.find(stream); it != unread_.end()) it->second.since = Clock::now();
@@ -142,7 +150,8 @@ bool ServerState::release(UnreadStream* held) {
   // Another thread is inside its cancel_unread(): the call (and this stream) must outlive that.
   uncancelling_.wait(lock, [&] { return unread_.at(held).cancelling == std::thread::id{}; });
   it = unread_.find(held);  // other streams came and went meanwhile
-  if (!it->second.cancelled) metrics_->set_unread_streams(--unread_counted_);
+  if (!it->second.cancelled && !it->second.delivered)
+    metrics_->set_unread_streams(--unread_counted_);
   unread_.erase(it);
   return true;
 }
@@ -371,6 +380,16 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     writing_ = false;
     if (!ok) broken_ = true;  // the client is gone; OnCancel follows and cancels the request
     if (ok && unread_held_) state_->unread_progress(this);
+    if (last_written_) {
+      // All of its output is with the transport: the stream holds nothing unread now, and no
+      // longer counts against the bound, before its client can have the end (the status goes
+      // after this) and send its next request (counted until OnDone, a moment after, a client
+      // pool as large as the bound saw a few refusals a thousand requests).
+      if (ok && unread_held_) state_->delivered(this);
+      lock.unlock();
+      Finish(grpc::Status::OK);
+      return;
+    }
     pump(lock);
   }
 
@@ -559,9 +578,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       writing_ = true;
       if (finished_ && final_status_.ok()) {
         done_ = true;
+        last_written_ = true;  // OnWriteDone finishes the call
         record_metrics();
         lock.unlock();
-        StartWriteAndFinish(&in_flight_, grpc::WriteOptions(), grpc::Status::OK);
+        StartWrite(&in_flight_);
       } else {
         lock.unlock();
         StartWrite(&in_flight_);
@@ -641,7 +661,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
   std::optional<RequestId> id_;
   bool submitted_ = false;  // the engine accepted the request (an event of it arrived)
   Response pending_, in_flight_;  // being filled / being written
-  bool has_pending_ = false, writing_ = false, queued_ = false, finished_ = false, done_ = false;
+  bool has_pending_ = false, writing_ = false, queued_ = false, finished_ = false, done_ = false,
+       last_written_ = false;  // the final message is the write in flight
   bool broken_ = false, client_cancelled_ = false, first_written_ = false;
   // Until start() has set id_ after submitting: no write or Finish starts, since a Finish could
   // delete this (OnDone) under start(), which runs on a text worker for a prompt_text.

@@ -88,6 +88,8 @@ class ServerState {
   void hold_unread(UnreadStream* stream);
   // A write of a held stream completed: its client reads, so its wait starts again.
   void unread_progress(UnreadStream* stream);
+  // A held stream's last message is with the transport: it no longer counts as unread.
+  void delivered(UnreadStream* stream);
   // The end of an admitted call (its OnDone). False when `held` must not be deleted by the
   // caller: its OnDone came inside the cancel_unread() of admit(), which deletes it after.
   bool release(UnreadStream* held = nullptr);
@@ -146,11 +148,12 @@ class ServerState {
   struct Held {
     Clock::time_point since;
     bool cancelled = false;         // by cancel_stale_unread; no longer counted
+    bool delivered = false;         // its last message written (delivered()); no longer counted
     std::thread::id cancelling{};   // the thread inside its cancel_unread() now, if any
     bool done_inside = false;       // its OnDone came inside that cancel_unread()
   };
   std::unordered_map<UnreadStream*, Held> unread_;
-  int unread_counted_ = 0;  // those not cancelled
+  int unread_counted_ = 0;                // those neither cancelled nor delivered
   std::condition_variable uncancelling_;  // a cancel_unread() returned
   LogLimiter refused_key_log_, malformed_body_log_;
   FifoSlots text_slots_;

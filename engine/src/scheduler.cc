@@ -333,6 +333,12 @@ bool Scheduler::remove(SeqId id) {
 }
 
 bool Scheduler::make_room(int64_t n_blocks, int priority) {
+  // Waiting sequences of higher priority have the blocks first (freed or preempted), as they
+  // would before a generation request of this priority: a Score took those of a finished request
+  // while higher-priority ones waited for them.
+  if (std::any_of(waiting_.begin(), waiting_.end(),
+                  [&](const Sequence* s) { return s->priority > priority; }))
+    return false;
   // running_ is in rank order, so the sequences of lower priority are its tail. Preempt only when
   // preempting all of them would make the room: otherwise their work would be thrown away for a
   // call that waits anyway.

@@ -1147,6 +1147,36 @@ TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
   }
 }
 
+// A Score of lower priority does not take the blocks a finished request frees while a request of
+// higher priority waits for them: it waits its turn, as a generation request of its priority would
+// (it took them, and the higher-priority request waited for it).
+TEST(Engine, ScoreDoesNotTakeBlocksAHigherPriorityWaitsFor) {
+  std::atomic<int> steps{0};
+  EngineOptions one_at_a_time;
+  one_at_a_time.max_running = 1;  // the second request waits for the first
+  Built b = build({.num_blocks = 16,
+                   .favorite =
+                       [&](int) {
+                         ++steps;
+                         std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                         return -1;
+                       }},
+                  one_at_a_time);
+  Collector c;
+  GenerateRequest first = request(tokens(8, 3), 20), second = request(tokens(8, 4), 40);
+  first.priority = second.priority = 5;  // 7 and 12 blocks
+  const RequestId a = *b.engine->submit(first, c.callback());
+  const RequestId waiting = *b.engine->submit(second, c.callback());
+  for (int i = 0; i < 5000 && (steps.load() == 0 || b.engine->stats().waiting == 0); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(b.engine->stats().waiting, 1);
+  ScoreRequest s{tokens(60, 9), 1};  // 15 blocks, priority 0
+  ASSERT_TRUE(b.engine->score(s).ok());
+  EXPECT_EQ(c.get(a).finals, 1);
+  EXPECT_EQ(c.get(waiting).finals, 1) << "the score went ahead of the waiting request";
+  ASSERT_TRUE(c.wait_finals(2));
+}
+
 // A Generate request that keeps 3 to 15 of 16 blocks taken for at least 1 s (50 steps of a
 // 20 ms forward), so that a 60-token score (15 blocks) must wait, and is still running when a
 // test acts on that, however late a loaded machine runs the test's thread.

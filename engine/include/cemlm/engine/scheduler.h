@@ -107,7 +107,8 @@ class Scheduler {
   bool remove(SeqId id);
   // Room for a scoring call of `priority`: preempts running sequences of lower priority, lowest
   // rank first, until `n_blocks` are available; false, with none preempted, when even all of them
-  // would not free enough (equal and higher priorities are never preempted: the call waits).
+  // would not free enough (equal and higher priorities are never preempted: the call waits), or
+  // while a sequence of higher priority waits.
   bool make_room(int64_t n_blocks, int priority);
   // Blocks that admitting waiting sequences of at most `priority` must leave available (0: none),
   // held for a scoring call waiting for room, so that a stream of admissions cannot starve it.

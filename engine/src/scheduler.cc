@@ -333,12 +333,14 @@ bool Scheduler::remove(SeqId id) {
 }
 
 bool Scheduler::make_room(int64_t n_blocks, int priority) {
-  // Waiting sequences of higher priority have the blocks first (freed or preempted), as they
-  // would before a generation request of this priority: a Score took those of a finished request
-  // while higher-priority ones waited for them.
-  if (std::any_of(waiting_.begin(), waiting_.end(),
-                  [&](const Sequence* s) { return s->priority > priority; }))
-    return false;
+  // Waiting sequences of higher priority keep the blocks they need to start (freed or
+  // preempted), as they would before a generation request of this priority: a Score took those
+  // of a finished request while higher-priority ones waited for them. (Only those blocks: one
+  // waiting for a --max-running slot held off Scores on an empty cache.)
+  int64_t wanted = 0;
+  for (const Sequence* s : waiting_)
+    if (s->priority > priority) wanted += blocks_->blocks_for(int64_t(s->tokens.size()));
+  if (wanted > 0 && blocks_->num_available() - n_blocks < wanted) return false;
   // running_ is in rank order, so the sequences of lower priority are its tail. Preempt only when
   // preempting all of them would make the room: otherwise their work would be thrown away for a
   // call that waits anyway.

@@ -1177,6 +1177,35 @@ TEST(Engine, ScoreDoesNotTakeBlocksAHigherPriorityWaitsFor) {
   ASSERT_TRUE(c.wait_finals(2));
 }
 
+// Nor does it wait for a higher-priority request that waits for a --max-running slot only, the
+// cache nearly empty: it left a priority-0 Score waiting as long as higher-priority traffic kept
+// the queue non-empty.
+TEST(Engine, ScoreDoesNotWaitForAHigherPriorityThatWaitsOnlyForASlot) {
+  std::atomic<int> steps{0};
+  EngineOptions one_at_a_time;
+  one_at_a_time.max_running = 1;
+  Built b = build({.num_blocks = 64,
+                   .favorite =
+                       [&](int) {
+                         ++steps;
+                         std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                         return -1;
+                       }},
+                  one_at_a_time);
+  Collector c;
+  GenerateRequest running = request(tokens(8, 3), 60), queued = request(tokens(8, 4), 4);
+  running.priority = queued.priority = 5;  // 60 steps of 20 ms: 1.2 s at least
+  const RequestId a = *b.engine->submit(running, c.callback());
+  const RequestId w = *b.engine->submit(queued, c.callback());
+  for (int i = 0; i < 5000 && (steps.load() == 0 || b.engine->stats().waiting == 0); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(b.engine->stats().waiting, 1);
+  ASSERT_TRUE(b.engine->score({tokens(8, 9), 1}).ok());  // 2 of 64 blocks, priority 0
+  EXPECT_EQ(c.get(a).finals, 0) << "the score waited for the running request to end";
+  ASSERT_TRUE(c.wait_finals(2));
+  EXPECT_EQ(c.get(w).finals, 1);
+}
+
 // A Generate request that keeps 3 to 15 of 16 blocks taken for at least 1 s (50 steps of a
 // 20 ms forward), so that a 60-token score (15 blocks) must wait, and is still running when a
 // test acts on that, however late a loaded machine runs the test's thread.

@@ -108,7 +108,7 @@ class Scheduler {
   // Room for a scoring call of `priority`: preempts running sequences of lower priority, lowest
   // rank first, until `n_blocks` are available; false, with none preempted, when even all of them
   // would not free enough (equal and higher priorities are never preempted: the call waits), or
-  // while a sequence of higher priority waits.
+  // when it would leave fewer than the waiting sequences of higher priority need to start.
   bool make_room(int64_t n_blocks, int priority);
   // Blocks that admitting waiting sequences of at most `priority` must leave available (0: none),
   // held for a scoring call waiting for room, so that a stream of admissions cannot starve it.

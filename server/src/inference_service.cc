@@ -386,8 +386,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       // after this) and send its next request (counted until OnDone, a moment after, a client
       // pool as large as the bound saw a few refusals a thousand requests).
       if (ok && unread_held_) state_->delivered(this);
+      // A last write that failed never reached its client (its cancel, its deadline, the end of
+      // a shutdown): counted as it saw it, as a stream whose end was never written is (it was
+      // counted OK). One the server cancelled unread stays as the engine finished it.
+      if (!ok && !unread_cancelled_) final_status_ = ended_before("the stream was read");
+      record_metrics();
+      const grpc::Status status = final_status_;
       lock.unlock();
-      Finish(grpc::Status::OK);
+      Finish(status);
       return;
     }
     pump(lock);
@@ -578,8 +584,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       writing_ = true;
       if (finished_ && final_status_.ok()) {
         done_ = true;
-        last_written_ = true;  // OnWriteDone finishes the call
-        record_metrics();
+        last_written_ = true;  // OnWriteDone counts and finishes the call
         lock.unlock();
         StartWrite(&in_flight_);
       } else {

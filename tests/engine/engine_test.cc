@@ -1147,63 +1147,57 @@ TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
   }
 }
 
+// One request of priority 5 running (20 ms a step, one running at a time) and one of priority 5
+// waiting for it, on a cache of `num_blocks`; a priority-0 Score is then sent.
+struct RunningAndWaiting {
+  RunningAndWaiting(int num_blocks, const GenerateRequest& first, const GenerateRequest& second) {
+    EngineOptions one_at_a_time;
+    one_at_a_time.max_running = 1;
+    b = build({.num_blocks = num_blocks,
+               .favorite =
+                   [this](int) {
+                     ++steps;
+                     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                     return -1;
+                   }},
+              one_at_a_time);
+    GenerateRequest r0 = first, r1 = second;
+    r0.priority = r1.priority = 5;
+    running = *b.engine->submit(r0, c.callback());
+    waiting = *b.engine->submit(r1, c.callback());
+    for (int i = 0; i < 5000 && (steps.load() == 0 || b.engine->stats().waiting == 0); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::atomic<int> steps{0};
+  Collector c;
+  Built b;  // after c: the engine goes first, and calls no callback of a collector gone
+  RequestId running = 0, waiting = 0;
+};
+
 // A Score of lower priority does not take the blocks a finished request frees while a request of
 // higher priority waits for them: it waits its turn, as a generation request of its priority would
 // (it took them, and the higher-priority request waited for it).
 TEST(Engine, ScoreDoesNotTakeBlocksAHigherPriorityWaitsFor) {
-  std::atomic<int> steps{0};
-  EngineOptions one_at_a_time;
-  one_at_a_time.max_running = 1;  // the second request waits for the first
-  Built b = build({.num_blocks = 16,
-                   .favorite =
-                       [&](int) {
-                         ++steps;
-                         std::this_thread::sleep_for(std::chrono::milliseconds(20));
-                         return -1;
-                       }},
-                  one_at_a_time);
-  Collector c;
-  GenerateRequest first = request(tokens(8, 3), 20), second = request(tokens(8, 4), 40);
-  first.priority = second.priority = 5;  // 7 and 12 blocks
-  const RequestId a = *b.engine->submit(first, c.callback());
-  const RequestId waiting = *b.engine->submit(second, c.callback());
-  for (int i = 0; i < 5000 && (steps.load() == 0 || b.engine->stats().waiting == 0); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  ASSERT_EQ(b.engine->stats().waiting, 1);
-  ScoreRequest s{tokens(60, 9), 1};  // 15 blocks, priority 0
-  ASSERT_TRUE(b.engine->score(s).ok());
-  EXPECT_EQ(c.get(a).finals, 1);
-  EXPECT_EQ(c.get(waiting).finals, 1) << "the score went ahead of the waiting request";
-  ASSERT_TRUE(c.wait_finals(2));
+  // 7 and 12 of 16 blocks; the Score needs 15.
+  RunningAndWaiting r(16, request(tokens(8, 3), 20), request(tokens(8, 4), 40));
+  ASSERT_EQ(r.b.engine->stats().waiting, 1);
+  ASSERT_TRUE(r.b.engine->score({tokens(60, 9), 1}).ok());
+  EXPECT_EQ(r.c.get(r.running).finals, 1);
+  EXPECT_EQ(r.c.get(r.waiting).finals, 1) << "the score went ahead of the waiting request";
+  ASSERT_TRUE(r.c.wait_finals(2));
 }
 
 // Nor does it wait for a higher-priority request that waits for a --max-running slot only, the
 // cache nearly empty: it left a priority-0 Score waiting as long as higher-priority traffic kept
 // the queue non-empty.
 TEST(Engine, ScoreDoesNotWaitForAHigherPriorityThatWaitsOnlyForASlot) {
-  std::atomic<int> steps{0};
-  EngineOptions one_at_a_time;
-  one_at_a_time.max_running = 1;
-  Built b = build({.num_blocks = 64,
-                   .favorite =
-                       [&](int) {
-                         ++steps;
-                         std::this_thread::sleep_for(std::chrono::milliseconds(20));
-                         return -1;
-                       }},
-                  one_at_a_time);
-  Collector c;
-  GenerateRequest running = request(tokens(8, 3), 60), queued = request(tokens(8, 4), 4);
-  running.priority = queued.priority = 5;  // 60 steps of 20 ms: 1.2 s at least
-  const RequestId a = *b.engine->submit(running, c.callback());
-  const RequestId w = *b.engine->submit(queued, c.callback());
-  for (int i = 0; i < 5000 && (steps.load() == 0 || b.engine->stats().waiting == 0); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  ASSERT_EQ(b.engine->stats().waiting, 1);
-  ASSERT_TRUE(b.engine->score({tokens(8, 9), 1}).ok());  // 2 of 64 blocks, priority 0
-  EXPECT_EQ(c.get(a).finals, 0) << "the score waited for the running request to end";
-  ASSERT_TRUE(c.wait_finals(2));
-  EXPECT_EQ(c.get(w).finals, 1);
+  // 60 steps of 20 ms (1.2 s at least) on 64 blocks; the Score needs 2.
+  RunningAndWaiting r(64, request(tokens(8, 3), 60), request(tokens(8, 4), 4));
+  ASSERT_EQ(r.b.engine->stats().waiting, 1);
+  ASSERT_TRUE(r.b.engine->score({tokens(8, 9), 1}).ok());
+  EXPECT_EQ(r.c.get(r.running).finals, 0) << "the score waited for the running request to end";
+  ASSERT_TRUE(r.c.wait_finals(2));
+  EXPECT_EQ(r.c.get(r.waiting).finals, 1);
 }
 
 // A Generate request that keeps 3 to 15 of 16 blocks taken for at least 1 s (50 steps of a

@@ -575,8 +575,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
 
   // Starts the next write or the Finish if one is due and none is in flight. Decides under the
   // lock, acts after releasing it: once Finish is called, OnDone may delete this at any time.
+  // Not while the writer thread holds it (queued_): that thread's write_pending() pumps, and a
+  // Finish started here could delete it first (start(), after events came while it submitted).
   void pump(std::unique_lock<std::mutex>& lock) {
-    if (writing_ || done_ || starting_) return;
+    if (writing_ || done_ || starting_ || queued_) return;
     if (has_pending_ && !broken_) {
       in_flight_.Swap(&pending_);
       pending_.Clear();

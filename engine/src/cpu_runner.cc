@@ -59,6 +59,12 @@ std::optional<WeightDtype> cpu_weight_dtype(const std::string& device) {
   return std::nullopt;
 }
 
+std::string canonical_device(const std::string& device) {
+  if (device == "cpu") return "cpu:fp32";
+  if (device == "cuda") return "cuda:bf16";
+  return device;
+}
+
 bool is_cpu_device(const std::string& device) { return cpu_weight_dtype(device).has_value(); }
 
 absl::Status check_runner_options(const RunnerOptions& opts) {

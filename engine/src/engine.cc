@@ -615,7 +615,7 @@ ModelInfo EngineImpl::info() const {
           config_.variant_name(),
           count_params(config_).total,
           runner_->kv_bytes_per_token(),
-          opts_.device,
+          canonical_device(opts_.device),
           opts_.kv_cache_dtype,
           runner_->num_blocks() * runner_->block_size()};
 }

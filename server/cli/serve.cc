@@ -216,7 +216,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // a server for one that had started.
   if (auto config = load_checkpoint_config(f.model); !config.ok()) return fail(config.status());
 
-  auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name);
+  auto metrics = std::make_shared<server::ServerMetrics>(opts.model_name, f.max_waiting);
   const std::string& metrics_host = f.metrics_host.empty() ? f.host : f.metrics_host;
   auto metrics_http = server::MetricsHttpServer::start(metrics_host, f.metrics_port, [metrics] {
     return prometheus::TextSerializer().Serialize(metrics->Collect());
@@ -256,7 +256,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   metrics->set_model_info(e->info());
   (*server)->set_engine(e);
   spdlog::info("serving model={} variant={} device={} kv_cache={} texts_at_once={} blas=\"{}\"",
-               opts.model_name, e->config().variant_name(), f.device, f.kv_cache_dtype,
+               opts.model_name, e->config().variant_name(), e->info().device, f.kv_cache_dtype,
                opts.text_slots, blas_description());
   if (is_cpu_device(f.device)) {
     const CpuThreads t = cpu_threads(f.threads);

@@ -24,7 +24,7 @@ const Histogram::BucketBoundaries kRecursionBuckets = {1, 2,  3,  4,  5,  6,  7,
 
 }  // namespace
 
-ServerMetrics::ServerMetrics(const std::string& model_name)
+ServerMetrics::ServerMetrics(const std::string& model_name, int max_waiting)
     : model_name_(model_name), registry_(std::make_shared<prometheus::Registry>()) {
   const prometheus::Labels labels = {{"model_name", model_name_}};
   auto gauge = [&](const char* name, const char* help) {
@@ -40,6 +40,10 @@ ServerMetrics::ServerMetrics(const std::string& model_name)
   waiting_ =
       gauge("cemlm:num_requests_waiting",
             "Requests queued in the engine, Score calls waiting for KV cache room included.");
+  gauge("cemlm:max_num_requests_waiting",
+        "The bound on waiting requests (--max-waiting): past it, submissions fail "
+        "RESOURCE_EXHAUSTED.")
+      ->Set(max_waiting);
   kv_usage_ = gauge("cemlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).");
   kv_capacity_ = gauge("cemlm:kv_cache_capacity_tokens",
                        "Tokens the KV cache holds at once (its blocks x block size); 0 until the "

@@ -222,8 +222,9 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
   const int64_t fp32_bytes = model_info(*server_).kv_bytes_per_token();
   EXPECT_GT(fp32_bytes, 0);
   EXPECT_EQ(model_info(*bf16).kv_bytes_per_token() * 2, fp32_bytes);
-  EXPECT_EQ(model_info(*bf16).device(), device);
-  EXPECT_EQ(model_info(*server_).device(), "cpu");
+  // "cpu" is "cpu:fp32": one configuration, one name (on dashboards too).
+  EXPECT_EQ(model_info(*bf16).device(), device == "cpu" ? "cpu:fp32" : device);
+  EXPECT_EQ(model_info(*server_).device(), "cpu:fp32");
   if (!packed_weights_available()) {
     const std::string err = refused_serve(model_, "--device cpu:int8", 2);
     EXPECT_NE(err.find("--device cpu:int8: this build has no AVX-512 kernels"), std::string::npos)
@@ -458,9 +459,10 @@ TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {
   EXPECT_EQ(info.kv_cache_capacity_tokens() % 16, 0);  // whole 16-token blocks
   EXPECT_EQ(metric(m, "cemlm:kv_cache_capacity_tokens"), info.kv_cache_capacity_tokens());
   EXPECT_EQ(metric(m, "cemlm:cache_config_info",
-                   "device=\"cpu\",kv_bytes_per_token=\"" +
+                   "device=\"cpu:fp32\",kv_bytes_per_token=\"" +
                        std::to_string(info.kv_bytes_per_token()) + "\",kv_cache_dtype=\"fp32\""),
             1);
+  EXPECT_EQ(metric(m, "cemlm:max_num_requests_waiting"), 1024);  // serve's --max-waiting
   // The engine publishes its gauges after the step that finished the request.
   EXPECT_TRUE(wait_for_metrics(*server_, [](const auto& now) {
     return metric(now, "cemlm:num_requests_running") == 0 &&

@@ -17,7 +17,7 @@ using testing_server::parse_metrics;
 // buckets of their own below 0.5 ms (all fell in the first, 0.5 ms, so that every quantile was a
 // guess inside it) and so do its queue times and first tokens.
 TEST(ServerMetricsBuckets, SubMillisecondLatenciesAreResolved) {
-  ServerMetrics m("m");
+  ServerMetrics m("m", 1024);
   for (double s : {0.00004, 0.00018, 0.00021, 0.00022, 0.00045}) m.observe_inter_token(s);
   m.observe_first_token(0.00012, 3);
   const auto series = parse_metrics(prometheus::TextSerializer().Serialize(m.Collect()));

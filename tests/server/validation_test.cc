@@ -369,7 +369,7 @@ TEST_F(ServerValidation, TokenizeRoundTripsAndInfoDescribesTheModel) {
   EXPECT_EQ(info.max_recursion_depth(), 8);
   EXPECT_GT(info.parameters(), 0);
   EXPECT_GT(info.kv_bytes_per_token(), 0);
-  EXPECT_EQ(info.device(), "cpu");
+  EXPECT_EQ(info.device(), "cpu:fp32");
   EXPECT_TRUE(info.has_tokenizer());
   EXPECT_FALSE(info.variant().empty());
 }

@@ -1378,6 +1378,34 @@ TEST(TrainCli, ResumeComparesPathsAsFilesAndKeepsTheCacheAbsolute) {
   EXPECT_EQ(load_run_options(o.out_dir)->cache_dir, dir + "/tokens-cache");
 }
 
+// --config given again with --resume, its file edited since the run started: the run keeps the
+// model it saved, so the edit would be silently lost; it is refused, naming the fields. Given
+// again unchanged (with the run's --vocab-size replacing the file's), the run goes on.
+TEST(TrainCli, ResumeRefusesAConfigFileEditedSinceTheRunStarted) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  auto with = [&](const std::vector<std::string>& args) { return tiny_run(o, args); };
+  const std::vector<std::string> first = {"--config",     o.config_path, "--data",  o.data[0],
+                                          "--vocab-size", "320",         "--steps", "2"};
+  auto [rc, err] = with(first);
+  ASSERT_EQ(rc, 0) << err;
+  std::tie(rc, err) = with({"--config", o.config_path, "--resume", "--steps", "3"});
+  ASSERT_EQ(rc, 0) << err;
+  std::string edited = testing_trainer::tiny_config_json();
+  edited.replace(edited.find("\"max\": 4"), 8, "\"max\": 6");
+  testing_trainer::write_file(o.config_path, edited);
+  std::tie(rc, err) = with({"--config", o.config_path, "--resume", "--steps", "4"});
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(err.find("--config '" + o.config_path + "' has changed since the run started"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("(recursion/max differs from the model saved"), std::string::npos) << err;
+  EXPECT_EQ(load_run_options(o.out_dir)->steps, 3);  // nothing trained or saved
+  // Left out, the run's saved model goes on.
+  std::tie(rc, err) = with({"--resume", "--steps", "4"});
+  EXPECT_EQ(rc, 0) << err;
+}
+
 // What is wrong in a run's saved state is named: the key, or the flag a saved option stands for
 // with where its value came from; keys the state never holds are refused.
 TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -19,7 +20,9 @@
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/config.h"
 #include "cemlm/engine/cpu_threads.h"
+#include "nlohmann/json.hpp"
 
 namespace cemlm::cli {
 namespace {
@@ -182,16 +185,54 @@ bool same_path(const std::string& a, const std::string& b) {
   return resolved(a) == resolved(b);
 }
 
+// Whether `flag` ("--lr") is on the command line, as "--lr X" or "--lr=X".
+bool given(const std::string& flag, int argc, char** argv) {
+  return std::any_of(argv, argv + argc, [&](const char* a) {
+    const std::string_view arg = a;
+    return arg == flag || arg.starts_with(flag + "=");
+  });
+}
+
+// --config given again with --resume names the run's file, but the run keeps the model it saved
+// in --out: a file edited since describes another model, which resuming would silently not
+// train. False (with the error printed: the fields that differ) when the file's model is not the
+// run's. A file that does not load is the run's no more than an edited one.
+bool config_file_is_the_runs(const TrainOptions& o) {
+  absl::StatusOr<ModelConfig> file = load_config(o.config_path);
+  if (file.ok() && o.vocab_size > 0) {  // the run's --vocab-size replaced the file's
+    file->vocab_size = o.vocab_size;
+    file = parse_config(config_to_json(*file));
+  }
+  if (!file.ok()) {
+    std::fprintf(stderr,
+                 "error: --config: %s; --resume continues the run's saved model (its "
+                 "config.json in --out): leave --config out\n",
+                 std::string(file.status().message()).c_str());
+    return false;
+  }
+  const absl::StatusOr<ModelConfig> run = load_checkpoint_config(o.out_dir);
+  if (!run.ok()) return true;  // the training reports what is wrong with the checkpoint
+  const nlohmann::json was = nlohmann::json::parse(config_to_json(*run));
+  const nlohmann::json now = nlohmann::json::parse(config_to_json(*file));
+  std::vector<std::string> changed;
+  for (const nlohmann::json& op : nlohmann::json::diff(was, now))
+    changed.push_back(op.at("path").get<std::string>().substr(1));
+  if (changed.empty()) return true;
+  std::fprintf(stderr,
+               "error: --config '%s' has changed since the run started (%s %s from the "
+               "model saved in --out): --resume continues the run's model as saved; leave "
+               "--config out, or start a new run with the file (another --out)\n",
+               o.config_path.c_str(), absl::StrJoin(changed, ", ").c_str(),
+               changed.size() == 1 ? "differs" : "differ");
+  return false;
+}
+
 // An error about an option (its message starts with the flag: "--lr must be …", "--data: …"):
 // with --resume, a flag not given on this command line has the run's saved value, so the message
 // says so. True when that is the case (the bad value is the file's, not a usage error).
 bool print_option_error(absl::string_view message, const TrainOptions& o, int argc, char** argv) {
   const std::string flag(message.substr(0, message.find_first_of(" :")));
-  const bool saved =
-      o.resume && flag.starts_with("--") && std::none_of(argv, argv + argc, [&](const char* a) {
-        const std::string_view arg = a;
-        return arg == flag || arg.starts_with(flag + "=");
-      });
+  const bool saved = o.resume && flag.starts_with("--") && !given(flag, argc, argv);
   if (saved)
     std::fprintf(stderr,
                  "error: %.*s (with --resume, each option not given again is the run's, read "
@@ -235,6 +276,7 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
                      flag);
         return 2;
       }
+    if (given("--config", argc, argv) && !config_file_is_the_runs(*saved)) return 2;
     if (t.data.empty() && !saved_data_found(o.data)) return 1;
   }
   // A saved value that is wrong (the state file edited, or written by another version) is named

@@ -118,7 +118,7 @@ struct ModelInfo {
   std::string variant;
   int64_t parameters = 0;
   int64_t kv_bytes_per_token = 0;
-  std::string device;
+  std::string device;                    // canonical_device(EngineOptions::device)
   std::string kv_cache_dtype;            // as EngineOptions
   int64_t kv_cache_capacity_tokens = 0;  // the runner's blocks × block size
 };

@@ -73,6 +73,9 @@ using CudaRunnerFactory = absl::StatusOr<std::unique_ptr<ModelRunner>> (*)(
 bool is_cpu_device(const std::string& device);
 // The weights a CPU device computes with; nullopt for a name that is no CPU device.
 std::optional<WeightDtype> cpu_weight_dtype(const std::string& device);
+// A device's full name, as ModelInfo reports it: "cpu" is "cpu:fp32" and "cuda" is "cuda:bf16"
+// (one configuration, one name on dashboards); other names are returned as given.
+std::string canonical_device(const std::string& device);
 // Every device name, comma-separated, for the errors that refuse another.
 extern const char* const kDeviceNames;
 absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string& model_dir,

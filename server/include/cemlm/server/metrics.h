@@ -32,7 +32,9 @@ class ServerMetrics : public prometheus::Collectable {
   static constexpr const char* kMethods[] = {"Generate", "Score", "Tokenize", "Detokenize",
                                              "GetModelInfo"};
 
-  explicit ServerMetrics(const std::string& model_name);
+  // max_waiting: the engine's bound on waiting requests (--max-waiting), exported as
+  // max_num_requests_waiting so that alerts can tell a full queue at any bound.
+  ServerMetrics(const std::string& model_name, int max_waiting);
 
   // Where the gauges come from; unset (before the model is loaded) they read zero.
   void set_stats_source(std::function<EngineStats()> source);

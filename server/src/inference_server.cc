@@ -3,7 +3,6 @@
 #include "cemlm/server/inference_server.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/auth_metadata_processor.h>
 #include <grpcpp/security/server_credentials.h>
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "health_service.h"
 #include "inference_service.h"
 
 namespace cemlm::server {
@@ -77,8 +77,11 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
           std::chrono::duration<double>(opts.unread_timeout_s)),
       opts.max_priority, opts.text_slots);
   s->service_ = std::make_unique<InferenceService>(s->state_.get());
+  // The service's own name too (load balancers and meshes ask for it). NOT_SERVING from the
+  // start: gRPC's default health service starts SERVING, before any model is loaded.
+  s->health_ = std::make_unique<HealthService>(
+      std::vector<std::string>{std::string(v1::Inference::service_full_name())});
 
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   const std::string address = host_port(opts.host, opts.port);
@@ -120,6 +123,7 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
                                ms(opts.max_connection_age_grace_s));
   }
   builder.RegisterService(s->service_.get());
+  builder.RegisterService(s->health_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(malformed_body_interceptors(s->state_.get()));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
@@ -131,10 +135,6 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
             ? ")"
             : "; or --tls-cert and --tls-key are not a valid certificate chain and its private "
               "key: gRPC's log line above says which)"));
-  // The service's own name too (load balancers and meshes ask for it); the bool overloads below
-  // then set it along with the whole server's.
-  s->server_->GetHealthCheckService()->SetServingStatus(v1::Inference::service_full_name(), false);
-  s->server_->GetHealthCheckService()->SetServingStatus(false);
   return s;
 }
 
@@ -147,12 +147,11 @@ InferenceServer::~InferenceServer() { shutdown(); }
 
 void InferenceServer::set_engine(Engine* engine) {
   state_->set_engine(engine);
-  server_->GetHealthCheckService()->SetServingStatus(true);
+  health_->set_serving(true);
 }
 
 bool InferenceServer::drain(Clock::duration timeout) {
-  // Shutdown() of the health service reports NOT_SERVING for good, whatever comes later.
-  server_->GetHealthCheckService()->Shutdown();
+  health_->shut_down();  // NOT_SERVING for good
   return state_->drain(timeout);
 }
 

@@ -21,6 +21,7 @@
 #include "cemlm/kernels/blas_select.h"
 #include "cemlm/kernels/linear.h"
 #include "client_util.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "server_process.h"
 
 extern "C" char* openblas_get_corename(void);
@@ -131,6 +132,46 @@ TEST(ServerDrain, SignalWhileTheModelLoadsExitsAtOnce) {
   const std::string log = server->log();
   EXPECT_NE(log.find("signal 15 while the model loads: exiting"), std::string::npos) << log;
   EXPECT_EQ(log.find("serving model="), std::string::npos) << log;
+}
+
+// Watch streams the status: NOT_SERVING while the model loads (if it still loads when the stream
+// starts), SERVING once the server serves, NOT_SERVING when a drain begins, each change once; a
+// name the server does not have is SERVICE_UNKNOWN; every stream ends when the server stops.
+// (gRPC's default health service, which ours replaces, started SERVING before the model loaded.)
+TEST(ServerHealth, WatchFollowsTheLifecycle) {
+  using grpc::health::v1::HealthCheckResponse;
+  auto server = ServerProcess::start_listening(make_tiny_model(fresh_temp_dir()),
+                                               {"--kv-cache-memory", "1G"});
+  ASSERT_TRUE(server);
+  auto stub = grpc::health::v1::Health::NewStub(server->channel());
+  grpc::ClientContext contexts[3];
+  std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> streams[3];
+  const char* names[3] = {"", "cemlm.v1.Inference", "no.such.Service"};
+  for (int i = 0; i < 3; ++i) {
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(names[i]);
+    streams[i] = stub->Watch(&contexts[i], req);
+  }
+  HealthCheckResponse r;
+  ASSERT_TRUE(streams[2]->Read(&r));
+  EXPECT_EQ(r.status(), HealthCheckResponse::SERVICE_UNKNOWN);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(streams[i]->Read(&r)) << names[i];
+    if (r.status() == HealthCheckResponse::NOT_SERVING) {  // still loading
+      ASSERT_TRUE(streams[i]->Read(&r)) << names[i];
+    }
+    EXPECT_EQ(r.status(), HealthCheckResponse::SERVING) << names[i];
+  }
+  server->signal(SIGTERM);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(streams[i]->Read(&r)) << names[i];
+    EXPECT_EQ(r.status(), HealthCheckResponse::NOT_SERVING) << names[i];
+  }
+  EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_FALSE(streams[i]->Read(&r)) << names[i] << ": " << r.status();
+    EXPECT_FALSE(streams[i]->Finish().ok()) << names[i];
+  }
 }
 
 class ServerLifecycle : public ::testing::Test {

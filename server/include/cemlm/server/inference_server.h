@@ -17,6 +17,7 @@ namespace cemlm::server {
 
 class ServerState;
 class InferenceService;
+class HealthService;
 
 // "host:port" for a listener, an IPv6 host in brackets ("[::]:9400").
 std::string host_port(const std::string& host, int port);
@@ -73,6 +74,7 @@ class InferenceServer {
   InferenceServer() = default;
   std::unique_ptr<ServerState> state_;
   std::unique_ptr<InferenceService> service_;
+  std::unique_ptr<HealthService> health_;  // before server_: it outlives the server's calls
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool stopped_ = false;

@@ -401,6 +401,12 @@ std::string in_flag_terms(std::string msg) {
   for (const auto& [field, flag] : kFlags)
     for (size_t at = msg.find(field); at != std::string::npos; at = msg.find(field, at))
       msg.replace(at, field.size(), flag);
+  // Fields whose names are also words ("token ids", "context"): only as the message's subject.
+  for (const auto& [field, flag] :
+       {std::pair<std::string_view, std::string_view>{"text", "--text"}, {"ids", "--ids"}})
+    if (msg.starts_with(field) && msg.size() > field.size() &&
+        std::string_view(" :[(").find(msg[field.size()]) != std::string_view::npos)
+      msg.replace(0, field.size(), flag);
   return msg;
 }
 

@@ -832,6 +832,13 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
                       &out, &err),
             1);
   EXPECT_NE(err.find("--recursion = 99"), std::string::npos) << err;
+  // The text and ids fields are --text and --ids here (as the message's subject only: "token ids"
+  // elsewhere in it stays).
+  EXPECT_EQ(run_cemlm({"client", "tokenize", "--addr", addr, "--text", "ab\xc3"}, &out, &err), 1);
+  EXPECT_NE(err.find("error: INVALID_ARGUMENT: --text is not valid UTF-8"), std::string::npos)
+      << err;
+  EXPECT_EQ(run_cemlm({"client", "detokenize", "--addr", addr, "--ids", "5,999"}, &out, &err), 1);
+  EXPECT_NE(err.find("error: INVALID_ARGUMENT: --ids"), std::string::npos) << err;
   // Logprobs print only in --json: asked for without it, they are refused, not dropped.
   for (const char* flag : {"--logprobs", "--top-logprobs"}) {
     std::vector<std::string> args = {"client",       "generate", "--addr", addr,

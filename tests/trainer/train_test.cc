@@ -1380,28 +1380,37 @@ TEST(TrainCli, ResumeComparesPathsAsFilesAndKeepsTheCacheAbsolute) {
 
 // --config given again with --resume, its file edited since the run started: the run keeps the
 // model it saved, so the edit would be silently lost; it is refused, naming the fields. Given
-// again unchanged (with the run's --vocab-size replacing the file's), the run goes on.
+// again unchanged (with the run's --vocab-size replacing the file's), the run goes on. The run
+// compared is the one resumed: here the state's "out" is relative to another directory.
 TEST(TrainCli, ResumeRefusesAConfigFileEditedSinceTheRunStarted) {
   const std::string dir = fresh_dir();
   const TrainOptions o = tiny_options(dir);
   auto with = [&](const std::vector<std::string>& args) { return tiny_run(o, args); };
-  const std::vector<std::string> first = {"--config",     o.config_path, "--data",  o.data[0],
-                                          "--vocab-size", "320",         "--steps", "2"};
-  auto [rc, err] = with(first);
-  ASSERT_EQ(rc, 0) << err;
-  std::tie(rc, err) = with({"--config", o.config_path, "--resume", "--steps", "3"});
-  ASSERT_EQ(rc, 0) << err;
-  std::string edited = testing_trainer::tiny_config_json();
+  {
+    InDirectory in(dir);
+    const auto [rc, err] =
+        cli({"--config", o.config_path, "--data", o.data[0], "--vocab-size", "320", "--steps", "2",
+             "--out", "run", "--threads", "1", "--seq-len", "24", "--eval-windows", "4"});
+    ASSERT_EQ(rc, 0) << err;
+    ASSERT_EQ(o.out_dir, dir + "/run");
+  }
+  InDirectory elsewhere(dir + "/elsewhere");
+  const std::string original = testing_trainer::tiny_config_json();
+  std::string edited = original;
   edited.replace(edited.find("\"max\": 4"), 8, "\"max\": 6");
   testing_trainer::write_file(o.config_path, edited);
-  std::tie(rc, err) = with({"--config", o.config_path, "--resume", "--steps", "4"});
+  auto [rc, err] = with({"--config", o.config_path, "--resume", "--steps", "3"});
   EXPECT_EQ(rc, 2);
   EXPECT_NE(err.find("--config '" + o.config_path + "' has changed since the run started"),
             std::string::npos)
       << err;
   EXPECT_NE(err.find("(recursion/max differs from the model saved"), std::string::npos) << err;
-  EXPECT_EQ(load_run_options(o.out_dir)->steps, 3);  // nothing trained or saved
-  // Left out, the run's saved model goes on.
+  EXPECT_EQ(load_run_options(o.out_dir)->steps, 2);  // nothing trained or saved
+  testing_trainer::write_file(o.config_path, original);
+  std::tie(rc, err) = with({"--config", o.config_path, "--resume", "--steps", "3"});
+  EXPECT_EQ(rc, 0) << err;
+  // Left out, the run's saved model goes on whatever the file says.
+  testing_trainer::write_file(o.config_path, edited);
   std::tie(rc, err) = with({"--resume", "--steps", "4"});
   EXPECT_EQ(rc, 0) << err;
 }

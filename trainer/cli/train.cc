@@ -197,10 +197,13 @@ bool given(const std::string& flag, int argc, char** argv) {
 // in --out: a file edited since describes another model, which resuming would silently not
 // train. False (with the error printed: the fields that differ) when the file's model is not the
 // run's. A file that does not load is the run's no more than an edited one.
-bool config_file_is_the_runs(const TrainOptions& o) {
-  absl::StatusOr<ModelConfig> file = load_config(o.config_path);
-  if (file.ok() && o.vocab_size > 0) {  // the run's --vocab-size replaced the file's
-    file->vocab_size = o.vocab_size;
+// `config_path` is the run's (saved absolute), `vocab_size` its --vocab-size, `out_dir` the
+// directory resumed (the state's own "out" may name another run's).
+bool config_file_is_the_runs(const std::string& config_path, int vocab_size,
+                             const std::string& out_dir) {
+  absl::StatusOr<ModelConfig> file = load_config(config_path);
+  if (file.ok() && vocab_size > 0) {  // the run's --vocab-size replaced the file's
+    file->vocab_size = vocab_size;
     file = parse_config(config_to_json(*file));
   }
   if (!file.ok()) {
@@ -210,7 +213,7 @@ bool config_file_is_the_runs(const TrainOptions& o) {
                  std::string(file.status().message()).c_str());
     return false;
   }
-  const absl::StatusOr<ModelConfig> run = load_checkpoint_config(o.out_dir);
+  const absl::StatusOr<ModelConfig> run = load_checkpoint_config(out_dir);
   if (!run.ok()) return true;  // the training reports what is wrong with the checkpoint
   const nlohmann::json was = nlohmann::json::parse(config_to_json(*run));
   const nlohmann::json now = nlohmann::json::parse(config_to_json(*file));
@@ -222,7 +225,7 @@ bool config_file_is_the_runs(const TrainOptions& o) {
                "error: --config '%s' has changed since the run started (%s %s from the "
                "model saved in --out): --resume continues the run's model as saved; leave "
                "--config out, or start a new run with the file (another --out)\n",
-               o.config_path.c_str(), absl::StrJoin(changed, ", ").c_str(),
+               config_path.c_str(), absl::StrJoin(changed, ", ").c_str(),
                changed.size() == 1 ? "differs" : "differ");
   return false;
 }
@@ -276,7 +279,9 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
                      flag);
         return 2;
       }
-    if (given("--config", argc, argv) && !config_file_is_the_runs(*saved)) return 2;
+    if (given("--config", argc, argv) &&
+        !config_file_is_the_runs(saved->config_path, saved->vocab_size, o.out_dir))
+      return 2;
     if (t.data.empty() && !saved_data_found(o.data)) return 1;
   }
   // A saved value that is wrong (the state file edited, or written by another version) is named

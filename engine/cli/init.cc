@@ -19,7 +19,7 @@ namespace {
 // Ids the tokenizer can produce must have embeddings; a larger model vocabulary is fine (padding).
 bool check_tokenizer(const std::string& path, const ModelConfig& c) {
   std::string error;
-  auto tok = Tokenizer::load(path, &error);
+  auto tok = Tokenizer::load(path, &error, c.vocab_size);
   if (!tok) {
     std::fprintf(stderr, "error: --tokenizer: %s\n", error.c_str());
     return false;

@@ -64,7 +64,7 @@ int cmd_score(int argc, char** argv) {
       return fail("--text: the checkpoint '" + model + "' has no tokenizer.model; use --ids");
     if (!is_valid_utf8(text)) return fail("--text: not valid UTF-8");
     std::string err;
-    auto tok = Tokenizer::load(ck->tokenizer_path, &err);
+    auto tok = Tokenizer::load(ck->tokenizer_path, &err, c.vocab_size);
     if (!tok) return fail(err);
     if (!check_tokenizer_fits(*tok, c.vocab_size, &err)) return fail(ck->tokenizer_path + ": " + err);
     auto encoded =

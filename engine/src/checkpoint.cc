@@ -182,9 +182,10 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   const fs::path root(dir);
   Checkpoint ck;
   CEMLM_ASSIGN_OR_RETURN(ck.config, load_checkpoint_config(dir));
+  const auto layout = param_layout(ck.config);
   CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file,
-                         SafetensorsFile::open((root / kWeightsFile).string()));
-  CEMLM_RETURN_IF_ERROR(check_tensors(file, param_layout(ck.config)));
+                         SafetensorsFile::open((root / kWeightsFile).string(), layout.size()));
+  CEMLM_RETURN_IF_ERROR(check_tensors(file, layout));
   ck.params = ParamStore(ck.config);
   CEMLM_RETURN_IF_ERROR(load_tensors(file, ck.params));
   CEMLM_ASSIGN_OR_RETURN(ck.tokenizer_path, checkpoint_tokenizer_path(dir));

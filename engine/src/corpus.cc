@@ -2,6 +2,8 @@
 #include "cemlm/engine/corpus.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -42,7 +44,13 @@ bool read_file(const std::string& path, std::string* bytes, std::string* error,
     return false;
   }
   bytes->resize(ec ? 0 : size);
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
+  if (!in.is_open()) {  // why: "Permission denied", mostly
+    *error = "cannot read '" + path + "'" +
+             (errno ? std::string(" (") + std::strerror(errno) + ")" : "");
+    return false;
+  }
   if (ec || !in.read(bytes->data(), std::streamsize(bytes->size()))) {
     *error = "cannot read '" + path + "'";
     return false;

@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <tuple>
 
 #include "cemlm/kernels/elementwise.h"
@@ -117,6 +118,9 @@ struct SeqRange {
 struct CpuModel::Rows {
   int N = 0, Tmax = 1;
   std::vector<int32_t> pos, ids;
+  // RoPE for the rows' positions: row i of `rope` is position pos[i]'s (row[i] = i indexes it).
+  Tensor rope;
+  std::vector<int32_t> row;
   std::vector<float> eta;
   std::vector<AttnSeq> seqs;
   std::vector<int> seq_T;
@@ -172,7 +176,24 @@ std::vector<SeqRange> recursion_groups(const std::vector<AttnSeq>& seqs, int thr
 
 namespace {
 enum Buf {
-  kH, kC, kY, kQ, kK, kV, kA, kU, kPU, kQD, kOC, kG, kZ, kScratch, kGroupScratch, kFinal, kNumBufs
+  kH,
+  kC,
+  kY,
+  kQ,
+  kK,
+  kV,
+  kA,
+  kU,
+  kPU,
+  kQD,
+  kOC,
+  kG,
+  kZ,
+  kRope,
+  kScratch,
+  kGroupScratch,
+  kFinal,
+  kNumBufs
 };
 Tensor view(float* p, int64_t r, int64_t c) { return Tensor(p, {r, c}); }
 }  // namespace
@@ -202,9 +223,8 @@ CpuModel::CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant,
   }
   lm_head_ = PackedLinear(w.lm_head, PackedLinear::Use::kForward, weights);
   if (release_unread)
-    for (const Tensor& t : unread_weights({&lm_head_})) release_pages(t.data, t.numel() * sizeof(float));
-  rope_.resize(size_t(c.max_seq_len) * c.head_dim);
-  rope_table_init(Tensor(rope_.data(), {c.max_seq_len, c.head_dim}), c.rope_theta);
+    for (const Tensor& t : unread_weights({&lm_head_}))
+      release_pages(t.data, t.numel() * sizeof(float));
   if (c.embedding == EmbeddingType::kLev) {
     lev_table_.resize(size_t(c.vocab_size) * c.d_model);
     std::vector<int32_t> all(c.vocab_size);
@@ -290,6 +310,10 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
   r.ctx.scratch = buf(kScratch, scratch);
   r.ctx.scratch_floats = scratch;
   r.ctx.batch_invariant = batch_invariant_;
+  r.rope = view(buf(kRope, N * cfg_.head_dim), N, cfg_.head_dim);
+  rope_rows_init(r.ctx, r.rope, r.pos.data(), cfg_.rope_theta);
+  r.row.resize(size_t(N));
+  std::iota(r.row.begin(), r.row.end(), 0);
   // Sized once per step for the largest use.
   const int H = cfg_.n_heads;
   buf(kC, N * D), buf(kY, N * D), buf(kQ, N * Q), buf(kK, N * Q), buf(kV, N * Q), buf(kA, N * Q);
@@ -327,13 +351,12 @@ void CpuModel::attention_standard(int l, Rows& r, KvPool& kv) {
   const LayerWeights& lw = w_.layers[l];
   const PackedLayer& pw = packed_[l];
   const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim();
-  const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
   Tensor h = view(r.h, N, D), c = view(buf(kC, 0), N, D), q = view(buf(kQ, 0), N, Q),
          k = view(buf(kK, 0), N, Q), v = view(buf(kV, 0), N, Q), a = view(buf(kA, 0), N, Q);
   rmsnorm_forward(r.ctx, c, Tensor{}, h, lw.attn_norm, cfg_.norm_eps);
   linear_forward(r.ctx, c, {{q, &pw.wq}, {k, &pw.wk}, {v, &pw.wv}});
-  rope_forward(r.ctx, q, q, r.pos.data(), rope, false);
-  rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
+  rope_forward(r.ctx, q, q, r.row.data(), r.rope, false);
+  rope_forward(r.ctx, k, k, r.row.data(), r.rope, false);
   const KvLayerView view_l = kv.layer(l);
   kv_write(r.ctx, view_l, r.seqs.data(), int(r.seqs.size()), k, v, Tensor{});
   paged_attention_forward(r.ctx, a, Tensor{}, q, Tensor{}, DiagKind::kNone, view_l, r.seqs.data(),
@@ -345,14 +368,13 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
   const LayerWeights& lw = w_.layers[l];
   const PackedLayer& pw = packed_[l];
   const int64_t N = r.N, D = cfg_.d_model, Q = cfg_.qk_dim();
-  const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
   const bool diag = cfg_.diag != DiagMode::kNone;
   Tensor c = view(buf(kC, 0), N, D), k = view(buf(kK, 0), N, Q);
   // The context and the keys come from the sub-layer input, once, whatever T is; so does the first
   // step's query (its normalised input is c): one product of c for both.
   rmsnorm_forward(r.ctx, c, Tensor{}, view(r.h, N, D), lw.attn_norm, cfg_.norm_eps);
   linear_forward(r.ctx, c, {{k, &pw.wk}, {view(buf(kQ, 0), N, Q), &pw.wq}});
-  rope_forward(r.ctx, k, k, r.pos.data(), rope, false);
+  rope_forward(r.ctx, k, k, r.row.data(), r.rope, false);
   const KvLayerView view_l = kv.layer(l);
   kv_write(r.ctx, view_l, r.seqs.data(), int(r.seqs.size()), k, Tensor{}, diag ? c : Tensor{});
   // The recursion steps: rows are independent given the cache, so ranges run in any order.
@@ -382,7 +404,6 @@ void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view
   const LayerWeights& lw = w_.layers[l];
   const PackedLayer& pw = packed_[l];
   const int64_t D = cfg_.d_model, Q = cfg_.qk_dim(), H = cfg_.n_heads, r0 = g.r0;
-  const Tensor rope(rope_.data(), {cfg_.max_seq_len, cfg_.head_dim});
   const bool diag = cfg_.diag != DiagMode::kNone;
   const DiagKind kind = diag_kind(cfg_);
   const int64_t qd_width = cfg_.diag == DiagMode::kPerHead ? H * D : D;
@@ -390,7 +411,7 @@ void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view
   // The range's sequences with rows counted from r0, like the views below.
   std::vector<AttnSeq> seqs(r.seqs.begin() + g.s0, r.seqs.begin() + g.s1);
   for (AttnSeq& a : seqs) a.row_begin -= int(r0);
-  const int32_t* pos = r.pos.data() + r0;
+  const int32_t* row = r.row.data() + r0;  // into r.rope
   auto rows = [&](Buf b, int64_t n, int64_t width) {
     return view(bufs_[b].data() + r0 * width, n, width);
   };
@@ -406,11 +427,11 @@ void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view
       rmsnorm_forward(ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
       linear_forward(ctx, q, y, pw.wq);
     }
-    rope_forward(ctx, q, q, pos, rope, false);
+    rope_forward(ctx, q, q, row, r.rope, false);
     if (diag) diag_scale_forward(ctx, qd, y, lw.diag);
     paged_attention_forward(ctx, a, diag ? oc : Tensor{}, q, diag ? qd : Tensor{}, kind, view_l,
                             seqs.data(), ns, scale);
-    rope_forward(ctx, a, a, pos, rope, true);
+    rope_forward(ctx, a, a, row, r.rope, true);
     linear_t_forward(ctx, u, a, pw.wq_t);
     if (diag) diag_gather_forward(ctx, u, oc, lw.diag);
     if (cfg_.attn_precond_rank > 0) precond_forward(ctx, pu, u, pw.attn_precond);
@@ -460,13 +481,8 @@ void CpuModel::mlp_cem(int l, Rows& r) {
 std::vector<float> full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids,
                                 int T, bool release_weights) {
   const int n = int(ids.size());
-  // The model's RoPE table covers max_seq_len positions; this sequence reads its first n. Built for
-  // max_seq_len, a checkpoint of a few kilobytes whose config claims 4M positions of head_dim 4096
-  // made `cemlm score` allocate 64 GiB. The rows are the same whatever their number.
-  ModelConfig fitted = c;
-  fitted.max_seq_len = std::min(c.max_seq_len, n);
-  CpuModel model(fitted, w, /*batch_invariant=*/false, WeightDtype::kFp32, release_weights);
-  KvPool kv(fitted, n, 1);
+  CpuModel model(c, w, /*batch_invariant=*/false, WeightDtype::kFp32, release_weights);
+  KvPool kv(c, n, 1);
   const int32_t block = 0;
   Batch b;
   b.seqs.push_back(BatchSeq{ids.data(), n, 0, T, &block, 1, false, true});

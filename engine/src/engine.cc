@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <limits>
@@ -30,7 +31,10 @@
 #include <thread>
 #include <unordered_map>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/kv_blocks.h"
 #include "cemlm/engine/model_runner.h"
@@ -259,6 +263,37 @@ EngineImpl::EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> r
       sched_({opts.max_batch_tokens, opts.max_running, opts.max_waiting}, &blocks_),
       thread_(std::move(loop_thread)) {
   publish_stats();
+}
+
+// MemAvailable of /proc/meminfo in bytes; -1 when it cannot be read.
+int64_t available_memory_bytes() {
+  std::ifstream f("/proc/meminfo");
+  for (std::string line; std::getline(f, line);) {
+    int64_t kib = 0;
+    if (line.starts_with("MemAvailable:") &&
+        absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line.substr(13)), " kB"),
+                         &kib))
+      return kib * 1024;
+  }
+  return -1;
+}
+
+std::string mib(int64_t bytes) {
+  return bytes < (int64_t(10) << 20) ? absl::StrCat((bytes + 1023) >> 10, " KiB")
+                                     : absl::StrCat(bytes >> 20, " MiB");
+}
+
+// What a load that ran out of memory was holding: the numbers to size the machine or the flags.
+std::string out_of_memory_loading(const ModelConfig& c, const RunnerOptions& ro,
+                                  int64_t available) {
+  const int64_t params = count_params(c).total;
+  return absl::StrCat(
+      "out of memory loading the model: its ", params, " parameters take ", mib(params * 4),
+      " as loaded (4 bytes each, whatever --device keeps after), the KV cache up to ",
+      mib(ro.kv_cache_memory), " (--kv-cache-memory)",
+      available >= 0 ? absl::StrCat(", and ", mib(available), " was available when it began") : "",
+      " (a container's memory limit may be lower); lower --kv-cache-memory or use a larger "
+      "machine");
 }
 
 // Linux keeps a niceness per thread, and threads this one starts (OpenMP's) inherit it. Raising
@@ -836,17 +871,28 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
   CEMLM_RETURN_IF_ERROR(check_options(opts));
+  // The config first: what is wrong with the directory is said before a tokenizer is loaded
+  // (time and memory), and one with more pieces than the model has ids is refused unread.
+  CEMLM_ASSIGN_OR_RETURN(const ModelConfig config, load_checkpoint_config(opts.model_dir));
   std::unique_ptr<Tokenizer> tokenizer;
   CEMLM_ASSIGN_OR_RETURN(const std::string tok_path, checkpoint_tokenizer_path(opts.model_dir));
   if (!tok_path.empty()) {
     std::string error;
-    tokenizer = Tokenizer::load(tok_path, &error);
+    tokenizer = Tokenizer::load(tok_path, &error, config.vocab_size);
     if (!tokenizer) return absl::InvalidArgumentError(error);
   }
   const RunnerOptions ro{opts.device, opts.kv_cache_memory, opts.block_size, opts.threads,
                          opts.kv_cache_dtype, opts.max_batch_tokens, opts.max_running};
   return EngineImpl::start(
-      opts, [dir = opts.model_dir, ro] { return make_model_runner(dir, ro); },
+      opts,
+      [dir = opts.model_dir, ro, config]() -> absl::StatusOr<std::unique_ptr<ModelRunner>> {
+        const int64_t available = available_memory_bytes();
+        try {
+          return make_model_runner(dir, ro);
+        } catch (const std::bad_alloc&) {
+          return absl::ResourceExhaustedError(out_of_memory_loading(config, ro, available));
+        }
+      },
       std::move(tokenizer));
 }
 

@@ -268,7 +268,10 @@ void SafetensorsFile::close() {
   fd_ = -1;
 }
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+uint64_t max_header_bytes(size_t tensors) { return (uint64_t(1) << 20) + uint64_t(tensors) * 1024; }
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path,
+                                                      size_t expected_tensors) {
   // O_NONBLOCK: opening a FIFO would otherwise wait forever for a writer (it is refused below,
   // as anything but a regular file is).
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -301,6 +304,12 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   if (n > kMaxHeaderBytes && n <= size - 8)
     return header_error(path, absl::StrCat("header length ", n, " is over the format's limit of ",
                                            kMaxHeaderBytes, " bytes: not a safetensors file"));
+  if (expected_tensors > 0 && n > max_header_bytes(expected_tensors) && n <= size - 8)
+    return header_error(
+        path, absl::StrCat("header length ", n, " is more than a file of ", expected_tensors,
+                           " tensors needs (", max_header_bytes(expected_tensors),
+                           " bytes at most, __metadata__ included): the file is damaged, or "
+                           "holds other tensors than this config's"));
   if (n > size - 8)
     return header_error(path, absl::StrCat("header length ", n, " is beyond the end of the file (",
                                            size, " bytes): truncated or not a safetensors file"));

@@ -28,6 +28,56 @@ constexpr int kSpecialIds = 4;  // unk, bos, eos, pad
 constexpr int kByteIds = 256;   // byte fallback: one piece per byte value
 constexpr unsigned kTrainSeed = 20240229;
 constexpr char kPluginName[] = "libcemlm_spm.so";
+
+// The pieces a serialized SentencePiece ModelProto holds (its repeated field 1), counted from
+// the wire format without building anything; -1 where it stops parsing as a protobuf message
+// (SentencePiece then says what is wrong). SentencePiece takes ~25× a model's bytes to load it.
+int64_t count_pieces(std::string_view bytes) {
+  size_t at = 0;
+  auto varint = [&](uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64 && at < bytes.size(); shift += 7) {
+      const uint8_t b = uint8_t(bytes[at++]);
+      *v |= uint64_t(b & 0x7f) << shift;
+      if (!(b & 0x80)) return true;
+    }
+    return false;
+  };
+  int64_t pieces = 0;
+  while (at < bytes.size()) {
+    uint64_t tag = 0, n = 0;
+    if (!varint(&tag)) return -1;
+    switch (tag & 7) {
+      case 0:
+        if (!varint(&n)) return -1;
+        break;
+      case 1:
+        n = 8;
+        [[fallthrough]];
+      case 5:
+        if ((tag & 7) == 5) n = 4;
+        if (bytes.size() - at < n) return -1;
+        at += n;
+        break;
+      case 2:
+        if (!varint(&n) || bytes.size() - at < n) return -1;
+        at += n;
+        pieces += (tag >> 3) == 1;
+        break;
+      default:
+        return -1;
+    }
+  }
+  return pieces;
+}
+
+std::string too_many_pieces(int64_t pieces, int vocab_size) {
+  return "the tokenizer has " + std::to_string(pieces) + " pieces but the model's vocab_size is " +
+         std::to_string(vocab_size) +
+         ", so some texts would encode to ids the model does not have; use the tokenizer the "
+         "model was trained with, or a model with vocab_size >= " +
+         std::to_string(pieces);
+}
 constexpr char kSpaceSymbol[] = "\xE2\x96\x81";  // U+2581 "▁", SentencePiece's space
 // The ids before the new ones that a streamed decode re-reads: enough for a UTF-8 character
 // begun by byte pieces (at most 3 bytes) and the piece before it.
@@ -84,7 +134,8 @@ Tokenizer::Tokenizer(void* sp) : sp_(sp) {
 }
 Tokenizer::~Tokenizer() { loaded_spm().destroy(sp_); }
 
-std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string* error) {
+std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string* error,
+                                           int max_pieces) {
   // A model of 256k pieces is a few MB; a path to something else (a checkpoint's weights) is
   // refused by its size rather than read whole first.
   constexpr uintmax_t kMaxModelBytes = uintmax_t(256) << 20;
@@ -98,6 +149,10 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
   std::string bytes;
   if (!read_file(path, &bytes, error)) {
     *error = "cannot load tokenizer: " + *error;
+    return nullptr;
+  }
+  if (const int64_t pieces = count_pieces(bytes); max_pieces >= 0 && pieces > max_pieces) {
+    *error = "tokenizer '" + path + "': " + too_many_pieces(pieces, max_pieces);
     return nullptr;
   }
   const SpmApi* api = spm(error);
@@ -165,11 +220,7 @@ int Tokenizer::pad_id() const { return loaded_spm().pad_id(sp_); }
 
 bool check_tokenizer_fits(const Tokenizer& tokenizer, int vocab_size, std::string* error) {
   if (tokenizer.vocab_size() <= vocab_size) return true;
-  *error = "the tokenizer has " + std::to_string(tokenizer.vocab_size()) +
-           " pieces but the model's vocab_size is " + std::to_string(vocab_size) +
-           ", so some texts would encode to ids the model does not have; use the tokenizer the "
-           "model was trained with, or a model with vocab_size >= " +
-           std::to_string(tokenizer.vocab_size());
+  *error = too_many_pieces(tokenizer.vocab_size(), vocab_size);
   return false;
 }
 

@@ -35,6 +35,49 @@ TEST(CemlmProgram, OutOfMemoryIsAnErrorNotAnAbort) {
   EXPECT_NE(err.find("cemlm init: out of memory"), std::string::npos) << err;
 }
 
+// RoPE's rotations are made each step for the batch's positions, not held as a table of every
+// position: an 80 KB checkpoint claiming 65,000 positions of head_dim 4096 made each engine fill
+// a 1 GiB table at load (seconds), outside --kv-cache-memory. Under a 1.2 GB address-space limit
+// it loads and generates (~0.8 GB with its 266 MB int8 cache; the table took it past 1.5 GB).
+TEST(CemlmProgram, NoRopeTableOfEveryPosition) {
+  const std::string dir = fresh_temp_dir();
+  std::ofstream(dir + "/long.json") << R"({"architecture": "cemlm", "format_version": 1,
+    "vocab_size": 300, "d_model": 2, "n_layers": 1, "n_heads": 1, "head_dim": 4096, "d_ff": 2,
+    "max_seq_len": 65000, "embedding": {"type": "table"}, "attention": {"type": "cem"},
+    "mlp": {"type": "cem"}})";
+  ASSERT_EQ(std::system(("'" CEMLM_BIN "' init --config '" + dir + "/long.json' --out '" + dir +
+                         "/ck' > /dev/null")
+                            .c_str()),
+            0);
+  const int status =
+      std::system(("ulimit -v 1200000 && timeout 120 '" CEMLM_BIN "' generate --model '" + dir +
+                   "/ck' --prompt-ids 1,2 --max-new-tokens 2 --threads 1 --kv-cache-dtype int8 "
+                   "--kv-cache-memory 300M --json > '" +
+                   dir + "/out.json' 2>'" + dir + "/err.txt'")
+                      .c_str());
+  std::ifstream in(dir + "/err.txt"), out(dir + "/out.json");
+  const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string json((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << ": " << err;
+  EXPECT_NE(json.find("\"finish_reason\":\"length\""), std::string::npos) << json;
+  // A KV cache past the limit: the load runs out of memory, and says with how many bytes.
+  const int oom = std::system(
+      ("ulimit -v 1200000 && timeout 120 '" CEMLM_BIN "' generate --model '" + dir +
+       "/ck' --prompt-ids 1,2 --max-new-tokens 2 --threads 1 --kv-cache-memory 4G --json "
+       "2>'" +
+       dir + "/oom.txt'")
+          .c_str());
+  std::ifstream oom_in(dir + "/oom.txt");
+  const std::string oom_err((std::istreambuf_iterator<char>(oom_in)),
+                            std::istreambuf_iterator<char>());
+  EXPECT_TRUE(WIFEXITED(oom) && WEXITSTATUS(oom) == 1) << oom << ": " << oom_err;
+  for (const char* part : {"out of memory loading the model: its ", " parameters take ",
+                           " KiB as loaded (4 bytes each, whatever --device keeps after), the KV "
+                           "cache up to 4096 MiB (--kv-cache-memory), and ",
+                           " MiB was available when it began"})
+    EXPECT_NE(oom_err.find(part), std::string::npos) << part << "\n" << oom_err;
+}
+
 // Output that cannot be written (a full disk: /dev/full) fails the command: `cemlm score … >
 // out.json` on a full disk exited 0 with an empty file.
 TEST(CemlmProgram, OutputThatCannotBeWrittenIsAnError) {

@@ -62,7 +62,7 @@ absl::Status AdamW::save(const std::string& path) const {
 }
 
 absl::Status AdamW::load(const std::string& path) {
-  CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::open(path));
+  CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::open(path, 2 * specs_.size()));
   if (file.tensors().size() != 2 * specs_.size())
     return absl::InvalidArgumentError(absl::StrCat(
         path, ": holds ", file.tensors().size(), " tensors, the model's optimizer state has ",

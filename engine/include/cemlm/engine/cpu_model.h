@@ -104,7 +104,6 @@ class CpuModel {
   std::vector<PackedLayer> packed_;
   PackedLinear lm_head_;
   std::vector<float> lev_table_;  // [V, D] when the embedding is LEV
-  std::vector<float> rope_;       // [max_seq_len, d_h]
   std::vector<std::vector<float>> bufs_;
 };
 

@@ -56,9 +56,16 @@ struct TensorInfo {
 // An open, validated file. Opening checks the whole header against the file size, and the body
 // against its kChecksumKey when the file has one (a read of the whole file); values are converted
 // (and checked finite) only when a tensor is read.
+// The longest header a file of `tensors` tensors has: a KiB for each tensor's entry (its name,
+// dtype, shape and offsets take ~100 bytes) and a MiB for __metadata__.
+uint64_t max_header_bytes(size_t tensors);
+
 class SafetensorsFile {
  public:
-  static absl::StatusOr<SafetensorsFile> open(const std::string& path);
+  // expected_tensors > 0 (those a reader will look up): a header longer than such a file's
+  // needs (max_header_bytes) is refused before it is parsed, which takes ~20× its bytes; else the
+  // format's 100 MB limit.
+  static absl::StatusOr<SafetensorsFile> open(const std::string& path, size_t expected_tensors = 0);
   SafetensorsFile(SafetensorsFile&& other) noexcept;
   SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
   SafetensorsFile(const SafetensorsFile&) = delete;

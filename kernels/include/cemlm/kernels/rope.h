@@ -11,6 +11,9 @@ namespace cemlm {
 
 // table[P, d_h]: cos(pθ_m) in [:, 0:d_h/2], sin(pθ_m) in [:, d_h/2:]; computed in double.
 void rope_table_init(Tensor table, float theta);
+// rows[N, d_h]: row i is rope_table_init's row pos[i], bit for bit (a batch's positions only: a
+// whole table costs max_seq_len × d_h floats however short the sequences served).
+void rope_rows_init(const ExecCtx&, Tensor rows, const int32_t* pos, float theta);
 // out[N, H·d_h] = R_pos (x) per head (R_posᵀ when inverse); out may alias x. pos[N] < P.
 void rope_forward(const ExecCtx&, Tensor out, const Tensor& x, const int32_t* pos,
                   const Tensor& table, bool inverse);

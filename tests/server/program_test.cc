@@ -39,6 +39,8 @@ TEST(CemlmProgram, OutOfMemoryIsAnErrorNotAnAbort) {
 // position: an 80 KB checkpoint claiming 65,000 positions of head_dim 4096 made each engine fill
 // a 1 GiB table at load (seconds), outside --kv-cache-memory. Under a 1.2 GB address-space limit
 // it loads and generates (~0.8 GB with its 266 MB int8 cache; the table took it past 1.5 GB).
+// OMP_NUM_THREADS=1: OpenBLAS reserves a 128 MiB buffer per OpenMP thread as it loads, before
+// --threads applies (16 CPUs took it past the limit, where it retries its mmap for good).
 TEST(CemlmProgram, NoRopeTableOfEveryPosition) {
   const std::string dir = fresh_temp_dir();
   std::ofstream(dir + "/long.json") << R"({"architecture": "cemlm", "format_version": 1,
@@ -50,7 +52,7 @@ TEST(CemlmProgram, NoRopeTableOfEveryPosition) {
                             .c_str()),
             0);
   const int status =
-      std::system(("ulimit -v 1200000 && timeout 120 '" CEMLM_BIN "' generate --model '" + dir +
+      std::system(("ulimit -v 1200000 && OMP_NUM_THREADS=1 timeout 120 '" CEMLM_BIN "' generate --model '" + dir +
                    "/ck' --prompt-ids 1,2 --max-new-tokens 2 --threads 1 --kv-cache-dtype int8 "
                    "--kv-cache-memory 300M --json > '" +
                    dir + "/out.json' 2>'" + dir + "/err.txt'")
@@ -62,7 +64,7 @@ TEST(CemlmProgram, NoRopeTableOfEveryPosition) {
   EXPECT_NE(json.find("\"finish_reason\":\"length\""), std::string::npos) << json;
   // A KV cache past the limit: the load runs out of memory, and says with how many bytes.
   const int oom = std::system(
-      ("ulimit -v 1200000 && timeout 120 '" CEMLM_BIN "' generate --model '" + dir +
+      ("ulimit -v 1200000 && OMP_NUM_THREADS=1 timeout 120 '" CEMLM_BIN "' generate --model '" + dir +
        "/ck' --prompt-ids 1,2 --max-new-tokens 2 --threads 1 --kv-cache-memory 4G --json "
        "2>'" +
        dir + "/oom.txt'")

@@ -530,11 +530,8 @@ double forward_backward(const ModelConfig& c, const Weights& w, const Weights& g
 double forward_loss(const ModelConfig& c, const Weights& w, const int* ids, int batch, int seq_len,
                     int T) {
   CEMLM_CHECK(batch >= 1 && seq_len >= 2 && T >= 1);
-  // The RoPE table for the seq_len positions read, not the config's max_seq_len (see full_forward).
-  ModelConfig fitted = c;
-  fitted.max_seq_len = std::min(c.max_seq_len, seq_len);
-  CpuModel model(fitted, w);
-  KvPool kv(fitted, seq_len, 1);
+  CpuModel model(c, w);
+  KvPool kv(c, seq_len, 1);
   const int32_t block = 0;
   std::vector<float> logits;
   double total = 0;

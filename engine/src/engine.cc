@@ -402,7 +402,9 @@ absl::StatusOr<RequestId> EngineImpl::submit(GenerateRequest req, EventCallback 
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_)
     return absl::UnavailableError("the engine is shutting down; send the request elsewhere");
-  CEMLM_RETURN_IF_ERROR(sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority}));
+  const int max_positions = int(req.prompt_ids.size()) + req.sampling.max_new_tokens - 1;
+  CEMLM_RETURN_IF_ERROR(
+      sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority, max_positions}));
   incoming_.push_back(std::move(q));
   cv_.notify_one();
   return id;
@@ -811,7 +813,6 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
   const std::vector<int>& ids = out->ids;
   const int n = int(ids.size());
   const size_t V = size_t(config_.vocab_size);
-  std::vector<float> logits;  // one chunk [n_chunk, V], reduced to logprobs right away
   for (int pos = 0; pos < n; pos += opts_.max_batch_tokens) {
     if (req.deadline && Clock::now() >= *req.deadline)
       return absl::DeadlineExceededError(
@@ -825,6 +826,9 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
           absl::StrCat("the engine shut down after scoring ", pos, " of ", n, " tokens"));
     const int len = std::min(opts_.max_batch_tokens, n - pos);
     absl::Status ran;
+    // On the loop thread, into the engine's own logits buffer, reduced to logprobs there: each
+    // call holding its chunk's [len, V] until it returned made concurrent calls cost that much
+    // each (24 calls of a 32K vocabulary: 1.7 GB).
     on_loop_chunk(req.priority, [&] {
       const std::vector<int32_t>& table = blocks_.table(seq);
       BatchSeq s;
@@ -835,21 +839,25 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
       s.block_table = table.data();
       s.n_blocks = int(table.size());
       s.want_all_logits = true;
-      ran = run_forward(Batch{{s}}, &logits);
+      ran = run_forward(Batch{{s}}, &logits_);
+      if (!ran.ok()) return;
+      CEMLM_CHECK(logits_.size() >= size_t(len) * V);
+      for (int i = 0; i < len && pos + i + 1 < n; ++i) {
+        const std::span<const float> row =
+            std::span<const float>(logits_).subspan(size_t(i) * V, V);
+        const LogNormalizer norm = log_normalizer(row);
+        const float lp = float(norm.logprob(row[size_t(ids[size_t(pos + i + 1)])]));
+        if (!norm.finite() || !std::isfinite(lp)) {
+          ran = absl::InternalError(absl::StrCat(
+              "the model produced ",
+              norm.finite() ? "a log-probability below the float range" : "non-finite logits",
+              " at position ", pos + i, "; check the checkpoint"));
+          return;
+        }
+        out->logprobs[size_t(pos + i + 1)] = lp;
+      }
     });
     CEMLM_RETURN_IF_ERROR(ran);
-    CEMLM_CHECK(logits.size() >= size_t(len) * V);
-    for (int i = 0; i < len && pos + i + 1 < n; ++i) {
-      const std::span<const float> row = std::span<const float>(logits).subspan(size_t(i) * V, V);
-      const LogNormalizer norm = log_normalizer(row);
-      const float lp = float(norm.logprob(row[size_t(ids[size_t(pos + i + 1)])]));
-      if (!norm.finite() || !std::isfinite(lp))
-        return absl::InternalError(absl::StrCat(
-            "the model produced ",
-            norm.finite() ? "a log-probability below the float range" : "non-finite logits",
-            " at position ", pos + i, "; check the checkpoint"));
-      out->logprobs[size_t(pos + i + 1)] = lp;
-    }
   }
   return absl::OkStatus();
 }

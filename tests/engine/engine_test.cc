@@ -632,6 +632,10 @@ TEST(Engine, ScoringChunksGoOnePerStepWhileGenerationRuns) {
   const size_t first = f.find('G'), last = f.rfind('G');
   ASSERT_NE(first, std::string::npos);
   EXPECT_EQ(f.substr(first, last - first).find("SS"), std::string::npos) << f;
+  // Every chunk, of every call, went into the engine's one logits buffer (reduced to logprobs
+  // there): a call holding its own [chunk, V] until it returned made concurrent calls cost that
+  // much each.
+  EXPECT_EQ(b.runner->logits_buffers(), 1u);
   // Alone, a call's chunks follow each other.
   Built idle = build({}, eo);
   ASSERT_TRUE(idle.engine->score({tokens(16, 2), 1}).ok());

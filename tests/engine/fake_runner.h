@@ -66,6 +66,8 @@ class FakeRunner final : public ModelRunner {
     const bool scoring = std::any_of(batch.seqs.begin(), batch.seqs.end(),
                                      [](const BatchSeq& s) { return s.want_all_logits; });
     forwards_.push_back(scoring ? 'S' : 'G');
+    if (std::find(buffers_.begin(), buffers_.end(), logits) == buffers_.end())
+      buffers_.push_back(logits);
     bool fail = false;
     for (size_t i = 0; i < batch.seqs.size(); ++i) {
       const BatchSeq& s = batch.seqs[i];
@@ -93,6 +95,8 @@ class FakeRunner final : public ModelRunner {
   // One letter per forward, in order: 'S' scoring (every position's logits), 'G' generation.
   // Read once the engine has stopped.
   const std::string& forwards() const { return forwards_; }
+  // The distinct logits buffers forwards wrote into. Read once the engine has stopped.
+  size_t logits_buffers() const { return buffers_.size(); }
 
  private:
   static uint64_t mix(uint64_t z) {
@@ -136,6 +140,7 @@ class FakeRunner final : public ModelRunner {
   std::vector<uint64_t> slots_;
   std::vector<bool> written_;
   std::string forwards_;
+  std::vector<const std::vector<float>*> buffers_;
   int64_t tokens_processed_ = 0, steps_ = 0;
   int max_rows_ = 0;
 };

@@ -402,9 +402,7 @@ absl::StatusOr<RequestId> EngineImpl::submit(GenerateRequest req, EventCallback 
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_)
     return absl::UnavailableError("the engine is shutting down; send the request elsewhere");
-  const int max_positions = int(req.prompt_ids.size()) + req.sampling.max_new_tokens - 1;
-  CEMLM_RETURN_IF_ERROR(
-      sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority, max_positions}));
+  CEMLM_RETURN_IF_ERROR(sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority}));
   incoming_.push_back(std::move(q));
   cv_.notify_one();
   return id;
@@ -842,20 +840,26 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
       ran = run_forward(Batch{{s}}, &logits_);
       if (!ran.ok()) return;
       CEMLM_CHECK(logits_.size() >= size_t(len) * V);
-      for (int i = 0; i < len && pos + i + 1 < n; ++i) {
+      // The rows over the compute threads (a 512-row chunk of a 128K vocabulary is ~70 ms on
+      // one): 1 where the logits are not finite, 2 where the logprob is below the float range.
+      const int rows = std::min(len, n - pos - 1);
+      std::vector<uint8_t> bad(size_t(std::max(rows, 0)), 0);
+      parallel_for(rows, int64_t(rows) * int64_t(V) > 65536, [&](int64_t i) {
         const std::span<const float> row =
             std::span<const float>(logits_).subspan(size_t(i) * V, V);
         const LogNormalizer norm = log_normalizer(row);
         const float lp = float(norm.logprob(row[size_t(ids[size_t(pos + i + 1)])]));
-        if (!norm.finite() || !std::isfinite(lp)) {
+        bad[size_t(i)] = !norm.finite() ? 1 : !std::isfinite(lp) ? 2 : 0;
+        out->logprobs[size_t(pos + i + 1)] = lp;
+      });
+      for (int i = 0; i < rows; ++i)
+        if (bad[size_t(i)]) {
           ran = absl::InternalError(absl::StrCat(
               "the model produced ",
-              norm.finite() ? "a log-probability below the float range" : "non-finite logits",
+              bad[size_t(i)] == 2 ? "a log-probability below the float range" : "non-finite logits",
               " at position ", pos + i, "; check the checkpoint"));
           return;
         }
-        out->logprobs[size_t(pos + i + 1)] = lp;
-      }
     });
     CEMLM_RETURN_IF_ERROR(ran);
   }

@@ -53,7 +53,6 @@ absl::Status Scheduler::add(SeqSpec spec) {
   s->tokens = std::move(spec.prompt);
   s->recursion = spec.recursion;
   s->priority = spec.priority;
-  s->max_positions = spec.max_positions;
   s->arrival = next_arrival_++;
   intake_.push_back(std::move(s));
   return absl::OkStatus();
@@ -338,24 +337,18 @@ bool Scheduler::make_room(int64_t n_blocks, int priority) {
   // preempted), as they would before a generation request of this priority: a Score took those
   // of a finished request while higher-priority ones waited for them. (Only those blocks: one
   // waiting for a --max-running slot held off Scores on an empty cache.)
-  int64_t kept = 0;
+  int64_t wanted = 0;
   for (const Sequence* s : waiting_)
-    if (s->priority > priority) kept += blocks_->blocks_for(int64_t(s->tokens.size()));
-  // Running ones of equal or higher priority keep those they may grow into: with the free blocks
-  // in a Score's hands, the next block one of them needed preempted it (its own rank the lowest
-  // left), and it redid its tokens after the Score.
-  for (const Sequence* s : running_)
-    if (s->priority >= priority && s->max_positions > 0)
-      kept += blocks_->blocks_needed(s->id, s->max_positions);
-  const int64_t need = n_blocks + kept;
+    if (s->priority > priority) wanted += blocks_->blocks_for(int64_t(s->tokens.size()));
+  if (wanted > 0 && blocks_->num_available() - n_blocks < wanted) return false;
   // running_ is in rank order, so the sequences of lower priority are its tail. Preempt only when
   // preempting all of them would make the room: otherwise their work would be thrown away for a
   // call that waits anyway.
   std::vector<SeqId> lower;
   for (auto it = running_.rbegin(); it != running_.rend() && (*it)->priority < priority; ++it)
     lower.push_back((*it)->id);
-  if (blocks_->num_available() < need && blocks_->reclaimable(lower) < need) return false;
-  while (blocks_->num_available() < need) {
+  if (blocks_->num_available() < n_blocks && blocks_->reclaimable(lower) < n_blocks) return false;
+  while (blocks_->num_available() < n_blocks) {
     CEMLM_CHECK(!running_.empty() && running_.back()->priority < priority);
     preempt(running_.back(), nullptr);
   }

@@ -25,8 +25,8 @@ std::vector<int> prompt(int n) {
 struct Harness {
   explicit Harness(SchedulerOptions o, int64_t blocks = 64, int bs = 4, bool caching = false)
       : bm(blocks, bs, caching), sched(o, &bm) {}
-  void add(SeqId id, int n, int T = 1, int priority = 0, int max_positions = 0) {
-    ASSERT_TRUE(sched.add({id, prompt(n), T, priority, max_positions}).ok());
+  void add(SeqId id, int n, int T = 1, int priority = 0) {
+    ASSERT_TRUE(sched.add({id, prompt(n), T, priority}).ok());
   }
   // One step as the engine runs it: every sampling row gets token 7.
   StepPlan step() {
@@ -644,26 +644,6 @@ TEST(Scheduler, MakeRoomPreemptsOnlyLowerPrioritiesLowestRankFirst) {
   EXPECT_TRUE(h.sched.make_room(6, 3));
   EXPECT_EQ(h.sched.num_running(), 0);
   EXPECT_EQ(h.sched.num_waiting(), 3);
-}
-
-// A scoring call leaves running sequences of equal or higher priority the blocks they may grow
-// into (to their max_positions): its own blocks cannot be preempted, so with the free ones in its
-// hands the next block such a sequence needed preempted it. Lower ones keep nothing.
-TEST(Scheduler, MakeRoomLeavesRunningSequencesOfItsPriorityOrHigherRoomToGrow) {
-  Harness h({.max_batch_tokens = 100}, 10, 2);
-  h.add(1, 4, 1, 1, /*max_positions=*/9);  // 2 blocks now, 5 at most: keeps 3
-  h.add(2, 4, 1, 0, /*max_positions=*/7);  // 2 blocks now, 4 at most: keeps 2 from priority 0
-  h.step();
-  EXPECT_EQ(h.bm.num_available(), 6);
-  EXPECT_FALSE(h.sched.make_room(2, 0));  // 6 free, 5 kept: 3 for sequence 1, 2 for sequence 2
-  EXPECT_EQ(h.sched.num_running(), 2);
-  EXPECT_TRUE(h.sched.make_room(1, 0));
-  EXPECT_EQ(h.sched.num_running(), 2);
-  // Of priority 1, 3 kept for sequence 1; sequence 2 ranks lower and is preempted for the rest.
-  EXPECT_TRUE(h.sched.make_room(4, 1));
-  EXPECT_TRUE(h.sched.find(1)->running);
-  EXPECT_FALSE(h.sched.find(2)->running);
-  EXPECT_EQ(h.bm.num_available(), 8);
 }
 
 // Blocks held for a waiting scoring call are not given to admissions of its priority or lower,

@@ -49,7 +49,6 @@ struct SeqSpec {
   std::vector<int> prompt;
   int recursion = 1;
   int priority = 0;
-  int max_positions = 0;  // the most it can come to hold (prompt + max_new_tokens - 1); 0: unknown
 };
 
 struct Sequence {
@@ -59,7 +58,6 @@ struct Sequence {
   int n_computed = 0;       // leading tokens whose cache entries exist
   int recursion = 1;
   int priority = 0;
-  int max_positions = 0;  // as SeqSpec
   uint64_t arrival = 0;
   bool running = false;
   bool admitted_before = false;  // admitted once already (now readmitted after a preemption)
@@ -107,12 +105,10 @@ class Scheduler {
   void append(SeqId id, int token);
   // Ends an accepted sequence wherever it is (waiting or running) and frees its blocks.
   bool remove(SeqId id);
-  // Room for a scoring call of `priority`: `n_blocks` besides those that others keep (the
-  // waiting sequences of higher priority, to start; the running ones of equal or higher
-  // priority, to grow to their max_positions: a scoring call's blocks cannot be preempted, so one
-  // of those needing a block preempted itself). Preempts running sequences of lower priority,
-  // lowest rank first, until that is available; false, with none preempted, when even all of
-  // them would not free enough (equal and higher priorities are never preempted: the call waits).
+  // Room for a scoring call of `priority`: preempts running sequences of lower priority, lowest
+  // rank first, until `n_blocks` are available; false, with none preempted, when even all of them
+  // would not free enough (equal and higher priorities are never preempted: the call waits), or
+  // when it would leave fewer than the waiting sequences of higher priority need to start.
   bool make_room(int64_t n_blocks, int priority);
   // Blocks that admitting waiting sequences of at most `priority` must leave available (0: none),
   // held for a scoring call waiting for room, so that a stream of admissions cannot starve it.

@@ -287,7 +287,16 @@ absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
   const fs::path tmp = absl::StrCat(target.string(), ".tmp-", ::getpid(), "-", counter++);
   if (!fs::create_directory(tmp, ec))
     return fs_error("create", tmp, ec ? ec : std::make_error_code(std::errc::file_exists));
-  absl::Status st = write_contents(tmp, config, params, tokenizer_path, write_extra);
+  absl::Status st;
+  // The replaced directory's mode and owners go on: a `chmod 700` on a private checkpoint was
+  // undone by the next save. (Owners as far as allowed: a group one belongs to, or root's any.)
+  if (struct stat was{}; exists && ::stat(target.c_str(), &was) == 0) {
+    if (::chown(tmp.c_str(), was.st_uid, was.st_gid) != 0)
+      (void)!::chown(tmp.c_str(), uid_t(-1), was.st_gid);
+    if (::chmod(tmp.c_str(), was.st_mode & 07777) != 0)
+      st = fs_error("set the mode of", tmp, std::error_code(errno, std::generic_category()));
+  }
+  if (st.ok()) st = write_contents(tmp, config, params, tokenizer_path, write_extra);
   // Its entries before the swap that publishes them, the swap itself after.
   if (st.ok()) sync_path(tmp);
   if (st.ok()) st = publish(tmp, target, exists);

@@ -323,6 +323,20 @@ TEST(Checkpoint, SaveReplacesAnOldCheckpointWholly) {
   EXPECT_EQ(list_dir(dir), std::vector<std::string>{"ck"});
 }
 
+// A save keeps the replaced directory's mode: a `chmod 700` on a private checkpoint was undone
+// (755 under the usual umask) by the next save of a run.
+TEST(Checkpoint, SaveKeepsTheModeOfTheDirectoryItReplaces) {
+  const std::string dir = fresh_dir(), ck = dir + "/ck";
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 1)).ok());
+  for (auto mode : {fs::perms::owner_all,
+                    fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec}) {
+    fs::permissions(ck, mode);
+    ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 2)).ok());
+    EXPECT_EQ(fs::status(ck).permissions(), mode);
+  }
+}
+
 TEST(Checkpoint, FailedSaveLeavesTheOldCheckpointIntact) {
   const std::string dir = fresh_dir(), ck = dir + "/ck";
   const ModelConfig c = config_of(small_config());

@@ -98,9 +98,10 @@ int64_t saved_step(const std::string& out_dir) {
 }
 
 // SIGTERM (docker stop), then SIGINT (Ctrl-C) and SIGHUP (the terminal closed) on the resumed
-// runs: each run finishes its step,
-// saves although no periodic save is due, and exits with 128 + the signal's number (so that
-// `cemlm train … && cemlm serve …` stops); the next run resumes from the step it saved.
+// runs: each run finishes its step, saves although no periodic save is due, and exits with 128 +
+// the signal's number (so that `cemlm train … && cemlm serve …` stops); the next run resumes from
+// the step it saved. SIGHUP comes twice, as from a closed terminal (bash forwards one, the kernel
+// sends another): the second killed the run before it saved.
 TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
   const std::string dir = testing_trainer::fresh_dir();
   TrainOptions o = testing_trainer::tiny_options(dir);
@@ -132,6 +133,14 @@ TEST(TrainKill, SigtermAndSigintSaveThenExitWithTheSignalsStatus) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     ASSERT_EQ(::kill(pid, sig), 0);
+    if (sig == SIGHUP) {
+      // Once the first is handled (its note logged), as the kernel's comes after bash's.
+      while (std::chrono::steady_clock::now() < deadline &&
+             (!read_file(log, &text, &error) ||
+              text.find("stopping: saving", log_before) == std::string::npos))
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ASSERT_EQ(::kill(pid, SIGHUP), 0);
+    }
     int status = 0;
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);
     ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status) << " instead of saving";
@@ -278,6 +287,61 @@ TEST(TrainKill, SigintDuringSetupStopsBeforeTrainingAndSavesNothing) {
   EXPECT_EQ(text.find("saving after the current step"), std::string::npos) << text;
   EXPECT_EQ(text.find("\nstep "), std::string::npos) << text;
   EXPECT_FALSE(fs::exists(o.out_dir + "/config.json"));
+}
+
+// A new run checks again, once it holds the lock, that --out holds no checkpoint: one that a run
+// on the same --out left while this one listed its data (seconds on a large corpus) was replaced
+// by this run's first save. The run is stopped (SIGSTOP) while it reads its data files, before
+// its lock file exists; a finished run's checkpoint then appears in --out; it is let go.
+TEST(TrainKill, ACheckpointThatAppearsBeforeTheLockIsNotReplaced) {
+  const std::string dir = testing_trainer::fresh_dir();
+  TrainOptions o = testing_trainer::tiny_options(dir);
+  for (int i = 0; i < 4000; ++i)  // read one by one (UTF-8 checked) before the lock
+    testing_trainer::write_file(dir + "/many/" + std::to_string(i) + ".txt",
+                                testing_trainer::corpus_text(2, uint64_t(i)));
+  TrainOptions first = o;
+  first.out_dir = dir + "/first";
+  first.steps = 1;
+  ASSERT_TRUE(train(first).ok());
+  bool caught = false;
+  for (int attempt = 0; attempt < 5 && !caught; ++attempt) {
+    const std::string out = dir + "/run" + std::to_string(attempt);
+    const std::string lock = dir + "/.run" + std::to_string(attempt) + ".lock";
+    const std::string log = dir + "/train" + std::to_string(attempt) + ".log";
+    const pid_t pid = spawn_quietly(
+        {CEMLM_BINARY, "train", "--config", o.config_path, "--data", dir + "/many", "--out", out,
+         "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--threads", "1"},
+        log);
+    ASSERT_GT(pid, 0);
+    // A data file open, the lock not yet taken.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    const std::string fds = "/proc/" + std::to_string(pid) + "/fd";
+    while (!caught && std::chrono::steady_clock::now() < deadline && !fs::exists(lock)) {
+      std::error_code ec;
+      for (const auto& fd : fs::directory_iterator(fds, ec))
+        if (fs::read_symlink(fd.path(), ec).string().find("/many/") != std::string::npos) {
+          ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+          caught = !fs::exists(lock);  // else it went on meanwhile: another attempt
+          break;
+        }
+    }
+    if (caught) {
+      fs::copy(first.out_dir, out, fs::copy_options::recursive);
+      ASSERT_EQ(::kill(pid, SIGCONT), 0);
+    } else {
+      ::kill(pid, SIGKILL);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    if (!caught) continue;
+    std::string text, error;
+    ASSERT_TRUE(read_file(log, &text, &error));
+    ASSERT_TRUE(WIFEXITED(status)) << text;
+    EXPECT_NE(WEXITSTATUS(status), 0) << text;
+    EXPECT_NE(text.find("already holds a checkpoint"), std::string::npos) << text;
+    EXPECT_EQ(saved_step(out), 1) << "the first run's checkpoint was replaced";
+  }
+  EXPECT_TRUE(caught) << "never stopped the run while it listed its data";
 }
 
 }  // namespace

@@ -844,6 +844,40 @@ TEST(Train, SecondRunOnTheSameOutIsRefusedWhileTheFirstHoldsIt) {
   EXPECT_TRUE(train(o).ok());  // the first run let go
 }
 
+// --out that is a link is followed once, at the start: re-pointed during the run, it sent the
+// later saves into whatever it named then (here another run's checkpoint, whose lock this run
+// never took).
+TEST(Train, SavesGoWhereALinkOutNamedAtTheStart) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  TrainOptions other = o;
+  other.out_dir = dir + "/other";
+  other.steps = 2;
+  ASSERT_TRUE(train(other).ok());
+  std::string other_state, other_weights, error;
+  ASSERT_TRUE(read_file(other.out_dir + "/" + kTrainerStateFile, &other_state, &error));
+  ASSERT_TRUE(read_file(other.out_dir + "/model.safetensors", &other_weights, &error));
+  const std::string link = dir + "/latest";
+  fs::create_directory_symlink("run", link);  // dir/run, made by the first save
+  o.out_dir = link;
+  o.steps = 6;
+  o.save_every = 2;
+  TrainCallbacks cb;
+  cb.on_save = [&](int64_t step, const std::string&) {
+    if (step != 2) return;
+    fs::remove(link);
+    fs::create_directory_symlink("other", link);
+  };
+  ASSERT_TRUE(train(o, cb).ok());
+  std::string text;
+  ASSERT_TRUE(read_file(other.out_dir + "/" + kTrainerStateFile, &text, &error));
+  EXPECT_EQ(text, other_state) << "the other run's checkpoint was replaced";
+  ASSERT_TRUE(read_file(other.out_dir + "/model.safetensors", &text, &error));
+  EXPECT_EQ(text, other_weights);
+  ASSERT_TRUE(read_file(dir + "/run/" + kTrainerStateFile, &text, &error));
+  EXPECT_NE(text.find("\"step\": 6,"), std::string::npos) << text;
+}
+
 // A step whose loss is not finite (logits that overflow), or whose gradient is not finite though
 // its loss is (weights that overflow only the backward), stops the run before the update: no NaN
 // weights are evaluated or saved.

@@ -30,8 +30,10 @@ namespace {
 // SIGINT (Ctrl-C), SIGTERM (docker stop, a Kubernetes Job's eviction) or SIGHUP (the terminal or
 // ssh session closed): finish the step, save, exit with 128 + the signal's number; during setup
 // (tokenizer, data), stop once the current part is done, with nothing trained or saved. A second
-// signal ends the process at once (checkpoints are written atomically, so the last one stays
-// whole).
+// SIGINT or SIGTERM ends the process at once (checkpoints are written atomically, so the last one
+// stays whole); SIGHUPs after the first signal are ignored: a closed terminal sends two (bash
+// forwards one, the kernel sends another to the foreground group), and the second killed the run
+// before it saved.
 std::atomic<int> g_stop_signal{0};  // lock-free: safe in a handler, on whichever thread
 static_assert(std::atomic<int>::is_always_lock_free);
 // kStopAsked by the handler, kTraining by the last check before the first step: set in one
@@ -49,12 +51,12 @@ static_assert(std::atomic<unsigned>::is_always_lock_free);
 void on_stop_signal(int sig) {
   g_stop_signal = sig;
   for (int s : kStopSignals)
-    if (g_handled.load() & (1u << s)) std::signal(s, SIG_DFL);
+    if (g_handled.load() & (1u << s)) std::signal(s, s == SIGHUP ? SIG_IGN : SIG_DFL);
   static const char kSaving[] =
-      "\nstopping: saving after the current step (send the signal again to quit at once)\n";
+      "\nstopping: saving after the current step (Ctrl-C or SIGTERM again quits at once)\n";
   static const char kNothing[] =
       "\nstopping before training, once the tokenizer or data in preparation is done: nothing "
-      "trained, nothing saved (send the signal again to quit at once)\n";
+      "trained, nothing saved (Ctrl-C or SIGTERM again quits at once)\n";
   if (g_state.fetch_or(kStopAsked) & kTraining)
     (void)!::write(2, kSaving, sizeof(kSaving) - 1);
   else

@@ -146,9 +146,9 @@ class Trainer {
   void info(const std::string& s) const {
     if (cb_.on_info) cb_.on_info(s);
   }
-  std::string in_out(const char* file) const { return (fs::path(o_.out_dir) / file).string(); }
+  std::string in_out(const char* file) const { return (out_ / file).string(); }
   // --out without a trailing separator, so that siblings ("<out>.cache") are not inside it.
-  fs::path out_path() const { return checkpoint_target_path(o_.out_dir); }
+  fs::path out_path() const { return out_; }
   fs::path cache_path() const {
     return o_.cache_dir.empty() ? fs::path(out_path().string() + ".cache") : fs::path(o_.cache_dir);
   }
@@ -161,6 +161,8 @@ class Trainer {
   absl::Status load_model();
   absl::Status check_out_and_cache_paths() const;
   absl::Status lock_out();
+  // A new run's --out must not hold a checkpoint (--resume continues it, --init starts from it).
+  absl::Status check_out_is_new() const;
   absl::Status remove_stale_saves() const;
   void remove_dead_cache_temps() const;
   absl::StatusOr<CorpusFiles> list_data() const;
@@ -191,6 +193,7 @@ class Trainer {
   absl::Status write_extra(const std::string& dir) const;
 
   TrainOptions o_;
+  fs::path out_;  // --out, its links followed at the start of run(): where this run saves
   TrainCallbacks cb_;
   ModelConfig cfg_;
   bool fresh_ = true;  // a new model (not --init, not --resume)
@@ -274,11 +277,7 @@ absl::Status Trainer::load_model() {
   } else {
     cfg_ = default_model_config();
   }
-  if (!o_.resume && fs::exists(in_out(kConfigFile), ec))
-    return absl::AlreadyExistsError(
-        absl::StrCat("--out '", o_.out_dir,
-                     "' already holds a checkpoint: pass --resume to continue its run, "
-                     "--init to start from its weights, or choose another --out"));
+  CEMLM_RETURN_IF_ERROR(check_out_is_new());
   // Before any training, not at the first save (a resumed run's --out included).
   CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", check_checkpoint_target(o_.out_dir)));
   CEMLM_RETURN_IF_ERROR(check_out_and_cache_paths());
@@ -347,6 +346,16 @@ absl::Status Trainer::check_out_and_cache_paths() const {
 // --data naming the parent directory does not read it), held until the run ends, also when the
 // process is killed. The file stays: a run that unlinked it could leave two holders (one of the
 // unlinked file, one of a new file at the same path).
+absl::Status Trainer::check_out_is_new() const {
+  std::error_code ec;
+  if (!o_.resume && fs::exists(in_out(kConfigFile), ec))
+    return absl::AlreadyExistsError(
+        absl::StrCat("--out '", o_.out_dir,
+                     "' already holds a checkpoint: pass --resume to continue its run, "
+                     "--init to start from its weights, or choose another --out"));
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::lock_out() {
   CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", create_checkpoint_parent(o_.out_dir)));
   const fs::path out = out_path();
@@ -800,7 +809,7 @@ absl::Status Trainer::write_extra(const std::string& dir) const {
 
 absl::Status Trainer::save() {
   CEMLM_RETURN_IF_ERROR(
-      save_checkpoint(o_.out_dir, cfg_, params_, /*tokenizer_path=*/"",
+      save_checkpoint(out_.string(), cfg_, params_, /*tokenizer_path=*/"",
                       [this](const std::string& dir) { return write_extra(dir); }));
   if (cb_.on_save) cb_.on_save(step_, o_.out_dir);
   return absl::OkStatus();
@@ -906,6 +915,9 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   compute_threads_ = threads.threads;
   info(absl::StrCat("compute threads: ", threads.threads, " (", threads.why, ")"));
   absolute_paths(o_);
+  // Once: a link re-pointed during the run redirected its saves into whatever it named then
+  // (another run's checkpoint, whose lock was never taken).
+  out_ = checkpoint_target_path(o_.out_dir);
   CEMLM_RETURN_IF_ERROR(check_paths_are_utf8());
   // A resumed run locks --out before loading it: an interrupted save may have left its checkpoint
   // aside, for remove_stale_saves to put back. (A new run's --out may not have a parent yet.)
@@ -920,6 +932,9 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus, list_data());
   if (lock_fd_ < 0) {
     CEMLM_RETURN_IF_ERROR(lock_out());
+    // Again under the lock: a run on the same --out that ended while the data was listed (seconds
+    // on a large corpus) left a checkpoint that this run's first save replaced.
+    CEMLM_RETURN_IF_ERROR(check_out_is_new());
     CEMLM_RETURN_IF_ERROR(remove_stale_saves());
   }
   TrainSummary summary;

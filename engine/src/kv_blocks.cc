@@ -99,9 +99,15 @@ void BlockManager::mark_computed(SeqId seq, std::span<const int> tokens, int n_c
   for (size_t i = s.chain.size(); (i + 1) * bs <= size_t(n_computed) && i < s.table.size(); ++i) {
     const uint64_t parent = i ? s.chain[i - 1] : 0;
     auto chunk = tokens.subspan(i * bs, bs);
-    // Another sequence may have published the same content first: ours stays private, and the
-    // chain goes on from theirs (equal keys, equal contents).
+    // Another sequence may have published the same content first (equal keys, equal contents):
+    // the sequence moves onto that block and frees its copy. (Kept private, the copy held the
+    // content while the published block went idle and could be evicted: a request with this
+    // sequence's tokens then found nothing cached, though all of it was.) The block is full and
+    // computed, so nothing writes into it again.
     if (const int32_t same = find_cached(parent, chunk, s.recursion); same >= 0) {
+      add_ref(same);
+      drop_ref(s.table[i]);
+      s.table[i] = same;
       s.chain.push_back(blocks_[size_t(same)].instance);
       continue;
     }

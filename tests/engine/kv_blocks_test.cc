@@ -177,24 +177,40 @@ TEST(BlockManager, BlocksPublishedAfterADuplicateContinueTheFirstPublishersChain
   EXPECT_EQ(m.blocks[1], bm.table(2)[1]);
 }
 
-// A cached block names its parent by a publication that is never reused: once the parent's block
-// is evicted and holds other tokens, the child (still held by a sequence that computed the parent's
-// content privately) must not follow the new content.
-TEST(BlockManager, AnEvictedParentsChildNeverFollowsNewContentInItsBlock) {
-  BlockManager bm(7, 2, true);
-  const std::vector<int> t = {0, 1, 2, 3, 4};
-  ASSERT_TRUE(bm.start(1, {}, 1, 3));  // blocks 0, 1
-  ASSERT_TRUE(bm.start(2, {}, 1, 5));  // blocks 2, 3, 4
-  bm.mark_computed(1, t, 3);           // block 0 = [0, 1]
-  bm.mark_computed(2, t, 5);           // block 3 = [2, 3] after block 0's publication
-  bm.release(1);                       // block 0 idle in the cache
-  ASSERT_TRUE(bm.start(3, {}, 1, 6));  // takes every free block
-  ASSERT_EQ(bm.num_available(), 1);
-  ASSERT_TRUE(bm.start(4, {}, 1, 2));  // evicts block 0
-  ASSERT_EQ(bm.table(4)[0], 0);
-  bm.mark_computed(4, std::vector<int>{7, 7}, 2);  // block 0 = [7, 7], a new publication
-  EXPECT_EQ(bm.match_prefix(std::vector<int>{7, 7, 2, 3, 9}, 1).blocks.size(), 1u);
-  EXPECT_EQ(bm.match_prefix(t, 1).blocks.size(), 0u);
+// A sequence that computed a block another published first moves onto the published one and
+// frees its copy: the content stays matchable while the sequence holds it. (Its copy stayed
+// private; once the publisher ended, its idle blocks were evicted, and the later block the second
+// sequence published hung under a parent nobody could match: no hits for its tokens at all.)
+TEST(BlockManager, ASequenceMovesOntoTheBlockPublishedFirstWithItsContent) {
+  BlockManager bm(8, 2, true);
+  const std::vector<int> t = {1, 2, 3, 4, 5, 6, 7};
+  ASSERT_TRUE(bm.start(1, {}, 1, 4));  // A: blocks 0, 1
+  ASSERT_TRUE(bm.start(2, {}, 1, 4));  // B, the same prompt in the same step: 2, 3
+  bm.mark_computed(1, t, 4);           // A publishes [1, 2] [3, 4]
+  bm.mark_computed(2, t, 4);           // B moves onto them
+  EXPECT_EQ(bm.table(2), bm.table(1));
+  EXPECT_EQ(bm.num_available(), 6);  // B's copies are free again
+  ASSERT_TRUE(bm.grow(2, 6));
+  bm.mark_computed(2, t, 6);  // B publishes [5, 6]
+  bm.release(1);              // A ends: B still holds its blocks
+  ASSERT_TRUE(bm.start(3, {}, 1, 2 * int(bm.num_available())));  // takes every available block
+  bm.release(3);
+  EXPECT_EQ(bm.match_prefix(t, 1).blocks, bm.table(2));
+  bm.release(2);
+  EXPECT_EQ(bm.num_available(), 8);
+}
+
+// A block computed with another T is not the same content: a sequence keeps its own.
+TEST(BlockManager, ABlockOfAnotherRecursionIsNotMovedOnto) {
+  BlockManager bm(8, 2, true);
+  const std::vector<int> t = {1, 2, 3};
+  ASSERT_TRUE(bm.start(1, {}, 1, 2));
+  ASSERT_TRUE(bm.start(2, {}, 2, 2));
+  bm.mark_computed(1, t, 2);
+  bm.mark_computed(2, t, 2);
+  EXPECT_NE(bm.table(2), bm.table(1));
+  EXPECT_EQ(bm.match_prefix(t, 1).blocks, bm.table(1));
+  EXPECT_EQ(bm.match_prefix(t, 2).blocks, bm.table(2));
 }
 
 // An evicted block that goes back unpublished is free again, not cached: it is taken before any

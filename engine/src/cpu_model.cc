@@ -282,8 +282,31 @@ float* CpuModel::buf(size_t i, int64_t n) {
 }
 
 void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logits) {
-  const int D = cfg_.d_model, Q = cfg_.qk_dim(), F = cfg_.d_ff, V = cfg_.vocab_size;
   Rows r;
+  const int64_t M = final_rows(batch, kv, r);
+  if (M == 0) return;
+  const int64_t D = cfg_.d_model, V = cfg_.vocab_size;
+  logits->resize(size_t(M * V));
+  linear_forward(r.ctx, view(logits->data(), M, V), view(buf(kFinal, M * D), M, D), lm_head_);
+}
+
+void CpuModel::forward(const Batch& batch, KvPool& kv, int64_t rows_per_call,
+                       const LogitsSink& sink) {
+  CEMLM_CHECK(rows_per_call > 0);
+  Rows r;
+  const int64_t M = final_rows(batch, kv, r);
+  const int64_t D = cfg_.d_model, V = cfg_.vocab_size;
+  std::vector<float> logits(size_t(std::min(M, rows_per_call) * V));
+  float* fin = buf(kFinal, M * D);
+  for (int64_t first = 0; first < M; first += rows_per_call) {
+    const int64_t rows = std::min(rows_per_call, M - first);
+    linear_forward(r.ctx, view(logits.data(), rows, V), view(fin + first * D, rows, D), lm_head_);
+    sink(first, rows, logits.data());
+  }
+}
+
+int64_t CpuModel::final_rows(const Batch& batch, KvPool& kv, Rows& r) {
+  const int D = cfg_.d_model, Q = cfg_.qk_dim(), F = cfg_.d_ff, V = cfg_.vocab_size;
   for (const BatchSeq& s : batch.seqs) {
     CEMLM_CHECK(s.recursion >= 1 && s.n_tokens >= 1);
     CEMLM_CHECK(r.seq_T.empty() || r.seq_T.back() >= s.recursion);
@@ -299,7 +322,7 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
     }
     r.N += s.n_tokens;
   }
-  if (r.N == 0) return;
+  if (r.N == 0) return 0;
   r.Tmax = r.seq_T.front();
   const int64_t N = r.N;
   const int rank = std::max(cfg_.attn_precond_rank, cfg_.mlp_precond_rank);
@@ -343,8 +366,7 @@ void CpuModel::forward(const Batch& batch, KvPool& kv, std::vector<float>* logit
   float* fin = buf(kFinal, M * D);
   for (int64_t i = 0; i < M; ++i) std::memcpy(fin + i * D, r.h + out_rows[i] * D, sizeof(float) * D);
   rmsnorm_forward(r.ctx, view(fin, M, D), Tensor{}, view(fin, M, D), w_.final_norm, cfg_.norm_eps);
-  logits->resize(size_t(M) * V);
-  linear_forward(r.ctx, view(logits->data(), M, V), view(fin, M, D), lm_head_);
+  return M;
 }
 
 void CpuModel::attention_standard(int l, Rows& r, KvPool& kv) {
@@ -478,17 +500,36 @@ void CpuModel::mlp_cem(int l, Rows& r) {
   }
 }
 
-std::vector<float> full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids,
-                                int T, bool release_weights) {
+namespace {
+
+// Runs `f(model, batch, kv)` on the whole of `ids` in one block, every row's logits wanted.
+template <typename F>
+void on_full_sequence(const ModelConfig& c, const Weights& w, const std::vector<int>& ids, int T,
+                      bool release_weights, F f) {
   const int n = int(ids.size());
   CpuModel model(c, w, /*batch_invariant=*/false, WeightDtype::kFp32, release_weights);
   KvPool kv(c, n, 1);
   const int32_t block = 0;
   Batch b;
   b.seqs.push_back(BatchSeq{ids.data(), n, 0, T, &block, 1, false, true});
+  f(model, b, kv);
+}
+
+}  // namespace
+
+std::vector<float> full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids,
+                                int T, bool release_weights) {
   std::vector<float> logits;
-  model.forward(b, kv, &logits);
+  on_full_sequence(c, w, ids, T, release_weights,
+                   [&](CpuModel& m, const Batch& b, KvPool& kv) { m.forward(b, kv, &logits); });
   return logits;
+}
+
+void full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids, int T,
+                  bool release_weights, int64_t rows_per_call, const CpuModel::LogitsSink& sink) {
+  on_full_sequence(c, w, ids, T, release_weights, [&](CpuModel& m, const Batch& b, KvPool& kv) {
+    m.forward(b, kv, rows_per_call, sink);
+  });
 }
 
 }  // namespace cemlm

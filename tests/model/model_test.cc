@@ -78,6 +78,28 @@ TEST_P(ModelTest, RecursionDepthMattersOnlyForCem) {
   else EXPECT_EQ(e, 0.0);
 }
 
+// The full forward's logits handed over a few rows at a time (as `cemlm score` reduces them):
+// every row once, in order, equal to the whole [N, V] (1e-5 relative: fewer rows may take
+// another product kernel).
+TEST_P(ModelTest, FullForwardInRowChunksEqualsTheWholeLogits) {
+  const int N = 13, V = cfg_.vocab_size;
+  for (int T : {1, 3}) {
+    const auto ids = random_ids(N, V, 17 + T);
+    const auto ref = full_forward(cfg_, w_, ids, T);
+    for (int64_t per_call : {1, 4, 13, 64}) {
+      std::vector<float> got;
+      full_forward(cfg_, w_, ids, T, false, per_call,
+                   [&](int64_t first, int64_t rows, const float* logits) {
+                     ASSERT_EQ(first * V, int64_t(got.size()));
+                     ASSERT_LE(rows, per_call);
+                     got.insert(got.end(), logits, logits + rows * V);
+                   });
+      ASSERT_EQ(got.size(), ref.size()) << per_call;
+      EXPECT_LT(rel_err(got.data(), ref.data(), ref.size()), 1e-5) << "T=" << T << " " << per_call;
+    }
+  }
+}
+
 // Prefill in random chunks through a paged cache with scattered blocks of size 3, then decode
 // one token at a time: every position's logits equal the full forward (fp32, 1e-4 relative).
 TEST_P(ModelTest, PagedChunkedDecodeEqualsFullForward) {

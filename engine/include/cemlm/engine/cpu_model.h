@@ -4,6 +4,7 @@
 // by T descending so the rows still updating at step t form a prefix). Keys are written once.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <vector>
 
@@ -69,6 +70,12 @@ class CpuModel {
   const ModelConfig& config() const { return cfg_; }
   // See ModelRunner::forward.
   void forward(const Batch& batch, KvPool& kv, std::vector<float>* logits);
+  // The same logits handed to `sink` at most `rows_per_call` rows at a time, in order ([rows, V]
+  // from logits row `first`, valid during the call), so that a long sequence's [N, V] is never
+  // held at once. A call's rows may round differently in their last bits (fewer rows, another
+  // product kernel).
+  using LogitsSink = std::function<void(int64_t first, int64_t rows, const float* logits)>;
+  void forward(const Batch& batch, KvPool& kv, int64_t rows_per_call, const LogitsSink& sink);
   // Embedding rows for ids (the precomputed table, or the table weight).
   const float* embedding(int token) const;
   // The weights of `w` this model never reads after construction: those it applies only through
@@ -78,6 +85,9 @@ class CpuModel {
 
  private:
   struct Rows;
+  // Every layer over the batch's rows; leaves the final-normalised rows that want logits in
+  // buf(kFinal) and returns their number (0: nothing to do).
+  int64_t final_rows(const Batch& batch, KvPool& kv, Rows& r);
   void attention_standard(int l, Rows& r, KvPool& kv);
   void attention_cem(int l, Rows& r, KvPool& kv);
   // The T recursion steps of one CEM attention sub-layer for the rows of one range of sequences.
@@ -118,5 +128,8 @@ LevWeights lev_weights(const Weights& w);
 // packed (CpuModel's release_unread), so that the weights are not held twice.
 std::vector<float> full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids,
                                 int T, bool release_weights = false);
+// The same, handing the logits to `sink` `rows_per_call` rows at a time (CpuModel::forward).
+void full_forward(const ModelConfig& c, const Weights& w, const std::vector<int>& ids, int T,
+                  bool release_weights, int64_t rows_per_call, const CpuModel::LogitsSink& sink);
 
 }  // namespace cemlm

@@ -196,16 +196,24 @@ class EngineImpl final : public Engine {
   FinishReason add_text(Request& q, std::span<const int> generated, StreamEvent* ev);
   void finish(Request& q, FinishReason why, StreamEvent ev, absl::Status error = {});
   void publish_stats();
-  // Takes the blocks of a scoring call (`need` of them for `n` tokens at depth T), waiting for
-  // them when the cache is busy until there is room, the call's deadline passes, it is cancelled
-  // or the engine stops; at most max_waiting calls wait at once.
-  absl::Status wait_for_score_room(SeqId seq, int64_t need, int T, int n, const ScoreRequest& req);
+  // Takes the blocks of a scoring call (`need` of them for `n` tokens at depth T, ranked by its
+  // priority and `arrival`), waiting for them when the cache is busy until there is room, the
+  // call's deadline passes, it is cancelled or the engine stops; at most max_waiting calls wait at
+  // once, besides those `preempted` (already accepted once).
+  absl::Status wait_for_score_room(SeqId seq, int64_t need, int T, int n, uint64_t arrival,
+                                   bool preempted, const ScoreRequest& req);
   SeqId first_score_wait() const;  // the scoring call first in line for blocks (0: none)
   // score_turn_, bumped first (waking the calls waiting for their turn) where the first in line
   // is no longer `first_before` (engine thread).
   uint64_t next_score_turn(SeqId first_before);
   void hold_for_first_score();     // holds blocks for it (engine thread, as both)
-  absl::Status score_chunks(SeqId seq, int T, const ScoreRequest& req, ScoreResult* out);
+  // Queues the scoring calls the scheduler preempted for room, before any other admission: one
+  // left unqueued until its owner noticed lost its blocks to later requests of its priority.
+  void queue_preempted_scores();
+  void stop_score_wait(SeqId seq);  // a call leaves the queue (ended, or given room)
+  // Runs the call's chunks; stops, OK and *preempted set, at a chunk that finds the call preempted.
+  absl::Status score_chunks(SeqId seq, int T, const ScoreRequest& req, ScoreResult* out,
+                            bool* preempted);
 
   const EngineOptions opts_;
   const std::unique_ptr<ModelRunner> runner_;
@@ -235,8 +243,14 @@ class EngineImpl final : public Engine {
   std::vector<Chunk> chunks_;  // on_loop_chunk's
   uint64_t chunks_queued_ = 0;
   int scoring_ = 0;                               // score() calls under way: the loop outlives them
-  // Scoring calls waiting for blocks: their need and priority, by sequence (engine thread).
-  std::map<SeqId, std::pair<int64_t, int>> score_waits_;
+  // Scoring calls waiting for blocks, by sequence (engine thread): their need, priority and
+  // arrival (their rank among requests, as Scheduler::take_arrival gave it).
+  struct ScoreWait {
+    int64_t need;
+    int priority;
+    uint64_t arrival;
+  };
+  std::map<SeqId, ScoreWait> score_waits_;
   // Bumped (under mu_) whenever the first waiting scoring call changes: only the first tries for
   // room every millisecond, the others wait for their turn (each try is a job on the engine
   // thread; a thousand calls polling stalled the steps of every request).
@@ -519,6 +533,7 @@ bool EngineImpl::take_control() {
 
 bool EngineImpl::step() {
   const StepPlan plan = sched_.schedule();
+  queue_preempted_scores();
   const auto now = Clock::now();
   for (const auto& a : plan.admitted) {
     Request& q = *live_.at(a.id);
@@ -695,17 +710,25 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
     }
   } done{this};
   const SeqId seq = kScoreSeqBit | next_id_++;
-  CEMLM_RETURN_IF_ERROR(wait_for_score_room(seq, need, T, n, req));
+  const uint64_t arrival = sched_.take_arrival();  // its rank among requests: from now
   ScoreResult out;
   out.ids = req.ids;
   out.recursion_depth = T;
   out.logprobs.assign(size_t(n), std::numeric_limits<float>::quiet_NaN());
-  const absl::Status st = score_chunks(seq, T, req, &out);
-  on_loop([&] {  // published at once: the call returns with its blocks seen free in stats()
-    blocks_.release(seq);
-    publish_stats();
-  });
-  CEMLM_RETURN_IF_ERROR(st);
+  // A call preempted (its blocks taken by a request ranked above it) waits for room again and
+  // starts over.
+  for (bool preempted = false, again = true; again; again = preempted) {
+    CEMLM_RETURN_IF_ERROR(wait_for_score_room(seq, need, T, n, arrival, preempted, req));
+    preempted = false;
+    const absl::Status st = score_chunks(seq, T, req, &out, &preempted);
+    on_loop([&] {  // published at once: the call returns with its blocks seen free in stats()
+      sched_.end_scoring(seq);
+      // Preempted, it was queued for room at once (queue_preempted_scores): it keeps that place.
+      if (!st.ok() || !preempted) stop_score_wait(seq);
+      publish_stats();
+    });
+    CEMLM_RETURN_IF_ERROR(st);
+  }
   double sum = 0;
   for (int i = 1; i < n; ++i) sum += out.logprobs[size_t(i)];
   out.nll = -sum / (n - 1);
@@ -714,6 +737,7 @@ absl::StatusOr<ScoreResult> EngineImpl::score(const ScoreRequest& req) {
 }
 
 absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int n,
+                                             uint64_t arrival, bool preempted,
                                              const ScoreRequest& req) {
   enum { kRoom, kWait, kFull } got = kWait;
   bool is_first = false;
@@ -725,17 +749,18 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
         // or higher waits too, rather than take the blocks held for that one.
         const SeqId first = first_score_wait();
         const bool behind =
-            first != 0 && first != seq && score_waits_[first].second >= req.priority;
-        if (!behind && sched_.make_room(need, req.priority)) {
-          CEMLM_CHECK(blocks_.start(seq, {}, T, n));
+            first != 0 && first != seq && score_waits_[first].priority >= req.priority;
+        if (!behind && sched_.start_scoring(seq, n, T, req.priority, arrival)) {
           got = kRoom;
           score_waits_.erase(seq);
-        } else if (score_waits_.count(seq) || int(score_waits_.size()) < opts_.max_waiting) {
+        } else if (preempted || score_waits_.count(seq) ||
+                   int(score_waits_.size()) < opts_.max_waiting) {
           got = kWait;
-          score_waits_[seq] = {need, req.priority};
+          score_waits_[seq] = {need, req.priority, arrival};
         } else {
           got = kFull;
         }
+        queue_preempted_scores();  // those of lower priority start_scoring preempted
         hold_for_first_score();
         publish_stats();
         is_first = first_score_wait() == seq;
@@ -754,15 +779,14 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
                        " tokens (the cache is busy)"));
     else if (req.cancelled && req.cancelled())
       gave_up = absl::CancelledError("cancelled while waiting for KV cache room");
-    else if (std::lock_guard<std::mutex> lock(mu_); stopping_)
+    // A call that ran and was preempted goes on through a shutdown that lets requests finish,
+    // as a preempted generation request does.
+    else if (std::lock_guard<std::mutex> lock(mu_); preempted ? cancel_all_ : stopping_)
       gave_up = absl::UnavailableError("the engine is shutting down");
     if (!gave_up.ok()) {
       on_loop([&] {
-        const SeqId first = first_score_wait();
-        score_waits_.erase(seq);
-        hold_for_first_score();
+        stop_score_wait(seq);
         publish_stats();
-        next_score_turn(first);
       });
       return gave_up;
     }
@@ -776,7 +800,9 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
     } else {
       auto until = Clock::now() + std::chrono::milliseconds(50);
       if (req.deadline) until = std::min(until, *req.deadline);
-      score_turn_cv_.wait_until(lock, until, [&] { return score_turn_ != turn || stopping_; });
+      score_turn_cv_.wait_until(lock, until, [&] {
+        return score_turn_ != turn || (preempted ? cancel_all_ : stopping_);
+      });
       try_now = score_turn_ != turn;
     }
   }
@@ -792,22 +818,40 @@ uint64_t EngineImpl::next_score_turn(SeqId first_before) {
 }
 
 SeqId EngineImpl::first_score_wait() const {
-  // The waiting call of the highest priority, then the oldest (sequence ids grow).
+  // The waiting call of the highest priority, then the oldest.
   SeqId first = 0;
   for (const auto& [id, w] : score_waits_)
-    if (first == 0 || w.second > score_waits_.at(first).second) first = id;
+    if (const ScoreWait* f = first ? &score_waits_.at(first) : nullptr;
+        !f || w.priority > f->priority || (w.priority == f->priority && w.arrival < f->arrival))
+      first = id;
   return first;
+}
+
+void EngineImpl::queue_preempted_scores() {
+  std::vector<Scheduler::ScoringClaim> claims = sched_.take_preempted_scoring();
+  if (claims.empty()) return;
+  const SeqId first = first_score_wait();
+  for (const auto& c : claims) score_waits_[c.id] = {c.blocks, c.priority, c.arrival};
+  hold_for_first_score();
+  next_score_turn(first);
+}
+
+void EngineImpl::stop_score_wait(SeqId seq) {
+  const SeqId first = first_score_wait();
+  score_waits_.erase(seq);
+  hold_for_first_score();
+  next_score_turn(first);
 }
 
 void EngineImpl::hold_for_first_score() {
   const SeqId first = first_score_wait();
   if (first == 0) return sched_.hold_for_scoring(0, 0);
-  const auto& [need, priority] = score_waits_.at(first);
-  sched_.hold_for_scoring(need, priority);
+  const ScoreWait& w = score_waits_.at(first);
+  sched_.hold_for_scoring(w.need, w.priority);
 }
 
-absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
-                                      ScoreResult* out) {
+absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req, ScoreResult* out,
+                                      bool* preempted) {
   const std::vector<int>& ids = out->ids;
   const int n = int(ids.size());
   const size_t V = size_t(config_.vocab_size);
@@ -828,6 +872,10 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
     // call holding its chunk's [len, V] until it returned made concurrent calls cost that much
     // each (24 calls of a 32K vocabulary: 1.7 GB).
     on_loop_chunk(req.priority, [&] {
+      if (!sched_.scoring(seq)) {
+        *preempted = true;
+        return;
+      }
       const std::vector<int32_t>& table = blocks_.table(seq);
       BatchSeq s;
       s.tokens = ids.data() + pos;
@@ -862,6 +910,7 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
         }
     });
     CEMLM_RETURN_IF_ERROR(ran);
+    if (*preempted) break;
   }
   return absl::OkStatus();
 }

@@ -187,23 +187,46 @@ int Scheduler::reserve(Sequence* s, int n, const std::set<SeqId>& scheduled, Ste
 // readmission recomputes one token. Skipping it would let it keep a slot over those ranked above it
 // that are preempted next.
 Sequence* Scheduler::victim_after(const Sequence* s, const std::set<SeqId>& scheduled) const {
+  Sequence* v = nullptr;
   for (auto it = running_.rbegin(); it != running_.rend() && *it != s; ++it)
-    if (!scheduled.count((*it)->id)) return *it;
-  return nullptr;
+    if (!scheduled.count((*it)->id)) {
+      v = *it;
+      break;
+    }
+  // A scoring call runs between steps, never in one.
+  Sequence* scoring = scoring_.empty() ? nullptr : scoring_.back().get();
+  if (scoring && RankLess()(s, scoring) && (!v || RankLess()(v, scoring))) return scoring;
+  return v;
+}
+
+Sequence* Scheduler::lowest_below(int priority, bool scoring) const {
+  Sequence* v =
+      !running_.empty() && running_.back()->priority < priority ? running_.back() : nullptr;
+  Sequence* call = scoring && !scoring_.empty() && scoring_.back()->priority < priority
+                       ? scoring_.back().get()
+                       : nullptr;
+  return call && (!v || RankLess()(v, call)) ? call : v;
 }
 
 void Scheduler::preempt(Sequence* s, StepPlan* plan) {
   blocks_->release(s->id);
+  ++preemptions_;
+  if (plan) plan->preempted.push_back(s->id);
+  if (s->scoring) {
+    preempted_scoring_.push_back(
+        {s->id, blocks_->blocks_for(s->n_prompt), s->priority, s->arrival});
+    scoring_.erase(std::find_if(scoring_.begin(), scoring_.end(),
+                                [&](const auto& c) { return c.get() == s; }));
+    return;
+  }
   s->n_computed = 0;
   s->running = false;
   running_.erase(std::find(running_.begin(), running_.end(), s));
   waiting_.insert(s);
-  ++preemptions_;
-  if (plan) plan->preempted.push_back(s->id);
 }
 
 int Scheduler::make_way_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan) {
-  if (waiting_.empty() || running_.empty()) return 0;
+  if (waiting_.empty() || (running_.empty() && scoring_.empty())) return 0;
   const Sequence* w = *waiting_.begin();
   // Blocks held for a scoring call of its priority or higher are not its to take: preempting
   // for an admission the hold refuses would throw work away for nothing.
@@ -215,6 +238,8 @@ int Scheduler::make_way_for_priority(int* budget, std::set<SeqId>* scheduled, St
     lower.push_back((*it)->id);
     lower_rows += row_tokens(*plan, (*it)->id);
   }
+  const size_t lower_sequences = lower.size();
+  lower_scoring(w->priority, &lower);
   if (lower.empty()) return 0;
   const PrefixMatch match = blocks_->match_prefix(w->tokens, w->recursion);
   const int cached = int(match.blocks.size()) * blocks_->block_size();
@@ -231,8 +256,11 @@ int Scheduler::make_way_for_priority(int* budget, std::set<SeqId>* scheduled, St
     return int(running_.size()) < opts_.max_running && fits({}, blocks_->num_available());
   };
   // Nothing to do when it fits as it is; nothing is done when it would not fit even once every
-  // sequence of lower priority made way (no work is thrown away for nothing).
-  if ((*budget >= n && slot_and_blocks()) || !fits(lower, blocks_->reclaimable(lower))) return 0;
+  // sequence and scoring call of lower priority made way (no work is thrown away for nothing).
+  const bool slot_short = int(running_.size()) >= opts_.max_running;
+  if ((*budget >= n && slot_and_blocks()) || (slot_short && lower_sequences == 0) ||
+      !fits(lower, blocks_->reclaimable(lower)))
+    return 0;
   auto leave_step = [&](SeqId id) {
     if (!scheduled->erase(id)) return;
     auto row = std::find_if(plan->rows.begin(), plan->rows.end(),
@@ -245,13 +273,18 @@ int Scheduler::make_way_for_priority(int* budget, std::set<SeqId>* scheduled, St
     if (*budget >= n) break;
     leave_step(id);
   }
-  // A slot and blocks: sequences of lower priority are preempted, lowest rank first.
-  while (!slot_and_blocks()) {
-    Sequence* v = running_.back();
-    CEMLM_CHECK(v->priority < w->priority);
-    leave_step(v->id);
+  // A slot: sequences of lower priority are preempted, lowest rank first (each frees blocks too);
+  // then blocks: they or scoring calls of lower priority, lowest rank first. (In rank order
+  // throughout, a scoring call was preempted for blocks that the sequence preempted next for the
+  // slot freed.)
+  auto make_way = [&](bool scoring) {
+    Sequence* v = lowest_below(w->priority, scoring);
+    CEMLM_CHECK(v != nullptr);
+    if (!v->scoring) leave_step(v->id);
     preempt(v, plan);
-  }
+  };
+  while (int(running_.size()) >= opts_.max_running) make_way(/*scoring=*/false);
+  while (!fits({}, blocks_->num_available())) make_way(/*scoring=*/true);
   return n;
 }
 
@@ -342,18 +375,58 @@ bool Scheduler::make_room(int64_t n_blocks, int priority) {
     if (s->priority > priority) wanted += blocks_->blocks_for(int64_t(s->tokens.size()));
   if (wanted > 0 && blocks_->num_available() - n_blocks < wanted) return false;
   // running_ is in rank order, so the sequences of lower priority are its tail. Preempt only when
-  // preempting all of them would make the room: otherwise their work would be thrown away for a
-  // call that waits anyway.
+  // preempting all of them and the scoring calls of lower priority would make the room: otherwise
+  // their work would be thrown away for a call that waits anyway.
   std::vector<SeqId> lower;
   for (auto it = running_.rbegin(); it != running_.rend() && (*it)->priority < priority; ++it)
     lower.push_back((*it)->id);
+  lower_scoring(priority, &lower);
   if (blocks_->num_available() < n_blocks && blocks_->reclaimable(lower) < n_blocks) return false;
   while (blocks_->num_available() < n_blocks) {
-    CEMLM_CHECK(!running_.empty() && running_.back()->priority < priority);
-    preempt(running_.back(), nullptr);
+    Sequence* v = lowest_below(priority, /*scoring=*/true);
+    CEMLM_CHECK(v != nullptr);
+    preempt(v, nullptr);
   }
   publish_waiting();
   return true;
+}
+
+void Scheduler::lower_scoring(int priority, std::vector<SeqId>* ids) const {
+  for (auto it = scoring_.rbegin(); it != scoring_.rend() && (*it)->priority < priority; ++it)
+    ids->push_back((*it)->id);
+}
+
+uint64_t Scheduler::take_arrival() {
+  std::lock_guard<std::mutex> lock(intake_mu_);
+  return next_arrival_++;
+}
+
+bool Scheduler::start_scoring(SeqId id, int n_tokens, int T, int priority, uint64_t arrival) {
+  CEMLM_CHECK(!scoring(id));
+  if (!make_room(blocks_->blocks_for(n_tokens), priority)) return false;
+  CEMLM_CHECK(blocks_->start(id, {}, T, n_tokens));
+  auto s = std::make_unique<Sequence>();
+  s->id = id;
+  s->n_prompt = n_tokens;
+  s->recursion = T;
+  s->priority = priority;
+  s->arrival = arrival;
+  s->running = true;
+  s->scoring = true;
+  auto at =
+      std::upper_bound(scoring_.begin(), scoring_.end(), s.get(),
+                       [](const Sequence* a, const auto& b) { return RankLess()(a, b.get()); });
+  scoring_.insert(at, std::move(s));
+  return true;
+}
+
+bool Scheduler::scoring(SeqId id) const {
+  return std::any_of(scoring_.begin(), scoring_.end(), [&](const auto& s) { return s->id == id; });
+}
+
+void Scheduler::end_scoring(SeqId id) {
+  blocks_->release(id);
+  std::erase_if(scoring_, [&](const auto& s) { return s->id == id; });
 }
 
 }  // namespace cemlm

@@ -62,7 +62,8 @@ ServerMetrics::ServerMetrics(const std::string& model_name, int max_waiting)
       "Finished Generate streams the server cancelled because their client had not read them "
       "for --unread-timeout; they are also counted in requests_total, as OK when the engine "
       "finished them normally.");
-  preemptions_ = counter("cemlm:num_preemptions_total", "Requests preempted by recompute.");
+  preemptions_ =
+      counter("cemlm:num_preemptions_total", "Requests and Score calls preempted by recompute.");
   compute_rests_ = counter(
       "cemlm:compute_thread_rests_total",
       "Times a CPU compute thread was left out of the engine's work for 2-64 ms because it held "

@@ -538,7 +538,15 @@ TEST(Engine, RandomMixesOnATinyCacheGiveTheOutputsOfAnUnconstrainedRun) {
         for (int i = 0; i < 3; ++i) {
           ScoreRequest sr{tokens(9, i), 1};
           sr.priority = i;
-          EXPECT_TRUE(tiny.engine->score(sr).ok());
+          // Preempted or not (the calls are ranked among the requests), the unconstrained result.
+          const auto s = tiny.engine->score(sr);
+          ASSERT_TRUE(s.ok()) << s.status();
+          Built big = build({.num_blocks = 512});
+          const auto alone = big.engine->score(sr);
+          ASSERT_TRUE(alone.ok()) << alone.status();
+          EXPECT_EQ(s->nll, alone->nll) << "score " << i;
+          for (size_t k = 1; k < sr.ids.size(); ++k)
+            EXPECT_EQ(s->logprobs[k], alone->logprobs[k]) << "score " << i << " id " << k;
         }
       });
       gate.release();
@@ -1149,6 +1157,126 @@ TEST(Engine, ScoreWaitsForEqualPrioritiesAndPreemptsLowerOnes) {
     ASSERT_TRUE(c.wait_finals(1));
     expect_same_outputs(reference, {c.get(id)});
   }
+}
+
+// The scene of the next tests, on 16 blocks of 4 with 4-token chunks: a request (8-token prompt)
+// holds at 10 tokens (3 blocks) until `sent`, then 50 ms for a Score of 48 ids to take 12 of the
+// 13 blocks free; its rows are paced (3 ms each) so that the Score's first chunk is queued before
+// the request needs a fifth block, 6 steps on. Only the Score's chunks give position 0 logits:
+// `first_chunks` counts its starts, and `at_first_chunk` runs in the first.
+struct ScoreBesideRequest {
+  EngineOptions engine_options() const {
+    EngineOptions eo;
+    eo.max_batch_tokens = 4;
+    return eo;
+  }
+  FakeOptions runner_options() {
+    return {.num_blocks = 16, .favorite = [this](int p) {
+              if (p == 0 && first_chunks++ == 0 && at_first_chunk) at_first_chunk();
+              if (p == 9 && !gated.exchange(true)) {
+                while (!sent) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                std::this_thread::sleep_for(std::chrono::milliseconds(50));
+              }
+              std::this_thread::sleep_for(std::chrono::milliseconds(3));
+              return -1;
+            }};
+  }
+  const ScoreRequest score{tokens(48, 9), 1};  // 12 blocks
+  std::atomic<bool> sent{false};
+  std::atomic<int> first_chunks{0};
+  std::function<void()> at_first_chunk;
+
+ private:
+  std::atomic<bool> gated{false};
+};
+
+// A running request of higher priority that needs a block takes it from a Score of lower
+// priority, which starts over once there is room again: the request preempted itself (and redid
+// its tokens after the Score), the Score's blocks being nobody's to take.
+TEST(Engine, ARunningRequestTakesTheBlocksOfALowerPriorityScore) {
+  ScoreBesideRequest scene;
+  GenerateRequest gen = request(tokens(8, 3), 40);  // 48 tokens: 12 of 16 blocks
+  gen.priority = 5;
+  Built ref = build({.num_blocks = 512}, scene.engine_options());
+  const auto reference = run_all(*ref.engine, {gen});
+  const auto alone = ref.engine->score(scene.score);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  Built b = build(scene.runner_options(), scene.engine_options());
+  Collector c;
+  const RequestId id = *b.engine->submit(gen, c.callback());
+  scene.sent = true;
+  const auto got = b.engine->score(scene.score);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(scene.first_chunks.load(), 2) << "the Score was not preempted and started over";
+  EXPECT_EQ(b.engine->stats().preemptions_total, 1) << "the request was preempted too";
+  for (size_t i = 1; i < scene.score.ids.size(); ++i)
+    EXPECT_EQ(got->logprobs[i], alone->logprobs[i]) << i;
+  EXPECT_EQ(got->nll, alone->nll);
+  ASSERT_TRUE(c.wait_finals(1));
+  expect_same_outputs(reference, {c.get(id)});
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, 16);
+}
+
+// A Score preempted while a shutdown lets requests finish waits for room again and finishes,
+// as a preempted generation request does (it ended UNAVAILABLE).
+TEST(Engine, AScorePreemptedDuringAGracefulShutdownFinishes) {
+  ScoreBesideRequest scene;
+  GenerateRequest gen = request(tokens(8, 3), 40);
+  gen.priority = 5;
+  Built ref = build({.num_blocks = 512}, scene.engine_options());
+  const auto alone = ref.engine->score(scene.score);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  std::atomic<bool> scoring{false}, stop_called{false};
+  scene.at_first_chunk = [&] {  // holds the Score's first chunk until shutdown() is under way
+    scoring = true;
+    while (!stop_called) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  Built b = build(scene.runner_options(), scene.engine_options());
+  Collector c;
+  const RequestId id = *b.engine->submit(gen, c.callback());
+  scene.sent = true;
+  std::thread stopper;
+  auto stop = std::async(std::launch::async, [&] {
+    while (!scoring) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    stopper = std::thread([&] { b.engine->shutdown(false); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    stop_called = true;
+  });
+  const auto got = b.engine->score(scene.score);
+  stop.get();
+  stopper.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(scene.first_chunks.load(), 2) << "the Score was not preempted and started over";
+  EXPECT_EQ(got->nll, alone->nll);
+  ASSERT_TRUE(c.wait_finals(1));
+  EXPECT_EQ(c.get(id).reason, FinishReason::kLength);
+}
+
+// A preempted Score keeps its place among requests of its priority: it is queued for room at
+// once, so a later request of its priority is not admitted into the blocks it lost (and then
+// waited for, since equal priorities never make way).
+TEST(Engine, APreemptedScoreKeepsItsPlaceBeforeLaterRequestsOfItsPriority) {
+  ScoreBesideRequest scene;
+  const GenerateRequest first = request(tokens(8, 3), 28);  // 9 of 16 blocks at the end
+  const GenerateRequest later = request(tokens(8, 5), 40);
+  std::atomic<bool> scoring{false};
+  scene.at_first_chunk = [&] { scoring = true; };
+  Built b = build(scene.runner_options(), scene.engine_options());
+  Collector c;
+  const RequestId a = *b.engine->submit(first, c.callback());
+  scene.sent = true;
+  RequestId z = 0;
+  auto send_later = std::async(std::launch::async, [&] {
+    while (!scoring) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    z = *b.engine->submit(later, c.callback());
+  });
+  const auto got = b.engine->score(scene.score);
+  send_later.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(scene.first_chunks.load(), 2) << "the Score was not preempted and started over";
+  EXPECT_EQ(c.get(a).finals, 1);
+  EXPECT_EQ(c.get(z).finals, 0) << "the Score waited for a later request of its priority";
+  ASSERT_TRUE(c.wait_finals(2));
 }
 
 // One request of priority 5 running (20 ms a step, one running at a time) and one of priority 5

@@ -703,6 +703,157 @@ TEST(Scheduler, MakeRoomCountsOnlyWhatPreemptingWouldFree) {
   h.bm.release(other);
 }
 
+// A scoring call's blocks are preempted like a sequence's, by rank: a running sequence ranked
+// above it takes them when it needs a block (it preempted itself instead, and redid its tokens
+// after the call), one ranked below preempts itself; the call's owner sees it gone.
+TEST(Scheduler, ARunningSequenceRankedAboveAScoringCallTakesItsBlocks) {
+  struct Case {
+    int seq_priority, call_priority;
+    bool call_first;  // the call's arrival is before the sequence's
+    bool call_preempted;
+  };
+  for (const Case& k : {Case{5, 0, true, true}, Case{0, 0, false, true}, Case{0, 0, true, false},
+                        Case{0, 5, false, false}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << k.seq_priority << " " << k.call_priority << " " << k.call_first);
+    Harness h({.max_batch_tokens = 100}, 6, 2);
+    const uint64_t early = h.sched.take_arrival();
+    h.add(1, 4, 1, k.seq_priority);  // 2 blocks, full: its first token needs a third
+    const uint64_t late = h.sched.take_arrival();
+    h.step();
+    const SeqId call = 999;
+    ASSERT_TRUE(h.sched.start_scoring(call, 8, 2, k.call_priority, k.call_first ? early : late));
+    ASSERT_TRUE(h.sched.scoring(call));
+    ASSERT_EQ(h.bm.num_available(), 0);
+    StepPlan p = h.step();
+    EXPECT_EQ(h.sched.preemptions_total(), 1);
+    EXPECT_EQ(h.sched.scoring(call), !k.call_preempted);
+    EXPECT_EQ(h.sched.find(1)->running, k.call_preempted);
+    EXPECT_EQ(row_tokens(p, 1), k.call_preempted ? 1 : 0);
+    EXPECT_EQ(p.preempted, std::vector<SeqId>{k.call_preempted ? call : 1});
+    EXPECT_EQ(h.bm.num_available(), k.call_preempted ? 3 : 2);
+    h.sched.end_scoring(call);  // as its owner does, preempted or not
+    EXPECT_EQ(h.bm.num_available(), k.call_preempted ? 3 : 6);
+    EXPECT_FALSE(h.sched.scoring(call));
+  }
+}
+
+// Of the sequences and scoring calls ranked after a sequence that needs a block, the lowest
+// ranked goes first.
+TEST(Scheduler, TheLowestRankedOfSequencesAndScoringCallsIsPreemptedFirst) {
+  for (int call_priority : {1, 3}) {
+    Harness h({.max_batch_tokens = 100}, 8, 2);
+    h.add(1, 4, 1, 4);  // A: 2 blocks, its first token needs a third
+    h.add(2, 3, 1, 2);  // B: 2 blocks
+    h.step();
+    const SeqId call = 999;
+    ASSERT_TRUE(h.sched.start_scoring(call, 8, 1, call_priority, h.sched.take_arrival()));
+    ASSERT_EQ(h.bm.num_available(), 0);
+    h.step();
+    EXPECT_TRUE(h.sched.find(1)->running);
+    EXPECT_EQ(h.sched.preemptions_total(), 1);
+    // Below B (priority 2), the call goes; above it, B does.
+    EXPECT_EQ(h.sched.scoring(call), call_priority > 2) << call_priority;
+    EXPECT_EQ(h.sched.find(2)->running, call_priority < 2) << call_priority;
+    h.sched.end_scoring(call);
+  }
+}
+
+// A waiting sequence of higher priority is admitted into a lower-priority scoring call's blocks,
+// as into a lower-priority sequence's; but a call holds no running slot, so none is preempted for
+// one.
+TEST(Scheduler, AHigherPriorityAdmissionPreemptsAScoringCallForBlocksNotForASlot) {
+  {
+    Harness h({.max_batch_tokens = 100}, 6, 2);
+    const SeqId call = 999;
+    ASSERT_TRUE(h.sched.start_scoring(call, 12, 1, 0, h.sched.take_arrival()));
+    h.add(1, 4, 1, 0);  // its own priority waits for the call
+    h.step();
+    EXPECT_FALSE(h.sched.find(1)->running);
+    EXPECT_TRUE(h.sched.scoring(call));
+    h.add(2, 4, 1, 1);
+    StepPlan p = h.step();
+    EXPECT_TRUE(h.sched.find(2)->running);
+    EXPECT_FALSE(h.sched.scoring(call));
+    EXPECT_EQ(p.preempted, std::vector<SeqId>{call});
+    EXPECT_EQ(h.sched.preemptions_total(), 1);
+    h.sched.end_scoring(call);
+  }
+  {
+    Harness h({.max_batch_tokens = 100, .max_running = 1}, 6, 2);
+    h.add(1, 2, 1, 5);  // holds the only slot
+    h.step();
+    const SeqId call = 999;
+    ASSERT_TRUE(h.sched.start_scoring(call, 8, 1, 0, h.sched.take_arrival()));
+    h.add(2, 2, 1, 1);  // needs the slot, which preempting the call would not give
+    h.step();
+    EXPECT_FALSE(h.sched.find(2)->running);
+    EXPECT_TRUE(h.sched.scoring(call));
+    EXPECT_EQ(h.sched.preemptions_total(), 0);
+    h.sched.end_scoring(call);
+  }
+}
+
+// When a slot and blocks are both short, sequences go first for the slot: the one that frees both
+// is enough (in rank order, the lower-ranked call went first for blocks that the sequence then
+// preempted for the slot freed anyway).
+TEST(Scheduler, MakeWayPreemptsForTheSlotBeforeTheBlocks) {
+  Harness h({.max_batch_tokens = 100, .max_running = 1}, 4, 4);
+  h.add(1, 3, 1, 0);  // 1 block
+  h.step();
+  const SeqId call = 999;
+  ASSERT_TRUE(h.sched.start_scoring(call, 12, 1, 0, h.sched.take_arrival()));  // 3 blocks
+  ASSERT_EQ(h.bm.num_available(), 0);
+  h.add(2, 4, 1, 1);  // a slot and 1 block
+  h.step();
+  EXPECT_TRUE(h.sched.find(2)->running);
+  EXPECT_FALSE(h.sched.find(1)->running);
+  EXPECT_TRUE(h.sched.scoring(call)) << "preempted for nothing";
+  EXPECT_TRUE(h.sched.take_preempted_scoring().empty());
+  h.sched.end_scoring(call);
+}
+
+// A preempted scoring call is handed back to its owner's queue with its size, priority and rank.
+TEST(Scheduler, APreemptedScoringCallIsHandedBackToBeQueued) {
+  Harness h({.max_batch_tokens = 100}, 6, 2);
+  h.add(1, 4, 1, 5);
+  h.step();
+  const uint64_t arrival = h.sched.take_arrival();
+  ASSERT_TRUE(h.sched.start_scoring(999, 7, 1, 0, arrival));  // 4 blocks
+  EXPECT_TRUE(h.sched.take_preempted_scoring().empty());
+  h.step();  // sequence 1 needs a third block
+  const auto claims = h.sched.take_preempted_scoring();
+  ASSERT_EQ(claims.size(), 1u);
+  EXPECT_EQ(claims[0].id, 999u);
+  EXPECT_EQ(claims[0].blocks, 4);
+  EXPECT_EQ(claims[0].priority, 0);
+  EXPECT_EQ(claims[0].arrival, arrival);
+  EXPECT_TRUE(h.sched.take_preempted_scoring().empty());  // handed over once
+}
+
+// Room for a scoring call preempts scoring calls of lower priority, lowest rank first, never one
+// of its own priority.
+TEST(Scheduler, MakeRoomPreemptsLowerPriorityScoringCalls) {
+  Harness h({.max_batch_tokens = 100}, 6, 2);
+  ASSERT_TRUE(h.sched.start_scoring(901, 4, 1, 1, h.sched.take_arrival()));  // 2 blocks
+  ASSERT_TRUE(h.sched.start_scoring(902, 4, 1, 0, h.sched.take_arrival()));
+  ASSERT_TRUE(h.sched.start_scoring(903, 4, 1, 1, h.sched.take_arrival()));
+  EXPECT_FALSE(h.sched.start_scoring(904, 4, 1, 0, h.sched.take_arrival()));
+  EXPECT_TRUE(h.sched.scoring(902));
+  EXPECT_FALSE(h.sched.start_scoring(905, 6, 1, 1, h.sched.take_arrival()));  // 3 blocks
+  EXPECT_TRUE(h.sched.scoring(902));  // its 2 would not do: not preempted for nothing
+  EXPECT_TRUE(h.sched.start_scoring(906, 2, 1, 2, h.sched.take_arrival()));
+  EXPECT_FALSE(h.sched.scoring(902));  // the lowest ranked
+  EXPECT_TRUE(h.sched.scoring(901));
+  EXPECT_TRUE(h.sched.scoring(903));
+  EXPECT_TRUE(h.sched.start_scoring(907, 6, 1, 2, h.sched.take_arrival()));
+  EXPECT_FALSE(h.sched.scoring(903));  // of priority 1, the later
+  EXPECT_TRUE(h.sched.scoring(901));
+  EXPECT_EQ(h.sched.preemptions_total(), 2);
+  for (SeqId id : {901, 906, 907}) h.sched.end_scoring(id);
+  EXPECT_EQ(h.bm.num_available(), 6);
+}
+
 // A victim whose preemption frees nothing (every block shared, at a block boundary) is still
 // preempted in rank order; its cache lives on in the sharer's references, so readmission
 // recomputes one token.
@@ -764,6 +915,7 @@ struct SimConfig {
 struct SimOutcome {
   std::map<SeqId, std::vector<int>> out;  // generated tokens of the requests that ran to the end
   std::set<SeqId> rejected;               // refused or displaced by a full queue
+  int scoring_preempted = 0;              // scoring calls preempted (and started over)
 };
 
 // Greedy decoding of `reqs` (ids 1, 2, ...) as the engine runs it; checks, every step, that a row
@@ -781,11 +933,11 @@ SimOutcome simulate(const SimConfig& cfg, const std::vector<SimRequest>& reqs) {
   std::set<SeqId> live;
   std::map<SeqId, int> score_release;  // scoring sequence -> step it ends
   std::vector<size_t> score_waits;     // scoring calls waiting for room, first in line first
+  std::map<size_t, uint64_t> score_arrival;
   const SeqId kScore = SeqId(1) << 62;
   auto holders = [&] {
-    std::vector<SeqId> ids(score_release.size());
-    std::transform(score_release.begin(), score_release.end(), ids.begin(),
-                   [](const auto& kv) { return kv.first; });
+    std::vector<SeqId> ids;
+    for (const auto& [id, at] : score_release) ids.push_back(id);
     for (SeqId id : live)
       if (bm.has(id)) ids.push_back(id);
     return ids;
@@ -820,26 +972,46 @@ SimOutcome simulate(const SimConfig& cfg, const std::vector<SimRequest>& reqs) {
     }
     for (size_t i = 0; i < reqs.size(); ++i)
       if (reqs[i].remove_step == step && live.count(i + 1)) end(i + 1);
-    for (auto it = score_release.begin(); it != score_release.end();)
+    // A scoring call ends after its steps (once preempted, it waits for room again: below).
+    for (auto it = score_release.begin(); it != score_release.end();) {
       if (it->second <= step) {
-        bm.release(it->first);
+        EXPECT_TRUE(sched.scoring(it->first));
+        sched.end_scoring(it->first);
         it = score_release.erase(it);
       } else {
         ++it;
       }
+    }
     // Scoring calls as the engine serves them: the first in line (highest priority, then oldest)
-    // takes room when make_room gives it, and blocks are held for it while it waits.
+    // takes room when start_scoring gives it, and blocks are held for it while it waits.
     for (size_t k = 0; k < cfg.scores.size(); ++k)
-      if (cfg.scores[k].step == step) score_waits.push_back(k);
-    std::stable_sort(score_waits.begin(), score_waits.end(), [&](size_t a, size_t b) {
-      return cfg.scores[a].priority > cfg.scores[b].priority;
-    });
+      if (cfg.scores[k].step == step) {
+        score_waits.push_back(k);
+        score_arrival[k] = sched.take_arrival();
+      }
+    auto first_in_line = [&] {
+      std::sort(score_waits.begin(), score_waits.end(), [&](size_t a, size_t b) {
+        if (cfg.scores[a].priority != cfg.scores[b].priority)
+          return cfg.scores[a].priority > cfg.scores[b].priority;
+        return score_arrival[a] < score_arrival[b];
+      });
+    };
+    // As the engine, preempted calls queue for room again at once (their owner notices later).
+    auto queue_preempted = [&] {
+      for (const auto& claim : sched.take_preempted_scoring()) {
+        score_release.erase(claim.id);
+        score_waits.push_back(size_t(claim.id & ~kScore));
+        ++res.scoring_preempted;
+      }
+      first_in_line();
+    };
+    first_in_line();
     while (!score_waits.empty()) {
-      const SimConfig::Score& sc = cfg.scores[score_waits.front()];
-      if (!sched.make_room(bm.blocks_for(sc.n), sc.priority)) break;
-      const SeqId sid = kScore | score_waits.front();
+      const size_t k = score_waits.front();
+      const SimConfig::Score& sc = cfg.scores[k];
+      const SeqId sid = kScore | k;
+      if (!sched.start_scoring(sid, sc.n, 1, sc.priority, score_arrival[k])) break;
       score_waits.erase(score_waits.begin());
-      EXPECT_TRUE(bm.start(sid, {}, 1, sc.n));
       std::vector<int> ids(size_t(sc.n), 3);
       std::vector<float> logits;
       const auto& table = bm.table(sid);
@@ -847,6 +1019,7 @@ SimOutcome simulate(const SimConfig& cfg, const std::vector<SimRequest>& reqs) {
           Batch{{BatchSeq{ids.data(), sc.n, 0, 1, table.data(), int(table.size()), false, true}}},
           &logits);
       score_release[sid] = step + sc.hold;
+      queue_preempted();  // of lower priority, for this one's room
     }
     if (score_waits.empty()) {
       sched.hold_for_scoring(0, 0);
@@ -857,6 +1030,7 @@ SimOutcome simulate(const SimConfig& cfg, const std::vector<SimRequest>& reqs) {
     check_pool();
     if (live.empty() && score_release.empty() && score_waits.empty() && step > last_event) break;
     const StepPlan plan = sched.schedule();
+    queue_preempted();
     check_pool();
     // A row writes only into blocks that no other sequence references.
     std::map<int32_t, int> refs;
@@ -892,13 +1066,14 @@ SimOutcome simulate(const SimConfig& cfg, const std::vector<SimRequest>& reqs) {
   EXPECT_TRUE(live.empty()) << live.size() << " requests never finished";
   EXPECT_TRUE(score_waits.empty()) << score_waits.size() << " scoring calls never served";
   for (SeqId id : std::set<SeqId>(live)) end(id);
-  for (const auto& [sid, at] : score_release) bm.release(sid);
+  for (const auto& [sid, at] : score_release) sched.end_scoring(sid);
   EXPECT_EQ(bm.num_available(), cfg.num_blocks);
   EXPECT_FALSE(sched.has_work());
   return res;
 }
 
 TEST(Scheduler, RandomWorkloadsKeepBlocksConsistentAndOutputsIdentical) {
+  int scoring_preempted = 0;
   for (uint32_t seed = 1; seed <= 300; ++seed) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     std::mt19937 rng(seed);
@@ -932,6 +1107,7 @@ TEST(Scheduler, RandomWorkloadsKeepBlocksConsistentAndOutputsIdentical) {
       cfg.scores.push_back(
           {uni(0, step + 5), uni(0, 3), uni(1, int(cfg.num_blocks) * cfg.block_size), uni(1, 4)});
     const SimOutcome got = simulate(cfg, reqs);
+    scoring_preempted += got.scoring_preempted;
     for (size_t i = 0; i < reqs.size(); ++i) {
       const SeqId id = i + 1;
       if (got.rejected.count(id) || reqs[i].remove_step >= 0) continue;
@@ -944,6 +1120,7 @@ TEST(Scheduler, RandomWorkloadsKeepBlocksConsistentAndOutputsIdentical) {
     }
     if (::testing::Test::HasFailure()) break;
   }
+  EXPECT_GT(scoring_preempted, 0) << "no workload preempted a scoring call";
 }
 
 }  // namespace

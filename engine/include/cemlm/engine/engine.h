@@ -86,8 +86,10 @@ struct ScoreRequest {
   std::vector<int> ids;
   int recursion_depth = 0;
   std::string ids_field = "ids";  // the client's field, as validation errors name it
-  // When the cache is full the call waits for room; running requests of lower priority are
-  // preempted for it (as for a generation request), equal and higher ones never.
+  // When the cache is full the call waits for room; running requests and calls of lower priority
+  // are preempted for it (as for a generation request), equal and higher ones never. Once it
+  // runs, it is ranked and preempted as a request of this priority that arrived when it was
+  // called (Scheduler::start_scoring): it then waits again and starts over.
   int priority = 0;
   // Checked before each chunk: past the deadline the call ends DEADLINE_EXCEEDED, and once
   // `cancelled` returns true (called on the scoring caller's thread) it ends CANCELLED; either
@@ -146,7 +148,8 @@ class Engine {
   // Idempotent; the request ends with kCancelled and its blocks are freed within one step.
   virtual void cancel(RequestId id) = 0;
   // Blocking prefill-only scoring (the engine thread runs it between steps, in chunks of
-  // max_batch_tokens; preempts running requests when the cache has no room for the ids).
+  // max_batch_tokens; preempts running requests of lower priority when the cache has no room for
+  // the ids, and is preempted as a request is, then starting over: see ScoreRequest::priority).
   virtual absl::StatusOr<ScoreResult> score(const ScoreRequest& req) = 0;
   // Checks a request without submitting it.
   virtual absl::Status validate(const GenerateRequest& req) const = 0;

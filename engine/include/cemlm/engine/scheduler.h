@@ -11,19 +11,20 @@
 //  2. priority: when the first waiting sequence does not fit (the budget left, max_running, or
 //     the blocks of its first chunk) but would once running sequences of lower priority made way,
 //     their rows sit this step out while budget is short (a block's worth at least), and they are
-//     preempted while a slot or blocks are, lowest rank first; that sequence is then the step's
-//     only admission. Equal priorities never make way for each other (FCFS), and nothing is done
-//     for a sequence that would still not fit;
+//     preempted while a slot is short, and they or scoring calls of lower priority while blocks
+//     are, lowest rank first; that sequence is then the step's only admission. Equal priorities
+//     never make way for each other (FCFS), and nothing is done for a sequence that would still
+//     not fit;
 //  3. admission of waiting sequences, in rank order, while the budget, max_running and the cache
 //     allow; it stops at the first one that does not fit (no overtaking). Steps 2 and 3 are
 //     skipped in a step whose rows ran out of blocks (and preempted for that).
 // Rank = priority (higher first), then arrival (FCFS). When a running sequence needs a block and
-// none is available, the lowest-ranked (newest) running sequence ranked after it and not yet in
-// this step is preempted by recompute: its blocks are freed and it goes back to waiting with its
-// arrival unchanged (so ahead of later arrivals), to be prefilled again over prompt + generated
-// tokens. With no such victim a decode row preempts itself and a prefill chunk shrinks to the
-// blocks left or waits. The rows of a Batch are ordered by recursion T descending (the runner needs
-// it).
+// none is available, the lowest-ranked (newest) running sequence or scoring call ranked after it,
+// and not yet in this step, is preempted by recompute: its blocks are freed and a sequence goes
+// back to waiting with its arrival unchanged (so ahead of later arrivals), to be prefilled again
+// over prompt + generated tokens (a scoring call starts over). With no such victim a decode row
+// preempts itself and a prefill chunk shrinks to the blocks left or waits. The rows of a Batch are
+// ordered by recursion T descending (the runner needs it).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -62,6 +63,7 @@ struct Sequence {
   bool running = false;
   bool admitted_before = false;  // admitted once already (now readmitted after a preemption)
   bool displaced = false;        // named by accept() for its owner to end
+  bool scoring = false;  // a scoring call's blocks (Scheduler::start_scoring): n_prompt tokens
   int generated() const { return int(tokens.size()) - n_prompt; }
 };
 
@@ -105,10 +107,34 @@ class Scheduler {
   void append(SeqId id, int token);
   // Ends an accepted sequence wherever it is (waiting or running) and frees its blocks.
   bool remove(SeqId id);
-  // Room for a scoring call of `priority`: preempts running sequences of lower priority, lowest
-  // rank first, until `n_blocks` are available; false, with none preempted, when even all of them
-  // would not free enough (equal and higher priorities are never preempted: the call waits), or
-  // when it would leave fewer than the waiting sequences of higher priority need to start.
+  // Scoring calls: a prefill of all of their tokens whose chunks the engine runs between steps,
+  // holding their blocks till they end. One is ranked like a sequence (its priority, then its
+  // `arrival`, from take_arrival() when the call came) and preempted like one: by a running
+  // sequence ranked above it that needs a block, by a waiting sequence of higher priority that
+  // make-way admits, or by a scoring call of higher priority. Its blocks are then freed and
+  // scoring(id) turns false: its owner starts it over. (A Score whose blocks could not be taken
+  // made a running stream of higher priority preempt itself, and redo its tokens after it.)
+  uint64_t take_arrival();  // thread-safe
+  // Takes the blocks of `n_tokens` at depth T for scoring call `id`, making room as make_room
+  // does; false, with nothing taken or preempted, where make_room makes none.
+  bool start_scoring(SeqId id, int n_tokens, int T, int priority, uint64_t arrival);
+  bool scoring(SeqId id) const;  // started and neither preempted nor ended
+  void end_scoring(SeqId id);    // frees its blocks, if it still has them
+  // The scoring calls preempted since the last call, for the engine to queue for room again (and
+  // hold blocks for) before the next admission: one left unqueued until its owner noticed lost
+  // its blocks to later requests of its priority, which it then waited for.
+  struct ScoringClaim {
+    SeqId id;
+    int64_t blocks;
+    int priority;
+    uint64_t arrival;
+  };
+  std::vector<ScoringClaim> take_preempted_scoring() { return std::move(preempted_scoring_); }
+  // Room for a scoring call of `priority`: preempts running sequences and scoring calls of lower
+  // priority, lowest rank first, until `n_blocks` are available; false, with none preempted, when
+  // even all of them would not free enough (equal and higher priorities are never preempted: the
+  // call waits), or when it would leave fewer than the waiting sequences of higher priority need
+  // to start.
   bool make_room(int64_t n_blocks, int priority);
   // Blocks that admitting waiting sequences of at most `priority` must leave available (0: none),
   // held for a scoring call waiting for room, so that a stream of admissions cannot starve it.
@@ -129,7 +155,13 @@ class Scheduler {
   };
   void publish_waiting();
   void publish_locked();  // publish_waiting's work, intake_mu_ held
+  // Frees `s`'s blocks: a sequence goes back to waiting; a scoring call is gone (`s` with it).
   void preempt(Sequence* s, StepPlan* plan);
+  // The lowest-ranked running sequence of priority below `priority` or, with `scoring`, scoring
+  // call (nullptr: none).
+  Sequence* lowest_below(int priority, bool scoring) const;
+  // Appends the ids of the scoring calls of priority below `priority`, lowest rank first.
+  void lower_scoring(int priority, std::vector<SeqId>* ids) const;
   // Makes way for the first waiting sequence when it does not fit (the budget left, max_running,
   // its first chunk's blocks) but would once running sequences of lower priority made way: their
   // rows sit this step out, lowest rank first, while budget is short; they are preempted while a
@@ -151,6 +183,8 @@ class Scheduler {
   std::unordered_map<SeqId, std::unique_ptr<Sequence>> seqs_;
   std::set<Sequence*, RankLess> waiting_;
   std::vector<Sequence*> running_;  // sorted by rank
+  std::vector<std::unique_ptr<Sequence>> scoring_;  // started scoring calls, sorted by rank
+  std::vector<ScoringClaim> preempted_scoring_;     // for take_preempted_scoring
   int64_t preemptions_ = 0;
   int64_t held_for_scoring_ = 0;
   int held_priority_ = 0;

@@ -14,6 +14,7 @@
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
+#include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/utf8.h"
 
@@ -51,13 +52,28 @@ int train(int argc, char** argv) {
                  "text files or directories (walked recursively, sorted); .dat/.u8, binary and "
                  "non-UTF-8 files are skipped",
                  true);
-  flags.add("out", &opts.out_path, "the .model file to write (e.g. CKPT/tokenizer.model)", true);
+  flags.add("out", &opts.out_path,
+            "the .model file to write (not one a checkpoint holds: config.json beside it)", true);
   flags.add("vocab-size", &opts.vocab_size,
             "number of pieces: more than the 260 special and byte pieces plus the text's "
             "distinct characters (an error says how many)");
   flags.add_bool("verbose", &opts.verbose, "show SentencePiece's training log");
+  flags.add("threads", &opts.threads,
+            "training threads (0: the CPUs this process may use); the model file records the "
+            "number, so the same text and threads give the same bytes");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
+  if (opts.threads < 0)
+    return usage_error("--threads must be >= 0 (0: the CPUs this process may use)");
   std::string error;
+  // A trained checkpoint's tokenizer is what its weights read: a new one in its place fed them
+  // other ids (the same number of pieces loaded without a word).
+  if (std::error_code ec;
+      std::filesystem::exists(opts.out_path, ec) &&
+      std::filesystem::exists(std::filesystem::path(opts.out_path).parent_path() / kConfigFile, ec))
+    return fail("--out '" + opts.out_path + "' is the tokenizer of the checkpoint beside it (" +
+                kConfigFile +
+                "): its weights were trained with it, and a new one would feed them other ids; "
+                "write the new tokenizer elsewhere");
   if (!opts.out_path.empty() &&  // train_tokenizer says so when it is
       !check_out_file("--out", opts.out_path, "tokenizer.model", /*makes_dirs=*/true, &error,
                       inputs_of(opts)))

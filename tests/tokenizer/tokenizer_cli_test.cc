@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "cemlm/cli/commands.h"
+#include "cemlm/engine/corpus.h"
 #include "test_files.h"
 #include "tokenizer_util.h"
 
@@ -144,6 +145,46 @@ TEST(TokenizerCli, BadOutPathFailsBeforeTraining) {
   EXPECT_NE(missing_dirs.err.find("--vocab-size 300 is too small"), std::string::npos)
       << missing_dirs.err;
   EXPECT_FALSE(std::filesystem::exists(dir + "/new")) << "the check must not create directories";
+}
+
+// A trained checkpoint's tokenizer is not replaced (a new one fed its weights other ids, and one
+// of as many pieces loaded without a word); a checkpoint without one may get one.
+TEST(TokenizerCli, ACheckpointsTokenizerIsNotReplaced) {
+  const std::string dir = testing_files::fresh_temp_dir(), ck = dir + "/ck";
+  const auto corpus = testing_files::small_corpus();
+  testing_files::write_file(ck + "/config.json", "{}");
+  const auto train = [&](const std::string& out) {
+    return run({"train", "--input", corpus[0], "--vocab-size", "400", "--out", out});
+  };
+  ASSERT_EQ(train(ck + "/tokenizer.model").rc, 0);  // none there yet
+  CliRun again = train(ck + "/tokenizer.model");
+  EXPECT_EQ(again.rc, 1);
+  EXPECT_NE(again.err.find("is the tokenizer of the checkpoint beside it"), std::string::npos)
+      << again.err;
+  EXPECT_EQ(run({"train", "--input", corpus[0], "--vocab-size", "400", "--threads", "-1", "--out",
+                 dir + "/t.model"})
+                .rc,
+            2);
+}
+
+// --threads sets SentencePiece's trainer threads, which the model file records: the same text
+// and threads give the same bytes, and `cemlm train` uses its own --threads (it trained on every
+// CPU whatever it was given).
+TEST(TokenizerCli, ThreadsAreTheOnesGiven) {
+  const std::string dir = testing_files::fresh_temp_dir();
+  const auto corpus = testing_files::small_corpus();
+  std::string one, again, two, error;
+  for (auto [threads, bytes] : {std::pair{"1", &one}, {"1", &again}, {"2", &two}}) {
+    const std::string out = dir + "/t" + threads + ".model";
+    std::filesystem::remove(out);
+    ASSERT_EQ(run({"train", "--input", corpus[0], "--vocab-size", "400", "--threads", threads,
+                   "--out", out})
+                  .rc,
+              0);
+    ASSERT_TRUE(read_file(out, bytes, &error)) << error;
+  }
+  EXPECT_EQ(one, again);
+  EXPECT_NE(one, two);
 }
 
 }  // namespace

@@ -844,6 +844,46 @@ TEST(Train, SecondRunOnTheSameOutIsRefusedWhileTheFirstHoldsIt) {
   EXPECT_TRUE(train(o).ok());  // the first run let go
 }
 
+// The tokenizer a run trains uses the run's --threads (it used every CPU whatever was given, and
+// the model file, which records the number, differed from machine to machine): the same as
+// `cemlm tokenizer train --threads 1` on the same text.
+TEST(Train, TheTokenizerTrainsOnTheRunsThreads) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);  // --threads 1
+  o.steps = 1;
+  ASSERT_TRUE(train(o).ok());
+  TokenizerTrainOptions t{o.data, 300, dir + "/alone.model"};
+  t.threads = 1;
+  std::string error, alone, saved;
+  ASSERT_TRUE(train_tokenizer(t, &error)) << error;
+  ASSERT_TRUE(read_file(t.out_path, &alone, &error)) << error;
+  ASSERT_TRUE(read_file(o.out_dir + "/tokenizer.model", &saved, &error)) << error;
+  EXPECT_EQ(saved, alone);
+  t.threads = 2;  // not what it used
+  t.out_path = dir + "/two.model";
+  ASSERT_TRUE(train_tokenizer(t, &error)) << error;
+  ASSERT_TRUE(read_file(t.out_path, &alone, &error)) << error;
+  EXPECT_NE(saved, alone);
+}
+
+// A --cache that is a file is refused before the tokenizer trains (it was refused writing there,
+// after training: 30 s on the default corpus).
+TEST(Train, ACacheThatIsAFileIsRefusedBeforeTheTokenizerTrains) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.cache_dir = dir + "/cache";
+  testing_trainer::write_file(o.cache_dir, "a file");
+  std::vector<std::string> notes;
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { notes.push_back(s); };
+  const auto st = train(o, cb).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("--cache '" + o.cache_dir + "' is not a directory"),
+            std::string::npos)
+      << st;
+  for (const std::string& n : notes) EXPECT_EQ(n.find("tokenizer: training"), std::string::npos);
+}
+
 // --out that is a link is followed once, at the start: re-pointed during the run, it sent the
 // later saves into whatever it named then (here another run's checkpoint, whose lock this run
 // never took).

@@ -307,6 +307,13 @@ absl::Status Trainer::check_out_and_cache_paths() const {
   };
   const fs::path cache = resolved(cache_path());
   if (ec) return absl::OkStatus();  // what cannot be resolved is reported where it is used
+  // Before the tokenizer trains (it was refused writing there, after that): a directory, made
+  // when missing.
+  if (fs::exists(cache, ec) && !fs::is_directory(cache, ec))
+    return absl::InvalidArgumentError(absl::StrCat(
+        o_.cache_dir.empty() ? "the default --cache '" : "--cache '", cache_path().string(),
+        "' is not a directory: the tokenizer and the encoded data are written into it; name a "
+        "directory (made when missing)"));
   // --out inside --init's checkpoint would leave a directory there, and its lock file: a
   // checkpoint no run could save or resume into. (--out equal to --init holds a checkpoint:
   // refused before as such.)
@@ -475,6 +482,7 @@ absl::Status Trainer::prepare_tokenizer(const CorpusFiles& corpus) {
       TokenizerTrainOptions t{corpus.paths, cfg_.vocab_size, tokenizer_path_};
       t.inputs_flag = "--data";
       t.out_flag = "--cache";  // the tokenizer is written there, not into --out
+      t.threads = compute_threads_;  // --threads (it trained on every CPU whatever was given)
       t.vocab_flag = !fresh_                  ? "the --init model's vocab_size"
                      : o_.vocab_size > 0      ? "--vocab-size"
                      : o_.config_path.empty() ? "--vocab-size (the default model's)"

@@ -199,7 +199,7 @@ class EngineImpl final : public Engine {
   // Takes the blocks of a scoring call (`need` of them for `n` tokens at depth T, ranked by its
   // priority and `arrival`), waiting for them when the cache is busy until there is room, the
   // call's deadline passes, it is cancelled or the engine stops; at most max_waiting calls wait at
-  // once, besides those `preempted` (already accepted once).
+  // once, but one `preempted` (accepted once already) is never refused.
   absl::Status wait_for_score_room(SeqId seq, int64_t need, int T, int n, uint64_t arrival,
                                    bool preempted, const ScoreRequest& req);
   SeqId first_score_wait() const;  // the scoring call first in line for blocks (0: none)

@@ -1,11 +1,16 @@
 // `cemlm bench-serve` against a scripted server: what it reports of streams that fail part-way,
-// and requests that could not fit the model's context.
+// requests that could not fit the model's context or its recursion depths, the prompts' seed and
+// the prefix cache's share, a server gone silent, and Ctrl-C.
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "cemlm/v1/inference.grpc.pb.h"
 #include "server_process.h"
@@ -13,27 +18,41 @@
 namespace cemlm::testing_server {
 namespace {
 
-// Answers GetModelInfo (a context of 64 tokens), and Generate with two one-token messages, then:
-// for an even request
-// ("bench-0", "bench-2", ...) INTERNAL, for an odd one a last message with a third token and
-// FINISH_REASON_LENGTH.
+// Answers GetModelInfo (a context of 64 tokens, recursion depths up to 4), and Generate with two
+// one-token messages, then: for an even request ("bench-0", "bench-2", ...) INTERNAL, for an odd
+// one a last message with a third token, FINISH_REASON_LENGTH and usage (1 prompt token cached).
+// A prompt of kSilentLen tokens gets the two messages and then nothing until it is cancelled (a
+// server gone silent), counted in `silent`.
+constexpr int kSilentLen = 5;
 class ScriptedInference final : public v1::Inference::Service {
+ public:
+  std::atomic<int> silent{0};
+
+ private:
   grpc::Status GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*,
                             v1::ModelInfo* info) override {
     info->set_vocab_size(100);
     info->set_max_context(64);
     info->set_default_recursion_depth(3);
+    info->set_max_recursion_depth(4);
     return grpc::Status::OK;
   }
-  grpc::Status Generate(grpc::ServerContext*, const v1::GenerateRequest* request,
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override {
     v1::GenerateResponse token;
     token.add_token_ids(7);
     for (int i = 0; i < 2; ++i) writer->Write(token);
+    if (request->prompt_ids_size() == kSilentLen) {
+      ++silent;
+      while (!context->IsCancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    }
     const int index = std::stoi(request->request_id().substr(std::string("bench-").size()));
     if (index % 2 == 0) return grpc::Status(grpc::StatusCode::INTERNAL, "scripted failure");
     token.set_finish_reason(v1::FINISH_REASON_LENGTH);
     token.mutable_timing()->set_e2e_seconds(0.001);
+    token.mutable_usage()->set_prompt_tokens(request->prompt_ids_size());
+    token.mutable_usage()->set_cached_prompt_tokens(1);
     writer->Write(token);
     return grpc::Status::OK;
   }
@@ -82,6 +101,93 @@ TEST_F(BenchServe, StreamsThatFailPartWayAreLeftOutOfTheLatencies) {
   EXPECT_EQ(count_of("ttft"), "4") << out;
   EXPECT_EQ(count_of("inter-token"), "8") << out;
   EXPECT_EQ(count_of("e2e (client)"), "4") << out;
+  // The answers' prompt tokens (32 each) and those the prefix cache served (1 each).
+  EXPECT_NE(out.find("prompt tokens 128, of which served from the prefix cache 4"),
+            std::string::npos)
+      << out;
+}
+
+// A --recursion outside the model's depths would make every request an error: refused before any
+// is sent, naming the flag (the header called -1 the model's default).
+TEST_F(BenchServe, ARecursionTheModelDoesNotRunIsRefusedUpFront) {
+  const std::string addr = "127.0.0.1:" + std::to_string(port_);
+  for (const char* T : {"5", "-1"}) {
+    std::string out, err;
+    EXPECT_EQ(run_cemlm({"bench-serve", "--addr", addr, "--requests", "2", "--max-new-tokens", "3",
+                         "--recursion", T},
+                        &out, &err),
+              2);
+    EXPECT_NE(err.find(std::string("--recursion ") + T + " is outside [0, 4]"), std::string::npos)
+        << err;
+    EXPECT_EQ(out, "");
+  }
+}
+
+// The prompts' seed is drawn unless given, and printed: the same seed twice sends the same
+// prompts, which a real server's prefix cache then serves (a sweep measured cached prefills).
+TEST_F(BenchServe, ThePromptsSeedIsDrawnAndPrinted) {
+  const std::string addr = "127.0.0.1:" + std::to_string(port_);
+  auto seed_of = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"bench-serve", "--addr",           addr, "--requests",
+                                     "2",           "--max-new-tokens", "3"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::string out;
+    run_cemlm(args, &out);
+    const size_t at = out.find("  seed ");
+    return at == std::string::npos ? std::string("none")
+                                   : out.substr(at + 7, out.find('\n', at) - at - 7);
+  };
+  EXPECT_EQ(seed_of({"--seed", "42"}), "42");
+  const std::string a = seed_of({}), b = seed_of({});
+  EXPECT_NE(a, "none");
+  EXPECT_NE(a, b);  // 2^-32 to fail by chance
+}
+
+// More streams than the connections carry (the server runs 1,000 at once on one) would wait in the
+// client, their wait counted as server overhead: refused when --connections is given.
+TEST_F(BenchServe, MoreStreamsThanTheConnectionsCarryAreRefused) {
+  std::string out, err;
+  EXPECT_EQ(run_cemlm({"bench-serve", "--addr", "127.0.0.1:" + std::to_string(port_),
+                       "--concurrency", "1001", "--requests", "1001", "--connections", "1"},
+                      &out, &err),
+            2);
+  EXPECT_NE(err.find("--concurrency 1001 is more streams than --connections 1 carry"),
+            std::string::npos)
+      << err;
+}
+
+// A stream with no message for --stall-timeout (a server stopped, its host lost) ends the run
+// with what completed, the streams in flight counted STALLED: it waited forever.
+TEST_F(BenchServe, AServerGoneSilentStopsTheRun) {
+  std::string out;
+  EXPECT_EQ(run_cemlm({"bench-serve", "--addr", "127.0.0.1:" + std::to_string(port_),
+                       "--concurrency", "2", "--requests", "6", "--max-new-tokens", "3",
+                       "--prompt-len", std::to_string(kSilentLen), "--stall-timeout", "1"},
+                      &out),
+            1);
+  EXPECT_NE(out.find("ok 0  errors 2  STALLED=2"), std::string::npos) << out;
+  EXPECT_NE(out.find("run stopped: 4 requests never sent"), std::string::npos) << out;
+  EXPECT_EQ(service_.silent.load(), 2);
+}
+
+// Ctrl-C stops the run: the streams in flight are cancelled, no more are sent, and the report of
+// what completed is printed (it was lost with the process); exit 130.
+TEST_F(BenchServe, CtrlCReportsWhatCompleted) {
+  CemlmRun run({"bench-serve", "--addr", "127.0.0.1:" + std::to_string(port_), "--concurrency", "2",
+                "--requests", "6", "--max-new-tokens", "3", "--prompt-len",
+                std::to_string(kSilentLen), "--stall-timeout", "0"});
+  ASSERT_GT(run.pid(), 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (service_.silent.load() < 2 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(service_.silent.load(), 2);
+  ASSERT_EQ(::kill(run.pid(), SIGINT), 0);
+  std::string out;
+  EXPECT_EQ(run.wait(&out), 130);
+  EXPECT_NE(out.find("ok 0  errors 0"), std::string::npos) << out;
+  EXPECT_NE(out.find("run stopped: 4 requests never sent (Ctrl-C; 2 streams cancelled)"),
+            std::string::npos)
+      << out;
 }
 
 // A prompt and a generation that cannot fit the model's context would make every request an

@@ -130,20 +130,27 @@ std::string read_file(const std::string& path) {
 
 std::string fresh_temp_dir() { return testing_temp::fresh_dir("server"); }
 
-int run_cemlm(const std::vector<std::string>& args, std::string* out, std::string* err) {
-  int fd = -1;
-  const std::string err_path = err ? fresh_temp_dir() + "/stderr.txt" : "";
-  const pid_t pid = spawn_cemlm(args, &fd, err_path);
-  if (pid < 0) return -1;
+CemlmRun::CemlmRun(const std::vector<std::string>& args, bool keep_stderr)
+    : err_path_(keep_stderr ? fresh_temp_dir() + "/stderr.txt" : "") {
+  pid_ = spawn_cemlm(args, &fd_, err_path_);
+}
+
+int CemlmRun::wait(std::string* out, std::string* err) {
+  if (pid_ < 0) return -1;
   std::string text;
   char buf[4096];
-  for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) text.append(buf, size_t(n));
-  close(fd);
+  for (ssize_t n; (n = read(fd_, buf, sizeof buf)) > 0;) text.append(buf, size_t(n));
+  close(fd_);
   int status = 0;
-  waitpid(pid, &status, 0);
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
   if (out) *out = text;
-  if (err) *err = read_file(err_path);
+  if (err) *err = err_path_.empty() ? "" : read_file(err_path_);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+int run_cemlm(const std::vector<std::string>& args, std::string* out, std::string* err) {
+  return CemlmRun(args, err != nullptr).wait(out, err);
 }
 
 std::string make_tiny_model(const std::string& dir, const TinyModelOptions& o) {

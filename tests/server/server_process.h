@@ -22,6 +22,21 @@ std::string fresh_temp_dir();
 int run_cemlm(const std::vector<std::string>& args, std::string* out = nullptr,
               std::string* err = nullptr);
 
+// `cemlm ARGS...` running in the background (for a test that signals it, or its server).
+class CemlmRun {
+ public:
+  // Its stderr is kept for wait() when `keep_stderr`, else goes where the test's does.
+  explicit CemlmRun(const std::vector<std::string>& args, bool keep_stderr = true);
+  pid_t pid() const { return pid_; }  // < 0: it did not start
+  // Waits for it to exit; its exit code (-1 when a signal ended it), stdout and stderr.
+  int wait(std::string* out = nullptr, std::string* err = nullptr);
+
+ private:
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  std::string err_path_;
+};
+
 struct TinyModelOptions {
   int max_seq_len = 512;
   int d_model = 32, n_layers = 2, d_ff = 64;

@@ -322,11 +322,12 @@ TEST(ComputePool, AThreadSlowWithItsCoreToItselfDoesNotRest) {
     };
     // Attempts in which another process took the pool thread's core (it waited in the run queue)
     // tell nothing: a rest is right then. The pool judges from the thread's run-queue time since
-    // its last look at a long item: each attempt starts with one, and counts if quiet after it.
+    // its last look at a long item: each attempt starts with one, and counts if quiet from before
+    // it (quiet only after it, an attempt counted a wait the pool saw during it: CI under load).
     for (int attempt = 0; attempt < 20; ++attempt) {
+      const int64_t queued = queued_nanos(helper);
       job();
       const uint64_t rests = compute_thread_rests();
-      const int64_t queued = queued_nanos(helper);
       slow.store(0);
       for (int n = 0; n < 300 && slow.load() < 5; ++n) job();
       const bool rested = compute_thread_rests() > rests;

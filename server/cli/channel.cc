@@ -25,6 +25,10 @@ void add_channel_flags(Flags* flags, ChannelFlags* f) {
              "out of the process list and the shell's history)");
   flags->add("tls-ca", &f->tls_ca, "PEM root certificate(s): connect with TLS, trusting these");
   flags->add("timeout", &f->timeout, "deadline of each call in seconds; 0 = none");
+  flags->add("keepalive", &f->keepalive,
+             "seconds between pings that find a server gone silent (the call then fails "
+             "UNAVAILABLE about this much later); 0 = none; at least 1, as often as cemlm serve "
+             "allows");
 }
 
 namespace {
@@ -83,11 +87,28 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
                  f.timeout);
     return nullptr;
   }
+  if (!(f.keepalive == 0 || (f.keepalive >= 1 && f.keepalive <= 86400))) {
+    std::fprintf(stderr,
+                 "error: --keepalive %g must be 0 (no pings) or seconds in [1, 86400] (cemlm serve "
+                 "closes connections that ping more often than once a second)\n",
+                 f.keepalive);
+    return nullptr;
+  }
   if (!std::getenv("GRPC_VERBOSITY") && !std::getenv("GRPC_TRACE"))
     gpr_set_log_function(drop_grpc_line);
   tls_channel = !f.tls_ca.empty();
   grpc::ChannelArguments args;
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (f.keepalive > 0) {
+    const int ms = int(f.keepalive * 1e3);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, ms);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms);
+    // A streaming call's client sends nothing after its request, and gRPC stops pinging after
+    // two pings without data sent, or spaces them 5 minutes apart with none received (a Score
+    // computing): the silent server was not found.
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    args.SetInt(GRPC_ARG_HTTP2_MIN_SENT_PING_INTERVAL_WITHOUT_DATA_MS, ms);
+  }
   if (f.tls_ca.empty())
     return grpc::CreateCustomChannel(f.addr, grpc::InsecureChannelCredentials(), args);
   std::ifstream in(f.tls_ca);
@@ -129,6 +150,8 @@ int report_error(const grpc::Status& status) {
       hint = " (the server does not speak TLS: leave out --tls-ca)";
     else if (tls_channel && m.find("certificate verify failed") != std::string::npos)
       hint = " (the server's certificate is not signed by a --tls-ca certificate)";
+    else if (m.find("keepalive watchdog timeout") != std::string::npos)
+      hint = " (the server stopped answering: no reply to a ping within --keepalive seconds)";
   }
   std::fprintf(stderr, "error: %s: %s%s\n", server::grpc_code_name(status.error_code()).c_str(),
                in_flag_terms(m).c_str(), hint.c_str());

@@ -16,6 +16,9 @@ struct ChannelFlags {
   std::string api_key;
   std::string tls_ca;  // PEM root certificates: connect with TLS
   double timeout = 0;  // seconds per call; 0 = none
+  // Seconds between the keepalive pings that find a server gone silent (stopped, its host lost)
+  // on a call waiting for it; 0 = none (such a call waited forever without --timeout).
+  double keepalive = 10;
 };
 
 void add_channel_flags(Flags* flags, ChannelFlags* f);

@@ -926,6 +926,35 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_NE(err.find("--recursion 99 is outside [0, 8]"), std::string::npos) << err;
 }
 
+// A client whose server stops answering mid-call (stopped, its host lost) finds out from its
+// keepalive pings: UNAVAILABLE within about --keepalive seconds. Without them it waited for its
+// deadline, forever by default. (A generation of ~40 s on this model, the server stopped once it
+// runs.)
+TEST(ClientKeepalive, AServerThatStopsAnsweringFailsTheCall) {
+  const std::string dir = fresh_temp_dir();
+  std::ofstream(dir + "/config.json") << R"({"architecture": "cemlm", "format_version": 1,
+    "vocab_size": 400, "d_model": 256, "n_layers": 8, "n_heads": 2, "head_dim": 16, "d_ff": 1024,
+    "max_seq_len": 4096, "embedding": {"type": "table"}, "attention": {"type": "cem",
+    "diag": "shared"}, "mlp": {"type": "cem"}, "recursion": {"default": 1, "max": 8}})";
+  ASSERT_EQ(run_cemlm({"init", "--config", dir + "/config.json", "--out", dir + "/model"}), 0);
+  auto server =
+      ServerProcess::start(dir + "/model", {"--threads", "1", "--kv-cache-memory", "64M"});
+  ASSERT_TRUE(server);
+  CemlmRun client({"client", "generate", "--addr", server->addr(), "--prompt-ids", "5,6,7",
+                   "--max-new-tokens", "4000", "--recursion", "8", "--ignore-eos", "--json",
+                   "--keepalive", "1", "--timeout", "120"});
+  ASSERT_GT(client.pid(), 0);
+  ASSERT_TRUE(wait_for_metrics(
+      *server, [](const auto& m) { return metric(m, "cemlm:num_requests_running") == 1; }));
+  server->signal(SIGSTOP);
+  std::string out, err;
+  const int rc = client.wait(&out, &err);
+  server->signal(SIGCONT);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(err.find("UNAVAILABLE"), std::string::npos) << err;
+  EXPECT_NE(err.find("the server stopped answering"), std::string::npos) << err;
+}
+
 TEST_F(ServerLifecycle, PythonExampleClient) {
   if (std::system("/usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null") != 0)
     GTEST_SKIP() << "python3-grpcio / python3-protobuf are not installed";

@@ -67,9 +67,11 @@ int train(int argc, char** argv) {
   std::string error;
   // A trained checkpoint's tokenizer is what its weights read: a new one in its place fed them
   // other ids (the same number of pieces loaded without a word).
+  // Where the write lands: a link to a checkpoint's tokenizer wrote over it.
   if (std::error_code ec;
       std::filesystem::exists(opts.out_path, ec) &&
-      std::filesystem::exists(std::filesystem::path(opts.out_path).parent_path() / kConfigFile, ec))
+      std::filesystem::exists(
+          std::filesystem::weakly_canonical(opts.out_path, ec).parent_path() / kConfigFile, ec))
     return fail("--out '" + opts.out_path + "' is the tokenizer of the checkpoint beside it (" +
                 kConfigFile +
                 "): its weights were trained with it, and a new one would feed them other ids; "

@@ -337,7 +337,9 @@ std::unordered_map<std::string, std::string> trainer_args(const TokenizerTrainOp
       // bits of a signed int, and crashed on a run of 32,768 characters without a space (a base64
       // blob, minified code).
       {"max_sentence_length", "32767"},
-      {"num_threads", std::to_string(opts.threads > 0 ? opts.threads : cpu_threads(0).threads)},
+      // SentencePiece refuses more than 128 (`--threads 129` failed the run "with no reason").
+      {"num_threads",
+       std::to_string(std::min(128, opts.threads > 0 ? opts.threads : cpu_threads(0).threads))},
       {"minloglevel", opts.verbose ? "0" : "2"},
   };
 }

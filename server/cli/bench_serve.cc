@@ -104,6 +104,8 @@ class Driver {
       : stubs_(stubs), c_(c), f_(f), vocab_(vocab) {}
 
   Samples run() {
+    begun_ = SteadyClock::now();
+    heard_ms_ = 0;
     // At most one stream per request: a --concurrency near INT_MAX wrapped next_ past it, and
     // the loop sent requests without end.
     for (int w = 0; w < std::min(f_.concurrency, f_.requests); ++w) start_next();
@@ -114,11 +116,10 @@ class Driver {
         for (Stream* s : streams_) s->cancel();
       }
       // A server that stopped answering (stopped, its host lost) left the run waiting forever:
-      // a stream silent for --stall-timeout ends the run, every stream in flight counted
-      // STALLED (the next requests would only stall in turn).
-      if (f_.stall > 0 && !stopping_ &&
-          std::any_of(streams_.begin(), streams_.end(),
-                      [&](Stream* s) { return s->silent_for(f_.stall); })) {
+      // --stall-timeout without a message on any stream ends it, every stream in flight counted
+      // STALLED. (Not one stream's silence: a request queued behind others, or in a long
+      // prefill, is silent while the server answers the rest.)
+      if (f_.stall > 0 && !stopping_ && ms_since(begun_) - heard_ms_ >= f_.stall * 1e3) {
         stopping_ = true;
         for (Stream* s : streams_) s->stall();
       }
@@ -134,23 +135,19 @@ class Driver {
     }
     void start(v1::Inference::Stub& stub) {
       start_ = SteadyClock::now();
-      heard_ms_ = 0;
       stub.async()->Generate(&context_, &req_, this);
       StartRead(&msg_);
       StartCall();
     }
     // Before start() too: the call is then cancelled as it starts.
     void cancel() { context_.TryCancel(); }
-    bool silent_for(double seconds) const {
-      return heard_ms_ >= 0 && ms_since(start_) - heard_ms_ >= seconds * 1e3;
-    }
     void stall() {
       stalled_ = true;
       context_.TryCancel();
     }
     void OnReadDone(bool ok) override {
       if (!ok) return;  // OnDone follows with the status
-      heard_ms_ = ms_since(start_);
+      d_->heard_ms_ = ms_since(d_->begun_);
       if (msg_.token_ids_size() > 0) {
         const double now = ms_since(start_);
         const int n = msg_.token_ids_size();
@@ -182,10 +179,9 @@ class Driver {
           ++mine_.errors["STALLED"];
           char secs[32];
           std::snprintf(secs, sizeof secs, "%g", d_->f_.stall);
-          mine_.first_error.try_emplace("STALLED", std::string("no message for --stall-timeout ") +
-                                                       secs +
-                                                       " s: the server stopped answering; the "
-                                                       "run was stopped");
+          mine_.first_error.try_emplace(
+              "STALLED", std::string("no message on any stream for --stall-timeout ") + secs +
+                             " s: the server stopped answering; the run was stopped");
         } else if (status.error_code() == grpc::StatusCode::CANCELLED && g_interrupted) {
           mine_.interrupted = 1;
         } else {
@@ -205,8 +201,6 @@ class Driver {
     grpc::ClientContext context_;
     v1::GenerateResponse msg_;
     SteadyClock::time_point start_;
-    // When the last message came (ms after start_; -1: not started); read by run()'s watchdog.
-    std::atomic<double> heard_ms_{-1};
     std::atomic<bool> stalled_{false};  // cancelled by the watchdog (it ends the run)
     double last_ = -1, e2e_ = 0, engine_e2e_ = 0, engine_ttft_ = 0;
     Samples mine_;
@@ -251,7 +245,9 @@ class Driver {
   std::mutex mu_;
   std::condition_variable idle_;
   int active_ = 0;  // streams started and not yet finished
-  bool stopping_ = false;      // Ctrl-C: what is in flight was cancelled
+  bool stopping_ = false;  // Ctrl-C or a stall: what is in flight was cancelled
+  SteadyClock::time_point begun_;
+  std::atomic<double> heard_ms_{0};  // when a message last came, on any stream (ms after begun_)
   std::set<Stream*> streams_;  // in flight
   Samples all_;
 };
@@ -330,6 +326,11 @@ std::string out_of_range(const BenchFlags& f, bool connections_given) {
   if (f.connections < 1 || f.connections > kMaxConnections)
     return "--connections " + std::to_string(f.connections) + " must be in [1, " +
            std::to_string(kMaxConnections) + "]";
+  if (const int64_t streams = std::min(f.concurrency, f.requests);
+      streams > int64_t(kMaxConnections) * kStreamsPerConnection)
+    return "--concurrency " + std::to_string(f.concurrency) + " is more streams than " +
+           std::to_string(kMaxConnections) + " connections carry at once (" +
+           std::to_string(kStreamsPerConnection) + " each, as cemlm serve allows); lower it";
   if (connections_given &&
       int64_t(std::min(f.concurrency, f.requests)) > int64_t(f.connections) * kStreamsPerConnection)
     return "--concurrency " + std::to_string(f.concurrency) +
@@ -363,9 +364,9 @@ int cmd_bench_serve(int argc, char** argv) {
             "seed of the random prompts (default: drawn, and printed; the same seed twice sends "
             "the same prompts, which the second time the server's prefix cache serves)");
   flags.add("stall-timeout", &f.stall,
-            "seconds a stream may wait for its next message before it is cancelled and counted "
-            "as STALLED (a server stopped or its host lost kept the run waiting forever); 0 = "
-            "forever");
+            "seconds without a message on any stream that end the run, the streams in flight "
+            "counted STALLED (a server stopped or its host lost kept the run waiting forever); "
+            "more than the longest time to a first token; 0 = forever");
   flags.add("connections", &f.connections,
             "TCP connections the streams share round-robin (1 to " +
                 std::to_string(kMaxConnections) + "; default: 1 per " +
@@ -378,9 +379,10 @@ int cmd_bench_serve(int argc, char** argv) {
     return 2;
   }
   if (!flags.given("connections"))
-    f.connections = std::min<int>(
-        kMaxConnections,
-        (std::min(f.concurrency, f.requests) + kStreamsPerConnection - 1) / kStreamsPerConnection);
+    f.connections =
+        int(std::min<int64_t>(kMaxConnections, (int64_t(std::min(f.concurrency, f.requests)) +
+                                                kStreamsPerConnection - 1) /
+                                                   kStreamsPerConnection));
   if (!flags.given("seed")) f.seed = std::random_device{}();
   const int n_conn = f.connections;
   std::vector<std::unique_ptr<v1::Inference::Stub>> stubs;

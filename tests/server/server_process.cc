@@ -47,6 +47,9 @@ pid_t spawn_cemlm(const std::vector<std::string>& args, int* out_fd, const std::
   const pid_t pid = _Fork();  // fork without the atfork handlers (gRPC's), as posix_spawn does
   if (pid == 0) {
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(127);
+    // As from a terminal: a test run as a background job has SIGINT ignored, which the child
+    // would keep (and a test of Ctrl-C waited forever).
+    signal(SIGINT, SIG_DFL);
     if (dup2(fds[1], STDOUT_FILENO) < 0) _exit(127);
     if (!log_path.empty()) {
       const int err = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -133,6 +136,12 @@ std::string fresh_temp_dir() { return testing_temp::fresh_dir("server"); }
 CemlmRun::CemlmRun(const std::vector<std::string>& args, bool keep_stderr)
     : err_path_(keep_stderr ? fresh_temp_dir() + "/stderr.txt" : "") {
   pid_ = spawn_cemlm(args, &fd_, err_path_);
+}
+
+CemlmRun::~CemlmRun() {
+  if (pid_ < 0) return;  // waited for
+  kill(pid_, SIGKILL);
+  wait();
 }
 
 int CemlmRun::wait(std::string* out, std::string* err) {

@@ -27,6 +27,9 @@ class CemlmRun {
  public:
   // Its stderr is kept for wait() when `keep_stderr`, else goes where the test's does.
   explicit CemlmRun(const std::vector<std::string>& args, bool keep_stderr = true);
+  ~CemlmRun();  // kills it if it was not waited for (a test that failed before)
+  CemlmRun(const CemlmRun&) = delete;
+  CemlmRun& operator=(const CemlmRun&) = delete;
   pid_t pid() const { return pid_; }  // < 0: it did not start
   // Waits for it to exit; its exit code (-1 when a signal ended it), stdout and stderr.
   int wait(std::string* out = nullptr, std::string* err = nullptr);

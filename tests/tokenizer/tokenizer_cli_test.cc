@@ -161,6 +161,12 @@ TEST(TokenizerCli, ACheckpointsTokenizerIsNotReplaced) {
   EXPECT_EQ(again.rc, 1);
   EXPECT_NE(again.err.find("is the tokenizer of the checkpoint beside it"), std::string::npos)
       << again.err;
+  std::filesystem::create_symlink(ck + "/tokenizer.model", dir + "/link.model");
+  CliRun through_link = train(dir + "/link.model");  // the write lands in the checkpoint
+  EXPECT_EQ(through_link.rc, 1);
+  EXPECT_NE(through_link.err.find("is the tokenizer of the checkpoint beside it"),
+            std::string::npos)
+      << through_link.err;
   EXPECT_EQ(run({"train", "--input", corpus[0], "--vocab-size", "400", "--threads", "-1", "--out",
                  dir + "/t.model"})
                 .rc,
@@ -185,6 +191,11 @@ TEST(TokenizerCli, ThreadsAreTheOnesGiven) {
   }
   EXPECT_EQ(one, again);
   EXPECT_NE(one, two);
+  // More than SentencePiece takes (128) trains on 128: it failed "with no reason".
+  EXPECT_EQ(run({"train", "--input", corpus[0], "--vocab-size", "400", "--threads", "129", "--out",
+                 dir + "/t129.model"})
+                .rc,
+            0);
 }
 
 }  // namespace

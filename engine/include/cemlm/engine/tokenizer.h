@@ -116,8 +116,9 @@ struct TokenizerTrainOptions {
   int vocab_size = 4096;
   std::string out_path;  // the .model file to write
   bool verbose = false;  // SentencePiece's own progress log
-  // SentencePiece's trainer threads (0: cpu_threads(0)). The model file records the number, so
-  // its bytes are the same for the same inputs and threads (the pieces, for any threads).
+  // SentencePiece's trainer threads (0: cpu_threads(0); at most 128, its limit). The model file
+  // records the number, so its bytes are the same for the same inputs and threads (the pieces,
+  // for any threads).
   int threads = 0;
   // The caller's flags for `inputs` and for where `out_path` comes from, named in errors: the
   // trainer's are --data and --cache (`cemlm train` has --out too, for another directory).

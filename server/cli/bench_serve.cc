@@ -21,6 +21,7 @@
 #include "cemlm/server/status_map.h"
 #include "cemlm/v1/inference.grpc.pb.h"
 #include "channel.h"
+#include "latency_summary.h"
 
 namespace cemlm::cli {
 namespace {
@@ -52,7 +53,7 @@ struct BenchFlags {
 
 // Milliseconds of everything measured, all requests together.
 struct Samples {
-  std::vector<double> ttft, itl, e2e, engine_e2e, overhead, first_overhead;
+  LatencySummary ttft, itl, e2e, engine_e2e, overhead, first_overhead;
   int64_t tokens = 0;
   int64_t prompt_tokens = 0, cached_prompt_tokens = 0;  // of the requests that completed
   int64_t interrupted = 0;                              // streams Ctrl-C cancelled
@@ -65,7 +66,7 @@ struct Samples {
                             {&engine_e2e, &o.engine_e2e},
                             {&overhead, &o.overhead},
                             {&first_overhead, &o.first_overhead}})
-      dst->insert(dst->end(), src->begin(), src->end());
+      dst->merge(*src);
     tokens += o.tokens;
     prompt_tokens += o.prompt_tokens;
     cached_prompt_tokens += o.cached_prompt_tokens;
@@ -151,8 +152,10 @@ class Driver {
       if (msg_.token_ids_size() > 0) {
         const double now = ms_since(start_);
         const int n = msg_.token_ids_size();
-        if (last_ < 0) mine_.ttft.push_back(now);
-        else mine_.itl.insert(mine_.itl.end(), size_t(n), (now - last_) / n);
+        if (last_ < 0)
+          mine_.ttft.add(now);
+        else
+          mine_.itl.add((now - last_) / n, n);
         last_ = now;
         mine_.tokens += n;
       }
@@ -167,10 +170,10 @@ class Driver {
     }
     void OnDone(const grpc::Status& status) override {
       if (status.ok()) {
-        mine_.e2e.push_back(e2e_);
-        mine_.engine_e2e.push_back(engine_e2e_);
-        mine_.overhead.push_back(e2e_ - engine_e2e_);
-        if (!mine_.ttft.empty()) mine_.first_overhead.push_back(mine_.ttft.back() - engine_ttft_);
+        mine_.e2e.add(e2e_);
+        mine_.engine_e2e.add(engine_e2e_);
+        mine_.overhead.add(e2e_ - engine_e2e_);
+        if (mine_.ttft.count() > 0) mine_.first_overhead.add(mine_.ttft.max() - engine_ttft_);
       } else {
         // A failed stream's partial timings and tokens are not those of an answer: the
         // percentiles and token rate are over the requests that completed ("ok").
@@ -252,21 +255,11 @@ class Driver {
   Samples all_;
 };
 
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t rank = size_t(std::ceil(p / 100.0 * double(v.size())));
-  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
-}
-
-void print_row(const char* name, const std::vector<double>& v) {
-  if (v.empty())
+void print_row(const char* name, const LatencySummary& v) {
+  if (v.count() == 0)
     return (void)std::printf("%-20s %10s %10s %10s %10s %8d\n", name, "-", "-", "-", "-", 0);
-  double mean = 0;
-  for (double x : v) mean += x;
-  mean /= double(v.size());
-  std::printf("%-20s %10.3f %10.3f %10.3f %10.3f %8zu\n", name, percentile(v, 50),
-              percentile(v, 90), percentile(v, 99), mean, v.size());
+  std::printf("%-20s %10.3f %10.3f %10.3f %10.3f %8lld\n", name, v.percentile(50), v.percentile(90),
+              v.percentile(99), v.mean(), static_cast<long long>(v.count()));
 }
 
 // `default_T`: the model's recursion.default (GetModelInfo), which --recursion 0 asks for.
@@ -289,7 +282,7 @@ void print_report(const BenchFlags& f, const std::string& addr, int connections,
   print_row("  to 1st token", s.first_overhead);
   int errors = 0;
   for (const auto& [code, n] : s.errors) errors += n;
-  std::printf("\nok %zu  errors %d", s.e2e.size(), errors);
+  std::printf("\nok %lld  errors %d", static_cast<long long>(s.e2e.count()), errors);
   for (const auto& [code, n] : s.errors) std::printf("  %s=%d", code.c_str(), n);
   for (const auto& [code, message] : s.first_error)
     std::printf("\n  %s, first: %s", code.c_str(), in_flag_terms(message).c_str());
@@ -298,14 +291,14 @@ void print_report(const BenchFlags& f, const std::string& addr, int connections,
   std::printf("\nprompt tokens %lld, of which served from the prefix cache %lld",
               static_cast<long long>(s.prompt_tokens),
               static_cast<long long>(s.cached_prompt_tokens));
-  if (const int64_t unsent = f.requests - int64_t(s.e2e.size()) - errors - s.interrupted;
+  if (const int64_t unsent = f.requests - s.e2e.count() - errors - s.interrupted;
       unsent > 0 || g_interrupted) {
     std::printf("\nrun stopped: %lld requests never sent", static_cast<long long>(unsent));
     if (g_interrupted)
       std::printf(" (Ctrl-C; %lld streams cancelled)", static_cast<long long>(s.interrupted));
   }
   std::printf("\nwall %.3f s  output tokens/s %.1f  requests/s %.2f\n", wall_s,
-              double(s.tokens) / wall_s, double(s.e2e.size()) / wall_s);
+              double(s.tokens) / wall_s, double(s.e2e.count()) / wall_s);
 }
 
 // The flag that is out of its range, said as an error (empty: none).
@@ -351,9 +344,10 @@ int cmd_bench_serve(int argc, char** argv) {
       "[--max-new-tokens N] [--prompt-len N] [--seed S]",
       "Closed-loop load on a running `cemlm serve`: N clients, M requests in all, random\n"
       "prompts, every request generating --max-new-tokens (EOS ignored). Prints TTFT,\n"
-      "inter-token and end-to-end latency (p50/p90/p99), the server overhead (client e2e\n"
-      "minus engine e2e), tokens/s, errors, and the prompt tokens the server's prefix cache\n"
-      "served. Ctrl-C stops the run and reports what completed (again: quit at once).");
+      "inter-token and end-to-end latency (p50/p90/p99, to within 0.05%), the server overhead\n"
+      "(client e2e minus engine e2e), tokens/s, errors, and the prompt tokens the server's\n"
+      "prefix cache served. Ctrl-C stops the run and reports what completed (again: quit at "
+      "once).");
   add_channel_flags(&flags, &c);
   flags.add("concurrency", &f.concurrency, "requests in flight at once");
   flags.add("requests", &f.requests, "requests in all");

@@ -35,13 +35,17 @@ absl::Status check_stops(const SamplingParams& p, int vocab_size) {
                                                    " strings; at most ", kMaxStopStrings));
   for (size_t i = 0; i < p.stop.size(); ++i) {
     if (p.stop[i].empty())
-      return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is empty"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sampling.stop[", i, "] is empty (it would stop at once); remove it or give its text"));
     if (p.stop[i].size() > size_t(kMaxStopBytes))
       return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is ",
                                                      p.stop[i].size(), " bytes; at most ",
                                                      kMaxStopBytes));
-    if (!is_valid_utf8(p.stop[i]))
-      return absl::InvalidArgumentError(absl::StrCat("sampling.stop[", i, "] is not valid UTF-8"));
+    if (const size_t valid = utf8_valid_prefix(p.stop[i]); valid != p.stop[i].size())
+      return absl::InvalidArgumentError(
+          absl::StrCat("sampling.stop[", i, "] is not valid UTF-8 (bad byte at offset ", valid,
+                       "): stop strings match the generated text, which is; send its UTF-8 "
+                       "bytes, or use stop_token_ids for a token"));
   }
   if (p.stop_token_ids.size() > size_t(kMaxStopTokenIds))
     return absl::InvalidArgumentError(absl::StrCat("sampling.stop_token_ids has ",

@@ -83,9 +83,9 @@ bool on_readable(Connection& c, const MetricsHttpServer::Render& render) {
     c.in.append(buf, size_t(n));
     const size_t text = c.in.find_first_not_of("\r\n");  // leading empty lines are no end
     size_t end = std::string::npos;                      // just past the head's empty line
-    if (text != std::string::npos) {
-      if (const size_t crlf = c.in.find("\r\n\r\n", text); crlf != std::string::npos)
-        end = crlf + 4;
+    if (text != std::string::npos) {  // a line end is CRLF or LF: "\n\r\n" also ends "\r\n\r\n"
+      if (const size_t lf_crlf = c.in.find("\n\r\n", text); lf_crlf != std::string::npos)
+        end = lf_crlf + 3;
       if (const size_t lf = c.in.find("\n\n", text); lf != std::string::npos)
         end = std::min(end, lf + 2);
     }

@@ -769,11 +769,12 @@ TEST(ValidateSampling, EveryBadFieldIsNamed) {
       {"sampling.top_logprobs", [](SamplingParams& p) { p.top_logprobs = 21; }},
       {"sampling.top_logprobs", [](SamplingParams& p) { p.top_logprobs = -1; }},
       {"sampling.stop has 17", [](SamplingParams& p) { p.stop.assign(17, "x"); }},
-      {"sampling.stop[1] is empty",
+      {"sampling.stop[1] is empty (it would stop at once); remove it",
        [](SamplingParams& p) {
          p.stop = {"a", ""};
        }},
-      {"sampling.stop[0] is not valid UTF-8", [](SamplingParams& p) { p.stop = {"\xff"}; }},
+      {"sampling.stop[0] is not valid UTF-8 (bad byte at offset 2)",
+       [](SamplingParams& p) { p.stop = {"ab\xff"}; }},
       {"sampling.stop[1] is 1025 bytes; at most 1024",
        [](SamplingParams& p) {
          p.stop = {std::string(1024, 'a'), std::string(1025, 'b')};

@@ -85,6 +85,12 @@ TEST(MetricsHttp, ServesMetricsAndAnswersEverythingElseWithAnError) {
   EXPECT_EQ(http_exchange("127.0.0.1", s->port(), "\r\n\r\nGET /metrics HTTP/1.1\r\n\r\n")
                 .rfind("HTTP/1.1 200", 0),
             0u);
+  // A line ends in CRLF or a bare LF, in any mix: the head ends at its first empty line (a bare
+  // LF then an empty CRLF line went unseen, and the scrape waited out its deadline for nothing).
+  for (const char* head :
+       {"GET /metrics HTTP/1.1\nHost: x\n\n", "GET /metrics HTTP/1.1\n\r\n",
+        "GET /metrics HTTP/1.1\r\nHost: x\n\r\n", "GET /metrics HTTP/1.1\r\nHost: x\r\n\n"})
+    EXPECT_EQ(http_exchange("127.0.0.1", s->port(), head).rfind("HTTP/1.1 200", 0), 0u) << head;
   // A request with a body, or a second one behind it, still gets its whole answer (closing
   // with those bytes unread would reset the connection).
   const std::string body = http_exchange(

@@ -12,6 +12,14 @@ namespace {
 
 absl::Status invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
+absl::Status check_not_both(const std::string& text,
+                            const google::protobuf::RepeatedField<int32_t>& ids,
+                            absl::string_view text_field, absl::string_view ids_field) {
+  if (!text.empty() && !ids.empty())
+    return invalid(absl::StrCat("set only one of ", text_field, " and ", ids_field));
+  return absl::OkStatus();
+}
+
 // Exactly one of a text and an id list; the ids of either. Text starts with the model's BOS
 // unless the request's add_bos is set to false. `empty_hint` ends the error for neither.
 template <typename Request>
@@ -21,8 +29,7 @@ absl::StatusOr<std::vector<int>> prompt_of(const Engine& engine, const Request& 
                                            absl::string_view text_field,
                                            absl::string_view ids_field,
                                            absl::string_view empty_hint) {
-  if (!text.empty() && !ids.empty())
-    return invalid(absl::StrCat("set only one of ", text_field, " and ", ids_field));
+  CEMLM_RETURN_IF_ERROR(check_not_both(text, ids, text_field, ids_field));
   if (text.empty() && ids.empty())
     return invalid(absl::StrCat(text_field, " or ", ids_field,
                                 " is required (the input is empty; an empty text cannot be told "
@@ -119,7 +126,37 @@ absl::StatusOr<std::vector<int>> encode_text(const Engine& engine, absl::string_
   return *std::move(ids);
 }
 
+absl::Status check_before_tokenizing(const v1::GenerateRequest& req, const Engine& engine) {
+  CEMLM_RETURN_IF_ERROR(
+      check_not_both(req.prompt_text(), req.prompt_ids(), "prompt_text", "prompt_ids"));
+  CEMLM_RETURN_IF_ERROR(
+      check_recursion_depth(engine.config(), req.recursion_depth(), "recursion_depth"));
+  SamplingParams sampling = to_engine(req.sampling());
+  // Unset, max_new_tokens is capped to the room the prompt leaves (known once it is tokenized),
+  // and a min_new_tokens above that refused then, with a message that says so.
+  if (!req.sampling().has_max_new_tokens())
+    sampling.max_new_tokens = std::max(sampling.max_new_tokens, sampling.min_new_tokens);
+  CEMLM_RETURN_IF_ERROR(
+      validate_sampling(sampling, engine.config().vocab_size,
+                        resolve_eos_id(engine.config().eos_id, engine.tokenizer())));
+  // The alternatives come beside each token's logprob: asked for alone they were dropped.
+  if (req.sampling().top_logprobs() > 0 && !req.logprobs())
+    return invalid(absl::StrCat("sampling.top_logprobs = ", req.sampling().top_logprobs(),
+                                " needs logprobs: true (the alternatives come with each token's "
+                                "logprob); set it, or leave top_logprobs at 0"));
+  if (req.request_id().size() > kMaxRequestIdBytes)
+    return invalid(absl::StrCat("request_id is ", req.request_id().size(), " bytes; at most ",
+                                kMaxRequestIdBytes));
+  return absl::OkStatus();
+}
+
+absl::Status check_before_tokenizing(const v1::ScoreRequest& req, const Engine& engine) {
+  CEMLM_RETURN_IF_ERROR(check_not_both(req.text(), req.ids(), "text", "ids"));
+  return check_recursion_depth(engine.config(), req.recursion_depth(), "recursion_depth");
+}
+
 absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const Engine& engine) {
+  CEMLM_RETURN_IF_ERROR(check_before_tokenizing(req, engine));
   GenerateRequest out;
   const int bos = bos_id(engine);
   CEMLM_ASSIGN_OR_RETURN(
@@ -135,19 +172,12 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
   if (!req.sampling().has_max_new_tokens())
     CEMLM_RETURN_IF_ERROR(cap_unset_max_new_tokens(
         engine.config().max_seq_len, int(out.prompt_ids.size()), out.prompt_field, &out.sampling));
-  // The alternatives come beside each token's logprob: asked for alone they were dropped.
-  if (req.sampling().top_logprobs() > 0 && !req.logprobs())
-    return invalid(absl::StrCat("sampling.top_logprobs = ", req.sampling().top_logprobs(),
-                                " needs logprobs: true (the alternatives come with each token's "
-                                "logprob); set it, or leave top_logprobs at 0"));
-  if (req.request_id().size() > kMaxRequestIdBytes)
-    return invalid(absl::StrCat("request_id is ", req.request_id().size(), " bytes; at most ",
-                                kMaxRequestIdBytes));
   out.client_request_id = req.request_id();
   return out;
 }
 
 absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine) {
+  CEMLM_RETURN_IF_ERROR(check_before_tokenizing(req, engine));
   ScoreRequest out;
   CEMLM_ASSIGN_OR_RETURN(out.ids, prompt_of(engine, req, req.text(), req.ids(), "text", "ids",
                                             ": a Score needs at least 2 tokens"));

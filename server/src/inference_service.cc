@@ -263,10 +263,15 @@ namespace {
 using Response = v1::GenerateResponse;
 
 // Whether a call's text is tokenized, which takes a text slot: an empty one is none, and one
-// refused for what it is (not UTF-8, longer than any prompt, no tokenizer) is answered at once
-// rather than after a wait for a slot.
+// refused for what it is (not UTF-8, longer than any prompt, no tokenizer) or for another field
+// (ids beside it, a bad sampling value ...) is answered at once rather than after a wait for a
+// slot and the tokenizing.
 bool tokenizes(const Engine& engine, const std::string& text) {
   return !text.empty() && check_text(engine, text, "", "").ok();
+}
+template <typename Request>
+bool tokenizes(const Engine& engine, const std::string& text, const Request& request) {
+  return tokenizes(engine, text) && check_before_tokenizing(request, engine).ok();
 }
 
 // A client's string as one log field: C escapes (quotes, backslashes, control bytes), at most 256
@@ -368,7 +373,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     admitted_ = admitted.ok();
     if (!admitted_) {
       finish_early(admitted);
-    } else if (!tokenizes(state_->engine(), request.prompt_text())) {
+    } else if (!tokenizes(state_->engine(), request.prompt_text(), request) ||
+               !state_->check_priority(*context, request.priority()).ok()) {
       start(request);  // no tokenizing: ids, or a text refused at once
     } else {  // tokenized on a text worker, with a text slot (nothing Finishes before start())
       text_workers->post([this, copy = request] { start(copy); });
@@ -441,7 +447,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     absl::StatusOr<GenerateRequest> req;
     {
       TextSlot slot(state_);
-      if (tokenizes(engine, request.prompt_text()))
+      if (tokenizes(engine, request.prompt_text(), request))
         if (absl::Status st = slot.take(*context_); !st.ok())
           // Cancelled while it waited: by its client, or by gRPC at the end of a shutdown.
           return finish_early(absl::IsCancelled(st) ? ended_before("its prompt was tokenized")
@@ -764,7 +770,7 @@ grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::Sco
     absl::StatusOr<ScoreRequest> converted;
     {
       TextSlot slot(state_);
-      if (tokenizes(engine, request->text())) CEMLM_RETURN_IF_ERROR(slot.take(*context));
+      if (tokenizes(engine, request->text(), *request)) CEMLM_RETURN_IF_ERROR(slot.take(*context));
       converted = to_engine(*request, engine);
     }
     CEMLM_ASSIGN_OR_RETURN(ScoreRequest req, std::move(converted));

@@ -491,10 +491,52 @@ TEST(ServerTextSlots, ATextRefusedForWhatItIsWaitsForNoSlot) {
       if (v1::Inference::NewStub(server->channel())->Tokenize(&context, req, &resp).ok()) ++line_ok;
     });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the line forms
+  const CallOptions quick{.timeout = std::chrono::milliseconds(1500)};
+  // A good text beside a bad field is refused for the field at once too (such calls waited for
+  // the slot and the tokenizing before the field was looked at): all at once, while the line is
+  // long.
+  using Spoil = std::function<void(v1::GenerateRequest&, v1::ScoreRequest&)>;
+  const std::vector<std::pair<std::string, Spoil>> spoiled = {
+      {"set only one of prompt_text and prompt_ids",
+       [](v1::GenerateRequest& g, v1::ScoreRequest&) { g.add_prompt_ids(1); }},
+      {"sampling.temperature",
+       [](v1::GenerateRequest& g, v1::ScoreRequest&) {
+         g.mutable_sampling()->set_temperature(-1);
+       }},
+      {"recursion_depth",
+       [](v1::GenerateRequest& g, v1::ScoreRequest&) { g.set_recursion_depth(99); }},
+      {"sampling.top_logprobs = 2 needs logprobs",
+       [](v1::GenerateRequest& g, v1::ScoreRequest&) {
+         g.mutable_sampling()->set_top_logprobs(2);
+       }},
+      {"set only one of text and ids",
+       [](v1::GenerateRequest&, v1::ScoreRequest& s) { s.add_ids(1); }},
+      {"recursion_depth",
+       [](v1::GenerateRequest&, v1::ScoreRequest& s) { s.set_recursion_depth(99); }}};
+  std::vector<grpc::Status> spoiled_status(spoiled.size());
+  std::vector<std::thread> spoiled_calls;
+  for (size_t i = 0; i < spoiled.size(); ++i)
+    spoiled_calls.emplace_back([&, i] {
+      v1::GenerateRequest greq = valid_request();
+      greq.clear_prompt_ids();
+      greq.set_prompt_text("a fine text");
+      v1::ScoreRequest sreq;
+      sreq.set_text("a fine text");
+      spoiled[i].second(greq, sreq);
+      v1::ScoreResponse sresp;
+      spoiled_status[i] = i < 4 ? generate(server->channel(), greq, quick).status
+                                : score(server->channel(), sreq, &sresp, quick);
+    });
+  for (auto& t : spoiled_calls) t.join();
+  for (size_t i = 0; i < spoiled.size(); ++i) {
+    EXPECT_EQ(spoiled_status[i].error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << spoiled[i].first << ": " << spoiled_status[i].error_message();
+    EXPECT_NE(spoiled_status[i].error_message().find(spoiled[i].first), std::string::npos)
+        << spoiled_status[i].error_message();
+  }
   // Past max_text_bytes (4 × max_seq_len × the longest piece, of a few bytes here), within
   // gRPC's 4 MiB.
   const std::string oversize(size_t(3) << 20, 'a');
-  const CallOptions quick{.timeout = std::chrono::milliseconds(1500)};
   for (const std::string& bad : {oversize, std::string("bad \xC3\x28")}) {
     const std::string why =
         bad.size() > 100 ? "bytes, more than the model's max_seq_len" : "is not valid UTF-8";

@@ -32,6 +32,12 @@ int64_t max_text_bytes(const Engine& engine);
 
 inline constexpr size_t kMaxRequestIdBytes = 256;  // GenerateRequest.request_id
 
+// The checks of a request that do not need its prompt's ids (to_engine runs them first): a
+// request with a text that fails them is refused before it waits for a text slot and is
+// tokenized.
+absl::Status check_before_tokenizing(const v1::GenerateRequest& req, const Engine& engine);
+absl::Status check_before_tokenizing(const v1::ScoreRequest& req, const Engine& engine);
+
 absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const Engine& engine);
 absl::StatusOr<ScoreRequest> to_engine(const v1::ScoreRequest& req, const Engine& engine);
 

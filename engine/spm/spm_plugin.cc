@@ -15,6 +15,13 @@
 
 #include "spm_api.h"
 
+// SentencePiece's log threshold (not in its installed headers): weak, so that a build of it
+// without them still loads the plugin, which then leaves its logging as it is.
+namespace sentencepiece::logging {
+[[gnu::weak]] int GetMinLogLevel();
+[[gnu::weak]] void SetMinLogLevel(int v);
+}  // namespace sentencepiece::logging
+
 namespace cemlm {
 namespace {
 
@@ -222,9 +229,27 @@ void* load(const std::string& serialized, std::string* error) {
   // Building its piece index, SentencePiece throws where it has no status to return (a unigram
   // piece starting with a NUL byte: "failed to insert key: zero-length key"), which would end
   // the process.
+  // A failed self-test logs the model's sample texts raw (terminal escapes, line ends) at INFO;
+  // the error says what failed.
+  namespace logging = sentencepiece::logging;
+  const bool quiet = &logging::GetMinLogLevel != nullptr && &logging::SetMinLogLevel != nullptr;
+  const int was = quiet ? logging::GetMinLogLevel() : 0;
+  if (quiet) logging::SetMinLogLevel(std::max(was, 2));  // ERROR and worse
+  struct Restore {
+    bool quiet;
+    int was;
+    ~Restore() {
+      if (quiet) sentencepiece::logging::SetMinLogLevel(was);
+    }
+  } restore{quiet, was};
   try {
     if (auto st = sp->LoadFromSerializedProto(serialized); !st.ok()) {
       *error = detail(st);
+      // "Self-test failures. See LOG(INFO).": that log is off, and says what this does.
+      if (error->starts_with("Self-test failures"))
+        *error =
+            "its self_test_data samples do not encode to the pieces it gives for them: the "
+            "file is damaged, or was written by another SentencePiece";
       return nullptr;
     }
   } catch (const std::exception& e) {

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "absl/strings/escaping.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/plugin.h"
@@ -161,8 +162,9 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
   void* sp = api->load(bytes, &why);
   if (!sp) {
     *error = "tokenizer '" + path + "' is not a SentencePiece model" +
-             (why.empty() ? "" : " (" + why + ")") + "; pass a .model file written by " +
-             "`cemlm tokenizer train` or spm_train";
+             // SentencePiece quotes the model's pieces: escaped, a file's bytes reach no terminal
+             (why.empty() ? "" : " (" + absl::CHexEscape(why) + ")") +
+             "; pass a .model file written by " + "`cemlm tokenizer train` or spm_train";
     return nullptr;
   }
   std::unique_ptr<Tokenizer> tokenizer(new Tokenizer(sp));

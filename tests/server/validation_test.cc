@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "client_util.h"
 #include "server_process.h"
@@ -564,6 +565,43 @@ TEST(ServerTextSlots, ATextRefusedForWhatItIsWaitsForNoSlot) {
   }
   for (auto& t : line) t.join();
   EXPECT_EQ(line_ok.load(), kLine);
+}
+
+// SentencePiece's load runs a model's self-test samples and logs those that fail, raw: a file's
+// terminal escapes and line ends reached the terminal of `cemlm generate` and the log of `cemlm
+// serve` (a CR LF there starts a forged line). The error says the self-test failed; nothing of
+// the samples is written.
+TEST(ServerTokenizer, AFailedSelfTestWritesNoneOfTheModelsBytes) {
+  const std::string model = make_tiny_model(fresh_temp_dir());
+  std::string tokenizer;
+  {
+    std::ifstream in(model + "/tokenizer.model", std::ios::binary);
+    tokenizer.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  ASSERT_FALSE(tokenizer.empty());
+  // ModelProto field 4 (self_test_data) holding one sample (1): input (1) and expected (2).
+  auto field = [](int number, const std::string& bytes) {
+    std::string out(1, char(number << 3 | 2));
+    for (size_t n = bytes.size();; n >>= 7) {
+      out += char((n & 0x7F) | (n >= 0x80 ? 0x80 : 0));
+      if (n < 0x80) break;
+    }
+    return out + bytes;
+  };
+  const std::string nasty = "\x1b]0;title\x07\x1b[2J\r\nFAKE OK";
+  std::ofstream(model + "/tokenizer.model", std::ios::binary)
+      << tokenizer << field(4, field(1, field(1, nasty) + field(2, nasty + " x")));
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"generate", "--model", model, "--prompt", "hi"},
+        std::vector<std::string>{"serve", "--model", model, "--port", "0"}}) {
+    std::string out, err;
+    EXPECT_EQ(run_cemlm(args, &out, &err), 1) << args[0] << ": " << err;
+    EXPECT_NE(err.find("its self_test_data samples do not encode to the pieces it gives"),
+              std::string::npos)
+        << args[0] << ": " << err;
+    EXPECT_EQ(err.find_first_of("\x1b\x07\r"), std::string::npos)
+        << args[0] << ": " << absl::CHexEscape(err);
+  }
 }
 
 // A tokenizer.model that SentencePiece loads but that refuses to encode some texts: such a text

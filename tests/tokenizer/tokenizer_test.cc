@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <random>
 
+#include "absl/strings/escaping.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/utf8.h"
 #include "test_files.h"
@@ -478,6 +479,25 @@ TEST_F(TokenizerTest, LoadRefusesAPieceThatSentencePieceCannotIndex) {
   EXPECT_NE(error.find("SentencePiece cannot index its pieces: failed to insert key"),
             std::string::npos)
       << error;
+}
+
+// SentencePiece's reasons for refusing a model quote its pieces: a file's terminal escapes and
+// line ends went raw to the terminal and into the server's log (a CR LF there starts a forged
+// line). The reason is escaped. (Its failed self-test's log: ServerTokenizer, in a process that
+// has not trained a tokenizer, which quiets SentencePiece for good.)
+TEST_F(TokenizerTest, ATokenizersBytesReachNoTerminalWhenItIsRefused) {
+  std::string model, error;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &model, &error)) << error;
+  const std::string path = *dir_ + "/escapes.model";
+  const std::string nasty = "\x1b]0;title\x07\x1b[2J\r\nFAKE OK";
+  const std::string piece = proto_bytes(1, proto_bytes(1, nasty) + "\x18\x01");  // NORMAL
+  // The same piece twice: "... is already defined", naming it.
+  write_file(path, model + piece + piece);
+  error = load_error(path);
+  EXPECT_NE(error.find("is not a SentencePiece model"), std::string::npos) << error;
+  EXPECT_NE(error.find("\\x1b]0;title\\x07\\x1b[2J\\r\\nFAKE OK"), std::string::npos)
+      << absl::CHexEscape(error);
+  EXPECT_EQ(error.find_first_of("\x1b\x07\r"), std::string::npos) << absl::CHexEscape(error);
 }
 
 // SentencePiece loads a piece of any bytes; one that is not UTF-8 went out in Detokenize's and

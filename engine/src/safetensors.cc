@@ -17,6 +17,7 @@
 #include <string_view>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -370,7 +371,9 @@ absl::Status SafetensorsFile::check_body() const {
   if (it == metadata_.end()) return absl::OkStatus();  // written by another program
   auto crc_of = [&](const char* key, uint32_t* value) -> absl::Status {
     const std::string& text = metadata_.at(key);
-    if (text.size() != 8 || !absl::SimpleHexAtoi(text, value))
+    // (SimpleHexAtoi alone takes a sign, "0x" and spaces: "+1234567" passed as 8 digits.)
+    if (text.size() != 8 || !std::all_of(text.begin(), text.end(), absl::ascii_isxdigit) ||
+        !absl::SimpleHexAtoi(text, value))
       return header_error(path_, absl::StrCat("__metadata__.", key, " \"", absl::CHexEscape(text),
                                               "\" is not 8 hex digits (a CRC-32C)"));
     return absl::OkStatus();

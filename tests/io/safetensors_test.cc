@@ -129,15 +129,24 @@ TEST(Safetensors, ABodyThatDoesNotMatchItsChecksumIsRefused) {
   write_bytes(path, safetensors_bytes(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
                                       std::string(4, '\0')));
   EXPECT_TRUE(SafetensorsFile::open(path).ok());
-  write_bytes(path, safetensors_bytes(R"({"__metadata__":{"crc32c":"12345"},)"
+  // Eight characters that a hex parser takes but are not 8 digits: a sign, "0x", spaces (escaped
+  // in the message; they were reported as a mismatch, line ends and all).
+  for (const auto& [crc, shown] : {std::pair<std::string, std::string>{"12345", "12345"},
+                                   {"+1234567", "+1234567"},
+                                   {"0x123456", "0x123456"},
+                                   {"\\r\\n\\t123\\r\\n", "\\r\\n\\t123\\r\\n"}}) {
+    write_bytes(path,
+                safetensors_bytes(R"({"__metadata__":{"crc32c":")" + crc +
+                                      R"("},)"
                                       R"("w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
-                                      std::string(4, '\0')));
-  auto bad_key = SafetensorsFile::open(path);
-  ASSERT_FALSE(bad_key.ok());
-  EXPECT_NE(bad_key.status().message().find(
-                "header: __metadata__.crc32c \"12345\" is not 8 hex digits (a CRC-32C)"),
-            std::string::npos)
-      << bad_key.status();
+                                  std::string(4, '\0')));
+    auto bad_key = SafetensorsFile::open(path);
+    ASSERT_FALSE(bad_key.ok()) << crc;
+    EXPECT_NE(bad_key.status().message().find("header: __metadata__.crc32c \"" + shown +
+                                              "\" is not 8 hex digits (a CRC-32C)"),
+              std::string::npos)
+        << bad_key.status();
+  }
   // A caller's own crc32c entry is replaced by the body's.
   ASSERT_TRUE(write_safetensors(path, {{"a", {3}, a}, {"b", {1}, b}}, {{kChecksumKey, "0"}}).ok());
   auto rewritten = SafetensorsFile::open(path);

@@ -176,6 +176,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   opts.grpc_memory_bytes = grpc_memory;
   opts.max_priority = f.max_priority;
   opts.text_slots = cpu_threads(f.threads).threads;  // tokenizing is CPU work like a step's
+  opts.max_queued_texts = f.max_waiting;
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
   // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
   if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())
@@ -399,9 +400,9 @@ int cmd_serve(int argc, char** argv) {
             "preempts)");
   flags.add("max-waiting", &f.max_waiting,
             "requests queued beyond the running batch's free slots before RESOURCE_EXHAUSTED "
-            "(at least 1); --max-running + --max-waiting also bounds finished Generate streams "
-            "whose clients "
-            "have not read them");
+            "(at least 1); it also bounds the Generate calls whose prompt_text waits for its "
+            "turn to be tokenized, and with --max-running the finished Generate streams whose "
+            "clients have not read them");
   flags.add("unread-timeout", &f.unread_timeout,
             "seconds a finished Generate stream may go without its client reading any of it once "
             "--max-running + --max-waiting such streams wait (and at shutdown); then it is "

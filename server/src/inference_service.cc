@@ -203,7 +203,7 @@ void WriterThread::loop() {
   }
 }
 
-TextWorkers::TextWorkers(int threads) {
+TextWorkers::TextWorkers(int threads, int max_queued) : max_queued_(std::max(max_queued, 1)) {
   for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { loop(); });
 }
 
@@ -216,12 +216,14 @@ TextWorkers::~TextWorkers() {
   for (std::thread& t : threads_) t.join();
 }
 
-void TextWorkers::post(std::function<void()> job) {
+bool TextWorkers::post(std::function<void()> job) {
   {
     std::lock_guard lock(mu_);
+    if (int(queue_.size()) >= max_queued_) return false;
     queue_.push_back(std::move(job));
   }
   wake_.notify_one();
+  return true;
 }
 
 void TextWorkers::loop() {
@@ -376,8 +378,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     } else if (!tokenizes(state_->engine(), request.prompt_text(), request) ||
                !state_->check_priority(*context, request.priority()).ok()) {
       start(request);  // no tokenizing: ids, or a text refused at once
-    } else {  // tokenized on a text worker, with a text slot (nothing Finishes before start())
-      text_workers->post([this, copy = request] { start(copy); });
+    } else if (!text_workers->post([this, copy = request] { start(copy); })) {
+      // (Tokenized on a text worker, with a text slot: nothing Finishes before start().)
+      finish_early(grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat(text_workers->max_queued(),
+                       " Generate calls already wait for their prompt_text to be tokenized "
+                       "(--max-waiting); retry later, or send prompt_ids")));
     }
   }
 

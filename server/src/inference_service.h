@@ -54,16 +54,18 @@ class ServerState {
   // `max_unread`: finished Generate streams not yet read (0: no bound), and `unread_grace`, how
   // long one may wait before it is cancelled for room: see ServerOptions.
   // `max_priority`: the highest request priority a call may ask for when its key sets none.
-  // `text_slots`: texts the unary calls tokenize or decode at once (see acquire_text_slot).
+  // `text_slots`: texts the unary calls tokenize or decode at once (see acquire_text_slot);
+  // `max_queued_texts`: Generate calls that wait for their turn at most (see TextWorkers).
   ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics, int max_unread,
-              Clock::duration unread_grace, int max_priority, int text_slots)
+              Clock::duration unread_grace, int max_priority, int text_slots, int max_queued_texts)
       : keys_(std::move(keys)),
         model_name_(std::move(model_name)),
         metrics_(metrics),
         max_priority_(max_priority),
         max_unread_(max_unread),
         unread_grace_(unread_grace),
-        text_slots_(text_slots) {}
+        text_slots_(text_slots),
+        max_queued_texts_(max_queued_texts) {}
 
   // OK admits the call (then release() once when it is over); otherwise the status to return:
   // UNAUTHENTICATED, UNAVAILABLE while loading or draining, or for a Generate stream (`stream`)
@@ -103,6 +105,7 @@ class ServerState {
   absl::Status acquire_text_slot(const grpc::ServerContextBase& context);
   void release_text_slot() { text_slots_.release(); }
   int text_slots() const { return text_slots_.total(); }
+  int max_queued_texts() const { return max_queued_texts_; }
 
   // A unary call without a body looking again for a cancel (MalformedBodyInterceptor): true when
   // it may (then end_bodyless_look() once), false while 64 already look.
@@ -157,6 +160,7 @@ class ServerState {
   std::condition_variable uncancelling_;  // a cancel_unread() returned
   LogLimiter refused_key_log_, malformed_body_log_;
   FifoSlots text_slots_;
+  const int max_queued_texts_;
   std::atomic<int> bodyless_looks_{0};
 };
 
@@ -197,17 +201,20 @@ class WriterThread {
 // Runs the start of Generate streams with a prompt_text off gRPC's callback threads, which
 // tokenizing it would hold (~100 ms for a text of the largest size taken): a flood of them made
 // health checks wait seconds. Jobs run first come, first served, on as many threads as the
-// server has text slots; each job takes a slot as the unary calls do.
+// server has text slots; each job takes a slot as the unary calls do. At most `max_queued` wait.
 class TextWorkers {
  public:
-  explicit TextWorkers(int threads);
+  TextWorkers(int threads, int max_queued);
   ~TextWorkers();  // after every stream has finished
-  void post(std::function<void()> job);
+  // False, the job dropped, when max_queued jobs wait already.
+  bool post(std::function<void()> job);
+  int max_queued() const { return max_queued_; }
 
  private:
   void loop();
   std::mutex mu_;
   std::condition_variable wake_;
+  const int max_queued_;
   std::deque<std::function<void()>> queue_;  // guarded by mu_
   bool stop_ = false;                        // guarded by mu_
   std::vector<std::thread> threads_;
@@ -217,7 +224,7 @@ class InferenceService final
     : public v1::Inference::WithCallbackMethod_Generate<v1::Inference::Service> {
  public:
   explicit InferenceService(ServerState* state)
-      : state_(state), text_workers_(state->text_slots()) {}
+      : state_(state), text_workers_(state->text_slots(), state->max_queued_texts()) {}
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;

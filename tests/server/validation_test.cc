@@ -567,6 +567,61 @@ TEST(ServerTextSlots, ATextRefusedForWhatItIsWaitsForNoSlot) {
   EXPECT_EQ(line_ok.load(), kLine);
 }
 
+// Generate calls whose text waits for its turn to be tokenized each hold their request, and only
+// gRPC's streams per connection bounded them: at most --max-waiting wait; more are refused,
+// naming the bound, and the rest are served.
+TEST(ServerTextSlots, GenerateCallsWaitingForTheirTextAreBounded) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 16384});
+  auto server = ServerProcess::start(model, {"--threads", "1", "--max-waiting", "1"});
+  ASSERT_TRUE(server);
+  std::string long_text;
+  for (int i = 0; long_text.size() < 200000; ++i)
+    long_text += absl::StrCat("fortune number ", i, " says the line is long ");
+  // The one text slot stays taken by a line of long texts while the Generate calls arrive.
+  std::vector<std::thread> line;
+  for (int i = 0; i < 16; ++i)
+    line.emplace_back([&] {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+      v1::TokenizeRequest req;
+      req.set_text(long_text);
+      v1::TokenizeResponse resp;
+      v1::Inference::NewStub(server->channel())->Tokenize(&context, req, &resp);
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the line forms
+  // One job runs (its worker waits for the slot), one waits; the rest are refused.
+  constexpr int kCalls = 6;
+  std::vector<grpc::Status> status(kCalls);
+  std::vector<std::thread> calls;
+  auto text_request = [] {
+    v1::GenerateRequest req = valid_request();
+    req.clear_prompt_ids();
+    req.set_prompt_text("a fine text");
+    return req;
+  };
+  for (int i = 0; i < kCalls; ++i)
+    calls.emplace_back([&, i] {
+      status[size_t(i)] = generate(server->channel(), text_request(),
+                                   CallOptions{.timeout = std::chrono::seconds(300)})
+                              .status;
+    });
+  for (auto& t : calls) t.join();
+  int refused = 0;
+  for (const grpc::Status& st : status) {
+    if (st.ok()) continue;
+    ++refused;
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_NE(st.error_message().find("1 Generate calls already wait for their prompt_text to be "
+                                      "tokenized (--max-waiting)"),
+              std::string::npos)
+        << st.error_message();
+  }
+  EXPECT_GE(refused, 2);
+  EXPECT_LE(refused, kCalls - 1);
+  for (auto& t : line) t.join();
+  EXPECT_TRUE(generate(server->channel(), text_request()).status.ok()) << "room again";
+}
+
 // SentencePiece's load runs a model's self-test samples and logs those that fail, raw: a file's
 // terminal escapes and line ends reached the terminal of `cemlm generate` and the log of `cemlm
 // serve` (a CR LF there starts a forged line). The error says the self-test failed; nothing of

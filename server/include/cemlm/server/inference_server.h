@@ -52,6 +52,10 @@ struct ServerOptions {
   // Texts that Tokenize, Detokenize and Score calls tokenize or decode at once (the others wait
   // for a slot); at least 1.
   int text_slots = 2;
+  // Generate calls whose prompt_text waits for its turn to be tokenized, at most: more are
+  // RESOURCE_EXHAUSTED (each holds its request; gRPC bounds only the streams per connection).
+  // `cemlm serve` sets --max-waiting.
+  int max_queued_texts = 1024;
 };
 
 class InferenceServer {

@@ -18,6 +18,7 @@
 #include <unordered_set>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/status.h"
@@ -26,6 +27,10 @@ namespace cemlm {
 namespace {
 
 namespace fs = std::filesystem;
+
+// model.safetensors' __metadata__ entries that record how the weights split into heads.
+constexpr char kHeadsKey[] = "n_heads";
+constexpr char kHeadDimKey[] = "head_dim";
 
 std::span<const float> values_of(const ParamStore& params, const ParamSpec& s) {
   return {params.flat().data() + s.offset, size_t(s.numel())};
@@ -57,6 +62,25 @@ absl::Status check_tensors(const SafetensorsFile& file, const std::vector<ParamS
       return absl::InvalidArgumentError(
           absl::StrCat(file.path(), ": tensor '", s.name, "' has shape ", shape_string(t->shape),
                        ", config.json expects ", shape_string(s.shape)));
+  }
+  return absl::OkStatus();
+}
+
+// The split of the query/key width into heads shows in no tensor's shape (the standard attention
+// and the shared diag term): a config.json edited to 2 heads of 64 where the weights learned 4
+// of 32 loaded and generated other text. Saves record it; a file without it (another writer's,
+// an older save) is not checked.
+absl::Status check_heads(const SafetensorsFile& file, const ModelConfig& config) {
+  for (const auto& [key, want] :
+       {std::pair<const char*, int>{kHeadsKey, config.n_heads}, {kHeadDimKey, config.head_dim}}) {
+    const auto it = file.metadata().find(key);
+    if (it == file.metadata().end()) continue;
+    if (int saved = 0; !absl::SimpleAtoi(it->second, &saved) || saved != want)
+      return absl::InvalidArgumentError(absl::StrCat(
+          file.path(), ": the weights were saved for ", key, " = ", absl::CHexEscape(it->second),
+          ", config.json says ", want,
+          " (the same tensor shapes, another model): restore config.json's n_heads and head_dim "
+          "to the weights' (their __metadata__)"));
   }
   return absl::OkStatus();
 }
@@ -108,7 +132,10 @@ absl::Status write_contents(const fs::path& tmp, const ModelConfig& config,
   for (const ParamSpec& s : params.specs())
     tensors.push_back(NamedTensor{s.name, s.shape, values_of(params, s)});
   CEMLM_RETURN_IF_ERROR(write_safetensors((tmp / kWeightsFile).string(), tensors,
-                                          {{"format", "pt"}, {"variant", config.variant_name()}}));
+                                          {{"format", "pt"},
+                                           {"variant", config.variant_name()},
+                                           {kHeadsKey, std::to_string(config.n_heads)},
+                                           {kHeadDimKey, std::to_string(config.head_dim)}}));
   if (!tokenizer_path.empty()) {
     std::error_code ec;
     fs::copy_file(tokenizer_path, tmp / kTokenizerFile, ec);
@@ -186,6 +213,7 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file,
                          SafetensorsFile::open((root / kWeightsFile).string(), layout.size()));
   CEMLM_RETURN_IF_ERROR(check_tensors(file, layout));
+  CEMLM_RETURN_IF_ERROR(check_heads(file, ck.config));
   ck.params = ParamStore(ck.config);
   CEMLM_RETURN_IF_ERROR(load_tensors(file, ck.params));
   CEMLM_ASSIGN_OR_RETURN(ck.tokenizer_path, checkpoint_tokenizer_path(dir));

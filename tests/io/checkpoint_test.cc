@@ -234,6 +234,45 @@ TEST(Checkpoint, ConfigThatDoesNotMatchTheWeightsIsRefusedByName) {
   EXPECT_NE(load_error(ck).find("'lm_head.weight'"), std::string::npos);
 }
 
+// The same shapes split into other heads (2 of 4 -> 1 of 8): another model, refused naming the
+// fields; a file whose writer did not record them loads as before.
+TEST(Checkpoint, ConfigSplittingTheWeightsIntoOtherHeadsIsRefused) {
+  const std::string ck = fresh_dir() + "/ck";
+  for (const json& variant : variants()) {
+    const ModelConfig c = config_of(variant);
+    ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 5)).ok());
+    json resplit = variant;
+    resplit["n_heads"] = 1;
+    resplit["head_dim"] = 8;
+    write_bytes(ck + "/config.json", resplit.dump());
+    const std::string error = load_error(ck);
+    if (variant["attention"].value("diag", "") == "per_head") {  // its diag's shape shows it
+      EXPECT_NE(error.find("has shape"), std::string::npos) << error;
+      continue;
+    }
+    EXPECT_NE(error.find("the weights were saved for n_heads = 2, config.json says 1"),
+              std::string::npos)
+        << error;
+    resplit["n_heads"] = 2;  // restored: loads
+    resplit["head_dim"] = 4;
+    write_bytes(ck + "/config.json", resplit.dump());
+    EXPECT_TRUE(load_checkpoint(ck).ok()) << variant.dump();
+  }
+  // Without the entries (another writer's file): not checked.
+  const ModelConfig c = config_of(small_config());
+  const ParamStore p = random_params(c, 6);
+  std::vector<NamedTensor> tensors;
+  for (const ParamSpec& s : p.specs())
+    tensors.push_back(
+        NamedTensor{s.name, s.shape, {p.flat().data() + s.offset, size_t(s.numel())}});
+  ASSERT_TRUE(write_safetensors(ck + "/model.safetensors", tensors).ok());
+  json resplit = small_config();
+  resplit["n_heads"] = 1;
+  resplit["head_dim"] = 8;
+  write_bytes(ck + "/config.json", resplit.dump());
+  EXPECT_TRUE(load_checkpoint(ck).ok());
+}
+
 // A config.json far larger than its weights (here ~100 GB of parameters beside a few KB) is
 // refused naming the tensor whose shape differs, before the parameters are allocated: it once
 // allocated them first and died of out-of-memory.

@@ -77,7 +77,7 @@ std::vector<SeqId> Scheduler::accept() {
   // freed since), each of lower priority than one taken over it: the lowest-ranked first, each
   // claimed by the lowest such priority. (The one a sequence was taken to displace may have been
   // admitted since; it must then not displace one of its own priority, or itself.)
-  const int free_slots = std::max(0, opts_.max_running - int(running_.size()));
+  const int free_slots = this->free_slots();
   int64_t queued = 0;
   for (const Sequence* s : waiting_) queued += !s->displaced;
   int64_t excess =
@@ -112,7 +112,11 @@ void Scheduler::publish_locked() {
     ++waiting_published_;
     if (!(*it)->admitted_before) displaceable_published_.push_back((*it)->priority);
   }
-  free_slots_published_ = std::max(0, opts_.max_running - int(running_.size()));
+  free_slots_published_ = free_slots();
+}
+
+int Scheduler::free_slots() const {
+  return blocked_on_cache_ ? 0 : std::max(0, opts_.max_running - int(running_.size()));
 }
 
 const Sequence* Scheduler::find(SeqId id) const {
@@ -135,6 +139,7 @@ StepPlan Scheduler::schedule() {
   // A step whose rows ran out of blocks admits nothing; one that made way for a priority admits
   // that sequence alone.
   const bool out_of_blocks = !plan.preempted.empty();
+  blocked_on_cache_ = out_of_blocks && !waiting_.empty();
   if (!out_of_blocks) {
     const int made_way = make_way_for_priority(&budget, &scheduled, &plan);
     admit_waiting(&budget, &plan, made_way);
@@ -296,10 +301,12 @@ void Scheduler::admit_waiting(int* budget, StepPlan* plan, int only_first) {
     const int cached = int(match.blocks.size()) * bs;
     int n = std::min(int(s->tokens.size()) - cached, *budget);
     if (only_first > 0) n = std::min(n, only_first);
-    if (held_for_scoring_ > 0 && s->priority <= held_priority_ &&
-        blocks_->num_available() - blocks_->start_cost(match, cached + n) < held_for_scoring_)
+    if ((held_for_scoring_ > 0 && s->priority <= held_priority_ &&
+         blocks_->num_available() - blocks_->start_cost(match, cached + n) < held_for_scoring_) ||
+        !blocks_->start(s->id, match, s->recursion, cached + n)) {
+      blocked_on_cache_ = true;
       return;
-    if (!blocks_->start(s->id, match, s->recursion, cached + n)) return;
+    }
     waiting_.erase(waiting_.begin());
     s->n_computed = cached;
     s->running = true;

@@ -399,8 +399,9 @@ int cmd_serve(int argc, char** argv) {
             "requests in the running batch at once, at least 1 (the rest queue; a higher priority "
             "preempts)");
   flags.add("max-waiting", &f.max_waiting,
-            "requests queued beyond the running batch's free slots before RESOURCE_EXHAUSTED "
-            "(at least 1); it also bounds the Generate calls whose prompt_text waits for its "
+            "requests queued beyond the running batch's free slots (while the KV cache has room "
+            "to start one) before RESOURCE_EXHAUSTED (at least 1); it also bounds the Generate "
+            "calls whose prompt_text waits for its "
             "turn to be tokenized, and with --max-running the finished Generate streams whose "
             "clients have not read them");
   flags.add("unread-timeout", &f.unread_timeout,

@@ -134,6 +134,31 @@ TEST(Scheduler, FullQueueIsResourceExhaustedNamingTheLimit) {
   EXPECT_EQ(h.sched.add({6, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
 }
 
+// Free running slots let a burst in beyond max_waiting only while the KV cache admits the queue's
+// first: with blocks holding it back, the slots were counted anyway and the queue held up to
+// max_waiting + max_running - running.
+TEST(Scheduler, SlotsTheCacheCannotFillDoNotWidenTheQueue) {
+  Harness h({.max_batch_tokens = 100, .max_running = 8, .max_waiting = 2}, 4, 4);
+  h.add(1, 12);  // 3 of the 4 blocks
+  h.step();
+  h.add(2, 12);  // waits for blocks, 7 slots free
+  h.step();
+  ASSERT_EQ(h.sched.num_running(), 1);
+  ASSERT_EQ(h.sched.num_waiting(), 1);
+  EXPECT_TRUE(h.sched.add({3, prompt(3), 1, 0}).ok());
+  const absl::Status full = h.sched.add({4, prompt(3), 1, 0});
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_EQ(h.sched.num_waiting(), 2);
+  // Blocks free: the queue starts, and the free slots count again.
+  ASSERT_TRUE(h.sched.remove(1));
+  h.step();
+  EXPECT_EQ(h.sched.num_running(), 2);
+  EXPECT_EQ(h.sched.num_waiting(), 0);
+  for (SeqId id = 4; id < 4 + 6 + 2; ++id)  // 6 free slots and the queue: a burst fits whole
+    EXPECT_TRUE(h.sched.add({id, prompt(3), 1, 0}).ok()) << id;
+  EXPECT_EQ(h.sched.add({20, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
+}
+
 // Into a full queue, a sequence of higher priority than a queued never-admitted one is taken;
 // accept() names the lowest-ranked of those (lowest priority, newest) for its owner to end. A
 // preempted sequence keeps its place.

@@ -28,7 +28,7 @@ struct EngineOptions {
   int block_size = 16;                   // tokens per KV block
   int max_batch_tokens = 512;            // tokens per engine step (chunked prefill budget)
   int max_running = 256;                 // sequences decoding at once
-  int max_waiting = 1024;                // bounded queue; submit fails RESOURCE_EXHAUSTED beyond
+  int max_waiting = 1024;  // bounded queue (beyond free slots the cache can fill; see Scheduler)
   bool prefix_caching = true;
   int threads = 0;                       // CPU threads for compute; 0 = all cores
   std::string kv_cache_dtype = "fp32";   // "fp32" | "bf16" | "int8" (CPU only; KvDtype)

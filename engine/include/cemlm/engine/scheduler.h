@@ -92,11 +92,12 @@ class Scheduler {
   // Thread-safe. RESOURCE_EXHAUSTED (naming max_waiting) when the waiting queue is full: when the
   // sequences not yet running would leave more than max_waiting of them waiting after the running
   // batch's free slots (max_running less those running) took theirs. A burst that fits the free
-  // slots and the queue is accepted whole. A sequence of higher priority than one queued and never
-  // admitted, and not claimed already by another taken over the bound, is accepted even then: the
-  // next accept() displaces as many of the lowest-ranked never-admitted ones (lowest priority,
-  // newest first). The sequence joins the waiting queue at the next accept(), when its owner is
-  // ready for it.
+  // slots and the queue is accepted whole. Slots count as free only while the KV cache admits
+  // the queue's first: when blocks are what holds it back, the queue's bound is max_waiting. A
+  // sequence of higher priority than one queued and never admitted, and not claimed already by
+  // another taken over the bound, is accepted even then: the next accept() displaces as many of the
+  // lowest-ranked never-admitted ones (lowest priority, newest first). The sequence joins the
+  // waiting queue at the next accept(), when its owner is ready for it.
   absl::Status add(SeqSpec spec);
   // The rest is for the engine's step thread only. Returns the sequences displaced from a full
   // queue, still in it: their owner ends them (remove).
@@ -154,6 +155,8 @@ class Scheduler {
     bool operator()(const Sequence* a, const Sequence* b) const;
   };
   void publish_waiting();
+  // Running slots a waiting sequence could take now: none while the cache holds the queue back.
+  int free_slots() const;
   void publish_locked();  // publish_waiting's work, intake_mu_ held
   // Frees `s`'s blocks: a sequence goes back to waiting; a scoring call is gone (`s` with it).
   void preempt(Sequence* s, StepPlan* plan);
@@ -186,13 +189,16 @@ class Scheduler {
   std::vector<std::unique_ptr<Sequence>> scoring_;  // started scoring calls, sorted by rank
   std::vector<ScoringClaim> preempted_scoring_;     // for take_preempted_scoring
   int64_t preemptions_ = 0;
+  // The last schedule() left the queue's first waiting for KV blocks (or for those held for a
+  // scoring call), not for a slot or the step's budget.
+  bool blocked_on_cache_ = false;
   int64_t held_for_scoring_ = 0;
   int held_priority_ = 0;
 
   mutable std::mutex intake_mu_;
   std::vector<std::unique_ptr<Sequence>> intake_;
   int waiting_published_ = 0;     // waiting_ less the displaced as of the last change, for add()
-  int free_slots_published_ = 0;  // max_running less running_.size(), likewise
+  int free_slots_published_ = 0;  // free_slots(), likewise
   // Priorities of the waiting sequences never admitted (those a full queue may displace), in
   // ascending order, less those accept() named for displacement; likewise.
   std::vector<int> displaceable_published_;

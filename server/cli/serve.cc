@@ -1,7 +1,7 @@
 // `cemlm serve`: loads a checkpoint into the engine and serves it over gRPC, with /metrics on a
 // second port. Lifecycle: listen (NOT_SERVING) -> load + warm up -> SERVING -> SIGTERM/SIGINT ->
-// drain up to --shutdown-timeout -> cancel the rest -> exit 0 (a signal while loading: exit 0 at
-// once).
+// NOT_SERVING, GOAWAY, drain up to --shutdown-timeout -> cancel the rest -> exit 0 (a signal
+// while loading: exit 0 at once).
 #include <google/protobuf/stubs/logging.h>
 #include <grpc/support/log.h>
 #include <netdb.h>
@@ -360,8 +360,9 @@ int cmd_serve(int argc, char** argv) {
   Flags flags("cemlm serve --model DIR [--port 50051] [--metrics-port 9400] [options]",
               "Serve a checkpoint over gRPC (cemlm.v1.Inference, grpc.health.v1.Health,\n"
               "reflection) with Prometheus metrics at http://HOST:METRICS_PORT/metrics.\n"
-              "SIGTERM/SIGINT drain in-flight requests, then exit 0 (at once while the model "
-              "loads).");
+              "SIGTERM/SIGINT: stop listening, send every connection a GOAWAY (clients take\n"
+              "their next calls elsewhere), finish the requests in flight, exit 0 (at once while\n"
+              "the model loads).");
   flags.add_nonempty("model", &f.model,
                      "checkpoint directory (config.json, model.safetensors, ...)",
                      "name the checkpoint directory to serve", /*required=*/true);

@@ -4,7 +4,13 @@
 // its caller holds; OnDone takes the lock before the Watcher leaves the set and is deleted.
 #include "health_service.h"
 
+#include <optional>
+
 namespace cemlm::server {
+
+namespace {
+const grpc::Status kStopping(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+}  // namespace
 
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
@@ -17,6 +23,7 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
   Watcher(HealthService* service, bool known) : service_(service), known_(known) {
     service_->watchers_.insert(this);
     update();
+    if (service_->watches_ended_) end(kStopping);
   }
 
   // Under the service's lock: sends the status now, unless a write is under way (its
@@ -34,14 +41,20 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
   void OnWriteDone(bool ok) override {
     std::lock_guard lock(service_->mu_);
     writing_ = false;
-    if (!ok || cancelled_) return finish();  // the client is gone, or going
+    if (!ok || cancelled_) return finish();  // the client is gone, or going, or the server
     update();
   }
 
   void OnCancel() override {
     std::lock_guard lock(service_->mu_);
+    end(grpc::Status::CANCELLED);
+  }
+
+  // Under the service's lock: the stream ends with `status` now, or once its write completes.
+  void end(const grpc::Status& status) {
     cancelled_ = true;
-    if (!writing_) finish();  // else once the write completes
+    if (!end_status_) end_status_ = status;
+    if (!writing_) finish();
   }
 
   void OnDone() override {
@@ -56,12 +69,13 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
   void finish() {
     if (finished_) return;
     finished_ = true;
-    Finish(grpc::Status::CANCELLED);
+    Finish(end_status_.value_or(grpc::Status::CANCELLED));
   }
 
   HealthService* const service_;
   const bool known_;
   HealthCheckResponse response_;
+  std::optional<grpc::Status> end_status_;
   Status sent_ = HealthCheckResponse::UNKNOWN;
   bool sent_any_ = false, writing_ = false, cancelled_ = false, finished_ = false;
 };
@@ -74,6 +88,12 @@ void HealthService::set_serving(bool serving) {
 }
 
 void HealthService::shut_down() { set_status(HealthCheckResponse::NOT_SERVING, true); }
+
+void HealthService::end_watches() {
+  std::lock_guard lock(mu_);
+  watches_ended_ = true;
+  for (Watcher* w : watchers_) w->end(kStopping);
+}
 
 void HealthService::set_status(Status status, bool final) {
   std::lock_guard lock(mu_);

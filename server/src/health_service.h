@@ -28,6 +28,8 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
   void set_serving(bool serving);
   // NOT_SERVING for good (a draining server).
   void shut_down();
+  // Ends every Watch stream (a stopping server), and those that start from now on at once.
+  void end_watches();
 
   grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* context,
                                   const grpc::health::v1::HealthCheckRequest* request,
@@ -43,7 +45,7 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
   const std::set<std::string> services_;
   std::mutex mu_;  // guards what follows and every Watcher's state
   Status status_ = grpc::health::v1::HealthCheckResponse::NOT_SERVING;
-  bool shut_down_ = false;
+  bool shut_down_ = false, watches_ended_ = false;
   std::set<Watcher*> watchers_;
 };
 

@@ -150,22 +150,45 @@ void InferenceServer::set_engine(Engine* engine) {
   health_->set_serving(true);
 }
 
+namespace {
+
+// How long calls the engine has ended get to write their last messages (to slow readers too).
+constexpr auto kLastWrites = std::chrono::seconds(2);
+
+}  // namespace
+
 bool InferenceServer::drain(Clock::duration timeout) {
-  health_->shut_down();  // NOT_SERVING for good
+  health_->shut_down();  // NOT_SERVING for good (to the Watch streams open now)
+  // GOAWAY at once, as Go's GracefulStop: a client's next call goes to a new connection, which a
+  // load balancer sends elsewhere (refused here). Only refusing them kept every client on its
+  // connection to this server failing UNAVAILABLE for the whole drain (a Kubernetes Service's
+  // clients: all of a rollout's). gRPC's Shutdown waits for the calls in flight; past the drain
+  // and the last writes it cancels those left.
+  if (!goaway_.joinable() && !stopped_) {
+    const auto deadline =
+        std::chrono::system_clock::now() +
+        std::chrono::duration_cast<std::chrono::system_clock::duration>(timeout + kLastWrites);
+    goaway_ = std::thread([this, deadline] { server_->Shutdown(deadline); });
+  }
   return state_->drain(timeout);
 }
 
 void InferenceServer::shutdown() {
   if (stopped_ || !server_) return;
   stopped_ = true;
-  // Calls the engine has ended are writing their last messages (to slow readers too): give
-  // them a moment. gRPC's Shutdown then waits until its deadline for clients to close their
-  // connections, which an idle client keeping its channel never does, so once no call of ours
-  // is left it only waits long enough for the last unary responses to go out.
-  const bool idle = state_->drain(std::chrono::seconds(2));
+  // Calls the engine has ended are writing their last messages: give them a moment. gRPC's
+  // Shutdown then waits until its deadline for clients to close their connections, which an
+  // idle client keeping its channel never does, so once no call of ours is left it only waits
+  // long enough for the last unary responses to go out.
+  const bool idle = state_->drain(kLastWrites);
   state_->stop_calls();
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    (idle ? std::chrono::milliseconds(100) : std::chrono::milliseconds(0)));
+  health_->end_watches();  // they would hold a drain's Shutdown to its deadline
+  if (goaway_.joinable()) {
+    goaway_.join();  // ends when the last call does
+  } else {
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      (idle ? std::chrono::milliseconds(100) : std::chrono::milliseconds(0)));
+  }
   server_->Wait();
 }
 

@@ -66,8 +66,9 @@ TEST(ServerDrain, SigtermFinishesWhatIsInFlightThenExitsZero) {
   ASSERT_TRUE(reader->Read(&m));
   int tokens = m.token_ids_size();
   server->signal(SIGTERM);
-  EXPECT_TRUE(wait_for_health(*server, "NOT_SERVING"));
-  EXPECT_EQ(health(server->channel(), "cemlm.v1.Inference"), "NOT_SERVING");
+  // Draining, it sent its connections a GOAWAY and stopped listening: a new call finds no
+  // server (UNAVAILABLE), while the stream in flight goes on.
+  EXPECT_TRUE(wait_for_health(*server, "error 14"));
   const Stream late = generate(server->channel(), ids_request(prompt(4), 2));
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   for (; reader->Read(&m);) tokens += m.token_ids_size();
@@ -76,6 +77,45 @@ TEST(ServerDrain, SigtermFinishesWhatIsInFlightThenExitsZero) {
   EXPECT_EQ(tokens, kTokens);
   EXPECT_EQ(m.finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
+}
+
+// A client balancing over two servers loses no call while one drains: the draining one sends its
+// connections a GOAWAY at once, so the client's calls go to the other. (It only refused them:
+// every call the client sent it failed UNAVAILABLE for as long as the drain lasted, which on
+// Kubernetes meant every rollout.)
+TEST(ServerDrain, AClientOfTwoServersLosesNoCallWhileOneDrains) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongContext});
+  auto draining = ServerProcess::start(
+      model, {"--shutdown-timeout", "120", "--unread-timeout", "600"});  // the test reads it late
+  auto other = ServerProcess::start(model);
+  ASSERT_TRUE(draining && other);
+  grpc::ChannelArguments args;
+  args.SetServiceConfigJSON(R"({"loadBalancingConfig": [{"round_robin": {}}]})");
+  const auto both = grpc::CreateCustomChannel("ipv4:" + draining->addr() + "," + other->addr(),
+                                              grpc::InsecureChannelCredentials(), args);
+  for (int i = 0; i < 4; ++i)  // connected to both
+    ASSERT_TRUE(generate(both, ids_request(prompt(4), 2)).status.ok());
+  // A stream that keeps the drain going until the test has read it (see above).
+  const auto window = small_window_channel(draining->addr());
+  grpc::ClientContext context;
+  auto reader =
+      v1::Inference::NewStub(window)->Generate(&context, ids_request(prompt(12), 1500, 8));
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));
+  draining->signal(SIGTERM);
+  EXPECT_TRUE(wait_for_health(*draining, "error 14"));
+  int failed = 0;
+  std::string first_error;
+  for (int i = 0; i < 24; ++i) {
+    const grpc::Status st = generate(both, ids_request(prompt(4), 2)).status;
+    if (!st.ok() && failed++ == 0) first_error = st.error_message();
+  }
+  EXPECT_EQ(failed, 0) << first_error;
+  int tokens = m.token_ids_size();
+  for (; reader->Read(&m);) tokens += m.token_ids_size();
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(tokens, 1500);
+  EXPECT_EQ(draining->wait_exit(30s), 0) << draining->log();
 }
 
 TEST(ServerDrain, ShutdownTimeoutCancelsTheRestAndExitsZero) {

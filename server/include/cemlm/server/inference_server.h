@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "cemlm/engine/engine.h"
@@ -68,8 +69,9 @@ class InferenceServer {
   int port() const { return port_; }
   // The engine is loaded and warmed: serve it, report SERVING. It must outlive shutdown().
   void set_engine(Engine* engine);
-  // Refuses new calls (UNAVAILABLE), reports NOT_SERVING, and waits up to `timeout` for the
-  // calls in flight. True when all of them finished.
+  // Reports NOT_SERVING, stops listening and sends every connection a GOAWAY (so that clients
+  // take their new calls to another server; a call that reaches this one anyway is UNAVAILABLE),
+  // and waits up to `timeout` for the calls in flight. True when all of them finished.
   bool drain(Clock::duration timeout);
   // Ends the calls still open (after the engine ended their requests) and stops listening.
   void shutdown();
@@ -80,6 +82,9 @@ class InferenceServer {
   std::unique_ptr<InferenceService> service_;
   std::unique_ptr<HealthService> health_;  // before server_: it outlives the server's calls
   std::unique_ptr<grpc::Server> server_;
+  // gRPC's Shutdown, begun by drain(): it holds until every call has ended, or cancels those
+  // left at its deadline (the drain's end, with the time for the last messages).
+  std::thread goaway_;
   int port_ = 0;
   bool stopped_ = false;
 };

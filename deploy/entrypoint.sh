@@ -25,6 +25,7 @@ CEMLM_TLS_CERT          --tls-cert
 CEMLM_TLS_KEY           --tls-key
 CEMLM_SHUTDOWN_TIMEOUT  --shutdown-timeout
 CEMLM_MAX_CONNECTION_AGE --max-connection-age
+CEMLM_MAX_CONNECTION_AGE_GRACE --max-connection-age-grace
 CEMLM_KEEPALIVE_TIME    --keepalive-time
 CEMLM_KEEPALIVE_TIMEOUT --keepalive-timeout
 CEMLM_UNREAD_TIMEOUT    --unread-timeout

@@ -51,6 +51,9 @@ struct ServeFlags {
   int max_running = 256, engine_nice = 10, max_priority = INT32_MAX;
   double shutdown_timeout = 30;
   double max_connection_age = 0;
+  // Its own: it was --shutdown-timeout (30 s), which cut the stream of a long generation at its
+  // connection's every --max-connection-age.
+  double max_connection_age_grace = 600;
   double keepalive_time = 60, keepalive_timeout = 20;
   double unread_timeout = 10;
 };
@@ -155,6 +158,10 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     return flag_error(absl::InvalidArgumentError(
         absl::StrCat("--max-connection-age ", exact_number(f.max_connection_age),
                      " must be >= 0 seconds (0: no limit)")));
+  if (!(f.max_connection_age_grace >= 0 && f.max_connection_age_grace <= 1e6))
+    return flag_error(absl::InvalidArgumentError(
+        absl::StrCat("--max-connection-age-grace ", exact_number(f.max_connection_age_grace),
+                     " must be in [0, 1e6] seconds")));
   if (!(f.keepalive_time >= 0))
     return flag_error(
         absl::InvalidArgumentError(absl::StrCat("--keepalive-time ", exact_number(f.keepalive_time),
@@ -166,7 +173,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   opts.host = f.host;
   opts.port = f.port;
   opts.max_connection_age_s = f.max_connection_age;
-  opts.max_connection_age_grace_s = f.shutdown_timeout;
+  opts.max_connection_age_grace_s = f.max_connection_age_grace;
   opts.keepalive_time_s = f.keepalive_time;
   opts.keepalive_timeout_s = f.keepalive_timeout;
   // Overflow-safe: both flags may be up to INT_MAX.
@@ -435,8 +442,12 @@ int cmd_serve(int argc, char** argv) {
             "seconds to let requests finish on SIGTERM (0 to 1e6)");
   flags.add("max-connection-age", &f.max_connection_age,
             "seconds after which a client connection is closed (±10%), its calls given "
-            "--shutdown-timeout to finish: clients reconnect and spread over new replicas; 0 = "
-            "never");
+            "--max-connection-age-grace to finish: clients reconnect and spread over new "
+            "replicas; 0 = never");
+  flags.add("max-connection-age-grace", &f.max_connection_age_grace,
+            "seconds the calls of a connection --max-connection-age closed get to finish (0 to "
+            "1e6); a stream still running then is cut (UNAVAILABLE): keep it above the longest "
+            "generation");
   flags.add("keepalive-time", &f.keepalive_time,
             "seconds between pings to each client connection, which find connections "
             "whose client vanished without closing them (its host gone, a silent network drop); "

@@ -472,6 +472,33 @@ TEST_F(ServerLifecycle, MaxConnectionAgeMakesClientsReconnect) {
   EXPECT_TRUE(generate(aged->channel(), ids_request(prompt(4), 2)).status.ok());
   const std::string err = refused_serve(model_, "--max-connection-age -1", 2);
   EXPECT_NE(err.find("--max-connection-age -1 must be >= 0 seconds"), std::string::npos) << err;
+  const std::string grace = refused_serve(model_, "--max-connection-age-grace -1", 2);
+  EXPECT_NE(grace.find("--max-connection-age-grace -1 must be in [0, 1e6] seconds"),
+            std::string::npos)
+      << grace;
+}
+
+// A stream still running when its connection reaches --max-connection-age gets
+// --max-connection-age-grace to finish, not --shutdown-timeout (which cut long generations at
+// every connection age).
+TEST(ServerConnectionAge, AStreamOutlivingItsConnectionsAgeGetsTheGrace) {
+  auto server =
+      ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongContext}),
+                           {"--max-connection-age", "0.5", "--max-connection-age-grace", "600",
+                            "--shutdown-timeout", "0.2", "--unread-timeout", "600"});
+  ASSERT_TRUE(server);
+  const auto channel = small_window_channel(server->addr());  // held on the server: see above
+  grpc::ClientContext context;
+  auto reader =
+      v1::Inference::NewStub(channel)->Generate(&context, ids_request(prompt(12), 1500, 8));
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));
+  int tokens = m.token_ids_size();
+  std::this_thread::sleep_for(1500ms);  // past the age and any grace of --shutdown-timeout
+  for (; reader->Read(&m);) tokens += m.token_ids_size();
+  const grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(tokens, 1500);
 }
 
 TEST_F(ServerLifecycle, MetricsExpositionParsesAndCountersMove) {

@@ -264,6 +264,13 @@ def check_k8s(errors):
     errors.expect(objs[("Service", "cemlm-headless")]["spec"].get("clusterIP") == "None",
                   "service cemlm-headless must be headless (clusterIP: None)")
 
+    pdb = objs.get(("PodDisruptionBudget", "cemlm"), {}).get("spec", {})
+    errors.expect(pdb.get("maxUnavailable") == 1 and
+                  pdb.get("selector", {}).get("matchLabels", {}).items() <= labels.items() and
+                  pdb.get("selector", {}).get("matchLabels"),
+                  "pdb.yaml: a PodDisruptionBudget cemlm must let one pod go at a time "
+                  "(maxUnavailable: 1) and select the pods")
+
     hpa = objs[("HorizontalPodAutoscaler", "cemlm")]["spec"]
     target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "cemlm"}
     errors.expect(hpa["scaleTargetRef"] == target,

@@ -137,7 +137,9 @@ std::string Flags::help() const {
     if (!f.is_bool) os << " " << f.metavar;
     os << "\n" << indented(f.help);
     if (f.required) os << " (required)";
-    else if (!f.default_text.empty()) os << " (default: " << f.default_text << ")";
+    // A help that says its own default (one computed or drawn at run time) is not contradicted.
+    else if (!f.default_text.empty() && f.help.find("default: ") == std::string::npos)
+      os << " (default: " << f.default_text << ")";
     os << "\n";
   }
   os << "  --help\n      show this help and exit\n";

@@ -156,7 +156,7 @@ def used_names(deploy_dir):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deploy-dir", type=pathlib.Path, default=HERE.parent.parent / "deploy")
     ap.add_argument("--families", action="store_true",
                     help="print metric families (histogram _bucket/_sum/_count folded)")

@@ -160,6 +160,18 @@ TEST_F(BenchServe, ThePromptsSeedIsDrawnAndPrinted) {
   const std::string a = seed_of({}), b = seed_of({});
   EXPECT_NE(a, "none");
   EXPECT_NE(a, b);  // 2^-32 to fail by chance
+  // --help says so, and no "(default: 0)" after it (nor "(default: 1)" after --connections',
+  // computed from --concurrency).
+  std::string help;
+  EXPECT_EQ(run_cemlm({"bench-serve", "--help"}, &help), 0);
+  for (const char* flag : {"--seed N\n", "--connections N\n"}) {
+    const size_t at = help.find(flag);
+    ASSERT_NE(at, std::string::npos) << flag << help;
+    const std::string block = help.substr(at, help.find("\n  --", at + 1) - at);
+    EXPECT_NE(block.find("default: "), std::string::npos) << block;
+    EXPECT_EQ(block.find("(default: 0)"), std::string::npos) << block;
+    EXPECT_EQ(block.find("(default: 1)"), std::string::npos) << block;
+  }
 }
 
 // More streams than the connections carry (the server runs 1,000 at once on one) would wait in the

@@ -87,8 +87,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
       "train.jsonl, loss.svg) every --save-every steps and at the end, atomically.\n"
       "With no model flags: the default small CEM model on Debian's fortunes (docs/TRAINING.md).\n"
       "Ctrl-C, SIGTERM or SIGHUP finishes the step, saves, and exits with 130, 143 or 129;\n"
-      "--resume goes on\n"
-      "(before the first step, during the tokenizer or data setup: stops, saving nothing).\n"
+      "--resume goes on. Before the first step (the tokenizer or data setup), it stops\n"
+      "saving nothing.\n"
       "A signal ignored at the start stays ignored (nohup: SIGHUP).");
   f.add("out", &o.out_dir,
         "checkpoint directory to write, by one run at a time (locked with .<name>.lock beside "

@@ -502,22 +502,17 @@ void EngineImpl::run_jobs() {
 }
 
 bool EngineImpl::take_control() {
-  std::vector<RequestId> cancels, displaced;
+  std::vector<RequestId> cancels;
   bool cancel_all, stopping;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& q : incoming_) live_[q->id] = std::move(q);
     incoming_.clear();
-    displaced = sched_.accept();  // under mu_: the scheduler never holds a sequence live_ lacks
+    sched_.accept();  // under mu_: the scheduler never holds a sequence live_ lacks
     cancels.swap(cancels_);
     cancel_all = cancel_all_;
     stopping = stopping_;
   }
-  for (RequestId id : displaced)
-    finish(*live_.at(id), FinishReason::kError, {},
-           absl::ResourceExhaustedError(absl::StrCat(
-               "displaced from the full waiting queue (--max-waiting = ", opts_.max_waiting,
-               ") by a request of higher priority; retry later")));
   if (cancel_all)
     for (const auto& [id, q] : live_) cancels.push_back(id);
   for (RequestId id : cancels)
@@ -528,6 +523,13 @@ bool EngineImpl::take_control() {
   for (const auto& [id, q] : live_)
     if (q->deadline && *q->deadline <= now) expired.push_back(id);
   for (RequestId id : expired) finish(*live_.at(id), FinishReason::kDeadline, {});
+  // After those: a request taken over the bound and cancelled (or expired) since displaces
+  // nobody, and one cancelled while it was displaced ends as cancelled.
+  for (RequestId id : sched_.displace())
+    finish(*live_.at(id), FinishReason::kError, {},
+           absl::ResourceExhaustedError(absl::StrCat(
+               "displaced from the full waiting queue (--max-waiting = ", opts_.max_waiting,
+               ") by a request of higher priority; retry later")));
   return stopping;
 }
 

@@ -45,7 +45,7 @@ absl::Status Scheduler::add(SeqSpec spec) {
       return absl::ResourceExhaustedError(
           absl::StrCat("the waiting queue is full (--max-waiting = ", opts_.max_waiting,
                        " requests); retry later"));
-    over_bound_.push_back(spec.priority);  // one of lower priority makes way at accept()
+    over_bound_.push_back(spec.priority);  // one of lower priority makes way at displace()
   }
   auto s = std::make_unique<Sequence>();
   s->id = spec.id;
@@ -65,7 +65,7 @@ int Scheduler::num_waiting() const {
 
 bool Scheduler::has_work() const { return !running_.empty() || num_waiting() > 0; }
 
-std::vector<SeqId> Scheduler::accept() {
+void Scheduler::accept() {
   std::lock_guard<std::mutex> lock(intake_mu_);
   for (auto& s : intake_) {
     CEMLM_CHECK(!seqs_.count(s->id));
@@ -73,6 +73,10 @@ std::vector<SeqId> Scheduler::accept() {
     seqs_[s->id] = std::move(s);
   }
   intake_.clear();
+}
+
+std::vector<SeqId> Scheduler::displace() {
+  std::lock_guard<std::mutex> lock(intake_mu_);
   // As many as the queue is still over its bound, at most those taken over it (a slot may have
   // freed since), each of lower priority than one taken over it: the lowest-ranked first, each
   // claimed by the lowest such priority. (The one a sequence was taken to displace may have been

@@ -610,6 +610,39 @@ TEST(Engine, FullQueueIsResourceExhaustedSaveForAHigherPriority) {
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
+// A request taken into the full queue over its bound and cancelled (or past its deadline) before
+// the engine's next step displaces nobody: the queued request it would have displaced runs.
+TEST(Engine, AnArrivalOverTheBoundEndedAtOnceDisplacesNobody) {
+  for (const bool cancel : {true, false}) {
+    Gate gate;
+    EngineOptions eo;
+    eo.max_running = 1;
+    eo.max_waiting = 1;
+    Built b = build({.favorite =
+                         [&](int) {
+                           gate.enter();
+                           return -1;
+                         }},
+                    eo);
+    Collector c;
+    ASSERT_TRUE(b.engine->submit(request({1, 2}, 3), c.callback()).ok());
+    gate.wait_entered(1);  // the first request is running, inside forward()
+    const RequestId queued = *b.engine->submit(request({1, 2}, 3), c.callback());
+    GenerateRequest urgent = request({1, 2}, 3);
+    urgent.priority = 5;
+    if (!cancel) urgent.deadline = Clock::now();  // past by the next step
+    const auto taken = b.engine->submit(urgent, c.callback());
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    if (cancel) b.engine->cancel(*taken);
+    gate.release();
+    ASSERT_TRUE(c.wait_finals(3));
+    EXPECT_EQ(c.get(*taken).reason, cancel ? FinishReason::kCancelled : FinishReason::kDeadline);
+    const Result kept = c.get(queued);
+    EXPECT_EQ(kept.reason, FinishReason::kLength) << kept.error;
+    b.engine->shutdown(false);
+  }
+}
+
 // Scoring calls share steps with running generation as chunked prefill does: one chunk
 // (max_batch_tokens) per step, not every waiting call's chunk before each step; with no
 // generation running they go at once. The slow generation steps (a sleep) only give the three

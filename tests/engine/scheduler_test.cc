@@ -28,9 +28,14 @@ struct Harness {
   void add(SeqId id, int n, int T = 1, int priority = 0) {
     ASSERT_TRUE(sched.add({id, prompt(n), T, priority}).ok());
   }
+  // What the engine does first each step (it ends the displaced, returned, at once).
+  std::vector<SeqId> accept() {
+    sched.accept();
+    return sched.displace();
+  }
   // One step as the engine runs it: every sampling row gets token 7.
   StepPlan step() {
-    sched.accept();
+    accept();
     StepPlan plan = sched.schedule();
     sched.complete(plan);
     for (const auto& r : plan.rows)
@@ -160,7 +165,7 @@ TEST(Scheduler, SlotsTheCacheCannotFillDoNotWidenTheQueue) {
 }
 
 // Into a full queue, a sequence of higher priority than a queued never-admitted one is taken;
-// accept() names the lowest-ranked of those (lowest priority, newest) for its owner to end. A
+// displace() names the lowest-ranked of those (lowest priority, newest) for its owner to end. A
 // preempted sequence keeps its place.
 TEST(Scheduler, FullQueueDisplacesTheLowestRankedForAHigherPriority) {
   Harness h({.max_batch_tokens = 100, .max_running = 1, .max_waiting = 2}, 64, 4);
@@ -172,36 +177,36 @@ TEST(Scheduler, FullQueueDisplacesTheLowestRankedForAHigherPriority) {
   ASSERT_TRUE(h.sched.find(2)->running);
   EXPECT_EQ(h.sched.add({4, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(h.sched.add({5, prompt(3), 1, 1}).ok());  // above 3's priority
-  EXPECT_EQ(h.sched.accept(), std::vector<SeqId>{3});    // not 1, which was preempted
+  EXPECT_EQ(h.accept(), std::vector<SeqId>{3});         // not 1, which was preempted
   EXPECT_EQ(h.sched.num_waiting(), 2);  // the displaced one no longer counts, before its removal
   ASSERT_TRUE(h.sched.remove(3));
   EXPECT_EQ(h.sched.num_waiting(), 2);
   // 1 and 5 (priority 1) wait: priority 1 is refused, priority 2 displaces 5.
   EXPECT_EQ(h.sched.add({6, prompt(3), 1, 1}).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(h.sched.add({7, prompt(3), 1, 2}).ok());
-  EXPECT_EQ(h.sched.accept(), std::vector<SeqId>{5});
+  EXPECT_EQ(h.accept(), std::vector<SeqId>{5});
   ASSERT_TRUE(h.sched.remove(5));
   // Once 2 is preempted too, 7 is the only never-admitted sequence left to make way.
   ASSERT_TRUE(h.sched.make_room(64, 9));
   EXPECT_TRUE(h.sched.add({8, prompt(3), 1, 3}).ok());
-  EXPECT_EQ(h.sched.accept(), std::vector<SeqId>{7});
+  EXPECT_EQ(h.accept(), std::vector<SeqId>{7});
   ASSERT_TRUE(h.sched.remove(7));
   // With no never-admitted sequence queued, a full queue refuses every priority.
   h.step();
   EXPECT_EQ(h.sched.num_waiting(), 2);  // 2 and 1, preempted; 8 runs
   EXPECT_EQ(h.sched.add({9, prompt(3), 1, 50}).code(), absl::StatusCode::kResourceExhausted);
-  // Taken into a full queue, but a slot frees before accept(): nobody is displaced.
+  // Taken into a full queue, but a slot frees before displace(): nobody is displaced.
   ASSERT_TRUE(h.sched.remove(2));
   h.add(10, 3);  // full again: 1 and 10
-  EXPECT_TRUE(h.sched.accept().empty());
+  EXPECT_TRUE(h.accept().empty());
   EXPECT_TRUE(h.sched.add({11, prompt(3), 1, 1}).ok());
   ASSERT_TRUE(h.sched.remove(8));  // the running one ends
-  EXPECT_TRUE(h.sched.accept().empty());
+  EXPECT_TRUE(h.accept().empty());
   EXPECT_EQ(h.sched.num_waiting(), 3);
 }
 
 // Each sequence taken into a full queue claims a lower-priority one to displace: one that is
-// claimed already, or named by accept() and not yet removed, makes no room for another. (Two
+// claimed already, or named by displace() and not yet removed, makes no room for another. (Two
 // arrivals of priority 1 over a single queued priority 0 were both taken, and the second was
 // displaced at once "by a request of higher priority".)
 TEST(Scheduler, FullQueueTakesOnlyAsManyOverItsBoundAsItCanDisplace) {
@@ -214,12 +219,12 @@ TEST(Scheduler, FullQueueTakesOnlyAsManyOverItsBoundAsItCanDisplace) {
   EXPECT_TRUE(h.sched.add({4, prompt(3), 1, 1}).ok());  // displaces 2
   EXPECT_EQ(h.sched.add({5, prompt(3), 1, 1}).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(h.sched.add({6, prompt(3), 1, 2}).ok());  // displaces 4, below it
-  EXPECT_EQ(h.sched.accept(), (std::vector<SeqId>{2, 4}));
+  EXPECT_EQ(h.accept(), (std::vector<SeqId>{2, 4}));
   // Until their owner removes them, the displaced ones make no room either.
   EXPECT_EQ(h.sched.add({7, prompt(3), 1, 1}).code(), absl::StatusCode::kResourceExhausted);
   ASSERT_TRUE(h.sched.remove(2));
   ASSERT_TRUE(h.sched.remove(4));
-  EXPECT_TRUE(h.sched.accept().empty());
+  EXPECT_TRUE(h.accept().empty());
   EXPECT_EQ(h.sched.num_waiting(), 2);  // 6 and 3
 }
 
@@ -234,12 +239,12 @@ TEST(Scheduler, AnArrivalOverTheBoundNeverDisplacesItsOwnPriority) {
   ASSERT_TRUE(h.sched.make_room(63, 9));  // Z, the lowest ranked, is preempted
   ASSERT_FALSE(h.sched.find(2)->running);
   h.add(3, 3, 1, 0);                                    // X, never admitted
-  EXPECT_TRUE(h.sched.accept().empty());                // X and Z wait, one slot free: full
+  EXPECT_TRUE(h.accept().empty());                      // X and Z wait, one slot free: full
   EXPECT_TRUE(h.sched.add({4, prompt(3), 1, 1}).ok());  // N, over the bound, to displace X
   StepPlan p = h.sched.schedule();                      // but X takes the free slot first
   h.sched.complete(p);
   ASSERT_TRUE(h.sched.find(3)->running);
-  EXPECT_TRUE(h.sched.accept().empty());  // N and Z (preempted) wait: nobody below N to displace
+  EXPECT_TRUE(h.accept().empty());  // N and Z (preempted) wait: nobody below N to displace
   EXPECT_FALSE(h.sched.find(4)->displaced);
   EXPECT_EQ(h.sched.num_waiting(), 2);
 }
@@ -251,7 +256,7 @@ TEST(Scheduler, BoundsNearIntMaxDoNotOverflow) {
     Harness h({.max_batch_tokens = 100, .max_running = running, .max_waiting = waiting});
     for (SeqId id = 1; id <= 3; ++id)
       EXPECT_TRUE(h.sched.add({id, prompt(3), 1, 0}).ok()) << running << " " << waiting;
-    EXPECT_TRUE(h.sched.accept().empty());
+    EXPECT_TRUE(h.accept().empty());
     h.step();
     EXPECT_EQ(h.sched.num_running() + h.sched.num_waiting(), 3);
   }
@@ -991,12 +996,13 @@ SimOutcome simulate(const SimConfig& cfg, const std::vector<SimRequest>& reqs) {
         }
       }
     }
-    for (SeqId id : sched.accept()) {  // as the engine: accepted, then cancels and deadlines
+    sched.accept();  // as the engine: accepted, then cancels and deadlines, then displacement
+    for (size_t i = 0; i < reqs.size(); ++i)
+      if (reqs[i].remove_step == step && live.count(i + 1)) end(i + 1);
+    for (SeqId id : sched.displace()) {
       res.rejected.insert(id);
       end(id);
     }
-    for (size_t i = 0; i < reqs.size(); ++i)
-      if (reqs[i].remove_step == step && live.count(i + 1)) end(i + 1);
     // A scoring call ends after its steps (once preempted, it waits for room again: below).
     for (auto it = score_release.begin(); it != score_release.end();) {
       if (it->second <= step) {

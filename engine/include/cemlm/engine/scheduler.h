@@ -62,7 +62,7 @@ struct Sequence {
   uint64_t arrival = 0;
   bool running = false;
   bool admitted_before = false;  // admitted once already (now readmitted after a preemption)
-  bool displaced = false;        // named by accept() for its owner to end
+  bool displaced = false;        // named by displace() for its owner to end
   bool scoring = false;  // a scoring call's blocks (Scheduler::start_scoring): n_prompt tokens
   int generated() const { return int(tokens.size()) - n_prompt; }
 };
@@ -95,13 +95,17 @@ class Scheduler {
   // slots and the queue is accepted whole. Slots count as free only while the KV cache admits
   // the queue's first: when blocks are what holds it back, the queue's bound is max_waiting. A
   // sequence of higher priority than one queued and never admitted, and not claimed already by
-  // another taken over the bound, is accepted even then: the next accept() displaces as many of the
-  // lowest-ranked never-admitted ones (lowest priority, newest first). The sequence joins the
-  // waiting queue at the next accept(), when its owner is ready for it.
+  // another taken over the bound, is accepted even then: the next displace() displaces as many of
+  // the lowest-ranked never-admitted ones (lowest priority, newest first) as the queue is then
+  // still over its bound. The sequence joins the waiting queue at the next accept(), when its
+  // owner is ready for it.
   absl::Status add(SeqSpec spec);
-  // The rest is for the engine's step thread only. Returns the sequences displaced from a full
-  // queue, still in it: their owner ends them (remove).
-  std::vector<SeqId> accept();
+  // The rest is for the engine's step thread only. Moves the sequences added into the queue.
+  void accept();
+  // After accept() and the owner's removal of what its clients cancelled (a sequence taken over
+  // the bound and cancelled at once makes nobody leave): the sequences displaced from a full
+  // queue, still in it, for their owner to end (remove).
+  std::vector<SeqId> displace();
   StepPlan schedule();
   // After the runner ran `plan`: the fed tokens are in the cache; full blocks are published.
   void complete(const StepPlan& plan);
@@ -200,9 +204,9 @@ class Scheduler {
   int waiting_published_ = 0;     // waiting_ less the displaced as of the last change, for add()
   int free_slots_published_ = 0;  // free_slots(), likewise
   // Priorities of the waiting sequences never admitted (those a full queue may displace), in
-  // ascending order, less those accept() named for displacement; likewise.
+  // ascending order, less those displace() named for displacement; likewise.
   std::vector<int> displaceable_published_;
-  // The priorities of the sequences accepted into a full queue: accept() displaces one of lower
+  // The priorities of the sequences accepted into a full queue: displace() displaces one of lower
   // priority for each, where the queue is still over its bound.
   std::vector<int> over_bound_;
   uint64_t next_arrival_ = 0;

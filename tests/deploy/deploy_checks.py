@@ -328,6 +328,8 @@ def check_dashboard(errors):
     families = metric_names.expected_families()
     used = metric_names.names_of(exprs)
     errors.extend(metric_names.not_allowed(used, families))
+    errors.extend(metric_names.promql_errors(exprs, families, metric_names.expected_labels(),
+                                             metric_names.added_labels(DEPLOY)))
     shown = {metric_names.family_of(n, families) for _, n in used}
     for family in families:
         errors.expect(family in shown, f"{path}: no panel shows {family}")
@@ -389,8 +391,10 @@ def check_prometheus(errors):
                       f"alerts_test.yml: no case where {alert} stays quiet")
     exprs = [x for f in rule_files for x in metric_names.rule_exprs(f)]
     exprs += metric_names.adapter_exprs(DEPLOY / "k8s" / "prometheus-adapter-values.yaml")
-    used = metric_names.names_of(exprs)
-    errors.extend(metric_names.not_allowed(used, metric_names.expected_families()))
+    families = metric_names.expected_families()
+    errors.extend(metric_names.not_allowed(metric_names.names_of(exprs), families))
+    errors.extend(metric_names.promql_errors(exprs, families, metric_names.expected_labels(),
+                                             metric_names.added_labels(DEPLOY)))
     for path in (prom / "prometheus.yml", prom / "prometheus-k8s.yml"):
         jobs = [j["job_name"] for j in yaml.safe_load(path.read_text())["scrape_configs"]]
         errors.expect(jobs == ["cemlm"],
@@ -547,25 +551,61 @@ def check_runtime_packages(errors):
 
 
 def check_metric_names(errors):
-    """metric_names.py --check-exposition accepts a scrape with every family and names what a
-    scrape lacks (the live check and the lead's scrape comparison rely on it)."""
-    families = metric_names.expected_families()
-    lines = [f"# TYPE {name} {kind}" for name, kind in families.items()]
+    """metric_names.py --check-exposition accepts a scrape with every family and its labels and
+    names what a scrape lacks or mislabels (the live check and the lead's scrape comparison rely
+    on it); the PromQL checks accept deploy/ and refuse an unknown label or a misused type."""
+    families, labels = metric_names.expected_families(), metric_names.expected_labels()
+
+    def block(name, kind):  # one family of a scrape: its TYPE line and a sample of each series
+        values = ",".join(f'{x}="v"' for x in sorted(labels[name]))
+        series = ([f'{name}_bucket{{{values},le="+Inf"}} 0', f"{name}_sum{{{values}}} 0",
+                   f"{name}_count{{{values}}} 0"] if kind == "histogram"
+                  else [f"{name}{{{values}}} 0"])
+        return "\n".join([f"# TYPE {name} {kind}", *series])
+
+    blocks = [block(name, kind) for name, kind in families.items()]
     script = [sys.executable, str(HERE / "metric_names.py"), "--deploy-dir", str(DEPLOY)]
 
-    def check(scrape_lines):
-        return subprocess.run([*script, "--check-exposition", "-"], input="\n".join(scrape_lines),
+    def check(scrape_blocks):
+        return subprocess.run([*script, "--check-exposition", "-"], input="\n".join(scrape_blocks),
                               capture_output=True, text=True)
 
-    p = check(lines)
+    p = check(blocks)
     errors.expect(p.returncode == 0, f"a complete scrape was refused: {p.stderr}")
-    p = check(lines[1:])
-    missing = lines[0].split()[2]
+    p = check(blocks[1:])
+    missing = blocks[0].split()[2]
     errors.expect(p.returncode == 1 and missing in p.stderr,
                   f"a scrape without {missing} was accepted")
-    p = check([x.replace("histogram", "summary") for x in lines])
+    p = check([x.replace(" histogram", " summary") for x in blocks])
     errors.expect(p.returncode == 1 and "expected histogram" in p.stderr,
                   "a wrong metric type was accepted")
+    p = check([x.replace("code=", "grpc_code=") for x in blocks])
+    errors.expect(p.returncode == 1 and "requests_total has labels grpc_code,method,model_name, "
+                  "expected code,method,model_name" in p.stderr,
+                  f"a scrape with the label code renamed grpc_code was accepted: {p.stderr}")
+    p = check([x.replace("_sum{", '_sum{le="1",') for x in blocks])
+    errors.expect(p.returncode == 1 and "has labels le,model_name, expected model_name" in p.stderr,
+                  f"a scrape with le on a histogram's _sum was accepted: {p.stderr}")
+
+    exprs = metric_names.all_exprs(DEPLOY)
+    added = metric_names.added_labels(DEPLOY)
+    errors.expect(len(exprs) > 10 and {"namespace", "pod"} <= added,
+                  f"only {len(exprs)} deploy/ expressions, labels Prometheus adds: {added}")
+    found = metric_names.promql_errors(exprs, families, labels, added)
+    errors.expect(not found, f"deploy/'s expressions were refused: {found}")
+    for expr, why in (
+            ("sum by (grpc_code) (rate(cemlm:requests_total[5m]))", "label 'grpc_code'"),
+            ('cemlm:num_requests_waiting{pod=~"x", podname="y"}', "label 'podname'"),
+            ('rate(cemlm:request_errors_total{code="INTERNAL"}[5m]) / '
+             'rate(cemlm:requests_total{grpc_code="OK"}[5m])', "label 'grpc_code'"),
+            ("rate(cemlm:num_requests_waiting[5m])", "rate() of the gauge"),
+            ("deriv(cemlm:requests_total[5m])", "deriv() of the counter"),
+            ("histogram_quantile(0.9, sum by (model_name) "
+             "(rate(cemlm:e2e_request_latency_seconds_bucket[5m])))", "drops le"),
+            ("histogram_quantile(0.9, sum(rate(cemlm:e2e_request_latency_seconds_sum[5m])))",
+             "no histogram's _bucket")):
+        found = metric_names.promql_errors([("test", expr)], families, labels, added)
+        errors.expect(any(why in e for e in found), f"{expr} not refused for {why}: {found}")
     p = subprocess.run([*script, "--families"], capture_output=True, text=True)
     errors.expect(p.returncode == 0 and set(p.stdout.split()) == set(families) | {"up"},
                   f"--families must print every family: {p.stdout}")
@@ -667,7 +707,7 @@ def check_live(errors):
                 scrape = r.read().decode()
             errors.extend(metric_names.exposition_errors(
                 metric_names.used_names(DEPLOY), metric_names.expected_families(),
-                metric_names.parse_exposition(scrape)))
+                metric_names.expected_labels(), scrape))
             errors.expect('model_name="model"' in scrape, "metrics lack the label model_name")
         finally:
             server.terminate()  # SIGTERM: the entrypoint exec'd the server, so it drains

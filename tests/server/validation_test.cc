@@ -465,6 +465,28 @@ TEST(ServerTextSlots, TextCallsAtOnceAllAnswerAndFailedOnesGiveTheirSlotBack) {
   EXPECT_EQ(wrong.load(), 0) << "of " << 12 * 6 * 4 << " calls";
 }
 
+// `n` Tokenize calls of 200 KB texts at once, each taking the server's text slot a while (for a
+// model whose context lets such texts in); counts those that succeed in *ok. Returns once they
+// are in line.
+std::vector<std::thread> line_of_long_texts(const ServerProcess& server, int n,
+                                            std::atomic<int>* ok) {
+  auto long_text = std::make_shared<std::string>();
+  for (int i = 0; long_text->size() < 200000; ++i)
+    *long_text += absl::StrCat("fortune number ", i, " says the line is long ");
+  std::vector<std::thread> line;
+  for (int i = 0; i < n; ++i)
+    line.emplace_back([&server, long_text, ok] {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+      v1::TokenizeRequest req;
+      req.set_text(*long_text);
+      v1::TokenizeResponse resp;
+      if (v1::Inference::NewStub(server.channel())->Tokenize(&context, req, &resp).ok()) ++*ok;
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the line forms
+  return line;
+}
+
 // A text refused for what it is (longer than any prompt, not UTF-8) is answered at once, without
 // waiting for a text slot: behind a line of long texts it took the caller's whole deadline and
 // ended DEADLINE_EXCEEDED instead of naming its field (and an oversize Generate waited on one of
@@ -474,24 +496,11 @@ TEST(ServerTextSlots, ATextRefusedForWhatItIsWaitsForNoSlot) {
   const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 16384});
   auto server = ServerProcess::start(model);
   ASSERT_TRUE(server);
-  std::string long_text;
-  for (int i = 0; long_text.size() < 200000; ++i)
-    long_text += absl::StrCat("fortune number ", i, " says the line is long ");
   // Texts of 200 KB in line for the one slot: tokenizing them one after another takes longer
   // than the refused calls' deadline (their order does not matter: none waits in the fix).
   constexpr int kLine = 24;
   std::atomic<int> line_ok{0};
-  std::vector<std::thread> line;
-  for (int i = 0; i < kLine; ++i)
-    line.emplace_back([&] {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
-      v1::TokenizeRequest req;
-      req.set_text(long_text);
-      v1::TokenizeResponse resp;
-      if (v1::Inference::NewStub(server->channel())->Tokenize(&context, req, &resp).ok()) ++line_ok;
-    });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the line forms
+  std::vector<std::thread> line = line_of_long_texts(*server, kLine, &line_ok);
   const CallOptions quick{.timeout = std::chrono::milliseconds(1500)};
   // A good text beside a bad field is refused for the field at once too (such calls waited for
   // the slot and the tokenizing before the field was looked at): all at once, while the line is
@@ -574,21 +583,9 @@ TEST(ServerTextSlots, GenerateCallsWaitingForTheirTextAreBounded) {
   const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 16384});
   auto server = ServerProcess::start(model, {"--threads", "1", "--max-waiting", "1"});
   ASSERT_TRUE(server);
-  std::string long_text;
-  for (int i = 0; long_text.size() < 200000; ++i)
-    long_text += absl::StrCat("fortune number ", i, " says the line is long ");
   // The one text slot stays taken by a line of long texts while the Generate calls arrive.
-  std::vector<std::thread> line;
-  for (int i = 0; i < 16; ++i)
-    line.emplace_back([&] {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
-      v1::TokenizeRequest req;
-      req.set_text(long_text);
-      v1::TokenizeResponse resp;
-      v1::Inference::NewStub(server->channel())->Tokenize(&context, req, &resp);
-    });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the line forms
+  std::atomic<int> line_ok{0};
+  std::vector<std::thread> line = line_of_long_texts(*server, 16, &line_ok);
   // One job runs (its worker waits for the slot), one waits; the rest are refused.
   constexpr int kCalls = 6;
   std::vector<grpc::Status> status(kCalls);

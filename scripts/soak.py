@@ -425,7 +425,17 @@ def soak(args, server, port, mport, log_path):
     base, _ = sample(server.pid, url, t0, "baseline")
     workers = [(worker_stream, 8), (worker_score, 3), (worker_bad, 2), (worker_kill, 2),
                (worker_burst, 1), (worker_unread, 2)]
-    threads = [threading.Thread(target=fn, daemon=True) for fn, k in workers for _ in range(k)]
+    died = []  # a worker that raised stopped its share of the load: the run did not soak
+
+    def guarded(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (reported below, with the worker's name)
+            died.append("%s: %r" % (fn.__name__, e))
+            raise
+
+    threads = [threading.Thread(target=guarded, args=(fn,), daemon=True)
+               for fn, k in workers for _ in range(k)]
     for t in threads:
         t.start()
     end, minute = t0 + args.minutes * 60, 0
@@ -446,6 +456,7 @@ def soak(args, server, port, mport, log_path):
         problems.append("%d fds when idle, %d at the start" % (idle["fds"], base["fds"]))
     if any(t.is_alive() for t in threads):
         problems.append("a client thread is stuck")
+    problems += ["a client thread died, %s" % d for d in died]
     server_counts = by_method_code(m)
     print("%-13s %-19s %8s %8s" % ("method", "code", "client", "server"))
     for key in sorted(set(counts) | set(server_counts)):

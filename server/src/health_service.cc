@@ -4,26 +4,21 @@
 // its caller holds; OnDone takes the lock before the Watcher leaves the set and is deleted.
 #include "health_service.h"
 
-#include <optional>
-
 namespace cemlm::server {
-
-namespace {
-const grpc::Status kStopping(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
-}  // namespace
 
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
 // One Watch stream: the status when it starts, then each change (a change during a write is
-// sent when it completes, the latest only). It ends when its client cancels or the server stops.
+// sent when it completes, the latest only). It ends when its client cancels, or when the server
+// stops (UNAVAILABLE, after the latest status).
 class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheckResponse> {
  public:
   // Under the service's lock.
   Watcher(HealthService* service, bool known) : service_(service), known_(known) {
     service_->watchers_.insert(this);
     update();
-    if (service_->watches_ended_) end(kStopping);
+    if (service_->watches_ended_) end();
   }
 
   // Under the service's lock: sends the status now, unless a write is under way (its
@@ -41,19 +36,22 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
   void OnWriteDone(bool ok) override {
     std::lock_guard lock(service_->mu_);
     writing_ = false;
-    if (!ok || cancelled_) return finish();  // the client is gone, or going, or the server
+    if (!ok || cancelled_) return finish();  // the client is gone, or going
     update();
+    if (!writing_ && ending_) finish();  // the latest status is out: the stopping server's end
   }
 
   void OnCancel() override {
     std::lock_guard lock(service_->mu_);
-    end(grpc::Status::CANCELLED);
+    cancelled_ = true;
+    if (!writing_) finish();  // else once the write completes
   }
 
-  // Under the service's lock: the stream ends with `status` now, or once its write completes.
-  void end(const grpc::Status& status) {
-    cancelled_ = true;
-    if (!end_status_) end_status_ = status;
+  // Under the service's lock: the server stops. The stream ends once the latest status is out (a
+  // change met a write under way: NOT_SERVING was lost behind SERVING's write).
+  void end() {
+    ending_ = true;
+    update();
     if (!writing_) finish();
   }
 
@@ -69,15 +67,16 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
   void finish() {
     if (finished_) return;
     finished_ = true;
-    Finish(end_status_.value_or(grpc::Status::CANCELLED));
+    Finish(ending_ && !cancelled_
+               ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down")
+               : grpc::Status::CANCELLED);
   }
 
   HealthService* const service_;
   const bool known_;
   HealthCheckResponse response_;
-  std::optional<grpc::Status> end_status_;
   Status sent_ = HealthCheckResponse::UNKNOWN;
-  bool sent_any_ = false, writing_ = false, cancelled_ = false, finished_ = false;
+  bool sent_any_ = false, writing_ = false, cancelled_ = false, ending_ = false, finished_ = false;
 };
 
 HealthService::HealthService(std::vector<std::string> services)
@@ -92,7 +91,7 @@ void HealthService::shut_down() { set_status(HealthCheckResponse::NOT_SERVING, t
 void HealthService::end_watches() {
   std::lock_guard lock(mu_);
   watches_ended_ = true;
-  for (Watcher* w : watchers_) w->end(kStopping);
+  for (Watcher* w : watchers_) w->end();
 }
 
 void HealthService::set_status(Status status, bool final) {

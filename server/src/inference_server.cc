@@ -2,6 +2,7 @@
 // the health status through the lifecycle, and the two-step shutdown.
 #include "cemlm/server/inference_server.h"
 
+#include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/auth_metadata_processor.h>
@@ -162,13 +163,13 @@ bool InferenceServer::drain(Clock::duration timeout) {
   // GOAWAY at once, as Go's GracefulStop: a client's next call goes to a new connection, which a
   // load balancer sends elsewhere (refused here). Only refusing them kept every client on its
   // connection to this server failing UNAVAILABLE for the whole drain (a Kubernetes Service's
-  // clients: all of a rollout's). gRPC's Shutdown waits for the calls in flight; past the drain
-  // and the last writes it cancels those left.
-  if (!goaway_.joinable() && !stopped_) {
-    const auto deadline =
-        std::chrono::system_clock::now() +
-        std::chrono::duration_cast<std::chrono::system_clock::duration>(timeout + kLastWrites);
-    goaway_ = std::thread([this, deadline] { server_->Shutdown(deadline); });
+  // clients: all of a rollout's). gRPC core's shutdown, begun here, sends it and stops listening;
+  // the C++ server's Shutdown, on its own thread as it blocks, then waits for every call and
+  // connection, until shutdown() cancels what is left.
+  if (!shutdown_cq_ && !stopped_) {
+    shutdown_cq_ = grpc_completion_queue_create_for_pluck(nullptr);
+    grpc_server_shutdown_and_notify(server_->c_server(), shutdown_cq_, &shutdown_cq_);
+    goaway_ = std::async(std::launch::async, [this] { server_->Shutdown(); });
   }
   return state_->drain(timeout);
 }
@@ -182,12 +183,23 @@ void InferenceServer::shutdown() {
   // long enough for the last unary responses to go out.
   const bool idle = state_->drain(kLastWrites);
   state_->stop_calls();
-  health_->end_watches();  // they would hold a drain's Shutdown to its deadline
-  if (goaway_.joinable()) {
-    goaway_.join();  // ends when the last call does
+  health_->end_watches();
+  const auto grace = idle ? std::chrono::milliseconds(100) : std::chrono::milliseconds(0);
+  if (shutdown_cq_) {
+    // Connections idle or silent (a client keeping its channel, a reflection stream, a host gone)
+    // would hold the drain's Shutdown for good: cut, as gRPC's deadline does. Legal from any
+    // thread once core's shutdown has begun, which drain() made sure of.
+    if (goaway_.wait_for(grace) != std::future_status::ready)
+      grpc_server_cancel_all_calls(server_->c_server());
+    goaway_.get();
+    // Core posted drain()'s tag when its shutdown completed.
+    grpc_completion_queue_pluck(shutdown_cq_, &shutdown_cq_, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                nullptr);
+    grpc_completion_queue_shutdown(shutdown_cq_);
+    grpc_completion_queue_destroy(shutdown_cq_);
+    shutdown_cq_ = nullptr;
   } else {
-    server_->Shutdown(std::chrono::system_clock::now() +
-                      (idle ? std::chrono::milliseconds(100) : std::chrono::milliseconds(0)));
+    server_->Shutdown(std::chrono::system_clock::now() + grace);
   }
   server_->Wait();
 }

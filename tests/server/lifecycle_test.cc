@@ -118,6 +118,35 @@ TEST(ServerDrain, AClientOfTwoServersLosesNoCallWhileOneDrains) {
   EXPECT_EQ(draining->wait_exit(30s), 0) << draining->log();
 }
 
+// What the service does not see does not hold the exit: an idle client channel and an open
+// reflection stream (grpcurl's) were waited for by gRPC's Shutdown, which a drain now begins at
+// once, up to its deadline (here 10 minutes), with nothing in flight.
+TEST(ServerDrain, ConnectionsWithoutRequestsDoNotHoldTheExit) {
+  auto server =
+      ServerProcess::start(make_tiny_model(fresh_temp_dir()), {"--shutdown-timeout", "600"});
+  ASSERT_TRUE(server);
+  ASSERT_TRUE(generate(server->channel(), ids_request(prompt(4), 2)).status.ok());  // then idle
+  grpc::GenericStub stub(server->channel());
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  auto call = stub.PrepareCall(
+      &context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  call->StartCall(reinterpret_cast<void*>(1));
+  void* got = nullptr;
+  bool ok = false;
+  ASSERT_TRUE(cq.Next(&got, &ok) && ok);  // open, and left so
+  server->signal(SIGTERM);
+  EXPECT_EQ(server->wait_exit(30s), 0) << server->log();
+  context.TryCancel();
+  grpc::Status st;
+  call->Finish(&st, reinterpret_cast<void*>(2));
+  while (cq.Next(&got, &ok) && got != reinterpret_cast<void*>(2)) {
+  }
+  cq.Shutdown();
+  while (cq.Next(&got, &ok)) {
+  }
+}
+
 TEST(ServerDrain, ShutdownTimeoutCancelsTheRestAndExitsZero) {
   auto server = ServerProcess::start(make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongContext}),
                                      {"--shutdown-timeout", "0.05"});

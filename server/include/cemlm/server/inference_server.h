@@ -2,12 +2,13 @@
 // one port, optional TLS and API keys, and the lifecycle around the engine — NOT_SERVING until
 // the engine is ready, then SERVING, then draining on shutdown.
 #pragma once
+#include <grpc/grpc.h>
 #include <grpcpp/server.h>
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "cemlm/engine/engine.h"
@@ -82,9 +83,11 @@ class InferenceServer {
   std::unique_ptr<InferenceService> service_;
   std::unique_ptr<HealthService> health_;  // before server_: it outlives the server's calls
   std::unique_ptr<grpc::Server> server_;
-  // gRPC's Shutdown, begun by drain(): it holds until every call has ended, or cancels those
-  // left at its deadline (the drain's end, with the time for the last messages).
-  std::thread goaway_;
+  // drain() begins gRPC core's shutdown (GOAWAY; its completion is posted here) and the C++
+  // server's Shutdown on a thread of its own, which holds until every call and connection has
+  // ended: shutdown() cancels those left.
+  grpc_completion_queue* shutdown_cq_ = nullptr;
+  std::future<void> goaway_;
   int port_ = 0;
   bool stopped_ = false;
 };

@@ -73,6 +73,10 @@ void Scheduler::accept() {
     seqs_[s->id] = std::move(s);
   }
   intake_.clear();
+  // The claims of these on a queued one: displace() settles them. Those of sequences added from
+  // now on wait for the next accept().
+  accepted_claims_ = over_bound_.size();
+  publish_locked();  // add() counts what was taken from the intake as queued
 }
 
 std::vector<SeqId> Scheduler::displace() {
@@ -81,23 +85,24 @@ std::vector<SeqId> Scheduler::displace() {
   // freed since), each of lower priority than one taken over it: the lowest-ranked first, each
   // claimed by the lowest such priority. (The one a sequence was taken to displace may have been
   // admitted since; it must then not displace one of its own priority, or itself.)
-  const int free_slots = this->free_slots();
+  std::vector<int> claims(over_bound_.begin(), over_bound_.begin() + ptrdiff_t(accepted_claims_));
+  over_bound_.erase(over_bound_.begin(), over_bound_.begin() + ptrdiff_t(accepted_claims_));
+  accepted_claims_ = 0;
   int64_t queued = 0;
   for (const Sequence* s : waiting_) queued += !s->displaced;
   int64_t excess =
-      std::min<int64_t>(int64_t(over_bound_.size()), queued - opts_.max_waiting - free_slots);
-  std::sort(over_bound_.begin(), over_bound_.end());
+      std::min<int64_t>(int64_t(claims.size()), queued - opts_.max_waiting - free_slots(queued));
+  std::sort(claims.begin(), claims.end());
   std::vector<SeqId> displaced;
   for (auto it = waiting_.rbegin(); excess > 0 && it != waiting_.rend(); ++it) {
     if ((*it)->admitted_before || (*it)->displaced) continue;  // a preempted one keeps its place
-    const auto by = std::upper_bound(over_bound_.begin(), over_bound_.end(), (*it)->priority);
-    if (by == over_bound_.end()) continue;
-    over_bound_.erase(by);
+    const auto by = std::upper_bound(claims.begin(), claims.end(), (*it)->priority);
+    if (by == claims.end()) continue;
+    claims.erase(by);
     (*it)->displaced = true;
     displaced.push_back((*it)->id);
     --excess;
   }
-  over_bound_.clear();
   publish_locked();
   return displaced;
 }
@@ -116,11 +121,13 @@ void Scheduler::publish_locked() {
     ++waiting_published_;
     if (!(*it)->admitted_before) displaceable_published_.push_back((*it)->priority);
   }
-  free_slots_published_ = free_slots();
+  free_slots_published_ = free_slots(waiting_published_);
 }
 
-int Scheduler::free_slots() const {
-  return blocked_on_cache_ ? 0 : std::max(0, opts_.max_running - int(running_.size()));
+int Scheduler::free_slots(int64_t queued) const {
+  // (Blocked with nothing queued: the last schedule()'s first left, and the engine may sit idle.)
+  return blocked_on_cache_ && queued > 0 ? 0
+                                         : std::max(0, opts_.max_running - int(running_.size()));
 }
 
 const Sequence* Scheduler::find(SeqId id) const {

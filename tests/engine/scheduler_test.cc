@@ -164,6 +164,39 @@ TEST(Scheduler, SlotsTheCacheCannotFillDoNotWidenTheQueue) {
   EXPECT_EQ(h.sched.add({20, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
 }
 
+// An idle scheduler whose last step left its queue waiting for blocks (the waiting one since
+// cancelled): the free slots count again, for a burst into the empty engine.
+TEST(Scheduler, AQueueHeldBackByTheCacheThenEmptiedLeavesTheSlotsFree) {
+  Harness h({.max_batch_tokens = 100, .max_running = 8, .max_waiting = 2}, 4, 4);
+  h.add(1, 12);
+  h.step();
+  h.add(2, 12);  // waits for blocks
+  h.step();
+  ASSERT_TRUE(h.sched.remove(2));
+  ASSERT_TRUE(h.sched.remove(1));  // nothing runs or waits, and no step runs now
+  for (SeqId id = 3; id < 3 + 8 + 2; ++id)
+    EXPECT_TRUE(h.sched.add({id, prompt(3), 1, 0}).ok()) << id;
+  EXPECT_EQ(h.sched.add({20, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
+}
+
+// The engine ends cancels and deadlines between accept() and displace(): arrivals meanwhile meet
+// the queue as it is (they were checked against the queue before accept(), and passed), and a
+// claim made meanwhile is settled at the next displace(), not dropped.
+TEST(Scheduler, ArrivalsBetweenAcceptAndDisplaceMeetTheQueueAsItIs) {
+  Harness h({.max_batch_tokens = 100, .max_running = 1, .max_waiting = 2}, 64, 4);
+  h.add(1, 3);
+  h.step();  // 1 runs
+  h.add(2, 3);
+  h.add(3, 3);
+  h.sched.accept();  // 2 and 3 queued: full
+  EXPECT_EQ(h.sched.add({4, prompt(3), 1, 0}).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(h.sched.add({5, prompt(3), 1, 5}).ok());  // over the bound: claims 3
+  EXPECT_TRUE(h.sched.displace().empty());              // 5 is not queued yet
+  EXPECT_EQ(h.accept(), std::vector<SeqId>{3});
+  ASSERT_TRUE(h.sched.remove(3));
+  EXPECT_EQ(h.sched.num_waiting(), 2);  // 5 and 2
+}
+
 // Into a full queue, a sequence of higher priority than a queued never-admitted one is taken;
 // displace() names the lowest-ranked of those (lowest priority, newest) for its owner to end. A
 // preempted sequence keeps its place.

@@ -159,8 +159,9 @@ class Scheduler {
     bool operator()(const Sequence* a, const Sequence* b) const;
   };
   void publish_waiting();
-  // Running slots a waiting sequence could take now: none while the cache holds the queue back.
-  int free_slots() const;
+  // Running slots a waiting sequence could take now, with `queued` waiting: none while the cache
+  // holds the queue back.
+  int free_slots(int64_t queued) const;
   void publish_locked();  // publish_waiting's work, intake_mu_ held
   // Frees `s`'s blocks: a sequence goes back to waiting; a scoring call is gone (`s` with it).
   void preempt(Sequence* s, StepPlan* plan);
@@ -203,6 +204,7 @@ class Scheduler {
   std::vector<std::unique_ptr<Sequence>> intake_;
   int waiting_published_ = 0;     // waiting_ less the displaced as of the last change, for add()
   int free_slots_published_ = 0;  // free_slots(), likewise
+  size_t accepted_claims_ = 0;    // the first of over_bound_, by sequences accept() took
   // Priorities of the waiting sequences never admitted (those a full queue may displace), in
   // ascending order, less those displace() named for displacement; likewise.
   std::vector<int> displaceable_published_;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -26,6 +27,10 @@ namespace cemlm {
 namespace {
 
 using sentencepiece::SentencePieceProcessor;
+
+// SentencePiece's log level is one process-wide int: a load quiets it for its span, and a
+// training sets it from its arguments; one at a time, or one would undo the other's.
+std::mutex g_log_level_mu;
 
 const SentencePieceProcessor& proc(const void* sp) {
   return *static_cast<const SentencePieceProcessor*>(sp);
@@ -232,6 +237,7 @@ void* load(const std::string& serialized, std::string* error) {
   // A failed self-test logs the model's sample texts raw (terminal escapes, line ends) at INFO;
   // the error says what failed.
   namespace logging = sentencepiece::logging;
+  std::lock_guard log_level(g_log_level_mu);
   const bool quiet = &logging::GetMinLogLevel != nullptr && &logging::SetMinLogLevel != nullptr;
   const int was = quiet ? logging::GetMinLogLevel() : 0;
   if (quiet) logging::SetMinLogLevel(std::max(was, 2));  // ERROR and worse
@@ -266,6 +272,7 @@ bool train(const std::unordered_map<std::string, std::string>& args,
            const std::vector<TextFile>& corpus, unsigned seed, std::string* model,
            std::string* error) {
   sentencepiece::SetRandomGeneratorSeed(seed);
+  std::lock_guard log_level(g_log_level_mu);  // its minloglevel argument sets the same level
   CorpusLines lines(corpus, std::stoul(args.at("max_sentence_length")));
   if (auto st = sentencepiece::SentencePieceTrainer::Train(args, &lines, model); !st.ok()) {
     *error = detail(st);

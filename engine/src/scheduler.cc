@@ -67,6 +67,9 @@ bool Scheduler::has_work() const { return !running_.empty() || num_waiting() > 0
 
 void Scheduler::accept() {
   std::lock_guard<std::mutex> lock(intake_mu_);
+  // What the cache held back has left since (cancelled, ended): the arrivals are another queue,
+  // which the next schedule() judges (an idle engine runs none till then).
+  if (waiting_.empty()) blocked_on_cache_ = false;
   for (auto& s : intake_) {
     CEMLM_CHECK(!seqs_.count(s->id));
     waiting_.insert(s.get());
@@ -91,7 +94,7 @@ std::vector<SeqId> Scheduler::displace() {
   int64_t queued = 0;
   for (const Sequence* s : waiting_) queued += !s->displaced;
   int64_t excess =
-      std::min<int64_t>(int64_t(claims.size()), queued - opts_.max_waiting - free_slots(queued));
+      std::min<int64_t>(int64_t(claims.size()), queued - opts_.max_waiting - free_slots());
   std::sort(claims.begin(), claims.end());
   std::vector<SeqId> displaced;
   for (auto it = waiting_.rbegin(); excess > 0 && it != waiting_.rend(); ++it) {
@@ -121,13 +124,11 @@ void Scheduler::publish_locked() {
     ++waiting_published_;
     if (!(*it)->admitted_before) displaceable_published_.push_back((*it)->priority);
   }
-  free_slots_published_ = free_slots(waiting_published_);
+  free_slots_published_ = free_slots();
 }
 
-int Scheduler::free_slots(int64_t queued) const {
-  // (Blocked with nothing queued: the last schedule()'s first left, and the engine may sit idle.)
-  return blocked_on_cache_ && queued > 0 ? 0
-                                         : std::max(0, opts_.max_running - int(running_.size()));
+int Scheduler::free_slots() const {
+  return blocked_on_cache_ ? 0 : std::max(0, opts_.max_running - int(running_.size()));
 }
 
 const Sequence* Scheduler::find(SeqId id) const {
@@ -376,6 +377,7 @@ bool Scheduler::remove(SeqId id) {
     running_.erase(std::find(running_.begin(), running_.end(), s));
   } else {
     waiting_.erase(s);
+    if (waiting_.empty()) blocked_on_cache_ = false;  // nothing is held back any more
   }
   blocks_->release(id);
   seqs_.erase(it);

@@ -159,9 +159,8 @@ class Scheduler {
     bool operator()(const Sequence* a, const Sequence* b) const;
   };
   void publish_waiting();
-  // Running slots a waiting sequence could take now, with `queued` waiting: none while the cache
-  // holds the queue back.
-  int free_slots(int64_t queued) const;
+  // Running slots a waiting sequence could take now: none while the cache holds the queue back.
+  int free_slots() const;
   void publish_locked();  // publish_waiting's work, intake_mu_ held
   // Frees `s`'s blocks: a sequence goes back to waiting; a scoring call is gone (`s` with it).
   void preempt(Sequence* s, StepPlan* plan);

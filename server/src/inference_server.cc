@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -169,7 +170,11 @@ bool InferenceServer::drain(Clock::duration timeout) {
   if (!shutdown_cq_ && !stopped_) {
     shutdown_cq_ = grpc_completion_queue_create_for_pluck(nullptr);
     grpc_server_shutdown_and_notify(server_->c_server(), shutdown_cq_, &shutdown_cq_);
-    goaway_ = std::async(std::launch::async, [this] { server_->Shutdown(); });
+    try {
+      goaway_ = std::async(std::launch::async, [this] { server_->Shutdown(); });
+    } catch (const std::system_error&) {
+      // No thread to spare: shutdown() runs the C++ Shutdown itself, after cancelling.
+    }
   }
   return state_->drain(timeout);
 }
@@ -189,9 +194,12 @@ void InferenceServer::shutdown() {
     // Connections idle or silent (a client keeping its channel, a reflection stream, a host gone)
     // would hold the drain's Shutdown for good: cut, as gRPC's deadline does. Legal from any
     // thread once core's shutdown has begun, which drain() made sure of.
-    if (goaway_.wait_for(grace) != std::future_status::ready)
+    if (!goaway_.valid() || goaway_.wait_for(grace) != std::future_status::ready)
       grpc_server_cancel_all_calls(server_->c_server());
-    goaway_.get();
+    if (goaway_.valid())
+      goaway_.get();
+    else
+      server_->Shutdown();
     // Core posted drain()'s tag when its shutdown completed.
     grpc_completion_queue_pluck(shutdown_cq_, &shutdown_cq_, gpr_inf_future(GPR_CLOCK_REALTIME),
                                 nullptr);

@@ -21,6 +21,7 @@ CEMLM_MAX_WAITING       --max-waiting
 CEMLM_GRPC_MEMORY       --grpc-memory
 CEMLM_API_KEY_FILE      --api-key-file
 CEMLM_MAX_PRIORITY      --max-priority
+CEMLM_PREFIX_CACHE_SCOPE --prefix-cache-scope
 CEMLM_TLS_CERT          --tls-cert
 CEMLM_TLS_KEY           --tls-key
 CEMLM_SHUTDOWN_TIMEOUT  --shutdown-timeout

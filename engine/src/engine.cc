@@ -58,6 +58,12 @@ double queue_seconds(const RequestTimings& t) {
                          t.scheduled != Clock::time_point{} ? t.scheduled : t.finished);
 }
 
+absl::Status check_cache_salt(std::string_view salt) {
+  if (salt.size() <= kMaxCacheSaltBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("cache_salt has ", salt.size(), " bytes; send at most ", kMaxCacheSaltBytes));
+}
+
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
     case FinishReason::kNone: return "none";
@@ -375,6 +381,9 @@ absl::Status EngineImpl::validate(const GenerateRequest& req) const {
   CEMLM_RETURN_IF_ERROR(validate_ids(req.prompt_ids, field));
   CEMLM_RETURN_IF_ERROR(validate_recursion(req.recursion_depth));
   CEMLM_RETURN_IF_ERROR(validate_sampling(req.sampling, config_.vocab_size, eos_id_));
+  CEMLM_RETURN_IF_ERROR(check_cache_salt(req.cache_salt));
+  if (req.cache_scope.find('\0') != std::string::npos)
+    return absl::InvalidArgumentError("cache_scope holds a NUL byte; scopes are NUL-free names");
   if (!req.sampling.stop.empty() && !tokenizer_)
     return absl::InvalidArgumentError(
         "sampling.stop needs a tokenizer and this model has none (no tokenizer.model); use "
@@ -416,7 +425,12 @@ absl::StatusOr<RequestId> EngineImpl::submit(GenerateRequest req, EventCallback 
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_)
     return absl::UnavailableError("the engine is shutting down; send the request elsewhere");
-  CEMLM_RETURN_IF_ERROR(sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority}));
+  // The scope, then the salt: the first NUL ends the scope, so no salt makes another scope's key.
+  std::string salt = req.cache_scope.empty() && req.cache_salt.empty()
+                         ? std::string()
+                         : absl::StrCat(req.cache_scope, std::string(1, '\0'), req.cache_salt);
+  CEMLM_RETURN_IF_ERROR(
+      sched_.add({id, std::move(req.prompt_ids), q->recursion, req.priority, std::move(salt)}));
   incoming_.push_back(std::move(q));
   cv_.notify_one();
   return id;

@@ -15,6 +15,13 @@ uint64_t mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// What a first block's key hash takes for the block before it: 0 for no salt (as before salts).
+uint64_t salt_hash(std::string_view salt) {
+  uint64_t h = 0;
+  for (unsigned char c : salt) h = mix(h ^ (uint64_t(c) + 0x2545F4914F6CDD1DULL));
+  return h;
+}
+
 uint64_t default_hash(uint64_t parent, std::span<const int> tokens, int T) {
   uint64_t h = mix(parent + 0x9E3779B97F4A7C15ULL * uint64_t(T + 1));
   for (int t : tokens) h = mix(h ^ (uint64_t(uint32_t(t)) + 0x632BE59BD9B4E019ULL));
@@ -38,25 +45,28 @@ double BlockManager::usage() const {
   return double(num_blocks() - num_available()) / double(num_blocks());
 }
 
-int32_t BlockManager::find_cached(uint64_t parent, std::span<const int> tokens, int T) const {
-  auto [it, end] = index_.equal_range(hash_(parent, tokens, T));
+int32_t BlockManager::find_cached(uint64_t parent, std::string_view salt,
+                                  std::span<const int> tokens, int T) const {
+  auto [it, end] = index_.equal_range(hash_(parent ? parent : salt_hash(salt), tokens, T));
   for (; it != end; ++it) {
     const Block& b = blocks_[size_t(it->second)];
-    if (b.parent == parent && b.recursion == T &&
+    // A later block's salt is its first block's, which its parent instance names.
+    if (b.parent == parent && b.recursion == T && (parent || b.salt == salt) &&
         std::equal(tokens.begin(), tokens.end(), b.tokens.begin(), b.tokens.end()))
       return it->second;
   }
   return -1;
 }
 
-PrefixMatch BlockManager::match_prefix(std::span<const int> tokens, int T) const {
+PrefixMatch BlockManager::match_prefix(std::span<const int> tokens, int T,
+                                       std::string_view salt) const {
   PrefixMatch m;
   if (!prefix_caching_ || tokens.empty()) return m;
   const size_t max_blocks = (tokens.size() - 1) / size_t(block_size_);
   uint64_t parent = 0;
   for (size_t i = 0; i < max_blocks; ++i) {
     const int32_t b =
-        find_cached(parent, tokens.subspan(i * size_t(block_size_), size_t(block_size_)), T);
+        find_cached(parent, salt, tokens.subspan(i * size_t(block_size_), size_t(block_size_)), T);
     if (b < 0) break;
     m.blocks.push_back(b);
     parent = blocks_[size_t(b)].instance;
@@ -64,13 +74,15 @@ PrefixMatch BlockManager::match_prefix(std::span<const int> tokens, int T) const
   return m;
 }
 
-bool BlockManager::start(SeqId seq, const PrefixMatch& match, int T, int n_positions) {
+bool BlockManager::start(SeqId seq, const PrefixMatch& match, int T, int n_positions,
+                         std::string_view salt) {
   CEMLM_CHECK(!has(seq));
   const int64_t total = blocks_for(n_positions);
   if (start_cost(match, n_positions) > num_available()) return false;
 
   SeqBlocks& s = seqs_[seq];
   s.recursion = T;
+  s.salt = salt;
   for (int32_t b : match.blocks) {
     add_ref(b);
     s.table.push_back(b);
@@ -104,7 +116,7 @@ void BlockManager::mark_computed(SeqId seq, std::span<const int> tokens, int n_c
     // content while the published block went idle and could be evicted: a request with this
     // sequence's tokens then found nothing cached, though all of it was.) The block is full and
     // computed, so nothing writes into it again.
-    if (const int32_t same = find_cached(parent, chunk, s.recursion); same >= 0) {
+    if (const int32_t same = find_cached(parent, s.salt, chunk, s.recursion); same >= 0) {
       add_ref(same);
       drop_ref(s.table[i]);
       s.table[i] = same;
@@ -118,7 +130,8 @@ void BlockManager::mark_computed(SeqId seq, std::span<const int> tokens, int n_c
     b.parent = parent;
     b.recursion = s.recursion;
     b.tokens.assign(chunk.begin(), chunk.end());
-    b.hash = hash_(parent, chunk, s.recursion);
+    b.salt = parent ? std::string() : s.salt;
+    b.hash = hash_(parent ? parent : salt_hash(s.salt), chunk, s.recursion);
     index_.emplace(b.hash, id);
     s.chain.push_back(b.instance);
   }
@@ -177,6 +190,7 @@ int32_t BlockManager::take_block() {
       }
     b.cached = false;
     b.tokens.clear();
+    b.salt.clear();
   }
   blocks_[size_t(id)].ref = 1;
   return id;

@@ -53,6 +53,7 @@ absl::Status Scheduler::add(SeqSpec spec) {
   s->tokens = std::move(spec.prompt);
   s->recursion = spec.recursion;
   s->priority = spec.priority;
+  s->cache_salt = std::move(spec.cache_salt);
   s->arrival = next_arrival_++;
   intake_.push_back(std::move(s));
   return absl::OkStatus();
@@ -258,7 +259,7 @@ int Scheduler::make_way_for_priority(int* budget, std::set<SeqId>* scheduled, St
   const size_t lower_sequences = lower.size();
   lower_scoring(w->priority, &lower);
   if (lower.empty()) return 0;
-  const PrefixMatch match = blocks_->match_prefix(w->tokens, w->recursion);
+  const PrefixMatch match = blocks_->match_prefix(w->tokens, w->recursion, w->cache_salt);
   const int cached = int(match.blocks.size()) * blocks_->block_size();
   const int todo = int(w->tokens.size()) - cached;
   // The chunk it starts with: what the budget left gives, or a block's worth taken from the rows
@@ -309,13 +310,13 @@ void Scheduler::admit_waiting(int* budget, StepPlan* plan, int only_first) {
   const int bs = blocks_->block_size();
   while (*budget > 0 && int(running_.size()) < opts_.max_running && !waiting_.empty()) {
     Sequence* s = *waiting_.begin();
-    const PrefixMatch match = blocks_->match_prefix(s->tokens, s->recursion);
+    const PrefixMatch match = blocks_->match_prefix(s->tokens, s->recursion, s->cache_salt);
     const int cached = int(match.blocks.size()) * bs;
     int n = std::min(int(s->tokens.size()) - cached, *budget);
     if (only_first > 0) n = std::min(n, only_first);
     if ((held_for_scoring_ > 0 && s->priority <= held_priority_ &&
          blocks_->num_available() - blocks_->start_cost(match, cached + n) < held_for_scoring_) ||
-        !blocks_->start(s->id, match, s->recursion, cached + n)) {
+        !blocks_->start(s->id, match, s->recursion, cached + n, s->cache_salt)) {
       blocked_on_cache_ = true;
       return;
     }

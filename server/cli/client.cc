@@ -40,7 +40,7 @@ bool set_ids(const std::string& text, const char* flag,
 }
 
 struct GenerateFlags {
-  std::string prompt, prompt_ids, request_id;
+  std::string prompt, prompt_ids, request_id, cache_salt;
   int recursion = 0, max_new_tokens = 64, min_new_tokens = 0, top_k = 0, top_logprobs = 0,
       priority = 0;
   float temperature = 1, top_p = 1, min_p = 0, repetition_penalty = 1, presence_penalty = 0,
@@ -60,6 +60,7 @@ v1::GenerateRequest generate_request(const GenerateFlags& g, const Flags& flags)
   req.set_logprobs(g.logprobs || g.top_logprobs > 0);
   req.set_priority(g.priority);
   req.set_request_id(g.request_id);
+  req.set_cache_salt(g.cache_salt);
   v1::SamplingParams* s = req.mutable_sampling();
   if (flags.given("max-new-tokens")) s->set_max_new_tokens(g.max_new_tokens);
   s->set_min_new_tokens(g.min_new_tokens);
@@ -137,6 +138,9 @@ int client_generate(int argc, char** argv) {
   flags.add("priority", &g.priority, "larger runs first");
   flags.add("request-id", &g.request_id,
             "your id for this request (in the server's log; at most 256 bytes)");
+  flags.add("cache-salt", &g.cache_salt,
+            "reuse the server's cached prompt blocks only of requests with this salt (at most "
+            "256 bytes; keep it secret to keep others from telling what your prompts held)");
   flags.add_bool("json", &g.json,
                  "print {\"ids\", \"text\", \"logprobs\", \"top_logprobs\", \"finish_reason\", ...}");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;

@@ -47,6 +47,7 @@ struct ServeFlags {
   std::string kv_cache_dtype = "fp32", grpc_memory = "256M";
   std::string api_key_file, tls_cert, tls_key, log_level = "info", model_name;
   std::string metrics_host;  // empty: host's
+  std::string prefix_cache_scope = "key";
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
   int max_running = 256, engine_nice = 10, max_priority = INT32_MAX;
   double shutdown_timeout = 30;
@@ -184,6 +185,10 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   opts.max_priority = f.max_priority;
   opts.text_slots = cpu_threads(f.threads).threads;  // tokenizing is CPU work like a step's
   opts.max_queued_texts = f.max_waiting;
+  if (f.prefix_cache_scope != "key" && f.prefix_cache_scope != "shared")
+    return flag_error(absl::InvalidArgumentError(absl::StrCat(
+        "--prefix-cache-scope \"", f.prefix_cache_scope, "\" is not one of key, shared")));
+  opts.prefix_cache_per_key = f.prefix_cache_scope == "key";
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
   // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
   if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())
@@ -426,6 +431,11 @@ int cmd_serve(int argc, char** argv) {
                      "lets that key's requests ask for a priority of at most N (above: "
                      "PERMISSION_DENIED)",
                      "name a file of keys, or leave the flag out to serve without keys");
+  flags.add("prefix-cache-scope", &f.prefix_cache_scope,
+            "key | shared: which requests reuse each other's prefix-cache blocks: those of the "
+            "same API key (all, without --api-key-file), so that no tenant learns from cached "
+            "tokens or time to first token what another's prompts held; or all of them (more "
+            "hits across keys). Either way, only requests of the same cache_salt share them");
   flags.add("max-priority", &f.max_priority,
             "the highest priority a request may ask for (above: PERMISSION_DENIED), unless its "
             "API key's line sets its own max_priority=; the default allows any, so that any "

@@ -111,7 +111,8 @@ const ApiKeys::Key* ApiKeys::find(absl::string_view key) const {
   return found;
 }
 
-grpc::Status ApiKeys::check(const Metadata& md, std::optional<int>* max_priority) const {
+grpc::Status ApiKeys::check(const Metadata& md, Grant* grant) const {
+  if (grant) *grant = Grant{};
   if (!enabled()) return grpc::Status::OK;
   auto it = md.find("authorization");
   if (it == md.end())
@@ -131,7 +132,7 @@ grpc::Status ApiKeys::check(const Metadata& md, std::optional<int>* max_priority
   if (!key)
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "invalid API key in the 'authorization' metadata");
-  if (max_priority && key->max_priority) *max_priority = key->max_priority;
+  if (grant) *grant = Grant{key->max_priority, int(key - keys_.data())};
   return grpc::Status::OK;
 }
 

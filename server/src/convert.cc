@@ -147,7 +147,7 @@ absl::Status check_before_tokenizing(const v1::GenerateRequest& req, const Engin
   if (req.request_id().size() > kMaxRequestIdBytes)
     return invalid(absl::StrCat("request_id is ", req.request_id().size(), " bytes; at most ",
                                 kMaxRequestIdBytes));
-  return absl::OkStatus();
+  return check_cache_salt(req.cache_salt());
 }
 
 absl::Status check_before_tokenizing(const v1::ScoreRequest& req, const Engine& engine) {
@@ -173,6 +173,7 @@ absl::StatusOr<GenerateRequest> to_engine(const v1::GenerateRequest& req, const 
     CEMLM_RETURN_IF_ERROR(cap_unset_max_new_tokens(
         engine.config().max_seq_len, int(out.prompt_ids.size()), out.prompt_field, &out.sampling));
   out.client_request_id = req.request_id();
+  out.cache_salt = req.cache_salt();
   return out;
 }
 

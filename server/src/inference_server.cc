@@ -77,7 +77,7 @@ absl::StatusOr<std::unique_ptr<InferenceServer>> InferenceServer::start(const Se
       opts.api_keys, opts.model_name, metrics, opts.max_unread_streams,
       std::chrono::duration_cast<Clock::duration>(
           std::chrono::duration<double>(opts.unread_timeout_s)),
-      opts.max_priority, opts.text_slots, opts.max_queued_texts);
+      opts.max_priority, opts.text_slots, opts.max_queued_texts, opts.prefix_cache_per_key);
   s->service_ = std::make_unique<InferenceService>(s->state_.get());
   // The service's own name too (load balancers and meshes ask for it). NOT_SERVING from the
   // start: gRPC's default health service starts SERVING, before any model is loaded.

@@ -33,12 +33,17 @@ grpc::Status ServerState::gate(const grpc::ServerContextBase& context) const {
   return grpc::Status::OK;
 }
 
-grpc::Status ServerState::check_priority(const grpc::ServerContextBase& context,
-                                         int priority) const {
-  std::optional<int> key_most;
-  if (grpc::Status auth = keys_.check(context, &key_most); !auth.ok()) return auth;
+grpc::Status ServerState::check_priority(const grpc::ServerContextBase& context, int priority,
+                                         std::string* cache_scope) const {
+  ApiKeys::Grant grant;
+  if (grpc::Status auth = keys_.check(context, &grant); !auth.ok()) return auth;
+  const std::optional<int>& key_most = grant.max_priority;
   const int most = key_most.value_or(max_priority_);
-  if (priority <= most) return grpc::Status::OK;
+  if (priority <= most) {
+    if (cache_scope)
+      *cache_scope = cache_per_key_ && grant.key >= 0 ? absl::StrCat("key", grant.key) : "";
+    return grpc::Status::OK;
+  }
   return grpc::Status(
       grpc::StatusCode::PERMISSION_DENIED,
       absl::StrCat("priority = ", priority, " is above ", most, ", the most ",
@@ -448,7 +453,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
 
  private:
   void start(const v1::GenerateRequest& request) {
-    if (grpc::Status st = state_->check_priority(*context_, request.priority()); !st.ok())
+    std::string cache_scope;
+    if (grpc::Status st = state_->check_priority(*context_, request.priority(), &cache_scope);
+        !st.ok())
       return finish_early(st);
     Engine& engine = state_->engine();
     absl::StatusOr<GenerateRequest> req;
@@ -462,6 +469,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       req = to_engine(request, engine);
     }
     if (!req.ok()) return finish_early(to_grpc_status(req.status()));
+    req->cache_scope = std::move(cache_scope);
     if (Clock::time_point d = steady_deadline(*context_); d != Clock::time_point::max())
       req->deadline = d;
     logprobs_ = request.logprobs();

@@ -56,8 +56,10 @@ class ServerState {
   // `max_priority`: the highest request priority a call may ask for when its key sets none.
   // `text_slots`: texts the unary calls tokenize or decode at once (see acquire_text_slot);
   // `max_queued_texts`: Generate calls that wait for their turn at most (see TextWorkers).
+  // `cache_per_key`: each API key's requests share prefix-cache blocks among themselves only.
   ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics, int max_unread,
-              Clock::duration unread_grace, int max_priority, int text_slots, int max_queued_texts)
+              Clock::duration unread_grace, int max_priority, int text_slots, int max_queued_texts,
+              bool cache_per_key)
       : keys_(std::move(keys)),
         model_name_(std::move(model_name)),
         metrics_(metrics),
@@ -65,7 +67,8 @@ class ServerState {
         max_unread_(max_unread),
         unread_grace_(unread_grace),
         text_slots_(text_slots),
-        max_queued_texts_(max_queued_texts) {}
+        max_queued_texts_(max_queued_texts),
+        cache_per_key_(cache_per_key) {}
 
   // OK admits the call (then release() once when it is over); otherwise the status to return:
   // UNAUTHENTICATED, UNAVAILABLE while loading or draining, or for a Generate stream (`stream`)
@@ -83,8 +86,11 @@ class ServerState {
   // (health, reflection).
   grpc::Status check_at_headers(const ApiKeys::Metadata& metadata);
   // PERMISSION_DENIED when `priority` is above what the call's key may ask for (its
-  // max_priority= in the key file, else the server's --max-priority).
-  grpc::Status check_priority(const grpc::ServerContextBase& context, int priority) const;
+  // max_priority= in the key file, else the server's --max-priority). When OK and `cache_scope`
+  // is given, it is set to the engine's GenerateRequest::cache_scope for the call: its key's
+  // (empty when keys are off or the server shares the prefix cache between keys).
+  grpc::Status check_priority(const grpc::ServerContextBase& context, int priority,
+                              std::string* cache_scope = nullptr) const;
   // A Generate stream the engine has finished: it holds its unsent output until it is done, and
   // then releases with itself.
   void hold_unread(UnreadStream* stream);
@@ -161,6 +167,7 @@ class ServerState {
   LogLimiter refused_key_log_, malformed_body_log_;
   FifoSlots text_slots_;
   const int max_queued_texts_;
+  const bool cache_per_key_;
   std::atomic<int> bodyless_looks_{0};
 };
 

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/tokenizer.h"
@@ -352,6 +353,39 @@ TEST(Engine, PrefixCacheHitsGiveIdenticalOutputsAndAnotherTNeverHits) {
   Built plain = build({}, no_cache);
   EXPECT_EQ(run_all(*plain.engine, {request(prompt, 5, 3)})[0].ids, other_t.ids);
   EXPECT_EQ(run_all(*plain.engine, {request(prompt, 5, 2)})[0].ids, first.ids);
+}
+
+// Requests reuse the cached blocks of their own scope and salt only; the outputs stay the same.
+TEST(Engine, PrefixCacheHitsOnlyWithinAScopeAndSalt) {
+  const auto prompt = tokens(22, 3);
+  Built b = build({});
+  auto req = [&](std::string scope, std::string salt) {
+    GenerateRequest r = request(prompt, 5, 2);
+    r.cache_scope = std::move(scope);
+    r.cache_salt = std::move(salt);
+    return r;
+  };
+  const Result first = run_all(*b.engine, {req("key0", "")})[0];
+  EXPECT_EQ(first.usage.cached_prompt_tokens, 0);
+  for (const auto& [scope, salt, cached] : std::vector<std::tuple<std::string, std::string, int>>{
+           {"key1", "", 0},    // another key
+           {"", "", 0},        // no key
+           {"", "key0", 0},    // a salt that spells the key is not its scope
+           {"key0", "s", 0},   // the key with a salt
+           {"key0", "", 20},   // the key again
+           {"key0", "s", 20},  // and its salted request again
+       }) {
+    const Result r = run_all(*b.engine, {req(scope, salt)})[0];
+    EXPECT_EQ(r.usage.cached_prompt_tokens, cached) << "scope " << scope << " salt " << salt;
+    EXPECT_EQ(r.ids, first.ids);
+  }
+  GenerateRequest too_long = req("", std::string(kMaxCacheSaltBytes + 1, 'x'));
+  const absl::Status st = b.engine->validate(too_long);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("cache_salt has 257 bytes"), std::string::npos) << st;
+  EXPECT_TRUE(b.engine->validate(req("", std::string(kMaxCacheSaltBytes, 'x'))).ok());
+  EXPECT_EQ(b.engine->validate(req(std::string("a\0b", 3), "")).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Engine, SeededSamplingIsReproducibleAndSeedsDiffer) {

@@ -248,6 +248,39 @@ TEST(BlockManager, CollidingKeysNeverHit) {
   EXPECT_EQ(bm.num_available(), 16);
 }
 
+// A salt is part of a first block's key, and so of every block after it: sequences of different
+// salts share nothing, with the default hash or one where every key collides, and a sequence
+// publishing content another salt holds keeps its own copy.
+TEST(BlockManager, SaltsShareOnlyWithTheirOwnSalt) {
+  for (BlockManager::KeyHash hash :
+       {BlockManager::KeyHash(nullptr),
+        BlockManager::KeyHash([](uint64_t, std::span<const int>, int) -> uint64_t { return 7; })}) {
+    BlockManager bm(16, 2, true, hash);
+    const auto t = iota_tokens(5);
+    ASSERT_TRUE(bm.start(1, {}, 1, 5, "alice"));
+    ASSERT_TRUE(bm.start(2, {}, 1, 5, "bob"));
+    bm.mark_computed(1, t, 5);
+    bm.mark_computed(2, t, 5);
+    EXPECT_NE(bm.table(1)[0], bm.table(2)[0]);  // not moved onto alice's block
+    const std::vector<int32_t> alices(bm.table(1).begin(), bm.table(1).begin() + 2);
+    const std::vector<int32_t> bobs(bm.table(2).begin(), bm.table(2).begin() + 2);
+    bm.release(1);
+    bm.release(2);
+    EXPECT_EQ(bm.match_prefix(t, 1, "alice").blocks, alices);
+    EXPECT_EQ(bm.match_prefix(t, 1, "bob").blocks, bobs);
+    EXPECT_TRUE(bm.match_prefix(t, 1).blocks.empty());          // no salt
+    EXPECT_TRUE(bm.match_prefix(t, 1, "alic").blocks.empty());  // a prefix of one
+    EXPECT_TRUE(bm.match_prefix(t, 1, std::string_view("alice\0", 6)).blocks.empty());
+    EXPECT_TRUE(bm.match_prefix(t, 2, "alice").blocks.empty());  // T still counts
+    // Unsalted sequences share among themselves as before.
+    ASSERT_TRUE(bm.start(3, {}, 1, 5));
+    bm.mark_computed(3, t, 5);
+    bm.release(3);
+    EXPECT_EQ(bm.match_prefix(t, 1).blocks.size(), 2u);
+    EXPECT_EQ(bm.num_available(), 16);
+  }
+}
+
 TEST(BlockManager, PrefixCachingOffNeverMatches) {
   BlockManager bm(8, 2, false);
   const auto t = iota_tokens(5);

@@ -390,7 +390,8 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       {"--device cuda:fp16",
        "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, "
        "cpu:int8dot, cuda"},
-      {"--model-name m\xFFx", "--model-name is not valid UTF-8 (bad byte at offset 1)"}};
+      {"--model-name m\xFFx", "--model-name is not valid UTF-8 (bad byte at offset 1)"},
+      {"--prefix-cache-scope tenant", "--prefix-cache-scope \"tenant\" is not one of key, shared"}};
   for (const auto& [flags, message] : bad) {
     err = refused_serve(model_, flags, 2);
     EXPECT_NE(err.find(message), std::string::npos) << flags << ": " << err;
@@ -846,6 +847,19 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
               0);
     EXPECT_EQ(nlohmann::json::parse(o)["request_id"], "abc-1");
   }
+  // --cache-salt reaches the request: a salted prompt reuses only what its salt cached.
+  auto cached_with = [&](const std::string& salt) {
+    std::string o;
+    EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids",
+                         "5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21", "--max-new-tokens", "1",
+                         "--cache-salt", salt, "--json"},
+                        &o),
+              0);
+    return nlohmann::json::parse(o)["usage"]["cached_prompt_tokens"].get<int>();
+  };
+  EXPECT_EQ(cached_with("salt-1"), 0);
+  EXPECT_EQ(cached_with("salt-1"), 16);
+  EXPECT_EQ(cached_with("salt-2"), 0);
   EXPECT_EQ(nlohmann::json::parse(seeded[0])["ids"], nlohmann::json::parse(seeded[1])["ids"]);
   EXPECT_EQ(nlohmann::json::parse(seeded[0])["seed"], 18446744073709551615ull);
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--seed", "-1"}),

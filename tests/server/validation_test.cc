@@ -881,6 +881,49 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
       << err;
 }
 
+// Each key's requests reuse the prefix cache's blocks among themselves only (a tenant would learn
+// from cached_prompt_tokens or the time to first token what another's prompts held), unless the
+// server shares them; a cache_salt splits them further, and one too long is refused by name.
+TEST(ServerAuth, PrefixCacheIsPerKeyUnlessShared) {
+  const std::string dir = fresh_temp_dir();
+  const std::string model = make_tiny_model(dir), keys = dir + "/keys.txt";
+  std::ofstream(keys) << "key-a\nkey-b max_priority=3\n";
+  std::vector<int> shared(40);  // two full 16-token blocks
+  for (size_t i = 0; i < shared.size(); ++i) shared[i] = int(i % 50) + 3;
+  for (const bool per_key : {true, false}) {
+    SCOPED_TRACE(per_key ? "--prefix-cache-scope key (default)" : "--prefix-cache-scope shared");
+    std::vector<std::string> args = {"--api-key-file", keys};
+    if (!per_key) args.insert(args.end(), {"--prefix-cache-scope", "shared"});
+    auto server = ServerProcess::start(model, args);
+    ASSERT_TRUE(server);
+    auto cached = [&](const std::string& key, const std::string& salt) {
+      v1::GenerateRequest req = ids_request(shared, 2, 1);
+      req.set_cache_salt(salt);
+      const Stream s = generate(server->channel(), req, {key});
+      EXPECT_TRUE(s.status.ok()) << s.status.error_message();
+      return s.messages.empty() ? -1 : s.messages.back().usage().cached_prompt_tokens();
+    };
+    EXPECT_EQ(cached("key-a", ""), 0);
+    EXPECT_EQ(cached("key-a", ""), 32);
+    EXPECT_EQ(cached("key-b", ""), per_key ? 0 : 32);
+    EXPECT_EQ(cached("key-b", ""), 32);
+    EXPECT_EQ(cached("key-a", "user-1"), 0);
+    EXPECT_EQ(cached("key-a", "user-1"), 32);
+    EXPECT_EQ(cached("key-b", "user-1"), per_key ? 0 : 32);
+  }
+  auto server = ServerProcess::start(model, {});
+  ASSERT_TRUE(server);
+  v1::GenerateRequest req = valid_request();
+  req.set_cache_salt(std::string(257, 's'));
+  const grpc::Status st = generate(server->channel(), req).status;
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("cache_salt has 257 bytes; send at most 256"),
+            std::string::npos)
+      << st.error_message();
+  req.set_cache_salt(std::string(256, 's'));
+  EXPECT_TRUE(generate(server->channel(), req).status.ok());
+}
+
 // A key's line may cap the priority its calls ask for, and --max-priority caps it for the keys
 // whose lines do not (and for servers without keys): above the cap, PERMISSION_DENIED naming it,
 // for Generate and Score alike. Without either, any client could preempt every other.

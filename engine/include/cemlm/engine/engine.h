@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -45,7 +46,16 @@ struct GenerateRequest {
   std::optional<Clock::time_point> deadline;
   std::string client_request_id;         // echoed in logs only
   std::string prompt_field = "prompt_ids";  // the client's field, as validation errors name it
+  // Prefix-cache isolation: a request reuses cached blocks only of requests with the same
+  // cache_scope (the server's: the caller's API key, or none) and the same cache_salt (the
+  // client's, at most kMaxCacheSaltBytes), so that one tenant cannot tell from cached tokens or
+  // time to first token what another's prompts held.
+  std::string cache_scope;
+  std::string cache_salt;
 };
+inline constexpr size_t kMaxCacheSaltBytes = 256;
+// INVALID_ARGUMENT, naming cache_salt, when it is longer than kMaxCacheSaltBytes.
+absl::Status check_cache_salt(std::string_view salt);
 
 enum class FinishReason { kNone, kStop, kLength, kCancelled, kDeadline, kError };
 const char* finish_reason_name(FinishReason r);  // "stop", "length", ...

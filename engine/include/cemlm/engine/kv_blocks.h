@@ -1,13 +1,17 @@
 // Host-side bookkeeping of the paged KV cache: fixed-size blocks, a free list, per-sequence block
 // tables, reference counts and a prefix cache of FULL blocks. A cached block is known by its exact
 // key: (the cached block before it, as an instance that eviction retires, the block's token ids,
-// T). A hash of the key only finds candidates; equal hashes never make a hit, so a crafted
-// collision cannot serve one client's cache to another. Only full, already-computed blocks are
-// ever shared and nobody writes into a shared block, so no copy-on-write is needed.
+// T; for a sequence's first block, the sequence's cache salt in place of a block before it). A
+// hash of the key only finds candidates; equal hashes never make a hit, so a crafted collision
+// cannot serve one client's cache to another, and sequences of different salts share nothing. Only
+// full, already-computed blocks are ever shared and nobody writes into a shared block, so no
+// copy-on-write is needed.
 #pragma once
 #include <cstdint>
 #include <list>
 #include <span>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -22,8 +26,9 @@ struct PrefixMatch {
 
 class BlockManager {
  public:
-  // The hash of a cached block's key: only where to look (a test passes a colliding one).
-  using KeyHash = uint64_t (*)(uint64_t parent_instance, std::span<const int> tokens, int T);
+  // The hash of a cached block's key: only where to look (a test passes a colliding one). `parent`
+  // is the instance of the block before it, or for a first block a hash of the salt (0: none).
+  using KeyHash = uint64_t (*)(uint64_t parent, std::span<const int> tokens, int T);
   BlockManager(int64_t num_blocks, int block_size, bool prefix_caching, KeyHash hash = nullptr);
 
   int block_size() const { return block_size_; }
@@ -36,13 +41,16 @@ class BlockManager {
     return (n_positions + block_size_ - 1) / block_size_;
   }
 
-  // The longest run of cached full blocks that begins `tokens` at recursion T. It never covers
-  // the last token, so a sequence always computes at least one token (whose logits it needs).
-  PrefixMatch match_prefix(std::span<const int> tokens, int T) const;
-  // Starts `seq` on the blocks of `match` (as returned by match_prefix with no state change in
-  // between) plus fresh blocks covering positions [0, n_positions). False, with nothing changed,
-  // when the fresh blocks do not fit.
-  bool start(SeqId seq, const PrefixMatch& match, int T, int n_positions);
+  // The longest run of cached full blocks that begins `tokens` at recursion T, published by
+  // sequences of the same `salt`. It never covers the last token, so a sequence always computes
+  // at least one token (whose logits it needs).
+  PrefixMatch match_prefix(std::span<const int> tokens, int T, std::string_view salt = {}) const;
+  // Starts `seq` on the blocks of `match` (as returned by match_prefix, with the same salt and no
+  // state change in between) plus fresh blocks covering positions [0, n_positions); the blocks it
+  // publishes are found by sequences of its salt only. False, with nothing changed, when the fresh
+  // blocks do not fit.
+  bool start(SeqId seq, const PrefixMatch& match, int T, int n_positions,
+             std::string_view salt = {});
   // Extends `seq`'s table to cover positions [0, n_positions). False, nothing changed, if no room.
   bool grow(SeqId seq, int n_positions);
   // Blocks `grow(seq, n_positions)` would take from the pool.
@@ -66,12 +74,14 @@ class BlockManager {
   struct Block {
     int ref = 0;
     bool cached = false;  // in index_ (the key below is valid)
-    // The key: which published block instance precedes this one (0: none, the sequence's start),
-    // the tokens and T. `instance` names this publication; it is never reused, so a block that
-    // was evicted and published again is a different parent for whatever follows.
+    // The key: which published block instance precedes this one (0: none, the sequence's start,
+    // and then its salt), the tokens and T. `instance` names this publication; it is never
+    // reused, so a block that was evicted and published again is a different parent for whatever
+    // follows.
     uint64_t instance = 0, parent = 0, hash = 0;
     int recursion = 0;
     std::vector<int> tokens;
+    std::string salt;                      // a first block's (parent 0)
     std::list<int32_t>::iterator lru_pos;  // valid while cached and unreferenced
   };
   struct SeqBlocks {
@@ -80,9 +90,12 @@ class BlockManager {
     // instance that holds that content, the parent of the next block.
     std::vector<uint64_t> chain;
     int recursion = 1;
+    std::string salt;
   };
 
-  int32_t find_cached(uint64_t parent, std::span<const int> tokens, int T) const;
+  // The cached block of this key (for a first block, parent 0, the salt is part of it); -1: none.
+  int32_t find_cached(uint64_t parent, std::string_view salt, std::span<const int> tokens,
+                      int T) const;
   // Block -> how many of its references the sequences of `seqs` hold.
   std::unordered_map<int32_t, int> held_by(std::span<const SeqId> seqs) const;
   int32_t take_block();  // caller checked num_available() > 0

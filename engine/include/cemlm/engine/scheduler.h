@@ -30,6 +30,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -50,6 +51,7 @@ struct SeqSpec {
   std::vector<int> prompt;
   int recursion = 1;
   int priority = 0;
+  std::string cache_salt;  // its prefix-cache blocks are shared only with sequences of this salt
 };
 
 struct Sequence {
@@ -59,6 +61,7 @@ struct Sequence {
   int n_computed = 0;       // leading tokens whose cache entries exist
   int recursion = 1;
   int priority = 0;
+  std::string cache_salt;
   uint64_t arrival = 0;
   bool running = false;
   bool admitted_before = false;  // admitted once already (now readmitted after a preemption)

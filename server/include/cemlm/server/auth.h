@@ -21,16 +21,19 @@ class ApiKeys {
   static absl::StatusOr<ApiKeys> load(const std::string& path);
 
   bool enabled() const { return !keys_.empty(); }
+  // What a call's key grants it.
+  struct Grant {
+    std::optional<int> max_priority;  // its line's max_priority=, if any
+    int key = -1;                     // which key (its rank in the file); -1 when keys are off
+  };
   // UNAUTHENTICATED when keys are on and the call does not carry one of them. When OK and
-  // `max_priority` is given, it is set to the key's max_priority= (left as it is when its line
-  // has none, or keys are off).
-  grpc::Status check(const grpc::ServerContextBase& context,
-                     std::optional<int>* max_priority = nullptr) const {
-    return check(context.client_metadata(), max_priority);
+  // `grant` is given, it is set to what the call's key grants (nothing when keys are off).
+  grpc::Status check(const grpc::ServerContextBase& context, Grant* grant = nullptr) const {
+    return check(context.client_metadata(), grant);
   }
   // The same, on a call's metadata (a ServerContext's, or what an AuthMetadataProcessor gets).
   using Metadata = std::multimap<grpc::string_ref, grpc::string_ref>;
-  grpc::Status check(const Metadata& metadata, std::optional<int>* max_priority = nullptr) const;
+  grpc::Status check(const Metadata& metadata, Grant* grant = nullptr) const;
 
  private:
   struct Key {

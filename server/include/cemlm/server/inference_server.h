@@ -58,6 +58,11 @@ struct ServerOptions {
   // RESOURCE_EXHAUSTED (each holds its request; gRPC bounds only the streams per connection).
   // `cemlm serve` sets --max-waiting.
   int max_queued_texts = 1024;
+  // Prefix-cache blocks are reused only between requests of the same API key (with keys on), so
+  // that no tenant can learn from cached_prompt_tokens or time to first token what another's
+  // prompts held; false shares them between all requests. Either way, requests share them only
+  // with the same `cache_salt`.
+  bool prefix_cache_per_key = true;
 };
 
 class InferenceServer {

@@ -276,6 +276,17 @@ const float* CpuModel::embedding(int token) const {
   return base + int64_t(token) * cfg_.d_model;
 }
 
+int64_t CpuModel::qd_width() const {
+  switch (diag_kind(cfg_)) {
+    case DiagKind::kPerHead:
+      return int64_t(cfg_.n_heads) * cfg_.d_model;
+    case DiagKind::kShared:
+      return cfg_.d_model;
+    default:
+      return 0;
+  }
+}
+
 float* CpuModel::buf(size_t i, int64_t n) {
   if (int64_t(bufs_[i].size()) < n) bufs_[i].resize(n);
   return bufs_[i].data();
@@ -328,7 +339,8 @@ int64_t CpuModel::final_rows(const Batch& batch, KvPool& kv, Rows& r) {
   const int rank = std::max(cfg_.attn_precond_rank, cfg_.mlp_precond_rank);
   const DiagKind kind = diag_kind(cfg_);
   const int64_t scratch = std::max<int64_t>(
-      paged_attention_scratch_floats(r.seqs.data(), int(r.seqs.size()), kv.layer(0), kind),
+      paged_attention_scratch_floats(r.seqs.data(), int(r.seqs.size()), kv.layer(0), kind,
+                                     /*in_region=*/false, batch_invariant_),
       2 * N * std::max(rank, 1));
   r.ctx.scratch = buf(kScratch, scratch);
   r.ctx.scratch_floats = scratch;
@@ -338,9 +350,9 @@ int64_t CpuModel::final_rows(const Batch& batch, KvPool& kv, Rows& r) {
   r.row.resize(size_t(N));
   std::iota(r.row.begin(), r.row.end(), 0);
   // Sized once per step for the largest use.
-  const int H = cfg_.n_heads;
   buf(kC, N * D), buf(kY, N * D), buf(kQ, N * Q), buf(kK, N * Q), buf(kV, N * Q), buf(kA, N * Q);
-  buf(kU, N * D), buf(kPU, N * D), buf(kQD, N * H * D), buf(kOC, N * H * D), buf(kG, N * F);
+  buf(kU, N * D), buf(kPU, N * D), buf(kQD, N * qd_width()), buf(kOC, N * qd_width());
+  buf(kG, N * F);
   buf(kZ, N * F);
   r.h = buf(kH, N * D);
   if (cfg_.attention == AttentionType::kCem)
@@ -407,11 +419,11 @@ void CpuModel::attention_cem(int l, Rows& r, KvPool& kv) {
   if (side.empty()) return;
   int64_t per_thread = 0;  // scratch of one group's ops
   for (const SeqRange* g : side)  // each group's ops run inside the region below, on one thread
-    per_thread = std::max(per_thread,
-                          std::max<int64_t>(paged_attention_scratch_floats(
-                                                r.seqs.data() + g->s0, g->s1 - g->s0, view_l,
-                                                diag_kind(cfg_), /*in_region=*/true),
-                                            2 * (g->r1 - g->r0) * std::max(cfg_.attn_precond_rank, 1)));
+    per_thread = std::max(
+        per_thread, std::max<int64_t>(paged_attention_scratch_floats(
+                                          r.seqs.data() + g->s0, g->s1 - g->s0, view_l,
+                                          diag_kind(cfg_), /*in_region=*/true, batch_invariant_),
+                                      2 * (g->r1 - g->r0) * std::max(cfg_.attn_precond_rank, 1)));
   float* scratch = buf(kGroupScratch, per_thread * compute_threads());
   parallel_for_dynamic(int64_t(side.size()), true, [&](int64_t i) {
     ExecCtx ctx = r.ctx;
@@ -425,10 +437,9 @@ void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view
                                    const SeqRange& g, const ExecCtx& ctx) {
   const LayerWeights& lw = w_.layers[l];
   const PackedLayer& pw = packed_[l];
-  const int64_t D = cfg_.d_model, Q = cfg_.qk_dim(), H = cfg_.n_heads, r0 = g.r0;
+  const int64_t D = cfg_.d_model, Q = cfg_.qk_dim(), r0 = g.r0;
   const bool diag = cfg_.diag != DiagMode::kNone;
   const DiagKind kind = diag_kind(cfg_);
-  const int64_t qd_width = cfg_.diag == DiagMode::kPerHead ? H * D : D;
   const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
   // The range's sequences with rows counted from r0, like the views below.
   std::vector<AttnSeq> seqs(r.seqs.begin() + g.s0, r.seqs.begin() + g.s1);
@@ -444,7 +455,7 @@ void CpuModel::attention_cem_steps(int l, const Rows& r, const KvLayerView& view
     // x⁰ = h, so the first step's normalised query input is the context c itself.
     Tensor x = view(r.h + r0 * D, n, D), y = rows(t == 0 ? kC : kY, n, D), q = rows(kQ, n, Q),
            a = rows(kA, n, Q), u = rows(kU, n, D), pu = rows(kPU, n, D),
-           qd = rows(kQD, n, qd_width), oc = rows(kOC, n, qd_width);
+           qd = rows(kQD, n, qd_width()), oc = rows(kOC, n, qd_width());
     if (t > 0) {  // the first step's query is attention_cem's
       rmsnorm_forward(ctx, y, Tensor{}, x, lw.attn_norm, cfg_.norm_eps);
       linear_forward(ctx, q, y, pw.wq);

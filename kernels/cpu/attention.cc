@@ -157,9 +157,12 @@ int64_t row_path_floats(int max_ctx, int n_heads, int threads) {
   return kMaxAttnRows * int64_t(n_heads) * max_ctx * threads;
 }
 
+// The gathered context, and a score matrix for each thread that takes a head (threads past the
+// heads' count get none).
 int64_t gemm_path_floats(const AttnSeq& s, const KvLayerView& kv, DiagKind diag, int threads) {
   const int64_t n_ctx = s.pos_begin + s.n_rows, R = s.n_rows;
-  int64_t f = n_ctx * kv.k_width * (kv.has_values() ? 2 : 1) + R * n_ctx * threads;
+  int64_t f =
+      n_ctx * kv.k_width * (kv.has_values() ? 2 : 1) + R * n_ctx * std::min(threads, kv.n_heads);
   if (diag != DiagKind::kNone) f += n_ctx * kv.c_width;
   if (diag == DiagKind::kShared) f += 2 * R * n_ctx;
   return f;
@@ -559,13 +562,14 @@ void attend_row_split(const KvLayerView& kv, const int32_t* blocks, int n_ctx, D
 }  // namespace
 
 int64_t paged_attention_scratch_floats(const AttnSeq* seqs, int n_seqs, const KvLayerView& kv,
-                                       DiagKind diag, bool inside) {
+                                       DiagKind diag, bool inside, bool batch_invariant) {
   const int threads = team(inside);
   int max_ctx = 0;
   int64_t need = 0;
   for (int i = 0; i < n_seqs; ++i) {
     max_ctx = std::max(max_ctx, seqs[i].pos_begin + seqs[i].n_rows);
-    if (use_gemm(seqs[i])) need = std::max(need, gemm_path_floats(seqs[i], kv, diag, threads));
+    if (!batch_invariant && use_gemm(seqs[i]))
+      need = std::max(need, gemm_path_floats(seqs[i], kv, diag, threads));
   }
   return std::max(need, row_path_floats(max_ctx, kv.n_heads, threads));
 }
@@ -576,8 +580,8 @@ void paged_attention_forward(const ExecCtx& ctx, Tensor out, Tensor out_c, const
   const int W = kv.k_width, D = kv.c_width, H = kv.n_heads;
   CEMLM_CHECK(q.dim(-1) == W && out.dim(-1) == W);
   CEMLM_CHECK(diag == DiagKind::kNone || (kv.has_contexts() && !qd.empty() && !out_c.empty()));
-  CEMLM_CHECK(ctx.scratch_floats >=
-              paged_attention_scratch_floats(seqs, n_seqs, kv, diag, in_region()));
+  CEMLM_CHECK(ctx.scratch_floats >= paged_attention_scratch_floats(
+                                        seqs, n_seqs, kv, diag, in_region(), ctx.batch_invariant));
   int n_rows = 0;
   std::vector<int> owner = row_owner(seqs, n_seqs, &n_rows);
   int max_ctx = 0;

@@ -125,12 +125,17 @@ TEST_P(AttentionTest, MatchesReference) {
   ex.attention_split_bytes = 1;  // rows fewer than threads split wherever their chunks allow
   const int threads_before = omp_get_max_threads();
   if (c.threads) omp_set_num_threads(c.threads);
-  std::vector<float> scratch(size_t(paged_attention_scratch_floats(&seq, 1, kv, c.diag)));
-  ex.scratch = scratch.data(), ex.scratch_floats = int64_t(scratch.size());
+  // Exactly the scratch it asks for, then a guard that must stay untouched.
+  const int64_t need = paged_attention_scratch_floats(&seq, 1, kv, c.diag, false, c.invariant);
+  constexpr int kGuard = 4096;
+  std::vector<float> scratch(size_t(need + kGuard), 12345.0f);
+  ex.scratch = scratch.data(), ex.scratch_floats = need;
   paged_attention_forward(ex, Tensor(out.data(), {R, W}),
                           ctx ? Tensor(oc.data(), {R, qd_w}) : Tensor{}, Tensor(q.data(), {R, W}),
                           ctx ? Tensor(qd.data(), {R, qd_w}) : Tensor{}, c.diag, kv, &seq, 1,
                           scale);
+  for (int i = 0; i < kGuard; ++i)
+    ASSERT_EQ(scratch[size_t(need + i)], 12345.0f) << "wrote past its scratch at " << need + i;
   if (c.threads > 1 && (R < 8 || c.invariant)) {
     // The rows' context shared out over the threads gives the bits of one thread doing it all
     // (a batch-1 row must not round otherwise than the same row inside a batch).
@@ -238,6 +243,10 @@ std::vector<Case> cases() {
     v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 40, 12, dt, 0, true});
     v.push_back({false, DiagKind::kPerHead, 2, 8, 24, 16, 40, 12, dt, 0, true});
     v.push_back({false, DiagKind::kPerHead, 4, 16, 48, 16, 300, 1, dt, 2});  // split, tiled
+    // The gemm path with more threads than heads (a score matrix for each head's thread only).
+    v.push_back({false, DiagKind::kShared, 2, 6, 16, 3, 40, 12, dt, 4});
+    v.push_back({false, DiagKind::kPerHead, 1, 8, 24, 16, 40, 9, dt, 3});
+    v.push_back({true, DiagKind::kNone, 2, 16, 16, 16, 60, 20, dt, 4});
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 130, 20, dt, 2, true});
     // The token-major layout where the runner would tile (the portable passes read it).
     v.push_back({false, DiagKind::kShared, 4, 64, 256, 16, 144, 1, dt, 0, false, true});

@@ -96,6 +96,9 @@ class CpuModel {
   void mlp_swiglu(int l, Rows& r);
   void mlp_cem(int l, Rows& r);
   float* buf(size_t i, int64_t n);
+  // Floats a row of the diag term's query (and of its attention output) takes: [H, D] per head,
+  // [D] shared, none without the term.
+  int64_t qd_width() const;
 
   // The weights applied as W·x, the tied ones applied as Wᵀ·x (wq_t, w_up_t: CEM sub-layers only),
   // and the CEM sub-layers' preconditioners (when their rank is > 0).

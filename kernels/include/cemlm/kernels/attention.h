@@ -100,8 +100,10 @@ void paged_attention_forward(const ExecCtx&, Tensor out, Tensor out_c, const Ten
                              const AttnSeq* seqs, int n_seqs, float scale);
 
 // `in_region`: the call will be made inside a parallel region (one thread's scratch), else by a
-// thread outside any (scratch for every thread of the team it starts).
+// thread outside any (scratch for every thread of the team it starts). `batch_invariant`: the
+// ExecCtx's, which leaves the gemm path (and its scratch, a score matrix per thread) out.
 int64_t paged_attention_scratch_floats(const AttnSeq* seqs, int n_seqs, const KvLayerView& kv,
-                                       DiagKind diag, bool in_region = false);
+                                       DiagKind diag, bool in_region = false,
+                                       bool batch_invariant = false);
 
 }  // namespace cemlm

@@ -189,7 +189,12 @@ class EngineImpl final : public Engine {
   // The same for one forward chunk of a scoring call. While generation requests run, one such
   // chunk goes per step (the highest priority, then the oldest), as a prompt's chunked prefill
   // shares a step: every waiting call's chunk before each step multiplied the step's time.
-  void on_loop_chunk(int priority, std::function<void()> fn);
+  // False, `fn` not run, when the chunk was withdrawn before its turn because `give_up` (looked at
+  // every 50 ms, and at `deadline`) said so: a call behind others' chunks must not hold its thread
+  // and blocks past its deadline or its client's cancel, nor compute for nobody.
+  bool on_loop_chunk(int priority, std::function<void()> fn,
+                     std::optional<Clock::time_point> deadline,
+                     const std::function<bool()>& give_up);
   void run_jobs();      // the queued on_loop jobs and scoring chunks, on the loop thread
   bool take_control();  // returns whether shutdown began
   bool step();          // false when nothing could be scheduled
@@ -484,15 +489,33 @@ void EngineImpl::on_loop(std::function<void()> fn) {
   done.get();
 }
 
-void EngineImpl::on_loop_chunk(int priority, std::function<void()> fn) {
+bool EngineImpl::on_loop_chunk(int priority, std::function<void()> fn,
+                               std::optional<Clock::time_point> deadline,
+                               const std::function<bool()>& give_up) {
   std::packaged_task<void()> task(std::move(fn));
   std::future<void> done = task.get_future();
+  uint64_t order;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    chunks_.push_back({priority, chunks_queued_++, std::move(task)});
+    order = chunks_queued_++;
+    chunks_.push_back({priority, order, std::move(task)});
     cv_.notify_one();
   }
+  for (;;) {
+    auto until = Clock::now() + std::chrono::milliseconds(50);
+    if (deadline) until = std::min(until, *deadline);
+    if (done.wait_until(until) == std::future_status::ready) break;
+    if (!give_up()) continue;
+    std::lock_guard<std::mutex> lock(mu_);
+    // Still queued: withdrawn. Taken by the loop already: it runs to its end.
+    auto it = std::find_if(chunks_.begin(), chunks_.end(),
+                           [&](const Chunk& c) { return c.order == order; });
+    if (it == chunks_.end()) break;
+    chunks_.erase(it);
+    return false;
+  }
   done.get();
+  return true;
 }
 
 void EngineImpl::run_jobs() {
@@ -871,7 +894,10 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
   const std::vector<int>& ids = out->ids;
   const int n = int(ids.size());
   const size_t V = size_t(config_.vocab_size);
-  for (int pos = 0; pos < n; pos += opts_.max_batch_tokens) {
+  auto give_up = [&] {
+    return (req.deadline && Clock::now() >= *req.deadline) || (req.cancelled && req.cancelled());
+  };
+  for (int pos = 0; pos < n;) {
     if (req.deadline && Clock::now() >= *req.deadline)
       return absl::DeadlineExceededError(
           absl::StrCat("deadline exceeded after scoring ", pos, " of ", n, " tokens"));
@@ -887,46 +913,54 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
     // On the loop thread, into the engine's own logits buffer, reduced to logprobs there: each
     // call holding its chunk's [len, V] until it returned made concurrent calls cost that much
     // each (24 calls of a 32K vocabulary: 1.7 GB).
-    on_loop_chunk(req.priority, [&] {
-      if (!sched_.scoring(seq)) {
-        *preempted = true;
-        return;
-      }
-      const std::vector<int32_t>& table = blocks_.table(seq);
-      BatchSeq s;
-      s.tokens = ids.data() + pos;
-      s.n_tokens = len;
-      s.pos_begin = pos;
-      s.recursion = T;
-      s.block_table = table.data();
-      s.n_blocks = int(table.size());
-      s.want_all_logits = true;
-      ran = run_forward(Batch{{s}}, &logits_);
-      if (!ran.ok()) return;
-      CEMLM_CHECK(logits_.size() >= size_t(len) * V);
-      // The rows over the compute threads (a 512-row chunk of a 128K vocabulary is ~70 ms on
-      // one): 1 where the logits are not finite, 2 where the logprob is below the float range.
-      const int rows = std::min(len, n - pos - 1);
-      std::vector<uint8_t> bad(size_t(std::max(rows, 0)), 0);
-      parallel_for(rows, int64_t(rows) * int64_t(V) > 65536, [&](int64_t i) {
-        const std::span<const float> row =
-            std::span<const float>(logits_).subspan(size_t(i) * V, V);
-        const LogNormalizer norm = log_normalizer(row);
-        const float lp = float(norm.logprob(row[size_t(ids[size_t(pos + i + 1)])]));
-        bad[size_t(i)] = !norm.finite() ? 1 : !std::isfinite(lp) ? 2 : 0;
-        out->logprobs[size_t(pos + i + 1)] = lp;
-      });
-      for (int i = 0; i < rows; ++i)
-        if (bad[size_t(i)]) {
-          ran = absl::InternalError(absl::StrCat(
-              "the model produced ",
-              bad[size_t(i)] == 2 ? "a log-probability below the float range" : "non-finite logits",
-              " at position ", pos + i, "; check the checkpoint"));
-          return;
-        }
-    });
+    // Withdrawn before its turn (past its deadline, or cancelled): said at the top of the loop.
+    if (!on_loop_chunk(
+            req.priority,
+            [&] {
+              if (!sched_.scoring(seq)) {
+                *preempted = true;
+                return;
+              }
+              const std::vector<int32_t>& table = blocks_.table(seq);
+              BatchSeq s;
+              s.tokens = ids.data() + pos;
+              s.n_tokens = len;
+              s.pos_begin = pos;
+              s.recursion = T;
+              s.block_table = table.data();
+              s.n_blocks = int(table.size());
+              s.want_all_logits = true;
+              ran = run_forward(Batch{{s}}, &logits_);
+              if (!ran.ok()) return;
+              CEMLM_CHECK(logits_.size() >= size_t(len) * V);
+              // The rows over the compute threads (a 512-row chunk of a 128K vocabulary is ~70 ms
+              // on one): 1 where the logits are not finite, 2 where the logprob is below the float
+              // range.
+              const int rows = std::min(len, n - pos - 1);
+              std::vector<uint8_t> bad(size_t(std::max(rows, 0)), 0);
+              parallel_for(rows, int64_t(rows) * int64_t(V) > 65536, [&](int64_t i) {
+                const std::span<const float> row =
+                    std::span<const float>(logits_).subspan(size_t(i) * V, V);
+                const LogNormalizer norm = log_normalizer(row);
+                const float lp = float(norm.logprob(row[size_t(ids[size_t(pos + i + 1)])]));
+                bad[size_t(i)] = !norm.finite() ? 1 : !std::isfinite(lp) ? 2 : 0;
+                out->logprobs[size_t(pos + i + 1)] = lp;
+              });
+              for (int i = 0; i < rows; ++i)
+                if (bad[size_t(i)]) {
+                  ran = absl::InternalError(
+                      absl::StrCat("the model produced ",
+                                   bad[size_t(i)] == 2 ? "a log-probability below the float range"
+                                                       : "non-finite logits",
+                                   " at position ", pos + i, "; check the checkpoint"));
+                  return;
+                }
+            },
+            req.deadline, give_up))
+      continue;
     CEMLM_RETURN_IF_ERROR(ran);
     if (*preempted) break;
+    pos += len;
   }
   return absl::OkStatus();
 }

@@ -1074,7 +1074,13 @@ TEST(Engine, ScoreRefusesResultsPastTheirRange) {
 TEST(Engine, ScoreStopsAtItsDeadlineOrCancellation) {
   EngineOptions eo;
   eo.max_batch_tokens = 4;  // 40 tokens: 10 chunks
-  Built b = build({}, eo);
+  std::atomic<int> last_pos{-1};  // the furthest position computed
+  Built b = build({.favorite =
+                       [&](int pos) {
+                         if (pos > last_pos) last_pos = pos;
+                         return -1;
+                       }},
+                  eo);
   const std::vector<int> ids = tokens(40, 3);
   ScoreRequest late{ids, 1};
   late.deadline = Clock::now() - std::chrono::milliseconds(1);
@@ -1082,8 +1088,7 @@ TEST(Engine, ScoreStopsAtItsDeadlineOrCancellation) {
   EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded) << s.status();
   EXPECT_NE(s.status().message().find("after scoring 0 of 40 tokens"), std::string::npos);
   ScoreRequest gives_up{ids, 1};
-  int checks = 0;
-  gives_up.cancelled = [&] { return ++checks > 3; };  // gone before the fourth chunk
+  gives_up.cancelled = [&] { return last_pos >= 11; };  // gone once 3 chunks are in
   s = b.engine->score(gives_up);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kCancelled) << s.status();
   EXPECT_NE(s.status().message().find("after scoring 12 of 40 tokens"), std::string::npos)
@@ -1097,6 +1102,66 @@ TEST(Engine, ScoreStopsAtItsDeadlineOrCancellation) {
   const auto plain = b.engine->score({ids, 1});
   for (size_t i = 1; i < ids.size(); ++i) EXPECT_EQ(s->logprobs[i], plain->logprobs[i]) << i;
   b.engine->shutdown(false);
+}
+
+// A scoring chunk waiting for its turn is withdrawn once its call's client gives up (cancel or
+// deadline): the call ends then, not after the chunks ahead of it. Here the engine is held inside
+// the generation step that follows the call's first chunk, so that its second waits; the call
+// must withdraw it (it then looks at its cancellation again, to say so) while the engine is held,
+// and that chunk never runs.
+TEST(Engine, AQueuedScoringChunkIsWithdrawnWhenItsCallGivesUp) {
+  EngineOptions eo;
+  eo.max_batch_tokens = 4;
+  std::atomic<bool> prefilled{false}, armed{false}, hold{true}, give_up{false};
+  std::atomic<int> held{0}, looks_armed{0}, looks_after{0};
+  Built b = build({.favorite =
+                       [&](int pos) {
+                         if (pos < 20) {  // the generation's prompt, or the call's chunk
+                           if (prefilled) armed = true;
+                           return -1;
+                         }
+                         if (armed && hold) {
+                           ++held;
+                           while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                         }
+                         // Slow enough that it still runs when the call starts.
+                         std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                         return -1;
+                       }},
+                  eo);
+  Collector c;
+  const auto gen = b.engine->submit(request(tokens(20, 1), 230), c.callback());
+  ASSERT_TRUE(gen.ok());
+  while (c.get(*gen).ids.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  prefilled = true;
+  ScoreRequest s{tokens(8, 3), 1};  // 2 chunks, positions below the generation's
+  s.cancelled = [&] {
+    if (!give_up) {
+      looks_armed += armed;  // after the first chunk: before the second is queued
+      return false;
+    }
+    ++looks_after;
+    return true;
+  };
+  auto scored = std::async(std::launch::async, [&] { return b.engine->score(s); });
+  while (held == 0 || looks_armed == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  give_up = true;
+  // Not a timing bound: before the fix the call waited on the held engine without looking.
+  const auto until = Clock::now() + std::chrono::seconds(20);
+  while (looks_after < 2 && Clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_GE(looks_after, 2) << "the call did not give up while its chunk waited";
+  hold = false;
+  const auto r = scored.get();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  EXPECT_NE(r.status().message().find("cancelled after scoring 4 of 8 tokens"), std::string::npos)
+      << r.status();
+  b.engine->cancel(*gen);
+  ASSERT_TRUE(c.wait_finals(1));
+  b.engine->shutdown(false);
+  const std::string& f = b.runner->forwards();
+  EXPECT_EQ(std::count(f.begin(), f.end(), 'S'), 1) << f;  // the withdrawn chunk never ran
+  EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
 // Score chunks run on the engine thread; a shutdown that begins while a score call is under way

@@ -186,9 +186,10 @@ class EngineImpl final : public Engine {
   void loop();
   // Runs `fn` on the loop thread between steps and returns when it is done.
   void on_loop(std::function<void()> fn);
-  // The same for one forward chunk of a scoring call. While generation requests run, one such
-  // chunk goes per step (the highest priority, then the oldest), as a prompt's chunked prefill
-  // shares a step: every waiting call's chunk before each step multiplied the step's time.
+  // The same for one forward chunk of a scoring call. One such chunk goes per pass of the loop
+  // (the highest priority, then the oldest), so per step while generation requests run, as a
+  // prompt's chunked prefill shares a step: every waiting call's chunk before each step
+  // multiplied the step's time.
   // False, `fn` not run, when the chunk was withdrawn before its turn because `give_up` (looked at
   // every 50 ms, and at `deadline`) said so: a call behind others' chunks must not hold its thread
   // and blocks past its deadline or its client's cancel, nor compute for nobody.
@@ -520,22 +521,23 @@ bool EngineImpl::on_loop_chunk(int priority, std::function<void()> fn,
 
 void EngineImpl::run_jobs() {
   std::vector<std::packaged_task<void()>> jobs;
-  std::vector<Chunk> chunks;
+  std::optional<Chunk> chunk;
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs.swap(jobs_);
-    if (sched_.num_running() == 0) {
-      chunks.swap(chunks_);
-    } else if (!chunks_.empty()) {
+    // One chunk a pass, with or without generation running (the loop comes straight back while
+    // chunks wait): those left queued can still be withdrawn (on_loop_chunk), and the jobs of
+    // calls that ended (their blocks) run between chunks.
+    if (!chunks_.empty()) {
       auto first = std::min_element(chunks_.begin(), chunks_.end(), [](auto& a, auto& b) {
         return a.priority > b.priority || (a.priority == b.priority && a.order < b.order);
       });
-      chunks.push_back(std::move(*first));
+      chunk = std::move(*first);
       chunks_.erase(first);
     }
   }
   for (auto& job : jobs) job();
-  for (Chunk& chunk : chunks) chunk.task();
+  if (chunk) chunk->task();
 }
 
 bool EngineImpl::take_control() {
@@ -895,7 +897,10 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
   const int n = int(ids.size());
   const size_t V = size_t(config_.vocab_size);
   auto give_up = [&] {
-    return (req.deadline && Clock::now() >= *req.deadline) || (req.cancelled && req.cancelled());
+    if ((req.deadline && Clock::now() >= *req.deadline) || (req.cancelled && req.cancelled()))
+      return true;
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancel_all_;
   };
   for (int pos = 0; pos < n;) {
     if (req.deadline && Clock::now() >= *req.deadline)

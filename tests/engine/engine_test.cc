@@ -1144,7 +1144,11 @@ TEST(Engine, AQueuedScoringChunkIsWithdrawnWhenItsCallGivesUp) {
     return true;
   };
   auto scored = std::async(std::launch::async, [&] { return b.engine->score(s); });
-  while (held == 0 || looks_armed == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // (The generation has ~230 ms of steps left to be held in.)
+  const auto armed_by = Clock::now() + std::chrono::seconds(20);
+  while ((held == 0 || looks_armed == 0) && Clock::now() < armed_by)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(held > 0 && looks_armed > 0) << "the generation ended before the call's chunk";
   give_up = true;
   // Not a timing bound: before the fix the call waited on the held engine without looking.
   const auto until = Clock::now() + std::chrono::seconds(20);
@@ -1162,6 +1166,77 @@ TEST(Engine, AQueuedScoringChunkIsWithdrawnWhenItsCallGivesUp) {
   const std::string& f = b.runner->forwards();
   EXPECT_EQ(std::count(f.begin(), f.end(), 'S'), 1) << f;  // the withdrawn chunk never ran
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
+}
+
+// With no generation running, chunks still go one a pass: a chunk queued behind another call's
+// running chunk is withdrawn when its call gives up (the loop took every queued chunk at once,
+// and the call then waited for the chunks ahead of it and computed its own for nobody). A
+// generation held in its last steps lets both calls queue their chunks; the first chunk after it
+// ends is held until the other call has given up.
+TEST(Engine, WithNoGenerationAQueuedChunkIsStillWithdrawn) {
+  EngineOptions eo;
+  eo.max_batch_tokens = 16;
+  constexpr int M = 10;  // the generation's last step computes position 18 + M
+  std::atomic<int> g_held{0}, s_held{0}, first_looks{0}, looks_after{0};
+  std::atomic<bool> rel1{false}, rel2{false}, rel3{false}, give_up{false};
+  auto wait_for = [](const std::function<bool()>& done) {
+    const auto until = Clock::now() + std::chrono::seconds(20);
+    while (!done() && Clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return done();
+  };
+  Built b = build({.favorite =
+                       [&](int pos) {
+                         if (pos == 17 + M) {
+                           g_held = 1;
+                           while (!rel1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                         }
+                         if (pos == 18 + M) {
+                           g_held = 2;
+                           while (!rel2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                         }
+                         if (pos == 0 && rel2 && s_held++ == 0)
+                           while (!rel3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                         return -1;
+                       }},
+                  eo);
+  Collector c;
+  const auto gen = b.engine->submit(request(tokens(20, 1), M), c.callback());
+  ASSERT_TRUE(gen.ok());
+  ASSERT_TRUE(wait_for([&] { return g_held == 1; }));
+  auto call = [&](int first) {
+    ScoreRequest s{tokens(8, first), 1};  // one chunk
+    s.cancelled = [&] {
+      if (!give_up) {
+        ++first_looks;  // its room is granted: its chunk is queued next
+        return false;
+      }
+      ++looks_after;
+      return true;
+    };
+    return b.engine->score(s);
+  };
+  auto a = std::async(std::launch::async, call, 3);
+  auto other = std::async(std::launch::async, call, 5);
+  rel1 = true;
+  ASSERT_TRUE(wait_for([&] { return g_held == 2 && first_looks >= 2; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // from its look to its queue
+  rel2 = true;                                                 // the generation ends in this step
+  ASSERT_TRUE(wait_for([&] { return s_held > 0; }));
+  give_up = true;
+  // The waiting call withdraws its chunk (a look that gives up, then one that says so).
+  EXPECT_TRUE(wait_for([&] { return looks_after >= 2; }));
+  rel3 = true;
+  const auto ra = a.get(), rb = other.get();
+  // The held chunk's call finishes; the other ends having scored nothing.
+  EXPECT_TRUE(ra.ok() != rb.ok()) << ra.status() << " / " << rb.status();
+  const absl::Status& gave_up = ra.ok() ? rb.status() : ra.status();
+  EXPECT_EQ(gave_up.code(), absl::StatusCode::kCancelled) << gave_up;
+  EXPECT_NE(gave_up.message().find("cancelled after scoring 0 of 8"), std::string::npos) << gave_up;
+  ASSERT_TRUE(c.wait_finals(1));
+  b.engine->shutdown(false);
+  const std::string& f = b.runner->forwards();
+  EXPECT_EQ(std::count(f.begin(), f.end(), 'S'), 1) << f;  // the withdrawn chunk never ran
 }
 
 // Score chunks run on the engine thread; a shutdown that begins while a score call is under way

@@ -173,7 +173,7 @@ bool InferenceServer::drain(Clock::duration timeout) {
     try {
       goaway_ = std::async(std::launch::async, [this] { server_->Shutdown(); });
     } catch (const std::system_error&) {
-      // No thread to spare: shutdown() runs the C++ Shutdown itself, after cancelling.
+      // No thread to spare: shutdown() runs the C++ Shutdown itself, with the same grace.
     }
   }
   return state_->drain(timeout);
@@ -194,12 +194,13 @@ void InferenceServer::shutdown() {
     // Connections idle or silent (a client keeping its channel, a reflection stream, a host gone)
     // would hold the drain's Shutdown for good: cut, as gRPC's deadline does. Legal from any
     // thread once core's shutdown has begun, which drain() made sure of.
-    if (!goaway_.valid() || goaway_.wait_for(grace) != std::future_status::ready)
-      grpc_server_cancel_all_calls(server_->c_server());
-    if (goaway_.valid())
+    if (goaway_.valid()) {
+      if (goaway_.wait_for(grace) != std::future_status::ready)
+        grpc_server_cancel_all_calls(server_->c_server());
       goaway_.get();
-    else
-      server_->Shutdown();
+    } else {
+      server_->Shutdown(std::chrono::system_clock::now() + grace);  // cancels past the grace
+    }
     // Core posted drain()'s tag when its shutdown completed.
     grpc_completion_queue_pluck(shutdown_cq_, &shutdown_cq_, gpr_inf_future(GPR_CLOCK_REALTIME),
                                 nullptr);

@@ -100,9 +100,9 @@ absl::StatusOr<GoldenCase> load_case(const std::string& dir) {
   return gc;
 }
 
-double rel_error(std::span<const float> a, std::span<const float> b) {
+double rel_error(std::span<const float> a, std::span<const float> b, double floor) {
   if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
-  double diff = 0, scale = 1;
+  double diff = 0, scale = floor;
   for (size_t i = 0; i < a.size(); ++i) {
     const double d = std::abs(double(a[i]) - double(b[i]));
     if (!std::isfinite(d)) return std::numeric_limits<double>::infinity();  // NaN must not pass

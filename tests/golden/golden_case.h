@@ -30,8 +30,9 @@ std::string case_dir(const std::string& name);
 // Loads a case directory; every file and field is checked, errors name the file and the field.
 absl::StatusOr<GoldenCase> load_case(const std::string& dir);
 
-// max|a − b| / max(1, max|b|), the project's error measure for logits and gradients;
-// infinity when the sizes differ or a value is not finite.
-double rel_error(std::span<const float> a, std::span<const float> b);
+// max|a − b| / max(floor, max|b|), the project's error measure for logits and gradients (floor
+// 1); infinity when the sizes differ or a value is not finite. Gradients, all far below 1, are
+// measured against their own largest element (a small floor).
+double rel_error(std::span<const float> a, std::span<const float> b, double floor = 1);
 
 }  // namespace cemlm::golden

@@ -1170,65 +1170,76 @@ TEST(Engine, AQueuedScoringChunkIsWithdrawnWhenItsCallGivesUp) {
 
 // With no generation running, chunks still go one a pass: a chunk queued behind another call's
 // running chunk is withdrawn when its call gives up (the loop took every queued chunk at once,
-// and the call then waited for the chunks ahead of it and computed its own for nobody). A
-// generation held in its last steps lets both calls queue their chunks; the first chunk after it
-// ends is held until the other call has given up.
+// and the call then waited for the chunks ahead of it and computed its own for nobody). The
+// generation is held in its last two steps while both calls get their room and queue their
+// chunks; the first chunk after it ends is held until the other call has given up.
 TEST(Engine, WithNoGenerationAQueuedChunkIsStillWithdrawn) {
   EngineOptions eo;
   eo.max_batch_tokens = 16;
   constexpr int M = 10;  // the generation's last step computes position 18 + M
-  std::atomic<int> g_held{0}, s_held{0}, first_looks{0}, looks_after{0};
+  std::atomic<int> g_held{0}, s_held{0}, started{0}, first_looks{0};
+  std::atomic<int> looks_after[2] = {0, 0};
   std::atomic<bool> rel1{false}, rel2{false}, rel3{false}, give_up{false};
-  auto wait_for = [](const std::function<bool()>& done) {
-    const auto until = Clock::now() + std::chrono::seconds(20);
+  auto wait_for = [](const std::function<bool()>& done, int seconds = 20) {
+    const auto until = Clock::now() + std::chrono::seconds(seconds);
     while (!done() && Clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     return done();
   };
+  auto hold_until = [](const std::atomic<bool>& released) {
+    while (!released) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  // Whatever fails, the engine is let go before what waits for it is destroyed (the engine, then
+  // the calls' futures, each has one of these declared after it).
+  struct Release {
+    std::atomic<bool>*r1, *r2, *r3;
+    ~Release() { *r1 = *r2 = *r3 = true; }
+  };
   Built b = build({.favorite =
                        [&](int pos) {
-                         if (pos == 17 + M) {
-                           g_held = 1;
-                           while (!rel1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-                         }
-                         if (pos == 18 + M) {
-                           g_held = 2;
-                           while (!rel2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-                         }
-                         if (pos == 0 && rel2 && s_held++ == 0)
-                           while (!rel3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                         if (pos == 17 + M) g_held = 1, hold_until(rel1);
+                         if (pos == 18 + M) g_held = 2, hold_until(rel2);
+                         if (pos == 0 && rel2 && s_held++ == 0) hold_until(rel3);
                          return -1;
                        }},
                   eo);
+  const Release release_engine{&rel1, &rel2, &rel3};
   Collector c;
   const auto gen = b.engine->submit(request(tokens(20, 1), M), c.callback());
   ASSERT_TRUE(gen.ok());
   ASSERT_TRUE(wait_for([&] { return g_held == 1; }));
-  auto call = [&](int first) {
-    ScoreRequest s{tokens(8, first), 1};  // one chunk
-    s.cancelled = [&] {
+  auto call = [&](int index) {
+    ScoreRequest s{tokens(8, 3 + 2 * index), 1};  // one chunk
+    s.cancelled = [&, index] {
       if (!give_up) {
         ++first_looks;  // its room is granted: its chunk is queued next
         return false;
       }
-      ++looks_after;
+      ++looks_after[index];
       return true;
     };
+    ++started;
     return b.engine->score(s);
   };
-  auto a = std::async(std::launch::async, call, 3);
-  auto other = std::async(std::launch::async, call, 5);
+  auto a = std::async(std::launch::async, call, 0);
+  auto other = std::async(std::launch::async, call, 1);
+  const Release release_calls{&rel1, &rel2, &rel3};
+  ASSERT_TRUE(wait_for([&] { return started == 2; }));
+  // Their room jobs reach the held loop (else one is served a pass later: the test then checks
+  // the withdrawal of a chunk queued behind a running one, not of one taken with it).
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   rel1 = true;
-  ASSERT_TRUE(wait_for([&] { return g_held == 2 && first_looks >= 2; }));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // from its look to its queue
+  ASSERT_TRUE(wait_for([&] { return g_held == 2; }));
+  wait_for([&] { return first_looks >= 2; }, 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // from their looks to their queue
   rel2 = true;                                                 // the generation ends in this step
-  ASSERT_TRUE(wait_for([&] { return s_held > 0; }));
+  ASSERT_TRUE(wait_for([&] { return s_held > 0 && first_looks >= 2; }));
   give_up = true;
-  // The waiting call withdraws its chunk (a look that gives up, then one that says so).
-  EXPECT_TRUE(wait_for([&] { return looks_after >= 2; }));
+  // The held chunk's call looks once (its chunk runs); the other withdraws its chunk: a look
+  // that gives up, then one that says so.
+  EXPECT_TRUE(wait_for([&] { return looks_after[0] >= 2 || looks_after[1] >= 2; }));
   rel3 = true;
   const auto ra = a.get(), rb = other.get();
-  // The held chunk's call finishes; the other ends having scored nothing.
   EXPECT_TRUE(ra.ok() != rb.ok()) << ra.status() << " / " << rb.status();
   const absl::Status& gave_up = ra.ok() ? rb.status() : ra.status();
   EXPECT_EQ(gave_up.code(), absl::StatusCode::kCancelled) << gave_up;

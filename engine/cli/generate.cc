@@ -17,6 +17,7 @@
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/engine.h"
+#include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/sampling.h"
 #include "cemlm/engine/tokenizer.h"
 #include "cemlm/engine/utf8.h"
@@ -137,6 +138,50 @@ int cmd_generate(int argc, char** argv) {
   if (!parse_bytes(kv_memory, &kv_bytes) || kv_bytes <= 0)
     return usage_error("--kv-cache-memory: expected bytes like 4G, 512M or 1048576, got '" +
                        kv_memory + "'");
+  // What can be wrong whatever the model is, refused before it loads (exit 2): a typo must not
+  // wait for a large model's load, nor exit as a refusal of the model's would.
+  RunnerOptions runner;
+  runner.device = device;
+  runner.kv_cache_dtype = kv_dtype;
+  runner.threads = threads;
+  if (absl::Status st = check_runner_options(runner); !st.ok())
+    return usage_error(std::string(st.message()));
+  GenerateRequest req;
+  if (f.given("prompt-ids") && !parse_id_list(prompt_ids, &req.prompt_ids))
+    return usage_error("--prompt-ids: expected comma-separated integers like 3,17,42");
+  req.recursion_depth = T;
+  req.sampling.max_new_tokens = max_new;
+  req.sampling.min_new_tokens = min_new;
+  req.sampling.logit_bias = bias;
+  req.sampling.temperature = temperature;
+  req.sampling.top_k = top_k;
+  req.sampling.top_p = top_p;
+  req.sampling.min_p = min_p;
+  req.sampling.repetition_penalty = repetition_penalty;
+  req.sampling.presence_penalty = presence_penalty;
+  req.sampling.frequency_penalty = frequency_penalty;
+  req.sampling.stop = stop;
+  req.sampling.stop_token_ids = stop_ids;
+  req.sampling.ignore_eos = ignore_eos;
+  req.sampling.top_logprobs = top_logprobs;
+  {
+    // Ids against no vocabulary yet (the model's bound comes with it); an unset
+    // --max-new-tokens is capped to the context later, so only min_new_tokens bounds it here.
+    SamplingParams alone = req.sampling;
+    if (!f.given("max-new-tokens"))
+      alone.max_new_tokens = std::max(alone.max_new_tokens, alone.min_new_tokens);
+    if (absl::Status st = validate_sampling(alone, INT32_MAX); !st.ok())
+      return usage_error(in_flag_terms(std::string(st.message())));
+  }
+  uint64_t seed = 0;
+  if (f.given("seed")) {
+    if (!parse_uint64(seed_text, &seed))
+      return usage_error("--seed: expected an integer in [0, 2^64), got '" + seed_text + "'");
+  } else {  // drawn here, so that --json can report it and the sample can be reproduced
+    std::random_device rd;
+    seed = ((uint64_t(rd()) << 32) | rd()) >> 11;  // below 2^53, as the engine's (engine.cc)
+  }
+  req.sampling.seed = seed;
 
   EngineOptions eo;
   eo.model_dir = model;
@@ -155,14 +200,10 @@ int cmd_generate(int argc, char** argv) {
                                      "either)"
                                    : ""));
 
-  GenerateRequest req;
   req.prompt_field = f.given("prompt-ids") ? "--prompt-ids"
                      : no_bos               ? "--prompt (as tokens)"
                                             : "--prompt (as tokens, BOS included)";
-  if (f.given("prompt-ids")) {
-    if (!parse_id_list(prompt_ids, &req.prompt_ids))
-      return usage_error("--prompt-ids: expected comma-separated integers like 3,17,42");
-  } else {
+  if (!f.given("prompt-ids")) {
     const Tokenizer* tok = (*engine)->tokenizer();
     if (!tok) return fail("--prompt: the checkpoint '" + model + "' has no tokenizer.model; use --prompt-ids");
     if (!is_valid_utf8(prompt)) return fail("--prompt: not valid UTF-8");
@@ -172,9 +213,6 @@ int cmd_generate(int argc, char** argv) {
     if (!ids) return fail("--prompt: " + error + "; use --prompt-ids");
     req.prompt_ids = *std::move(ids);
   }
-  req.recursion_depth = T;
-  req.sampling.max_new_tokens = max_new;
-  req.sampling.min_new_tokens = min_new;
   // The default fits small models too; a value given stays as given, and too large is an error.
   if (!f.given("max-new-tokens"))
     if (absl::Status st =
@@ -182,27 +220,6 @@ int cmd_generate(int argc, char** argv) {
                                      req.prompt_field, &req.sampling);
         !st.ok())
       return fail(in_flag_terms(std::string(st.message())));
-  req.sampling.logit_bias = bias;
-  req.sampling.temperature = temperature;
-  req.sampling.top_k = top_k;
-  req.sampling.top_p = top_p;
-  req.sampling.min_p = min_p;
-  req.sampling.repetition_penalty = repetition_penalty;
-  req.sampling.presence_penalty = presence_penalty;
-  req.sampling.frequency_penalty = frequency_penalty;
-  req.sampling.stop = stop;
-  req.sampling.stop_token_ids = stop_ids;
-  req.sampling.ignore_eos = ignore_eos;
-  req.sampling.top_logprobs = top_logprobs;
-  uint64_t seed = 0;
-  if (f.given("seed")) {
-    if (!parse_uint64(seed_text, &seed))
-      return usage_error("--seed: expected an integer in [0, 2^64), got '" + seed_text + "'");
-  } else {  // drawn here, so that --json can report it and the sample can be reproduced
-    std::random_device rd;
-    seed = ((uint64_t(rd()) << 32) | rd()) >> 11;  // below 2^53, as the engine's (engine.cc)
-  }
-  req.sampling.seed = seed;
 
   Outcome out;
   auto on_event = [&out, json](const StreamEvent& ev) {

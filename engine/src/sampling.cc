@@ -45,7 +45,7 @@ absl::Status check_stops(const SamplingParams& p, int vocab_size) {
       return absl::InvalidArgumentError(
           absl::StrCat("sampling.stop[", i, "] is not valid UTF-8 (bad byte at offset ", valid,
                        "): stop strings match the generated text, which is; send its UTF-8 "
-                       "bytes, or use stop_token_ids for a token"));
+                       "bytes, or use sampling.stop_token_ids for a token"));
   }
   if (p.stop_token_ids.size() > size_t(kMaxStopTokenIds))
     return absl::InvalidArgumentError(absl::StrCat("sampling.stop_token_ids has ",

@@ -166,11 +166,11 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
     int status = 0;  // the exit status, where the case checks it
   };
   const std::vector<Bad> bad = {
-      {{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype \"fp8\" is not one of fp32, bf16, int8"},
-      {{"--device", "cpu:int4"}, "--device \"cpu:int4\" is not one of cpu, cpu:fp32, cpu:bf16"},
-      {{"--threads", "-2"}, "--threads -2 must be >= 0"},
+      {{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype \"fp8\" is not one of fp32, bf16, int8", 2},
+      {{"--device", "cpu:int4"}, "--device \"cpu:int4\" is not one of cpu, cpu:fp32, cpu:bf16", 2},
+      {{"--threads", "-2"}, "--threads -2 must be >= 0", 2},
       // Past the system's thread limit, libgomp's thread creation failed and ended the process.
-      {{"--threads", "100000"}, "--threads 100000 must be >= 0 and at most 1024"},
+      {{"--threads", "100000"}, "--threads 100000 must be >= 0 and at most 1024", 2},
       {{"--prompt", "hello"}, "give exactly one of --prompt and --prompt-ids"},
       {{"--seed", "-3"}, "--seed: expected an integer"},
       {{"--no-bos"}, "--no-bos applies to --prompt only"},
@@ -178,8 +178,8 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--max-new-tokens", "9999"}, "--max-new-tokens"},
       {{"--top-p", "2"}, "--top-p"},
       // Printed with enough digits to differ from the bound it breaks.
-      {{"--top-p", "1.0000001"}, "--top-p must be in (0, 1] (got 1.0000001)"},
-      {{"--min-p", "1.5"}, "--min-p must be in [0, 1] (got 1.5)"},
+      {{"--top-p", "1.0000001"}, "--top-p must be in (0, 1] (got 1.0000001)", 2},
+      {{"--min-p", "1.5"}, "--min-p must be in [0, 1] (got 1.5)", 2},
       // Values a float cannot hold are quoted as typed: they were inf and 0 ("(got inf)").
       {{"--temperature", "1e39"},
        "option '--temperature': expected a decimal number like 0.5 that a float holds"},
@@ -188,10 +188,10 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--kv-cache-dtype", "--json"},
        "option '--kv-cache-dtype' needs a value, but '--json' follows it, an option of its own; "
        "for that text as the value write --kv-cache-dtype=--json"},
-      {{"--repetition-penalty", "0"}, "--repetition-penalty must be in [0.01, 100]"},
+      {{"--repetition-penalty", "0"}, "--repetition-penalty must be in [0.01, 100]", 2},
       {{"--presence-penalty", "3"}, "--presence-penalty must be in [-2, 2] (got 3)"},
       {{"--frequency-penalty", "-2.5"}, "--frequency-penalty must be in [-2, 2] (got -2.5)"},
-      {{"--top-logprobs", "21"}, "--top-logprobs must be in [0, 20] (got 21)"},
+      {{"--top-logprobs", "21"}, "--top-logprobs must be in [0, 20] (got 21)", 2},
       {{"--stop-token-ids", "5,x"}, "--stop-token-ids: expected comma-separated integers"},
       {{"--stop-token-ids", "5,61"}, "--stop-token-ids[1] = 61 is not a token id in [0, 61)"},
       {{"--stop", "ab"}, "--stop needs a tokenizer and this model has none"},
@@ -201,7 +201,7 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
        "unset (the room the prompt leaves under max_seq_len = 64)"},
       {{"--logit-bias", "5"}, "--logit-bias: expected ID:BIAS pairs like 17:-100,42:2.5, got '5'"},
       {{"--logit-bias", "5:1,x:2"}, "--logit-bias: expected ID:BIAS pairs"},
-      {{"--logit-bias", "5:200"}, "--logit-bias[5] must be in [-100, 100] (got 200)"},
+      {{"--logit-bias", "5:200"}, "--logit-bias[5] must be in [-100, 100] (got 200)", 2},
       {{"--logit-bias", "61:1"}, "--logit-bias has the key 61, not a token id in [0, 61)"},
       // A usage error here as in `cemlm client generate` (the engine's refusal exited 1).
       {{"--logit-bias", "5:1,5:-100"}, "--logit-bias gives token 5 more than once", 2},
@@ -222,6 +222,31 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       EXPECT_EQ(rc, b.status) << b.args[0];
     }
     EXPECT_NE(err.find(b.message), std::string::npos) << b.args[0] << ": " << err;
+  }
+}
+
+// What is wrong whatever the model is, is refused before the model loads, as a usage error:
+// here there is no model at all, and the flag's own error comes first.
+TEST_F(GenerateCli, FlagsWrongForAnyModelAreRefusedBeforeItLoads) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--prompt-ids", "3,,4"}, "--prompt-ids: expected comma-separated integers"},
+      {{"--temperature", "-1"}, "--temperature must be a finite number >= 0"},
+      {{"--max-new-tokens", "0"}, "--max-new-tokens must be >= 1 (got 0)"},
+      {{"--threads", "-1"}, "--threads -1 must be >= 0"},
+      {{"--device", "gpu"}, "--device \"gpu\" is not one of"},
+      {{"--stop", ""}, "--stop[0] is empty"},
+      {{"--seed", "-1"}, "--seed: expected an integer"},
+  };
+  for (const auto& [flags, message] : bad) {
+    std::vector<std::string> args = {"--model", dir_ + "/no-such-model", "--json"};
+    if (flags[0] != "--prompt-ids") args.insert(args.end(), {"--prompt-ids", "3"});
+    args.insert(args.end(), flags.begin(), flags.end());
+    ::testing::internal::CaptureStderr();
+    const int rc = run(args);
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(rc, 2) << flags[0] << ": " << err;
+    EXPECT_NE(err.find(message), std::string::npos) << flags[0] << ": " << err;
+    EXPECT_EQ(err.find("no-such-model"), std::string::npos) << flags[0] << ": " << err;
   }
 }
 
@@ -549,10 +574,10 @@ TEST_F(GenerateCliText, StopStringsCutTheText) {
   ASSERT_EQ(rc, 0);
   EXPECT_EQ(cut["text"], text.substr(0, text.find(stop))) << "stop '" << stop << "'";
   EXPECT_EQ(cut["finish_reason"], "stop");
-  // An empty stop string is refused, naming the flag.
+  // An empty stop string is refused, naming the flag, as a usage error.
   ::testing::internal::CaptureStderr();
   EXPECT_EQ(output({"--stop", ""}, &rc), "");
-  EXPECT_EQ(rc, 1);
+  EXPECT_EQ(rc, 2);
   EXPECT_NE(::testing::internal::GetCapturedStderr().find("--stop[0] is empty"), std::string::npos);
   // Values beginning with "--" that read as no option are stop strings ("-- Larry Wall" ends
   // fortunes); they were refused as "needs at least one value". One that reads as an option is

@@ -46,7 +46,9 @@ int cmd_init(int argc, char** argv) {
             "checkpoint directory to write (one holding weights already is\n"
             "refused without --force; one holding other files always is)",
             true);
-  flags.add_bool("force", &force, "replace the checkpoint in --out, weights and training state");
+  flags.add_bool("force", &force,
+                 "replace the checkpoint in --out: its weights, training state and "
+                 "tokenizer.model (--tokenizer gives the new one its own)");
   flags.add("seed", &seed, "random seed; the same seed gives the same weights");
   flags.add("tokenizer", &tokenizer_path, "SentencePiece model to copy in as tokenizer.model");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
@@ -56,10 +58,12 @@ int cmd_init(int argc, char** argv) {
   // a random one's, so the user says so.
   std::error_code ec;
   if (!force && std::filesystem::exists(std::filesystem::path(out_dir) / kWeightsFile, ec)) {
-    std::fprintf(stderr,
-                 "error: --out '%s' holds a checkpoint already (%s); pass --force to replace it "
-                 "(its weights and any training state are deleted), or choose another directory\n",
-                 out_dir.c_str(), std::string(kWeightsFile).c_str());
+    std::fprintf(
+        stderr,
+        "error: --out '%s' holds a checkpoint already (%s); pass --force to replace it "
+        "(its weights, any training state and its tokenizer.model are deleted), or choose another "
+        "directory\n",
+        out_dir.c_str(), std::string(kWeightsFile).c_str());
     return 1;
   }
 

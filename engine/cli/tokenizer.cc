@@ -59,9 +59,9 @@ int train(int argc, char** argv) {
             "distinct characters (an error says how many)");
   flags.add_bool("verbose", &opts.verbose, "show SentencePiece's training log");
   flags.add("threads", &opts.threads,
-            "training threads, at most 128 (SentencePiece's bound; 0: OMP_NUM_THREADS where set, "
-            "else the CPUs this process may use); the model file records the number, so the same "
-            "text and threads give the same bytes");
+            "training threads (0: OMP_NUM_THREADS where set, else the CPUs this process may use; "
+            "more than 128, SentencePiece's bound, train on 128); the model file records the "
+            "number, so the same text and threads give the same bytes");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   if (opts.threads < 0)
     return usage_error("--threads must be >= 0 (0: the CPUs this process may use)");

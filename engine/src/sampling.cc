@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -64,12 +65,14 @@ absl::Status check_logit_bias(const SamplingParams& p, int vocab_size) {
   if (p.logit_bias.size() > size_t(kMaxLogitBias))
     return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias has ", p.logit_bias.size(),
                                                    " entries; at most ", kMaxLogitBias));
-  std::vector<uint8_t> seen(size_t(std::max(vocab_size, 0)), 0);
+  // (Sets of at most kMaxLogitBias ids, not vocabulary-sized tables: a check before the model is
+  // known runs with the largest vocabulary there is.)
+  std::set<int> seen;
   for (const auto& [id, bias] : p.logit_bias) {
     if (id < 0 || id >= vocab_size)
       return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias has the key ", id,
                                                      ", not a token id in [0, ", vocab_size, ")"));
-    if (seen[size_t(id)]++)
+    if (!seen.insert(id).second)
       return absl::InvalidArgumentError(
           absl::StrCat("sampling.logit_bias has the token id ", id, " more than once"));
     const std::string field = absl::StrCat("logit_bias[", id, "]");
@@ -85,10 +88,9 @@ absl::Status check_min_new_tokens(const SamplingParams& p, int vocab_size, int e
       p.min_new_tokens >= 0 && p.min_new_tokens <= p.max_new_tokens, "min_new_tokens",
       absl::StrCat("in [0, sampling.max_new_tokens = ", p.max_new_tokens, "]"), p.min_new_tokens));
   if (p.min_new_tokens == 0) return absl::OkStatus();
-  std::vector<uint8_t> stops(size_t(std::max(vocab_size, 0)), 0);
-  for (int id : p.stop_token_ids) stops[size_t(id)] = 1;  // in range: checked before
-  if (!p.ignore_eos && eos_id >= 0 && eos_id < vocab_size) stops[size_t(eos_id)] = 1;
-  if (std::find(stops.begin(), stops.end(), 0) == stops.end())
+  std::set<int> stops(p.stop_token_ids.begin(), p.stop_token_ids.end());  // in range: checked
+  if (!p.ignore_eos && eos_id >= 0 && eos_id < vocab_size) stops.insert(eos_id);
+  if (int64_t(stops.size()) >= int64_t(vocab_size))
     return absl::InvalidArgumentError(
         absl::StrCat("sampling.min_new_tokens = ", p.min_new_tokens,
                      " leaves no token to draw: every id in [0, ", vocab_size,

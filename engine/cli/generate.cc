@@ -165,13 +165,17 @@ int cmd_generate(int argc, char** argv) {
   req.sampling.ignore_eos = ignore_eos;
   req.sampling.top_logprobs = top_logprobs;
   {
-    // Ids against no vocabulary yet (the model's bound comes with it); an unset
-    // --max-new-tokens is capped to the context later, so only min_new_tokens bounds it here.
+    // Ids are left to the model's check, which knows its vocabulary; an unset --max-new-tokens
+    // is its default here (the model's context may lower it later, never raise it).
     SamplingParams alone = req.sampling;
-    if (!f.given("max-new-tokens"))
-      alone.max_new_tokens = std::max(alone.max_new_tokens, alone.min_new_tokens);
-    if (absl::Status st = validate_sampling(alone, INT32_MAX); !st.ok())
-      return usage_error(in_flag_terms(std::string(st.message())));
+    auto model_judges = [](int id) { return id < 0 || id == INT32_MAX; };
+    std::erase_if(alone.stop_token_ids, model_judges);
+    std::erase_if(alone.logit_bias, [&](const auto& b) { return model_judges(b.first); });
+    absl::Status st = f.given("max-new-tokens")
+                          ? absl::OkStatus()
+                          : cap_unset_max_new_tokens(INT32_MAX, 0, "", &alone);
+    if (st.ok()) st = validate_sampling(alone, INT32_MAX);
+    if (!st.ok()) return usage_error(in_flag_terms(std::string(st.message())));
   }
   uint64_t seed = 0;
   if (f.given("seed")) {

@@ -194,6 +194,9 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--top-logprobs", "21"}, "--top-logprobs must be in [0, 20] (got 21)", 2},
       {{"--stop-token-ids", "5,x"}, "--stop-token-ids: expected comma-separated integers"},
       {{"--stop-token-ids", "5,61"}, "--stop-token-ids[1] = 61 is not a token id in [0, 61)"},
+      // Judged with the model's vocabulary, not before it is known.
+      {{"--stop-token-ids", "-1"}, "--stop-token-ids[0] = -1 is not a token id in [0, 61)", 1},
+      {{"--logit-bias", "-1:1"}, "--logit-bias has the key -1, not a token id in [0, 61)", 1},
       {{"--stop", "ab"}, "--stop needs a tokenizer and this model has none"},
       {{"--min-new-tokens", "63"},
        // (that maximum is the room the prompt leaves: --max-new-tokens was not given)
@@ -236,6 +239,10 @@ TEST_F(GenerateCli, FlagsWrongForAnyModelAreRefusedBeforeItLoads) {
       {{"--device", "gpu"}, "--device \"gpu\" is not one of"},
       {{"--stop", ""}, "--stop[0] is empty"},
       {{"--seed", "-1"}, "--seed: expected an integer"},
+      // Past the default's 64 while --max-new-tokens is unset: too many for any model.
+      {{"--min-new-tokens", "100"},
+       "--min-new-tokens = 100 is more than the 64 tokens generated at most with "
+       "--max-new-tokens unset (its default)"},
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {"--model", dir_ + "/no-such-model", "--json"};

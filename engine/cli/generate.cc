@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/cpu_threads.h"
@@ -149,6 +150,13 @@ int cmd_generate(int argc, char** argv) {
   GenerateRequest req;
   if (f.given("prompt-ids") && !parse_id_list(prompt_ids, &req.prompt_ids))
     return usage_error("--prompt-ids: expected comma-separated integers like 3,17,42");
+  for (size_t i = 0; i < req.prompt_ids.size(); ++i)
+    if (req.prompt_ids[i] < 0)
+      return usage_error(absl::StrCat("--prompt-ids[", i, "] = ", req.prompt_ids[i],
+                                      " is not a token id (ids are >= 0)"));
+  if (T < 0)
+    return usage_error(
+        absl::StrCat("--recursion = ", T, " must be >= 0 (0 = the model's recursion.default)"));
   req.recursion_depth = T;
   req.sampling.max_new_tokens = max_new;
   req.sampling.min_new_tokens = min_new;

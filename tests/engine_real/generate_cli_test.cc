@@ -239,6 +239,8 @@ TEST_F(GenerateCli, FlagsWrongForAnyModelAreRefusedBeforeItLoads) {
       {{"--device", "gpu"}, "--device \"gpu\" is not one of"},
       {{"--stop", ""}, "--stop[0] is empty"},
       {{"--seed", "-1"}, "--seed: expected an integer"},
+      {{"--prompt-ids", "3,-1"}, "--prompt-ids[1] = -1 is not a token id (ids are >= 0)"},
+      {{"--recursion", "-1"}, "--recursion = -1 must be >= 0"},
       // Past the default's 64 while --max-new-tokens is unset: too many for any model.
       {{"--min-new-tokens", "100"},
        "--min-new-tokens = 100 is more than the 64 tokens generated at most with "

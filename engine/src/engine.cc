@@ -643,6 +643,7 @@ void EngineImpl::apply_sample(Request& q, absl::StatusOr<SampleResult> res) {
   if (q.top_logprobs) ev.top_logprobs = {std::move(res->top)};
   if (++q.usage.generated_tokens == 1) {
     q.timings.first_token = Clock::now();
+    ev.timings = q.timings;  // its queue time is known now: a server need not wait for the end
     // At the first token, as the server counts prompt tokens: the hits are their cached share,
     // and a request that ends in its prefill counts in neither.
     prefix_hits_total_ += q.usage.cached_prompt_tokens;

@@ -553,7 +553,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     const Clock::time_point now = Clock::now();
     ServerMetrics& m = state_->metrics();
     if (last_token_ == Clock::time_point{}) {
-      m.observe_first_token(seconds_between(arrival_, now), prompt_tokens_);
+      m.observe_first_token(seconds_between(arrival_, now), queue_seconds(event.timings),
+                            prompt_tokens_);
     } else {
       const double gap = seconds_between(last_token_, now) / double(event.token_ids.size());
       for (size_t i = 0; i < event.token_ids.size(); ++i) m.observe_inter_token(gap);
@@ -634,8 +635,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     e2e_seconds_ = seconds_between(arrival_, Clock::now());
     m.count_rpc("Generate", final_status_.error_code());
     if (!submitted_) return;
-    m.observe_finished({final_status_.ok() ? finish_reason_name(finish_reason_) : nullptr,
-                        recursion_depth_, e2e_seconds_, queue_seconds_});
+    m.observe_finished(
+        {final_status_.ok() ? finish_reason_name(finish_reason_) : nullptr, recursion_depth_,
+         e2e_seconds_,
+         last_token_ == Clock::time_point{} ? std::optional(queue_seconds_) : std::nullopt});
   }
 
   // OnDone: the request's log line, off the engine thread. The client's id and the message (which

@@ -87,7 +87,8 @@ ServerMetrics::ServerMetrics(const std::string& model_name, int max_waiting)
                    "Generate request arrival to its last message, in seconds.", kLatencyBuckets);
   queue_ = histogram("cemlm:request_queue_time_seconds",
                      "Time a Generate request waited in the engine before it was first "
-                     "scheduled (until it ended, if never), in seconds.",
+                     "scheduled (until it ended, if never), in seconds; observed at its first "
+                     "token, or at its end if it had none.",
                      kLatencyBuckets);
   recursion_ =
       histogram("cemlm:recursion_depth",
@@ -145,8 +146,9 @@ void ServerMetrics::set_model_info(const ModelInfo& info) {
       .Set(1);
 }
 
-void ServerMetrics::observe_first_token(double seconds, int prompt_tokens) {
+void ServerMetrics::observe_first_token(double seconds, double queue_seconds, int prompt_tokens) {
   ttft_->Observe(seconds);
+  queue_->Observe(queue_seconds);
   prompt_tokens_->Increment(prompt_tokens);
 }
 void ServerMetrics::observe_inter_token(double seconds) { itl_->Observe(seconds); }
@@ -156,7 +158,7 @@ void ServerMetrics::observe_finished(const FinishedGeneration& g) {
   if (g.success_reason)
     success_->Add({{"model_name", model_name_}, {"finished_reason", g.success_reason}}).Increment();
   e2e_->Observe(g.e2e);
-  queue_->Observe(g.queue);
+  if (g.queue) queue_->Observe(*g.queue);
   recursion_->Observe(g.recursion_depth);
 }
 

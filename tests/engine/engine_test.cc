@@ -40,7 +40,7 @@ struct Result {
   FinishReason reason = FinishReason::kNone;
   absl::Status error;
   Usage usage;
-  RequestTimings timings;
+  RequestTimings timings, first_token_timings;  // of the final event; of the first token's
   int finals = 0;
   bool event_after_final = false;
 };
@@ -53,6 +53,7 @@ class Collector {
       std::lock_guard<std::mutex> lock(mu_);
       Result& r = results_[ev.id];
       if (r.finals) r.event_after_final = true;
+      if (r.ids.empty() && !ev.token_ids.empty()) r.first_token_timings = ev.timings;
       r.ids.insert(r.ids.end(), ev.token_ids.begin(), ev.token_ids.end());
       r.logprobs.insert(r.logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
       r.top.insert(r.top.end(), ev.top_logprobs.begin(), ev.top_logprobs.end());
@@ -999,6 +1000,14 @@ TEST(Engine, UsageCountsRecursionStepsAndTopLogprobs) {
     EXPECT_LE(t.scheduled, t.first_token) << max_new;
     EXPECT_LE(t.first_token, t.finished) << max_new;
   }
+  // The first token's event has them too, up to that token (a server observes the queue time
+  // there rather than at the end).
+  const Result two = run_all(*b.engine, {request(tokens(5, 12), 2)})[0];
+  EXPECT_EQ(two.first_token_timings.submitted, two.timings.submitted);
+  EXPECT_EQ(two.first_token_timings.scheduled, two.timings.scheduled);
+  EXPECT_EQ(two.first_token_timings.first_token, two.timings.first_token);
+  EXPECT_EQ(two.first_token_timings.finished, Clock::time_point{});
+  EXPECT_NE(two.first_token_timings.scheduled, Clock::time_point{});
   ASSERT_EQ(res.top.size(), 4u);
   for (size_t i = 0; i < 4; ++i) {
     ASSERT_EQ(res.top[i].size(), 2u);

@@ -553,6 +553,51 @@ TEST_F(ServerGenerate, TokenCountersMoveWhileStreaming) {
   reader->Finish();
 }
 
+// A request's queue time is observed at its first token (it was observed at its end, so that an
+// alert on queue times lagged the queue by whole generations); one that never started, at its
+// end.
+TEST(ServerQueue, QueueTimeIsObservedAtTheFirstTokenOrAtTheEnd) {
+  auto server = ServerProcess::start(
+      make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen, .tokenizer = false}),
+      {"--max-running", "1"});
+  ASSERT_TRUE(server);
+  grpc::ClientContext long_context;
+  auto long_call = v1::Inference::NewStub(server->channel())
+                       ->Generate(&long_context, ids_request(some_ids(12), kLongRequest, 8));
+  v1::GenerateResponse first;
+  ASSERT_TRUE(long_call->Read(&first));
+  auto m = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:request_queue_time_seconds_count"), 1);
+  EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_count"), 0);  // still running
+
+  // Behind the long one, this one waits until its deadline ends it.
+  grpc::ClientContext waiting_context;
+  waiting_context.set_deadline(std::chrono::system_clock::now() + 300ms);
+  auto waiting = v1::Inference::NewStub(server->channel())
+                     ->Generate(&waiting_context, ids_request(some_ids(4), 2));
+  for (v1::GenerateResponse r; waiting->Read(&r);) {
+  }
+  EXPECT_EQ(waiting->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(wait_for_metrics(*server, [](const auto& now) {
+    return metric(now, "cemlm:e2e_request_latency_seconds_count") == 1;
+  })) << server->metrics_text();
+  m = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:request_queue_time_seconds_count"), 2);
+  EXPECT_EQ(metric(m, "cemlm:time_to_first_token_seconds_count"), 1);
+
+  long_context.TryCancel();
+  for (v1::GenerateResponse r; long_call->Read(&r);) {
+  }
+  EXPECT_EQ(long_call->Finish().error_code(), grpc::StatusCode::CANCELLED)
+      << "the long request ended by itself: lengthen it";
+  EXPECT_TRUE(wait_for_metrics(*server, [](const auto& now) {
+    return metric(now, "cemlm:e2e_request_latency_seconds_count") == 2;
+  })) << server->metrics_text();
+  // Not observed twice.
+  EXPECT_EQ(metric(parse_metrics(server->metrics_text()), "cemlm:request_queue_time_seconds_count"),
+            2);
+}
+
 // A client's request_id goes into the server's log escaped: it cannot forge log lines.
 TEST_F(ServerGenerate, RequestIdCannotForgeLogLines) {
   v1::GenerateRequest req = ids_request(some_ids(4), 2);

@@ -19,7 +19,7 @@ using testing_server::parse_metrics;
 TEST(ServerMetricsBuckets, SubMillisecondLatenciesAreResolved) {
   ServerMetrics m("m", 1024);
   for (double s : {0.00004, 0.00018, 0.00021, 0.00022, 0.00045}) m.observe_inter_token(s);
-  m.observe_first_token(0.00012, 3);
+  m.observe_first_token(0.00012, 0.00003, 3);
   const auto series = parse_metrics(prometheus::TextSerializer().Serialize(m.Collect()));
   auto itl = [&](const char* le) {
     return metric(series, "cemlm:inter_token_latency_seconds_bucket",
@@ -32,6 +32,7 @@ TEST(ServerMetricsBuckets, SubMillisecondLatenciesAreResolved) {
   EXPECT_EQ(itl("0.0005"), 5);
   EXPECT_EQ(metric(series, "cemlm:time_to_first_token_seconds_bucket", "le=\"0.00015\""), 1);
   EXPECT_EQ(metric(series, "cemlm:time_to_first_token_seconds_bucket", "le=\"0.0001\""), 0);
+  EXPECT_EQ(metric(series, "cemlm:request_queue_time_seconds_bucket", "le=\"5e-05\""), 1);
 }
 
 }  // namespace

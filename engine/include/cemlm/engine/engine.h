@@ -87,7 +87,7 @@ struct StreamEvent {
   FinishReason finish_reason = FinishReason::kNone;
   absl::Status error;                  // set when finish_reason == kError
   Usage usage;                         // filled on the final event
-  RequestTimings timings;              // filled on the final event
+  RequestTimings timings;              // filled on the first token's event and the final one
   uint64_t seed = 0;  // final event: the sampling seed, the request's or the one drawn for it
 };
 using EventCallback = std::function<void(const StreamEvent&)>;

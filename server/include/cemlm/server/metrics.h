@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,10 @@ namespace cemlm::server {
 struct FinishedGeneration {
   const char* success_reason = nullptr;  // "stop" | "length"; null when it did not end normally
   int recursion_depth = 0;
-  double e2e = 0, queue = 0;
+  double e2e = 0;
+  // Submitted to first scheduled, for a generation that ended before its first token (those with
+  // one were observed at it, by observe_first_token).
+  std::optional<double> queue;
 };
 
 class ServerMetrics : public prometheus::Collectable {
@@ -42,8 +46,9 @@ class ServerMetrics : public prometheus::Collectable {
   // cache_config_info series (device, dtype, bytes per token as labels; value 1).
   void set_model_info(const ModelInfo& info);
 
-  // A generation's first tokens: its prompt is through prefill. Then `n` tokens of it streamed.
-  void observe_first_token(double seconds, int prompt_tokens);
+  // A generation's first tokens: its prompt is through prefill, after `queue_seconds` in the
+  // engine's queue. Then `n` tokens of it streamed.
+  void observe_first_token(double seconds, double queue_seconds, int prompt_tokens);
   void observe_inter_token(double seconds);
   void count_generated(int n);
   void observe_finished(const FinishedGeneration& g);

@@ -10,6 +10,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "cemlm/engine/utf8.h"
 #include "ref_log_softmax.h"
@@ -326,6 +327,51 @@ TEST(Sampler, SameSeedSameTokensAndTheRngIsPerSampler) {
   Sampler d(p, -1, 43);
   for (int i = 0; i < 50; ++i) tc.push_back(d.sample(kRow, {}, 0)->token);
   EXPECT_NE(ta, tc);
+}
+
+// Samplers share their buffers with every other sampler on the same thread (vocabulary-sized,
+// one set a thread): samplers of different vocabularies, penalties and filters drawing in turn on
+// one thread give what each gives alone on a thread of its own.
+TEST(Sampler, SamplersTakingTurnsOnOneThreadDrawAsAlone) {
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  struct Case {
+    int V;
+    SamplingParams p;
+    std::vector<float> row;
+  };
+  std::vector<Case> cases(3);
+  cases[0].V = 1000, cases[0].p.repetition_penalty = 1.8f, cases[0].p.top_p = 0.7f;
+  cases[1].V = 300, cases[1].p.presence_penalty = 1.0f, cases[1].p.frequency_penalty = 0.5f;
+  cases[1].p.top_k = 20, cases[1].p.top_logprobs = 5;
+  cases[2].V = 50, cases[2].p.min_p = 0.1f, cases[2].p.top_k = 10, cases[2].p.temperature = 2;
+  for (Case& c : cases)
+    for (int i = 0; i < c.V; ++i) c.row.push_back(normal(gen));
+  constexpr int kDraws = 40;
+  // The tokens (each fed back, so that the penalties count them) and top alternatives.
+  auto run = [&](const std::vector<size_t>& order, std::vector<std::vector<int>>* tokens,
+                 std::vector<std::vector<int>>* tops) {
+    std::vector<Sampler> samplers;
+    for (const Case& c : cases) samplers.emplace_back(c.p, -1, 11);
+    tokens->assign(cases.size(), {0, 1, 2, 3});  // a prompt of 4
+    tops->assign(cases.size(), {});
+    for (int d = 0; d < kDraws; ++d)
+      for (size_t i : order) {
+        auto r = samplers[i].sample(cases[i].row, (*tokens)[i], 4);
+        ASSERT_TRUE(r.ok()) << r.status();
+        (*tokens)[i].push_back(r->token);
+        for (const TopLogprob& t : r->top) (*tops)[i].push_back(t.token_id);
+      }
+  };
+  std::vector<std::vector<int>> together, together_top;
+  run({0, 1, 2}, &together, &together_top);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    std::vector<std::vector<int>> alone, alone_top;
+    std::thread([&] { run({i}, &alone, &alone_top); }).join();  // fresh buffers
+    EXPECT_EQ(together[i], alone[i]) << i;
+    EXPECT_EQ(together_top[i], alone_top[i]) << i;
+  }
+  EXPECT_EQ(together_top[1].size(), size_t(5 * kDraws));
 }
 
 // Each draw of a sampler takes exactly one uniform from its RNG, whatever token it picks: the

@@ -62,19 +62,15 @@ class Sampler {
   const SamplingParams& params() const { return params_; }
 
  private:
-  void apply_penalties(std::span<const int> tokens, int n_prompt);
-  int draw();  // from work_, already penalized and scaled by 1/temperature
-  void top_alternatives(std::span<const float> logits, const LogNormalizer& norm,
-                        std::vector<TopLogprob>* out);
+  struct Scratch;  // vocabulary-sized buffers, one set per thread (sampler.cc)
+  void apply_penalties(Scratch& s, std::span<const int> tokens, int n_prompt) const;
+  int draw(Scratch& s);  // from s.work, already penalized and scaled by 1/temperature
+  void top_alternatives(Scratch& s, std::span<const float> logits, const LogNormalizer& norm,
+                        std::vector<TopLogprob>* out) const;
 
   SamplingParams params_;
   int eos_id_;
   Rng rng_;
-  std::vector<float> work_;
-  std::vector<int> counts_;                  // per token id; all zero between calls
-  std::vector<float> prob_;                  // per token id: e^(scaled logit − max)
-  std::vector<std::pair<float, int>> cand_;  // (scaled logit, id)
-  std::vector<uint8_t> keep_;                // per token id: kept by the filters
 };
 
 // Matches stop strings on a stream of text pieces. Text that could still grow into a stop string

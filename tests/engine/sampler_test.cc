@@ -182,12 +182,18 @@ int reference_draw(const std::vector<float>& row, const SamplingParams& p, uint6
 TEST(Sampler, FilteredDrawsMatchTheFullSortRule) {
   Rng rng(7);
   int compared = 0;
-  for (int row_i = 0; row_i < 16; ++row_i) {
+  for (int row_i = 0; row_i < 20; ++row_i) {
     std::vector<float> row(4096);
     const double spread = 1.0 + row_i % 4 * 2.0;  // flat to peaked distributions
     for (float& x : row) x = float(rng.normal() * spread);
-    if (row_i >= 12)  // whole numbers: ties by the hundred, broken by id
+    if (row_i >= 12 && row_i < 16)  // whole numbers: ties by the hundred, broken by id
       for (float& x : row) x = std::round(x);
+    if (row_i >= 16) {
+      // A few sure tokens over a long tail about 8-10 below them: the tail's mass (from ~0.1%
+      // to ~half of the whole) decides whether a nucleus lies among the tokens near the best.
+      for (float& x : row) x = float(-(6 + row_i % 4 * 1.5) + 0.5 * rng.normal());
+      for (int i = 0; i < 5; ++i) row[size_t(rng.uniform() * 4096)] = float(rng.normal());
+    }
     for (float t : {0.7f, 1.0f, 1.5f})
       for (int k : {0, 1, 40, 4095})
         for (float top_p : {1.0f, 0.9f, 0.3f})
@@ -202,7 +208,7 @@ TEST(Sampler, FilteredDrawsMatchTheFullSortRule) {
             }
           }
   }
-  EXPECT_EQ(compared, 16 * 3 * 4 * 3 * 2 * 2);
+  EXPECT_EQ(compared, 20 * 3 * 4 * 3 * 2 * 2);
 }
 
 // Penalties, logit bias and min_new_tokens before the filters, on random rows, histories and

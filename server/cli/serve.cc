@@ -468,7 +468,8 @@ int cmd_serve(int argc, char** argv) {
   flags.add("threads", &f.threads,
             absl::StrCat(kThreadsHelp,
                          "; also the texts tokenized or decoded at once (Tokenize, Detokenize, "
-                         "Score's text), the others waiting their turn"));
+                         "Score's text), the others waiting their turn (at most 32 a thread; "
+                         "more are RESOURCE_EXHAUSTED)"));
   flags.add("engine-nice", &f.engine_nice,
             "niceness (0..19) the engine's step and compute threads add to the process's, so "
             "that gRPC's threads read requests and write tokens without waiting behind a step");

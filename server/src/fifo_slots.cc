@@ -5,22 +5,27 @@
 
 namespace cemlm::server {
 
-FifoSlots::FifoSlots(int slots) : total_(std::max(1, slots)), free_(total_) {}
+FifoSlots::FifoSlots(int slots, int max_waiting)
+    : total_(std::max(1, slots)), max_waiting_(std::max(0, max_waiting)), free_(total_) {}
 
-bool FifoSlots::acquire(Clock::time_point deadline) {
+FifoSlots::Acquired FifoSlots::acquire(Clock::time_point deadline, bool counted) {
   std::unique_lock lock(mu_);
   if (free_ > 0 && queue_.empty()) {
     --free_;
-    return true;
+    return Acquired::kGranted;
   }
+  if (counted && counted_waiting_ >= max_waiting_) return Acquired::kLineFull;
   Waiter me;
+  me.counted = counted;
+  counted_waiting_ += counted;
   queue_.push_back(&me);
   const auto granted = [&] { return me.granted; };
   if (deadline == Clock::time_point::max())
     me.wake.wait(lock, granted);
   else if (!me.wake.wait_until(lock, deadline, granted))
     queue_.erase(std::find(queue_.begin(), queue_.end(), &me));  // not served: leaves the line
-  return me.granted;
+  if (!me.granted) counted_waiting_ -= counted;
+  return me.granted ? Acquired::kGranted : Acquired::kTimedOut;
 }
 
 void FifoSlots::release() {
@@ -31,6 +36,7 @@ void FifoSlots::release() {
   }
   Waiter* next = queue_.front();  // the slot passes to it without ever being free
   queue_.pop_front();
+  counted_waiting_ -= next->counted;
   next->granted = true;
   next->wake.notify_one();  // under the lock: `next` lives until it has seen `granted`
 }

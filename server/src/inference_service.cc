@@ -254,8 +254,8 @@ class TextSlot {
   ~TextSlot() {
     if (held_) state_->release_text_slot();
   }
-  absl::Status take(const grpc::ServerContextBase& context) {
-    absl::Status st = state_->acquire_text_slot(context);
+  absl::Status take(const grpc::ServerContextBase& context, bool counted = true) {
+    absl::Status st = state_->acquire_text_slot(context, counted);
     held_ = st.ok();
     return st;
   }
@@ -462,7 +462,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     {
       TextSlot slot(state_);
       if (tokenizes(engine, request.prompt_text(), request))
-        if (absl::Status st = slot.take(*context_); !st.ok())
+        if (absl::Status st = slot.take(*context_, /*counted=*/false); !st.ok())
           // Cancelled while it waited: by its client, or by gRPC at the end of a shutdown.
           return finish_early(absl::IsCancelled(st) ? ended_before("its prompt was tokenized")
                                                     : to_grpc_status(st));
@@ -708,11 +708,17 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
 
 }  // namespace
 
-absl::Status ServerState::acquire_text_slot(const grpc::ServerContextBase& context) {
+absl::Status ServerState::acquire_text_slot(const grpc::ServerContextBase& context, bool counted) {
   // No polling for a cancel (a thousand waiting calls polling every 50 ms took most of the CPU):
   // a call cancelled while it waits ends when its turn comes.
   const Clock::time_point deadline = steady_deadline(context);
-  const bool got = text_slots_.acquire(deadline);
+  const FifoSlots::Acquired acquired = text_slots_.acquire(deadline, counted);
+  if (acquired == FifoSlots::Acquired::kLineFull)
+    return absl::ResourceExhaustedError(
+        absl::StrCat(text_slots_.max_waiting(), " calls already wait for one of the ",
+                     text_slots_.total(), " texts tokenized at once (",
+                     ServerState::kTextWaitersPerSlot, " a --threads thread); retry later"));
+  const bool got = acquired == FifoSlots::Acquired::kGranted;
   // Served just as its deadline passed, or after its client gave up: the slot goes on at once.
   const bool expired = Clock::now() >= deadline;
   if (got && !expired && !context.IsCancelled()) return absl::OkStatus();

@@ -4,6 +4,7 @@
 #pragma once
 #include <grpcpp/support/server_interceptor.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -51,6 +52,9 @@ class UnreadStream {
 
 class ServerState {
  public:
+  // Unary text calls that may wait for their turn, per text slot (see acquire_text_slot).
+  static constexpr int kTextWaitersPerSlot = 32;
+
   // `max_unread`: finished Generate streams not yet read (0: no bound), and `unread_grace`, how
   // long one may wait before it is cancelled for room: see ServerOptions.
   // `max_priority`: the highest request priority a call may ask for when its key sets none.
@@ -66,7 +70,7 @@ class ServerState {
         max_priority_(max_priority),
         max_unread_(max_unread),
         unread_grace_(unread_grace),
-        text_slots_(text_slots),
+        text_slots_(text_slots, kTextWaitersPerSlot * std::max(1, text_slots)),
         max_queued_texts_(max_queued_texts),
         cache_per_key_(cache_per_key) {}
 
@@ -107,8 +111,11 @@ class ServerState {
   // others wait here for a slot, first come, first served (a flood of 2000 calls of 30 KB ran 560
   // at once on 2 CPUs, the server's memory 290 MB -> 1.2 GB). OK: the call holds a slot
   // (release_text_slot() once); DEADLINE_EXCEEDED or CANCELLED when the call ended while it
-  // waited.
-  absl::Status acquire_text_slot(const grpc::ServerContextBase& context);
+  // waited; RESOURCE_EXHAUSTED at once when kTextWaitersPerSlot × text_slots such calls wait
+  // already (each holds a gRPC thread: 1,000 waiting calls took a server to 2,752 threads). The
+  // Generate text workers (TextWorkers: a few threads of their own, whose queue --max-waiting
+  // bounds) are not `counted` in that line.
+  absl::Status acquire_text_slot(const grpc::ServerContextBase& context, bool counted = true);
   void release_text_slot() { text_slots_.release(); }
   int text_slots() const { return text_slots_.total(); }
   int max_queued_texts() const { return max_queued_texts_; }

@@ -619,6 +619,51 @@ TEST(ServerTextSlots, GenerateCallsWaitingForTheirTextAreBounded) {
   EXPECT_TRUE(generate(server->channel(), text_request()).status.ok()) << "room again";
 }
 
+// Tokenize, Detokenize and Score calls that wait for their text's turn each hold a gRPC thread,
+// and nothing bounded them (1,000 Tokenize calls at once took a server to 2,752 threads): at most
+// 32 a text slot wait; more are refused at once, naming the bound, and the rest are served.
+TEST(ServerTextSlots, UnaryCallsWaitingForTheirTextAreBounded) {
+  const std::string model = make_tiny_model(fresh_temp_dir(), {.max_seq_len = 16384});
+  auto server = ServerProcess::start(model, {"--threads", "1"});
+  ASSERT_TRUE(server);
+  std::string long_text;
+  for (int i = 0; long_text.size() < 200000; ++i)
+    long_text += absl::StrCat("fortune number ", i, " says the line is long ");
+  constexpr int kCalls = 33 + 24;  // one tokenized, 32 waiting, and more
+  std::vector<grpc::Status> status(kCalls);
+  std::vector<std::thread> calls;
+  for (int i = 0; i < kCalls; ++i)
+    calls.emplace_back([&, i] {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+      v1::TokenizeRequest req;
+      req.set_text(long_text);
+      v1::TokenizeResponse resp;
+      status[size_t(i)] = v1::Inference::NewStub(server->channel())->Tokenize(&context, req, &resp);
+    });
+  for (auto& t : calls) t.join();
+  int refused = 0;
+  for (const grpc::Status& st : status) {
+    if (st.ok()) continue;
+    ++refused;
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_NE(st.error_message().find("32 calls already wait for one of the 1 texts tokenized at "
+                                      "once (32 a --threads thread); retry later"),
+              std::string::npos)
+        << st.error_message();
+  }
+  EXPECT_GE(refused, 1);
+  EXPECT_LE(refused, kCalls - 33);
+  const auto m = parse_metrics(server->metrics_text());
+  EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"RESOURCE_EXHAUSTED\",method=\"Tokenize\""),
+            refused);
+  v1::TokenizeRequest req;
+  req.set_text("room again");
+  v1::TokenizeResponse resp;
+  grpc::ClientContext context;
+  EXPECT_TRUE(v1::Inference::NewStub(server->channel())->Tokenize(&context, req, &resp).ok());
+}
+
 // SentencePiece's load runs a model's self-test samples and logs those that fail, raw: a file's
 // terminal escapes and line ends reached the terminal of `cemlm generate` and the log of `cemlm
 // serve` (a CR LF there starts a forged line). The error says the self-test failed; nothing of

@@ -189,6 +189,18 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
                "written by `cemlm tokenizer train` or spm_train";
       return nullptr;
     }
+  // The unknown id decodes to trainer_spec.unk_surface (" ⁇ " by default), not to its piece,
+  // and so do ids past the pieces: the same holds for it.
+  const int unk = tokenizer->unk_id();
+  if (const std::string surface = tokenizer->decode(std::span<const int>(&unk, 1));
+      !is_valid_utf8(surface)) {
+    *error = "tokenizer '" + path + "': its unknown id decodes to text that is not valid UTF-8 " +
+             "(trainer_spec.unk_surface, bad byte at offset " +
+             std::to_string(utf8_valid_prefix(surface)) +
+             "); the model file is damaged or was converted wrongly: pass a .model file " +
+             "written by `cemlm tokenizer train` or spm_train";
+    return nullptr;
+  }
   return tokenizer;
 }
 

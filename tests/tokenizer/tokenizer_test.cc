@@ -522,6 +522,33 @@ TEST_F(TokenizerTest, LoadRefusesAPieceThatIsNotUtf8) {
   EXPECT_NE(Tokenizer::load(path, &error), nullptr) << error;
 }
 
+// The unknown id (and every id past the pieces) decodes to trainer_spec.unk_surface, which
+// SentencePiece loads whatever its bytes: one that is not UTF-8 went out in Detokenize's and
+// Generate's string fields as a bad piece did, and a client reading the stream hung.
+TEST_F(TokenizerTest, LoadRefusesAnUnknownSurfaceThatIsNotUtf8) {
+  std::string model, error;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &model, &error)) << error;
+  const std::string path = *dir_ + "/bad_unk_surface.model";
+  // trainer_spec (ModelProto field 2) with unk_surface (field 44: tag 0xE2 0x02), merged into
+  // the model's own.
+  const auto with_surface = [&](const std::string& surface) {
+    return model + proto_bytes(2, "\xE2\x02" + std::string(1, char(surface.size())) + surface);
+  };
+  write_file(path, with_surface("\xff\xfe"));
+  error = load_error(path);
+  EXPECT_NE(error.find(path), std::string::npos) << error;
+  EXPECT_NE(error.find("its unknown id decodes to text that is not valid UTF-8 "
+                       "(trainer_spec.unk_surface, bad byte at offset 0)"),
+            std::string::npos)
+      << error;
+  // A UTF-8 one loads, and the unknown id and ids past the pieces decode to it.
+  write_file(path, with_surface("<?>"));
+  const auto tok = Tokenizer::load(path, &error);
+  ASSERT_NE(tok, nullptr) << error;
+  const int ids[] = {tok->unk_id(), tok->vocab_size() + 5};
+  EXPECT_EQ(tok->decode(ids), "<?><?>");
+}
+
 // A model whose trainer_spec.unk_piece names a piece that is not of type UNKNOWN has no unknown
 // id (SentencePiece gives -1): decode() stands it in for ids past the pieces, and SentencePiece
 // refused that, which aborted the process at the first such id (a Detokenize call could send one).

@@ -112,8 +112,12 @@ const SpmApi& loaded_spm() {
 Tokenizer::Tokenizer(void* sp) : sp_(sp) {
   int spaced = -1;  // a piece that starts with "▁"
   byte_values_.assign(size_t(vocab_size()), -1);
+  piece_bytes_.assign(size_t(vocab_size()), 0);
   for (int id = 0; id < vocab_size(); ++id) {
     const std::string piece = id_to_piece(id);
+    // Alone too: an unused or control piece may decode to other text than its own.
+    piece_bytes_[size_t(id)] =
+        int32_t(std::max(piece.size(), decode(std::span<const int>(&id, 1)).size()));
     max_piece_bytes_ = std::max(max_piece_bytes_, int(piece.size()));
     if (spaced < 0 && piece.starts_with(kSpaceSymbol)) spaced = id;
     // A byte-fallback piece is "<0xHH>" and does not decode to its own name.
@@ -202,6 +206,13 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
     return nullptr;
   }
   return tokenizer;
+}
+
+int64_t Tokenizer::decoded_bytes_bound(std::span<const int> ids) const {
+  const int32_t unknown = piece_bytes_[size_t(unk_id())];
+  int64_t bytes = 0;
+  for (int id : ids) bytes += id >= 0 && id < vocab_size() ? piece_bytes_[size_t(id)] : unknown;
+  return bytes;
 }
 
 std::optional<std::vector<int>> Tokenizer::encode(std::string_view text, std::string* error) const {

@@ -287,6 +287,40 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
     EXPECT_NE(st.error_message().find("ids has 300000 ids; at most"), std::string::npos)
         << st.error_message();
   }
+  {
+    // Ids of the longest piece: their text is bounded as texts are (4 × max_seq_len × the
+    // longest piece), before it is made; as many as fit are decoded, one more is refused.
+    std::string error;
+    const auto tok = Tokenizer::load(*model_ + "/tokenizer.model", &error);
+    ASSERT_NE(tok, nullptr) << error;
+    int longest = -1;
+    for (int id = 0; id < tok->vocab_size() && longest < 0; ++id)
+      if (int(tok->id_to_piece(id).size()) == tok->max_piece_bytes() &&
+          tok->decoded_bytes_bound(std::vector<int>{id}) == tok->max_piece_bytes())
+        longest = id;
+    ASSERT_GE(longest, 0);
+    const int max_seq_len = TinyModelOptions{}.max_seq_len;  // the fixture's model
+    const int64_t most = int64_t(4) * max_seq_len * tok->max_piece_bytes();
+    for (int extra : {0, 1}) {
+      grpc::ClientContext context;
+      v1::DetokenizeRequest req;
+      for (int i = 0; i < 4 * max_seq_len + extra; ++i) req.add_ids(longest);
+      v1::DetokenizeResponse resp;
+      const grpc::Status st = stub->Detokenize(&context, req, &resp);
+      if (extra == 0) {
+        ASSERT_TRUE(st.ok()) << st.error_message();
+        EXPECT_GT(resp.text().size(), 0u);
+        EXPECT_LE(int64_t(resp.text().size()), most);
+        continue;
+      }
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_NE(st.error_message().find(absl::StrCat(
+                    "ids: their pieces hold ", most + tok->max_piece_bytes(),
+                    " bytes of text, more than the ", most, " a Detokenize may return")),
+                std::string::npos)
+          << st.error_message();
+    }
+  }
 }
 
 // Training encodes every document as `BOS ids EOS`, so text inputs start with the same BOS unless

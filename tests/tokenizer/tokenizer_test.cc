@@ -113,6 +113,27 @@ std::string stream(const Tokenizer& tok, const std::vector<int>& ids, int* empty
   return out + rest;
 }
 
+// decoded_bytes_bound (what Detokenize checks before it decodes) is never below the decoded
+// text, on random ids of every kind (bytes that form characters or not, control and unknown ids,
+// ids past the pieces), and it is the text's exact size for ids whose pieces decode as written.
+TEST_F(TokenizerTest, DecodedBytesBoundHoldsTheDecodedText) {
+  std::mt19937 gen(3);
+  std::uniform_int_distribution<int> any(-2, tok_->vocab_size() + 50), len(0, 40);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<int> ids(size_t(len(gen)));
+    for (int& id : ids) id = any(gen);
+    for (int& id : ids) id = id < 0 ? tok_->vocab_size() + 7 : id;  // past the pieces too
+    EXPECT_GE(tok_->decoded_bytes_bound(ids), int64_t(tok_->decode(ids).size()))
+        << ::testing::PrintToString(ids);
+  }
+  const std::vector<int> unknown = {tok_->unk_id(), tok_->vocab_size() + 3};
+  EXPECT_EQ(tok_->decoded_bytes_bound(unknown), int64_t(tok_->decode(unknown).size()));
+  const std::string text = "plain words and more words";
+  const std::vector<int> words = encode_ok(*tok_, text);
+  EXPECT_EQ(tok_->decoded_bytes_bound(words), int64_t(text.size()) + 4 * 2)
+      << "the pieces hold each of the 4 spaces as the 3-byte U+2581";
+}
+
 TEST_F(TokenizerTest, IncrementalDetokenizerMatchesDecodeAndHoldsPartialCharacters) {
   for (const auto& text : kTexts) {
     int held = 0;

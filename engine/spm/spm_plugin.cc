@@ -223,6 +223,24 @@ std::string check_model(std::string_view model) {
 }  // namespace charsmap
 
 void* load(const std::string& serialized, std::string* error) {
+  // Its load encodes the model's self_test_data samples (ModelProto field 4) with ~250 bytes of
+  // memory a byte of them: a file near the size bound asked for 64 GB before its error. The
+  // samples spm_train writes are a few short sentences.
+  constexpr size_t kMaxSelfTestBytes = 256 << 10;
+  std::vector<std::string_view> self_tests;
+  if (!charsmap::fields(serialized, 4, &self_tests)) {
+    *error = "its protobuf encoding is broken or holds groups (no SentencePiece model has)";
+    return nullptr;
+  }
+  size_t self_test_bytes = 0;
+  for (std::string_view t : self_tests) self_test_bytes += t.size();
+  if (self_test_bytes > kMaxSelfTestBytes) {
+    *error = "its self_test_data holds " + std::to_string(self_test_bytes) + " bytes, more than " +
+             std::to_string(kMaxSelfTestBytes) +
+             " (spm_train writes a few short sentences): the file is damaged, or was written by "
+             "another tool";
+    return nullptr;
+  }
   // Checked before SentencePiece loads it: its load encodes the model's self_test_data samples,
   // so a damaged charsmap was already walked by then. Every charsmap given is checked (a field
   // given twice is merged, the last bytes winning), so the one SentencePiece keeps is too.

@@ -379,6 +379,31 @@ std::string proto_bytes(int field, const std::string& bytes) {
   return out + bytes;
 }
 
+// SentencePiece's load encodes a model's self_test_data samples, at ~250 bytes of memory a byte
+// of them: 4 MB of samples took 1 GB and 6 s before the load failed, so a file near the 256 MB
+// bound would have taken 64 GB. Samples past 256 KiB are refused before SentencePiece sees them.
+TEST_F(TokenizerTest, LoadRefusesHugeSelfTestSamples) {
+  std::string model, error;
+  ASSERT_TRUE(read_file(*dir_ + "/tok.model", &model, &error)) << error;
+  const std::string path = *dir_ + "/huge_self_test.model";
+  // self_test_data (4) holding one sample (1): input (1), expected (2).
+  const auto with_sample = [&](size_t bytes) {
+    return model + proto_bytes(4, proto_bytes(1, proto_bytes(1, std::string(bytes, 'a')) +
+                                                     proto_bytes(2, "x")));
+  };
+  write_file(path, with_sample(300 << 10));
+  error = load_error(path);
+  EXPECT_NE(error.find(path), std::string::npos) << error;
+  EXPECT_NE(error.find("its self_test_data holds 30"), std::string::npos) << error;
+  EXPECT_NE(error.find("bytes, more than 262144 (spm_train writes a few short sentences)"),
+            std::string::npos)
+      << error;
+  // A small sample is left to SentencePiece's self-test (which this one fails).
+  write_file(path, with_sample(10));
+  error = load_error(path);
+  EXPECT_NE(error.find("its self_test_data samples do not encode"), std::string::npos) << error;
+}
+
 // A SentencePiece precompiled_charsmap (normalization rules: a u32 trie size, a darts-clone
 // double-array trie, the NUL-terminated replacements) whose rules map "A", "AA", ... (`rules` of
 // them) to "a". Block b + 1 (256 units) holds the node after b "A"s: its unit at "A" steps to the

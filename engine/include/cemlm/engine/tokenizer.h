@@ -148,10 +148,10 @@ struct TokenizerTrainStats {
 
 // Trains a byte-fallback BPE SentencePiece model (unk 0, bos 1, eos 2, pad 3; identity
 // normalization, so decode(encode(text)) == text for any UTF-8 text) on the text files of
-// `opts.inputs`, one sentence per line (a line longer than 64 KiB as several, cut before a space),
-// and writes it to opts.out_path. Deterministic for the same inputs. False with *error (naming
-// the option or path) on failure. Not reentrant: the SentencePiece trainer keeps global state
-// (log level, random seed).
+// `opts.inputs`, one sentence per line (a line longer than 32,767 bytes as several, cut before a
+// space), and writes it to opts.out_path. Deterministic for the same inputs. False with *error
+// (naming the option or path) on failure. Not reentrant: the SentencePiece trainer keeps global
+// state (log level, random seed).
 bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
                      TokenizerTrainStats* stats = nullptr);
 

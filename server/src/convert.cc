@@ -254,6 +254,39 @@ v1::ModelInfo model_info(const Engine& engine, const std::string& model_name) {
   return out;
 }
 
+namespace {
+
+// The bytes of unknown fields in `m` and the messages it holds (maps aside: their entries keep
+// none, and reflection over a map copies it).
+int64_t unknown_field_bytes(const google::protobuf::Message& m) {
+  const google::protobuf::Reflection* r = m.GetReflection();
+  int64_t bytes = int64_t(r->GetUnknownFields(m).SpaceUsedExcludingSelfLong());
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  r->ListFields(m, &fields);
+  for (const google::protobuf::FieldDescriptor* f : fields) {
+    if (f->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE || f->is_map())
+      continue;
+    if (!f->is_repeated()) {
+      bytes += unknown_field_bytes(r->GetMessage(m, f));
+      continue;
+    }
+    for (int i = 0; i < r->FieldSize(m, f); ++i)
+      bytes += unknown_field_bytes(r->GetRepeatedMessage(m, f, i));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+absl::Status check_unknown_fields(const google::protobuf::Message& request) {
+  if (const int64_t bytes = unknown_field_bytes(request); bytes > kMaxUnknownFieldBytes)
+    return invalid(absl::StrCat(
+        "the request holds ", bytes, " bytes of fields that this server's ",
+        request.GetDescriptor()->full_name(), " does not have (at most ", kMaxUnknownFieldBytes,
+        "): send only the fields of this server's cemlm/v1/inference.proto"));
+  return absl::OkStatus();
+}
+
 absl::Status check_ids(const google::protobuf::RepeatedField<int32_t>& ids, int vocab_size,
                        absl::string_view field) {
   for (int i = 0; i < ids.size(); ++i)

@@ -380,6 +380,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     admitted_ = admitted.ok();
     if (!admitted_) {
       finish_early(admitted);
+    } else if (absl::Status st = check_unknown_fields(request); !st.ok()) {
+      finish_early(to_grpc_status(st));
     } else if (!tokenizes(state_->engine(), request.prompt_text(), request) ||
                !state_->check_priority(*context, request.priority()).ok()) {
       start(request);  // no tokenizing: ids, or a text refused at once
@@ -760,11 +762,13 @@ grpc::ServerWriteReactor<Response>* InferenceService::Generate(grpc::CallbackSer
 // a full cache), at debug for the cheap lookups that succeeded.
 template <typename Body>
 grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* method,
-                                     Body body) {
+                                     const google::protobuf::Message& request, Body body) {
   const Clock::time_point start = Clock::now();
   grpc::Status status = state_->admit(*context);
   if (status.ok()) {
-    grpc::Status answer = to_grpc_status(body(state_->engine()));  // before stopping() is read
+    absl::Status checked = check_unknown_fields(request);
+    grpc::Status answer =  // before stopping() is read
+        to_grpc_status(checked.ok() ? body(state_->engine()) : std::move(checked));
     status = as_client_saw(*context, start, state_->stopping(), std::move(answer));
     state_->release();
   }
@@ -788,7 +792,7 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
 grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::ScoreRequest* request,
                                      v1::ScoreResponse* response) {
   const Clock::time_point arrival = Clock::now();
-  grpc::Status status = unary(context, "Score", [&](Engine& engine) -> absl::Status {
+  grpc::Status status = unary(context, "Score", *request, [&](Engine& engine) -> absl::Status {
     if (grpc::Status st = state_->check_priority(*context, request->priority()); !st.ok())
       return absl::PermissionDeniedError(st.error_message());
     absl::StatusOr<ScoreRequest> converted;
@@ -818,7 +822,7 @@ grpc::Status InferenceService::Score(grpc::ServerContext* context, const v1::Sco
 grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,
                                         const v1::TokenizeRequest* request,
                                         v1::TokenizeResponse* response) {
-  return unary(context, "Tokenize", [&](Engine& engine) -> absl::Status {
+  return unary(context, "Tokenize", *request, [&](Engine& engine) -> absl::Status {
     TextSlot slot(state_);
     if (tokenizes(engine, request->text())) CEMLM_RETURN_IF_ERROR(slot.take(*context));
     CEMLM_ASSIGN_OR_RETURN(std::vector<int> ids,
@@ -834,7 +838,7 @@ grpc::Status InferenceService::Tokenize(grpc::ServerContext* context,
 grpc::Status InferenceService::Detokenize(grpc::ServerContext* context,
                                           const v1::DetokenizeRequest* request,
                                           v1::DetokenizeResponse* response) {
-  return unary(context, "Detokenize", [&](Engine& engine) -> absl::Status {
+  return unary(context, "Detokenize", *request, [&](Engine& engine) -> absl::Status {
     if (!engine.tokenizer())
       return absl::InvalidArgumentError("ids: this model has no tokenizer to decode them with");
     // Bounded as texts are: any text the server takes has at most this many ids.
@@ -862,9 +866,9 @@ grpc::Status InferenceService::Detokenize(grpc::ServerContext* context,
 }
 
 grpc::Status InferenceService::GetModelInfo(grpc::ServerContext* context,
-                                            const v1::GetModelInfoRequest*,
+                                            const v1::GetModelInfoRequest* request,
                                             v1::ModelInfo* response) {
-  return unary(context, "GetModelInfo", [&](Engine& engine) -> absl::Status {
+  return unary(context, "GetModelInfo", *request, [&](Engine& engine) -> absl::Status {
     *response = model_info(engine, state_->model_name());
     return absl::OkStatus();
   });

@@ -254,7 +254,8 @@ class InferenceService final
  private:
   // Admission, the handler body, counting (by method and code) and release around every unary RPC.
   template <typename Body>
-  grpc::Status unary(grpc::ServerContext* context, const char* method, Body body);
+  grpc::Status unary(grpc::ServerContext* context, const char* method,
+                     const google::protobuf::Message& request, Body body);
 
   ServerState* state_;
   WriterThread writer_;

@@ -323,6 +323,62 @@ TEST_F(ServerValidation, BadScoreTokenizeDetokenizeInputsNameTheirField) {
   }
 }
 
+// Fields the server's proto lacks are kept by protobuf and held for the whole call: at most 64 KiB
+// of them pass (a newer client's new fields), in the request or a message inside it; more are
+// refused at once, naming the message, for every method.
+TEST_F(ServerValidation, RequestsPaddedWithUnknownFieldsAreRefused) {
+  auto stub = v1::Inference::NewStub(server_->channel());
+  auto pad = [](google::protobuf::Message* m, size_t bytes) {
+    m->GetReflection()->MutableUnknownFields(m)->AddLengthDelimited(1000, std::string(bytes, 'p'));
+  };
+  auto expect_refused = [](const grpc::Status& st, const std::string& message) {
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+    EXPECT_NE(st.error_message().find("bytes of fields that this server's " + message +
+                                      " does not have (at most 65536)"),
+              std::string::npos)
+        << st.error_message();
+  };
+  for (size_t bytes : {size_t(100), size_t(100) << 10}) {
+    const bool refused = bytes > 65536;
+    v1::GenerateRequest top = valid_request(), nested = valid_request();
+    pad(&top, bytes);
+    pad(nested.mutable_sampling(), bytes);
+    for (const v1::GenerateRequest& req : {top, nested}) {
+      const grpc::Status st = generate(server_->channel(), req).status;
+      if (refused)
+        expect_refused(st, "cemlm.v1.GenerateRequest");
+      else
+        EXPECT_TRUE(st.ok()) << st.error_message();
+    }
+    grpc::ClientContext tc, dc, ic, sc;
+    v1::TokenizeRequest treq;
+    treq.set_text("Hello");
+    pad(&treq, bytes);
+    v1::TokenizeResponse tresp;
+    v1::DetokenizeRequest dreq;
+    dreq.add_ids(5);
+    pad(&dreq, bytes);
+    v1::DetokenizeResponse dresp;
+    v1::GetModelInfoRequest ireq;
+    pad(&ireq, bytes);
+    v1::ModelInfo iresp;
+    v1::ScoreRequest sreq;
+    sreq.set_text("Hello there");
+    pad(&sreq, bytes);
+    v1::ScoreResponse sresp;
+    const std::pair<grpc::Status, std::string> unary[] = {
+        {stub->Tokenize(&tc, treq, &tresp), "cemlm.v1.TokenizeRequest"},
+        {stub->Detokenize(&dc, dreq, &dresp), "cemlm.v1.DetokenizeRequest"},
+        {stub->GetModelInfo(&ic, ireq, &iresp), "cemlm.v1.GetModelInfoRequest"},
+        {stub->Score(&sc, sreq, &sresp), "cemlm.v1.ScoreRequest"}};
+    for (const auto& [st, message] : unary)
+      if (refused)
+        expect_refused(st, message);
+      else
+        EXPECT_TRUE(st.ok()) << message << ": " << st.error_message();
+  }
+}
+
 // Training encodes every document as `BOS ids EOS`, so text inputs start with the same BOS unless
 // the request sets add_bos = false; ids are used as given.
 TEST_F(ServerValidation, TextInputsStartWithTheBosOfTrainingDocuments) {

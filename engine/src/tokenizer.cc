@@ -115,20 +115,22 @@ Tokenizer::Tokenizer(void* sp) : sp_(sp) {
   piece_bytes_.assign(size_t(vocab_size()), 0);
   for (int id = 0; id < vocab_size(); ++id) {
     const std::string piece = id_to_piece(id);
-    // Alone too: an unused or control piece may decode to other text than its own.
-    piece_bytes_[size_t(id)] =
-        int32_t(std::max(piece.size(), decode(std::span<const int>(&id, 1)).size()));
+    const std::string text = decode(std::span<const int>(&id, 1));
+    piece_bytes_[size_t(id)] = int32_t(text.size());
     max_piece_bytes_ = std::max(max_piece_bytes_, int(piece.size()));
     if (spaced < 0 && piece.starts_with(kSpaceSymbol)) spaced = id;
     // A byte-fallback piece is "<0xHH>" and does not decode to its own name.
     unsigned value = 0;
     if (piece.size() == 6 && piece.starts_with("<0x") && piece.ends_with('>') &&
         std::from_chars(piece.data() + 3, piece.data() + 5, value, 16).ptr == piece.data() + 5 &&
-        decode(std::span<const int>(&id, 1)) != piece)
+        text != piece)
       byte_values_[size_t(id)] = int16_t(value);
   }
   if (spaced >= 0) drops_leading_space_ = !decode(std::span<const int>(&spaced, 1)).starts_with(' ');
   if (!drops_leading_space_) return;
+  // Such a piece keeps its space after other text: one byte more than alone.
+  for (int id = 0; id < vocab_size(); ++id)
+    if (id_to_piece(id).starts_with(kSpaceSymbol)) ++piece_bytes_[size_t(id)];
   // An id after which a "▁" piece keeps its space: one with text of its own that is no byte.
   const std::string alone = decode(std::span<const int>(&spaced, 1));
   for (int id = 0; id < vocab_size() && anchor_id_ < 0; ++id) {
@@ -211,7 +213,26 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path, std::string*
 int64_t Tokenizer::decoded_bytes_bound(std::span<const int> ids) const {
   const int32_t unknown = piece_bytes_[size_t(unk_id())];
   int64_t bytes = 0;
-  for (int id : ids) bytes += id >= 0 && id < vocab_size() ? piece_bytes_[size_t(id)] : unknown;
+  // A run of byte pieces decodes to its bytes, each that forms no character as U+FFFD.
+  std::string run;
+  auto end_run = [&] {
+    for (std::string_view rest = run; !rest.empty();) {
+      const size_t valid = utf8_valid_prefix(rest);
+      bytes += int64_t(valid);
+      rest.remove_prefix(valid);
+      if (!rest.empty()) bytes += 3, rest.remove_prefix(1);
+    }
+    run.clear();
+  };
+  for (int id : ids) {
+    if (const int b = byte_value(id); b >= 0) {
+      run += char(b);
+      continue;
+    }
+    end_run();
+    bytes += id >= 0 && id < vocab_size() ? piece_bytes_[size_t(id)] : unknown;
+  }
+  end_run();
   return bytes;
 }
 

@@ -281,8 +281,9 @@ int64_t unknown_field_bytes(const google::protobuf::Message& m) {
 absl::Status check_unknown_fields(const google::protobuf::Message& request) {
   if (const int64_t bytes = unknown_field_bytes(request); bytes > kMaxUnknownFieldBytes)
     return invalid(absl::StrCat(
-        "the request holds ", bytes, " bytes of fields that this server's ",
-        request.GetDescriptor()->full_name(), " does not have (at most ", kMaxUnknownFieldBytes,
+        "the request holds fields that this server's ", request.GetDescriptor()->full_name(),
+        " does not have (in it or the messages in it), taking ", bytes,
+        " bytes of memory (at most ", kMaxUnknownFieldBytes,
         "): send only the fields of this server's cemlm/v1/inference.proto"));
   return absl::OkStatus();
 }

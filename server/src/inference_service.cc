@@ -855,7 +855,7 @@ grpc::Status InferenceService::Detokenize(grpc::ServerContext* context,
         most = std::min(max_text_bytes(engine), kMaxResponseText);
         bytes > most)
       return absl::InvalidArgumentError(absl::StrCat(
-          "ids: their pieces hold ", bytes, " bytes of text, more than the ", most,
+          "ids: their text would have ", bytes, " bytes, more than the ", most,
           " a Detokenize may return (the longest text the server takes, at most 4 MiB); send "
           "them in parts"));
     TextSlot slot(state_);

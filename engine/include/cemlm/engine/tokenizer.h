@@ -51,10 +51,11 @@ class Tokenizer {
   // The longest piece in bytes: no token stands for more of a text than that (normalisation
   // aside), so a text of n bytes encodes to at least about n / max_piece_bytes() tokens.
   int max_piece_bytes() const { return max_piece_bytes_; }
-  // At least the bytes decode(ids) gives, from a table of each id's piece and text alone (ids
-  // past the pieces: the unknown id's), without decoding: bytes decode together into no more
-  // than alone (a model's denormalization rules aside, which no tokenizer `cemlm tokenizer
-  // train` or spm_train writes has).
+  // At least the bytes decode(ids) gives, without decoding: each id's text alone (from a table;
+  // ids past the pieces: the unknown id's), a byte more for a "▁" piece whose space decode drops
+  // when it comes first, and runs of byte pieces as their bytes with U+FFFD for each that forms
+  // no character. Exact for texts that encode without a dropped space (a model's denormalization
+  // rules aside, which no tokenizer `cemlm tokenizer train` or spm_train writes has).
   int64_t decoded_bytes_bound(std::span<const int> ids) const;
 
   int vocab_size() const;
@@ -70,7 +71,7 @@ class Tokenizer {
   bool drops_leading_space_ = false;
   int anchor_id_ = -1;
   std::vector<int16_t> byte_values_;  // per id: byte_value()
-  std::vector<int32_t> piece_bytes_;  // per id: the larger of its piece's bytes and its text's
+  std::vector<int32_t> piece_bytes_;  // per id: decoded_bytes_bound of it alone
 };
 
 // Whether a tokenizer can serve a model of `vocab_size` token ids: false (with the reason, to

@@ -50,10 +50,10 @@ void set_final(const StreamEvent& event, const std::string& request_id, v1::Gene
 v1::ScoreResponse to_proto(const ScoreResult& r);
 v1::ModelInfo model_info(const Engine& engine, const std::string& model_name);
 
-// A request holds at most kMaxUnknownFieldBytes of fields this server does not know, in it and
-// its messages: protobuf keeps them, and every call held them to its end (a 4 MB field on a
-// three-token prompt, 200 calls: 533 MB, outside --grpc-memory). A newer client's few new fields
-// pass; INVALID_ARGUMENT otherwise.
+// A request's fields that this server does not know, in it and its messages, take at most
+// kMaxUnknownFieldBytes of memory (unpacked varints take 16 bytes each): protobuf keeps them, and
+// every call held them to its end (a 4 MB field on a three-token prompt, 200 calls: 533 MB, outside
+// --grpc-memory). A newer client's few new fields pass; INVALID_ARGUMENT otherwise.
 inline constexpr int64_t kMaxUnknownFieldBytes = 64 << 10;
 absl::Status check_unknown_fields(const google::protobuf::Message& request);
 

@@ -62,14 +62,15 @@ size_t select_mass(std::vector<std::pair<float, int>>& cand, size_t n,
   return std::max<size_t>(hi, 1);
 }
 
-// The candidates of a top-p nucleus over all of a row (no top-k before it), as (scaled logit,
-// id) in cand: the ids within 8 of the best scaled logit (a probability above 3.4e-4 of the
-// best's) when their mass reaches `target`, else all. Such a set is a best-first prefix, so the
-// nucleus lies inside it, and select_mass runs on it alone: over all V ids its quickselect cost
-// 3-4x a plain draw where the model is sure of a few tokens. The mass must pass the target by a
-// margin, so that sums taken in another order cannot fall short of it inside the set.
-void nucleus_candidates(const std::vector<float>& work, const std::vector<float>& prob,
-                        double target, std::vector<std::pair<float, int>>& cand) {
+// The candidates of top-k and of a top-p nucleus, as (scaled logit, id) in cand: the ids within 8
+// of the best scaled logit (a probability above 3.4e-4 of the best's) when they are at least
+// `count` and their mass reaches `target`, else all. Such a set is a best-first prefix, so the
+// top k, and the nucleus of the row (top_p without top_k: the nucleus of top_k's lies in the
+// top k), lie inside it, and the selections run on it alone: over all V ids they cost 3-4x a
+// plain draw where the model is sure of a few tokens. The mass must pass the target by a margin,
+// so that sums taken in another order cannot fall short of it inside the set.
+void band_candidates(const std::vector<float>& work, const std::vector<float>& prob, size_t count,
+                     double target, std::vector<std::pair<float, int>>& cand) {
   constexpr float kBand = -8.0f;
   const size_t V = work.size();
   cand.clear();
@@ -79,7 +80,7 @@ void nucleus_candidates(const std::vector<float>& work, const std::vector<float>
       mass += prob[i];
       cand.push_back({work[i], int(i)});
     }
-  if (mass >= target * (1 + 1e-6)) return;
+  if (cand.size() >= count && mass >= target * (1 + 1e-6)) return;
   cand.resize(V);
   for (size_t i = 0; i < V; ++i) cand[i] = {work[i], int(i)};
 }
@@ -215,8 +216,9 @@ int Sampler::draw(Scratch& s) {
     // whose mass reaches top_p, then those with p ≥ min_p · p_max.
     std::vector<std::pair<float, int>>& cand = s.cand;
     size_t n = V;
-    if (!top_k && params_.top_p < 1) {
-      nucleus_candidates(work, prob, double(params_.top_p) * sum, cand);
+    if (top_k || params_.top_p < 1) {
+      band_candidates(work, prob, top_k ? size_t(params_.top_k) : 1,
+                      top_k ? 0.0 : double(params_.top_p) * sum, cand);
       n = cand.size();
     } else {
       cand.resize(V);

@@ -430,6 +430,32 @@ TEST(ServerKeepalive, AClientThatStopsAnsweringPingsIsCutOffAndItsCallCancelled)
   })) << server->metrics_text();
 }
 
+// A server with one running slot, taken by a request (its first token read) that runs until
+// end() cancels it: a request sent meanwhile waits in the queue.
+struct OneSlotTaken {
+  OneSlotTaken()
+      : server(ServerProcess::start(
+            make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen, .tokenizer = false}),
+            {"--max-running", "1"})) {
+    if (!server) return;
+    call = v1::Inference::NewStub(server->channel())
+               ->Generate(&context, ids_request(some_ids(12), kLongRequest, 8));
+    v1::GenerateResponse first;
+    running = call->Read(&first);
+  }
+  // Cancels the long request; its status (CANCELLED unless it ended by itself).
+  grpc::StatusCode end() {
+    context.TryCancel();
+    for (v1::GenerateResponse m; call->Read(&m);) {
+    }
+    return call->Finish().error_code();
+  }
+  std::unique_ptr<ServerProcess> server;
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> call;
+  bool running = false;
+};
+
 // A client that pings its connection while its call waits with nothing to receive (here a
 // request queued behind a long one; a Score waiting for cache room, or a long prefill, alike):
 // gRPC's default allowed a ping every 5 minutes without data, so the fourth ping closed the
@@ -439,17 +465,11 @@ TEST(ServerKeepalive, AClientThatStopsAnsweringPingsIsCutOffAndItsCallCancelled)
 // gave no such bound, and a 12 s wait for its pings), and the old policy's strikes come for
 // certain: there the fifth ping (one after the call began may pass free) closed the connection.
 TEST(ServerKeepalive, AClientsOwnPingsWhileItsCallWaitsAreNoAbuse) {
-  auto server = ServerProcess::start(
-      make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen, .tokenizer = false}),
-      {"--max-running", "1"});
-  ASSERT_TRUE(server);
-  grpc::ClientContext long_context;
-  auto long_call = v1::Inference::NewStub(server->channel())
-                       ->Generate(&long_context, ids_request(some_ids(12), kLongRequest, 8));
-  v1::GenerateResponse first;
-  ASSERT_TRUE(long_call->Read(&first));  // running: the next request waits in the queue
+  OneSlotTaken slot;
+  ASSERT_TRUE(slot.server);
+  ASSERT_TRUE(slot.running);  // the next request waits in the queue
 
-  RawCall waiting(server->port(), "/cemlm.v1.Inference/Generate",
+  RawCall waiting(slot.server->port(), "/cemlm.v1.Inference/Generate",
                   ids_request(some_ids(4), 2).SerializeAsString());
   int data_frames = 0, status = -1;
   bool goaway = false;
@@ -478,11 +498,8 @@ TEST(ServerKeepalive, AClientsOwnPingsWhileItsCallWaitsAreNoAbuse) {
                                            : ": the server closed the connection (too_many_pings)");
   }
   EXPECT_EQ(data_frames, 0) << "the call did not wait: the pings were not all without data";
-  long_context.TryCancel();
-  for (v1::GenerateResponse m; long_call->Read(&m);) {
-  }
   // Still running when cancelled, so the other call waited through all the pings.
-  EXPECT_EQ(long_call->Finish().error_code(), grpc::StatusCode::CANCELLED)
+  EXPECT_EQ(slot.end(), grpc::StatusCode::CANCELLED)
       << "the long request ended by itself: lengthen it";
   const RawCall::End end =
       waiting.read_frames(30s, true, [&](uint8_t type, uint8_t, const std::string& p) {
@@ -557,15 +574,10 @@ TEST_F(ServerGenerate, TokenCountersMoveWhileStreaming) {
 // alert on queue times lagged the queue by whole generations); one that never started, at its
 // end.
 TEST(ServerQueue, QueueTimeIsObservedAtTheFirstTokenOrAtTheEnd) {
-  auto server = ServerProcess::start(
-      make_tiny_model(fresh_temp_dir(), {.max_seq_len = kLongSeqLen, .tokenizer = false}),
-      {"--max-running", "1"});
-  ASSERT_TRUE(server);
-  grpc::ClientContext long_context;
-  auto long_call = v1::Inference::NewStub(server->channel())
-                       ->Generate(&long_context, ids_request(some_ids(12), kLongRequest, 8));
-  v1::GenerateResponse first;
-  ASSERT_TRUE(long_call->Read(&first));
+  OneSlotTaken slot;
+  ASSERT_TRUE(slot.server);
+  ASSERT_TRUE(slot.running);
+  ServerProcess* server = slot.server.get();
   auto m = parse_metrics(server->metrics_text());
   EXPECT_EQ(metric(m, "cemlm:request_queue_time_seconds_count"), 1);
   EXPECT_EQ(metric(m, "cemlm:e2e_request_latency_seconds_count"), 0);  // still running
@@ -585,10 +597,7 @@ TEST(ServerQueue, QueueTimeIsObservedAtTheFirstTokenOrAtTheEnd) {
   EXPECT_EQ(metric(m, "cemlm:request_queue_time_seconds_count"), 2);
   EXPECT_EQ(metric(m, "cemlm:time_to_first_token_seconds_count"), 1);
 
-  long_context.TryCancel();
-  for (v1::GenerateResponse r; long_call->Read(&r);) {
-  }
-  EXPECT_EQ(long_call->Finish().error_code(), grpc::StatusCode::CANCELLED)
+  EXPECT_EQ(slot.end(), grpc::StatusCode::CANCELLED)
       << "the long request ended by itself: lengthen it";
   EXPECT_TRUE(wait_for_metrics(*server, [](const auto& now) {
     return metric(now, "cemlm:e2e_request_latency_seconds_count") == 2;

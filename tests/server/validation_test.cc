@@ -665,6 +665,18 @@ TEST(ServerTextSlots, ATextRefusedForWhatItIsWaitsForNoSlot) {
   EXPECT_EQ(line_ok.load(), kLine);
 }
 
+// The calls refused for a full line: each one not OK is RESOURCE_EXHAUSTED saying `message`.
+int count_refused(const std::vector<grpc::Status>& status, const std::string& message) {
+  int refused = 0;
+  for (const grpc::Status& st : status) {
+    if (st.ok()) continue;
+    ++refused;
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_NE(st.error_message().find(message), std::string::npos) << st.error_message();
+  }
+  return refused;
+}
+
 // Generate calls whose text waits for its turn to be tokenized each hold their request, and only
 // gRPC's streams per connection bounded them: at most --max-waiting wait; more are refused,
 // naming the bound, and the rest are served.
@@ -692,16 +704,9 @@ TEST(ServerTextSlots, GenerateCallsWaitingForTheirTextAreBounded) {
                               .status;
     });
   for (auto& t : calls) t.join();
-  int refused = 0;
-  for (const grpc::Status& st : status) {
-    if (st.ok()) continue;
-    ++refused;
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
-    EXPECT_NE(st.error_message().find("1 Generate calls already wait for their prompt_text to be "
-                                      "tokenized (--max-waiting)"),
-              std::string::npos)
-        << st.error_message();
-  }
+  const int refused = count_refused(
+      status,
+      "1 Generate calls already wait for their prompt_text to be tokenized (--max-waiting)");
   EXPECT_GE(refused, 2);
   EXPECT_LE(refused, kCalls - 1);
   for (auto& t : line) t.join();
@@ -731,16 +736,9 @@ TEST(ServerTextSlots, UnaryCallsWaitingForTheirTextAreBounded) {
       status[size_t(i)] = v1::Inference::NewStub(server->channel())->Tokenize(&context, req, &resp);
     });
   for (auto& t : calls) t.join();
-  int refused = 0;
-  for (const grpc::Status& st : status) {
-    if (st.ok()) continue;
-    ++refused;
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
-    EXPECT_NE(st.error_message().find("32 calls already wait for one of the 1 texts tokenized at "
-                                      "once (32 a --threads thread); retry later"),
-              std::string::npos)
-        << st.error_message();
-  }
+  const int refused = count_refused(status,
+                                    "32 calls already wait for one of the 1 texts tokenized at "
+                                    "once (32 a --threads thread); retry later");
   EXPECT_GE(refused, 1);
   EXPECT_LE(refused, kCalls - 33);
   const auto m = parse_metrics(server->metrics_text());

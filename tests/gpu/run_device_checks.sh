@@ -2,9 +2,10 @@
 # The one device-machine call for the CUDA backend: get the GPU programs (unpack the carried
 # build-cuda/gpu_bundle.tgz from make_device_bundle.sh, or else configure and build here), run
 # the `gpu` tests (a missing device fails them: CEMLM_REQUIRE_GPU, and the first program that sees
-# none stops the run), then bench/engine_gpu's table, then, with the time left, a memcheck pass over
-# the op tests where compute-sanitizer works. Every phase runs under `timeout` inside one
-# 8-minute budget; logs go to $OUT (or ./device_out) as they are written, at most 7 files.
+# none stops the run), then bench/engine_gpu's table, then, with the time left, compute-sanitizer
+# (memcheck over the op and sampling tests and one runner decode, racecheck and synccheck over
+# the attention and sampling kernels) where it works. Every phase runs under `timeout` inside one
+# 8-minute budget; logs go to $OUT (or ./device_out) as they are written, at most 6 files.
 # Device call: run(command="bash tests/gpu/run_device_checks.sh", carry=["build-cuda/gpu_bundle.tgz"],
 # timeout_s=540), from the checkout the session started in (the tool sends that one), with the
 # bundle built there. The image has CUDA but not our Debian dependencies (abseil, OpenBLAS,
@@ -100,27 +101,47 @@ say "bench/engine_gpu"
 run_for "$(phase_s 200 5)" "$bin/engine_gpu" 2>&1 | tee "$out/bench.txt" || status=1
 
 # compute-sanitizer refuses the device on some runtimes (gVisor: "Device not supported"): one
-# short probe decides whether the memcheck phase is worth its time.
+# short probe decides whether the sanitizer phases are worth their time. All of them write to one
+# log, sanitizers.log ($OUT brings back at most 8 files).
+san=$out/sanitizers.log
+# sanitize TOOL CAP PROGRAM FILTER: one compute-sanitizer run, its summary shown, an error found
+# failing the run.
+sanitize() {
+  local tool=$1 cap=$2 prog=$3 filter=$4 rc
+  if [ "$(left)" -lt 30 ]; then
+    say "$(left)s left: $tool $prog skipped"
+    return
+  fi
+  echo "=== $tool $prog $filter" >>"$san"
+  run_for "$(phase_s "$cap" 5)" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/$prog" \
+    --gtest_color=no --gtest_filter="$filter" >>"$san" 2>&1
+  rc=$?
+  echo "$tool $prog: exit $rc"
+  tail -n 200 "$san" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|out of bounds|hazard|Barrier" | tail -3
+  [ "$rc" -eq 9 ] && status=1
+}
 if ! command -v compute-sanitizer >/dev/null; then
-  say "no compute-sanitizer: memcheck skipped"
+  say "no compute-sanitizer: sanitizers skipped"
 elif [ "$(left)" -lt 90 ]; then
-  say "$(left)s left: memcheck skipped"
+  say "$(left)s left: sanitizers skipped"
 elif ! run_for 30 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/gpu_sampling_test" \
-    --gtest_color=no --gtest_filter='SamplingTest.NonFiniteRowGivesNoToken' \
-    >"$out/memcheck_probe.log" 2>&1; then
-  say "memcheck probe failed (a refused device, or an error it found): memcheck skipped"
-  tail -8 "$out/memcheck_probe.log"
-  grep -q "ERROR SUMMARY: [1-9]" "$out/memcheck_probe.log" && status=1
+    --gtest_color=no --gtest_filter='SamplingTest.NonFiniteRowGivesNoToken' >"$san" 2>&1; then
+  say "sanitizer probe failed (a refused device, or an error it found): sanitizers skipped"
+  tail -8 "$san"
+  grep -q "ERROR SUMMARY: [1-9]" "$san" && status=1
 else
-  say "compute-sanitizer memcheck over the op and sampling tests"
-  for t in gpu_ops_test gpu_sampling_test; do
-    # LEV at the config limits is ~250M instrumented loads: its whole cap for one test.
-    run_for "$(phase_s 60 5)" compute-sanitizer --tool memcheck --error-exitcode 9 \
-      "$bin/$t" --gtest_color=no --gtest_filter='-*ConfigLimits*' >"$out/memcheck_$t.log" 2>&1
-    rc=$?
-    echo "memcheck $t: exit $rc"; grep -E "ERROR SUMMARY|Invalid|out of bounds" "$out/memcheck_$t.log" | head -5
-    [ "$rc" -eq 9 ] && status=1
-  done
+  say "compute-sanitizer: memcheck over the op and sampling tests, one runner decode; racecheck and synccheck over the kernels with shared memory and barriers"
+  # LEV at the config limits is ~250M instrumented loads: its whole cap for one test.
+  sanitize memcheck 60 gpu_ops_test '-*ConfigLimits*'
+  sanitize memcheck 60 gpu_sampling_test '*'
+  # The runner's workspace, strides and graphs: a mixed-depth decode of two variants.
+  sanitize memcheck 60 gpu_runner_test '*MixedDepth*/full_cem_lev:*MixedDepth*/cem_perhead'
+  # memcheck sees no shared-memory race or misplaced barrier: the attention tiles and the
+  # sampler's block scans are what racecheck and synccheck are for.
+  sanitize racecheck 60 gpu_ops_test '*AttentionTest*'
+  sanitize racecheck 40 gpu_sampling_test '*'
+  sanitize synccheck 40 gpu_ops_test '*AttentionTest*'
+  sanitize synccheck 30 gpu_sampling_test '*'
 fi
 say "done, status $status (logs in $out)"
 exit $status

@@ -95,9 +95,11 @@ TEST_P(RunnerTest, Bf16StaysCloseToCpu) { chunked_matches_cpu(CudaPrecision::kBf
 // (with graphs: run, capture, then three replays), feeding the CPU's greedy tokens to both.
 TEST_P(RunnerTest, MixedDepthBatchDecodesLikeCpu) {
   const int V = cfg_.vocab_size, bs = 4, n_blocks = 32;
-  const std::vector<int> Ts = {4, 2, 1}, lens = {9, 5, 13};
+  // The deepest row's context passes the attention kernel's 32-token tile (its running max and
+  // sum are rescaled across tiles while shallower rows have stopped).
+  const std::vector<int> Ts = {4, 2, 1}, lens = {41, 5, 13};
   const std::vector<std::vector<int32_t>> tables = {
-      {0, 5, 9, 12, 15, 18}, {2, 11, 13, 16, 19, 21}, {1, 3, 4, 6, 7, 8}};
+      {0, 5, 9, 12, 15, 18, 22, 24, 26, 28, 30, 31}, {2, 11, 13, 16, 19, 21}, {1, 3, 4, 6, 7, 8}};
   for (bool graphs : {false, true}) {
     auto gpu = runner(CudaPrecision::kFp32, graphs, bs, n_blocks);
     ASSERT_NE(gpu, nullptr);

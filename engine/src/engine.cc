@@ -889,7 +889,7 @@ void EngineImpl::hold_for_first_score() {
   const SeqId first = first_score_wait();
   if (first == 0) return sched_.hold_for_scoring(0, 0);
   const ScoreWait& w = score_waits_.at(first);
-  sched_.hold_for_scoring(w.need, w.priority);
+  sched_.hold_for_scoring(w.need, w.priority, w.arrival);
 }
 
 absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req, ScoreResult* out,

@@ -246,9 +246,9 @@ void Scheduler::preempt(Sequence* s, StepPlan* plan) {
 int Scheduler::make_way_for_priority(int* budget, std::set<SeqId>* scheduled, StepPlan* plan) {
   if (waiting_.empty() || (running_.empty() && scoring_.empty())) return 0;
   const Sequence* w = *waiting_.begin();
-  // Blocks held for a scoring call of its priority or higher are not its to take: preempting
-  // for an admission the hold refuses would throw work away for nothing.
-  if (held_for_scoring_ > 0 && w->priority <= held_priority_) return 0;
+  // Blocks held for a scoring call ranked before it are not its to take: preempting for an
+  // admission the hold refuses would throw work away for nothing.
+  if (held_from(w)) return 0;
   // running_ is in rank order, so the sequences of lower priority are its tail.
   std::vector<SeqId> lower;
   int lower_rows = 0;  // budget their rows in this step hold
@@ -314,7 +314,7 @@ void Scheduler::admit_waiting(int* budget, StepPlan* plan, int only_first) {
     const int cached = int(match.blocks.size()) * bs;
     int n = std::min(int(s->tokens.size()) - cached, *budget);
     if (only_first > 0) n = std::min(n, only_first);
-    if ((held_for_scoring_ > 0 && s->priority <= held_priority_ &&
+    if ((held_from(s) &&
          blocks_->num_available() - blocks_->start_cost(match, cached + n) < held_for_scoring_) ||
         !blocks_->start(s->id, match, s->recursion, cached + n, s->cache_salt)) {
       blocked_on_cache_ = true;
@@ -386,14 +386,16 @@ bool Scheduler::remove(SeqId id) {
   return true;
 }
 
-bool Scheduler::make_room(int64_t n_blocks, int priority) {
-  // Waiting sequences of higher priority keep the blocks they need to start (freed or
-  // preempted), as they would before a generation request of this priority: a Score took those
-  // of a finished request while higher-priority ones waited for them. (Only those blocks: one
-  // waiting for a --max-running slot held off Scores on an empty cache.)
+bool Scheduler::make_room(int64_t n_blocks, int priority, uint64_t arrival) {
+  // Waiting sequences ranked before the call keep the blocks they need to start (freed or
+  // preempted), as they would before a generation request ranked where it is: a Score took those
+  // of a finished request while higher-priority ones waited for them, and a later Score of a
+  // priority those of an earlier request of it. (Only those blocks: one waiting for a
+  // --max-running slot held off Scores on an empty cache.)
   int64_t wanted = 0;
   for (const Sequence* s : waiting_)
-    if (s->priority > priority) wanted += blocks_->blocks_for(int64_t(s->tokens.size()));
+    if (s->priority > priority || (s->priority == priority && s->arrival < arrival))
+      wanted += blocks_->blocks_for(int64_t(s->tokens.size()));
   if (wanted > 0 && blocks_->num_available() - n_blocks < wanted) return false;
   // running_ is in rank order, so the sequences of lower priority are its tail. Preempt only when
   // preempting all of them and the scoring calls of lower priority would make the room: otherwise
@@ -424,7 +426,7 @@ uint64_t Scheduler::take_arrival() {
 
 bool Scheduler::start_scoring(SeqId id, int n_tokens, int T, int priority, uint64_t arrival) {
   CEMLM_CHECK(!scoring(id));
-  if (!make_room(blocks_->blocks_for(n_tokens), priority)) return false;
+  if (!make_room(blocks_->blocks_for(n_tokens), priority, arrival)) return false;
   CEMLM_CHECK(blocks_->start(id, {}, T, n_tokens));
   auto s = std::make_unique<Sequence>();
   s->id = id;

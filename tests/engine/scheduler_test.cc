@@ -730,6 +730,33 @@ TEST(Scheduler, BlocksHeldForScoringAreNotGivenToAdmissionsOfItsPriority) {
   EXPECT_TRUE(h.sched.find(2)->running);
 }
 
+// A scoring call is ranked among the waiting sequences by its priority, then its arrival: its
+// hold keeps blocks from those of its priority that came after it, not from one that came before
+// (a later Score took the blocks an earlier request of its priority waited for), and its room
+// leaves that one's blocks.
+TEST(Scheduler, AScoringCallWaitsBehindEarlierRequestsOfItsPriority) {
+  Harness h({.max_batch_tokens = 100}, 8, 2);
+  h.add(1, 14);  // runs, 7 of the 8 blocks
+  h.step();
+  h.add(2, 8);  // waits for 4 blocks
+  const uint64_t score_arrival = h.sched.take_arrival();
+  h.add(3, 8);  // after the call
+  h.sched.hold_for_scoring(6, 0, score_arrival);
+  h.step();  // both wait: 1 block free
+  EXPECT_FALSE(h.sched.find(2)->running);
+  EXPECT_FALSE(h.sched.make_room(6, 0, score_arrival));
+  h.sched.remove(1);  // 8 free
+  // The call's room would leave fewer than the earlier request needs: it waits.
+  EXPECT_FALSE(h.sched.make_room(6, 0, score_arrival));
+  h.step();
+  EXPECT_TRUE(h.sched.find(2)->running);   // the earlier one is admitted
+  EXPECT_FALSE(h.sched.find(3)->running);  // the later one is held for the call
+  EXPECT_EQ(h.bm.num_available(), 4);
+  EXPECT_FALSE(h.sched.make_room(6, 0, score_arrival));
+  h.sched.remove(2);
+  EXPECT_TRUE(h.sched.make_room(6, 0, score_arrival));  // 8 free: the call's 6, the later one waits
+}
+
 // A waiting sequence that the hold would not admit does not make lower priorities make way for
 // it either: their work would be thrown away for nothing.
 TEST(Scheduler, NoPreemptionForAnAdmissionTheScoringHoldRefuses) {
@@ -1091,7 +1118,7 @@ SimOutcome simulate(const SimConfig& cfg, const std::vector<SimRequest>& reqs) {
       sched.hold_for_scoring(0, 0);
     } else {
       const SimConfig::Score& sc = cfg.scores[score_waits.front()];
-      sched.hold_for_scoring(bm.blocks_for(sc.n), sc.priority);
+      sched.hold_for_scoring(bm.blocks_for(sc.n), sc.priority, score_arrival[score_waits.front()]);
     }
     check_pool();
     if (live.empty() && score_release.empty() && score_waits.empty() && step > last_event) break;

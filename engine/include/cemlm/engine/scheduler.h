@@ -138,17 +138,20 @@ class Scheduler {
     uint64_t arrival;
   };
   std::vector<ScoringClaim> take_preempted_scoring() { return std::move(preempted_scoring_); }
-  // Room for a scoring call of `priority`: preempts running sequences and scoring calls of lower
-  // priority, lowest rank first, until `n_blocks` are available; false, with none preempted, when
-  // even all of them would not free enough (equal and higher priorities are never preempted: the
-  // call waits), or when it would leave fewer than the waiting sequences of higher priority need
-  // to start.
-  bool make_room(int64_t n_blocks, int priority);
-  // Blocks that admitting waiting sequences of at most `priority` must leave available (0: none),
-  // held for a scoring call waiting for room, so that a stream of admissions cannot starve it.
-  void hold_for_scoring(int64_t n_blocks, int priority) {
+  // Room for a scoring call of `priority` and `arrival`: preempts running sequences and scoring
+  // calls of lower priority, lowest rank first, until `n_blocks` are available; false, with none
+  // preempted, when even all of them would not free enough (equal and higher priorities are
+  // never preempted: the call waits), or when it would leave fewer than the waiting sequences
+  // ranked before it (higher priority, or its own and arrived earlier) need to start.
+  bool make_room(int64_t n_blocks, int priority, uint64_t arrival = 0);
+  // Blocks that admitting the waiting sequences ranked after a scoring call of `priority` and
+  // `arrival` (lower priority, or its own and arrived later) must leave available (0: none), held
+  // for the call while it waits for room, so that a stream of admissions cannot starve it.
+  // (arrival 0: every waiting sequence of its priority.)
+  void hold_for_scoring(int64_t n_blocks, int priority, uint64_t arrival = 0) {
     held_for_scoring_ = n_blocks;
     held_priority_ = priority;
+    held_arrival_ = arrival;
   }
 
   const Sequence* find(SeqId id) const;
@@ -201,6 +204,13 @@ class Scheduler {
   bool blocked_on_cache_ = false;
   int64_t held_for_scoring_ = 0;
   int held_priority_ = 0;
+  uint64_t held_arrival_ = 0;
+  // Whether the hold above keeps blocks from waiting sequence `s`.
+  bool held_from(const Sequence* s) const {
+    return held_for_scoring_ > 0 &&
+           (s->priority < held_priority_ ||
+            (s->priority == held_priority_ && s->arrival >= held_arrival_));
+  }
 
   mutable std::mutex intake_mu_;
   std::vector<std::unique_ptr<Sequence>> intake_;

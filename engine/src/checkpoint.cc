@@ -195,6 +195,11 @@ absl::StatusOr<ModelConfig> load_checkpoint_config(const std::string& dir) {
   if (dir.empty())
     return absl::InvalidArgumentError(
         "the checkpoint directory is empty: name one (with config.json and model.safetensors)");
+  if (struct stat sb{}; ::stat(dir.c_str(), &sb) == 0 && !S_ISDIR(sb.st_mode))
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", dir,
+                     "' is a file, not a checkpoint directory: name the directory that holds "
+                     "config.json and model.safetensors"));
   const fs::path path = fs::path(dir) / kConfigFile;
   // As for the weights: a FIFO as config.json would make the load wait forever for a writer.
   // (load_config itself does not refuse one: a --config given to init or train may be a pipe.)
@@ -210,8 +215,19 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   Checkpoint ck;
   CEMLM_ASSIGN_OR_RETURN(ck.config, load_checkpoint_config(dir));
   const auto layout = param_layout(ck.config);
-  CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file,
-                         SafetensorsFile::open((root / kWeightsFile).string(), layout.size()));
+  const std::string weights = (root / kWeightsFile).string();
+  // Said as a checkpoint's file: the reader's own words point at a .safetensors path.
+  struct stat sb {};
+  const bool found = ::stat(weights.c_str(), &sb) == 0;
+  if (!found && errno == ENOENT)
+    return absl::NotFoundError(absl::StrCat("'", dir, "' has config.json but no ", kWeightsFile,
+                                            ": a checkpoint holds both (cemlm init and cemlm "
+                                            "train write them); copy its weights there"));
+  if (found && !S_ISREG(sb.st_mode))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", weights, "' is ", S_ISDIR(sb.st_mode) ? "a directory" : "not a regular file",
+        ": a checkpoint's ", kWeightsFile, " must be its weights file"));
+  CEMLM_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::open(weights, layout.size()));
   CEMLM_RETURN_IF_ERROR(check_tensors(file, layout));
   CEMLM_RETURN_IF_ERROR(check_heads(file, ck.config));
   ck.params = ParamStore(ck.config);

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <set>
@@ -34,6 +35,11 @@ class Reader {
     seen_.insert(key);
     if (!obj_.contains(key)) return missing(key, required);
     const json& v = obj_[key];
+    // An integer past 64 bits is parsed as a float: it is out of range, not "not an integer".
+    if (v.is_number_float() && std::abs(v.get<double>()) >= 0x1p63)
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path(key),
+                                                     "' = ", v.get<double>(), " is out of range [",
+                                                     lo, ", ", hi, "]"));
     if (!v.is_number_integer())
       return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be an integer"));
     // An unsigned value beyond int64 (2^64 - 1) would read as a negative one: say it as given.

@@ -276,6 +276,12 @@ const float* CpuModel::embedding(int token) const {
   return base + int64_t(token) * cfg_.d_model;
 }
 
+int64_t CpuModel::first_nonfinite_embedding() const {
+  const auto bad =
+      std::find_if(lev_table_.begin(), lev_table_.end(), [](float x) { return !std::isfinite(x); });
+  return bad == lev_table_.end() ? -1 : (bad - lev_table_.begin()) / cfg_.d_model;
+}
+
 int64_t CpuModel::qd_width() const {
   switch (diag_kind(cfg_)) {
     case DiagKind::kPerHead:

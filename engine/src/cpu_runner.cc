@@ -36,6 +36,7 @@ class CpuRunner final : public ModelRunner {
   }
   void copy_block(int32_t src, int32_t dst) override { kv_.copy_block(src, dst); }
   int64_t kv_bytes_per_token() const override { return kv_.bytes_per_token(); }
+  const CpuModel& model() const { return model_; }
 
  private:
   int threads_;
@@ -137,8 +138,16 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
                      " bytes); raise --kv-cache-memory"));
   CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
   const int threads = use_cpu_threads(opts.threads).threads;
-  return std::unique_ptr<ModelRunner>(new CpuRunner(std::move(ck), opts.block_size, blocks, threads,
-                                                    kv_dtype, *cpu_weight_dtype(opts.device)));
+  auto runner = std::make_unique<CpuRunner>(std::move(ck), opts.block_size, blocks, threads,
+                                            kv_dtype, *cpu_weight_dtype(opts.device));
+  // Else every request would fail on non-finite logits, with no word of the cause at start-up.
+  if (const int64_t token = runner->model().first_nonfinite_embedding(); token >= 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", model_dir, "': the LEV embedding of token ", token,
+        " is not finite, though every weight is: the product of its seed_dim spline factors "
+        "overflows a float (lev.spline, lev.out_proj too large for embedding.lev.seed_dim); the "
+        "checkpoint cannot serve: use another, or retrain it"));
+  return std::unique_ptr<ModelRunner>(std::move(runner));
 }
 
 }  // namespace cemlm

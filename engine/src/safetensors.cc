@@ -148,6 +148,10 @@ absl::Status read_at(int fd, const std::string& path, uint64_t offset, void* out
   return absl::OkStatus();
 }
 
+int64_t nanoseconds(const struct timespec& t) {
+  return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
+
 }  // namespace
 
 const char* dtype_name(DType d) {
@@ -258,6 +262,8 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
     tensors_ = std::move(o.tensors_);
     index_ = std::move(o.index_);
     metadata_ = std::move(o.metadata_);
+    size_ = o.size_;
+    mtime_ns_ = o.mtime_ns_;
   }
   return *this;
 }
@@ -300,6 +306,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::open(const std::string& path,
   SafetensorsFile f;
   f.path_ = path;
   f.fd_ = fd;  // closed with f
+  f.size_ = int64_t(size);
+  f.mtime_ns_ = nanoseconds(sb.st_mtim);
   uint64_t n = 0;
   CEMLM_RETURN_IF_ERROR(read_at(fd, path, 0, &n, 8));
   if (n > kMaxHeaderBytes && n <= size - 8)
@@ -406,6 +414,16 @@ absl::Status SafetensorsFile::check_body() const {
   return absl::OkStatus();
 }
 
+absl::Status SafetensorsFile::check_unchanged() const {
+  struct stat sb {};
+  if (::fstat(fd_, &sb) != 0) return errno_error("stat", path_);
+  if (int64_t(sb.st_size) == size_ && nanoseconds(sb.st_mtim) == mtime_ns_) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      "'", path_,
+      "' was written to while it was read: it changed since it was opened (a copy over it?), so "
+      "its tensors may mix old and new bytes; load it again once it is written whole"));
+}
+
 const TensorInfo* SafetensorsFile::find(const std::string& name) const {
   auto it = index_.find(name);
   return it == index_.end() ? nullptr : &tensors_[it->second];
@@ -431,6 +449,7 @@ absl::Status SafetensorsFile::read_f32(const TensorInfo& t, std::span<float> out
         out[i + j] = t.dtype == DType::kBF16 ? bf16_to_f32(half[j]) : f16_to_f32(half[j]);
     }
   }
+  CEMLM_RETURN_IF_ERROR(check_unchanged());
   for (size_t i = 0; i < out.size(); ++i)
     if (!std::isfinite(out[i]))
       return tensor_error(

@@ -218,6 +218,15 @@ TEST(Config, ValuesBeyondTheTypesAreRefusedAsGiven) {
   EXPECT_NE(error_of(j).find("'vocab_size' = 18446744073709551615 is out of range"),
             std::string::npos)
       << error_of(j);
+  // Past 64 bits JSON's integers parse as floats: out of range too, not "must be an integer".
+  for (double big : {1e23, -1e23}) {
+    j["vocab_size"] = big;
+    EXPECT_NE(error_of(j).find(absl::StrCat("'vocab_size' = ", big, " is out of range [")),
+              std::string::npos)
+        << error_of(j);
+  }
+  j["vocab_size"] = 4096.5;
+  EXPECT_NE(error_of(j).find("'vocab_size' must be an integer"), std::string::npos) << error_of(j);
 }
 
 // A refused value is quoted as it reads back: with 6 digits, 1.0000001 read "= 1 is out of range

@@ -734,6 +734,33 @@ TEST_P(EngineRealTest, UnknownKvCacheDtypeOrDeviceIsRefused) {
   }
 }
 
+// Finite LEV weights whose product over seed_dim overflows give a non-finite embedding: the engine
+// refuses the checkpoint at start-up, naming the token and the tensors, where it served and failed
+// every request on "non-finite logits".
+TEST(EngineRealLoad, AnEmbeddingTableThatOverflowsIsRefusedAtStart) {
+  const std::vector<Variant> variants = testing_models::all_variants();
+  const Variant lev = *std::find_if(variants.begin(), variants.end(),
+                                    [](const Variant& v) { return v.name == "full_cem_lev"; });
+  ModelConfig cfg = testing_models::make_config(lev);
+  cfg.lev.seed_dim = 160;  // 2^160 is past the float range
+  ParamStore store(cfg);
+  testing_models::randomize(store, 3);
+  const ParamSpec* spline = store.find("lev.spline");
+  std::fill_n(store.flat().data() + spline->offset, spline->numel(), 2.0f);
+  const std::string dir = testing_temp::fresh_dir("engine_real") + "/overflow";
+  ASSERT_TRUE(save_checkpoint(dir, cfg, store).ok());
+  EngineOptions o;
+  o.model_dir = dir;
+  o.threads = 1;
+  auto e = Engine::create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+  EXPECT_NE(e.status().message().find("the LEV embedding of token 0 is not finite"),
+            std::string::npos)
+      << e.status();
+  EXPECT_NE(e.status().message().find("lev.spline"), std::string::npos) << e.status();
+}
+
 INSTANTIATE_TEST_SUITE_P(Variants, EngineRealTest, ::testing::ValuesIn(engine_variants()),
                          [](const auto& info) { return info.param.name; });
 

@@ -273,9 +273,6 @@ TEST(Checkpoint, ConfigSplittingTheWeightsIntoOtherHeadsIsRefused) {
   EXPECT_TRUE(load_checkpoint(ck).ok());
 }
 
-// A config.json far larger than its weights (here ~100 GB of parameters beside a few KB) is
-// refused naming the tensor whose shape differs, before the parameters are allocated: it once
-// allocated them first and died of out-of-memory.
 // A FIFO as config.json (as for model.safetensors): refused by name at once; opening it would
 // wait for a writer forever.
 TEST(Checkpoint, FifoConfigIsRefusedWithoutWaiting) {
@@ -295,6 +292,43 @@ TEST(Checkpoint, FifoConfigIsRefusedWithoutWaiting) {
   ASSERT_FALSE(loaded.ok());
   EXPECT_TRUE(absl::IsInvalidArgument(loaded.status())) << loaded.status();
   EXPECT_NE(loaded.status().message().find("config.json' is not a regular file"), std::string::npos)
+      << loaded.status();
+}
+
+// A checkpoint without its weights file, or with something else under its name, is said as such
+// (the reader's own words told a user who named the directory to name a .safetensors file); a
+// path to the checkpoint's config.json, not its directory, says to name the directory.
+TEST(Checkpoint, MissingOrMisplacedPartsAreSaidAsACheckpoints) {
+  const std::string ck = fresh_dir() + "/ck";
+  const ModelConfig c = config_of(small_config());
+  ASSERT_TRUE(save_checkpoint(ck, c, random_params(c, 5)).ok());
+  const std::string weights = ck + "/model.safetensors";
+  ASSERT_TRUE(std::filesystem::remove(weights));
+  auto loaded = load_checkpoint(ck);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_TRUE(absl::IsNotFound(loaded.status())) << loaded.status();
+  EXPECT_NE(loaded.status().message().find("'" + ck + "' has config.json but no model.safetensors"),
+            std::string::npos)
+      << loaded.status();
+  const std::pair<std::function<void()>, std::string> kinds[] = {
+      {[&] { std::filesystem::create_directory(weights); }, "' is a directory"},
+      {[&] { ASSERT_EQ(::mkfifo(weights.c_str(), 0600), 0); }, "' is not a regular file"}};
+  for (const auto& [make, what] : kinds) {
+    std::filesystem::remove(weights);
+    make();
+    loaded = load_checkpoint(ck);
+    ASSERT_FALSE(loaded.ok()) << what;
+    EXPECT_TRUE(absl::IsInvalidArgument(loaded.status())) << loaded.status();
+    EXPECT_NE(loaded.status().message().find("'" + weights + what +
+                                             ": a checkpoint's model.safetensors must be"),
+              std::string::npos)
+        << loaded.status();
+  }
+  loaded = load_checkpoint(ck + "/config.json");
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(loaded.status())) << loaded.status();
+  EXPECT_NE(loaded.status().message().find("config.json' is a file, not a checkpoint directory"),
+            std::string::npos)
       << loaded.status();
 }
 
@@ -330,6 +364,9 @@ TEST(Checkpoint, ATokenizerEntryThatIsNoFileIsRefused) {
   }
 }
 
+// A config.json far larger than its weights (here ~100 GB of parameters beside a few KB) is
+// refused naming the tensor whose shape differs, before the parameters are allocated: it once
+// allocated them first and died of out-of-memory.
 TEST(Checkpoint, ConfigFarLargerThanTheWeightsIsRefusedBeforeAllocating) {
   const std::string ck = fresh_dir() + "/ck";
   const ModelConfig c = config_of(small_config());

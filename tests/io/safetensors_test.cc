@@ -2,6 +2,7 @@
 // malformed file refused with a message naming the tensor (or "header").
 #include "cemlm/engine/safetensors.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -214,6 +215,40 @@ TEST(Safetensors, AFileCutShortWhileOpenIsAnError) {
     EXPECT_NE(v.status().message().find("changed while it was read"), std::string::npos)
         << v.status();
   }
+}
+
+// Bytes written over the file in place after open checked its CRC (a copy over a checkpoint while
+// a server loads it, at the same size) are an error, not weights that mix two files unchecked; the
+// file only unlinked (a save replacing the checkpoint it was in) still reads.
+TEST(Safetensors, AFileWrittenToWhileOpenIsAnError) {
+  const std::string dir = fresh_dir(), path = dir + "/t.safetensors";
+  const std::vector<float> a(1000, 0.5f), b(10, 2.0f);
+  ASSERT_TRUE(write_safetensors(path, {{"a", {1000}, a}, {"b", {10}, b}}).ok());
+  // Written long ago, as a served checkpoint is: the write below cannot share its time.
+  const struct timespec old[2] = {{1'000'000'000, 0}, {1'000'000'000, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), old, 0), 0);
+  auto f = SafetensorsFile::open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_TRUE(f->read_f32("a").ok());
+  const int fd = ::open(path.c_str(), O_WRONLY);
+  ASSERT_GE(fd, 0);
+  const float x = 123.0f;
+  ASSERT_EQ(::pwrite(fd, &x, 4, off_t(std::filesystem::file_size(path) - 4)), 4);  // b's last
+  ::close(fd);
+  for (const char* name : {"a", "b"}) {
+    auto v = f->read_f32(name);
+    ASSERT_FALSE(v.ok()) << name << " read " << (*v)[0];
+    EXPECT_EQ(v.status().code(), absl::StatusCode::kDataLoss) << v.status();
+    EXPECT_NE(v.status().message().find(path), std::string::npos) << v.status();
+    EXPECT_NE(v.status().message().find("written to while it was read"), std::string::npos)
+        << v.status();
+  }
+  ASSERT_TRUE(write_safetensors(path, {{"a", {1000}, a}, {"b", {10}, b}}).ok());
+  auto g = SafetensorsFile::open(path);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  EXPECT_EQ(*g->read_f32("a"), a);
+  EXPECT_EQ(*g->read_f32("b"), b);
 }
 
 TEST(Safetensors, F16ConvertsExactly) {

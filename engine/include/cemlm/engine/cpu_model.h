@@ -78,6 +78,10 @@ class CpuModel {
   void forward(const Batch& batch, KvPool& kv, int64_t rows_per_call, const LogitsSink& sink);
   // Embedding rows for ids (the precomputed table, or the table weight).
   const float* embedding(int token) const;
+  // The first token whose precomputed LEV embedding holds a non-finite value, or -1 (always -1
+  // for a table embedding, whose weights were checked finite at load): finite LEV weights can
+  // still overflow the product over seed_dim.
+  int64_t first_nonfinite_embedding() const;
   // The weights of `w` this model never reads after construction: those it applies only through
   // packed copies (all product weights on AVX-512 builds), except one that aliases a weight it
   // does read (a tied head is the embedding table).

@@ -1,7 +1,7 @@
-// safetensors files: a memory-mapped reader (F32, BF16, F16 in the file; F32 out) and an F32
-// writer that replaces its target atomically. Format: 8-byte little-endian header length, a JSON
-// header {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}, the body.
-// Every malformed input is refused with a message naming the tensor (or "header").
+// safetensors files: a reader (F32, BF16, F16 in the file; F32 out; read with pread, not mapped)
+// and an F32 writer that replaces its target atomically. Format: 8-byte little-endian header
+// length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str:
+// str}}, the body. Every malformed input is refused with a message naming the tensor (or "header").
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -78,7 +78,8 @@ class SafetensorsFile {
   const TensorInfo* find(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
-  // Converts one tensor to F32 into `out` (exactly numel floats); refuses non-finite values.
+  // Converts one tensor to F32 into `out` (exactly numel floats); refuses non-finite values, and
+  // a file written to since it was opened (what open checked is then not what was read).
   absl::Status read_f32(const TensorInfo& t, std::span<float> out) const;
   absl::StatusOr<std::vector<float>> read_f32(const std::string& name) const;
 
@@ -86,9 +87,17 @@ class SafetensorsFile {
   SafetensorsFile() = default;
   void close();
   absl::Status check_body() const;  // DataLossError when the body's CRC-32C is not the header's
+  // DataLossError when the file is no longer as it was opened (its size, or the modification
+  // time each write sets): bytes written over it in place since would load unchecked by the CRC.
+  // (Not the change time: that moves when the file is only unlinked, as a checkpoint's save
+  // does to the old one, whose bytes stay as they were.)
+  absl::Status check_unchanged() const;
 
   std::string path_;
-  int fd_ = -1;               // open for the reads of read_f32
+  int fd_ = -1;  // open for the reads of read_f32
+  // The file as opened: its size and modification time.
+  int64_t size_ = 0;
+  int64_t mtime_ns_ = 0;
   uint64_t body_offset_ = 0;  // where the tensors' data starts in the file
   std::vector<TensorInfo> tensors_;
   std::map<std::string, size_t> index_;  // name → position in tensors_

@@ -399,7 +399,8 @@ std::string in_flag_terms(std::string msg) {
       {"recursion_depth", "--recursion"},
       {"prompt_text", "--prompt"},
       {"prompt_ids", "--prompt-ids"},
-      {"request_id", "--request-id"}};
+      {"request_id", "--request-id"},
+      {"cache_salt", "--cache-salt"}};
   for (const auto& [field, flag] : kFlags)
     for (size_t at = msg.find(field); at != std::string::npos; at = msg.find(field, at))
       msg.replace(at, field.size(), flag);

@@ -141,6 +141,9 @@ int cmd_generate(int argc, char** argv) {
                        kv_memory + "'");
   // What can be wrong whatever the model is, refused before it loads (exit 2): a typo must not
   // wait for a large model's load, nor exit as a refusal of the model's would.
+  if (size_t valid = utf8_valid_prefix(prompt); valid != prompt.size())
+    return usage_error("--prompt is not valid UTF-8 (bad byte at offset " + std::to_string(valid) +
+                       ")");
   RunnerOptions runner;
   runner.device = device;
   runner.kv_cache_dtype = kv_dtype;
@@ -217,8 +220,9 @@ int cmd_generate(int argc, char** argv) {
                                             : "--prompt (as tokens, BOS included)";
   if (!f.given("prompt-ids")) {
     const Tokenizer* tok = (*engine)->tokenizer();
-    if (!tok) return fail("--prompt: the checkpoint '" + model + "' has no tokenizer.model; use --prompt-ids");
-    if (!is_valid_utf8(prompt)) return fail("--prompt: not valid UTF-8");
+    if (!tok)
+      return fail("--prompt: the checkpoint '" + model +
+                  "' has no tokenizer.model; use --prompt-ids");
     std::string error;
     auto ids = encode_input(*tok, prompt,
                             no_bos ? -1 : resolve_bos_id((*engine)->config().bos_id, tok), &error);

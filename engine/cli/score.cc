@@ -48,6 +48,9 @@ int cmd_score(int argc, char** argv) {
     return usage_error("give exactly one of --text and --ids (see --help)");
   if (no_bos && f.given("ids"))
     return usage_error("--no-bos applies to --text only: --ids are used as given");
+  if (size_t valid = utf8_valid_prefix(text); valid != text.size())  // before the model loads
+    return usage_error("--text is not valid UTF-8 (bad byte at offset " + std::to_string(valid) +
+                       ")");
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
   if (std::string err;
@@ -64,7 +67,6 @@ int cmd_score(int argc, char** argv) {
   } else {
     if (ck->tokenizer_path.empty())
       return fail("--text: the checkpoint '" + model + "' has no tokenizer.model; use --ids");
-    if (!is_valid_utf8(text)) return fail("--text: not valid UTF-8");
     std::string err;
     auto tok = Tokenizer::load(ck->tokenizer_path, &err, c.vocab_size);
     if (!tok) return fail(err);

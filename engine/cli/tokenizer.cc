@@ -99,7 +99,8 @@ int encode(int argc, char** argv) {
   flags.add_bool("pieces", &pieces, "print one 'id<TAB>piece' line per token instead");
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   if (size_t valid = utf8_valid_prefix(text); valid != text.size())
-    return fail("--text is not valid UTF-8 (bad byte at offset " + std::to_string(valid) + ")");
+    return usage_error("--text is not valid UTF-8 (bad byte at offset " + std::to_string(valid) +
+                       ")");
   std::string error;
   auto tokenizer = Tokenizer::load(model, &error);
   if (!tokenizer) return fail(error + " (--model)");

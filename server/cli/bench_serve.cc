@@ -21,6 +21,7 @@
 #include "cemlm/server/status_map.h"
 #include "cemlm/v1/inference.grpc.pb.h"
 #include "channel.h"
+#include "generate_stream.h"
 #include "latency_summary.h"
 
 namespace cemlm::cli {
@@ -100,9 +101,9 @@ v1::GenerateRequest make_request(const BenchFlags& f, int vocab, int index) {
 // client would add a thread wake-up per message to every measured latency.)
 class Driver {
  public:
-  Driver(std::vector<std::unique_ptr<v1::Inference::Stub>>& stubs, const ChannelFlags& c,
+  Driver(const std::vector<std::shared_ptr<grpc::Channel>>& channels, const ChannelFlags& c,
          const BenchFlags& f, int vocab)
-      : stubs_(stubs), c_(c), f_(f), vocab_(vocab) {}
+      : channels_(channels), c_(c), f_(f), vocab_(vocab) {}
 
   Samples run() {
     begun_ = SteadyClock::now();
@@ -129,15 +130,15 @@ class Driver {
   }
 
  private:
-  class Stream final : public grpc::ClientReadReactor<v1::GenerateResponse> {
+  class Stream final : public grpc::ClientReadReactor<grpc::ByteBuffer> {
    public:
     Stream(Driver* d, v1::GenerateRequest req) : d_(d), req_(std::move(req)) {
       prepare_context(d_->c_, &context_);
     }
-    void start(v1::Inference::Stub& stub) {
+    void start(grpc::Channel& channel) {
       start_ = SteadyClock::now();
-      stub.async()->Generate(&context_, &req_, this);
-      StartRead(&msg_);
+      generate_raw(channel, &context_, &req_, this);
+      StartRead(&raw_);
       StartCall();
     }
     // Before start() too: the call is then cancelled as it starts.
@@ -149,6 +150,11 @@ class Driver {
     void OnReadDone(bool ok) override {
       if (!ok) return;  // OnDone follows with the status
       d_->heard_ms_ = ms_since(d_->begun_);
+      if (!parse_response(raw_, &msg_)) {  // OnDone follows, once the call is cancelled
+        unparsed_ = true;
+        context_.TryCancel();
+        return;
+      }
       if (msg_.token_ids_size() > 0) {
         const double now = ms_since(start_);
         const int n = msg_.token_ids_size();
@@ -166,9 +172,10 @@ class Driver {
         mine_.prompt_tokens = msg_.usage().prompt_tokens();
         mine_.cached_prompt_tokens = msg_.usage().cached_prompt_tokens();
       }
-      StartRead(&msg_);
+      StartRead(&raw_);
     }
-    void OnDone(const grpc::Status& status) override {
+    void OnDone(const grpc::Status& done) override {
+      const grpc::Status status = unparsed_ ? unparsed_status() : done;
       if (status.ok()) {
         mine_.e2e.add(e2e_);
         mine_.engine_e2e.add(engine_e2e_);
@@ -202,7 +209,9 @@ class Driver {
     Driver* const d_;
     const v1::GenerateRequest req_;
     grpc::ClientContext context_;
+    grpc::ByteBuffer raw_;
     v1::GenerateResponse msg_;
+    bool unparsed_ = false;  // a message did not parse: the call was cancelled
     SteadyClock::time_point start_;
     std::atomic<bool> stalled_{false};  // cancelled by the watchdog (it ends the run)
     double last_ = -1, e2e_ = 0, engine_e2e_ = 0, engine_ttft_ = 0;
@@ -224,7 +233,7 @@ class Driver {
       ++active_;
       streams_.insert(s);  // run() may cancel it from here on
     }
-    s->start(*stubs_[size_t(i) % stubs_.size()]);  // its reactions take mu_
+    s->start(*channels_[size_t(i) % channels_.size()]);  // its reactions take mu_
     return true;
   }
 
@@ -240,7 +249,7 @@ class Driver {
     if (--active_ == 0) idle_.notify_all();
   }
 
-  std::vector<std::unique_ptr<v1::Inference::Stub>>& stubs_;  // requests round-robin
+  const std::vector<std::shared_ptr<grpc::Channel>>& channels_;  // requests round-robin
   const ChannelFlags& c_;
   const BenchFlags& f_;
   const int vocab_;
@@ -379,17 +388,17 @@ int cmd_bench_serve(int argc, char** argv) {
                                                    kStreamsPerConnection));
   if (!flags.given("seed")) f.seed = std::random_device{}();
   const int n_conn = f.connections;
-  std::vector<std::unique_ptr<v1::Inference::Stub>> stubs;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < n_conn; ++i) {
-    auto channel = make_channel(c, /*own_connection=*/true);
-    if (!channel) return 2;
-    stubs.push_back(v1::Inference::NewStub(channel));
+    channels.push_back(make_channel(c, /*own_connection=*/true));
+    if (!channels.back()) return 2;
   }
   v1::ModelInfo info;
-  for (auto& stub : stubs) {  // also opens every connection before the clock starts
+  for (auto& channel : channels) {  // also opens every connection before the clock starts
     grpc::ClientContext context;
     prepare_context(c, &context);
-    if (auto st = stub->GetModelInfo(&context, {}, &info); !st.ok()) return report_error(st);
+    if (auto st = v1::Inference::NewStub(channel)->GetModelInfo(&context, {}, &info); !st.ok())
+      return report_error(st);
   }
   // Every request would be refused, each an error in the report rather than a measurement.
   if (int64_t(f.prompt_len) + f.max_new_tokens > info.max_context()) {
@@ -410,7 +419,7 @@ int cmd_bench_serve(int argc, char** argv) {
   if (struct sigaction was{}; ::sigaction(SIGINT, nullptr, &was) == 0 && was.sa_handler != SIG_IGN)
     std::signal(SIGINT, on_interrupt);
   const auto start = SteadyClock::now();
-  const Samples all = Driver(stubs, c, f, info.vocab_size()).run();
+  const Samples all = Driver(channels, c, f, info.vocab_size()).run();
   print_report(f, c.addr, n_conn, info.default_recursion_depth(), all, ms_since(start) / 1e3);
   if (g_interrupted) return 130;
   return all.errors.empty() ? 0 : 1;

@@ -11,6 +11,7 @@
 #include "cemlm/engine/utf8.h"
 #include "cemlm/v1/inference.grpc.pb.h"
 #include "channel.h"
+#include "generate_stream.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace cemlm::cli {
@@ -221,11 +222,17 @@ int client_generate(int argc, char** argv) {
   }
   grpc::ClientContext context;
   prepare_context(c, &context);
-  auto reader = stub->Generate(&context, req);
+  auto reader = generate_raw(*channel, &context, req);
   v1::GenerateResponse msg, last;
   json ids = json::array(), logprobs = json::array(), tops = json::array();
   std::string text;
-  while (reader->Read(&msg)) {
+  bool unparsed = false;
+  for (grpc::ByteBuffer raw; reader->Read(&raw);) {
+    if (!parse_response(raw, &msg)) {
+      unparsed = true;
+      context.TryCancel();
+      break;
+    }
     if (!g.json) {
       std::fwrite(msg.text().data(), 1, msg.text().size(), stdout);
       std::fflush(stdout);
@@ -242,6 +249,7 @@ int client_generate(int argc, char** argv) {
     last = msg;
   }
   grpc::Status status = reader->Finish();
+  if (unparsed) status = unparsed_status();
   if (!g.json && (status.ok() || !text.empty())) std::printf("\n");  // ends the streamed line
   if (!status.ok()) return report_error(status);
   // A drawn seed is reported (--json has it as "seed"), so that a sample can be made again.

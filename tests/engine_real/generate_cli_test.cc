@@ -241,6 +241,7 @@ TEST_F(GenerateCli, FlagsWrongForAnyModelAreRefusedBeforeItLoads) {
       {{"--seed", "-1"}, "--seed: expected an integer"},
       {{"--prompt-ids", "3,-1"}, "--prompt-ids[1] = -1 is not a token id (ids are >= 0)"},
       {{"--recursion", "-1"}, "--recursion = -1 must be >= 0"},
+      {{"--prompt", "ab\xff"}, "--prompt is not valid UTF-8 (bad byte at offset 2)"},
       // Past the default's 64 while --max-new-tokens is unset: too many for any model.
       {{"--min-new-tokens", "100"},
        "--min-new-tokens = 100 is more than the 64 tokens generated at most with "
@@ -248,7 +249,8 @@ TEST_F(GenerateCli, FlagsWrongForAnyModelAreRefusedBeforeItLoads) {
   };
   for (const auto& [flags, message] : bad) {
     std::vector<std::string> args = {"--model", dir_ + "/no-such-model", "--json"};
-    if (flags[0] != "--prompt-ids") args.insert(args.end(), {"--prompt-ids", "3"});
+    if (flags[0] != "--prompt-ids" && flags[0] != "--prompt")
+      args.insert(args.end(), {"--prompt-ids", "3"});
     args.insert(args.end(), flags.begin(), flags.end());
     ::testing::internal::CaptureStderr();
     const int rc = run(args);
@@ -257,6 +259,19 @@ TEST_F(GenerateCli, FlagsWrongForAnyModelAreRefusedBeforeItLoads) {
     EXPECT_NE(err.find(message), std::string::npos) << flags[0] << ": " << err;
     EXPECT_EQ(err.find("no-such-model"), std::string::npos) << flags[0] << ": " << err;
   }
+}
+
+// So does `cemlm score` a --text that is not UTF-8 (it loaded the model first, then exited 1).
+TEST_F(GenerateCli, ScoreRefusesATextNotUtf8BeforeTheModelLoads) {
+  std::vector<std::string> args = {"--model", dir_ + "/no-such-model", "--text", "caf\xE9!"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  ::testing::internal::CaptureStderr();
+  const int rc = cli::cmd_score(int(argv.size()), argv.data());
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 2) << err;
+  EXPECT_NE(err.find("--text is not valid UTF-8 (bad byte at offset 3)"), std::string::npos) << err;
+  EXPECT_EQ(err.find("no-such-model"), std::string::npos) << err;
 }
 
 // `cemlm score` refuses a perplexity past a double's range, as the server's Score does: with the

@@ -1,6 +1,7 @@
 // `cemlm bench-serve` against a scripted server: what it reports of streams that fail part-way,
 // requests that could not fit the model's context or its recursion depths, the prompts' seed and
-// the prefix cache's share, a server gone silent, and Ctrl-C.
+// the prefix cache's share, a server gone silent, and Ctrl-C; with `cemlm client generate`, a
+// stream message that does not parse.
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <gtest/gtest.h>
@@ -23,11 +24,14 @@ namespace {
 // one a last message with a third token, FINISH_REASON_LENGTH and usage (1 prompt token cached).
 // A prompt of kSilentLen tokens gets the two messages and then nothing until it is cancelled (a
 // server gone silent), counted in `silent`. One of kSlowLen: "bench-0" waits 1.5 s for its first
-// message (queued, or a long prefill), the others get a token every 100 ms for 1.5 s.
-constexpr int kSilentLen = 5, kSlowLen = 6;
+// message (queued, or a long prefill), the others get a token every 100 ms for 1.5 s. One of
+// kGarbledLen gets a message whose text is not UTF-8 (no GenerateResponse parses from it), then
+// 64 tokens and a final message: counted in `garbled_ended` with how the call ended.
+constexpr int kSilentLen = 5, kSlowLen = 6, kGarbledLen = 7;
 class ScriptedInference final : public v1::Inference::Service {
  public:
   std::atomic<int> silent{0};
+  std::atomic<int> garbled_ended{0};
 
  private:
   grpc::Status GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*,
@@ -47,6 +51,16 @@ class ScriptedInference final : public v1::Inference::Service {
       ++silent;
       while (!context->IsCancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    }
+    if (request->prompt_ids_size() == kGarbledLen) {
+      v1::GenerateResponse garbled;
+      garbled.set_text("\xff\xfe");
+      writer->Write(garbled);
+      for (int i = 0; i < 64; ++i) writer->Write(token);
+      token.set_finish_reason(v1::FINISH_REASON_LENGTH);
+      writer->Write(token);
+      ++garbled_ended;
+      return grpc::Status::OK;
     }
     const int index = std::stoi(request->request_id().substr(std::string("bench-").size()));
     if (request->prompt_ids_size() == kSlowLen) {
@@ -204,6 +218,28 @@ TEST_F(BenchServe, AStreamWaitingWhileOthersAreAnsweredIsNoStall) {
   std::string out;
   EXPECT_EQ(bench_scripted(2, kSlowLen, "1", &out), 0);
   EXPECT_NE(out.find("ok 2  errors 0"), std::string::npos) << out;
+}
+
+// A message that does not parse ends its call at once, cancelled, as INTERNAL: gRPC's own parse
+// ended the read as the stream's end would, and the client waited forever for a status behind
+// the messages the server went on sending (bench-serve counted such a stream STALLED at its
+// --stall-timeout, a server silent no more).
+TEST_F(BenchServe, AMessageThatDoesNotParseEndsTheCall) {
+  const std::string addr = "127.0.0.1:" + std::to_string(port_);
+  std::string out, err;
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "1,2,3,4,5,6,7",
+                       "--json", "--timeout", "20"},
+                      &out, &err),
+            1);
+  EXPECT_NE(err.find("error: INTERNAL: a message of the server's Generate stream does not parse"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(bench_scripted(2, kGarbledLen, "10", &out), 1);
+  EXPECT_NE(out.find("ok 0  errors 2  INTERNAL=2"), std::string::npos) << out;
+  EXPECT_NE(out.find("INTERNAL, first: a message of the server's Generate stream does not parse"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(service_.garbled_ended.load(), 3);
 }
 
 // Ctrl-C stops the run: the streams in flight are cancelled, no more are sent, and the report of

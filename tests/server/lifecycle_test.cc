@@ -860,6 +860,13 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_EQ(cached_with("salt-1"), 0);
   EXPECT_EQ(cached_with("salt-1"), 16);
   EXPECT_EQ(cached_with("salt-2"), 0);
+  std::string salt_err;  // the server's refusal names the flag, as for every other field
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--cache-salt",
+                       std::string(300, 'a')},
+                      &out, &salt_err),
+            1);
+  EXPECT_NE(salt_err.find("INVALID_ARGUMENT: --cache-salt has 300 bytes"), std::string::npos)
+      << salt_err;
   EXPECT_EQ(nlohmann::json::parse(seeded[0])["ids"], nlohmann::json::parse(seeded[1])["ids"]);
   EXPECT_EQ(nlohmann::json::parse(seeded[0])["seed"], 18446744073709551615ull);
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5", "--seed", "-1"}),

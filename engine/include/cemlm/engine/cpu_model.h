@@ -55,16 +55,17 @@ class CpuModel {
  public:
   // `w` must outlive the model. Precomputes the LEV table and the RoPE table, and packs the weights
   // for the few-row kernels (PackedLinear: a second copy of each weight, a third of the tied W_Q
-  // and W_up of CEM sub-layers, which serve both as W·x and as Wᵀ·x). batch_invariant (the
-  // engine's runner): each row's logits and cache entries have the same bits whatever else is in
-  // the batch or how its prompt was chunked (ExecCtx::batch_invariant), so that a seeded request
-  // samples the same tokens alone or batched; off (the full-sequence oracle, the trainer's
-  // evaluation), a prefill chunk's attention runs as sgemms, which round differently. weights:
-  // the packed copies' dtype (kBf16: every product weight — W_Q, W_K, W_V, W_O, the MLP's and
-  // the head — rounded to bf16, half the bytes; embeddings, norms, diagonals and preconditioners
-  // stay fp32); kInt8: the same weights in int8 with block scales. Both need
-  // packed_weights_available(). release_unread (a runner that owns `w`): give the pages of
-  // weights_left_unread() back to the system as they are packed (reading them later gives zeros).
+  // and W_up of CEM sub-layers, which serve both as W·x and as Wᵀ·x). batch_invariant (the engine's
+  // runner): each row's logits and cache entries have the same bits whatever else is in the batch
+  // or how its prompt was chunked (ExecCtx::batch_invariant; on AVX-512 builds, whose packed
+  // products are row-invariant, see linear.h; elsewhere within float rounding), so that a seeded
+  // request samples the same tokens alone or batched; off (the full-sequence oracle, the trainer's
+  // evaluation), a prefill chunk's attention runs as sgemms, which round differently. weights: the
+  // packed copies' dtype (kBf16: every product weight — W_Q, W_K, W_V, W_O, the MLP's and the head
+  // — rounded to bf16, half the bytes; embeddings, norms, diagonals and preconditioners stay fp32);
+  // kInt8: the same weights in int8 with block scales. Both need packed_weights_available().
+  // release_unread (a runner that owns `w`): give the pages of weights_left_unread() back to the
+  // system as they are packed (reading them later gives zeros).
   CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant = false,
            WeightDtype weights = WeightDtype::kFp32, bool release_unread = false);
   const ModelConfig& config() const { return cfg_; }

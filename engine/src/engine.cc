@@ -181,8 +181,10 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Request> make_request(RequestId id, const GenerateRequest& req,
                                         EventCallback on_event) const;
 
+  // Takes loop_thread only once nothing else can throw: a constructor that throws (out of memory
+  // for the block records) leaves it with the caller, to join.
   EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> runner,
-             std::unique_ptr<Tokenizer> tokenizer, std::thread loop_thread);
+             std::unique_ptr<Tokenizer> tokenizer, std::thread&& loop_thread);
   void loop();
   // Runs `fn` on the loop thread between steps and returns when it is done.
   void on_loop(std::function<void()> fn);
@@ -276,7 +278,7 @@ class EngineImpl final : public Engine {
 };
 
 EngineImpl::EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> runner,
-                       std::unique_ptr<Tokenizer> tokenizer, std::thread loop_thread)
+                       std::unique_ptr<Tokenizer> tokenizer, std::thread&& loop_thread)
     : opts_(opts),
       runner_(std::move(runner)),
       tokenizer_(std::move(tokenizer)),
@@ -286,9 +288,9 @@ EngineImpl::EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> r
                      ((config_.attention == AttentionType::kCem) + (config_.mlp == MlpType::kCem))),
       seed_base_(random_seed_base()),
       blocks_(runner_->num_blocks(), runner_->block_size(), opts.prefix_caching),
-      sched_({opts.max_batch_tokens, opts.max_running, opts.max_waiting}, &blocks_),
-      thread_(std::move(loop_thread)) {
+      sched_({opts.max_batch_tokens, opts.max_running, opts.max_waiting}, &blocks_) {
   publish_stats();
+  thread_ = std::move(loop_thread);
 }
 
 // MemAvailable of /proc/meminfo in bytes; -1 when it cannot be read.
@@ -362,7 +364,18 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineImpl::start(const EngineOptions& o
     thread.join();
     return r.status();
   }
-  auto* e = new EngineImpl(opts, std::move(*r), std::move(tokenizer), std::move(thread));
+  EngineImpl* e = nullptr;
+  const int64_t blocks = (*r)->num_blocks();
+  try {
+    e = new EngineImpl(opts, std::move(*r), std::move(tokenizer), std::move(thread));
+  } catch (const std::bad_alloc&) {
+    adopted.set_value(nullptr);
+    thread.join();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "out of memory for the bookkeeping of the KV cache's ", blocks,
+        " blocks (~120-250 bytes each, outside --kv-cache-memory); lower --kv-cache-memory "
+        "or raise --block-size"));
+  }
   adopted.set_value(e);
   return std::unique_ptr<Engine>(e);
 }

@@ -1805,6 +1805,35 @@ TEST(Engine, BadScoreRequestsAreRefusedNamingTheField) {
   EXPECT_TRUE(full.ok()) << full.status();
 }
 
+// A pool of more blocks than the host can keep records of (a tiny model's cache at a huge budget)
+// is an error status naming the flags, not an exception through the caller (the engine's thread
+// was then destroyed joinable: std::terminate).
+TEST(Engine, BlockRecordsBeyondMemoryAreRefusedNotACrash) {
+  std::ifstream mode_file("/proc/sys/vm/overcommit_memory");
+  int mode = 0;
+  if (mode_file >> mode && mode == 1)
+    GTEST_SKIP() << "vm.overcommit_memory = 1: the records' 240 GB would be granted, then touched";
+  class HugePool final : public ModelRunner {
+   public:
+    const ModelConfig& config() const override { return small_.config(); }
+    int block_size() const override { return small_.block_size(); }
+    int64_t num_blocks() const override { return INT32_MAX; }
+    void forward(const Batch&, std::vector<float>*) override { std::abort(); }
+    void copy_block(int32_t, int32_t) override { std::abort(); }
+
+   private:
+    FakeRunner small_{FakeOptions{}};
+  };
+  auto e = Engine::create(EngineOptions{}, std::make_unique<HugePool>(), nullptr);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted) << e.status();
+  EXPECT_NE(e.status().message().find("out of memory for the bookkeeping of the KV cache's "
+                                      "2147483647 blocks"),
+            std::string::npos)
+      << e.status();
+  EXPECT_NE(e.status().message().find("lower --kv-cache-memory"), std::string::npos) << e.status();
+}
+
 TEST(Engine, BadOptionsAreRefusedNamingTheOption) {
   EngineOptions eo;
   eo.max_batch_tokens = 0;

@@ -139,12 +139,12 @@ void prepare_context(const ChannelFlags& f, grpc::ClientContext* context) {
                               std::chrono::duration<double>(f.timeout)));
 }
 
-int report_error(const grpc::Status& status) {
+int report_error(const grpc::Status& status, bool answered) {
   // What the connection's failures mean for the flags (gRPC names only the TLS library's error).
   const std::string& m = status.error_message();
   std::string hint;
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    if (!tls_channel && m.find("Socket closed") != std::string::npos)
+    if (!tls_channel && !answered && m.find("Socket closed") != std::string::npos)
       hint = " (a server with TLS on closes plaintext connections: is --tls-ca missing?)";
     else if (tls_channel && m.find("wrong version number") != std::string::npos)
       hint = " (the server does not speak TLS: leave out --tls-ca)";

@@ -30,7 +30,8 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
 // Authorization metadata and deadline of one call.
 void prepare_context(const ChannelFlags& f, grpc::ClientContext* context);
 // "error: INVALID_ARGUMENT: message" on stderr, the request fields it names said as the flags
-// that set them (in_flag_terms); returns 1.
-int report_error(const grpc::Status& status);
+// that set them (in_flag_terms); returns 1. `answered`: the call had a message from the server,
+// so the connection's own failures (TLS on one end only) are not what ended it.
+int report_error(const grpc::Status& status, bool answered = false);
 
 }  // namespace cemlm::cli

@@ -226,13 +226,14 @@ int client_generate(int argc, char** argv) {
   v1::GenerateResponse msg, last;
   json ids = json::array(), logprobs = json::array(), tops = json::array();
   std::string text;
-  bool unparsed = false;
+  bool unparsed = false, answered = false;
   for (grpc::ByteBuffer raw; reader->Read(&raw);) {
     if (!parse_response(raw, &msg)) {
       unparsed = true;
       context.TryCancel();
       break;
     }
+    answered = true;
     if (!g.json) {
       std::fwrite(msg.text().data(), 1, msg.text().size(), stdout);
       std::fflush(stdout);
@@ -251,7 +252,7 @@ int client_generate(int argc, char** argv) {
   grpc::Status status = reader->Finish();
   if (unparsed) status = unparsed_status();
   if (!g.json && (status.ok() || !text.empty())) std::printf("\n");  // ends the streamed line
-  if (!status.ok()) return report_error(status);
+  if (!status.ok()) return report_error(status, answered);
   // A drawn seed is reported (--json has it as "seed"), so that a sample can be made again.
   if (!g.json && !flags.given("seed") &&
       (!flags.given("temperature") || g.temperature >= kGreedyBelowTemperature))

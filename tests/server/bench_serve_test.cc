@@ -26,8 +26,9 @@ namespace {
 // server gone silent), counted in `silent`. One of kSlowLen: "bench-0" waits 1.5 s for its first
 // message (queued, or a long prefill), the others get a token every 100 ms for 1.5 s. One of
 // kGarbledLen gets a message whose text is not UTF-8 (no GenerateResponse parses from it), then
-// 64 tokens and a final message: counted in `garbled_ended` with how the call ended.
-constexpr int kSilentLen = 5, kSlowLen = 6, kGarbledLen = 7;
+// 64 tokens and a final message: counted in `garbled_ended`. One of kClosedLen ends, after its two
+// messages, UNAVAILABLE "Socket closed" (as a server killed mid-stream).
+constexpr int kSilentLen = 5, kSlowLen = 6, kGarbledLen = 7, kClosedLen = 8;
 class ScriptedInference final : public v1::Inference::Service {
  public:
   std::atomic<int> silent{0};
@@ -62,6 +63,8 @@ class ScriptedInference final : public v1::Inference::Service {
       ++garbled_ended;
       return grpc::Status::OK;
     }
+    if (request->prompt_ids_size() == kClosedLen)
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "Socket closed");
     const int index = std::stoi(request->request_id().substr(std::string("bench-").size()));
     if (request->prompt_ids_size() == kSlowLen) {
       for (int i = 0; i < 15; ++i) {
@@ -240,6 +243,18 @@ TEST_F(BenchServe, AMessageThatDoesNotParseEndsTheCall) {
             std::string::npos)
       << out;
   EXPECT_EQ(service_.garbled_ended.load(), 3);
+}
+
+// A connection closed after the server answered is not a plaintext client refused by a TLS
+// server: no hint to add --tls-ca (the server killed mid-stream got one).
+TEST_F(BenchServe, AStreamClosedAfterAnswersGetsNoTlsHint) {
+  std::string out, err;
+  EXPECT_EQ(run_cemlm({"client", "generate", "--addr", "127.0.0.1:" + std::to_string(port_),
+                       "--prompt-ids", "1,2,3,4,5,6,7,8", "--json"},
+                      &out, &err),
+            1);
+  EXPECT_NE(err.find("error: UNAVAILABLE: Socket closed\n"), std::string::npos) << err;
+  EXPECT_EQ(err.find("--tls-ca"), std::string::npos) << err;
 }
 
 // Ctrl-C stops the run: the streams in flight are cancelled, no more are sent, and the report of

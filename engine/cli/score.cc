@@ -90,6 +90,16 @@ int cmd_score(int argc, char** argv) {
 
   use_cpu_threads(0);  // as the engine does: the CPU limit, not every core
   const Weights w = bind_weights(c, ck->params);
+  if (c.embedding == EmbeddingType::kLev) {
+    // The text's embeddings alone (the forward builds the whole table): one that overflows would
+    // fail only as "non-finite logits", without its cause.
+    std::vector<float> embedded(ids.size() * size_t(c.d_model));
+    lev_forward(ExecCtx{}, Tensor(embedded.data(), {int64_t(ids.size()), c.d_model}), ids.data(),
+                lev_weights(w));
+    if (const int64_t i = first_nonfinite_row(embedded.data(), int64_t(ids.size()), c.d_model);
+        i >= 0)
+      return fail(std::string(lev_embedding_error(ids[size_t(i)]).message()));
+  }
   std::vector<double> logprobs;
   double nll = 0;
   std::string bad;

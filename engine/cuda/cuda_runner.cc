@@ -244,6 +244,19 @@ absl::Status CudaRunner::upload_embedding(const Weights& w) {
     // Before tmp and ids are freed.
     CEMLM_RETURN_IF_ERROR(
         cuda_status(cudaStreamSynchronize(stream_), "computing the LEV embedding table"));
+    // Finite weights can still overflow the product over seed_dim: read back once, in parts of
+    // 16 MB, and refused as the CPU runner refuses it.
+    const int64_t D = cfg_.d_model, part_rows = std::max<int64_t>(1, (int64_t(1) << 22) / D);
+    std::vector<float> part(size_t(std::min<int64_t>(part_rows, cfg_.vocab_size) * D));
+    for (int64_t first = 0; first < cfg_.vocab_size; first += part_rows) {
+      const int64_t rows = std::min<int64_t>(part_rows, cfg_.vocab_size - first);
+      CEMLM_RETURN_IF_ERROR(
+          cuda_status(cudaMemcpy(part.data(), table.as<float>() + first * D,
+                                 sizeof(float) * size_t(rows * D), cudaMemcpyDeviceToHost),
+                      "reading back the LEV embedding table"));
+      if (const int64_t bad = first_nonfinite_row(part.data(), rows, D); bad >= 0)
+        return lev_embedding_error(first + bad);
+    }
     weights_.push_back(std::move(table));
   }
   if (!cfg_.tie_output) {

@@ -198,7 +198,7 @@ absl::StatusOr<ModelConfig> load_checkpoint_config(const std::string& dir) {
   if (struct stat sb{}; ::stat(dir.c_str(), &sb) == 0 && !S_ISDIR(sb.st_mode))
     return absl::InvalidArgumentError(
         absl::StrCat("'", dir,
-                     "' is a file, not a checkpoint directory: name the directory that holds "
+                     "' is not a directory: name the checkpoint directory, the one that holds "
                      "config.json and model.safetensors"));
   const fs::path path = fs::path(dir) / kConfigFile;
   // As for the weights: a FIFO as config.json would make the load wait forever for a writer.
@@ -219,7 +219,12 @@ absl::StatusOr<Checkpoint> load_checkpoint(const std::string& dir) {
   // Said as a checkpoint's file: the reader's own words point at a .safetensors path.
   struct stat sb {};
   const bool found = ::stat(weights.c_str(), &sb) == 0;
-  if (!found && errno == ENOENT)
+  const bool missing = !found && errno == ENOENT;
+  if (std::error_code ec; missing && fs::is_symlink(weights, ec))
+    return absl::NotFoundError(absl::StrCat("'", weights, "' is a symbolic link to '",
+                                            fs::read_symlink(weights, ec).string(),
+                                            "', which does not exist: point it at the weights"));
+  if (missing)
     return absl::NotFoundError(absl::StrCat("'", dir, "' has config.json but no ", kWeightsFile,
                                             ": a checkpoint holds both (cemlm init and cemlm "
                                             "train write them); copy its weights there"));

@@ -35,10 +35,12 @@ class Reader {
     seen_.insert(key);
     if (!obj_.contains(key)) return missing(key, required);
     const json& v = obj_[key];
-    // An integer past 64 bits is parsed as a float: it is out of range, not "not an integer".
-    if (v.is_number_float() && std::abs(v.get<double>()) >= 0x1p63)
+    // A whole number out of range is said so whatever its form: "3e9", or an integer past 64
+    // bits, which is parsed as a float ("4096.0" in range is still not an integer).
+    if (const double d = v.is_number_float() ? v.get<double>() : 0.5;
+        std::trunc(d) == d && (d < double(lo) || d > double(hi)))
       return absl::InvalidArgumentError(absl::StrCat("config: '", path(key),
-                                                     "' = ", v.get<double>(), " is out of range [",
+                                                     "' = ", exact_number(d), " is out of range [",
                                                      lo, ", ", hi, "]"));
     if (!v.is_number_integer())
       return absl::InvalidArgumentError(absl::StrCat("config: '", path(key), "' must be an integer"));

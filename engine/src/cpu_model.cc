@@ -9,6 +9,7 @@
 #include <numeric>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "cemlm/kernels/elementwise.h"
 #include "cemlm/kernels/lev.h"
 #include "cemlm/kernels/linear.h"
@@ -277,9 +278,22 @@ const float* CpuModel::embedding(int token) const {
 }
 
 int64_t CpuModel::first_nonfinite_embedding() const {
-  const auto bad =
-      std::find_if(lev_table_.begin(), lev_table_.end(), [](float x) { return !std::isfinite(x); });
-  return bad == lev_table_.end() ? -1 : (bad - lev_table_.begin()) / cfg_.d_model;
+  return first_nonfinite_row(lev_table_.data(), int64_t(lev_table_.size()) / cfg_.d_model,
+                             cfg_.d_model);
+}
+
+int64_t first_nonfinite_row(const float* rows_data, int64_t rows, int64_t width) {
+  const float* end = rows_data + rows * width;
+  const float* bad = std::find_if(rows_data, end, [](float x) { return !std::isfinite(x); });
+  return bad == end ? -1 : (bad - rows_data) / width;
+}
+
+absl::Status lev_embedding_error(int64_t token) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the LEV embedding of token ", token,
+      " is not finite, though every weight is: the product of its seed_dim spline factors "
+      "overflows a float (lev.spline, lev.out_proj too large for embedding.lev.seed_dim); the "
+      "checkpoint cannot serve that token: use another, or retrain it"));
 }
 
 int64_t CpuModel::qd_width() const {

@@ -142,11 +142,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
                                             kv_dtype, *cpu_weight_dtype(opts.device));
   // Else every request would fail on non-finite logits, with no word of the cause at start-up.
   if (const int64_t token = runner->model().first_nonfinite_embedding(); token >= 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "'", model_dir, "': the LEV embedding of token ", token,
-        " is not finite, though every weight is: the product of its seed_dim spline factors "
-        "overflows a float (lev.spline, lev.out_proj too large for embedding.lev.seed_dim); the "
-        "checkpoint cannot serve: use another, or retrain it"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", model_dir, "': ", lev_embedding_error(token).message()));
   return std::unique_ptr<ModelRunner>(std::move(runner));
 }
 

@@ -365,16 +365,22 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineImpl::start(const EngineOptions& o
     return r.status();
   }
   EngineImpl* e = nullptr;
+  absl::Status failed;
   const int64_t blocks = (*r)->num_blocks();
   try {
     e = new EngineImpl(opts, std::move(*r), std::move(tokenizer), std::move(thread));
   } catch (const std::bad_alloc&) {
-    adopted.set_value(nullptr);
-    thread.join();
-    return absl::ResourceExhaustedError(absl::StrCat(
+    failed = absl::ResourceExhaustedError(absl::StrCat(
         "out of memory for the bookkeeping of the KV cache's ", blocks,
         " blocks (~120-250 bytes each, outside --kv-cache-memory); lower --kv-cache-memory "
         "or raise --block-size"));
+  } catch (const std::exception& ex) {  // std::random_device's, say
+    failed = absl::InternalError(absl::StrCat("starting the engine: ", ex.what()));
+  }
+  if (!e) {  // the loop thread is still ours
+    adopted.set_value(nullptr);
+    thread.join();
+    return failed;
   }
   adopted.set_value(e);
   return std::unique_ptr<Engine>(e);

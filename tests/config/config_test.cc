@@ -218,12 +218,20 @@ TEST(Config, ValuesBeyondTheTypesAreRefusedAsGiven) {
   EXPECT_NE(error_of(j).find("'vocab_size' = 18446744073709551615 is out of range"),
             std::string::npos)
       << error_of(j);
-  // Past 64 bits JSON's integers parse as floats: out of range too, not "must be an integer".
-  for (double big : {1e23, -1e23}) {
-    j["vocab_size"] = big;
-    EXPECT_NE(error_of(j).find(absl::StrCat("'vocab_size' = ", big, " is out of range [")),
+  // Past 64 bits JSON's integers parse as floats: out of range too, not "must be an integer"; so
+  // is a whole number out of range written as a float.
+  for (const auto& [text, said] : std::vector<std::pair<std::string, std::string>>{
+           {"1e23", "1e+23"},
+           {"-1e23", "-1e+23"},
+           {"18446744073709551616", "18446744073709551616"},
+           {"3e9", "3e+09"}}) {
+    std::string config = base().dump();
+    config.replace(config.find("\"vocab_size\":4096"), 17, "\"vocab_size\":" + text);
+    const auto parsed = parse_config(config);
+    ASSERT_FALSE(parsed.ok()) << text;
+    EXPECT_NE(parsed.status().message().find("'vocab_size' = " + said + " is out of range ["),
               std::string::npos)
-        << error_of(j);
+        << parsed.status();
   }
   j["vocab_size"] = 4096.5;
   EXPECT_NE(error_of(j).find("'vocab_size' must be an integer"), std::string::npos) << error_of(j);

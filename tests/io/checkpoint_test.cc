@@ -327,7 +327,17 @@ TEST(Checkpoint, MissingOrMisplacedPartsAreSaidAsACheckpoints) {
   loaded = load_checkpoint(ck + "/config.json");
   ASSERT_FALSE(loaded.ok());
   EXPECT_TRUE(absl::IsInvalidArgument(loaded.status())) << loaded.status();
-  EXPECT_NE(loaded.status().message().find("config.json' is a file, not a checkpoint directory"),
+  EXPECT_NE(loaded.status().message().find("config.json' is not a directory: name the checkpoint"),
+            std::string::npos)
+      << loaded.status();
+  // A link to weights that are gone (a copied folder of relative links) is said as such.
+  std::filesystem::remove(weights);
+  std::filesystem::create_symlink("../blobs/gone", weights);
+  loaded = load_checkpoint(ck);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_TRUE(absl::IsNotFound(loaded.status())) << loaded.status();
+  EXPECT_NE(loaded.status().message().find(
+                "'" + weights + "' is a symbolic link to '../blobs/gone', which does not exist"),
             std::string::npos)
       << loaded.status();
 }

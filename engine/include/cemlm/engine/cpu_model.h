@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "cemlm/engine/config.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/params.h"
@@ -81,7 +82,7 @@ class CpuModel {
   const float* embedding(int token) const;
   // The first token whose precomputed LEV embedding holds a non-finite value, or -1 (always -1
   // for a table embedding, whose weights were checked finite at load): finite LEV weights can
-  // still overflow the product over seed_dim.
+  // still overflow the product over seed_dim (see lev_embedding_error).
   int64_t first_nonfinite_embedding() const;
   // The weights of `w` this model never reads after construction: those it applies only through
   // packed copies (all product weights on AVX-512 builds), except one that aliases a weight it
@@ -129,6 +130,11 @@ class CpuModel {
 DiagKind diag_kind(const ModelConfig& c);
 // The LEV generator's weights out of a model's named views.
 LevWeights lev_weights(const Weights& w);
+// The first of `rows` rows of `width` floats that holds a non-finite value, or -1.
+int64_t first_nonfinite_row(const float* rows_data, int64_t rows, int64_t width);
+// The error of a LEV embedding that is not finite at `token` though every weight is (the product
+// over seed_dim overflows), where every use of the token would fail on non-finite logits.
+absl::Status lev_embedding_error(int64_t token);
 
 // Logits [N, V] of a whole sequence at recursion T: the reference path used by `cemlm score`,
 // tests and the trainer's checks (one contiguous block holds the sequence). release_weights (a

@@ -321,7 +321,8 @@ def sample(pid, url, t0, label):
     gauge = lambda name: sum(v for k, v in m.items() if k.startswith("cemlm:" + name + "{"))
     row = {"t": round(time.time() - t0), "label": label, "rss_mb": round(rss / 1024, 1),
            "fds": fds, "threads": threads, "running": gauge("num_requests_running"),
-           "waiting": gauge("num_requests_waiting"), "kv": gauge("kv_cache_usage_perc"),
+           "waiting": gauge("num_requests_waiting"), "scoring": gauge("num_score_calls_running"),
+           "kv": gauge("kv_cache_usage_perc"),
            "unread": gauge("num_unread_streams"), "preempted": gauge("num_preemptions_total"),
            "requests": gauge("requests_total"), "errors": gauge("request_errors_total")}
     print(" ".join("%s=%s" % kv for kv in row.items()), flush=True)
@@ -450,7 +451,7 @@ def soak(args, server, port, mport, log_path):
         ch.close()
     time.sleep(5)
     idle, m = sample(server.pid, url, t0, "idle")
-    problems = ["%s = %s when idle" % (k, idle[k]) for k in ("running", "waiting", "kv", "unread")
+    problems = ["%s = %s when idle" % (k, idle[k]) for k in ("running", "waiting", "scoring", "kv", "unread")
                 if idle[k] != 0]
     if idle["fds"] > base["fds"]:
         problems.append("%d fds when idle, %d at the start" % (idle["fds"], base["fds"]))

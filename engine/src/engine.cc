@@ -709,6 +709,7 @@ void EngineImpl::publish_stats() {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.running = sched_.num_running();
   stats_.waiting = sched_.num_waiting() + int(score_waits_.size());
+  stats_.scoring = sched_.num_scoring();
   stats_.kv_cache_usage = blocks_.usage();
   stats_.kv_blocks_total = blocks_.num_blocks();
   stats_.kv_blocks_free = blocks_.num_available();

@@ -40,6 +40,9 @@ ServerMetrics::ServerMetrics(const std::string& model_name, int max_waiting)
   waiting_ =
       gauge("cemlm:num_requests_waiting",
             "Requests queued in the engine, Score calls waiting for KV cache room included.");
+  scoring_ = gauge("cemlm:num_score_calls_running",
+                   "Score calls holding their KV cache blocks: their texts prefilling chunk by "
+                   "chunk (or waiting for a chunk's turn). Not in num_requests_running.");
   gauge("cemlm:max_num_requests_waiting",
         "The bound on waiting requests (--max-waiting): past it, submissions fail "
         "RESOURCE_EXHAUSTED.")
@@ -183,6 +186,7 @@ void ServerMetrics::refresh_gauges() const {
   const EngineStats s = stats_source_ ? stats_source_() : EngineStats{};
   running_->Set(s.running);
   waiting_->Set(s.waiting);
+  scoring_->Set(s.scoring);
   kv_usage_->Set(s.kv_cache_usage);
   // The engine keeps a running total; a Prometheus counter only moves forward by increments.
   if (s.preemptions_total > preemptions_seen_) {

@@ -936,6 +936,35 @@ TEST(Engine, AForwardThatThrowsEndsItsBatchNotTheEngine) {
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
+// A scoring call is counted in stats().scoring while it holds its blocks (its chunks running),
+// in neither running nor waiting, and not once it has returned: under Score-only load the
+// running and waiting counts read an idle server.
+TEST(Engine, ScoringCallsHoldingBlocksAreCounted) {
+  std::promise<void> entered, release;
+  std::shared_future<void> go = release.get_future().share();
+  std::atomic<int> hits{0};
+  Built b = build({.favorite = [&](int p) {
+    if (p == 5 && hits.fetch_add(1) == 0) {
+      entered.set_value();
+      go.wait();
+    }
+    return -1;
+  }});
+  EXPECT_EQ(b.engine->stats().scoring, 0);
+  auto scored = std::async(std::launch::async, [&] { return b.engine->score({tokens(9, 2), 1}); });
+  const bool inside =
+      entered.get_future().wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  if (!inside) release.set_value();
+  ASSERT_TRUE(inside) << "the scoring call never reached position 5";
+  const EngineStats during = b.engine->stats();
+  release.set_value();
+  EXPECT_EQ(during.scoring, 1);
+  EXPECT_EQ(during.running, 0);
+  EXPECT_EQ(during.waiting, 0);
+  ASSERT_TRUE(scored.get().ok());
+  EXPECT_EQ(b.engine->stats().scoring, 0);
+}
+
 // cancel() of an id not issued yet is ignored: queued while the step thread ran a forward, it
 // ended the request that got the id next. And a request cancelled meanwhile is gone from the
 // stats before the next step's forward runs (it stayed counted for that whole step).

@@ -117,6 +117,7 @@ struct ScoreResult {
 struct EngineStats {
   int running = 0;
   int waiting = 0;  // generation requests queued, and scoring calls waiting for cache room
+  int scoring = 0;  // scoring calls holding their blocks (chunks running, or waiting their turn)
   double kv_cache_usage = 0;     // 0–1
   int64_t kv_blocks_total = 0, kv_blocks_free = 0;
   int64_t preemptions_total = 0;

@@ -157,6 +157,7 @@ class Scheduler {
   const Sequence* find(SeqId id) const;
   bool has_work() const;  // anything running, waiting or not yet accepted
   int num_running() const { return int(running_.size()); }
+  int num_scoring() const { return int(scoring_.size()); }  // scoring calls holding blocks
   int num_waiting() const;  // thread-safe
   int64_t preemptions_total() const { return preemptions_; }
 

@@ -70,7 +70,7 @@ class ServerMetrics : public prometheus::Collectable {
 
   std::string model_name_;
   std::shared_ptr<prometheus::Registry> registry_;
-  prometheus::Gauge *running_, *waiting_, *kv_usage_, *kv_capacity_, *unread_;
+  prometheus::Gauge *running_, *waiting_, *scoring_, *kv_usage_, *kv_capacity_, *unread_;
   prometheus::Family<prometheus::Gauge>* cache_config_;
   prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_,
       *unread_cancelled_, *score_tokens_, *compute_rests_;

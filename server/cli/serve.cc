@@ -82,8 +82,13 @@ std::string dir_name(const std::string& dir) {
   return name.empty() || name == "." || name == ".." ? "model" : name;
 }
 
+// The error that ends the server, logged, or on stderr where --log-level hides errors (critical,
+// off): a misconfigured pod crash-looped with empty logs.
 int fail(const absl::Status& st) {
-  spdlog::error("{}", std::string(st.message()));
+  if (spdlog::should_log(spdlog::level::err))
+    spdlog::error("{}", std::string(st.message()));
+  else
+    std::fprintf(stderr, "error: %s\n", std::string(st.message()).c_str());
   return 1;
 }
 
@@ -379,7 +384,8 @@ int cmd_serve(int argc, char** argv) {
                      "checkpoint directory (config.json, model.safetensors, ...)",
                      "name the checkpoint directory to serve", /*required=*/true);
   flags.add_nonempty("host", &f.host,
-                     "address to listen on, gRPC and metrics (IPv4 or IPv6; :: takes both)",
+                     "address to listen on, gRPC and metrics (IPv4 or IPv6; the wildcards 0.0.0.0 "
+                     "and :: both take both families, as gRPC does)",
                      "name an address, such as 0.0.0.0, 127.0.0.1 or ::");
   flags.add("port", &f.port,
             "gRPC port; 0 picks a free one (printed on stdout as soon as it listens, before the "

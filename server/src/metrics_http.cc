@@ -171,6 +171,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::start(
     const std::string& host, int port, Render render) {
   std::string name = host;
   if (name.size() > 2 && name.front() == '[' && name.back() == ']') name = name.substr(1, name.size() - 2);
+  // gRPC listens on both families for either wildcard, 0.0.0.0 too: so does /metrics, where the
+  // machine has IPv6 (an IPv6-only cluster's Prometheus reached gRPC but not /metrics).
+  if (name == "0.0.0.0")
+    if (auto both = start("::", port, render); both.ok()) return both;
   addrinfo hints{};
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   hints.ai_family = AF_UNSPEC;

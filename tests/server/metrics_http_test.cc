@@ -197,6 +197,13 @@ TEST(MetricsHttp, ListensOnIpv6AndTheWildcardTakesIpv4) {
   EXPECT_EQ(get(any->port(), "/metrics").rfind("HTTP/1.1 200", 0), 0u);
   EXPECT_EQ(http_exchange("::1", any->port(), "GET /metrics HTTP/1.0\r\n\r\n").rfind("HTTP/1.1 200", 0),
             0u);
+  // 0.0.0.0, the default, takes IPv6 too, as gRPC's listener on it does.
+  auto v4_any = start("0.0.0.0", &renders);
+  ASSERT_TRUE(v4_any);
+  EXPECT_EQ(get(v4_any->port(), "/metrics").rfind("HTTP/1.1 200", 0), 0u);
+  EXPECT_EQ(http_exchange("::1", v4_any->port(), "GET /metrics HTTP/1.0\r\n\r\n")
+                .rfind("HTTP/1.1 200", 0),
+            0u);
 }
 
 // A name listens on its addresses as gRPC does: "localhost" is reachable on 127.0.0.1 whether

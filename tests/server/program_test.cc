@@ -96,6 +96,21 @@ TEST(CemlmProgram, OutputThatCannotBeWrittenIsAnError) {
   }
 }
 
+// The error that ends `serve` reaches its output at every --log-level: at critical or off it was
+// not logged, and a misconfigured pod crash-looped with empty logs.
+TEST(CemlmProgram, ServeSaysWhyItEndsAtEveryLogLevel) {
+  const std::string missing = fresh_temp_dir() + "/no-model";
+  for (const char* level : {"info", "critical", "off"}) {
+    std::string out, err;
+    EXPECT_EQ(run_cemlm({"serve", "--model", missing, "--port", "0", "--metrics-port", "0",
+                         "--log-level", level},
+                        &out, &err),
+              1)
+        << level;
+    EXPECT_NE((out + err).find(missing), std::string::npos) << level << ": " << out << err;
+  }
+}
+
 // Without a command the list goes to stderr with exit 2, as every usage error's message does (it
 // went to stdout, into whatever a script piped on); asked for, to stdout with exit 0.
 // OMP_NUM_THREADS past the system's thread limit: OpenMP's thread creation failed and ended the

@@ -258,10 +258,29 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // the load ends the process at once, exit 0 (nothing was served; a load cannot be stopped
   // half-way): waiting for the load to end first (a large model or KV cache: a minute or more)
   // could outlast the pod's grace period, and health then said SERVING for a moment.
+  // SIGHUP reads --api-key-file again (a Secret mounted in a pod changes in place); a file that
+  // does not load leaves the keys served as they were.
+  auto reload_keys = [&] {
+    if (f.api_key_file.empty()) {
+      spdlog::warn("SIGHUP: no --api-key-file to read again; nothing changes");
+      return;
+    }
+    auto keys = server::ApiKeys::load(f.api_key_file);
+    if (!keys.ok()) {
+      spdlog::error("SIGHUP: {}; the keys served are unchanged",
+                    std::string(keys.status().message()));
+      return;
+    }
+    const size_t n = keys->size();
+    (*server)->reload_api_keys(*std::move(keys));
+    spdlog::info("SIGHUP: api keys read again from {}: {} keys", f.api_key_file, n);
+  };
   auto loading = std::async(std::launch::async, [&] { return load_engine(f, kv_bytes); });
   while (loading.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
     const timespec poll{0, 50'000'000};
-    if (const int sig = sigtimedwait(signals, nullptr, &poll); sig > 0) {
+    if (const int sig = sigtimedwait(signals, nullptr, &poll); sig == SIGHUP) {
+      reload_keys();
+    } else if (sig > 0) {
       spdlog::info("signal {} while the model loads: exiting", sig);
       spdlog::default_logger()->flush();
       std::_Exit(0);
@@ -282,7 +301,7 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   }
 
   int sig = 0;
-  sigwait(signals, &sig);
+  while (sigwait(signals, &sig) == 0 && sig == SIGHUP) reload_keys();
   spdlog::info("signal {}: draining for up to {} s", sig, f.shutdown_timeout);
   const auto timeout = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(f.shutdown_timeout));
@@ -379,7 +398,8 @@ int cmd_serve(int argc, char** argv) {
               "reflection) with Prometheus metrics at http://HOST:METRICS_PORT/metrics.\n"
               "SIGTERM/SIGINT: stop listening, send every connection a GOAWAY (clients take\n"
               "their next calls elsewhere), finish the requests in flight, exit 0 (at once while\n"
-              "the model loads).");
+              "the model loads). SIGHUP: read --api-key-file again (a file that does not load\n"
+              "leaves the keys as they were; TLS files are read at start only).");
   flags.add_nonempty("model", &f.model,
                      "checkpoint directory (config.json, model.safetensors, ...)",
                      "name the checkpoint directory to serve", /*required=*/true);
@@ -506,6 +526,7 @@ int cmd_serve(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);  // reads --api-key-file again (it ended the process, undrained)
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   const int rc = serve(f, &signals);
   grpc_lines_to_spdlog.store(false);  // gRPC may log after this, from threads of its own

@@ -96,12 +96,22 @@ absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
       if (k.key == key)
         return absl::InvalidArgumentError(
             absl::StrCat(where, " repeats the key of line ", k.line, "; list each key once"));
-    out.keys_.push_back({std::string(key), max_priority, number});
+    out.keys_.push_back({std::string(key), max_priority, number, out.next_id_++});
   }
   if (out.keys_.empty())
     return absl::InvalidArgumentError("--api-key-file: '" + path +
                                       "' holds no key (write one key per line)");
   return out;
+}
+
+void ApiKeys::keep_identities(const ApiKeys& previous) {
+  int next = previous.next_id_;
+  for (Key& k : keys_) {
+    const auto old = std::find_if(previous.keys_.begin(), previous.keys_.end(),
+                                  [&](const Key& p) { return p.key == k.key; });
+    k.id = old != previous.keys_.end() ? old->id : next++;
+  }
+  next_id_ = next;
 }
 
 const ApiKeys::Key* ApiKeys::find(absl::string_view key) const {
@@ -132,7 +142,7 @@ grpc::Status ApiKeys::check(const Metadata& md, Grant* grant) const {
   if (!key)
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "invalid API key in the 'authorization' metadata");
-  if (grant) *grant = Grant{key->max_priority, int(key - keys_.data())};
+  if (grant) *grant = Grant{key->max_priority, key->id};
   return grpc::Status::OK;
 }
 

@@ -152,6 +152,8 @@ void InferenceServer::set_engine(Engine* engine) {
   health_->set_serving(true);
 }
 
+void InferenceServer::reload_api_keys(ApiKeys keys) { state_->reload_keys(std::move(keys)); }
+
 namespace {
 
 // How long calls the engine has ended get to write their last messages (to slow readers too).

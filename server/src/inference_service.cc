@@ -25,7 +25,7 @@
 namespace cemlm::server {
 
 grpc::Status ServerState::gate(const grpc::ServerContextBase& context) const {
-  if (grpc::Status auth = keys_.check(context); !auth.ok()) return auth;
+  if (grpc::Status auth = keys_.load()->check(context); !auth.ok()) return auth;
   if (draining_.load())
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
   if (!engine_.load())
@@ -36,7 +36,7 @@ grpc::Status ServerState::gate(const grpc::ServerContextBase& context) const {
 grpc::Status ServerState::check_priority(const grpc::ServerContextBase& context, int priority,
                                          std::string* cache_scope) const {
   ApiKeys::Grant grant;
-  if (grpc::Status auth = keys_.check(context, &grant); !auth.ok()) return auth;
+  if (grpc::Status auth = keys_.load()->check(context, &grant); !auth.ok()) return auth;
   const std::optional<int>& key_most = grant.max_priority;
   const int most = key_most.value_or(max_priority_);
   if (priority <= most) {
@@ -53,7 +53,7 @@ grpc::Status ServerState::check_priority(const grpc::ServerContextBase& context,
 }
 
 grpc::Status ServerState::admit(const grpc::ServerContextBase& context, bool stream) {
-  if (grpc::Status auth = keys_.check(context); !auth.ok()) return auth;
+  if (grpc::Status auth = keys_.load()->check(context); !auth.ok()) return auth;
   std::unique_lock lock(mu_);
   // Under the lock: a drain that begins now waits for this call, or it is refused.
   if (grpc::Status refused = gate(context); !refused.ok()) return refused;
@@ -738,7 +738,7 @@ grpc::Status ServerState::check_at_headers(const ApiKeys::Metadata& metadata) {
   if (path == metadata.end()) return grpc::Status::OK;
   const absl::string_view p(path->second.data(), path->second.size());
   if (!absl::StartsWith(p, kService)) return grpc::Status::OK;
-  grpc::Status status = keys_.check(metadata);
+  grpc::Status status = keys_.load()->check(metadata);
   if (status.ok()) return status;
   // Counted under its method's name when it names one (any other name would be a new series).
   const absl::string_view method = p.substr(kService.size());

@@ -64,7 +64,7 @@ class ServerState {
   ServerState(ApiKeys keys, std::string model_name, ServerMetrics* metrics, int max_unread,
               Clock::duration unread_grace, int max_priority, int text_slots, int max_queued_texts,
               bool cache_per_key)
-      : keys_(std::move(keys)),
+      : keys_(std::make_shared<const ApiKeys>(std::move(keys))),
         model_name_(std::move(model_name)),
         metrics_(metrics),
         max_priority_(max_priority),
@@ -143,10 +143,16 @@ class ServerState {
   LogLimiter& malformed_body_log() { return malformed_body_log_; }
 
   const std::string& model_name() const { return model_name_; }
+  // The keys of a --api-key-file read again, each old key keeping its prefix-cache scope.
+  void reload_keys(ApiKeys fresh) {
+    fresh.keep_identities(*keys_.load());
+    keys_.store(std::make_shared<const ApiKeys>(std::move(fresh)));
+  }
   ServerMetrics& metrics() const { return *metrics_; }
 
  private:
-  const ApiKeys keys_;
+  // Replaced whole by reload_keys (SIGHUP) while calls read it.
+  std::atomic<std::shared_ptr<const ApiKeys>> keys_;
   const std::string model_name_;
   ServerMetrics* const metrics_;
   const int max_priority_;

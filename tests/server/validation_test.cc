@@ -4,6 +4,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1054,6 +1055,45 @@ TEST(ServerAuth, PrefixCacheIsPerKeyUnlessShared) {
       << st.error_message();
   req.set_cache_salt(std::string(256, 's'));
   EXPECT_TRUE(generate(server->channel(), req).status.ok());
+}
+
+// SIGHUP reads --api-key-file again: a key removed stops working and a new one works, with no
+// restart (a Secret changes in place); a key kept keeps its prefix-cache blocks, and a new key
+// never gets another's (by line, the new first key would have had the old first key's cache);
+// a file that does not load leaves the keys as they were. It ended the process, undrained.
+TEST(ServerAuth, SighupReadsTheKeysAgain) {
+  const std::string dir = fresh_temp_dir();
+  const std::string model = make_tiny_model(dir), keys = dir + "/keys.txt";
+  std::ofstream(keys) << "key-a\nkey-b\n";
+  auto server = ServerProcess::start(model, {"--api-key-file", keys});
+  ASSERT_TRUE(server);
+  std::vector<int> prompt(20);  // one full 16-token block
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int(i % 50) + 3;
+  auto cached = [&](const std::string& key) {
+    const Stream s = generate(server->channel(), ids_request(prompt, 2, 1), {key});
+    if (!s.status.ok()) return s.status.error_code() == grpc::StatusCode::UNAUTHENTICATED ? -2 : -1;
+    return s.messages.empty() ? -1 : s.messages.back().usage().cached_prompt_tokens();
+  };
+  auto reload = [&](const std::string& content, const std::string& logged) {
+    std::ofstream(keys, std::ios::trunc) << content;
+    ASSERT_EQ(::kill(server->pid(), SIGHUP), 0);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (server->log().find(logged) == std::string::npos &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ASSERT_NE(server->log().find(logged), std::string::npos) << server->log();
+  };
+  EXPECT_EQ(cached("key-a"), 0);
+  EXPECT_EQ(cached("key-a"), 16);
+  EXPECT_EQ(cached("key-c"), -2);
+  reload("key-c\nkey-a\n", "SIGHUP: api keys read again from " + keys + ": 2 keys");
+  EXPECT_EQ(cached("key-b"), -2);
+  EXPECT_EQ(cached("key-c"), 0);  // not key-a's blocks, though it is now the first line
+  EXPECT_EQ(cached("key-a"), 16);
+  reload("key-c\nkey-c\n", "the keys served are unchanged");
+  EXPECT_EQ(cached("key-a"), 16);
+  EXPECT_EQ(cached("key-b"), -2);
+  EXPECT_EQ(health(server->channel()), "SERVING");
 }
 
 // A key's line may cap the priority its calls ask for, and --max-priority caps it for the keys

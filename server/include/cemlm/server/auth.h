@@ -19,12 +19,16 @@ class ApiKeys {
   // One key per line, optionally followed by ` max_priority=N` (an int32); blank lines and lines
   // starting with '#' are skipped. A key given twice, or "max_priority" anywhere else, is refused.
   static absl::StatusOr<ApiKeys> load(const std::string& path);
+  // Keys loaded again (SIGHUP): each key `previous` held keeps its identity (Grant::key, which
+  // scopes the prefix cache); a new key gets one no key of `previous` ever had.
+  void keep_identities(const ApiKeys& previous);
+  size_t size() const { return keys_.size(); }
 
   bool enabled() const { return !keys_.empty(); }
   // What a call's key grants it.
   struct Grant {
     std::optional<int> max_priority;  // its line's max_priority=, if any
-    int key = -1;                     // which key (its rank in the file); -1 when keys are off
+    int key = -1;  // which key (its identity, never another key's); -1 when keys are off
   };
   // UNAUTHENTICATED when keys are on and the call does not carry one of them. When OK and
   // `grant` is given, it is set to what the call's key grants (nothing when keys are off).
@@ -40,10 +44,12 @@ class ApiKeys {
     std::string key;
     std::optional<int> max_priority;
     int line = 0;  // in the file, for errors
+    int id = 0;    // Grant::key
   };
   // The key's entry, found comparing every key in constant time; null when none matches.
   const Key* find(absl::string_view key) const;
   std::vector<Key> keys_;
+  int next_id_ = 0;  // past every id given out, by this load and those it followed
 };
 
 }  // namespace cemlm::server

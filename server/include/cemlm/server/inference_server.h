@@ -75,6 +75,10 @@ class InferenceServer {
   int port() const { return port_; }
   // The engine is loaded and warmed: serve it, report SERVING. It must outlive shutdown().
   void set_engine(Engine* engine);
+  // Serves the keys of a --api-key-file read again from now on (calls under way keep theirs);
+  // each key it held before keeps its own prefix-cache blocks. Only for a server started with
+  // keys: one started without installed no key check under TLS.
+  void reload_api_keys(ApiKeys keys);
   // Reports NOT_SERVING, stops listening and sends every connection a GOAWAY (so that clients
   // take their new calls to another server; a call that reaches this one anyway is UNAVAILABLE),
   // and waits up to `timeout` for the calls in flight. True when all of them finished.

@@ -774,10 +774,15 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
   }
   state_->metrics().count_rpc(method, status.error_code());
   int64_t left_out = 0;
-  if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
-    if (state_->refused_key_log().allow(&left_out))
-      spdlog::info("{} peer={} status=UNAUTHENTICATED message=\"{}\" refused_since_last_line={}",
-                   method, context->peer(), log_escaped(status.error_message()), left_out);
+  const grpc::StatusCode code = status.error_code();
+  if (code == grpc::StatusCode::UNAUTHENTICATED || code == grpc::StatusCode::UNAVAILABLE ||
+      code == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+    LogLimiter& limiter =
+        code == grpc::StatusCode::UNAUTHENTICATED ? state_->refused_key_log() : state_->busy_log();
+    if (limiter.allow(&left_out))
+      spdlog::info("{} peer={} status={} message=\"{}\" refused_since_last_line={}", method,
+                   context->peer(), grpc_code_name(code), log_escaped(status.error_message()),
+                   left_out);
     return status;
   }
   const bool quiet = status.ok() && std::string_view(method) != "Score";

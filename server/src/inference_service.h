@@ -141,6 +141,9 @@ class ServerState {
   // Whether to log a call refused for its API key, or one whose request body does not parse.
   LogLimiter& refused_key_log() { return refused_key_log_; }
   LogLimiter& malformed_body_log() { return malformed_body_log_; }
+  // Whether to log a unary call refused for the server's state (loading, draining, full), which
+  // a client polling through a load or an overload sends by the hundred a second.
+  LogLimiter& busy_log() { return busy_log_; }
 
   const std::string& model_name() const { return model_name_; }
   // The keys of a --api-key-file read again, each old key keeping its prefix-cache scope.
@@ -177,7 +180,7 @@ class ServerState {
   std::unordered_map<UnreadStream*, Held> unread_;
   int unread_counted_ = 0;                // those neither cancelled nor delivered
   std::condition_variable uncancelling_;  // a cancel_unread() returned
-  LogLimiter refused_key_log_, malformed_body_log_;
+  LogLimiter refused_key_log_, malformed_body_log_, busy_log_;
   FifoSlots text_slots_;
   const int max_queued_texts_;
   const bool cache_per_key_;

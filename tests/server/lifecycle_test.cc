@@ -203,6 +203,43 @@ TEST(ServerDrain, SignalWhileTheModelLoadsExitsAtOnce) {
   EXPECT_EQ(log.find("serving model="), std::string::npos) << log;
 }
 
+// Unary calls refused while the model loads are logged at most once a second (the line says how
+// many were left out): a client polling through a load wrote a line for each, hundreds a second.
+TEST(ServerHealth, CallsRefusedWhileLoadingAreLoggedOnceASecond) {
+  auto server = ServerProcess::start_listening(make_tiny_model(fresh_temp_dir()),
+                                               {"--kv-cache-memory", "2G"});
+  ASSERT_TRUE(server);
+  auto stub = v1::Inference::NewStub(server->channel());
+  const auto start = std::chrono::steady_clock::now();
+  int refused = 0;
+  for (int i = 0; i < 2000; ++i) {
+    grpc::ClientContext context;
+    v1::ModelInfo info;
+    const grpc::Status st = stub->GetModelInfo(&context, {}, &info);
+    if (st.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    ++refused;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (health(server->channel()) != "SERVING" && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(health(server->channel()), "SERVING") << server->log();
+  const std::string log = server->log();
+  size_t lines = 0;
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);)
+    lines += line.find("GetModelInfo peer=") != std::string::npos &&
+             line.find("status=UNAVAILABLE") != std::string::npos;
+  EXPECT_LE(double(lines), 2 + seconds) << refused << " calls refused in " << seconds << " s";
+  if (refused > 0) {
+    EXPECT_GE(lines, 1u) << log;
+  }
+  if (refused > 1) {
+    EXPECT_NE(log.find("refused_since_last_line="), std::string::npos) << log;
+  }
+}
+
 // Watch streams the status: NOT_SERVING while the model loads (if it still loads when the stream
 // starts), SERVING once the server serves, NOT_SERVING when a drain begins, each change once; a
 // name the server does not have is SERVICE_UNKNOWN; every stream ends when the server stops.

@@ -10,6 +10,7 @@
 #include <set>
 #include <vector>
 
+#include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/utf8.h"
 
 namespace cemlm {
@@ -111,8 +112,10 @@ std::string not_text_message(const std::string& path, const std::string& why) {
   return "'" + path + "' is not UTF-8 text: " + why;
 }
 
-// Appends the candidate files under `path` (sorted when it is a directory).
-bool expand(const std::string& path, std::vector<std::string>* out, std::string* error) {
+// Appends the candidate files under `path` (sorted when it is a directory), and the directories
+// of other runs' output it leaves unwalked to *run_dirs when given.
+bool expand(const std::string& path, std::vector<std::string>* out, std::string* error,
+            std::vector<std::string>* run_dirs) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
     *error = "input '" + path + "' " + missing_or_why(ec);
@@ -131,6 +134,11 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
   for (const fs::recursive_directory_iterator end; !ec && it != end; it.increment(ec)) {
     if (it->path().filename().string().starts_with(".")) {
       if (it->is_directory(ec)) it.disable_recursion_pending();
+      continue;
+    }
+    if (it->is_directory(ec) && is_run_output_dir(it->path().string())) {
+      it.disable_recursion_pending();
+      if (run_dirs) run_dirs->push_back(it->path().string());
       continue;
     }
     if (it->is_directory(ec)) {
@@ -165,10 +173,10 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
 bool for_each_text_file(const std::vector<std::string>& paths, bool with_text,
                         const std::function<void(const std::string&, std::string&&)>& use,
                         std::string* error, std::vector<std::string>* skipped,
-                        std::vector<std::string>* why_skipped) {
+                        std::vector<std::string>* why_skipped, std::vector<std::string>* run_dirs) {
   std::vector<std::string> candidates;
   for (const auto& p : paths)
-    if (!expand(p, &candidates, error)) return false;
+    if (!expand(p, &candidates, error, run_dirs)) return false;
   for (const auto& path : candidates) {
     std::string why;
     if (!skipped_by_name(path)) {
@@ -207,11 +215,18 @@ bool read_text_file(const std::string& path, std::string* text, std::string* err
 
 bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
                         std::string* error, std::vector<std::string>* skipped,
-                        std::vector<std::string>* why_skipped) {
+                        std::vector<std::string>* why_skipped, std::vector<std::string>* run_dirs) {
   return for_each_text_file(
       paths, /*with_text=*/false,
       [&](const std::string& path, std::string&&) { files->push_back(path); }, error, skipped,
-      why_skipped);
+      why_skipped, run_dirs);
+}
+
+bool is_run_output_dir(const std::string& dir) {
+  std::error_code ec;
+  auto has = [&](const char* name) { return fs::exists(fs::path(dir) / name, ec); };
+  return (has(kConfigFile) && has(kWeightsFile)) || has(kTrainerStateFile) ||
+         has(kTokenCacheFile) || has(kTokenizerKeyFile);
 }
 
 bool read_corpus(const std::vector<std::string>& paths, std::vector<TextFile>* files,
@@ -221,7 +236,7 @@ bool read_corpus(const std::vector<std::string>& paths, std::vector<TextFile>* f
       [&](const std::string& path, std::string&& text) {
         files->push_back(TextFile{path, std::move(text)});
       },
-      error, skipped, nullptr);
+      error, skipped, nullptr, nullptr);
 }
 
 }  // namespace cemlm

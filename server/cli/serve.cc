@@ -5,6 +5,8 @@
 #include <google/protobuf/stubs/logging.h>
 #include <grpc/support/log.h>
 #include <netdb.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <prometheus/text_serializer.h>
 #include <pthread.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -18,9 +20,11 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -95,6 +99,39 @@ int fail(const absl::Status& st) {
 // A flag's value refused for itself, before anything else runs: "error: …", exit 2, as every
 // command's usage errors (it was a log line and exit 1).
 int flag_error(const absl::Status& st) { return usage_error(std::string(st.message())); }
+
+// The first certificate of --tls-cert (the server's own) refused when it has expired or is not
+// valid yet: every TLS client would refuse it, while health said SERVING. One that expires within
+// a week is warned of (the file is read at start only).
+absl::Status check_certificate_dates(const std::string& pem, const std::string& path) {
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), int(pem.size())),
+                                                &BIO_free);
+  std::unique_ptr<X509, decltype(&X509_free)> cert(
+      bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr, &X509_free);
+  if (!cert) return absl::OkStatus();  // gRPC's own check says what is wrong with it
+  auto date = [](const ASN1_TIME* t) {
+    std::unique_ptr<BIO, decltype(&BIO_free)> out(BIO_new(BIO_s_mem()), &BIO_free);
+    char* text = nullptr;
+    if (!out || ASN1_TIME_print(out.get(), t) != 1) return std::string("?");
+    const long n = BIO_get_mem_data(out.get(), &text);
+    return std::string(text, size_t(n));
+  };
+  const ASN1_TIME* not_after = X509_get0_notAfter(cert.get());
+  const ASN1_TIME* not_before = X509_get0_notBefore(cert.get());
+  if (X509_cmp_current_time(not_after) < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-cert '", path, "' expired on ", date(not_after),
+                     ": every TLS client would refuse it; renew the certificate"));
+  if (X509_cmp_current_time(not_before) > 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls-cert '", path, "' is not valid until ", date(not_before),
+        ": every TLS client would refuse it until then (or this machine's clock is behind)"));
+  time_t in_a_week = std::time(nullptr) + 7 * 24 * 3600;
+  if (X509_cmp_time(not_after, &in_a_week) < 0)
+    spdlog::warn("--tls-cert '{}' expires on {}: renew it and restart (it is read at start only)",
+                 path, date(not_after));
+  return absl::OkStatus();
+}
 
 // Loads the engine and runs one short scoring pass, so the first request pays no warm-up.
 absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t kv_bytes) {
@@ -228,6 +265,10 @@ int serve(const ServeFlags& f, sigset_t* signals) {
         "--tls-key '", f.tls_key,
         "' is encrypted (protected by a passphrase), which the server cannot ask for: give it "
         "the key unencrypted (openssl pkey -in KEY -out PLAIN.pem), readable by its user only")));
+
+  if (!f.tls_cert.empty())
+    if (absl::Status st = check_certificate_dates(opts.tls_cert_pem, f.tls_cert); !st.ok())
+      return fail(st);
 
   // The checkpoint's config.json before anything listens (the weights load after): the ports
   // line went out for a --model that names no checkpoint, and scripts that wait for it took such

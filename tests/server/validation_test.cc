@@ -4,6 +4,9 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509v3.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -13,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -1502,6 +1506,71 @@ std::shared_ptr<grpc::ChannelCredentials> trusting(const std::string& dir) {
   grpc::SslCredentialsOptions ssl;
   ssl.pem_root_certs = pem.str();
   return grpc::SslCredentials(ssl);
+}
+
+// A self-signed certificate for localhost and 127.0.0.1 valid from `from` to `to` seconds from
+// now (dates the openssl command cannot set), and its key, as dir/cert.pem and dir/key.pem.
+void make_certificate_between(const std::string& dir, long from, long to) {
+  EVP_PKEY* key = EVP_EC_gen("P-256");
+  X509* x = X509_new();
+  X509_set_version(x, 2);
+  ASN1_INTEGER_set(X509_get_serialNumber(x), 1);
+  X509_gmtime_adj(X509_getm_notBefore(x), from);
+  X509_gmtime_adj(X509_getm_notAfter(x), to);
+  X509_set_pubkey(x, key);
+  X509_NAME* name = X509_get_subject_name(x);
+  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
+                             reinterpret_cast<const unsigned char*>("localhost"), -1, -1, 0);
+  X509_set_issuer_name(x, name);
+  X509V3_CTX ctx;
+  X509V3_set_ctx(&ctx, x, x, nullptr, nullptr, 0);
+  X509_EXTENSION* san =
+      X509V3_EXT_conf_nid(nullptr, &ctx, NID_subject_alt_name, "IP:127.0.0.1,DNS:localhost");
+  X509_add_ext(x, san, -1);
+  X509_EXTENSION_free(san);
+  X509_sign(x, key, EVP_sha256());
+  std::FILE* cert = std::fopen((dir + "/cert.pem").c_str(), "w");
+  PEM_write_X509(cert, x);
+  std::fclose(cert);
+  std::FILE* pkey = std::fopen((dir + "/key.pem").c_str(), "w");
+  PEM_write_PrivateKey(pkey, key, nullptr, nullptr, 0, nullptr, nullptr);
+  std::fclose(pkey);
+  X509_free(x);
+  EVP_PKEY_free(key);
+}
+
+// A certificate that has expired, or is not valid yet, is refused at start, naming the flag and
+// the date: every TLS client failed while health said SERVING. One that expires within a week
+// serves, warned of.
+TEST(ServerTls, ACertificateOutOfItsDatesIsRefused) {
+  const std::string dir = fresh_temp_dir(), model = make_tiny_model(dir);
+  const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
+  constexpr long kDay = 24 * 3600;
+  for (const auto& [from, to, said] : {std::tuple{-2 * kDay, -kDay, "' expired on "},
+                                       std::tuple{kDay, 2 * kDay, "' is not valid until "}}) {
+    make_certificate_between(dir, from, to);
+    // Killed after 60 s: a server that took the certificate would serve until then.
+    CemlmRun run({"serve", "--model", model, "--host", "127.0.0.1", "--port", "0", "--metrics-port",
+                  "0", "--tls-cert", cert, "--tls-key", key});
+    ASSERT_GT(run.pid(), 0);
+    std::promise<void> ended;
+    std::thread backstop([&, done = ended.get_future()] {
+      if (done.wait_for(std::chrono::seconds(60)) != std::future_status::ready)
+        ::kill(run.pid(), SIGKILL);
+    });
+    std::string out, err;
+    const int rc = run.wait(&out, &err);
+    ended.set_value();
+    backstop.join();
+    EXPECT_EQ(rc, 1) << said << ": " << err;
+    EXPECT_NE(err.find("--tls-cert '" + cert + said), std::string::npos) << err;
+  }
+  make_certificate_between(dir, -kDay, 3 * kDay);
+  auto server = ServerProcess::start(model, {"--tls-cert", cert, "--tls-key", key}, trusting(dir));
+  ASSERT_TRUE(server);
+  EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
+  EXPECT_NE(server->log().find("--tls-cert '" + cert + "' expires on "), std::string::npos)
+      << server->log();
 }
 
 TEST(ServerTls, ServesOverTls) {

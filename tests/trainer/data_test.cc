@@ -60,6 +60,10 @@ TEST_F(DataTest, DocumentsAreSeparatedByPercentLines) {
   std::vector<int32_t> plain;
   for (int id : encode_ok(*tokenizer_, "no separators\n")) plain.push_back(id);
   EXPECT_EQ(encode_documents("no separators\n", *tokenizer_, -1, -1).value(), plain);
+  // A byte-order mark starting the file is none of its text (it became three byte ids); one
+  // elsewhere is left as it is.
+  EXPECT_EQ(encode_documents("\xEF\xBB\xBFno separators\n", *tokenizer_, -1, -1).value(), plain);
+  EXPECT_NE(encode_documents("no \xEF\xBB\xBFseparators\n", *tokenizer_, -1, -1).value(), plain);
 }
 
 // A long document is encoded in pieces (SentencePiece's BPE holds ~170 bytes per byte of what it
@@ -464,6 +468,34 @@ TEST(ListCorpus, NamesNoFileOfTheExcludedDirectoriesAsNotText) {
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_EQ(c->not_text.size(), 1u) << absl::StrJoin(c->not_text, "; ");
   EXPECT_NE(c->not_text[0].find("latin1.txt"), std::string::npos) << c->not_text[0];
+}
+
+// Another run's checkpoint or token cache under --data is left out and named: their config.json,
+// train.jsonl, loss.svg and token keys read as UTF-8 text, and a second run on a folder holding
+// the first's output trained on them (62% of its tokens in a review's run). This run's own stay
+// left out as its own, unnamed.
+TEST(ListCorpus, LeavesOutAndNamesOtherRunsOutput) {
+  const std::string dir = fresh_dir();
+  write_file(dir + "/a.txt", "some text\n");
+  write_file(dir + "/o/config.json", "{}\n");
+  write_file(dir + "/o/model.safetensors", "weights");
+  write_file(dir + "/o/train.jsonl", "{\"step\": 1}\n");
+  write_file(dir + "/o/loss.svg", "<svg/>\n");
+  write_file(dir + "/o.cache/tokenizer.key", "1234\n");
+  write_file(dir + "/p/trainer_state.json", "{}\n");
+  write_file(dir + "/mine.cache/tokens.bin", "ids");
+  write_file(dir + "/notes/config.json", "{\"a config of the user's data\": 1}\n");
+  auto c = list_corpus({dir}, {dir + "/mine", dir + "/mine.cache"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::set<std::string> names;
+  for (const std::string& p : c->paths)
+    names.insert(fs::path(p).parent_path().filename().string() + "/" +
+                 fs::path(p).filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{fs::path(dir).filename().string() + "/a.txt",
+                                          "notes/config.json"}));
+  std::set<std::string> runs;
+  for (const std::string& d : c->run_dirs) runs.insert(fs::path(d).filename().string());
+  EXPECT_EQ(runs, (std::set<std::string>{"o", "o.cache", "p"}));
 }
 
 TEST(ListCorpus, MissingPathNamesTheFlag) {

@@ -261,6 +261,26 @@ TEST(Train, DataFilesLeftOutForTheirContentsAreNamed) {
   EXPECT_NE(lines.find("data: 2 files"), std::string::npos) << lines;
 }
 
+// Another run's checkpoint under --data is left out, and the run names it (its JSON and SVG were
+// trained on as text).
+TEST(Train, AnotherRunsCheckpointUnderDataIsLeftOutAndNamed) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  testing_trainer::write_file(dir + "/text/old/trainer_state.json", "{\"step\": 1}\n");
+  testing_trainer::write_file(dir + "/text/old/train.jsonl", "{\"step\": 1}\n");
+  std::string lines;
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+  ASSERT_TRUE(train(o, cb).ok());
+  EXPECT_NE(lines.find("note: --data: 1 directory of another run's checkpoint or token cache left "
+                       "out: " +
+                       dir + "/text/old ("),
+            std::string::npos)
+      << lines;
+  EXPECT_NE(lines.find("data: 2 files"), std::string::npos) << lines;
+}
+
 // The tokenizer trains on the data's files: with --cache inside --data, it collected --data again
 // and took in the cache's tokenizer.key (a text file) that the data leaves out.
 TEST(Train, TheTokenizerTrainsOnTheDataFilesOnly) {

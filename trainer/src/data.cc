@@ -189,7 +189,7 @@ absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
   CorpusFiles c;
   std::string error;
   std::vector<std::string> found, why_skipped;
-  if (!collect_text_files(inputs, &found, &error, &c.skipped, &why_skipped))
+  if (!collect_text_files(inputs, &found, &error, &c.skipped, &why_skipped, &c.run_dirs))
     return absl::NotFoundError(absl::StrCat("--data: ", error));
   // The resolved path, or where symlinks cannot be resolved (a loop) the lexical absolute one.
   auto resolved = [](const std::string& p) {
@@ -214,6 +214,12 @@ absl::StatusOr<CorpusFiles> list_corpus(const std::vector<std::string>& inputs,
     if (!why_skipped[i].empty() && !is_excluded(c.skipped[i]))
       c.not_text.push_back(std::move(why_skipped[i]));
   for (std::string& p : found) (is_excluded(p) ? c.skipped : c.paths).push_back(std::move(p));
+  // This run's own --out and --cache are left out as such, not as another run's.
+  std::erase_if(c.run_dirs, [&](const std::string& d) {
+    const fs::path abs = resolved(d);
+    return std::any_of(excluded.begin(), excluded.end(),
+                       [&](const fs::path& e) { return abs == e || inside(abs, e); });
+  });
   uint64_t h = hash_bytes("cemlm corpus v1");
   for (const std::string& p : c.paths) {
     std::error_code ec;
@@ -232,7 +238,10 @@ absl::StatusOr<std::vector<int32_t>> encode_documents(std::string_view text,
                                                       const std::function<bool()>& stop) {
   if (!cuts_keep_ids(tokenizer)) piece_bytes = SIZE_MAX;  // whole documents
   std::vector<int32_t> out;
-  size_t doc_begin = 0, pos = 0;
+  // A byte-order mark starting a file (Windows editors write one) is no text of its first
+  // document: it became three byte ids after its BOS.
+  constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+  size_t doc_begin = text.starts_with(kUtf8Bom) ? kUtf8Bom.size() : 0, pos = doc_begin;
   while (pos < text.size()) {
     const size_t end = std::min(text.find('\n', pos), text.size());
     if (is_separator(text.substr(pos, end - pos))) {

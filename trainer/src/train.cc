@@ -48,8 +48,6 @@ using nlohmann::json;
 // Independent RNG streams, so that the data order does not depend on how T is drawn.
 constexpr uint64_t kDataStream = 0x5851f42d4c957f2dULL;
 constexpr uint64_t kRecursionStream = 0x14057b7ef767814fULL;
-constexpr char kTokenCacheFile[] = "tokens.bin";
-constexpr char kTokenizerKeyFile[] = "tokenizer.key";
 
 absl::Status with_prefix(const std::string& prefix, const absl::Status& st) {
   return st.ok() ? st : absl::Status(st.code(), absl::StrCat(prefix, st.message()));
@@ -867,6 +865,12 @@ absl::StatusOr<CorpusFiles> Trainer::list_data() const {
                       n > kNamed ? absl::StrCat("; and ", n - kNamed, " more") : "",
                       " (convert a text file to UTF-8, e.g. with iconv, to train on it)"));
   }
+  if (const std::vector<std::string>& others = corpus.run_dirs; !others.empty())
+    info(absl::StrCat(
+        "note: --data: ", others.size(), others.size() == 1 ? " directory" : " directories",
+        " of another run's checkpoint or token cache left out: ", absl::StrJoin(others, "; "),
+        " (their JSON and token ids are not text to train on; name a file inside "
+        "to train on it)"));
   if (corpus.paths.empty()) {
     // Data inside --cache or --out (`--cache .` run beside it) is all this run's own output.
     std::string inside;

@@ -24,6 +24,10 @@ inline constexpr char kOptimizerFile[] = "optimizer.safetensors";
 inline constexpr char kTrainerStateFile[] = "trainer_state.json";
 inline constexpr char kMetricsFile[] = "train.jsonl";
 inline constexpr char kLossCurveFile[] = "loss.svg";
+// The files of `cemlm train`'s token cache directory (--cache): the encoded corpus and the key of
+// the tokenizer it was encoded with.
+inline constexpr char kTokenCacheFile[] = "tokens.bin";
+inline constexpr char kTokenizerKeyFile[] = "tokenizer.key";
 // Every name a checkpoint directory may hold. Saving replaces the whole directory, so one
 // holding anything else is refused rather than emptied.
 inline constexpr std::array<std::string_view, 7> kCheckpointFiles = {

@@ -19,15 +19,23 @@ bool read_text_file(const std::string& path, std::string* text, std::string* err
 
 // Expands `paths` (files, or directories walked recursively in sorted order, hidden entries
 // skipped, links to directories followed but not around a loop, a file reached by two paths of a
-// directory taken once) into the text files to train on, in input order. Skips `.dat`/`.u8` files (the strfile
-// indexes and symlinked duplicates of Debian's fortunes) and binary or non-UTF-8 files, listing
-// them in `*skipped` when given, and in `*why_skipped` (beside them, one for one) why: empty for
-// a file left out by its name, unread, else "'path' is not UTF-8 text: ..." with the offending
-// byte. Each file is checked a MiB at a time, not held whole. False (error names the path) when
-// a path does not exist or cannot be read.
+// directory taken once) into the text files to train on, in input order. Skips `.dat`/`.u8` files
+// (the strfile indexes and symlinked duplicates of Debian's fortunes) and binary or non-UTF-8
+// files, listing them in `*skipped` when given, and in `*why_skipped` (beside them, one for one)
+// why: empty for a file left out by its name, unread, else "'path' is not UTF-8 text: ..." with the
+// offending byte. Each file is checked a MiB at a time, not held whole. False (error names the
+// path) when a path does not exist or cannot be read. A directory found in the walk that holds
+// another training run's output (is_run_output_dir) is not walked: it is listed in `*run_dirs` when
+// given.
 bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
                         std::string* error, std::vector<std::string>* skipped = nullptr,
-                        std::vector<std::string>* why_skipped = nullptr);
+                        std::vector<std::string>* why_skipped = nullptr,
+                        std::vector<std::string>* run_dirs = nullptr);
+
+// Whether `dir` holds a checkpoint (config.json beside model.safetensors, or trainer_state.json)
+// or `cemlm train`'s token cache (tokens.bin, tokenizer.key): JSON, SVG and token ids that read as
+// text, which a --data naming their parent took in as corpus.
+bool is_run_output_dir(const std::string& dir);
 
 struct TextFile {
   std::string path, text;

@@ -25,6 +25,9 @@ struct CorpusFiles {
   // is otherwise lost unseen, unlike the .dat/.u8 files of a fortunes directory, which are left
   // out by design, or the run's own output.
   std::vector<std::string> not_text;
+  // Directories of other runs' output under the inputs, left unwalked (is_run_output_dir); not
+  // the excluded ones (this run's own).
+  std::vector<std::string> run_dirs;
   uint64_t key = 0;
 };
 // The text files under `inputs`, leaving out any inside one of the `exclude` directories or in a

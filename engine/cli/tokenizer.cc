@@ -86,6 +86,9 @@ int train(int argc, char** argv) {
   std::printf("wrote %s: %d pieces from %d text files (%.2f MB), %zu files skipped\n",
               opts.out_path.c_str(), opts.vocab_size, stats.files, double(stats.bytes) / 1e6,
               stats.skipped.size());
+  for (const std::string& dir : stats.run_dirs)
+    std::fprintf(stderr, "note: left out '%s': a training run's checkpoint or token cache\n",
+                 dir.c_str());
   return 0;
 }
 

@@ -225,18 +225,23 @@ bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::
 bool is_run_output_dir(const std::string& dir) {
   std::error_code ec;
   auto has = [&](const char* name) { return fs::exists(fs::path(dir) / name, ec); };
-  return (has(kConfigFile) && has(kWeightsFile)) || has(kTrainerStateFile) ||
-         has(kTokenCacheFile) || has(kTokenizerKeyFile);
+  if ((has(kConfigFile) && has(kWeightsFile)) || has(kTrainerStateFile)) return true;
+  // A file of the user's may be called tokens.bin: the cache's starts with its magic.
+  char magic[sizeof kTokenCacheMagic] = {};
+  std::ifstream cache(fs::path(dir) / kTokenCacheFile, std::ios::binary);
+  return cache.read(magic, sizeof magic) &&
+         std::equal(magic, magic + sizeof magic, kTokenCacheMagic);
 }
 
 bool read_corpus(const std::vector<std::string>& paths, std::vector<TextFile>* files,
-                 std::string* error, std::vector<std::string>* skipped) {
+                 std::string* error, std::vector<std::string>* skipped,
+                 std::vector<std::string>* run_dirs) {
   return for_each_text_file(
       paths, /*with_text=*/true,
       [&](const std::string& path, std::string&& text) {
         files->push_back(TextFile{path, std::move(text)});
       },
-      error, skipped, nullptr, nullptr);
+      error, skipped, nullptr, run_dirs);
 }
 
 }  // namespace cemlm

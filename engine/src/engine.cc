@@ -644,7 +644,7 @@ absl::Status EngineImpl::run_forward(const Batch& batch, std::vector<float>* log
     int64_t tokens = 0;
     for (const BatchSeq& s : batch.seqs) tokens += s.n_tokens;
     return absl::ResourceExhaustedError(absl::StrCat(
-        "out of memory running the model on a batch of ", tokens,
+        kOutOfMemory, " running the model on a batch of ", tokens,
         " tokens; retry later, or run with a lower --max-batch-tokens or --kv-cache-memory"));
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("the model's forward failed: ", e.what()));

@@ -432,7 +432,7 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
     return false;
   }
   std::vector<TextFile> corpus;
-  if (!read_corpus(opts.inputs, &corpus, error, &st.skipped)) return false;
+  if (!read_corpus(opts.inputs, &corpus, error, &st.skipped, &st.run_dirs)) return false;
   st.files = int(corpus.size());
   for (const auto& f : corpus) st.bytes += int64_t(f.text.size());
   if (st.bytes == 0) {

@@ -655,10 +655,17 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
       return;
     }
     if (!id_) {
-      spdlog::info("generate rejected client_id=\"{}\" peer={} status={} message=\"{}\"",
-                   log_escaped(request_id_), peer_,
-                   grpc_code_name(final_status_.error_code()),
-                   log_escaped(final_status_.error_message()));
+      // Refused for the server's state (loading, draining, a full queue), at most a line a
+      // second: a client polling through them sends hundreds a second.
+      const grpc::StatusCode code = final_status_.error_code();
+      const bool busy =
+          code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::RESOURCE_EXHAUSTED;
+      int64_t left_out = 0;
+      if (busy && !state_->busy_log().allow(&left_out)) return;
+      spdlog::info("generate rejected client_id=\"{}\" peer={} status={} message=\"{}\"{}",
+                   log_escaped(request_id_), peer_, grpc_code_name(code),
+                   log_escaped(final_status_.error_message()),
+                   busy ? absl::StrCat(" refused_since_last_line=", left_out) : "");
       return;
     }
     // The engine ends a call whose gRPC deadline passed as cancelled; the log says which it was.
@@ -775,8 +782,12 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
   state_->metrics().count_rpc(method, status.error_code());
   int64_t left_out = 0;
   const grpc::StatusCode code = status.error_code();
+  // A model out of memory is the server's fault, said at each call; the other RESOURCE_EXHAUSTED
+  // refusals are its state's (a full queue), as UNAVAILABLE ones are (loading, draining).
+  const bool out_of_memory = code == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+                             absl::StartsWith(status.error_message(), kOutOfMemory);
   if (code == grpc::StatusCode::UNAUTHENTICATED || code == grpc::StatusCode::UNAVAILABLE ||
-      code == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      (code == grpc::StatusCode::RESOURCE_EXHAUSTED && !out_of_memory)) {
     LogLimiter& limiter =
         code == grpc::StatusCode::UNAUTHENTICATED ? state_->refused_key_log() : state_->busy_log();
     if (limiter.allow(&left_out))
@@ -786,7 +797,9 @@ grpc::Status InferenceService::unary(grpc::ServerContext* context, const char* m
     return status;
   }
   const bool quiet = status.ok() && std::string_view(method) != "Score";
-  spdlog::log(quiet ? spdlog::level::debug : spdlog::level::info,
+  spdlog::log(quiet           ? spdlog::level::debug
+              : out_of_memory ? spdlog::level::warn
+                              : spdlog::level::info,
               "{} peer={} status={} latency_ms={:.3f}{}{}{}", method, context->peer(),
               grpc_code_name(status.error_code()), seconds_between(start, Clock::now()) * 1e3,
               status.ok() ? "" : " message=\"", log_escaped(status.error_message()),

@@ -219,6 +219,13 @@ TEST(ServerHealth, CallsRefusedWhileLoadingAreLoggedOnceASecond) {
     if (st.error_code() != grpc::StatusCode::UNAVAILABLE) break;
     ++refused;
   }
+  // Generate calls refused before they start too (each wrote a "generate rejected" line).
+  int streams_refused = 0;
+  for (int i = 0; i < 200; ++i) {
+    const Stream s = generate(server->channel(), ids_request({5, 6, 7}, 2, 1));
+    if (s.status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    ++streams_refused;
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const auto deadline = std::chrono::steady_clock::now() + 60s;
@@ -226,12 +233,16 @@ TEST(ServerHealth, CallsRefusedWhileLoadingAreLoggedOnceASecond) {
     std::this_thread::sleep_for(10ms);
   ASSERT_EQ(health(server->channel()), "SERVING") << server->log();
   const std::string log = server->log();
-  size_t lines = 0;
+  size_t lines = 0, stream_lines = 0;
   std::istringstream in(log);
-  for (std::string line; std::getline(in, line);)
-    lines += line.find("GetModelInfo peer=") != std::string::npos &&
-             line.find("status=UNAVAILABLE") != std::string::npos;
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("status=UNAVAILABLE") == std::string::npos) continue;
+    lines += line.find("GetModelInfo peer=") != std::string::npos;
+    stream_lines += line.find("generate rejected") != std::string::npos;
+  }
   EXPECT_LE(double(lines), 2 + seconds) << refused << " calls refused in " << seconds << " s";
+  EXPECT_LE(double(stream_lines), 2 + seconds)
+      << streams_refused << " streams refused in " << seconds << " s";
   if (refused > 0) {
     EXPECT_GE(lines, 1u) << log;
   }

@@ -482,9 +482,11 @@ TEST(ListCorpus, LeavesOutAndNamesOtherRunsOutput) {
   write_file(dir + "/o/train.jsonl", "{\"step\": 1}\n");
   write_file(dir + "/o/loss.svg", "<svg/>\n");
   write_file(dir + "/o.cache/tokenizer.key", "1234\n");
+  write_file(dir + "/o.cache/tokens.bin", "CEMLMTOK and the rest of a cache");
   write_file(dir + "/p/trainer_state.json", "{}\n");
   write_file(dir + "/mine.cache/tokens.bin", "ids");
   write_file(dir + "/notes/config.json", "{\"a config of the user's data\": 1}\n");
+  write_file(dir + "/notes/tokens.bin", "a file of the user's, not a cache\n");
   auto c = list_corpus({dir}, {dir + "/mine", dir + "/mine.cache"});
   ASSERT_TRUE(c.ok()) << c.status();
   std::set<std::string> names;
@@ -492,7 +494,7 @@ TEST(ListCorpus, LeavesOutAndNamesOtherRunsOutput) {
     names.insert(fs::path(p).parent_path().filename().string() + "/" +
                  fs::path(p).filename().string());
   EXPECT_EQ(names, (std::set<std::string>{fs::path(dir).filename().string() + "/a.txt",
-                                          "notes/config.json"}));
+                                          "notes/config.json", "notes/tokens.bin"}));
   std::set<std::string> runs;
   for (const std::string& d : c->run_dirs) runs.insert(fs::path(d).filename().string());
   EXPECT_EQ(runs, (std::set<std::string>{"o", "o.cache", "p"}));

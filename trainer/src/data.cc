@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "cemlm/engine/checkpoint.h"
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/status.h"
@@ -20,8 +21,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr char kMagic[8] = {'C', 'E', 'M', 'L', 'M', 'T', 'O', 'K'};
-constexpr uint32_t kCacheVersion = 2;  // 1 had no content hash
+// 1 had no content hash; 2 kept a file's leading byte-order mark as three ids.
+constexpr uint32_t kCacheVersion = 3;
 
 template <typename T>
 uint64_t hash_value(const T& v, uint64_t h) {
@@ -45,9 +46,8 @@ std::vector<std::vector<int32_t>> read_cache(const std::string& path, const Corp
   if (!read_file(path, &bytes, &error) || bytes.size() < sizeof(CacheHeader)) return {};
   CacheHeader h;
   std::memcpy(&h, bytes.data(), sizeof(h));
-  if (std::memcmp(h.magic, kMagic, 8) || h.version != kCacheVersion ||
-      h.n_files != corpus.paths.size() || h.corpus_key != corpus.key ||
-      h.encoding != encoding)
+  if (std::memcmp(h.magic, kTokenCacheMagic, 8) || h.version != kCacheVersion ||
+      h.n_files != corpus.paths.size() || h.corpus_key != corpus.key || h.encoding != encoding)
     return {};
   size_t pos = sizeof(h) + h.n_files * sizeof(uint64_t);
   if (bytes.size() < pos || hash_bytes(std::string_view(bytes).substr(sizeof(h))) != h.content)
@@ -81,7 +81,7 @@ absl::Status write_cache(const std::string& path, const CorpusFiles& corpus,
     fs::create_directories(parent, ec);
   return write_file_atomic(path, [&](std::FILE* f) {
     CacheHeader h;
-    std::memcpy(h.magic, kMagic, 8);
+    std::memcpy(h.magic, kTokenCacheMagic, 8);
     h.version = kCacheVersion;
     h.n_files = uint32_t(files.size());
     h.corpus_key = corpus.key;

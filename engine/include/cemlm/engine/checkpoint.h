@@ -24,10 +24,11 @@ inline constexpr char kOptimizerFile[] = "optimizer.safetensors";
 inline constexpr char kTrainerStateFile[] = "trainer_state.json";
 inline constexpr char kMetricsFile[] = "train.jsonl";
 inline constexpr char kLossCurveFile[] = "loss.svg";
-// The files of `cemlm train`'s token cache directory (--cache): the encoded corpus and the key of
-// the tokenizer it was encoded with.
+// The files of `cemlm train`'s token cache directory (--cache): the encoded corpus, which starts
+// with kTokenCacheMagic, and the key of the tokenizer it was encoded with.
 inline constexpr char kTokenCacheFile[] = "tokens.bin";
 inline constexpr char kTokenizerKeyFile[] = "tokenizer.key";
+inline constexpr char kTokenCacheMagic[8] = {'C', 'E', 'M', 'L', 'M', 'T', 'O', 'K'};
 // Every name a checkpoint directory may hold. Saving replaces the whole directory, so one
 // holding anything else is refused rather than emptied.
 inline constexpr std::array<std::string_view, 7> kCheckpointFiles = {

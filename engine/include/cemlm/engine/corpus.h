@@ -33,8 +33,8 @@ bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::
                         std::vector<std::string>* run_dirs = nullptr);
 
 // Whether `dir` holds a checkpoint (config.json beside model.safetensors, or trainer_state.json)
-// or `cemlm train`'s token cache (tokens.bin, tokenizer.key): JSON, SVG and token ids that read as
-// text, which a --data naming their parent took in as corpus.
+// or `cemlm train`'s token cache (a tokens.bin that starts as one does): JSON, SVG and token keys
+// that read as text, which a --data naming their parent took in as corpus.
 bool is_run_output_dir(const std::string& dir);
 
 struct TextFile {
@@ -43,6 +43,7 @@ struct TextFile {
 
 // collect_text_files plus the contents, each file read once.
 bool read_corpus(const std::vector<std::string>& paths, std::vector<TextFile>* files,
-                 std::string* error, std::vector<std::string>* skipped = nullptr);
+                 std::string* error, std::vector<std::string>* skipped = nullptr,
+                 std::vector<std::string>* run_dirs = nullptr);
 
 }  // namespace cemlm

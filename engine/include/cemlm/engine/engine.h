@@ -114,6 +114,10 @@ struct ScoreResult {
   int recursion_depth = 0;
 };
 
+// How the message of a RESOURCE_EXHAUSTED status starts when the model ran out of memory on a
+// batch (the server's fault, not a refusal for load: the server logs each one).
+inline constexpr char kOutOfMemory[] = "out of memory";
+
 struct EngineStats {
   int running = 0;
   int waiting = 0;  // generation requests queued, and scoring calls waiting for cache room

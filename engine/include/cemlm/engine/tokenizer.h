@@ -138,6 +138,7 @@ struct TokenizerTrainStats {
   int files = 0;                     // text files trained on
   int64_t bytes = 0;                 // their total size
   std::vector<std::string> skipped;  // files left out (.dat/.u8, binary, not UTF-8)
+  std::vector<std::string> run_dirs;  // directories of a training run's output left out
   // When training failed because vocab_size is too small: the least one that the special and
   // byte pieces and the text's characters need (0 when that was not the cause).
   int min_vocab_size = 0;

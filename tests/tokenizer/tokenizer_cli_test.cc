@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "cemlm/cli/commands.h"
 #include "cemlm/engine/corpus.h"
@@ -49,6 +50,20 @@ TEST(TokenizerCli, TrainEncodeDecode) {
   ASSERT_EQ(train.rc, 0) << train.err;
   EXPECT_TRUE(std::filesystem::exists(model));
   EXPECT_NE(train.out.find("2 text files"), std::string::npos) << train.out;
+
+  // A training run's output under an --input directory is left out, and named.
+  const std::string inputs = dir + "/inputs";
+  std::filesystem::create_directories(inputs + "/old-run");
+  std::filesystem::copy_file(corpus[0], inputs + "/a.txt");
+  std::ofstream(inputs + "/old-run/trainer_state.json") << "{\"step\": 1}\n";
+  CliRun skipping =
+      run({"train", "--input", inputs, "--vocab-size", "400", "--out", dir + "/tok2.model"});
+  ASSERT_EQ(skipping.rc, 0) << skipping.err;
+  EXPECT_NE(skipping.out.find("from 1 text files"), std::string::npos) << skipping.out;
+  EXPECT_NE(skipping.err.find("note: left out '" + inputs +
+                              "/old-run': a training run's checkpoint or token cache"),
+            std::string::npos)
+      << skipping.err;
 
   const std::string text = "Fortune favours the bold, café 日本";
   CliRun enc = run({"encode", "--model", model, "--text", text});

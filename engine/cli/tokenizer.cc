@@ -50,7 +50,8 @@ int train(int argc, char** argv) {
               "on UTF-8 text, one sentence per line; any text then encodes without unk.");
   flags.add_list("input", &opts.inputs,
                  "text files or directories (walked recursively, sorted); .dat/.u8, binary and "
-                 "non-UTF-8 files are skipped",
+                 "non-UTF-8 files, and directories of a training run's checkpoint or token "
+                 "cache, are skipped",
                  true);
   flags.add("out", &opts.out_path,
             "the .model file to write (not one a checkpoint holds: config.json beside it)", true);

@@ -372,8 +372,7 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineImpl::start(const EngineOptions& o
   } catch (const std::bad_alloc&) {
     failed = absl::ResourceExhaustedError(absl::StrCat(
         "out of memory for the bookkeeping of the KV cache's ", blocks,
-        " blocks (~120-250 bytes each, outside --kv-cache-memory); lower --kv-cache-memory "
-        "or raise --block-size"));
+        " blocks (~120-250 bytes each, outside --kv-cache-memory); lower --kv-cache-memory"));
   } catch (const std::exception& ex) {  // std::random_device's, say
     failed = absl::InternalError(absl::StrCat("starting the engine: ", ex.what()));
   }

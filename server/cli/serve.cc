@@ -509,7 +509,9 @@ int cmd_serve(int argc, char** argv) {
             "client can preempt the others");
   // Empty, they served plaintext: API keys would cross the network in clear.
   flags.add_nonempty("tls-cert", &f.tls_cert,
-                     "PEM certificate chain (with --tls-key: serve TLS only)",
+                     "PEM certificate chain (with --tls-key: serve TLS only); refused when its "
+                     "first certificate has expired or is not valid yet, warned of a week "
+                     "before it expires (it is read at start only)",
                      "name a PEM certificate file, or leave --tls-cert and --tls-key out to "
                      "serve without TLS");
   flags.add_nonempty("tls-key", &f.tls_key, "PEM private key of --tls-cert",

@@ -673,7 +673,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<Response>,
     std::unique_lock lock(mu_);
     const bool undelivered = unread_cancelled_;
     lock.unlock();
-    spdlog::info(
+    // A batch out of memory is the server's fault: a warning, as a unary call's is.
+    const bool out_of_memory = final_status_.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+                               absl::StartsWith(final_status_.error_message(), kOutOfMemory);
+    spdlog::log(
+        out_of_memory ? spdlog::level::warn : spdlog::level::info,
         "generate id={} client_id=\"{}\" peer={} T={} prompt_tokens={} gen_tokens={} finish={} "
         "status={} latency_ms={:.3f}{}",
         *id_, log_escaped(request_id_), peer_, recursion_depth_, usage_.prompt_tokens,

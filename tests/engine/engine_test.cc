@@ -1860,7 +1860,7 @@ TEST(Engine, BlockRecordsBeyondMemoryAreRefusedNotACrash) {
                                       "2147483647 blocks"),
             std::string::npos)
       << e.status();
-  EXPECT_NE(e.status().message().find("lower --kv-cache-memory"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("; lower --kv-cache-memory"), std::string::npos) << e.status();
 }
 
 TEST(Engine, BadOptionsAreRefusedNamingTheOption) {

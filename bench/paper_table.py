@@ -275,8 +275,8 @@ def cache_splits(cache_dir, val_fraction=0.05, bos=1, eos=2):
         blob = f.read()
     header = "<8sIIQQQ"  # magic, version, n_files, corpus key, encoding, content hash
     magic, version, n_files, _key, _tok, _hash = struct.unpack_from(header, blob, 0)
-    if magic != b"CEMLMTOK" or version != 2:
-        sys.exit(f"paper_table: {cache_dir}/tokens.bin is not a version 2 cemlm token cache")
+    if magic != b"CEMLMTOK" or version != 3:  # the trainer's kCacheVersion
+        sys.exit(f"paper_table: {cache_dir}/tokens.bin is not a version 3 cemlm token cache")
     counts = struct.unpack_from(f"<{n_files}Q", blob, struct.calcsize(header))
     pos = struct.calcsize(header) + 8 * n_files
     files = []

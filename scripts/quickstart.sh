@@ -3,8 +3,8 @@
 # on the fortunes corpus if models/default is absent (≤ 10 min on 2 cores), start the gRPC server,
 # send a streaming request at two recursion depths, show per-T perplexity, and stop the server.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/setup.sh
+cd "$(dirname "$(readlink -f "$0")")/.."  # through a symlink too
+CEMLM_SETUP_TARGET=cemlm scripts/setup.sh  # the program alone: the tests build with scripts/test.sh
 CEMLM=build/cli/cemlm
 MODEL=${CEMLM_MODEL_DIR:-models/default}
 PORT=${CEMLM_PORT:-50051}
@@ -33,7 +33,11 @@ trap 'kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' 
 # reports SERVING (the model is loaded).
 serving=0
 for _ in $(seq 1 240); do
-  kill -0 $SERVER 2>/dev/null || { cat server.log; exit 1; }
+  kill -0 $SERVER 2>/dev/null || {
+    cat server.log
+    echo "quickstart: the server ended (a port in use? CEMLM_PORT and CEMLM_METRICS_PORT choose others)"
+    exit 1
+  }
   if grep -q '^cemlm serve: grpc port' server.log &&
     "$CEMLM" client health --addr "127.0.0.1:$PORT" > /dev/null 2>&1; then
     serving=1

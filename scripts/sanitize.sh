@@ -15,7 +15,7 @@
 # suites' failures are listed apart (PLUGIN_SUITES); any other failure, and any sanitizer report
 # from any process (the tests and the programs they start), fails the script.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$(readlink -f "$0")")/.."  # through a symlink too
 kind=${1:-}
 case "$kind" in
   address) flags="-fsanitize=address,undefined" extra=" -fno-sanitize-recover=undefined" ;;
@@ -45,15 +45,16 @@ if [ "$kind" = address ]; then
   cmake --build "$build" -j"$(nproc)" >> "$build/build.log" 2>&1 ||
     failed_step "building $build" "$build/build.log"
   # A test asks for a 4 PiB KV cache on purpose: the allocator must fail it, not abort.
-  export ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:log_path=$PWD/$reports/asan
-  export UBSAN_OPTIONS=print_stacktrace=1:log_path=$PWD/$reports/ubsan
+  # (The path quoted for the sanitizers' option parser: a repository path may hold spaces.)
+  export ASAN_OPTIONS="allocator_may_return_null=1:detect_leaks=1:log_path='$PWD/$reports/asan'"
+  export UBSAN_OPTIONS="print_stacktrace=1:log_path='$PWD/$reports/ubsan'"
   export OMP_WAIT_POLICY=passive
   ctest --test-dir "$build" -j2 --timeout 1800 --output-on-failure > "$log" 2>&1 || ctest_rc=$?
 else
   cmake --build "$build" -j"$(nproc)" --target engine_test engine_real_test parallel_test \
     >> "$build/build.log" 2>&1 || failed_step "building $build" "$build/build.log"
   export OMP_THREAD_LIMIT=1
-  export TSAN_OPTIONS=allocator_may_return_null=1:log_path=$PWD/$reports/tsan
+  export TSAN_OPTIONS="allocator_may_return_null=1:log_path='$PWD/$reports/tsan'"
   # NoThreadOutlivesTheEngine counts threads, and TSan adds one of its own; TSan refuses threads
   # started in a forked child (the pool's tests that run in one: fork, rests).
   ctest --test-dir "$build" -j2 --timeout 1800 --output-on-failure \

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian packages cemlm needs (only those missing) and builds it into ./build.
-# Usage: [CEMLM_SETUP_TESTS=1] scripts/setup.sh [extra cmake args]. Needs root (or sudo) for
-# apt-get on a fresh machine. CEMLM_SETUP_TESTS=1 (scripts/test.sh) adds what only the tests use.
+# Usage: [CEMLM_SETUP_TESTS=1] [CEMLM_SETUP_TARGET=T] scripts/setup.sh [extra cmake args]. Needs
+# root (or sudo) for apt-get on a fresh machine. CEMLM_SETUP_TESTS=1 (scripts/test.sh) adds what
+# only the tests use; CEMLM_SETUP_TARGET builds that target alone (the quickstart's: cemlm).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$(readlink -f "$0")")/.."  # through a symlink too
 
 PACKAGES=(
   build-essential cmake pkg-config git
@@ -37,6 +38,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
+target=()
+[ -n "${CEMLM_SETUP_TARGET:-}" ] && target=(--target "$CEMLM_SETUP_TARGET")
+echo "setup: building ./build${target[*]:+ (${target[*]})}: minutes on 2 cores the first time;" \
+  "the log is build.log"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "$@" > build.log 2>&1 || { cat build.log; exit 1; }
-cmake --build build -j"$(nproc)" >> build.log 2>&1 || { tail -50 build.log; exit 1; }
+cmake --build build -j"$(nproc)" "${target[@]}" >> build.log 2>&1 || { tail -50 build.log; exit 1; }
 echo "setup: built ./build/cli/cemlm"

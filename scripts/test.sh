@@ -2,7 +2,7 @@
 # Installs what is missing, builds, and runs the whole test suite (ctest; GPU tests skip
 # cleanly without a device). This is what CI runs (.ci/run).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$(readlink -f "$0")")/.."  # through a symlink too
 CEMLM_SETUP_TESTS=1 scripts/setup.sh
 # OpenMP workers yield instead of spinning: with ctest -j2 on 2 cores, spinning threads of one
 # test would starve the other (results do not depend on it).

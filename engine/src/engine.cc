@@ -803,8 +803,31 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
   enum { kRoom, kWait, kFull } got = kWait;
   bool is_first = false;
   uint64_t turn = 0;  // score_turn_ as this call's last try left it
+  bool queued = preempted;  // in score_waits_, for a stop job to take out
   for (bool try_now = true;;) {
-    if (try_now)
+    // Before each try: a call past its deadline, cancelled or refused by a shutdown must not
+    // take room (preempting running requests of lower priority for nothing).
+    absl::Status gave_up;
+    if (req.deadline && Clock::now() >= *req.deadline)
+      gave_up = absl::DeadlineExceededError(absl::StrCat("deadline exceeded waiting for the ", need,
+                                                         " KV blocks to score ", n,
+                                                         " tokens (the cache is busy)"));
+    else if (req.cancelled && req.cancelled())
+      gave_up = absl::CancelledError("cancelled while waiting for KV cache room");
+    // A call that ran and was preempted goes on through a shutdown that lets requests finish,
+    // as a preempted generation request does.
+    else if (std::lock_guard<std::mutex> lock(mu_); preempted ? cancel_all_ : stopping_)
+      gave_up = absl::UnavailableError("the engine is shutting down");
+    if (!gave_up.ok()) {
+      if (queued)
+        on_loop([&] {
+          stop_score_wait(seq);
+          publish_stats();
+        });
+      return gave_up;
+    }
+    if (try_now) {
+      queued = true;
       on_loop([&] {
         // First come, first served among scoring calls: one behind a waiting call of its priority
         // or higher waits too, rather than take the blocks held for that one.
@@ -827,30 +850,13 @@ absl::Status EngineImpl::wait_for_score_room(SeqId seq, int64_t need, int T, int
         is_first = first_score_wait() == seq;
         turn = next_score_turn(first);
       });
+    }
     if (got == kRoom) return absl::OkStatus();
     if (got == kFull)
       return absl::ResourceExhaustedError(
           absl::StrCat("--max-waiting = ", opts_.max_waiting,
                        " scoring calls are already waiting for KV cache room; retry later or raise "
                        "--max-waiting"));
-    absl::Status gave_up;
-    if (req.deadline && Clock::now() >= *req.deadline)
-      gave_up = absl::DeadlineExceededError(
-          absl::StrCat("deadline exceeded waiting for the ", need, " KV blocks to score ", n,
-                       " tokens (the cache is busy)"));
-    else if (req.cancelled && req.cancelled())
-      gave_up = absl::CancelledError("cancelled while waiting for KV cache room");
-    // A call that ran and was preempted goes on through a shutdown that lets requests finish,
-    // as a preempted generation request does.
-    else if (std::lock_guard<std::mutex> lock(mu_); preempted ? cancel_all_ : stopping_)
-      gave_up = absl::UnavailableError("the engine is shutting down");
-    if (!gave_up.ok()) {
-      on_loop([&] {
-        stop_score_wait(seq);
-        publish_stats();
-      });
-      return gave_up;
-    }
     // Each try runs between two engine steps; the pause only matters when no step runs. A call
     // behind another waits for its turn or a shutdown (both notify), looking at its deadline and
     // cancellation every 50 ms.

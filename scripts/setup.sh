@@ -29,12 +29,20 @@ for p in "${PACKAGES[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
-  SUDO=""
-  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  SUDO=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo > /dev/null || {
+      echo "setup: installing packages needs root: run this as root (a fresh Debian has no sudo)" >&2
+      exit 1
+    }
+    SUDO=(sudo)
+  fi
+  "${SUDO[@]}" apt-get update -qq
+  # Through env: sudo resets the environment, and apt's prompts (tzdata) would wait for a user.
+  "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
   if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
-    $SUDO systemctl disable --now prometheus > /dev/null 2>&1 || true
+    "${SUDO[@]}" systemctl disable --now prometheus > /dev/null 2>&1 || true
   fi
 fi
 

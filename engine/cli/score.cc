@@ -94,8 +94,8 @@ int cmd_score(int argc, char** argv) {
     // The text's embeddings alone (the forward builds the whole table): one that overflows would
     // fail only as "non-finite logits", without its cause.
     std::vector<float> embedded(ids.size() * size_t(c.d_model));
-    lev_forward(ExecCtx{}, Tensor(embedded.data(), {int64_t(ids.size()), c.d_model}), ids.data(),
-                lev_weights(w));
+    lev_forward_f64(Tensor(embedded.data(), {int64_t(ids.size()), c.d_model}), ids.data(),
+                    lev_weights(w));
     if (const int64_t i = first_nonfinite_row(embedded.data(), int64_t(ids.size()), c.d_model);
         i >= 0)
       return fail(std::string(lev_embedding_error(ids[size_t(i)]).message()));

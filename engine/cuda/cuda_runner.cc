@@ -219,45 +219,22 @@ absl::StatusOr<DeviceWeight> CudaRunner::put_matrix(const Tensor& host, const st
 absl::Status CudaRunner::upload_embedding(const Weights& w) {
   if (cfg_.embedding == EmbeddingType::kTable) {
     CEMLM_ASSIGN_OR_RETURN(embed_, put_f32(w.embed, "embed.weight", weights_));
-  } else {  // precompute the [V, D] table once, then drop the generator's weights
-    std::vector<DeviceBuffer> tmp;
-    LevWeights lw;
-    CEMLM_ASSIGN_OR_RETURN(lw.codebooks, put_f32(w.lev_codebooks, "lev.codebooks", tmp));
-    CEMLM_ASSIGN_OR_RETURN(lw.seed_proj, put_f32(w.lev_seed_proj, "lev.seed_proj", tmp));
-    CEMLM_ASSIGN_OR_RETURN(lw.ln_weight, put_f32(w.lev_ln_weight, "lev.ln_weight", tmp));
-    CEMLM_ASSIGN_OR_RETURN(lw.ln_bias, put_f32(w.lev_ln_bias, "lev.ln_bias", tmp));
-    CEMLM_ASSIGN_OR_RETURN(lw.spline, put_f32(w.lev_spline, "lev.spline", tmp));
-    CEMLM_ASSIGN_OR_RETURN(lw.out_proj, put_f32(w.lev_out_proj, "lev.out_proj", tmp));
-    std::vector<int32_t> all(size_t(cfg_.vocab_size));
-    for (int i = 0; i < cfg_.vocab_size; ++i) all[size_t(i)] = i;
-    DeviceBuffer ids;
-    CEMLM_RETURN_IF_ERROR(alloc(ids, sizeof(int32_t) * all.size(), "LEV token ids"));
-    CEMLM_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(ids.as(), all.data(),
-                                                      sizeof(int32_t) * all.size(),
-                                                      cudaMemcpyHostToDevice, stream_),
-                                      "uploading the LEV token ids"));
-    DeviceBuffer table;
-    CEMLM_RETURN_IF_ERROR(alloc(table, sizeof(float) * size_t(cfg_.vocab_size) * cfg_.d_model,
-                                "the LEV embedding table"));
-    embed_ = dview(table.as<float>(), cfg_.vocab_size, cfg_.d_model);
-    cuda::lev_forward(ctx_, embed_, ids.as<int32_t>(), lw);
-    // Before tmp and ids are freed.
+  } else {
+    // The [V, D] table, computed once on the host as the CPU runner computes it (in double: the
+    // two backends embed bit for bit alike), refused as it refuses one that is not finite, then
+    // uploaded; the generator's weights never reach the GPU.
+    const int64_t V = cfg_.vocab_size, D = cfg_.d_model;
+    std::vector<int32_t> all(static_cast<size_t>(V));
+    for (int32_t i = 0; i < int32_t(V); ++i) all[size_t(i)] = i;
+    std::vector<float> table(size_t(V * D));
+    lev_forward_f64(Tensor(table.data(), {V, D}), all.data(), lev_weights(w));
+    if (const int64_t bad = first_nonfinite_row(table.data(), V, D); bad >= 0)
+      return lev_embedding_error(bad);
+    CEMLM_ASSIGN_OR_RETURN(
+        embed_, put_f32(Tensor(table.data(), {V, D}), "the LEV embedding table", weights_));
+    // Before the host table is freed.
     CEMLM_RETURN_IF_ERROR(
-        cuda_status(cudaStreamSynchronize(stream_), "computing the LEV embedding table"));
-    // Finite weights can still overflow the product over seed_dim: read back once, in parts of
-    // 16 MB, and refused as the CPU runner refuses it.
-    const int64_t D = cfg_.d_model, part_rows = std::max<int64_t>(1, (int64_t(1) << 22) / D);
-    std::vector<float> part(size_t(std::min<int64_t>(part_rows, cfg_.vocab_size) * D));
-    for (int64_t first = 0; first < cfg_.vocab_size; first += part_rows) {
-      const int64_t rows = std::min<int64_t>(part_rows, cfg_.vocab_size - first);
-      CEMLM_RETURN_IF_ERROR(
-          cuda_status(cudaMemcpy(part.data(), table.as<float>() + first * D,
-                                 sizeof(float) * size_t(rows * D), cudaMemcpyDeviceToHost),
-                      "reading back the LEV embedding table"));
-      if (const int64_t bad = first_nonfinite_row(part.data(), rows, D); bad >= 0)
-        return lev_embedding_error(first + bad);
-    }
-    weights_.push_back(std::move(table));
+        cuda_status(cudaStreamSynchronize(stream_), "uploading the LEV embedding table"));
   }
   if (!cfg_.tie_output) {
     CEMLM_ASSIGN_OR_RETURN(head_, put_matrix(w.lm_head, "lm_head.weight"));

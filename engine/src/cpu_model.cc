@@ -230,8 +230,8 @@ CpuModel::CpuModel(const ModelConfig& c, const Weights& w, bool batch_invariant,
     lev_table_.resize(size_t(c.vocab_size) * c.d_model);
     std::vector<int32_t> all(c.vocab_size);
     for (int i = 0; i < c.vocab_size; ++i) all[i] = i;
-    lev_forward(ExecCtx{}, Tensor(lev_table_.data(), {c.vocab_size, c.d_model}), all.data(),
-                lev_weights(w));
+    lev_forward_f64(Tensor(lev_table_.data(), {c.vocab_size, c.d_model}), all.data(),
+                    lev_weights(w));
   }
 }
 

@@ -10,7 +10,6 @@
 #include "cemlm/kernels/cuda/attention.h"
 #include "cemlm/kernels/cuda/linear.h"
 #include "cemlm/kernels/elementwise.h"
-#include "cemlm/kernels/lev.h"
 #include "cemlm/kernels/linear.h"
 #include "cemlm/kernels/precond.h"
 #include "cemlm/kernels/rmsnorm.h"
@@ -29,11 +28,7 @@ Tensor hview(std::vector<float>& v, std::initializer_list<int64_t> shape) {
   return Tensor(v.data(), shape);
 }
 
-class OpsTest : public gpu_test::GpuFixture<> {
- protected:
-  void lev_case(int k, int b, int s, int kn, int r, int nh, int64_t D,
-                const std::vector<int32_t>& ids, float spline_noise, double tol);
-};
+class OpsTest : public gpu_test::GpuFixture<> {};
 
 // D = 37 fills part of one 256-thread block; D = 1000 makes threads loop (and all 8 warps reduce).
 TEST_F(OpsTest, RmsNorm) {
@@ -189,52 +184,6 @@ TEST_F(OpsTest, Precond) {
   Tensor dout = zeros({N, D});
   cuda::precond_forward(ctx_, dout, dev(u, {N, D}), dev(p, {D}), dev(Pu, {D, r}), dev(Pv, {D, r}));
   EXPECT_LT(rel_err(host(dout), out), kFp32Tol);
-}
-
-// One LEV table lookup on both sides: k digits of base b, seed dim s, kn knots, rank r, nh heads.
-void OpsTest::lev_case(int k, int b, int s, int kn, int r, int nh, int64_t D,
-                       const std::vector<int32_t>& ids, float spline_noise, double tol) {
-  const int64_t N = int64_t(ids.size());
-  auto C = random_vec(size_t(k) * b * s, 24, 0.5f), Ws = random_vec(size_t(nh) * s * s, 25, 0.5f),
-       lw = random_vec(size_t(nh) * s, 26, 0.5f), lb = random_vec(size_t(nh) * s, 27, 0.5f),
-       S = random_vec(size_t(nh) * s * kn * r, 28, spline_noise),
-       O = random_vec(size_t(nh) * r * D, 29, 0.5f);
-  for (float& v : lw) v += 1.0f;
-  for (float& v : S) v += 1.0f;
-  LevWeights hw{hview(C, {k, b, s}), hview(Ws, {nh, s, s}),    hview(lw, {nh, s}),
-                hview(lb, {nh, s}),  hview(S, {nh, s, kn, r}), hview(O, {nh, r, D})};
-  std::vector<float> out(size_t(N * D));
-  lev_forward(ExecCtx{}, hview(out, {N, D}), ids.data(), hw);
-  LevWeights dw{dev(C, {k, b, s}), dev(Ws, {nh, s, s}),    dev(lw, {nh, s}),
-                dev(lb, {nh, s}),  dev(S, {nh, s, kn, r}), dev(O, {nh, r, D})};
-  Tensor dout = zeros({N, D});
-  cuda::lev_forward(ctx_, dout, dev_array(ids), dw);
-  EXPECT_LT(rel_err(host(dout), out), tol);
-}
-
-TEST_F(OpsTest, LevMatchesCpu) {
-  lev_case(2, 8, 5, 4, 3, 2, 11, {0, 63, 1, 8, 9, 17, 40, 41, 5, 62, 33, 12, 0}, 0.1f,
-           kFp32Tol);
-}
-
-// Shared memory no longer grows with the knots: 256 knots at seed_dim 64 (66 KB of basis
-// weights before) run, like 2 or 3 knots (fewer than the weights' window).
-TEST_F(OpsTest, LevWithManyOrFewKnotsMatchesCpu) {
-  lev_case(2, 8, 64, 256, 8, 2, 32, {0, 63, 1, 8, 9, 17, 40}, 0.1f, 1e-4);
-  lev_case(2, 8, 5, 2, 3, 2, 11, {0, 63, 7}, 0.1f, kFp32Tol);
-  lev_case(2, 8, 5, 3, 3, 2, 11, {0, 63, 7}, 0.1f, kFp32Tol);
-}
-
-// Rows wider than the kernel's 128 threads (D = 300) and a rank above them (r = 200): each
-// thread loops over several output columns and several columns of the rank-r product.
-TEST_F(OpsTest, LevWideRowsMatchCpu) {
-  lev_case(2, 8, 5, 4, 200, 2, 300, {0, 63, 1, 8, 9, 17, 40}, 0.1f, kFp32Tol);
-}
-
-// The config's limits (seed_dim = rank = 4096) need 48 KiB of dynamic shared memory plus the
-// kernel's own: past the default, the kernel opts in.
-TEST_F(OpsTest, LevAtTheConfigLimitsMatchesCpu) {
-  lev_case(1, 4, 4096, 2, 4096, 1, 8, {0, 3, 1}, 1e-3f, 1e-4);
 }
 
 // Three sequences over a scattered paged cache with block size 3: a prefill chunk long enough

@@ -1,12 +1,11 @@
-// CUDA versions of the row-wise ops (rmsnorm.h, rope.h, elementwise.h, precond.h, lev.h) with the
-// CPU signatures, in namespace cemlm::cuda. Every Tensor must be device memory marked
+// CUDA versions of the row-wise ops (rmsnorm.h, rope.h, elementwise.h, precond.h) with the CPU
+// signatures, in namespace cemlm::cuda. Every Tensor must be device memory marked
 // Device::kCuda, and raw pointer arguments (pos, eta, ids, rows) are device pointers too. Work is
 // queued on ctx.cuda_stream (a cudaStream_t); nothing synchronizes. CUDA: kernels/cuda/*.cu;
 // tests: tests/gpu/ops_test.cc. Include only from code built when CEMLM_HAVE_CUDA.
 #pragma once
 #include <cstdint>
 
-#include "cemlm/kernels/lev.h"
 #include "cemlm/kernels/tensor.h"
 
 namespace cemlm::cuda {
@@ -27,9 +26,6 @@ void diag_gather_forward(const ExecCtx&, Tensor u, const Tensor& oc, const Tenso
 // Scratch: 2·N·r floats; needs ctx.cublas (fp32 products).
 void precond_forward(const ExecCtx&, Tensor out, const Tensor& u, const Tensor& p, const Tensor& Pu,
                      const Tensor& Pv);
-
-// Every LevWeights tensor on the device. Used once at load to precompute the [V, D] table.
-void lev_forward(const ExecCtx&, Tensor out, const int32_t* ids, const LevWeights& w);
 
 // out[m, :] = src[rows[m], :] (embedding lookup, picking the rows that want logits).
 void gather_rows(const ExecCtx&, Tensor out, const Tensor& src, const int32_t* rows);

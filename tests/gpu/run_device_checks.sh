@@ -131,8 +131,7 @@ elif ! run_for 30 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/gpu
   grep -q "ERROR SUMMARY: [1-9]" "$san" && status=1
 else
   say "compute-sanitizer: memcheck over the op and sampling tests, one runner decode; racecheck and synccheck over the kernels with shared memory and barriers"
-  # LEV at the config limits is ~250M instrumented loads: its whole cap for one test.
-  sanitize memcheck 60 gpu_ops_test '-*ConfigLimits*'
+  sanitize memcheck 60 gpu_ops_test '*'
   sanitize memcheck 60 gpu_sampling_test '*'
   # The runner's workspace, strides and graphs: a mixed-depth decode of two variants.
   sanitize memcheck 60 gpu_runner_test '*MixedDepth*/full_cem_lev:*MixedDepth*/cem_perhead'

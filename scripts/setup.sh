@@ -37,12 +37,26 @@ if [ ${#missing[@]} -gt 0 ]; then
     }
     SUDO=(sudo)
   fi
+  # Debian starts a package's service as it installs (prometheus: a server on :9090). With
+  # systemd it is stopped again below; without (a container, WSL), a policy-rc.d that forbids
+  # starts (Docker's images ship one) is put in place for the install, unless one is there.
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && [ ! -d /run/systemd/system ] &&
+    [ ! -e /usr/sbin/policy-rc.d ]; then
+    trap '"${SUDO[@]}" rm -f /usr/sbin/policy-rc.d' EXIT
+    printf '#!/bin/sh\n# scripts/setup.sh, while it installs packages: no service starts\nexit 101\n' |
+      "${SUDO[@]}" tee /usr/sbin/policy-rc.d > /dev/null
+    "${SUDO[@]}" chmod 755 /usr/sbin/policy-rc.d
+  fi
   "${SUDO[@]}" apt-get update -qq
   # Through env: sudo resets the environment, and apt's prompts (tzdata) would wait for a user.
   "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
     apt-get install -y -qq --no-install-recommends "${missing[@]}"
   if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
     "${SUDO[@]}" systemctl disable --now prometheus > /dev/null 2>&1 || true
+  fi
+  if [ -n "$(trap -p EXIT)" ]; then
+    "${SUDO[@]}" rm -f /usr/sbin/policy-rc.d
+    trap - EXIT
   fi
 fi
 

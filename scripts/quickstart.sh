@@ -7,10 +7,15 @@ cd "$(dirname "$(readlink -f "$0")")/.."  # through a symlink too
 CEMLM_SETUP_TARGET=cemlm scripts/setup.sh  # the program alone: the tests build with scripts/test.sh
 CEMLM=build/cli/cemlm
 MODEL=${CEMLM_MODEL_DIR:-models/default}
+MODEL=${MODEL%/}  # its saves' leftovers are named "$MODEL.tmp-*"
 PORT=${CEMLM_PORT:-50051}
 METRICS_PORT=${CEMLM_METRICS_PORT:-9400}
 
-if [ ! -f "$MODEL/config.json" ]; then
+if [ ! -f "$MODEL/config.json" ] && compgen -G "$MODEL.tmp-*.old" > /dev/null; then
+  # A save interrupted on a filesystem that cannot swap directories left the run moved aside.
+  echo "== $MODEL was moved aside by an interrupted save: putting it back, finishing its training"
+  "$CEMLM" train --out "$MODEL" --resume
+elif [ ! -f "$MODEL/config.json" ]; then
   echo "== training the default model into $MODEL (fortunes corpus)"
   "$CEMLM" train --out "$MODEL"
 elif [ -f "$MODEL/trainer_state.json" ]; then

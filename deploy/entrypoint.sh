@@ -24,6 +24,7 @@ CEMLM_MAX_PRIORITY      --max-priority
 CEMLM_PREFIX_CACHE_SCOPE --prefix-cache-scope
 CEMLM_TLS_CERT          --tls-cert
 CEMLM_TLS_KEY           --tls-key
+CEMLM_TLS_RELOAD_INTERVAL --tls-reload-interval
 CEMLM_SHUTDOWN_TIMEOUT  --shutdown-timeout
 CEMLM_MAX_CONNECTION_AGE --max-connection-age
 CEMLM_MAX_CONNECTION_AGE_GRACE --max-connection-age-grace

@@ -5,8 +5,6 @@
 #include <google/protobuf/stubs/logging.h>
 #include <grpc/support/log.h>
 #include <netdb.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 #include <prometheus/text_serializer.h>
 #include <pthread.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -15,19 +13,19 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include "absl/strings/escaping.h"
@@ -42,6 +40,7 @@
 #include "cemlm/kernels/blas_select.h"
 #include "cemlm/server/inference_server.h"
 #include "cemlm/server/metrics_http.h"
+#include "tls_files.h"
 
 namespace cemlm::cli {
 namespace {
@@ -54,6 +53,7 @@ struct ServeFlags {
   std::string prefix_cache_scope = "key";
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
   int max_running = 256, engine_nice = 10, max_priority = INT32_MAX;
+  int tls_reload_interval = 60;
   double shutdown_timeout = 30;
   double max_connection_age = 0;
   // Its own: it was --shutdown-timeout (30 s), which cut the stream of a long generation at its
@@ -62,18 +62,6 @@ struct ServeFlags {
   double keepalive_time = 60, keepalive_timeout = 20;
   double unread_timeout = 10;
 };
-
-bool read_file(const std::string& path, const char* flag, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    std::fprintf(stderr, "error: %s: cannot read '%s'\n", flag, path.c_str());
-    return false;
-  }
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  *out = ss.str();
-  return true;
-}
 
 // "models/tiny/" -> "tiny": the default model_name label. Taken from the absolute path, so that
 // `--model .` or `..` names the directory, not "." (the root alone gives "model").
@@ -99,39 +87,6 @@ int fail(const absl::Status& st) {
 // A flag's value refused for itself, before anything else runs: "error: …", exit 2, as every
 // command's usage errors (it was a log line and exit 1).
 int flag_error(const absl::Status& st) { return usage_error(std::string(st.message())); }
-
-// The first certificate of --tls-cert (the server's own) refused when it has expired or is not
-// valid yet: every TLS client would refuse it, while health said SERVING. One that expires within
-// a week is warned of (the file is read at start only).
-absl::Status check_certificate_dates(const std::string& pem, const std::string& path) {
-  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), int(pem.size())),
-                                                &BIO_free);
-  std::unique_ptr<X509, decltype(&X509_free)> cert(
-      bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr, &X509_free);
-  if (!cert) return absl::OkStatus();  // gRPC's own check says what is wrong with it
-  auto date = [](const ASN1_TIME* t) {
-    std::unique_ptr<BIO, decltype(&BIO_free)> out(BIO_new(BIO_s_mem()), &BIO_free);
-    char* text = nullptr;
-    if (!out || ASN1_TIME_print(out.get(), t) != 1) return std::string("?");
-    const long n = BIO_get_mem_data(out.get(), &text);
-    return std::string(text, size_t(n));
-  };
-  const ASN1_TIME* not_after = X509_get0_notAfter(cert.get());
-  const ASN1_TIME* not_before = X509_get0_notBefore(cert.get());
-  if (X509_cmp_current_time(not_after) < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-cert '", path, "' expired on ", date(not_after),
-                     ": every TLS client would refuse it; renew the certificate"));
-  if (X509_cmp_current_time(not_before) > 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls-cert '", path, "' is not valid until ", date(not_before),
-        ": every TLS client would refuse it until then (or this machine's clock is behind)"));
-  time_t in_a_week = std::time(nullptr) + 7 * 24 * 3600;
-  if (X509_cmp_time(not_after, &in_a_week) < 0)
-    spdlog::warn("--tls-cert '{}' expires on {}: renew it and restart (it is read at start only)",
-                 path, date(not_after));
-  return absl::OkStatus();
-}
 
 // Loads the engine and runs one short scoring pass, so the first request pays no warm-up.
 absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t kv_bytes) {
@@ -243,32 +198,25 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     if (!keys.ok()) return fail(keys.status());
     opts.api_keys = *std::move(keys);
   }
-  if (!f.tls_cert.empty() && !read_file(f.tls_cert, "--tls-cert", &opts.tls_cert_pem)) return 1;
-  if (!f.tls_key.empty() && !read_file(f.tls_key, "--tls-key", &opts.tls_key_pem)) return 1;
-  // gRPC only logs a file it cannot use, and then fails to listen: said here by name instead.
-  if (!f.tls_cert.empty() &&
-      opts.tls_cert_pem.find("-----BEGIN CERTIFICATE-----") == std::string::npos)
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("--tls-cert '", f.tls_cert,
-                     "' holds no PEM certificate (no '-----BEGIN CERTIFICATE-----' line): give "
-                     "the server's certificate chain in PEM")));
-  if (!f.tls_key.empty() && (opts.tls_key_pem.find("-----BEGIN ") == std::string::npos ||
-                             opts.tls_key_pem.find("PRIVATE KEY-----") == std::string::npos))
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("--tls-key '", f.tls_key,
-                     "' holds no PEM private key (no '-----BEGIN … PRIVATE KEY-----' line): give "
-                     "the key of --tls-cert in PEM")));
-  // PKCS#8 ("ENCRYPTED PRIVATE KEY") or OpenSSL's traditional form ("Proc-Type: 4,ENCRYPTED"):
-  // gRPC said only "Invalid private key".
-  if (!f.tls_key.empty() && opts.tls_key_pem.find("ENCRYPTED") != std::string::npos)
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "--tls-key '", f.tls_key,
-        "' is encrypted (protected by a passphrase), which the server cannot ask for: give it "
-        "the key unencrypted (openssl pkey -in KEY -out PLAIN.pem), readable by its user only")));
-
-  if (!f.tls_cert.empty())
-    if (absl::Status st = check_certificate_dates(opts.tls_cert_pem, f.tls_cert); !st.ok())
-      return fail(st);
+  if (f.tls_cert.empty() != f.tls_key.empty())
+    return flag_error(absl::InvalidArgumentError(
+        "--tls-cert and --tls-key must be given together (or both left out to serve without "
+        "TLS)"));
+  if (f.tls_reload_interval < 0 || f.tls_reload_interval > 86400)
+    return flag_error(absl::InvalidArgumentError(
+        absl::StrCat("--tls-reload-interval ", f.tls_reload_interval,
+                     " must be in [0, 86400] seconds (0: read the TLS files at start only)")));
+  std::optional<TlsFiles> tls;
+  if (!f.tls_cert.empty()) {
+    auto files = read_tls_files(f.tls_cert, f.tls_key);
+    if (!files.ok()) return fail(files.status());
+    tls = *std::move(files);
+    opts.tls_cert_pem = tls->cert_pem;
+    opts.tls_key_pem = tls->key_pem;
+    opts.tls_cert_path = tls->cert_path;
+    opts.tls_key_path = tls->key_path;
+    opts.tls_reload_interval_s = unsigned(f.tls_reload_interval);
+  }
 
   // The checkpoint's config.json before anything listens (the weights load after): the ports
   // line went out for a --model that names no checkpoint, and scripts that wait for it took such
@@ -316,8 +264,20 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     (*server)->reload_api_keys(*std::move(keys));
     spdlog::info("SIGHUP: api keys read again from {}: {} keys", f.api_key_file, n);
   };
+  // With --tls-reload-interval, the TLS files are looked at as often as gRPC reads them, so
+  // that the log says what new connections get (gRPC's watcher logs only failures to read).
+  std::optional<TlsFileWatch> tls_watch;
+  if (tls) tls_watch.emplace(*tls, opts.tls_reload_interval_s);
+  const bool watching_tls = tls && f.tls_reload_interval > 0;
+  auto next_tls_look = Clock::now() + std::chrono::seconds(f.tls_reload_interval);
+  auto look_at_tls_files = [&] {
+    if (!watching_tls || Clock::now() < next_tls_look) return;
+    tls_watch->poll();
+    next_tls_look = Clock::now() + std::chrono::seconds(f.tls_reload_interval);
+  };
   auto loading = std::async(std::launch::async, [&] { return load_engine(f, kv_bytes); });
   while (loading.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    look_at_tls_files();
     const timespec poll{0, 50'000'000};
     if (const int sig = sigtimedwait(signals, nullptr, &poll); sig == SIGHUP) {
       reload_keys();
@@ -341,9 +301,30 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     spdlog::info("compute threads={} ({}); {}", t.threads, t.why, openmp_wait_description());
   }
 
+  // Until a signal other than SIGHUP (or a failed wait, which cannot happen with a valid set).
   int sig = 0;
-  while (sigwait(signals, &sig) == 0 && sig == SIGHUP) reload_keys();
-  spdlog::info("signal {}: draining for up to {} s", sig, f.shutdown_timeout);
+  for (;;) {
+    look_at_tls_files();
+    if (watching_tls) {
+      const auto left = std::max<Clock::duration>(next_tls_look - Clock::now(), {});
+      const auto whole = std::chrono::duration_cast<std::chrono::seconds>(left);
+      const timespec wait{
+          whole.count(),
+          long(std::chrono::duration_cast<std::chrono::nanoseconds>(left - whole).count())};
+      sig = sigtimedwait(signals, nullptr, &wait);
+    } else {
+      sig = sigwaitinfo(signals, nullptr);
+    }
+    if (sig == SIGHUP)
+      reload_keys();
+    else if (sig > 0 || (errno != EAGAIN && errno != EINTR))
+      break;
+  }
+  if (sig > 0)
+    spdlog::info("signal {}: draining for up to {} s", sig, f.shutdown_timeout);
+  else
+    spdlog::error("waiting for signals failed ({}): draining for up to {} s", std::strerror(errno),
+                  f.shutdown_timeout);
   const auto timeout = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(f.shutdown_timeout));
   if (!(*server)->drain(timeout)) spdlog::warn("shutdown timeout: cancelling what is left");
@@ -440,7 +421,8 @@ int cmd_serve(int argc, char** argv) {
               "SIGTERM/SIGINT: stop listening, send every connection a GOAWAY (clients take\n"
               "their next calls elsewhere), finish the requests in flight, exit 0 (at once while\n"
               "the model loads). SIGHUP: read --api-key-file again (a file that does not load\n"
-              "leaves the keys as they were; TLS files are read at start only).");
+              "leaves the keys as they were). The TLS files are read again every\n"
+              "--tls-reload-interval seconds without a signal.");
   flags.add_nonempty("model", &f.model,
                      "checkpoint directory (config.json, model.safetensors, ...)",
                      "name the checkpoint directory to serve", /*required=*/true);
@@ -511,12 +493,17 @@ int cmd_serve(int argc, char** argv) {
   flags.add_nonempty("tls-cert", &f.tls_cert,
                      "PEM certificate chain (with --tls-key: serve TLS only); refused when its "
                      "first certificate has expired or is not valid yet, warned of a week "
-                     "before it expires (it is read at start only)",
+                     "before it expires; read again every --tls-reload-interval",
                      "name a PEM certificate file, or leave --tls-cert and --tls-key out to "
                      "serve without TLS");
   flags.add_nonempty("tls-key", &f.tls_key, "PEM private key of --tls-cert",
                      "name a PEM private key file, or leave --tls-cert and --tls-key out to "
                      "serve without TLS");
+  flags.add("tls-reload-interval", &f.tls_reload_interval,
+            "seconds between reads of --tls-cert and --tls-key for a replacement (a renewed "
+            "certificate, a rotated Secret): connections made after a change get the new pair, "
+            "those open keep theirs; each change is logged, a pair that cannot serve too (new "
+            "TLS connections fail while the files hold it); 0 = read at start only (0 to 86400)");
   flags.add("shutdown-timeout", &f.shutdown_timeout,
             "seconds to let requests finish on SIGTERM (0 to 1e6)");
   flags.add("max-connection-age", &f.max_connection_age,

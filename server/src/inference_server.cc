@@ -7,6 +7,8 @@
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/auth_metadata_processor.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <grpcpp/server_builder.h>
 
 #include <algorithm>
@@ -57,9 +59,20 @@ class KeyCheckAtHeaders final : public grpc::AuthMetadataProcessor {
 std::shared_ptr<grpc::ServerCredentials> credentials(const ServerOptions& opts,
                                                      ServerState* state) {
   if (opts.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
-  grpc::SslServerCredentialsOptions ssl;
-  ssl.pem_key_cert_pairs.push_back({opts.tls_key_pem, opts.tls_cert_pem});
-  std::shared_ptr<grpc::ServerCredentials> creds = grpc::SslServerCredentials(ssl);
+  std::shared_ptr<grpc::ServerCredentials> creds;
+  if (opts.tls_reload_interval_s > 0) {
+    // gRPC's file watcher: no client certificate asked for, as with the static pair below.
+    grpc::experimental::TlsServerCredentialsOptions tls(
+        std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+            opts.tls_key_path, opts.tls_cert_path, opts.tls_reload_interval_s));
+    tls.watch_identity_key_cert_pairs();
+    tls.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    creds = grpc::experimental::TlsServerCredentials(tls);
+  } else {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({opts.tls_key_pem, opts.tls_cert_pem});
+    creds = grpc::SslServerCredentials(ssl);
+  }
   // Only under TLS: gRPC runs no auth filter on a plaintext port (the service checks keys there).
   if (opts.api_keys.enabled())
     creds->SetAuthMetadataProcessor(std::make_shared<KeyCheckAtHeaders>(state));

@@ -1578,8 +1578,10 @@ TEST(ServerTls, ServesOverTls) {
   const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
   if (!make_certificate(dir))
     GTEST_SKIP() << "openssl is not installed (scripts/setup.sh installs it for the tests)";
-  auto server = ServerProcess::start(make_tiny_model(dir), {"--tls-cert", cert, "--tls-key", key},
-                                     trusting(dir));
+  // Read at start only: gRPC's static pair (the other TLS tests watch the files).
+  auto server = ServerProcess::start(
+      make_tiny_model(dir), {"--tls-cert", cert, "--tls-key", key, "--tls-reload-interval", "0"},
+      trusting(dir));
   ASSERT_TRUE(server);
   EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
   std::string out;
@@ -1656,6 +1658,102 @@ TEST(ServerTls, CallsWithoutAKeyAreRefusedBeforeTheirBodies) {
   EXPECT_EQ(metric(m, "cemlm:requests_total", "code=\"UNAUTHENTICATED\",method=\"Generate\""), 201);
 }
 
+// Health through a new channel that trusts dir/cert.pem only, every 100 ms until it answers
+// SERVING (true) or fails to (false), or 60 s pass (gRPC reads the files every second here).
+bool serves_certificate_of(const ServerProcess& server, const std::string& dir, bool expect) {
+  for (int i = 0; i < 600; ++i) {
+    if ((health(grpc::CreateChannel(server.addr(), trusting(dir))) == "SERVING") == expect)
+      return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
+// Whether the server's log holds `text`, looked for every 100 ms for up to 60 s.
+bool log_says(const ServerProcess& server, const std::string& text) {
+  for (int i = 0; i < 600; ++i) {
+    if (server.log().find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
+// With --tls-reload-interval, a renewed pair written over the files serves new connections
+// without a restart, and the log says so; a file replaced by something that cannot serve is
+// named in the log (new connections fail meanwhile), and a good pair written back serves again.
+TEST(ServerTls, ARenewedCertificateServesWithoutARestart) {
+  const std::string dir = fresh_temp_dir(), old_pair = dir + "/old", new_pair = dir + "/new";
+  const std::string live = dir + "/live";
+  for (const std::string& d : {old_pair, new_pair, live}) std::filesystem::create_directory(d);
+  constexpr long kDay = 24 * 3600;
+  make_certificate_between(old_pair, -kDay, 30 * kDay);
+  make_certificate_between(new_pair, -kDay, 30 * kDay);
+  for (const char* f : {"/cert.pem", "/key.pem"})
+    std::filesystem::copy_file(old_pair + f, live + f);
+  auto server = ServerProcess::start(make_tiny_model(dir),
+                                     {"--tls-cert", live + "/cert.pem", "--tls-key",
+                                      live + "/key.pem", "--tls-reload-interval", "1"},
+                                     trusting(old_pair));
+  ASSERT_TRUE(server);
+  EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
+  // As a Secret's update lands: each file replaced whole, the key first.
+  for (const char* f : {"/key.pem", "/cert.pem"}) {
+    std::filesystem::copy_file(new_pair + f, live + f + std::string(".tmp"));
+    std::filesystem::rename(live + f + std::string(".tmp"), live + f);
+  }
+  ASSERT_TRUE(serves_certificate_of(*server, new_pair, true)) << server->log();
+  EXPECT_TRUE(serves_certificate_of(*server, old_pair, false));
+  // The server's look at the files and gRPC's read run on timers of their own.
+  EXPECT_TRUE(log_says(*server, "TLS: --tls-cert '" + live +
+                                    "/cert.pem' and --tls-key changed: connections made from "
+                                    "now on get the certificate of CN=localhost, valid until "))
+      << server->log();
+  // The connection the test opened first keeps its session.
+  EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
+
+  // A file that cannot be read changes nothing: gRPC keeps what it read last.
+  std::filesystem::rename(live + "/cert.pem", live + "/cert.moved");
+  EXPECT_TRUE(log_says(*server, "TLS: --tls-cert: cannot read '" + live + "/cert.pem' (now)"))
+      << server->log();
+  EXPECT_TRUE(serves_certificate_of(*server, new_pair, true));
+  std::filesystem::rename(live + "/cert.moved", live + "/cert.pem");
+
+  std::ofstream(live + "/cert.pem") << "not a certificate\n";
+  EXPECT_TRUE(serves_certificate_of(*server, new_pair, false));
+  EXPECT_TRUE(log_says(*server, "TLS: the files changed: --tls-cert '" + live +
+                                    "/cert.pem' holds no PEM certificate"))
+      << server->log();
+  // A certificate not valid yet is logged as such, then as valid once it is.
+  make_certificate_between(new_pair, 8, 30 * kDay);
+  for (const char* f : {"/key.pem", "/cert.pem"}) {
+    std::filesystem::copy_file(new_pair + f, live + f + std::string(".tmp"));
+    std::filesystem::rename(live + f + std::string(".tmp"), live + f);
+  }
+  EXPECT_TRUE(log_says(*server, "/cert.pem' is not valid until ")) << server->log();
+  EXPECT_TRUE(log_says(*server, "/cert.pem' is valid now")) << server->log();
+  EXPECT_TRUE(serves_certificate_of(*server, new_pair, true)) << server->log();
+}
+
+// --tls-reload-interval out of its range, or one of --tls-cert and --tls-key without the other,
+// is a usage error (exit 2) naming the flag.
+TEST(ServerTls, ReloadIntervalAndHalfAPairAreUsageErrors) {
+  const std::string dir = fresh_temp_dir(), model = make_tiny_model(dir);
+  make_certificate_between(dir, -3600, 3600);
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--tls-reload-interval", "-1"}, "--tls-reload-interval -1 must be in [0, 86400]"},
+           {{"--tls-reload-interval", "86401"},
+            "--tls-reload-interval 86401 must be in [0, 86400]"},
+           {{"--tls-cert", dir + "/cert.pem"}, "--tls-cert and --tls-key must be given together"},
+           {{"--tls-key", dir + "/key.pem"}, "--tls-cert and --tls-key must be given together"}}) {
+    std::vector<std::string> cmd = {
+        "serve", "--model", model, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"};
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    std::string out, err;
+    EXPECT_EQ(run_cemlm(cmd, &out, &err), 2) << says << ": " << err;
+    EXPECT_NE(err.find(says), std::string::npos) << err;
+  }
+}
+
 // The server names the TLS file it cannot use, instead of failing to listen on a free port.
 TEST(ServerTls, BadCertificateOrKeyIsNamed) {
   const std::string dir = fresh_temp_dir();
@@ -1668,7 +1766,15 @@ TEST(ServerTls, BadCertificateOrKeyIsNamed) {
                       .c_str()) != 0)
     GTEST_SKIP() << "openssl is not installed (scripts/setup.sh installs it for the tests)";
   const std::string model = make_tiny_model(dir), notes = dir + "/notes.txt";
+  const std::string damaged = dir + "/damaged.pem";
   std::ofstream(notes) << "not PEM\n";
+  std::ofstream(damaged) << "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+  // A chain with another certificate before the server's own.
+  const std::string reversed = dir + "/reversed.pem";
+  std::filesystem::create_directory(dir + "/ca");
+  make_certificate_between(dir + "/ca", -3600, 3600);
+  std::ofstream(reversed) << std::ifstream(dir + "/ca/cert.pem").rdbuf()
+                          << std::ifstream(cert).rdbuf();
   struct Case {
     std::string cert, key, message;
   };
@@ -1678,6 +1784,11 @@ TEST(ServerTls, BadCertificateOrKeyIsNamed) {
       {cert, other,
        "--tls-cert and --tls-key are not a valid certificate chain and its private key"},
       {cert, encrypted, "--tls-key '" + encrypted + "' is encrypted (protected by a passphrase)"},
+      {damaged, key, "--tls-cert '" + damaged + "' holds a PEM block OpenSSL cannot read"},
+      {reversed, key,
+       "--tls-cert '" + reversed + "' holds the certificate of --tls-key '" + key +
+           "' in place 2 of its chain: put the server's own certificate first"},
+      {cert, damaged, "--tls-key '" + damaged + "' holds no PEM private key"},
   };
   for (const Case& c : cases) {
     std::string out, err;

@@ -29,6 +29,10 @@ struct ServerOptions {
   int port = 50051;  // 0: any free port (see InferenceServer::port)
   ApiKeys api_keys;
   std::string tls_cert_pem, tls_key_pem;  // both empty: plaintext
+  // With tls_reload_interval_s > 0, gRPC reads these files again that often and gives new
+  // connections the pair they hold (the PEMs above are then what the caller checked at start).
+  std::string tls_cert_path, tls_key_path;
+  unsigned tls_reload_interval_s = 0;
   std::string model_name = "cemlm";
   // GOAWAY to a connection this old (0: never); its calls in flight get the grace to finish.
   double max_connection_age_s = 0, max_connection_age_grace_s = 30;

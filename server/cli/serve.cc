@@ -267,7 +267,9 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // With --tls-reload-interval, the TLS files are looked at as often as gRPC reads them, so
   // that the log says what new connections get (gRPC's watcher logs only failures to read).
   std::optional<TlsFileWatch> tls_watch;
-  if (tls) tls_watch.emplace(*tls, opts.tls_reload_interval_s);
+  if (tls)
+    tls_watch.emplace(*tls, opts.tls_reload_interval_s,
+                      [metrics](double end) { metrics->set_tls_certificate_end(end); });
   const bool watching_tls = tls && f.tls_reload_interval > 0;
   auto next_tls_look = Clock::now() + std::chrono::seconds(f.tls_reload_interval);
   auto look_at_tls_files = [&] {

@@ -63,6 +63,11 @@ std::string text_of(const ASN1_TIME* t) {
   return std::string(text, size_t(n));
 }
 
+double unix_seconds(const ASN1_TIME* t) {
+  std::tm tm{};
+  return ASN1_TIME_to_tm(t, &tm) == 1 ? double(timegm(&tm)) : 0.0;
+}
+
 std::string subject_of(const X509* cert) {
   BioPtr out(BIO_new(BIO_s_mem()), &BIO_free);
   char* text = nullptr;
@@ -166,8 +171,10 @@ absl::StatusOr<TlsFiles> read_tls_files(const std::string& cert_path, const std:
   }
 }
 
-TlsFileWatch::TlsFileWatch(TlsFiles served, unsigned interval_s)
-    : seen_(std::move(served)), interval_s_(interval_s) {
+TlsFileWatch::TlsFileWatch(TlsFiles served, unsigned interval_s,
+                           std::function<void(double)> report_end)
+    : seen_(std::move(served)), interval_s_(interval_s), report_end_(std::move(report_end)) {
+  report_end_(unix_seconds(X509_get0_notAfter(first_certificate(seen_.cert_pem).get())));
   check_dates();
 }
 
@@ -210,6 +217,7 @@ void TlsFileWatch::poll() {
   seen_ = std::move(now);
   dates_ = -1;
   if (!st.ok()) {
+    report_end_(0);
     // Once per distinct problem, not at every look.
     if (std::string(st.message()) != error_)
       spdlog::error(
@@ -221,6 +229,7 @@ void TlsFileWatch::poll() {
   }
   error_.clear();
   const X509Ptr c = first_certificate(seen_.cert_pem);
+  report_end_(unix_seconds(X509_get0_notAfter(c.get())));
   spdlog::info(
       "TLS: --tls-cert '{}' and --tls-key changed: connections made from now on get the "
       "certificate of {}, valid until {} (gRPC takes the files within {} s of a change)",

@@ -3,6 +3,7 @@
 // Kubernetes Secret) while gRPC's own file watcher serves it to new connections. Each change is
 // logged with what new connections get, and a served certificate nearing or past its end.
 #pragma once
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -23,8 +24,9 @@ class TlsFileWatch {
  public:
   // `served`: the pair the server started with (read_tls_files's); `interval_s`: how often gRPC
   // reads the files again (said in the log lines), 0 for never. Warns now if the certificate
-  // ends within a week.
-  TlsFileWatch(TlsFiles served, unsigned interval_s);
+  // ends within a week. `report_end` is told the end (notAfter, Unix seconds) of the certificate
+  // new connections get, now and at each change; 0 while the files cannot serve.
+  TlsFileWatch(TlsFiles served, unsigned interval_s, std::function<void(double)> report_end);
   // Reads the files again. When they differ from the last look, logs the new pair (its
   // certificate's subject and end) or why it cannot serve; when they cannot be read, that gRPC
   // keeps what it had. Each look also logs, once each, a served certificate that becomes valid,
@@ -39,6 +41,7 @@ class TlsFileWatch {
   std::string error_;       // why seen_ cannot serve ("" when it can)
   std::string read_error_;  // why the last look could not read the files ("" when it could)
   unsigned interval_s_;
+  std::function<void(double)> report_end_;
   int dates_ = -1;  // the Dates (tls_files.cc) last said of seen_'s certificate; -1: none yet
 };
 

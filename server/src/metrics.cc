@@ -57,6 +57,12 @@ ServerMetrics::ServerMetrics(const std::string& model_name, int max_waiting)
                            "The KV cache as served: device, kv_cache_dtype (fp32, bf16, int8) and "
                            "kv_bytes_per_token as labels; value 1, once the model is loaded.")
                        .Register(*registry_);
+  tls_end_ = &prometheus::BuildGauge()
+                  .Name("cemlm:tls_certificate_expiry_timestamp_seconds")
+                  .Help(
+                      "End of validity (notAfter, Unix seconds) of the TLS certificate that new "
+                      "connections get; 0 while the TLS files cannot serve; absent without TLS.")
+                  .Register(*registry_);
   unread_ = gauge("cemlm:num_unread_streams",
                   "Finished Generate streams whose clients have not read all of them (each holds "
                   "its output; at --max-running + --max-waiting new streams are refused).");
@@ -147,6 +153,10 @@ void ServerMetrics::set_model_info(const ModelInfo& info) {
              {"kv_cache_dtype", info.kv_cache_dtype},
              {"kv_bytes_per_token", std::to_string(info.kv_bytes_per_token)}})
       .Set(1);
+}
+
+void ServerMetrics::set_tls_certificate_end(double unix_seconds) {
+  tls_end_->Add({{"model_name", model_name_}}).Set(unix_seconds);
 }
 
 void ServerMetrics::observe_first_token(double seconds, double queue_seconds, int prompt_tokens) {

@@ -670,8 +670,9 @@ def wait_serving(entrypoint, env, server, deadline_s):
 
 
 def check_live(errors):
-    """The entrypoint serves a random-init model outside Docker, passes its own health check,
-    exports every metric the dashboard and rules use, and drains on SIGTERM."""
+    """The entrypoint serves a random-init model outside Docker over TLS (the certificate's
+    gauge is exported only then), passes its own health check, exports every metric the
+    dashboard and rules use, and drains on SIGTERM."""
     binary = os.environ.get("CEMLM_BIN", "")
     serving(binary)
     entrypoint = ["bash", str(DEPLOY / "entrypoint.sh")]
@@ -682,12 +683,23 @@ def check_live(errors):
                             "--out", str(tmp / "model")], capture_output=True, text=True)
         if not errors.expect(p.returncode == 0, f"cemlm init failed: {p.stderr}"):
             return
+        cert, key = tmp / "cert.pem", tmp / "key.pem"
+        p = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                            "ec_paramgen_curve:P-256", "-nodes", "-days", "30", "-subj",
+                            "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                            "-keyout", str(key), "-out", str(cert)],
+                           capture_output=True, text=True)
+        if not errors.expect(p.returncode == 0, "openssl could not make a certificate (the "
+                             f"tests' setup installs it: CEMLM_SETUP_TESTS=1): {p.stderr}"):
+            return
         port, metrics_port = free_ports(2)
         env = {k: v for k, v in os.environ.items() if not k.startswith("CEMLM_")}
         env.update(CEMLM_BIN=binary, CEMLM_MODEL=str(tmp / "model"), CEMLM_DEVICE="cpu",
                    CEMLM_HOST="127.0.0.1", CEMLM_PORT=str(port),
                    CEMLM_METRICS_PORT=str(metrics_port), CEMLM_KV_CACHE_MEMORY="16M",
-                   CEMLM_THREADS="1", CEMLM_SHUTDOWN_TIMEOUT="10", CEMLM_LOG_LEVEL="warn")
+                   CEMLM_THREADS="1", CEMLM_SHUTDOWN_TIMEOUT="10", CEMLM_LOG_LEVEL="warn",
+                   CEMLM_TLS_CERT=str(cert), CEMLM_TLS_KEY=str(key),
+                   CEMLM_HEALTH_ARGS=f"--tls-ca {cert}")
         log_path = tmp / "log"
         with open(log_path, "w") as log:
             server = subprocess.Popen(entrypoint, env=env, stdout=subprocess.DEVNULL, stderr=log)
@@ -696,7 +708,8 @@ def check_live(errors):
                                  f"server not SERVING: {log_path.read_text()}"):
                 return
             generate = [binary, "client", "generate", "--addr", f"127.0.0.1:{port}",
-                        "--prompt-ids", "3,4,5", "--max-new-tokens", "3", "--json"]
+                        "--tls-ca", str(cert), "--prompt-ids", "3,4,5", "--max-new-tokens", "3",
+                        "--json"]
             p = subprocess.run(generate, capture_output=True, text=True)
             errors.expect(p.returncode == 0, f"generate failed: {p.stderr}")
             # Over the model's recursion max: INVALID_ARGUMENT, which fills errors by code.

@@ -1669,6 +1669,28 @@ bool serves_certificate_of(const ServerProcess& server, const std::string& dir, 
   return false;
 }
 
+// The end (notAfter) of the certificate in `path`, in Unix seconds.
+double not_after_of(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  X509* cert = f ? PEM_read_X509(f, nullptr, nullptr, nullptr) : nullptr;
+  if (f) std::fclose(f);
+  EXPECT_NE(cert, nullptr) << path;
+  if (!cert) return -1;
+  ASN1_TIME* epoch = ASN1_TIME_set(nullptr, 0);
+  int days = 0, seconds = 0;
+  EXPECT_EQ(ASN1_TIME_diff(&days, &seconds, epoch, X509_get0_notAfter(cert)), 1);
+  ASN1_TIME_free(epoch);
+  X509_free(cert);
+  return double(days) * 86400 + seconds;
+}
+
+// Whether cemlm:tls_certificate_expiry_timestamp_seconds comes to read `end` (within 30 s).
+bool exports_certificate_end(const ServerProcess& server, double end) {
+  return wait_for_metrics(server, [end](const auto& m) {
+    return metric(m, "cemlm:tls_certificate_expiry_timestamp_seconds") == end;
+  });
+}
+
 // Whether the server's log holds `text`, looked for every 100 ms for up to 60 s.
 bool log_says(const ServerProcess& server, const std::string& text) {
   for (int i = 0; i < 600; ++i) {
@@ -1696,6 +1718,7 @@ TEST(ServerTls, ARenewedCertificateServesWithoutARestart) {
                                      trusting(old_pair));
   ASSERT_TRUE(server);
   EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
+  EXPECT_TRUE(exports_certificate_end(*server, not_after_of(old_pair + "/cert.pem")));
   // As a Secret's update lands: each file replaced whole, the key first.
   for (const char* f : {"/key.pem", "/cert.pem"}) {
     std::filesystem::copy_file(new_pair + f, live + f + std::string(".tmp"));
@@ -1708,6 +1731,7 @@ TEST(ServerTls, ARenewedCertificateServesWithoutARestart) {
                                     "/cert.pem' and --tls-key changed: connections made from "
                                     "now on get the certificate of CN=localhost, valid until "))
       << server->log();
+  EXPECT_TRUE(exports_certificate_end(*server, not_after_of(new_pair + "/cert.pem")));
   // The connection the test opened first keeps its session.
   EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
 
@@ -1723,6 +1747,7 @@ TEST(ServerTls, ARenewedCertificateServesWithoutARestart) {
   EXPECT_TRUE(log_says(*server, "TLS: the files changed: --tls-cert '" + live +
                                     "/cert.pem' holds no PEM certificate"))
       << server->log();
+  EXPECT_TRUE(exports_certificate_end(*server, 0));
   // A certificate not valid yet is logged as such, then as valid once it is.
   make_certificate_between(new_pair, 8, 30 * kDay);
   for (const char* f : {"/key.pem", "/cert.pem"}) {

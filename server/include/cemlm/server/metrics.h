@@ -46,6 +46,10 @@ class ServerMetrics : public prometheus::Collectable {
   // cache_config_info series (device, dtype, bytes per token as labels; value 1).
   void set_model_info(const ModelInfo& info);
 
+  // Under TLS: the end of the certificate new connections get (Unix seconds), 0 while the TLS
+  // files cannot serve.
+  void set_tls_certificate_end(double unix_seconds);
+
   // A generation's first tokens: its prompt is through prefill, after `queue_seconds` in the
   // engine's queue. Then `n` tokens of it streamed.
   void observe_first_token(double seconds, double queue_seconds, int prompt_tokens);
@@ -72,6 +76,7 @@ class ServerMetrics : public prometheus::Collectable {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Gauge *running_, *waiting_, *scoring_, *kv_usage_, *kv_capacity_, *unread_;
   prometheus::Family<prometheus::Gauge>* cache_config_;
+  prometheus::Family<prometheus::Gauge>* tls_end_;
   prometheus::Counter *preemptions_, *prompt_tokens_, *generation_tokens_, *prefix_hit_tokens_,
       *unread_cancelled_, *score_tokens_, *compute_rests_;
   prometheus::Histogram *ttft_, *itl_, *e2e_, *queue_, *recursion_, *score_latency_,

@@ -195,6 +195,7 @@ void bench_model(bool cem, const Setup& su, double bw, double rate) {
   CudaRunnerOptions o;
   o.precision = CudaPrecision::kBf16;
   o.kv_cache_memory = int64_t(16) << 30;
+  o.device_sampling = true;  // its decode rows sample on the device
   std::unique_ptr<CudaModelRunner> runner;
   {
     ParamStore store(c);

@@ -125,7 +125,6 @@ class CudaRunner final : public CudaModelRunner {
   void check_fits(const Step& st) const;
   StepDev stage(const Step& st);
   void run_graph(const Step& st, const StepDev& d);
-  void clear_graphs();
   void run_layers(const Step& st, const StepDev& d);
   void attention_standard(int l, const Step& st, const StepDev& d);
   void attention_cem(int l, const Step& st, const StepDev& d);
@@ -154,14 +153,19 @@ class CudaRunner final : public CudaModelRunner {
   DeviceBuffer stage_dev_, sample_scratch_;  // all reserved by init for the largest step
   cuda::PinnedBuffer stage_host_;
   int sample_rows_ = 0;  // rows sample_scratch_ is reserved for
-  std::map<std::vector<int>, cudaGraphExec_t> graphs_;
+  struct CapturedStep {
+    cudaGraphExec_t exec;
+    uint64_t last_use;  // graph_uses_ at its last launch
+  };
+  std::map<std::vector<int>, CapturedStep> graphs_;  // at most kMaxGraphs
+  uint64_t graph_uses_ = 0;
   std::set<std::vector<int>> seen_;  // keys run once directly; captured on the second sighting
 };
 
 CudaRunner::~CudaRunner() {
   (void)cudaSetDevice(opts_.device);
   if (stream_) (void)cudaStreamSynchronize(stream_);
-  for (auto& [key, exec] : graphs_) (void)cudaGraphExecDestroy(exec);
+  for (auto& [key, g] : graphs_) (void)cudaGraphExecDestroy(g.exec);
   if (cublas_) (void)cublasDestroy(cublas_);
   if (stream_) (void)cudaStreamDestroy(stream_);
 }
@@ -359,12 +363,14 @@ absl::Status CudaRunner::setup_device() {
 // a step never allocates, and buffers never move (captured graphs stay valid).
 absl::Status CudaRunner::reserve_workspace() {
   const CudaWorkspace w = cuda_workspace_bytes(cfg_, opts_.precision, cuda_worst_step(cfg_, opts_));
-  sample_rows_ = cuda_sample_rows(cfg_, opts_);
+  sample_rows_ = opts_.device_sampling ? cuda_sample_rows(cfg_, opts_) : 0;
   const size_t sample_bytes =
-      sizeof(float) * size_t(std::max<int64_t>(
-                          cuda::sample_rows_max_scratch_floats(sample_rows_, cfg_.vocab_size,
-                                                               cfg_.max_seq_len),
-                          1));
+      opts_.device_sampling
+          ? sizeof(float) *
+                size_t(std::max<int64_t>(cuda::sample_rows_max_scratch_floats(
+                                             sample_rows_, cfg_.vocab_size, cfg_.max_seq_len),
+                                         1))
+          : 0;
   const std::string limits =
       absl::StrCat("--max-batch-tokens ", opts_.max_batch_tokens, " and --max-running ",
                    opts_.max_running);
@@ -385,9 +391,10 @@ absl::Status CudaRunner::reserve_workspace() {
                                 hint.c_str()));
   CEMLM_RETURN_IF_ERROR(alloc(stage_dev_, w.stage_bytes,
                               absl::StrCat("the step tables (", limits, ")"), hint.c_str()));
-  CEMLM_RETURN_IF_ERROR(alloc(sample_scratch_, sample_bytes,
-                              absl::StrCat("the sampler's scratch (", sample_rows_, " rows)"),
-                              hint.c_str()));
+  if (sample_bytes > 0)
+    CEMLM_RETURN_IF_ERROR(alloc(sample_scratch_, sample_bytes,
+                                absl::StrCat("the sampler's scratch (", sample_rows_, " rows)"),
+                                hint.c_str()));
   const cudaError_t e = stage_host_.try_reserve(w.stage_bytes);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -534,21 +541,24 @@ StepDev CudaRunner::stage(const Step& st) {
                  reinterpret_cast<const cuda::AttnRow*>(d + st.at.off_rows)};
 }
 
-void CudaRunner::clear_graphs() {
-  for (auto& [key, exec] : graphs_) CEMLM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  graphs_.clear();
-  seen_.clear();
-}
-
 void CudaRunner::run_graph(const Step& st, const StepDev& d) {
   const std::vector<int> key = st.graph_key();
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     if (seen_.insert(key).second) {  // first sighting: run directly (this also warms cuBLAS up)
+      // A server with many running requests of mixed T sees many shapes: the sightings are
+      // forgotten now and then, not the graphs.
+      if (seen_.size() > 16 * kMaxGraphs) seen_ = {key};
       run_layers(st, d);
       return;
     }
-    if (graphs_.size() >= kMaxGraphs) clear_graphs();
+    if (graphs_.size() >= kMaxGraphs) {  // the graph used longest ago goes
+      auto oldest = std::min_element(
+          graphs_.begin(), graphs_.end(),
+          [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; });
+      CEMLM_CUDA_CHECK(cudaGraphExecDestroy(oldest->second.exec));
+      graphs_.erase(oldest);
+    }
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     CEMLM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
@@ -556,9 +566,10 @@ void CudaRunner::run_graph(const Step& st, const StepDev& d) {
     CEMLM_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
     CEMLM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     CEMLM_CUDA_CHECK(cudaGraphDestroy(graph));
-    it = graphs_.emplace(key, exec).first;
+    it = graphs_.emplace(key, CapturedStep{exec, 0}).first;
   }
-  CEMLM_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+  it->second.last_use = ++graph_uses_;
+  CEMLM_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
 }
 
 int CudaRunner::run(const Batch& batch) {
@@ -593,8 +604,9 @@ void CudaRunner::forward_sample(const Batch& batch, std::span<const cuda::Sample
     return;
   }
   const int V = cfg_.vocab_size;
-  // Reserved at init for sample_rows_ rows of up to max_seq_len tokens of history each.
-  CEMLM_CHECK(M <= sample_rows_);
+  // Reserved at init (with device_sampling) for sample_rows_ rows of up to max_seq_len tokens
+  // of history each.
+  CEMLM_CHECK(opts_.device_sampling && M <= sample_rows_);
   const int64_t need = cuda::sample_rows_scratch_floats(rows.data(), M, V);
   CEMLM_CHECK(sizeof(float) * size_t(need) <= sample_scratch_.bytes());
   ExecCtx sc = ctx_;

@@ -2,9 +2,10 @@
 // prefill and decode over a scattered paged cache at T = 1, 2, 4 (fp32 within 1e-4, bf16 within
 // 5e-2; the same models widened past a warp and a block within 2e-3), a mixed-T batch decoding
 // with and without CUDA graphs, a decode batch growing one sequence at a time over captured
-// graphs, copy_block, 64 greedy tokens identical to the CPU's, option errors that name the
-// option, and working buffers reserved at startup (an oversized --max-batch-tokens is a startup
-// error; a full-budget step after an automatic KV cache runs).
+// graphs, more decode shapes than the graph cache holds, copy_block, 64 greedy tokens identical to
+// the CPU's, option errors that name the option, and working buffers reserved at startup (an
+// oversized --max-batch-tokens is a startup error; a full-budget step after an automatic KV cache
+// runs).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,6 +46,7 @@ class RunnerTest : public ::testing::TestWithParam<testing_models::Variant> {
     o.cuda_graphs = graphs;
     o.block_size = block_size;
     o.kv_cache_memory = n_blocks * block_size * cfg_.kv_bytes_per_token();
+    o.device_sampling = true;  // Greedy64TokensMatchCpu samples on the device
     auto r = make_cuda_runner(cfg_, store_, o);
     EXPECT_TRUE(r.ok()) << r.status();
     if (!r.ok()) return nullptr;
@@ -186,6 +188,57 @@ TEST_P(RunnerTest, DecodeBatchGrowingStepByStepReplaysGraphsLikeCpu) {
     for (int d = 0; d < 2; ++d)
       step(std::vector<size_t>(all.begin(), all.begin() + long(n)), false,
            "decode of the first " + std::to_string(n) + " again, step " + std::to_string(d));
+}
+
+// More decode shapes than the runner keeps graphs for (64): three sequences decode the same
+// position again and again under every non-increasing profile of T up to recursion.max, each
+// twice (run directly, then captured), so that the first profiles' graphs are dropped for newer
+// ones; then the first profiles again, captured anew. Every step is the CPU's (decoding a position
+// again rewrites its cache entries alike on both).
+TEST_P(RunnerTest, GraphsPastTheCacheAreDroppedAndCapturedAgain) {
+  const int V = cfg_.vocab_size, bs = 4, n_seqs = 3, per_seq = 4, prompt = 6;
+  auto gpu = runner(CudaPrecision::kFp32, true, bs, n_seqs * per_seq);
+  ASSERT_NE(gpu, nullptr);
+  CpuModel cpu(cfg_, w_);
+  KvPool kv(cfg_, bs, n_seqs * per_seq);
+  std::vector<std::vector<int>> seqs;
+  std::vector<std::vector<int32_t>> tables;
+  for (int s = 0; s < n_seqs; ++s) {
+    seqs.push_back(random_ids(prompt + 1, V, 700 + s));
+    tables.emplace_back(per_seq);
+    std::iota(tables.back().begin(), tables.back().end(), s * per_seq);
+  }
+  auto forward = [&](const std::vector<int>& Ts, bool prefill, const std::string& what) {
+    Batch b;
+    for (int s = 0; s < n_seqs; ++s) {
+      if (Ts[size_t(s)] == 0) continue;
+      b.seqs.push_back(BatchSeq{seqs[size_t(s)].data() + (prefill ? 0 : prompt),
+                                prefill ? prompt : 1, prefill ? 0 : prompt, Ts[size_t(s)],
+                                tables[size_t(s)].data(), per_seq, true, false});
+    }
+    std::vector<float> want, got;
+    cpu.forward(b, kv, &want);
+    gpu->forward(b, &got);
+    ASSERT_EQ(got.size(), want.size()) << what;
+    EXPECT_LT(rel_err(got, want), 1e-4) << what;
+  };
+  for (int s = 0; s < n_seqs; ++s) {
+    std::vector<int> Ts(n_seqs, 0);
+    Ts[size_t(s)] = 2;
+    forward(Ts, true, "prefill of sequence " + std::to_string(s));
+  }
+  std::vector<std::vector<int>> profiles;
+  for (int a = 1; a <= cfg_.recursion_max; ++a)
+    for (int b = 1; b <= a; ++b)
+      for (int c = 1; c <= b; ++c) profiles.push_back({a, b, c});
+  ASSERT_GT(profiles.size(), size_t(64));  // 120 at recursion.max 8
+  auto name = [](const std::vector<int>& Ts) {
+    return "T " + std::to_string(Ts[0]) + "," + std::to_string(Ts[1]) + "," + std::to_string(Ts[2]);
+  };
+  for (const auto& Ts : profiles)
+    for (int k = 0; k < 2; ++k) forward(Ts, false, name(Ts) + (k ? ", captured" : ", direct"));
+  for (size_t i = 0; i < 8; ++i)
+    for (int k = 0; k < 2; ++k) forward(profiles[i], false, name(profiles[i]) + ", again");
 }
 
 // A copied block continues as the CPU's copy does, through direct steps and replayed graphs.

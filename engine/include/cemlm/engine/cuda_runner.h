@@ -33,12 +33,17 @@ struct CudaRunnerOptions {
   // defaults suit direct callers (benchmarks, tests).
   int max_batch_tokens = 8192;
   int max_running = 256;
+  // Reserve forward_sample's scratch (about 32 bytes a vocabulary entry a row, for max_running
+  // rows): benchmarks and tests sample on the device; the engine samples on the host, and leaves
+  // that memory to the KV cache.
+  bool device_sampling = false;
 };
 
 class CudaModelRunner : public ModelRunner {
  public:
   // One forward step, then one token per logits row (the rows `forward` would return, in the
-  // same order) sampled on the device; `rows` holds one spec per such row.
+  // same order) sampled on the device; `rows` holds one spec per such row. Needs the runner
+  // made with device_sampling (aborts without).
   virtual void forward_sample(const Batch& batch, std::span<const cuda::SampleRowSpec> rows,
                               std::vector<cuda::SampledToken>* out) = 0;
 };

@@ -7,11 +7,14 @@ cd "$(dirname "$(readlink -f "$0")")/.."  # through a symlink too
 CEMLM_SETUP_TARGET=cemlm scripts/setup.sh  # the program alone: the tests build with scripts/test.sh
 CEMLM=build/cli/cemlm
 MODEL=${CEMLM_MODEL_DIR:-models/default}
-MODEL=${MODEL%/}  # its saves' leftovers are named "$MODEL.tmp-*"
+while [[ "$MODEL" == ?*/ ]]; do MODEL=${MODEL%/}; done  # its saves' leftovers: "$MODEL.tmp-*"
 PORT=${CEMLM_PORT:-50051}
 METRICS_PORT=${CEMLM_METRICS_PORT:-9400}
 
-if [ ! -f "$MODEL/config.json" ] && compgen -G "$MODEL.tmp-*.old" > /dev/null; then
+shopt -s nullglob
+aside=("$MODEL".tmp-*.old)  # the name matched literally, only the suffix as a pattern
+shopt -u nullglob
+if [ ! -e "$MODEL" ] && [ ${#aside[@]} -gt 0 ]; then
   # A save interrupted on a filesystem that cannot swap directories left the run moved aside.
   echo "== $MODEL was moved aside by an interrupted save: putting it back, finishing its training"
   "$CEMLM" train --out "$MODEL" --resume

@@ -174,7 +174,6 @@ absl::StatusOr<TlsFiles> read_tls_files(const std::string& cert_path, const std:
 TlsFileWatch::TlsFileWatch(TlsFiles served, unsigned interval_s,
                            std::function<void(double)> report_end)
     : seen_(std::move(served)), interval_s_(interval_s), report_end_(std::move(report_end)) {
-  report_end_(unix_seconds(X509_get0_notAfter(first_certificate(seen_.cert_pem).get())));
   check_dates();
 }
 
@@ -229,7 +228,6 @@ void TlsFileWatch::poll() {
   }
   error_.clear();
   const X509Ptr c = first_certificate(seen_.cert_pem);
-  report_end_(unix_seconds(X509_get0_notAfter(c.get())));
   spdlog::info(
       "TLS: --tls-cert '{}' and --tls-key changed: connections made from now on get the "
       "certificate of {}, valid until {} (gRPC takes the files within {} s of a change)",
@@ -241,6 +239,8 @@ void TlsFileWatch::check_dates() {
   const X509Ptr cert = first_certificate(seen_.cert_pem);
   if (!cert) return;
   const Dates d = dates_of(cert.get());
+  // Clients refuse a certificate before its start as after its end.
+  report_end_(d == Dates::kNotYet ? 0 : unix_seconds(X509_get0_notAfter(cert.get())));
   if (int(d) == dates_) return;  // said already
   const bool first_look = dates_ < 0;
   dates_ = int(d);

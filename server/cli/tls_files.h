@@ -25,7 +25,8 @@ class TlsFileWatch {
   // `served`: the pair the server started with (read_tls_files's); `interval_s`: how often gRPC
   // reads the files again (said in the log lines), 0 for never. Warns now if the certificate
   // ends within a week. `report_end` is told the end (notAfter, Unix seconds) of the certificate
-  // new connections get, now and at each change; 0 while the files cannot serve.
+  // new connections get, now and at each look; 0 while the files cannot serve or the certificate
+  // is not valid yet.
   TlsFileWatch(TlsFiles served, unsigned interval_s, std::function<void(double)> report_end);
   // Reads the files again. When they differ from the last look, logs the new pair (its
   // certificate's subject and end) or why it cannot serve; when they cannot be read, that gRPC

@@ -61,7 +61,8 @@ ServerMetrics::ServerMetrics(const std::string& model_name, int max_waiting)
                   .Name("cemlm:tls_certificate_expiry_timestamp_seconds")
                   .Help(
                       "End of validity (notAfter, Unix seconds) of the TLS certificate that new "
-                      "connections get; 0 while the TLS files cannot serve; absent without TLS.")
+                      "connections get; 0 while the TLS files cannot serve or it is not valid yet; "
+                      "absent without TLS.")
                   .Register(*registry_);
   unread_ = gauge("cemlm:num_unread_streams",
                   "Finished Generate streams whose clients have not read all of them (each holds "

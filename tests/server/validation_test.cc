@@ -1742,20 +1742,27 @@ TEST(ServerTls, ARenewedCertificateServesWithoutARestart) {
   EXPECT_TRUE(serves_certificate_of(*server, new_pair, true));
   std::filesystem::rename(live + "/cert.moved", live + "/cert.pem");
 
+  // A certificate not valid yet is logged as such (the gauge reads 0: clients refuse it), then
+  // as valid once it is.
+  make_certificate_between(new_pair, 8, 50 * kDay);
+  for (const char* f : {"/key.pem", "/cert.pem"}) {
+    std::filesystem::copy_file(new_pair + f, live + f + std::string(".tmp"));
+    std::filesystem::rename(live + f + std::string(".tmp"), live + f);
+  }
+  EXPECT_TRUE(log_says(*server, "/cert.pem' is not valid until ")) << server->log();
+  EXPECT_TRUE(exports_certificate_end(*server, 0));
+  EXPECT_TRUE(log_says(*server, "/cert.pem' is valid now")) << server->log();
+  EXPECT_TRUE(exports_certificate_end(*server, not_after_of(new_pair + "/cert.pem")));
+  EXPECT_TRUE(serves_certificate_of(*server, new_pair, true)) << server->log();
+
   std::ofstream(live + "/cert.pem") << "not a certificate\n";
   EXPECT_TRUE(serves_certificate_of(*server, new_pair, false));
   EXPECT_TRUE(log_says(*server, "TLS: the files changed: --tls-cert '" + live +
                                     "/cert.pem' holds no PEM certificate"))
       << server->log();
   EXPECT_TRUE(exports_certificate_end(*server, 0));
-  // A certificate not valid yet is logged as such, then as valid once it is.
-  make_certificate_between(new_pair, 8, 30 * kDay);
-  for (const char* f : {"/key.pem", "/cert.pem"}) {
-    std::filesystem::copy_file(new_pair + f, live + f + std::string(".tmp"));
-    std::filesystem::rename(live + f + std::string(".tmp"), live + f);
-  }
-  EXPECT_TRUE(log_says(*server, "/cert.pem' is not valid until ")) << server->log();
-  EXPECT_TRUE(log_says(*server, "/cert.pem' is valid now")) << server->log();
+  std::filesystem::copy_file(new_pair + "/cert.pem", live + "/cert.pem",
+                             std::filesystem::copy_options::overwrite_existing);
   EXPECT_TRUE(serves_certificate_of(*server, new_pair, true)) << server->log();
 }
 

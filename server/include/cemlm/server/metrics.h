@@ -47,7 +47,7 @@ class ServerMetrics : public prometheus::Collectable {
   void set_model_info(const ModelInfo& info);
 
   // Under TLS: the end of the certificate new connections get (Unix seconds), 0 while the TLS
-  // files cannot serve.
+  // files cannot serve or the certificate is not valid yet.
   void set_tls_certificate_end(double unix_seconds);
 
   // A generation's first tokens: its prompt is through prefill, after `queue_seconds` in the

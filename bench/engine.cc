@@ -121,6 +121,27 @@ double decode_flops(const ModelConfig& c, int T, double n_ctx) {
   return c.n_layers * layer + 2 * D * V;
 }
 
+double seconds_since(BenchClock::time_point t0) {
+  return std::chrono::duration<double>(BenchClock::now() - t0).count();
+}
+
+// Fastest of at least 3 calls of fn() spanning `min_seconds`, after one warm-up call: the minimum
+// rejects the slowdowns of a shared machine, which only ever add time.
+template <typename F>
+double seconds_per_call(F&& fn, double min_seconds) {
+  fn();
+  int reps = 0;
+  double best = 1e30;
+  const auto t0 = BenchClock::now();
+  do {
+    const auto t = BenchClock::now();
+    fn();
+    best = std::min(best, seconds_since(t));
+    ++reps;
+  } while (reps < 3 || seconds_since(t0) < min_seconds);
+  return best;
+}
+
 // The few-row product kernel's rate at 32 rows on the model's [F, D] MLP weight (in the bench's
 // weight dtype), all threads: hot (one weight, in the caches) and cold (copies of it cycled through
 // 256 MiB, beyond any last-level cache, as a base-shape decode step streams its weights from
@@ -135,7 +156,13 @@ ProductRates product_rates(const ModelConfig& c, const std::string& device, int 
   const WeightDtype dtype = *cpu_weight_dtype(device);
   std::vector<float> w(size_t(N) * K, 0.01f), x(size_t(M) * K, 0.5f), y(size_t(M) * N);
   const Tensor W(w.data(), {N, K});
-  const size_t copies = std::max<size_t>(2, (size_t(256) << 20) / (sizeof(float) * N * K));
+  // The packed weight's bytes (bf16: 2 a number, int8: 1 and its block scales), so that the copies
+  // span 256 MiB whatever the dtype.
+  const double bytes = dtype == WeightDtype::kFp32                                     ? 4.0
+                       : dtype == WeightDtype::kBf16 || dtype == WeightDtype::kBf16Dot ? 2.0
+                                                                                       : 1.0;
+  const size_t copies =
+      std::max<size_t>(2, size_t(double(size_t(256) << 20) / (bytes * double(N) * K)));
   std::vector<PackedLinear> packed;
   packed.reserve(copies);
   for (size_t i = 0; i < copies; ++i) packed.emplace_back(W, PackedLinear::Use::kForward, dtype);
@@ -143,8 +170,9 @@ ProductRates product_rates(const ModelConfig& c, const std::string& device, int 
     linear_forward(ExecCtx{}, Tensor(y.data(), {M, N}), Tensor(x.data(), {M, K}), p);
   };
   size_t next = 0;
-  const double hot = bench::seconds_per_call([&] { product(packed[0]); }, 0.5);
-  const double cold = bench::seconds_per_call([&] { product(packed[next++ % copies]); }, 0.5);
+  // The fastest calls, as the step times they are compared with.
+  const double hot = seconds_per_call([&] { product(packed[0]); }, 0.5);
+  const double cold = seconds_per_call([&] { product(packed[next++ % copies]); }, 0.5);
   const double flops = 2.0 * M * N * K;
   return {flops / hot, flops / cold};
 }
@@ -190,27 +218,6 @@ auto on_own_thread(F&& fn) {
   return out;
 }
 
-double seconds_since(BenchClock::time_point t0) {
-  return std::chrono::duration<double>(BenchClock::now() - t0).count();
-}
-
-// Fastest of at least 3 calls of fn() spanning `min_seconds`, after one warm-up call: the minimum
-// rejects the slowdowns of a shared machine, which only ever add time.
-template <typename F>
-double seconds_per_call(F&& fn, double min_seconds) {
-  fn();
-  int reps = 0;
-  double best = 1e30;
-  const auto t0 = BenchClock::now();
-  do {
-    const auto t = BenchClock::now();
-    fn();
-    best = std::min(best, seconds_since(t));
-    ++reps;
-  } while (reps < 3 || seconds_since(t0) < min_seconds);
-  return best;
-}
-
 // Decode timing over per-sequence block tables: sequence i owns a contiguous run of blocks, each
 // holding `context` cached tokens (up to n_seqs sequences: kMaxBatch fit the KV budget at kContext).
 class DecodeBench {
@@ -252,8 +259,8 @@ class DecodeBench {
   std::vector<std::vector<int32_t>> tables_;
 };
 
-// Best-of-`reps` seconds for one chunk prefilling `n` prompt tokens (the engine's chunk size when
-// max_batch_tokens ≥ n), in the blocks after the decode sequences'.
+// Best-of-`reps` seconds (after one untimed call) for one chunk prefilling `n` prompt tokens (the
+// engine's chunk size when max_batch_tokens ≥ n), in the blocks after the decode sequences'.
 double prefill_seconds(ModelRunner& r, int n, int T, int reps) {
   std::vector<int32_t> table;
   const int64_t first = kMaxBatch * blocks_per_decode_seq();
@@ -261,11 +268,11 @@ double prefill_seconds(ModelRunner& r, int n, int T, int reps) {
   const std::vector<int> ids = some_ids(n, r.config().vocab_size, 99);
   std::vector<float> logits;
   double best = 1e30;
-  for (int i = 0; i < reps; ++i) {
+  for (int i = 0; i <= reps; ++i) {  // call 0 warms up (first-touch of buffers), untimed
     const auto t0 = BenchClock::now();
     r.forward(Batch{{BatchSeq{ids.data(), n, 0, T, table.data(), int(table.size()), true, false}}},
               &logits);
-    best = std::min(best, seconds_since(t0));
+    if (i > 0) best = std::min(best, seconds_since(t0));
   }
   return best;
 }
@@ -320,9 +327,10 @@ double engine_ttft_seconds(const Model& m, int n, int T, const Settings& s) {
   return best;
 }
 
-// Generated tokens/s of B requests decoding together through an Engine (scheduling, sampling,
-// detokenization-free events included): 16-token prompts, `new_tokens` each, EOS ignored; wall
-// time from the first submit to the last finish, best of `reps`.
+// Decode tokens/s of B requests decoding together through an Engine (scheduling, sampling,
+// detokenization-free events included): 16-token prompts, `new_tokens` each, EOS ignored; the
+// tokens after each request's first (which prefill gives) over the time from the earliest first
+// token to the last finish (the prefill step left out), best of `reps`.
 double engine_decode_tokens_per_s(const Model& m, int B, const SamplingParams& sampling, int T,
                                   int reps, const Settings& s) {
   EngineOptions o;
@@ -344,7 +352,7 @@ double engine_decode_tokens_per_s(const Model& m, int B, const SamplingParams& s
     std::condition_variable cv;
     int done = 0;
     int64_t tokens = 0;
-    const auto t0 = BenchClock::now();
+    Clock::time_point first = Clock::time_point::max(), last = Clock::time_point::min();
     for (int i = 0; i < B; ++i) {
       GenerateRequest req;
       req.prompt_ids = some_ids(16, m.cfg.vocab_size, i);
@@ -355,7 +363,9 @@ double engine_decode_tokens_per_s(const Model& m, int B, const SamplingParams& s
       auto id = (*e)->submit(std::move(req), [&](const StreamEvent& ev) {
         if (ev.finish_reason == FinishReason::kNone) return;
         std::lock_guard<std::mutex> lock(mu);
-        tokens += ev.usage.generated_tokens;
+        tokens += ev.usage.generated_tokens - 1;
+        first = std::min(first, ev.timings.first_token);
+        last = std::max(last, ev.timings.finished);
         ++done;
         cv.notify_all();
       });
@@ -366,7 +376,7 @@ double engine_decode_tokens_per_s(const Model& m, int B, const SamplingParams& s
     }
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return done == B; });
-    if (rep > 0) best = std::max(best, double(tokens) / seconds_since(t0));
+    if (rep > 0) best = std::max(best, double(tokens) / seconds_between(first, last));
   }
   return best;
 }
@@ -667,9 +677,10 @@ int main(int argc, char** argv) {
   std::printf(
       "\ntarget 2: one extra recursion step costs no more than the CEM sub-layers' share of a T=1\n"
       "step. Share measured, not counted: every attention and MLP sub-layer of the full-CEM model\n"
-      "is a CEM one, so their time is the per-layer time (L=%d minus L=%d model, same shape) × %d;\n"
-      "the rest (embedding, final norm, LM head, host work) is what a T=1 step spends outside.\n",
-      shape.layers, shape.layers / 2, shape.layers);
+      "is a CEM one, so their time is all %d layers' time: (L=%d model minus L=%d model, same\n"
+      "shape) × 2; the rest (embedding, final norm, LM head, host work) is what a T=1 step spends\n"
+      "outside.\n",
+      shape.layers, shape.layers, shape.layers / 2);
   std::printf("| batch | T=1 ms | CEM sub-layers ms (share) | T=2 − T=1 ms | (T=4 − T=1)/3 ms | extra ÷ sub-layers |\n"
               "|---|---|---|---|---|---|\n");
   for (int B : s.batches) {

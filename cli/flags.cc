@@ -87,8 +87,8 @@ void Flags::add_nonempty(const std::string& name, std::string* out, const std::s
     f.expected = EXPECTED;                                                                   \
     f.set = [out](const std::string& v) { return parse_number(v, out); };                    \
   }
-CEMLM_NUMERIC_FLAG(int, "N", "an integer")
-CEMLM_NUMERIC_FLAG(int64_t, "N", "an integer")
+CEMLM_NUMERIC_FLAG(int, "N", "an integer in [-2147483648, 2147483647]")
+CEMLM_NUMERIC_FLAG(int64_t, "N", "an integer in [-2^63, 2^63)")
 CEMLM_NUMERIC_FLAG(uint64_t, "N", "an integer in [0, 2^64)")
 CEMLM_NUMERIC_FLAG(double, "X", "a decimal number like 0.001 or 1e-3")
 CEMLM_NUMERIC_FLAG(float, "X",

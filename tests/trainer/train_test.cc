@@ -16,6 +16,7 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -1264,8 +1265,9 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   // unchanged, as in the first command plus --resume, it is fine.
   testing_trainer::write_file(dir + "/other.json", "{}");
   for (const std::vector<std::string>& extra :
-       {std::vector<std::string>{"--config", dir + "/other.json"}, {"--seed=9"},
-        {"--vocab-size", "300"}}) {
+       {std::vector<std::string>{"--config", dir + "/other.json"},
+        {"--seed=9"},
+        {"--vocab-size", "320"}}) {  // the model's is 300
     std::vector<std::string> resume = {"--out", o.out_dir, "--resume", "--steps", "6"};
     resume.insert(resume.end(), extra.begin(), extra.end());
     const auto [rc, err] = cli(resume);
@@ -1279,6 +1281,13 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   for (std::string a : {"--steps", "6", "--resume"}) args.push_back(a);
   ASSERT_EQ(cli(args).first, 0);
   EXPECT_EQ(load_run_options(o.out_dir)->steps, 6);
+  // The run saved no --vocab-size (its config's): the model's own number given is no change.
+  ASSERT_EQ(saved->vocab_size, 0);
+  const std::string model_vocab = std::to_string(load_checkpoint_config(o.out_dir)->vocab_size);
+  const auto [rc, err] =
+      cli({"--out", o.out_dir, "--resume", "--steps", "7", "--vocab-size", model_vocab});
+  EXPECT_EQ(rc, 0) << err;
+  EXPECT_EQ(load_run_options(o.out_dir)->steps, 7);
 }
 
 // The command line too puts back a checkpoint an interrupted save moved aside: it read the run's
@@ -1587,6 +1596,10 @@ TEST(TrainCli, ResumeNamesWhatIsWrongInTheSavedState) {
     k["options"][key] = value;
     return k.dump(2);
   };
+  // A missing key is said as missing (it leaked nlohmann's "[json.exception.out_of_range.403]").
+  nlohmann::json without_clip = j;
+  without_clip["options"].erase("clip");
+  cases.push_back({without_clip.dump(2), "\"clip\": missing (the file is damaged)"});
   cases.push_back({with_option("eval_recursion", {0, -1}), "--eval-recursion '0,-1'"});
   cases.push_back({with_option("data", {dir + "/nonexistent"}), "--data"});
   cases.push_back({with_option("seq_len", 100000), "--seq-len"});
@@ -1687,7 +1700,9 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--min-lr", "1"}, "--min-lr"},
       {{"--train-recursion", "0-3"}, "--train-recursion"},
       {{"--train-recursion", "4-1"}, "--train-recursion"},
-      {{"--train-recursion", "1-5"}, "--train-recursion", 1},  // the tiny model's recursion.max is 4
+      {{"--train-recursion", "1-5"},
+       "--train-recursion",
+       1},  // the tiny model's recursion.max is 4
       {{"--train-recursion", "x"}, "--train-recursion"},
       {{"--eval-recursion", "1,0"}, "--eval-recursion"},
       {{"--eval-recursion", "5,6"}, "--eval-recursion", 1},
@@ -1707,6 +1722,9 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       // Quoted as given: with 6 digits, "must be in (0, 0.5] (got 0.5)".
       {{"--val-fraction", "0.5000001"}, "--val-fraction must be in (0, 0.5] (got 0.5000001)"},
       {{"--lr", "1.0000001"}, "--lr must be in (0, 1] (got 1.0000001)"},
+      // The bound named as --lr, the value quoted (it said only "must be in [0, 0.0001]").
+      {{"--lr", "1e-4", "--min-lr", "2e-4"},
+       "--min-lr must be in [0, --lr] = [0, 1e-04] (got 2e-04)"},
       {{"--eval-every", "0"}, "--eval-every"},
       {{"--save-every", "0"}, "--save-every"},
       {{"--max-minutes", "-1"}, "--max-minutes"},
@@ -1771,6 +1789,19 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
   std::tie(rc2, err2) = cli(args);
   EXPECT_NE(rc2, 0);
   EXPECT_NE(err2.find("option '--resume' takes no value"), std::string::npos) << err2;
+  // An integer past its type's range says the range (it said only "expected an integer").
+  for (const auto& [flag, value, says] :
+       {std::tuple{"--batch-size", "99999999999", "[-2147483648, 2147483647]"},
+        std::tuple{"--steps", "99999999999999999999", "[-2^63, 2^63)"}}) {
+    auto huge = base;
+    huge.insert(huge.end(), {"--data", o.data[0], flag, value});
+    std::tie(rc2, err2) = cli(huge);
+    EXPECT_EQ(rc2, 2) << flag;
+    EXPECT_NE(err2.find(absl::StrCat("option '", flag, "': expected an integer in ", says,
+                                     ", got '", value, "'")),
+              std::string::npos)
+        << err2;
+  }
 }
 
 // AdamW computes in 32-bit floats: values that pass the range checks as doubles but vanish or

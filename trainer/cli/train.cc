@@ -249,6 +249,15 @@ bool print_option_error(absl::string_view message, const TrainOptions& o, int ar
   return saved;
 }
 
+// Whether --vocab-size `given` with --resume is the run's: its saved one, or, where it saved 0 (the
+// config's or --init's vocabulary), the model's in `out_dir`.
+bool same_vocab_size(int given, int saved, const std::string& out_dir) {
+  if (given == saved) return true;
+  if (saved != 0) return false;
+  const auto model = load_checkpoint_config(out_dir);
+  return model.ok() && model->vocab_size == given;
+}
+
 // TrainOptions from argv; with --resume, the saved run's options overridden by the flags given.
 int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
@@ -271,7 +280,7 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
         {"--config", same_path(o.config_path, saved->config_path)},
         {"--init", same_path(o.init_dir, saved->init_dir)},
         {"--tokenizer", same_path(o.tokenizer_path, saved->tokenizer_path)},
-        {"--vocab-size", o.vocab_size == saved->vocab_size},
+        {"--vocab-size", same_vocab_size(o.vocab_size, saved->vocab_size, o.out_dir)},
         {"--seed", o.seed == saved->seed}};
     for (const auto& [flag, unchanged] : same)
       if (!unchanged) {

@@ -143,7 +143,9 @@ absl::Status validate_options(const TrainOptions& o) {
   CEMLM_RETURN_IF_ERROR(at_least<int>("accum", o.accum, 1));
   CEMLM_RETURN_IF_ERROR(in_range("lr", o.lr, 0, 1, true, false));
   CEMLM_RETURN_IF_ERROR(check_positive_as_float("lr", o.lr, TrainOptions{}.lr));
-  CEMLM_RETURN_IF_ERROR(in_range("min-lr", o.min_lr, 0, o.lr, false, false));
+  if (!(o.min_lr >= 0 && o.min_lr <= o.lr))
+    return flag_error("min-lr", absl::StrCat("must be in [0, --lr] = [0, ", exact_number(o.lr),
+                                             "] (got ", exact_number(o.min_lr), ")"));
   CEMLM_RETURN_IF_ERROR(at_least<int64_t>("warmup", o.warmup, 0));
   CEMLM_RETURN_IF_ERROR(in_range("weight-decay", o.adamw.weight_decay, 0, 1, false, true));
   CEMLM_RETURN_IF_ERROR(in_range("beta1", o.adamw.beta1, 0, 1, false, true));
@@ -214,6 +216,7 @@ absl::StatusOr<TrainOptions> options_from_json(const std::string& json_text) {
   auto get = [&](const char* k, auto& field) {
     key = k;
     known.push_back(k);
+    if (!j.contains(k)) throw std::out_of_range("missing (the file is damaged)");
     check_fits(j.at(k), field);
     j.at(k).get_to(field);
   };

@@ -53,6 +53,8 @@ std::string report(const std::string& source, const ModelConfig& c) {
   s += row("  mlp, all layers", pc.mlp, pb.mlp);
   s += row("  norms", pc.norms, pb.norms);
   s += row("KV cache, bytes/token (fp32)", c.kv_bytes_per_token(), b.kv_bytes_per_token());
+  s += row("KV cache, bytes/token (bf16, CPU)", c.kv_bytes_per_token(KvDtype::kBf16),
+           b.kv_bytes_per_token(KvDtype::kBf16));
   s += row("KV cache, bytes/token (int8, CPU)", c.kv_bytes_per_token(KvDtype::kInt8),
            b.kv_bytes_per_token(KvDtype::kInt8));
   s += row(absl::StrCat("KV cache, bytes at ", c.max_seq_len, " tokens"),

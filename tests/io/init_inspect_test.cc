@@ -136,8 +136,19 @@ TEST(InspectCommand, PrintsCountsNextToTheBaseline) {
         4 * c->n_layers *
         (c->attention == AttentionType::kStandard ? 2 * c->n_heads
                                                   : c->n_heads + (c->diag != DiagMode::kNone));
-    EXPECT_NE(out.find(absl::StrCat("bytes/token (int8, CPU)")), std::string::npos) << out;
-    EXPECT_NE(out.find(absl::StrCat(" ", numbers + scales, " ")), std::string::npos) << out;
+    // Each on its own line; bf16: two bytes a cached number, no scales.
+    auto line_of = [&](const std::string& label) {
+      const size_t at = out.find(label);
+      return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+    };
+    EXPECT_NE(
+        line_of("KV cache, bytes/token (int8, CPU)").find(absl::StrCat(" ", numbers + scales, " ")),
+        std::string::npos)
+        << out;
+    EXPECT_NE(
+        line_of("KV cache, bytes/token (bf16, CPU)").find(absl::StrCat(" ", 2 * numbers, " ")),
+        std::string::npos)
+        << out;
   }
   EXPECT_EQ(run(cli::cmd_inspect, {dir + "/nothing"}), 1);
   EXPECT_EQ(run(cli::cmd_inspect, {}), 2);

@@ -1288,6 +1288,16 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
       cli({"--out", o.out_dir, "--resume", "--steps", "7", "--vocab-size", model_vocab});
   EXPECT_EQ(rc, 0) << err;
   EXPECT_EQ(load_run_options(o.out_dir)->steps, 7);
+  // Fewer steps than the run did: refused before anything is set up (it set up the run, then
+  // ended with exit 0 saying the steps were done); as many: done, exit 0.
+  const auto [rc_fewer, err_fewer] = cli({"--out", o.out_dir, "--resume", "--steps", "3"});
+  EXPECT_EQ(rc_fewer, 2);
+  EXPECT_NE(
+      err_fewer.find("--steps 3 is below the 7 steps the run in '" + o.out_dir + "' already did"),
+      std::string::npos)
+      << err_fewer;
+  EXPECT_EQ(load_run_options(o.out_dir)->steps, 7);
+  EXPECT_EQ(cli({"--out", o.out_dir, "--resume", "--steps", "7"}).first, 0);
 }
 
 // The command line too puts back a checkpoint an interrupted save moved aside: it read the run's

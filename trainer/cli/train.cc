@@ -262,7 +262,8 @@ bool same_vocab_size(int given, int saved, const std::string& out_dir) {
 int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   if (int rc = parse_flags(argc, argv, o, t); rc >= 0) return rc;
   if (o.resume) {
-    auto saved = load_run_options(o.out_dir);
+    int64_t done = 0;
+    auto saved = load_run_options(o.out_dir, &done);
     if (!saved.ok()) {
       std::fprintf(stderr, "error: %s\n", std::string(saved.status().message()).c_str());
       return 1;
@@ -291,6 +292,14 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
                      flag);
         return 2;
       }
+    // Fewer steps than the run did cannot be trained to (as many: it says so and ends, exit 0).
+    if (given("--steps", argc, argv) && o.steps < done) {
+      std::fprintf(stderr,
+                   "error: --steps %lld is below the %lld steps the run in '%s' already did: give "
+                   "more to train further, or leave --steps out to finish the run's own %lld\n",
+                   (long long)o.steps, (long long)done, o.out_dir.c_str(), (long long)saved->steps);
+      return 2;
+    }
     if (given("--config", argc, argv) &&
         !config_file_is_the_runs(saved->config_path, saved->vocab_size, o.out_dir))
       return 2;

@@ -301,7 +301,7 @@ std::filesystem::path SavesLeft::latest_aside() const {
   });
 }
 
-absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir) {
+absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir, int64_t* step) {
   std::filesystem::path dir(out_dir);
   std::error_code ec;
   if (const std::filesystem::path out = checkpoint_target_path(out_dir);
@@ -324,6 +324,8 @@ absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir) {
   auto opts = options_from_json(j["options"].dump());
   if (!opts.ok())
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", opts.status().message()));
+  if (step)
+    *step = j.contains("step") && j["step"].is_number_unsigned() ? j["step"].get<int64_t>() : 0;
   return opts;
 }
 

@@ -86,7 +86,9 @@ ModelConfig default_model_config();
 // The options a run in `out_dir` was started with (its trainer_state.json), for --resume. When
 // an interrupted save left no `out_dir` but its checkpoint moved aside (see SavesLeft), those of
 // that checkpoint, which the resumed run puts back.
-absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir);
+// `step`, when given, gets the steps the run has done (its state's "step"; 0 where the file holds
+// no valid one: the run checks it when it resumes).
+absl::StatusOr<TrainOptions> load_run_options(const std::string& out_dir, int64_t* step = nullptr);
 
 // trainer_state.json is a few KB; a larger one is damaged (not read whole into memory).
 inline constexpr uint64_t kMaxTrainerStateBytes = uint64_t(64) << 20;

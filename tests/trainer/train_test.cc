@@ -1723,6 +1723,9 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--accum", "0"}, "--accum"},
       {{"--warmup", "-1"}, "--warmup"},
       {{"--weight-decay", "-0.1"}, "--weight-decay"},
+      // lr·wd ≥ 1 would flip or zero the weights; wd ≥ 1 alone is fine (see below).
+      {{"--lr", "0.5", "--weight-decay", "2"},
+       "--weight-decay must be at least 0 with --lr x --weight-decay below 1"},
       {{"--clip", "-1"}, "--clip"},
       {{"--beta2", "1"}, "--beta2"},
       {{"--beta1", "0.99999999999"}, "--beta1"},  // 1 as a float (AdamW's arithmetic)
@@ -1818,6 +1821,28 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
 // round to 1 as floats are refused by name, saying what to use (eps 1e-50 became 0: NaN for an
 // embedding row never seen, reported as a divergence; β 0.99999999999 became 1: a moment that
 // never moves, and with β1 a run that "succeeded" without changing a weight).
+// Weight decay is bounded by what it does, 1 − lr·wd per step, not by 1: PyTorch's usual values
+// of 1 and more are taken at a small --lr (they were refused as outside [0, 1)).
+TEST(TrainOptions, WeightDecayIsBoundedByLrTimesDecay) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.lr = 1e-3;
+  for (const auto& [wd, ok] : {std::pair{0.0, true},
+                               {1.0, true},
+                               {10.0, true},
+                               {999.0, true},
+                               {1000.0, false},
+                               {-0.1, false}}) {
+    o.adamw.weight_decay = wd;
+    const absl::Status st = validate_options(o);
+    EXPECT_EQ(st.ok(), ok) << wd << ": " << st;
+    if (!ok) {
+      EXPECT_NE(std::string(st.message()).find("--weight-decay must be at least 0 with --lr x"),
+                std::string::npos)
+          << st;
+    }
+  }
+}
+
 TEST(TrainOptions, AdamValuesAFloatCannotHoldAreRefusedByName) {
   const TrainOptions base = tiny_options(fresh_dir());
   ASSERT_TRUE(validate_options(base).ok());

@@ -126,7 +126,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   f.add("min-lr", &o.min_lr,
         "learning rate at the end of the cosine decay (left out of a new run: --lr / 10)");
   f.add("warmup", &o.warmup, "linear warmup steps");
-  f.add("weight-decay", &o.adamw.weight_decay, "AdamW decoupled weight decay (matrices only)");
+  f.add("weight-decay", &o.adamw.weight_decay,
+        "AdamW decoupled weight decay (matrices only): at least 0, with --lr x it below 1");
   f.add("beta1", &o.adamw.beta1, "AdamW first-moment decay");
   f.add("beta2", &o.adamw.beta2, "AdamW second-moment decay");
   f.add("adam-eps", &o.adamw.eps, "AdamW epsilon");

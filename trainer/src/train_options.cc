@@ -147,7 +147,14 @@ absl::Status validate_options(const TrainOptions& o) {
     return flag_error("min-lr", absl::StrCat("must be in [0, --lr] = [0, ", exact_number(o.lr),
                                              "] (got ", exact_number(o.min_lr), ")"));
   CEMLM_RETURN_IF_ERROR(at_least<int64_t>("warmup", o.warmup, 0));
-  CEMLM_RETURN_IF_ERROR(in_range("weight-decay", o.adamw.weight_decay, 0, 1, false, true));
+  // The decay multiplies each matrix weight by 1 − lr·wd a step: any wd ≥ 0 with lr·wd < 1 (at the
+  // peak --lr; it was [0, 1) whatever --lr, which refused PyTorch's usual values of 1 and more).
+  if (!(o.adamw.weight_decay >= 0 && o.lr * o.adamw.weight_decay < 1))
+    return flag_error(
+        "weight-decay",
+        absl::StrCat("must be at least 0 with --lr x --weight-decay below 1 (each "
+                     "step multiplies the matrices by 1 - lr x wd), got ",
+                     exact_number(o.adamw.weight_decay), " at --lr ", exact_number(o.lr)));
   CEMLM_RETURN_IF_ERROR(in_range("beta1", o.adamw.beta1, 0, 1, false, true));
   CEMLM_RETURN_IF_ERROR(check_beta_as_float("beta1", o.adamw.beta1));
   CEMLM_RETURN_IF_ERROR(in_range("beta2", o.adamw.beta2, 0, 1, false, true));

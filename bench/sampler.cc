@@ -2,7 +2,8 @@
 // of 32,000, 128,256 and 262,144 ids, for each filter, on two kinds of rows: "flat" (logits
 // N(0, 3²)) and "sure" (N(0, 2²) with 20 ids 12 higher: a model sure of a few tokens, as most of
 // a language model's rows are). "first" is a new request's first draw (on a thread that has
-// drawn before), "next" its later ones. Prints a table; see docs/BENCHMARKS.md.
+// drawn before), "next" its later ones. A second table gives the stop-string matcher's
+// microseconds per 4-byte token piece. Prints tables; see docs/BENCHMARKS.md.
 #include "cemlm/engine/sampler.h"
 
 #include <chrono>
@@ -50,7 +51,8 @@ int main(int argc, char** argv) {
   const char* usage =
       "usage: sampler\n\n"
       "Milliseconds per draw of the CPU sampler on one thread, by vocabulary size, filter and\n"
-      "row kind (flat logits, or a model sure of a few tokens); takes no arguments.\n";
+      "row kind (flat logits, or a model sure of a few tokens), then microseconds per token of\n"
+      "the stop-string matcher; takes no arguments.\n";
   if (argc == 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h"))
     return std::fputs(usage, stdout), 0;
   if (argc > 1) return std::fprintf(stderr, "unexpected argument '%s'\n%s", argv[1], usage), 2;
@@ -82,5 +84,31 @@ int main(int argc, char** argv) {
       std::printf("| %d | %s | %.3f | %.3f | %.3f | %.3f |\n", V, f.name, first[0] * 1e3,
                   next[0] * 1e3, first[1] * 1e3, next[1] * 1e3);
     }
+  }
+  // Stop strings: the most a request may give (16 of 1,024 bytes) on text that keeps almost
+  // matching them (a 1,023-byte tail held back, each stop string agreeing with it for a while),
+  // and a few short ones on plain text.
+  std::printf("\n| stop strings | text | µs per 4-byte piece |\n|---|---|---|\n");
+  std::vector<std::string> worst;
+  for (int i = 1; i < kMaxStopStrings; ++i) {  // aⁿbaᵐ, n = 64, 128, …
+    const size_t n = size_t(64 * i);
+    worst.push_back(std::string(n, 'a') + "b" + std::string(size_t(kMaxStopBytes) - n - 1, 'a'));
+  }
+  worst.push_back(std::string(kMaxStopBytes - 1, 'a') + "b");
+  const struct {
+    const char* stops_name;
+    std::vector<std::string> stops;
+    const char* text_name;
+    std::string piece;
+  } cases[] = {
+      {"16 × 1,024 B (aⁿbaᵐ)", worst, "aaaa…", "aaaa"},
+      {"4 × 8-13 B", {"\n\nUser:", "</answer>", "###", "<|im_end|>"}, "prose", "text"},
+  };
+  for (const auto& c : cases) {
+    StopMatcher m(c.stops);
+    bool stopped = false;
+    for (int i = 0; i < kMaxStopBytes; ++i) (void)m.push(c.piece, &stopped);  // all held back
+    const double t = bench::seconds_per_call([&] { (void)m.push(c.piece, &stopped); });
+    std::printf("| %s | %s | %.3f |\n", c.stops_name, c.text_name, t * 1e6);
   }
 }

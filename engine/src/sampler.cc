@@ -264,30 +264,48 @@ void Sampler::top_alternatives(Scratch& s, std::span<const float> logits, const 
     out->push_back({cand[i].second, float(norm.logprob(cand[i].first))});
 }
 
+StopMatcher::StopMatcher(std::vector<std::string> stops) {
+  stops_.reserve(stops.size());
+  for (std::string& text : stops) {
+    if (text.empty()) continue;  // validation refuses it: it would stop before any text
+    Stop& s = stops_.emplace_back();
+    s.text = std::move(text);
+    s.border.assign(s.text.size(), 0);
+    for (size_t i = 1, b = 0; i < s.text.size(); ++i) {
+      while (b > 0 && s.text[i] != s.text[b]) b = s.border[b - 1];
+      if (s.text[i] == s.text[b]) ++b;
+      s.border[i] = uint32_t(b);
+    }
+  }
+}
+
 std::string StopMatcher::push(std::string_view piece, bool* stopped) {
   *stopped = false;
+  const size_t from = held_.size();
   held_.append(piece);
   // The stop string that completes first in the text wins (the longer one when two end together),
   // wherever the pieces split it: the earliest *start* would depend on whether a longer stop
   // string that began sooner had already arrived when a shorter one inside it completed.
-  size_t cut = std::string::npos, end = std::string::npos;
-  for (const std::string& s : stops_)
-    if (const size_t at = held_.find(s); at != std::string::npos)
-      if (at + s.size() < end || (at + s.size() == end && at < cut)) cut = at, end = at + s.size();
-  if (cut != std::string::npos) {
-    *stopped = true;
-    std::string out = held_.substr(0, cut);
-    held_.clear();
-    return out;
+  for (size_t i = from; i < held_.size(); ++i) {
+    size_t completed = 0;  // the longest stop string ending at byte i
+    for (Stop& s : stops_) {
+      size_t m = s.matched;  // below s.text.size(): a complete match ends the stream
+      while (m > 0 && s.text[m] != held_[i]) m = s.border[m - 1];
+      if (s.text[m] == held_[i]) ++m;
+      s.matched = uint32_t(m);
+      if (m == s.text.size()) completed = std::max(completed, m);
+    }
+    if (completed > 0) {  // it starts inside held_: held_ keeps the longest match in progress
+      *stopped = true;
+      std::string out = held_.substr(0, i + 1 - completed);
+      held_.clear();
+      for (Stop& s : stops_) s.matched = 0;
+      return out;
+    }
   }
-  // Hold back the longest tail of held_ that is a proper prefix of some stop string.
+  // Hold back the longest tail that some stop string starts with.
   size_t keep = 0;
-  for (const std::string& s : stops_)
-    for (size_t k = std::min(s.size() - 1, held_.size()); k > keep; --k)
-      if (held_.compare(held_.size() - k, k, s, 0, k) == 0) {
-        keep = k;
-        break;
-      }
+  for (const Stop& s : stops_) keep = std::max(keep, size_t(s.matched));
   std::string out = held_.substr(0, held_.size() - keep);
   held_.erase(0, held_.size() - keep);
   return out;

@@ -77,18 +77,24 @@ class Sampler {
 // is held back until it resolves; when one completes, the text before it is released and the
 // rest is dropped. Of several, the one whose end comes first in the text wins, so the output does
 // not depend on how the text splits into pieces. Stop strings must be valid UTF-8, so held-back
-// cuts fall on character bounds.
+// cuts fall on character bounds. Each stop string is followed by a Knuth–Morris–Pratt automaton,
+// so a piece costs its bytes × the stop strings, however long they are or how much is held.
 class StopMatcher {
  public:
-  explicit StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+  explicit StopMatcher(std::vector<std::string> stops);
   // Appends `piece`; returns the text now safe to emit. Sets *stopped when a stop string completed.
   std::string push(std::string_view piece, bool* stopped);
   // The held-back text, at the end of a stream that did not stop.
   std::string flush();
 
  private:
-  std::vector<std::string> stops_;
-  std::string held_;
+  struct Stop {
+    std::string text;
+    std::vector<uint32_t> border;  // border[k]: the longest proper border of text's first k + 1
+    uint32_t matched = 0;          // the longest tail of the stream that text starts with
+  };
+  std::vector<Stop> stops_;
+  std::string held_;  // the stream's tail that some stop string starts with (the longest of them)
 };
 
 }  // namespace cemlm

@@ -2,26 +2,32 @@
 # Installs the Debian packages cemlm needs (only those missing) and builds it into ./build.
 # Usage: [CEMLM_SETUP_TESTS=1] [CEMLM_SETUP_TARGET=T] scripts/setup.sh [extra cmake args]. Needs
 # root (or sudo) for apt-get on a fresh machine. CEMLM_SETUP_TESTS=1 (scripts/test.sh) adds what
-# only the tests use; CEMLM_SETUP_TARGET builds that target alone (the quickstart's: cemlm).
+# only the tests use and configures the build with them (CEMLM_BUILD_TESTS=ON); without it the
+# tests build only where GoogleTest is already installed. CEMLM_SETUP_TARGET builds that target
+# alone (the quickstart's: cemlm).
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."  # through a symlink too
 
+# The program, the default model's corpus, and curl (the quickstart reads /metrics).
 PACKAGES=(
   build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev
-  libsentencepiece-dev sentencepiece
-  libopenblas-openmp-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
-  fortunes fortunes-min
-  python3 python3-yaml python3-grpcio python3-protobuf shellcheck curl
+  libsentencepiece-dev libopenblas-openmp-dev
+  fortunes fortunes-min curl
 )
-# promtool, for the deploy checks of the alert rules: the prometheus package's. Its install also
-# starts and enables a Prometheus server on :9090, which is stopped and disabled again below.
-# python3-h2: the raw HTTP/2 client of the server's slow-body test (tests/server/body_flood.py).
-# openssl: the certificates of the TLS tests (a minimal Debian 12 has no openssl command).
-TEST_PACKAGES=(prometheus python3-h2 openssl)
-[ "${CEMLM_SETUP_TESTS:-0}" = 1 ] && PACKAGES+=("${TEST_PACKAGES[@]}")
+# The tests': GoogleTest; sentencepiece's spm_* commands, which the tokenizer tests compare with;
+# the Python their scripts run on (python3-h2: the raw HTTP/2 client of
+# tests/server/body_flood.py); the linter of the scripts. promtool, for the deploy checks of the
+# alert rules: the prometheus package's. Its install also starts and enables a Prometheus server
+# on :9090, which is stopped and disabled again below. openssl: the certificates of the TLS tests
+# (a minimal Debian 12 has no openssl command).
+TEST_PACKAGES=(
+  libgtest-dev libgmock-dev sentencepiece
+  python3 python3-yaml python3-grpcio python3-protobuf python3-h2 shellcheck prometheus openssl
+)
+tests=OFF
+[ "${CEMLM_SETUP_TESTS:-0}" = 1 ] && PACKAGES+=("${TEST_PACKAGES[@]}") && tests=ON
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -64,6 +70,11 @@ target=()
 [ -n "${CEMLM_SETUP_TARGET:-}" ] && target=(--target "$CEMLM_SETUP_TARGET")
 echo "setup: building ./build${target[*]:+ (${target[*]})}: minutes on 2 cores the first time;" \
   "the log is build.log"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "$@" > build.log 2>&1 || { cat build.log; exit 1; }
+# With CEMLM_SETUP_TESTS the tests must build (ON fails without GoogleTest); without it the
+# build keeps what it was configured with (AUTO at first).
+test_flag=()
+[ "$tests" = ON ] && test_flag=(-DCEMLM_BUILD_TESTS=ON)
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "${test_flag[@]}" "$@" > build.log 2>&1 ||
+  { cat build.log; exit 1; }
 cmake --build build -j"$(nproc)" "${target[@]}" >> build.log 2>&1 || { tail -50 build.log; exit 1; }
 echo "setup: built ./build/cli/cemlm"

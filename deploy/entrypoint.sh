@@ -20,6 +20,7 @@ CEMLM_MAX_RUNNING       --max-running
 CEMLM_MAX_WAITING       --max-waiting
 CEMLM_GRPC_MEMORY       --grpc-memory
 CEMLM_API_KEY_FILE      --api-key-file
+CEMLM_API_KEY_RELOAD_INTERVAL --api-key-reload-interval
 CEMLM_MAX_PRIORITY      --max-priority
 CEMLM_PREFIX_CACHE_SCOPE --prefix-cache-scope
 CEMLM_TLS_CERT          --tls-cert

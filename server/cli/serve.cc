@@ -22,13 +22,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/escaping.h"
+#include "api_key_file.h"
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/checkpoint.h"
@@ -53,7 +56,7 @@ struct ServeFlags {
   std::string prefix_cache_scope = "key";
   int port = 50051, metrics_port = 9400, max_batch_tokens = 512, max_waiting = 1024, threads = 0;
   int max_running = 256, engine_nice = 10, max_priority = INT32_MAX;
-  int tls_reload_interval = 60;
+  int tls_reload_interval = 60, api_key_reload_interval = 60;
   double shutdown_timeout = 30;
   double max_connection_age = 0;
   // Its own: it was --shutdown-timeout (30 s), which cut the stream of a long generation at its
@@ -193,8 +196,21 @@ int serve(const ServeFlags& f, sigset_t* signals) {
         f.model_name.empty() ? "the model directory's name (the default --model-name)"
                              : "--model-name",
         " is not valid UTF-8 (bad byte at offset ", ok, "); pass a --model-name that is")));
+  struct Interval {
+    const char* flag;
+    int value;
+    const char* zero;
+  };
+  for (const Interval& i : {Interval{"--tls-reload-interval", f.tls_reload_interval,
+                                     "read the TLS files at start only"},
+                            Interval{"--api-key-reload-interval", f.api_key_reload_interval,
+                                     "read --api-key-file at start and on SIGHUP only"}})
+    if (i.value < 0 || i.value > 86400)
+      return flag_error(absl::InvalidArgumentError(
+          absl::StrCat(i.flag, " ", i.value, " must be in [0, 86400] seconds (0: ", i.zero, ")")));
+  std::optional<ApiKeyFile> key_file;
   if (!f.api_key_file.empty()) {
-    auto keys = server::ApiKeys::load(f.api_key_file);
+    auto keys = key_file.emplace(f.api_key_file).load();
     if (!keys.ok()) return fail(keys.status());
     opts.api_keys = *std::move(keys);
   }
@@ -202,10 +218,6 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     return flag_error(absl::InvalidArgumentError(
         "--tls-cert and --tls-key must be given together (or both left out to serve without "
         "TLS)"));
-  if (f.tls_reload_interval < 0 || f.tls_reload_interval > 86400)
-    return flag_error(absl::InvalidArgumentError(
-        absl::StrCat("--tls-reload-interval ", f.tls_reload_interval,
-                     " must be in [0, 86400] seconds (0: read the TLS files at start only)")));
   std::optional<TlsFiles> tls;
   if (!f.tls_cert.empty()) {
     auto files = read_tls_files(f.tls_cert, f.tls_key);
@@ -247,22 +259,19 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // the load ends the process at once, exit 0 (nothing was served; a load cannot be stopped
   // half-way): waiting for the load to end first (a large model or KV cache: a minute or more)
   // could outlast the pod's grace period, and health then said SERVING for a moment.
-  // SIGHUP reads --api-key-file again (a Secret mounted in a pod changes in place); a file that
-  // does not load leaves the keys served as they were.
-  auto reload_keys = [&] {
-    if (f.api_key_file.empty()) {
-      spdlog::warn("SIGHUP: no --api-key-file to read again; nothing changes");
+  // SIGHUP reads --api-key-file again, and so does each look of --api-key-reload-interval that
+  // finds its text changed (a Secret mounted in a pod changes in place); a text that does not
+  // load leaves the keys served as they were.
+  auto reload_keys = [&](std::string_view why, bool changed_only) {
+    if (!key_file) {
+      spdlog::warn("{}: no --api-key-file to read again; nothing changes", why);
       return;
     }
-    auto keys = server::ApiKeys::load(f.api_key_file);
-    if (!keys.ok()) {
-      spdlog::error("SIGHUP: {}; the keys served are unchanged",
-                    std::string(keys.status().message()));
-      return;
+    if (auto keys = key_file->reload(why, changed_only)) {
+      const size_t n = keys->size();
+      (*server)->reload_api_keys(*std::move(keys));
+      spdlog::info("{}: api keys read again from {}: {} keys", why, key_file->path(), n);
     }
-    const size_t n = keys->size();
-    (*server)->reload_api_keys(*std::move(keys));
-    spdlog::info("SIGHUP: api keys read again from {}: {} keys", f.api_key_file, n);
   };
   // With --tls-reload-interval, the TLS files are looked at as often as gRPC reads them, so
   // that the log says what new connections get (gRPC's watcher logs only failures to read).
@@ -270,19 +279,38 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   if (tls)
     tls_watch.emplace(*tls, opts.tls_reload_interval_s,
                       [metrics](double end) { metrics->set_tls_certificate_end(end); });
-  const bool watching_tls = tls && f.tls_reload_interval > 0;
-  auto next_tls_look = Clock::now() + std::chrono::seconds(f.tls_reload_interval);
-  auto look_at_tls_files = [&] {
-    if (!watching_tls || Clock::now() < next_tls_look) return;
-    tls_watch->poll();
-    next_tls_look = Clock::now() + std::chrono::seconds(f.tls_reload_interval);
+  // The files looked at every so many seconds, from this thread between signals.
+  struct Look {
+    int interval_s;
+    std::function<void()> look;
+    Clock::time_point next;
+  };
+  std::vector<Look> looks;
+  if (tls && f.tls_reload_interval > 0)
+    looks.push_back({f.tls_reload_interval, [&] { tls_watch->poll(); }, {}});
+  if (key_file && f.api_key_reload_interval > 0)
+    looks.push_back(
+        {f.api_key_reload_interval, [&] { reload_keys("--api-key-file changed", true); }, {}});
+  for (Look& l : looks) l.next = Clock::now() + std::chrono::seconds(l.interval_s);
+  // The looks that are due; returns the time until the next one (none: nullopt).
+  auto look_at_files = [&] {
+    std::optional<Clock::duration> until;
+    for (Look& l : looks) {
+      if (Clock::now() >= l.next) {
+        l.look();
+        l.next = Clock::now() + std::chrono::seconds(l.interval_s);
+      }
+      const auto left = std::max<Clock::duration>(l.next - Clock::now(), {});
+      until = std::min(until.value_or(left), left);
+    }
+    return until;
   };
   auto loading = std::async(std::launch::async, [&] { return load_engine(f, kv_bytes); });
   while (loading.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-    look_at_tls_files();
+    look_at_files();
     const timespec poll{0, 50'000'000};
     if (const int sig = sigtimedwait(signals, nullptr, &poll); sig == SIGHUP) {
-      reload_keys();
+      reload_keys("SIGHUP", /*changed_only=*/false);
     } else if (sig > 0) {
       spdlog::info("signal {} while the model loads: exiting", sig);
       spdlog::default_logger()->flush();
@@ -306,19 +334,17 @@ int serve(const ServeFlags& f, sigset_t* signals) {
   // Until a signal other than SIGHUP (or a failed wait, which cannot happen with a valid set).
   int sig = 0;
   for (;;) {
-    look_at_tls_files();
-    if (watching_tls) {
-      const auto left = std::max<Clock::duration>(next_tls_look - Clock::now(), {});
-      const auto whole = std::chrono::duration_cast<std::chrono::seconds>(left);
+    if (const std::optional<Clock::duration> left = look_at_files()) {
+      const auto whole = std::chrono::duration_cast<std::chrono::seconds>(*left);
       const timespec wait{
           whole.count(),
-          long(std::chrono::duration_cast<std::chrono::nanoseconds>(left - whole).count())};
+          long(std::chrono::duration_cast<std::chrono::nanoseconds>(*left - whole).count())};
       sig = sigtimedwait(signals, nullptr, &wait);
     } else {
       sig = sigwaitinfo(signals, nullptr);
     }
     if (sig == SIGHUP)
-      reload_keys();
+      reload_keys("SIGHUP", /*changed_only=*/false);
     else if (sig > 0 || (errno != EAGAIN && errno != EINTR))
       break;
   }
@@ -423,8 +449,9 @@ int cmd_serve(int argc, char** argv) {
               "SIGTERM/SIGINT: stop listening, send every connection a GOAWAY (clients take\n"
               "their next calls elsewhere), finish the requests in flight, exit 0 (at once while\n"
               "the model loads). SIGHUP: read --api-key-file again (a file that does not load\n"
-              "leaves the keys as they were). The TLS files are read again every\n"
-              "--tls-reload-interval seconds without a signal.");
+              "leaves the keys as they were). Without a signal, --api-key-file is read again\n"
+              "every --api-key-reload-interval seconds and the TLS files every\n"
+              "--tls-reload-interval seconds.");
   flags.add_nonempty("model", &f.model,
                      "checkpoint directory (config.json, model.safetensors, ...)",
                      "name the checkpoint directory to serve", /*required=*/true);
@@ -482,6 +509,11 @@ int cmd_serve(int argc, char** argv) {
                      "lets that key's requests ask for a priority of at most N (above: "
                      "PERMISSION_DENIED)",
                      "name a file of keys, or leave the flag out to serve without keys");
+  flags.add("api-key-reload-interval", &f.api_key_reload_interval,
+            "seconds between reads of --api-key-file: a changed text (a rotated Secret, an edit) "
+            "is served from then on, each key kept keeping its prefix-cache blocks; a text that "
+            "does not load is logged and the keys stay as they were; 0 = read at start and on "
+            "SIGHUP only (0 to 86400)");
   flags.add("prefix-cache-scope", &f.prefix_cache_scope,
             "key | shared: which requests reuse each other's prefix-cache blocks: those of the "
             "same API key (all, without --api-key-file), so that no tenant learns from cached "

@@ -3,8 +3,9 @@
 #include "cemlm/server/auth.h"
 
 #include <algorithm>
-#include <fstream>
+#include <sstream>
 #include <string>
+#include <string_view>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -33,9 +34,8 @@ constexpr absl::string_view kMaxPriority = "max_priority=";
 
 }  // namespace
 
-absl::StatusOr<ApiKeys> ApiKeys::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::InvalidArgumentError("--api-key-file: cannot read '" + path + "'");
+absl::StatusOr<ApiKeys> ApiKeys::parse(std::string_view text, const std::string& path) {
+  std::istringstream in{std::string(text)};
   ApiKeys out;
   int number = 0;
   for (std::string line; std::getline(in, line);) {

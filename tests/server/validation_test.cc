@@ -1000,10 +1000,14 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
     EXPECT_EQ(missing_out, "");
     EXPECT_NE(missing_err.find("config.json"), std::string::npos) << missing_err;
   }
-  // So is a key no client can send (gRPC metadata values are printable ASCII): refused by line.
+  // So is a key file that is not there, named.
   const std::string bad = fresh_temp_dir() + "/keys.txt";
-  std::ofstream(bad) << "good-key\n# a comment: \xC3\xA9 is fine here\ncl\xC3\xA9\n";
   std::string err;
+  EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", bad}, &out, &err), 0);
+  EXPECT_NE(err.find("--api-key-file: '" + bad + "' does not exist"), std::string::npos) << err;
+  // And a key no client can send (gRPC metadata values are printable ASCII): refused by line.
+  std::ofstream(bad) << "good-key\n# a comment: \xC3\xA9 is fine here\ncl\xC3\xA9\n";
+  err.clear();
   EXPECT_NE(run_cemlm({"serve", "--model", model, "--api-key-file", bad}, &out, &err), 0);
   EXPECT_NE(err.find("line 3 of '" + bad + "' holds a byte no client can send"), std::string::npos)
       << err;
@@ -1061,6 +1065,16 @@ TEST(ServerAuth, PrefixCacheIsPerKeyUnlessShared) {
   EXPECT_TRUE(generate(server->channel(), req).status.ok());
 }
 
+// How many of a 20-token prompt's tokens (one full 16-token block) the prefix cache held for a
+// call with `key`: -2 when the key is refused, -1 on another failure.
+int cached_with_key(const ServerProcess& server, const std::string& key) {
+  std::vector<int> prompt(20);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int(i % 50) + 3;
+  const Stream s = generate(server.channel(), ids_request(prompt, 2, 1), {key});
+  if (!s.status.ok()) return s.status.error_code() == grpc::StatusCode::UNAUTHENTICATED ? -2 : -1;
+  return s.messages.empty() ? -1 : s.messages.back().usage().cached_prompt_tokens();
+}
+
 // SIGHUP reads --api-key-file again: a key removed stops working and a new one works, with no
 // restart (a Secret changes in place); a key kept keeps its prefix-cache blocks, and a new key
 // never gets another's (by line, the new first key would have had the old first key's cache);
@@ -1071,13 +1085,7 @@ TEST(ServerAuth, SighupReadsTheKeysAgain) {
   std::ofstream(keys) << "key-a\nkey-b\n";
   auto server = ServerProcess::start(model, {"--api-key-file", keys});
   ASSERT_TRUE(server);
-  std::vector<int> prompt(20);  // one full 16-token block
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int(i % 50) + 3;
-  auto cached = [&](const std::string& key) {
-    const Stream s = generate(server->channel(), ids_request(prompt, 2, 1), {key});
-    if (!s.status.ok()) return s.status.error_code() == grpc::StatusCode::UNAUTHENTICATED ? -2 : -1;
-    return s.messages.empty() ? -1 : s.messages.back().usage().cached_prompt_tokens();
-  };
+  auto cached = [&](const std::string& key) { return cached_with_key(*server, key); };
   auto reload = [&](const std::string& content, const std::string& logged) {
     std::ofstream(keys, std::ios::trunc) << content;
     ASSERT_EQ(::kill(server->pid(), SIGHUP), 0);
@@ -1766,8 +1774,68 @@ TEST(ServerTls, ARenewedCertificateServesWithoutARestart) {
   EXPECT_TRUE(serves_certificate_of(*server, new_pair, true)) << server->log();
 }
 
-// --tls-reload-interval out of its range, or one of --tls-cert and --tls-key without the other,
-// is a usage error (exit 2) naming the flag.
+// With --api-key-reload-interval, a key file whose text changes is served without a signal (as a
+// Kubernetes Secret updates): keys kept keep their prefix-cache blocks. A text that does not load
+// or a file that goes away is logged once and leaves the keys as they were; a SIGHUP reload is
+// not done again by the next look.
+TEST(ServerAuth, AChangedKeyFileIsReadWithoutASignal) {
+  const std::string dir = fresh_temp_dir();
+  const std::string model = make_tiny_model(dir), keys = dir + "/keys.txt";
+  std::ofstream(keys) << "key-a\nkey-b\n";
+  auto server =
+      ServerProcess::start(model, {"--api-key-file", keys, "--api-key-reload-interval", "1"});
+  ASSERT_TRUE(server);
+  auto cached = [&](const std::string& key) { return cached_with_key(*server, key); };
+  auto replace = [&](const std::string& text) {  // whole, as a Secret's update lands
+    std::ofstream(keys + ".tmp") << text;
+    std::filesystem::rename(keys + ".tmp", keys);
+  };
+  auto times_logged = [&](const std::string& text) {
+    const std::string log = server->log();
+    int n = 0;
+    for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
+    return n;
+  };
+  const std::string changed = "--api-key-file changed: ";
+  EXPECT_EQ(cached("key-a"), 0);
+  EXPECT_EQ(cached("key-a"), 16);
+  EXPECT_EQ(cached("key-c"), -2);
+  replace("key-c\nkey-a\n");
+  ASSERT_TRUE(log_says(*server, changed + "api keys read again from " + keys + ": 2 keys"))
+      << server->log();
+  EXPECT_EQ(cached("key-b"), -2);
+  EXPECT_EQ(cached("key-c"), 0);
+  EXPECT_EQ(cached("key-a"), 16);
+
+  replace("key-c\nkey-c\n");
+  const std::string refused = changed + "--api-key-file: line 2 of '" + keys +
+                              "' repeats the key of line 1; list each key once; the keys served "
+                              "are unchanged";
+  ASSERT_TRUE(log_says(*server, refused)) << server->log();
+  EXPECT_EQ(cached("key-a"), 16);
+  std::filesystem::remove(keys);
+  const std::string gone =
+      changed + "--api-key-file: '" + keys + "' does not exist; the keys served are unchanged";
+  ASSERT_TRUE(log_says(*server, gone)) << server->log();
+  EXPECT_EQ(cached("key-a"), 16);
+  EXPECT_EQ(cached("key-b"), -2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // two more looks at least
+  EXPECT_EQ(times_logged(refused), 1) << server->log();
+  EXPECT_EQ(times_logged(gone), 1) << server->log();
+
+  replace("key-d\n");
+  ASSERT_EQ(::kill(server->pid(), SIGHUP), 0);
+  ASSERT_TRUE(log_says(*server, "SIGHUP: api keys read again from " + keys + ": 1 keys"))
+      << server->log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_EQ(times_logged(changed + "api keys read again"), 1) << server->log();
+  EXPECT_EQ(cached("key-a"), -2);
+  EXPECT_EQ(cached("key-d"), 0);
+  EXPECT_EQ(health(server->channel()), "SERVING");
+}
+
+// --tls-reload-interval or --api-key-reload-interval out of its range, or one of --tls-cert and
+// --tls-key without the other, is a usage error (exit 2) naming the flag.
 TEST(ServerTls, ReloadIntervalAndHalfAPairAreUsageErrors) {
   const std::string dir = fresh_temp_dir(), model = make_tiny_model(dir);
   make_certificate_between(dir, -3600, 3600);
@@ -1775,6 +1843,9 @@ TEST(ServerTls, ReloadIntervalAndHalfAPairAreUsageErrors) {
            {{"--tls-reload-interval", "-1"}, "--tls-reload-interval -1 must be in [0, 86400]"},
            {{"--tls-reload-interval", "86401"},
             "--tls-reload-interval 86401 must be in [0, 86400]"},
+           {{"--api-key-reload-interval", "-1"},
+            "--api-key-reload-interval -1 must be in [0, 86400] seconds (0: read --api-key-file "
+            "at start and on SIGHUP only)"},
            {{"--tls-cert", dir + "/cert.pem"}, "--tls-cert and --tls-key must be given together"},
            {{"--tls-key", dir + "/key.pem"}, "--tls-cert and --tls-key must be given together"}}) {
     std::vector<std::string> cmd = {

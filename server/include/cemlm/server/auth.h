@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -18,7 +19,8 @@ class ApiKeys {
   ApiKeys() = default;  // no keys: every request is allowed
   // One key per line, optionally followed by ` max_priority=N` (an int32); blank lines and lines
   // starting with '#' are skipped. A key given twice, or "max_priority" anywhere else, is refused.
-  static absl::StatusOr<ApiKeys> load(const std::string& path);
+  // `text` is the file's (`path` names it in errors).
+  static absl::StatusOr<ApiKeys> parse(std::string_view text, const std::string& path);
   // Keys loaded again (SIGHUP): each key `previous` held keeps its identity (Grant::key, which
   // scopes the prefix cache); a new key gets one no key of `previous` ever had.
   void keep_identities(const ApiKeys& previous);

@@ -62,15 +62,14 @@ size_t select_mass(std::vector<std::pair<float, int>>& cand, size_t n,
   return std::max<size_t>(hi, 1);
 }
 
-// The candidates of top-k and of a top-p nucleus, as (scaled logit, id) in cand: the ids within 8
-// of the best scaled logit (a probability above 3.4e-4 of the best's) when they are at least
-// `count` and their mass reaches `target`, else all. Such a set is a best-first prefix, so the
-// top k, and the nucleus of the row (top_p without top_k: the nucleus of top_k's lies in the
-// top k), lie inside it, and the selections run on it alone: over all V ids they cost 3-4x a
-// plain draw where the model is sure of a few tokens. The mass must pass the target by a margin,
-// so that sums taken in another order cannot fall short of it inside the set.
-void band_candidates(const std::vector<float>& work, const std::vector<float>& prob, size_t count,
-                     double target, std::vector<std::pair<float, int>>& cand) {
+// The candidates of a top-p nucleus, as (scaled logit, id) in cand: the ids within 8 of the best
+// scaled logit (a probability above 3.4e-4 of the best's) when their mass reaches `target`, else
+// all. Such a set is a best-first prefix, so the nucleus lies inside it, and the selection runs
+// on it alone: over all V ids it costs 3-4x a plain draw where the model is sure of a few tokens.
+// The mass must pass the target by a margin, so that sums taken in another order cannot fall
+// short of it inside the set.
+void nucleus_candidates(const std::vector<float>& work, const std::vector<float>& prob,
+                        double target, std::vector<std::pair<float, int>>& cand) {
   constexpr float kBand = -8.0f;
   const size_t V = work.size();
   cand.clear();
@@ -80,9 +79,28 @@ void band_candidates(const std::vector<float>& work, const std::vector<float>& p
       mass += prob[i];
       cand.push_back({work[i], int(i)});
     }
-  if (cand.size() >= count && mass >= target * (1 + 1e-6)) return;
+  if (!cand.empty() && mass >= target * (1 + 1e-6)) return;
   cand.resize(V);
   for (size_t i = 0; i < V; ++i) cand[i] = {work[i], int(i)};
+}
+
+// The k best (scaled logit, id) pairs of the row by `better`, in cand in no order (k < V): one
+// pass over the ids with a heap of the k best so far, its worst at the front, which most ids are
+// only compared with. (A band near the best, as for the nucleus, holds fewer than k ids where the
+// model is sure of a few tokens, and a selection over all V ids then cost 4x a plain draw.)
+void top_k_candidates(const std::vector<float>& work, size_t k,
+                      std::vector<std::pair<float, int>>& cand) {
+  cand.clear();
+  for (size_t i = 0; i < k; ++i) cand.push_back({work[i], int(i)});
+  std::make_heap(cand.begin(), cand.end(), better);  // `better` as "less": the worst in front
+  float floor = cand.front().first;
+  for (size_t i = k; i < work.size(); ++i) {
+    if (!(work[i] > floor)) continue;  // on a tie the front's lower id wins
+    std::pop_heap(cand.begin(), cand.end(), better);
+    cand.back() = {work[i], int(i)};
+    std::push_heap(cand.begin(), cand.end(), better);
+    floor = cand.front().first;
+  }
 }
 
 }  // namespace
@@ -214,22 +232,19 @@ int Sampler::draw(Scratch& s) {
   if (filtered) {
     // The kept candidates as a set, never sorted: top-k, then the smallest best-first prefix
     // whose mass reaches top_p, then those with p ≥ min_p · p_max.
+    // (The nucleus of top-k's lies in the top k.)
     std::vector<std::pair<float, int>>& cand = s.cand;
-    size_t n = V;
-    if (top_k || params_.top_p < 1) {
-      band_candidates(work, prob, top_k ? size_t(params_.top_k) : 1,
-                      top_k ? 0.0 : double(params_.top_p) * sum, cand);
-      n = cand.size();
+    if (top_k) {
+      top_k_candidates(work, size_t(params_.top_k), cand);
+      sum = 0;
+      for (const auto& c : cand) sum += prob[size_t(c.second)];
+    } else if (params_.top_p < 1) {
+      nucleus_candidates(work, prob, double(params_.top_p) * sum, cand);
     } else {
       cand.resize(V);
       for (size_t i = 0; i < V; ++i) cand[i] = {work[i], int(i)};
     }
-    if (top_k) {
-      n = size_t(params_.top_k);
-      std::nth_element(cand.begin(), cand.begin() + long(n - 1), cand.end(), better);
-      sum = 0;
-      for (size_t i = 0; i < n; ++i) sum += prob[size_t(cand[i].second)];
-    }
+    size_t n = cand.size();
     if (params_.top_p < 1) n = select_mass(cand, n, prob, double(params_.top_p) * sum);
     float p_max = 0;
     for (size_t i = 0; i < n; ++i) p_max = std::max(p_max, prob[size_t(cand[i].second)]);

@@ -24,7 +24,7 @@ struct Filter {
 };
 
 std::vector<Filter> filters() {
-  std::vector<Filter> f(6);
+  std::vector<Filter> f(7);
   f[0].name = "greedy", f[0].params.temperature = 0;
   f[1].name = "T=1";
   f[2].name = "top_p=0.9", f[2].params.top_p = 0.9f;
@@ -32,6 +32,8 @@ std::vector<Filter> filters() {
   f[4].name = "min_p=0.05", f[4].params.min_p = 0.05f;
   f[5].name = "top_p+penalties", f[5].params.top_p = 0.9f;
   f[5].params.repetition_penalty = 1.1f, f[5].params.presence_penalty = 0.5f;
+  f[6].name = "greedy+top_logprobs=5", f[6].params.temperature = 0;
+  f[6].params.top_logprobs = 5;
   return f;
 }
 
@@ -102,7 +104,7 @@ int main(int argc, char** argv) {
     std::string piece;
   } cases[] = {
       {"16 × 1,024 B (aⁿbaᵐ)", worst, "aaaa…", "aaaa"},
-      {"4 × 8-13 B", {"\n\nUser:", "</answer>", "###", "<|im_end|>"}, "prose", "text"},
+      {"4 × 3-10 B", {"\n\nUser:", "</answer>", "###", "<|im_end|>"}, "prose", "text"},
   };
   for (const auto& c : cases) {
     StopMatcher m(c.stops);

@@ -84,11 +84,11 @@ void nucleus_candidates(const std::vector<float>& work, const std::vector<float>
   for (size_t i = 0; i < V; ++i) cand[i] = {work[i], int(i)};
 }
 
-// The k best (scaled logit, id) pairs of the row by `better`, in cand in no order (k < V): one
+// The k best (logit, id) pairs of the row by `better`, in cand in no order (k ≤ V): one
 // pass over the ids with a heap of the k best so far, its worst at the front, which most ids are
 // only compared with. (A band near the best, as for the nucleus, holds fewer than k ids where the
 // model is sure of a few tokens, and a selection over all V ids then cost 4x a plain draw.)
-void top_k_candidates(const std::vector<float>& work, size_t k,
+void top_k_candidates(std::span<const float> work, size_t k,
                       std::vector<std::pair<float, int>>& cand) {
   cand.clear();
   for (size_t i = 0; i < k; ++i) cand.push_back({work[i], int(i)});
@@ -272,9 +272,8 @@ void Sampler::top_alternatives(Scratch& s, std::span<const float> logits, const 
   const size_t k = std::min(size_t(params_.top_logprobs), logits.size());
   if (k == 0) return;
   std::vector<std::pair<float, int>>& cand = s.cand;
-  cand.resize(logits.size());
-  for (size_t i = 0; i < logits.size(); ++i) cand[i] = {logits[i], int(i)};
-  std::partial_sort(cand.begin(), cand.begin() + long(k), cand.end(), better);
+  top_k_candidates(logits, k, cand);
+  std::sort(cand.begin(), cand.end(), better);
   for (size_t i = 0; i < k; ++i)
     out->push_back({cand[i].second, float(norm.logprob(cand[i].first))});
 }
@@ -326,6 +325,9 @@ std::string StopMatcher::push(std::string_view piece, bool* stopped) {
   return out;
 }
 
-std::string StopMatcher::flush() { return std::exchange(held_, {}); }
+std::string StopMatcher::flush() {
+  for (Stop& s : stops_) s.matched = 0;
+  return std::exchange(held_, {});
+}
 
 }  // namespace cemlm

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <random>
 #include <set>
 #include <thread>
@@ -448,6 +449,31 @@ TEST(Sampler, LogprobIsUnderTheUnmodifiedDistribution) {
   EXPECT_EQ(r->token, 3);
   EXPECT_NEAR(r->logprob, 3.0f - lse, 1e-6);
   EXPECT_NEAR(total, 1.0, 1e-5);
+}
+
+// The alternatives are the best by logit, ties to the lower id, best first, on random rows with
+// ties by the hundred and on rows that rise with the id (each id displaces the worst so far).
+TEST(Sampler, TopAlternativesAreTheFullSortsFirst) {
+  Rng rng(13);
+  for (int row_i = 0; row_i < 12; ++row_i) {
+    std::vector<float> row(4096);
+    for (size_t i = 0; i < row.size(); ++i)
+      row[i] = row_i < 8 ? float(std::round(rng.normal() * 3)) : float(i % (1000 * row_i)) * 1e-3f;
+    std::vector<int> order(row.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return row[size_t(a)] > row[size_t(b)]; });
+    for (int k : {1, 5, 20}) {
+      SamplingParams p = greedy();
+      p.top_logprobs = k;
+      auto r = Sampler(p, -1, 1).sample(row, {}, 0);
+      ASSERT_TRUE(r.ok());
+      ASSERT_EQ(r->top.size(), size_t(k));
+      for (int i = 0; i < k; ++i)
+        ASSERT_EQ(r->top[size_t(i)].token_id, order[size_t(i)])
+            << "row " << row_i << " k " << k << " rank " << i;
+    }
+  }
 }
 
 // Large logits keep their logprobs: a 10-way tie at 1e8 is −ln 10 for each, the chosen token

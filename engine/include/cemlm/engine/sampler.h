@@ -84,7 +84,7 @@ class StopMatcher {
   explicit StopMatcher(std::vector<std::string> stops);
   // Appends `piece`; returns the text now safe to emit. Sets *stopped when a stop string completed.
   std::string push(std::string_view piece, bool* stopped);
-  // The held-back text, at the end of a stream that did not stop.
+  // The held-back text, at the end of a stream that did not stop (a push after it starts anew).
   std::string flush();
 
  private:

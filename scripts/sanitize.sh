@@ -33,7 +33,7 @@ failed_step() {
 }
 CEMLM_SETUP_TESTS=1 scripts/setup.sh > "$build/setup.log" 2>&1 ||  # the Debian packages (and the normal build)
   failed_step "scripts/setup.sh" "$build/setup.log"
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCEMLM_CUDA=OFF \
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCEMLM_CUDA=OFF -DCEMLM_BUILD_TESTS=ON \
   -DCMAKE_CXX_FLAGS="$flags -fno-omit-frame-pointer$extra" -DCMAKE_EXE_LINKER_FLAGS="$flags" \
   -DCMAKE_SHARED_LINKER_FLAGS="$flags" > "$build/build.log" 2>&1 ||
   failed_step "configuring $build" "$build/build.log"

@@ -16,14 +16,13 @@ PACKAGES=(
   libsentencepiece-dev libopenblas-openmp-dev
   fortunes fortunes-min curl
 )
-# The tests': GoogleTest; sentencepiece's spm_* commands, which the tokenizer tests compare with;
-# the Python their scripts run on (python3-h2: the raw HTTP/2 client of
+# The tests': GoogleTest; the Python their scripts run on (python3-h2: the raw HTTP/2 client of
 # tests/server/body_flood.py); the linter of the scripts. promtool, for the deploy checks of the
 # alert rules: the prometheus package's. Its install also starts and enables a Prometheus server
 # on :9090, which is stopped and disabled again below. openssl: the certificates of the TLS tests
 # (a minimal Debian 12 has no openssl command).
 TEST_PACKAGES=(
-  libgtest-dev libgmock-dev sentencepiece
+  libgtest-dev libgmock-dev
   python3 python3-yaml python3-grpcio python3-protobuf python3-h2 shellcheck prometheus openssl
 )
 tests=OFF

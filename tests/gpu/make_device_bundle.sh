@@ -8,7 +8,8 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$root/build-cuda}
 targets=(gpu_ops_test gpu_sampling_test gpu_runner_test bench_engine_gpu)
 # The device host's CPU is unknown: a portable instruction level, not this machine's.
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCEMLM_CUDA=ON -DCEMLM_CPU_ARCH=x86-64-v3 >/dev/null
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCEMLM_CUDA=ON -DCEMLM_CPU_ARCH=x86-64-v3 \
+  -DCEMLM_BUILD_TESTS=ON >/dev/null
 cmake --build "$build" -j"$(nproc)" --target "${targets[@]}"
 
 stage=$(mktemp -d)

@@ -81,7 +81,8 @@ else
   build=/tmp/cemlm-build
   gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
   if ! run_for "$(phase_s 60 300)" cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-      -DCEMLM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/configure.log" 2>&1; then
+      -DCEMLM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCEMLM_BUILD_TESTS=ON \
+      >"$out/configure.log" 2>&1; then
     tail -20 "$out/configure.log"
     echo "configure failed: carry build-cuda/gpu_bundle.tgz (tests/gpu/make_device_bundle.sh) instead"
     exit 1

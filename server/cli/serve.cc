@@ -511,9 +511,10 @@ int cmd_serve(int argc, char** argv) {
                      "name a file of keys, or leave the flag out to serve without keys");
   flags.add("api-key-reload-interval", &f.api_key_reload_interval,
             "seconds between reads of --api-key-file: a changed text (a rotated Secret, an edit) "
-            "is served from then on, each key kept keeping its prefix-cache blocks; a text that "
-            "does not load is logged and the keys stay as they were; 0 = read at start and on "
-            "SIGHUP only (0 to 86400)");
+            "is served from then on, each key kept keeping its prefix-cache blocks, once the file "
+            "has not been written for 2 s (one being written is not taken half-way); a text "
+            "that does not load is logged and the keys stay as they were; 0 = read at start "
+            "and on SIGHUP only (0 to 86400)");
   flags.add("prefix-cache-scope", &f.prefix_cache_scope,
             "key | shared: which requests reuse each other's prefix-cache blocks: those of the "
             "same API key (all, without --api-key-file), so that no tenant learns from cached "

@@ -1777,7 +1777,7 @@ TEST(ServerTls, ARenewedCertificateServesWithoutARestart) {
 // With --api-key-reload-interval, a key file whose text changes is served without a signal (as a
 // Kubernetes Secret updates): keys kept keep their prefix-cache blocks. A text that does not load
 // or a file that goes away is logged once and leaves the keys as they were; a SIGHUP reload is
-// not done again by the next look.
+// not done again by the next look; a file being written is not taken half-way.
 TEST(ServerAuth, AChangedKeyFileIsReadWithoutASignal) {
   const std::string dir = fresh_temp_dir();
   const std::string model = make_tiny_model(dir), keys = dir + "/keys.txt";
@@ -1828,9 +1828,25 @@ TEST(ServerAuth, AChangedKeyFileIsReadWithoutASignal) {
   ASSERT_TRUE(log_says(*server, "SIGHUP: api keys read again from " + keys + ": 1 keys"))
       << server->log();
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-  EXPECT_EQ(times_logged(changed + "api keys read again"), 1) << server->log();
+  const std::string applied = changed + "api keys read again";
+  EXPECT_EQ(times_logged(applied), 1) << server->log();
   EXPECT_EQ(cached("key-a"), -2);
   EXPECT_EQ(cached("key-d"), 0);
+
+  // A file written in place by a writer still at work: the looks meanwhile find a part of it (a
+  // key cut short, which would be a key) written lately, and wait until it has settled.
+  {
+    std::ofstream out(keys, std::ios::trunc);
+    out << "key-f" << std::flush;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // a look at least
+    out << "ull\n";
+  }
+  ASSERT_TRUE(log_says(*server, changed + "api keys read again from " + keys + ": 1 keys"))
+      << server->log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_EQ(times_logged(applied), 2) << server->log();
+  EXPECT_EQ(cached("key-f"), -2);
+  EXPECT_EQ(cached("key-full"), 0);
   EXPECT_EQ(health(server->channel()), "SERVING");
 }
 

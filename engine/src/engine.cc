@@ -977,13 +977,18 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
                 bad[size_t(i)] = !norm.finite() ? 1 : !std::isfinite(lp) ? 2 : 0;
                 out->logprobs[size_t(pos + i + 1)] = lp;
               });
+              // Non-finite logits are a broken model's (INTERNAL); a log-probability past the
+              // float range is the text's under a model that all but rules it out (OUT_OF_RANGE,
+              // as a perplexity past a double's: not a server error).
               for (int i = 0; i < rows; ++i)
                 if (bad[size_t(i)]) {
-                  ran = absl::InternalError(
+                  const std::string what =
                       absl::StrCat("the model produced ",
                                    bad[size_t(i)] == 2 ? "a log-probability below the float range"
                                                        : "non-finite logits",
-                                   " at position ", pos + i, "; check the checkpoint"));
+                                   " at position ", pos + i, "; check the checkpoint");
+                  ran =
+                      bad[size_t(i)] == 2 ? absl::OutOfRangeError(what) : absl::InternalError(what);
                   return;
                 }
             },

@@ -134,9 +134,9 @@ LogNormalizer log_normalizer(std::span<const float> x) {
 absl::StatusOr<double> perplexity_of(double nll) {
   const double p = std::exp(nll);
   if (!std::isfinite(p))
-    return absl::InternalError(absl::StrCat("the perplexity exp(", nll,
-                                            ") overflows: the model gives the text almost no "
-                                            "probability; check the checkpoint"));
+    return absl::OutOfRangeError(absl::StrCat("the perplexity exp(", nll,
+                                              ") overflows: the model gives the text almost no "
+                                              "probability; check the checkpoint"));
   return p;
 }
 

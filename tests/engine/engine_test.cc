@@ -1079,15 +1079,16 @@ TEST(Engine, ScoreMatchesGenerationLogprobsChunkByChunk) {
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
 }
 
-// Finite logits whose log-probabilities leave the range of the results are INTERNAL, as
-// `cemlm score` refuses them, not an OK answer of −inf or an infinite perplexity; the call's
-// blocks are freed, and a text the same logits give a finite answer still scores.
+// Finite logits whose log-probabilities leave the range of the results are OUT_OF_RANGE (the
+// text's, under a model that all but rules it out: not a server error), as `cemlm score` refuses
+// them, not an OK answer of −inf or an infinite perplexity; the call's blocks are freed, and a
+// text the same logits give a finite answer still scores.
 TEST(Engine, ScoreRefusesResultsPastTheirRange) {
   constexpr float kMax = std::numeric_limits<float>::max();
   Built b = build({.spread = [](int p) { return p == 2 ? kMax : p >= 3 ? 1000.0f : 0.0f; }});
   // Token 5 after position 2: log p = −2·FLT_MAX, below a float.
   auto s = b.engine->score({{1, 2, 3, 5}, 1});
-  EXPECT_EQ(s.status().code(), absl::StatusCode::kInternal) << s.status();
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kOutOfRange) << s.status();
   EXPECT_NE(s.status().message().find("below the float range at position 2"), std::string::npos)
       << s.status();
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);
@@ -1101,7 +1102,7 @@ TEST(Engine, ScoreRefusesResultsPastTheirRange) {
   EXPECT_NEAR(s->perplexity, std::exp(s->nll), 1e-9 * s->perplexity);
   // Once more after position 4: about 800, whose exp passes a double's range.
   s = b.engine->score({{1, 2, 3, 0, 5, 5}, 1});
-  EXPECT_EQ(s.status().code(), absl::StatusCode::kInternal) << s.status();
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kOutOfRange) << s.status();
   EXPECT_NE(s.status().message().find("perplexity"), std::string::npos) << s.status();
   b.engine->shutdown(false);
   EXPECT_EQ(b.engine->stats().kv_blocks_free, b.engine->stats().kv_blocks_total);

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cemlm/engine/checkpoint.h"
 #include "cemlm/kernels/blas_select.h"
 #include "cemlm/kernels/linear.h"
 #include "client_util.h"
@@ -255,6 +256,30 @@ TEST(ServerHealth, CallsRefusedWhileLoadingAreLoggedOnceASecond) {
 // starts), SERVING once the server serves, NOT_SERVING when a drain begins, each change once; a
 // name the server does not have is SERVICE_UNKNOWN; every stream ends when the server stops.
 // (gRPC's default health service, which ours replaces, started SERVING before the model loaded.)
+// A model sure enough that the warm-up's text (token 0 after token 0) gets a perplexity past a
+// double's serves: that judges the text, not the model (serve exited 1 after its ports line,
+// where `cemlm generate` ran it). Score answers such a text OUT_OF_RANGE, not INTERNAL (a server
+// error, which the alerts count).
+TEST(ServerHealth, AModelSureOfItsTokensServes) {
+  const std::string dir = fresh_temp_dir(), sure = dir + "/sure";
+  absl::StatusOr<Checkpoint> ck = load_checkpoint(make_tiny_model(dir));
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  const Tensor head = ck->params.get("lm_head.weight");
+  for (int64_t i = 0; i < head.numel(); ++i) head.data[i] *= 1e6f;
+  ASSERT_TRUE(save_checkpoint(sure, ck->config, ck->params, ck->tokenizer_path).ok());
+  auto server = ServerProcess::start(sure);
+  ASSERT_TRUE(server);
+  EXPECT_TRUE(generate(server->channel(), ids_request({3, 4, 5}, 4, 1)).status.ok());
+  v1::ScoreRequest req;
+  req.add_ids(0), req.add_ids(0);
+  v1::ScoreResponse resp;
+  const grpc::Status st = score(server->channel(), req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::OUT_OF_RANGE) << st.error_message();
+  EXPECT_NE(st.error_message().find("overflows: the model gives the text almost no probability"),
+            std::string::npos)
+      << st.error_message();
+}
+
 TEST(ServerHealth, WatchFollowsTheLifecycle) {
   using grpc::health::v1::HealthCheckResponse;
   auto server = ServerProcess::start_listening(make_tiny_model(fresh_temp_dir()),
@@ -425,13 +450,17 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
       // Quoted as given: with 6 digits it read "1e+06 must be in [0, 1e6]".
       {"--shutdown-timeout 1000000.1", "--shutdown-timeout 1000000.1 must be in [0, 1e6] seconds"},
       {"--unread-timeout 0.9999999", "--unread-timeout 0.9999999 must be in [1, 1e6] seconds"},
-      {"--keepalive-time -1", "--keepalive-time -1 must be >= 0 seconds"},
+      {"--keepalive-time -1", "--keepalive-time -1 must be 0 (no pings) or at least 0.001 seconds"},
+      // gRPC counts in whole milliseconds: less was 0 ms (pings without a pause).
+      {"--keepalive-time 0.0004",
+       "--keepalive-time 4e-04 must be 0 (no pings) or at least 0.001 seconds"},
       {"--grpc-memory lots",
        "--grpc-memory: expected bytes like 256M or 1G (0: no bound), got "
        "'lots'"},
       {"--grpc-memory 1M", "--grpc-memory 1M is under 16M, too little for gRPC to serve"},
-      {"--keepalive-timeout 0", "--keepalive-timeout 0 must be > 0 seconds"},
-      {"--keepalive-timeout nan", "--keepalive-timeout nan must be > 0 seconds"},
+      {"--keepalive-timeout 0", "--keepalive-timeout 0 must be at least 0.001 seconds"},
+      {"--keepalive-timeout nan", "--keepalive-timeout nan must be at least 0.001 seconds"},
+      {"--keepalive-timeout 1e-4", "--keepalive-timeout 1e-04 must be at least 0.001 seconds"},
       {"--threads -3", "--threads -3 must be >= 0"},
       // Past the system's thread limit, the load crashed (SIGSEGV) after the port line.
       {"--threads 100000", "--threads 100000 must be >= 0 and at most 1024"},
@@ -549,7 +578,14 @@ TEST_F(ServerLifecycle, MaxConnectionAgeMakesClientsReconnect) {
   EXPECT_FALSE(state_within(server_->channel(), GRPC_CHANNEL_IDLE, 1500ms));
   EXPECT_TRUE(generate(aged->channel(), ids_request(prompt(4), 2)).status.ok());
   const std::string err = refused_serve(model_, "--max-connection-age -1", 2);
-  EXPECT_NE(err.find("--max-connection-age -1 must be >= 0 seconds"), std::string::npos) << err;
+  EXPECT_NE(err.find("--max-connection-age -1 must be 0 (no limit) or at least 0.001 seconds"),
+            std::string::npos)
+      << err;
+  // Under a millisecond it was 0 ms to gRPC: every connection closed at once, clients hung.
+  const std::string tiny = refused_serve(model_, "--max-connection-age 0.0004", 2);
+  EXPECT_NE(tiny.find("--max-connection-age 4e-04 must be 0 (no limit) or at least 0.001"),
+            std::string::npos)
+      << tiny;
   const std::string grace = refused_serve(model_, "--max-connection-age-grace -1", 2);
   EXPECT_NE(grace.find("--max-connection-age-grace -1 must be in [0, 1e6] seconds"),
             std::string::npos)
@@ -818,12 +854,15 @@ TEST_F(ServerLifecycle, ScoreEqualsCemlmScore) {
             1);
   EXPECT_NE(err.find("exists and is not a regular file"), std::string::npos) << err;
   EXPECT_TRUE(std::filesystem::is_fifo(dir + "/fifo"));
-  // 0 is a depth too (the model's default): the range says so.
+  // 0 is a depth too (the model's default): the range says so. Below 0 is no model's depth: a
+  // usage error, as generate's and grads' (exit 2, before the model loads).
   EXPECT_EQ(
-      run_cemlm({"score", "--model", model_, "--ids", "5,6", "--recursion", "-2"}, &out, &err), 1);
-  EXPECT_NE(err.find("--recursion = -2 must be >= 0 (0 = the model's default, 1)"),
+      run_cemlm({"score", "--model", model_, "--ids", "5,6", "--recursion", "-2"}, &out, &err), 2);
+  EXPECT_NE(err.find("--recursion = -2 must be >= 0 (0 = the model's recursion.default)"),
             std::string::npos)
       << err;
+  EXPECT_EQ(run_cemlm({"score", "--model", model_, "--ids", "5,-6"}, &out, &err), 2);
+  EXPECT_NE(err.find("--ids[1] = -6 is not a token id (ids are >= 0)"), std::string::npos) << err;
 }
 
 // grpc.reflection.v1alpha list_services, spoken with a generic stub (no reflection client ships

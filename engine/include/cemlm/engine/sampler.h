@@ -30,8 +30,9 @@ struct LogNormalizer {
 };
 LogNormalizer log_normalizer(std::span<const float> x);
 
-// exp(nll) of a mean negative log-likelihood; INTERNAL when it overflows (past nll ≈ 709, a
-// broken checkpoint), as the server's Score and `cemlm score` refuse a non-finite result.
+// exp(nll) of a mean negative log-likelihood; OUT_OF_RANGE when it overflows (past nll ≈ 709: a
+// broken checkpoint, or a text the model all but rules out), as the server's Score and `cemlm
+// score` refuse a non-finite result.
 absl::StatusOr<double> perplexity_of(double nll);
 
 struct SampleResult {

@@ -51,7 +51,7 @@ int train(int argc, char** argv) {
   flags.add_list("input", &opts.inputs,
                  "text files or directories (walked recursively, sorted); .dat/.u8, binary and "
                  "non-UTF-8 files, and directories of a training run's checkpoint or token "
-                 "cache, are skipped",
+                 "cache, are skipped (such a directory named itself is refused)",
                  true);
   flags.add("out", &opts.out_path,
             "the .model file to write (not one a checkpoint holds: config.json beside it)", true);
@@ -83,7 +83,8 @@ int train(int argc, char** argv) {
                       inputs_of(opts)))
     return fail(error);
   TokenizerTrainStats stats;
-  if (!train_tokenizer(opts, &error, &stats)) return fail(error);
+  if (!train_tokenizer(opts, &error, &stats))  // too few for any text: the flag's error
+    return opts.vocab_size < kMinTrainedVocab ? usage_error(error) : fail(error);
   std::printf("wrote %s: %d pieces from %d text files (%.2f MB), %zu files skipped\n",
               opts.out_path.c_str(), opts.vocab_size, stats.files, double(stats.bytes) / 1e6,
               stats.skipped.size());
@@ -129,9 +130,9 @@ int decode(int argc, char** argv) {
   flags.add("ids", &id_text, "comma-separated token ids", true);
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   std::vector<int> ids;  // none: an empty line, as `encode --text ""` gives none
-  if (!id_text.empty() && !parse_id_list(id_text, &ids))
-    return usage_error("--ids '" + id_text +
-                       "' is not a comma-separated list of integers like 1,2,3");
+  if (!id_text.empty())
+    if (const std::string error = id_list_flag("--ids", id_text, &ids); !error.empty())
+      return usage_error(error);
   std::string error;
   auto tokenizer = Tokenizer::load(model, &error);
   if (!tokenizer) return fail(error + " (--model)");

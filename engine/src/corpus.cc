@@ -125,6 +125,13 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
     out->push_back(path);
     return true;
   }
+  // Named itself, it was walked like a corpus (its JSON read as text): left out only below.
+  if (is_run_output_dir(path)) {
+    *error = "input '" + path +
+             "' is a training run's checkpoint or token cache, not text to train on (its JSON "
+             "and token ids are left out of a folder walked); name text files or a folder of them";
+    return false;
+  }
   // Links to directories are walked too (they were left out, uncounted): a link back to a
   // directory being walked is not (a loop), and a file reached twice counts once, by the first of
   // its paths in sorted order.

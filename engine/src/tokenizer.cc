@@ -413,6 +413,7 @@ bool write_atomically(const std::string& path, const std::string& bytes, const s
 bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
                      TokenizerTrainStats* stats) {
   constexpr int kMinVocab = kSpecialIds + kByteIds + 1;
+  static_assert(kMinVocab == kMinTrainedVocab);
   TokenizerTrainStats local;
   TokenizerTrainStats& st = stats ? *stats : local;
   if (opts.vocab_size < kMinVocab) {
@@ -438,7 +439,11 @@ bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
   if (st.bytes == 0) {
     *error = "no text to train the tokenizer on: the inputs (" + opts.inputs_flag +
              ") hold no non-empty UTF-8 text file (" + std::to_string(st.skipped.size()) +
-             " files skipped as .dat/.u8, binary or not UTF-8)";
+             " files skipped as .dat/.u8, binary or not UTF-8";
+    for (size_t i = 0; i < st.run_dirs.size(); ++i)
+      *error += (i ? "; '" : "; left out as training runs' checkpoints or token caches: '") +
+                st.run_dirs[i] + "'";
+    *error += ")";
     return false;
   }
   // SentencePiece fails on blank text without a reason, or asks for a smaller vocabulary.

@@ -64,6 +64,24 @@ TEST(TokenizerCli, TrainEncodeDecode) {
                               "/old-run': a training run's checkpoint or token cache"),
             std::string::npos)
       << skipping.err;
+  // Named itself, it was read as a corpus: its JSON trained a tokenizer, exit 0.
+  CliRun run_dir = run({"train", "--input", inputs + "/old-run", "--vocab-size", "400", "--out",
+                        dir + "/tok3.model"});
+  EXPECT_EQ(run_dir.rc, 1);
+  EXPECT_NE(run_dir.err.find("input '" + inputs +
+                             "/old-run' is a training run's checkpoint or token cache, not text"),
+            std::string::npos)
+      << run_dir.err;
+  // A folder of nothing else says what it left out.
+  std::filesystem::remove(inputs + "/a.txt");
+  CliRun only_runs =
+      run({"train", "--input", inputs, "--vocab-size", "400", "--out", dir + "/tok3.model"});
+  EXPECT_EQ(only_runs.rc, 1);
+  EXPECT_NE(only_runs.err.find("left out as training runs' checkpoints or token caches: '" +
+                               inputs + "/old-run'"),
+            std::string::npos)
+      << only_runs.err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/tok3.model"));
 
   const std::string text = "Fortune favours the bold, café 日本";
   CliRun enc = run({"encode", "--model", model, "--text", text});
@@ -88,10 +106,14 @@ TEST(TokenizerCli, TrainEncodeDecode) {
 TEST(TokenizerCli, ErrorsNameTheFlag) {
   const std::string dir = testing_files::fresh_temp_dir(), model = dir + "/tok.model";
   EXPECT_EQ(run({"train", "--input", testing_files::small_corpus()[0]}).rc, 2);  // no --out
-  CliRun small = run(
-      {"train", "--input", testing_files::small_corpus()[0], "--vocab-size", "10", "--out", model});
-  EXPECT_EQ(small.rc, 1);
-  EXPECT_NE(small.err.find("--vocab-size"), std::string::npos) << small.err;
+  // Below what any text needs: a usage error (the text's own need is the text's: exit 1 below).
+  for (const char* n : {"10", "0", "-5"}) {
+    CliRun small = run(
+        {"train", "--input", testing_files::small_corpus()[0], "--vocab-size", n, "--out", model});
+    EXPECT_EQ(small.rc, 2) << n;
+    EXPECT_NE(small.err.find(std::string("--vocab-size ") + n + " is too small"), std::string::npos)
+        << small.err;
+  }
   // Above the fixed minimum but below what this text's characters need: said in our terms.
   std::string many_chars;
   for (int cp = 0x4E00; cp < 0x4E00 + 120; ++cp)  // 120 distinct CJK characters, 3 bytes each
@@ -118,6 +140,10 @@ TEST(TokenizerCli, ErrorsNameTheFlag) {
   CliRun bad_ids = run({"decode", "--model", model, "--ids", "1,x"});
   EXPECT_EQ(bad_ids.rc, 2);  // a usage error, as score's and grads' malformed --ids are
   EXPECT_NE(bad_ids.err.find("--ids"), std::string::npos) << bad_ids.err;
+  CliRun negative = run({"decode", "--model", model, "--ids", "1,-2"});
+  EXPECT_EQ(negative.rc, 2);  // no tokenizer has it
+  EXPECT_NE(negative.err.find("--ids[1] = -2 is not a token id (ids are >= 0)"), std::string::npos)
+      << negative.err;
   CliRun bad_text = run({"encode", "--model", model, "--text", "caf\xE9"});
   EXPECT_EQ(bad_text.rc, 2);  // a usage error, whatever the tokenizer
   EXPECT_NE(bad_text.err.find("--text is not valid UTF-8 (bad byte at offset 3)"),

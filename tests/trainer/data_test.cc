@@ -498,6 +498,15 @@ TEST(ListCorpus, LeavesOutAndNamesOtherRunsOutput) {
   std::set<std::string> runs;
   for (const std::string& d : c->run_dirs) runs.insert(fs::path(d).filename().string());
   EXPECT_EQ(runs, (std::set<std::string>{"o", "o.cache", "p"}));
+  // Named itself, one is refused by name (it was walked as a corpus, its JSON read as text).
+  for (const char* run : {"/o", "/o.cache", "/p"}) {
+    auto named = list_corpus({dir + run}, {});
+    EXPECT_EQ(named.status().code(), absl::StatusCode::kNotFound) << run;
+    EXPECT_NE(named.status().message().find("--data: input '" + dir + run +
+                                            "' is a training run's checkpoint or token cache"),
+              std::string::npos)
+        << named.status();
+  }
 }
 
 TEST(ListCorpus, MissingPathNamesTheFlag) {

@@ -109,8 +109,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
         "vocabulary of a new model and of the tokenizer trained for it (0: the config's)");
   f.add_list("data", &t.data,
              std::string("UTF-8 text files or directories (walked recursively; .dat/.u8, and "
-                         "directories of another run's checkpoint or token cache, left out; a "
-                         "line '%' separates documents) (default: ") +
+                         "directories of another run's checkpoint or token cache, left out, and "
+                         "refused when named; a line '%' separates documents) (default: ") +
                  kDefaultData + ")");
   f.add_nonempty("cache", &o.cache_dir,
                  "token and tokenizer cache directory (default: <out>.cache)",

@@ -134,6 +134,10 @@ struct TokenizerTrainOptions {
   std::string vocab_flag = "--vocab-size";
 };
 
+// The fewest pieces a trained tokenizer has, whatever its text: the 4 special ids, the 256 byte
+// pieces and one more.
+inline constexpr int kMinTrainedVocab = 261;
+
 struct TokenizerTrainStats {
   int files = 0;                     // text files trained on
   int64_t bytes = 0;                 // their total size

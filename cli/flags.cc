@@ -253,6 +253,22 @@ int Flags::parse(int argc, char** argv) {
 
 bool parse_uint64(const std::string& s, uint64_t* out) { return parse_number(s, out); }
 
+std::string id_list_flag(const std::string& flag, const std::string& text, std::vector<int>* out) {
+  if (!parse_id_list(text, out))
+    return flag + ": expected comma-separated integers like 3,17,42, got '" + text + "'";
+  for (size_t i = 0; i < out->size(); ++i)
+    if ((*out)[i] < 0)
+      return flag + "[" + std::to_string(i) + "] = " + std::to_string((*out)[i]) +
+             " is not a token id (ids are >= 0)";
+  return "";
+}
+
+std::string recursion_flag_error(int T) {
+  return T < 0 ? "--recursion = " + std::to_string(T) +
+                     " must be >= 0 (0 = the model's recursion.default)"
+               : "";
+}
+
 bool parse_id_list(const std::string& s, std::vector<int>* out) {
   out->clear();
   size_t pos = 0;
@@ -292,6 +308,9 @@ std::string logit_bias_flag(const std::string& s, std::vector<std::pair<int, flo
     for (size_t j = 0; j < i; ++j)
       if ((*out)[i].first == (*out)[j].first)
         return "--logit-bias gives token " + std::to_string((*out)[i].first) + " more than once";
+  for (const auto& [id, bias] : *out)
+    if (id < 0)
+      return "--logit-bias has the key " + std::to_string(id) + ", not a token id (ids are >= 0)";
   return "";
 }
 

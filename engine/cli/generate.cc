@@ -128,9 +128,10 @@ int cmd_generate(int argc, char** argv) {
   if (top_logprobs > 0 && !json)
     return usage_error("--top-logprobs needs --json: the streamed text has no place for them");
   std::vector<int> stop_ids;
-  if (f.given("stop-token-ids") && !parse_id_list(stop_token_ids, &stop_ids))
-    return usage_error("--stop-token-ids: expected comma-separated integers like 2,7, got '" +
-                       stop_token_ids + "'");
+  if (f.given("stop-token-ids"))
+    if (const std::string error = id_list_flag("--stop-token-ids", stop_token_ids, &stop_ids);
+        !error.empty())
+      return usage_error(error);
   std::vector<std::pair<int, float>> bias;
   if (f.given("logit-bias"))
     if (const std::string error = logit_bias_flag(logit_bias, &bias); !error.empty())
@@ -151,15 +152,11 @@ int cmd_generate(int argc, char** argv) {
   if (absl::Status st = check_runner_options(runner); !st.ok())
     return usage_error(std::string(st.message()));
   GenerateRequest req;
-  if (f.given("prompt-ids") && !parse_id_list(prompt_ids, &req.prompt_ids))
-    return usage_error("--prompt-ids: expected comma-separated integers like 3,17,42");
-  for (size_t i = 0; i < req.prompt_ids.size(); ++i)
-    if (req.prompt_ids[i] < 0)
-      return usage_error(absl::StrCat("--prompt-ids[", i, "] = ", req.prompt_ids[i],
-                                      " is not a token id (ids are >= 0)"));
-  if (T < 0)
-    return usage_error(
-        absl::StrCat("--recursion = ", T, " must be >= 0 (0 = the model's recursion.default)"));
+  if (f.given("prompt-ids"))
+    if (const std::string error = id_list_flag("--prompt-ids", prompt_ids, &req.prompt_ids);
+        !error.empty())
+      return usage_error(error);
+  if (const std::string error = recursion_flag_error(T); !error.empty()) return usage_error(error);
   req.recursion_depth = T;
   req.sampling.max_new_tokens = max_new;
   req.sampling.min_new_tokens = min_new;

@@ -51,6 +51,11 @@ int cmd_score(int argc, char** argv) {
   if (size_t valid = utf8_valid_prefix(text); valid != text.size())  // before the model loads
     return usage_error("--text is not valid UTF-8 (bad byte at offset " + std::to_string(valid) +
                        ")");
+  std::vector<int> ids;
+  if (f.given("ids"))
+    if (const std::string error = id_list_flag("--ids", ids_text, &ids); !error.empty())
+      return usage_error(error);
+  if (const std::string error = recursion_flag_error(T); !error.empty()) return usage_error(error);
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
   if (std::string err;
@@ -60,11 +65,7 @@ int cmd_score(int argc, char** argv) {
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));
   const ModelConfig& c = ck->config;
-  std::vector<int> ids;
-  if (f.given("ids")) {
-    if (!parse_id_list(ids_text, &ids))
-      return usage_error("--ids: expected comma-separated integers like 3,17,42");
-  } else {
+  if (!f.given("ids")) {
     if (ck->tokenizer_path.empty())
       return fail("--text: the checkpoint '" + model + "' has no tokenizer.model; use --ids");
     std::string err;

@@ -193,10 +193,9 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       {{"--frequency-penalty", "-2.5"}, "--frequency-penalty must be in [-2, 2] (got -2.5)"},
       {{"--top-logprobs", "21"}, "--top-logprobs must be in [0, 20] (got 21)", 2},
       {{"--stop-token-ids", "5,x"}, "--stop-token-ids: expected comma-separated integers"},
-      {{"--stop-token-ids", "5,61"}, "--stop-token-ids[1] = 61 is not a token id in [0, 61)"},
       // Judged with the model's vocabulary, not before it is known.
-      {{"--stop-token-ids", "-1"}, "--stop-token-ids[0] = -1 is not a token id in [0, 61)", 1},
-      {{"--logit-bias", "-1:1"}, "--logit-bias has the key -1, not a token id in [0, 61)", 1},
+      {{"--stop-token-ids", "5,61"}, "--stop-token-ids[1] = 61 is not a token id in [0, 61)", 1},
+      {{"--logit-bias", "61:1"}, "--logit-bias has the key 61, not a token id in [0, 61)", 1},
       {{"--stop", "ab"}, "--stop needs a tokenizer and this model has none"},
       {{"--min-new-tokens", "63"},
        // (that maximum is the room the prompt leaves: --max-new-tokens was not given)
@@ -240,6 +239,9 @@ TEST_F(GenerateCli, FlagsWrongForAnyModelAreRefusedBeforeItLoads) {
       {{"--stop", ""}, "--stop[0] is empty"},
       {{"--seed", "-1"}, "--seed: expected an integer"},
       {{"--prompt-ids", "3,-1"}, "--prompt-ids[1] = -1 is not a token id (ids are >= 0)"},
+      // No model has a negative id: the same usage error for every list of ids.
+      {{"--stop-token-ids", "-1"}, "--stop-token-ids[0] = -1 is not a token id (ids are >= 0)"},
+      {{"--logit-bias", "-1:1"}, "--logit-bias has the key -1, not a token id (ids are >= 0)"},
       {{"--recursion", "-1"}, "--recursion = -1 must be >= 0"},
       {{"--prompt", "ab\xff"}, "--prompt is not valid UTF-8 (bad byte at offset 2)"},
       // Past the default's 64 while --max-new-tokens is unset: too many for any model.

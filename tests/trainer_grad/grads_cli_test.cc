@@ -97,25 +97,27 @@ TEST_F(GradsCli, HelpSucceeds) { EXPECT_EQ(run({"--help"}), 0); }
 struct BadCase {
   std::vector<std::string> args;  // besides --model/--out, which are filled in unless absent
   std::string names;              // the error must contain this
+  int rc = 1;                     // 2: a usage error, whatever the model
 };
 
 TEST_F(GradsCli, BadInputsAreRefusedByName) {
   const std::vector<BadCase> cases = {
-      {{"--ids", "3,x,5"}, "--ids"},
+      {{"--ids", "3,x,5"}, "--ids: expected comma-separated integers", 2},
       {{"--ids", "3"}, "--ids"},
       {{"--ids", "3,61"}, "--ids"},
-      {{"--ids", "3,-1"}, "--ids"},
+      {{"--ids", "3,-1"}, "--ids[1] = -1 is not a token id", 2},
       {{"--ids", "3,4", "--recursion", "5"},
        "--recursion = 5 exceeds the model's recursion.max = 4"},
-      // 0 is a depth too (the model's default): the range says so, as score's and the server's do.
+      // 0 is a depth too (the model's default): the range says so, as score's and generate's do.
       {{"--ids", "3,4", "--recursion", "-1"},
-       "--recursion = -1 must be >= 0 (0 = the model's default, 2)"},
+       "--recursion = -1 must be >= 0 (0 = the model's recursion.default)",
+       2},
   };
   for (const BadCase& bc : cases) {
     std::vector<std::string> args{"--model", model_dir(), "--out", out_file()};
     args.insert(args.end(), bc.args.begin(), bc.args.end());
     std::string err;
-    EXPECT_NE(run(args, &err), 0) << bc.args[1];
+    EXPECT_EQ(run(args, &err), bc.rc) << bc.args[1];
     EXPECT_NE(err.find(bc.names), std::string::npos) << err;
     EXPECT_FALSE(fs::exists(out_file()));
   }

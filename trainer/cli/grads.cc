@@ -74,6 +74,10 @@ int cmd_grads(int argc, char** argv) {
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
   f.add("out", &out, "safetensors file to write", true);
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
+  std::vector<int> ids;
+  if (const std::string error = id_list_flag("--ids", ids_text, &ids); !error.empty())
+    return usage_error(error);
+  if (const std::string error = recursion_flag_error(T); !error.empty()) return usage_error(error);
   // Checked before the forward and backward: a path they cannot take was refused only after. The
   // checkpoint's own files are not to be written (the weights were replaced by gradients).
   if (std::string err;
@@ -83,9 +87,6 @@ int cmd_grads(int argc, char** argv) {
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));
   const ModelConfig& c = ck->config;
-  std::vector<int> ids;
-  if (!parse_id_list(ids_text, &ids))
-    return usage_error("--ids: expected comma-separated integers like 3,17,42");
   if (const std::string err = check_ids(ids, c); !err.empty()) return fail(err);
   if (absl::Status st = check_recursion_depth(c, T, "--recursion"); !st.ok())
     return fail(std::string(st.message()));

@@ -60,6 +60,12 @@ int usage_error(const std::string& msg);
 
 // Parses "3,17,42" into ids; false on anything that is not a comma-separated integer list.
 bool parse_id_list(const std::string& s, std::vector<int>* out);
+// A flag's token ids ("3,17,42") into `out`: "" when they parse and none is negative (whether
+// the model has them is for the model to say), else the usage error's message, naming `flag`.
+std::string id_list_flag(const std::string& flag, const std::string& text, std::vector<int>* out);
+// --recursion's usage error when T is negative (past the model's max is for the model to say),
+// else "".
+std::string recursion_flag_error(int T);
 // Parses "17:-100,42:2.5" (token id:bias pairs) into out; false on anything else.
 bool parse_logit_bias(const std::string& s, std::vector<std::pair<int, float>>* out);
 // --logit-bias's value into `out`: "" when it parses, else the usage error's message (a malformed

@@ -314,6 +314,15 @@ std::string logit_bias_flag(const std::string& s, std::vector<std::pair<int, flo
   return "";
 }
 
+std::string kv_cache_memory_flag(const std::string& text, int64_t* bytes) {
+  if (!parse_bytes(text, bytes))
+    return "--kv-cache-memory: expected bytes like 4G, 512M or 1048576 (below 8E), got '" + text +
+           "'";
+  if (*bytes <= 0)
+    return "--kv-cache-memory " + text + " holds no KV cache: give its size, like 4G";
+  return "";
+}
+
 bool parse_bytes(const std::string& s, int64_t* out) {
   size_t digits = 0;
   while (digits < s.size() && std::isdigit(static_cast<unsigned char>(s[digits]))) ++digits;

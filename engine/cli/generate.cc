@@ -137,9 +137,8 @@ int cmd_generate(int argc, char** argv) {
     if (const std::string error = logit_bias_flag(logit_bias, &bias); !error.empty())
       return usage_error(error);
   int64_t kv_bytes = 0;
-  if (!parse_bytes(kv_memory, &kv_bytes) || kv_bytes <= 0)
-    return usage_error("--kv-cache-memory: expected bytes like 4G, 512M or 1048576, got '" +
-                       kv_memory + "'");
+  if (const std::string error = kv_cache_memory_flag(kv_memory, &kv_bytes); !error.empty())
+    return usage_error(error);
   // What can be wrong whatever the model is, refused before it loads (exit 2): a typo must not
   // wait for a large model's load, nor exit as a refusal of the model's would.
   if (size_t valid = utf8_valid_prefix(prompt); valid != prompt.size())

@@ -300,16 +300,12 @@ absl::Status CudaRunner::alloc_kv() {
   const int bs = opts_.block_size;
   // Block ids are int32 (block tables, AttnRow): a larger pool could not be addressed.
   n_blocks_ = std::min<int64_t>(KvPool::blocks_for_budget(cfg_, bs, budget), INT32_MAX);
-  const int64_t needed = (cfg_.max_seq_len + bs - 1) / bs;
-  if (n_blocks_ < needed)
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv_cache_memory ", budget, " bytes holds ", n_blocks_,
-                     " blocks but one max_seq_len sequence needs ", needed, " (",
-                     needed * bs * cfg_.kv_bytes_per_token(), " bytes); ",
-                     opts_.kv_cache_memory > 0
-                         ? "raise --kv-cache-memory"
-                         : "lower --max-batch-tokens or --max-running (their working buffers "
-                           "are reserved before the cache takes 90% of what is left)"));
+  CEMLM_RETURN_IF_ERROR(KvPool::check_holds_a_sequence(
+      cfg_, bs, n_blocks_, budget, KvDtype::kFp32,
+      opts_.kv_cache_memory > 0
+          ? "raise --kv-cache-memory"
+          : "lower --max-batch-tokens or --max-running (their working buffers are reserved "
+            "before the cache takes 90% of what is left)"));
   const size_t slots = size_t(cfg_.n_layers) * size_t(n_blocks_) * size_t(bs);
   for (auto [b, w, name] : {std::tuple{&kv_k_, kw_, "the KV cache keys"},
                             std::tuple{&kv_v_, vw_, "the KV cache values"},

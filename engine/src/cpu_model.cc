@@ -48,6 +48,17 @@ int64_t KvPool::blocks_for_budget(const ModelConfig& c, int block_size, int64_t 
   return std::min<int64_t>(bytes / (int64_t(block_size) * c.kv_bytes_per_token(dtype)), INT32_MAX);
 }
 
+absl::Status KvPool::check_holds_a_sequence(const ModelConfig& c, int block_size, int64_t blocks,
+                                            int64_t budget, KvDtype dtype,
+                                            std::string_view advice) {
+  const int64_t needed = (c.max_seq_len + block_size - 1) / block_size;
+  if (blocks >= needed) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "a KV cache of ", budget, " bytes holds ", blocks, " blocks of ", block_size,
+      " tokens, but one sequence of the model's max_seq_len (", c.max_seq_len, ") needs ", needed,
+      " (", needed * block_size * c.kv_bytes_per_token(dtype), " bytes); ", std::string(advice)));
+}
+
 int64_t KvPool::bytes_per_token() const {
   const size_t bytes =
       sizeof(float) * (k_.size() + v_.size() + c_.size() + ks_.size() + vs_.size() + cs_.size()) +

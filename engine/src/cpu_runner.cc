@@ -129,13 +129,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> make_model_runner(const std::string
   CEMLM_ASSIGN_OR_RETURN(const ModelConfig config, load_checkpoint_config(model_dir));
   const int64_t blocks =
       KvPool::blocks_for_budget(config, opts.block_size, opts.kv_cache_memory, kv_dtype);
-  const int64_t needed = (config.max_seq_len + opts.block_size - 1) / opts.block_size;
-  if (blocks < needed)
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv_cache_memory ", opts.kv_cache_memory, " bytes holds ", blocks,
-                     " blocks but one max_seq_len sequence needs ", needed, " (",
-                     needed * opts.block_size * config.kv_bytes_per_token(kv_dtype),
-                     " bytes); raise --kv-cache-memory"));
+  CEMLM_RETURN_IF_ERROR(KvPool::check_holds_a_sequence(
+      config, opts.block_size, blocks, opts.kv_cache_memory, kv_dtype, "raise --kv-cache-memory"));
   CEMLM_ASSIGN_OR_RETURN(Checkpoint ck, load_checkpoint(model_dir));
   const int threads = use_cpu_threads(opts.threads).threads;
   auto runner = std::make_unique<CpuRunner>(std::move(ck), opts.block_size, blocks, threads,

@@ -115,11 +115,8 @@ absl::StatusOr<std::unique_ptr<Engine>> load_engine(const ServeFlags& f, int64_t
 
 int serve(const ServeFlags& f, sigset_t* signals) {
   int64_t kv_bytes = 0;
-  if (!parse_bytes(f.kv_cache_memory, &kv_bytes) || kv_bytes <= 0)
-    return flag_error(
-        absl::InvalidArgumentError("--kv-cache-memory: expected bytes like 4G, 512M or "
-                                   "1048576, got '" +
-                                   f.kv_cache_memory + "'"));
+  if (const std::string error = kv_cache_memory_flag(f.kv_cache_memory, &kv_bytes); !error.empty())
+    return flag_error(absl::InvalidArgumentError(error));
   int64_t grpc_memory = 0;
   if (!parse_bytes(f.grpc_memory, &grpc_memory) || grpc_memory < 0)
     return flag_error(absl::InvalidArgumentError(
@@ -196,12 +193,21 @@ int serve(const ServeFlags& f, sigset_t* signals) {
         "--prefix-cache-scope \"", f.prefix_cache_scope, "\" is not one of key, shared")));
   opts.prefix_cache_per_key = f.prefix_cache_scope == "key";
   opts.model_name = f.model_name.empty() ? dir_name(f.model) : f.model_name;
-  // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8.
+  // It goes out in GetModelInfo's string field and in every metric's label, which must be UTF-8,
+  // and in log lines, which a line break in it would split.
+  const char* name_is = f.model_name.empty()
+                            ? "the model directory's name (the default --model-name)"
+                            : "--model-name";
+  const auto bad_name = f.model_name.empty() ? fail : flag_error;
   if (size_t ok = utf8_valid_prefix(opts.model_name); ok != opts.model_name.size())
-    return (f.model_name.empty() ? fail : flag_error)(absl::InvalidArgumentError(absl::StrCat(
-        f.model_name.empty() ? "the model directory's name (the default --model-name)"
-                             : "--model-name",
-        " is not valid UTF-8 (bad byte at offset ", ok, "); pass a --model-name that is")));
+    return bad_name(
+        absl::InvalidArgumentError(absl::StrCat(name_is, " is not valid UTF-8 (bad byte at offset ",
+                                                ok, "); pass a --model-name that is")));
+  for (size_t i = 0; i < opts.model_name.size(); ++i)
+    if (const unsigned char b = opts.model_name[i]; b < 0x20 || b == 0x7F)
+      return bad_name(absl::InvalidArgumentError(absl::StrCat(
+          name_is, " holds a control character (byte 0x", absl::Hex(b, absl::kZeroPad2),
+          " at offset ", i, "); pass a --model-name without one")));
   struct Interval {
     const char* flag;
     int value;

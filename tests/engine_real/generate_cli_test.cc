@@ -208,10 +208,12 @@ TEST_F(GenerateCli, BadFlagsFailNamingTheFlag) {
       // A usage error here as in `cemlm client generate` (the engine's refusal exited 1).
       {{"--logit-bias", "5:1,5:-100"}, "--logit-bias gives token 5 more than once", 2},
       {{"--kv-cache-memory", "12Q"}, "--kv-cache-memory: expected bytes like 4G"},
-      {{"--kv-cache-memory", "0"}, "--kv-cache-memory: expected bytes like 4G"},
+      {{"--kv-cache-memory", "0"}, "--kv-cache-memory 0 holds no KV cache: give its size"},
       {{"--kv-cache-memory", "999999999999999T"}, "--kv-cache-memory: expected bytes like 4G"},
       // The engine's error names a flag this command has.
-      {{"--kv-cache-memory", "1K"}, "kv_cache_memory 1024 bytes holds 0 blocks"},
+      {{"--kv-cache-memory", "1K"},
+       "a KV cache of 1024 bytes holds 0 blocks of 16 tokens, but one sequence of the model's "
+       "max_seq_len (64) needs 4 ("},
   };
   for (const Bad& b : bad) {
     std::vector<std::string> args = {"--model", dir_, "--prompt-ids", "3,9", "--json"};
@@ -326,7 +328,7 @@ TEST_F(GenerateCli, KvCacheMemoryIsUsed) {
   ::testing::internal::CaptureStderr();
   EXPECT_EQ(run(args), 1);
   const std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(err.find("kv_cache_memory 2048 bytes"), std::string::npos) << err;
+  EXPECT_NE(err.find("a KV cache of 2048 bytes holds 0 blocks"), std::string::npos) << err;
   EXPECT_NE(err.find("raise --kv-cache-memory"), std::string::npos) << err;
   // Said from config.json, before the weights are read (a large checkpoint loaded for seconds
   // first): a directory of the config alone gets the same answer.
@@ -337,7 +339,7 @@ TEST_F(GenerateCli, KvCacheMemoryIsUsed) {
   ::testing::internal::CaptureStderr();
   EXPECT_EQ(run(args), 1);
   const std::string early = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(early.find("kv_cache_memory 2048 bytes"), std::string::npos) << early;
+  EXPECT_NE(early.find("a KV cache of 2048 bytes holds 0 blocks"), std::string::npos) << early;
 }
 
 // The default --max-new-tokens (64) is capped to the room the prompt leaves in max_seq_len (64

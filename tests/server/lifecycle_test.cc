@@ -468,6 +468,9 @@ TEST_F(ServerLifecycle, KvCacheDtypeDeviceAndEngineNiceFlags) {
        "--device \"cuda:fp16\" is not one of cpu, cpu:fp32, cpu:bf16, cpu:bf16dot, cpu:int8, "
        "cpu:int8dot, cuda"},
       {"--model-name m\xFFx", "--model-name is not valid UTF-8 (bad byte at offset 1)"},
+      // A line break split the log lines that carry the name.
+      {"--model-name 'm\nx'", "--model-name holds a control character (byte 0x0a at offset 1)"},
+      {"--kv-cache-memory 0K", "--kv-cache-memory 0K holds no KV cache: give its size, like 4G"},
       {"--prefix-cache-scope tenant", "--prefix-cache-scope \"tenant\" is not one of key, shared"}};
   for (const auto& [flags, message] : bad) {
     err = refused_serve(model_, flags, 2);

@@ -76,6 +76,9 @@ bool parse_uint64(const std::string& s, uint64_t* out);
 // Parses a byte count: "4G", "512M", "64K", "64KB" or plain bytes (powers of 1024); false on
 // anything else, a value past int64 included (--kv-cache-memory).
 bool parse_bytes(const std::string& s, int64_t* out);
+// --kv-cache-memory's value into `bytes`: "" when it parses and is above 0, else the usage
+// error's message.
+std::string kv_cache_memory_flag(const std::string& text, int64_t* bytes);
 
 // Whether `path` can take the file a command writes at its end, checked before the (long) work
 // without touching the disk: not a directory, and its directory writable, or where the write

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -28,6 +29,11 @@ class KvPool {
   KvPool(const ModelConfig& c, int block_size, int64_t n_blocks, KvDtype dtype = KvDtype::kFp32);
   static int64_t blocks_for_budget(const ModelConfig& c, int block_size, int64_t bytes,
                                    KvDtype dtype = KvDtype::kFp32);
+  // OK when `blocks` (of `budget` bytes) hold one max_seq_len sequence, else INVALID_ARGUMENT
+  // saying how much it needs, then `advice`.
+  static absl::Status check_holds_a_sequence(const ModelConfig& c, int block_size, int64_t blocks,
+                                             int64_t budget, KvDtype dtype,
+                                             std::string_view advice);
   KvLayerView layer(int l);
   int block_size() const { return block_size_; }
   int64_t num_blocks() const { return n_blocks_; }

@@ -982,11 +982,13 @@ absl::Status EngineImpl::score_chunks(SeqId seq, int T, const ScoreRequest& req,
               // as a perplexity past a double's: not a server error).
               for (int i = 0; i < rows; ++i)
                 if (bad[size_t(i)]) {
-                  const std::string what =
-                      absl::StrCat("the model produced ",
-                                   bad[size_t(i)] == 2 ? "a log-probability below the float range"
-                                                       : "non-finite logits",
-                                   " at position ", pos + i, "; check the checkpoint");
+                  const std::string what = absl::StrCat(
+                      "the model produced ",
+                      bad[size_t(i)] == 2 ? "a log-probability below the float range"
+                                          : "non-finite logits",
+                      " at position ", pos + i,
+                      bad[size_t(i)] == 2 ? " (a text it all but rules out, or a broken checkpoint)"
+                                          : "; check the checkpoint");
                   ran =
                       bad[size_t(i)] == 2 ? absl::OutOfRangeError(what) : absl::InternalError(what);
                   return;

@@ -136,7 +136,8 @@ absl::StatusOr<double> perplexity_of(double nll) {
   if (!std::isfinite(p))
     return absl::OutOfRangeError(absl::StrCat("the perplexity exp(", nll,
                                               ") overflows: the model gives the text almost no "
-                                              "probability; check the checkpoint"));
+                                              "probability (a text far from anything it "
+                                              "was trained on, or a broken checkpoint)"));
   return p;
 }
 

@@ -28,12 +28,14 @@ void print_json(const google::protobuf::Message& m) {
   std::printf("%s\n", out.c_str());
 }
 
-// --ids/--prompt-ids into a repeated field; false after printing the flag's error.
+// --ids/--prompt-ids into a repeated field; false after printing the flag's usage error (ids
+// that are not integers, or negative: no model has them; whether it has the rest is its to say).
 bool set_ids(const std::string& text, const char* flag,
              google::protobuf::RepeatedField<int32_t>* out) {
   std::vector<int> ids;
-  if (!parse_id_list(text, &ids)) {
-    std::fprintf(stderr, "error: --%s: expected comma-separated ids like 3,17,42\n", flag);
+  if (const std::string error = id_list_flag(std::string("--") + flag, text, &ids);
+      !error.empty()) {
+    usage_error(error);
     return false;
   }
   out->Add(ids.begin(), ids.end());
@@ -153,12 +155,13 @@ int client_generate(int argc, char** argv) {
   if (flags.given("logit-bias"))
     if (const std::string error = logit_bias_flag(logit_bias, &g.logit_bias); !error.empty())
       return usage_error(error);
-  if (flags.given("stop-token-ids") && !parse_id_list(stop_token_ids, &g.stop_token_ids)) {
-    std::fprintf(stderr,
-                 "error: --stop-token-ids: expected comma-separated ids like 2,7, got '%s'\n",
-                 stop_token_ids.c_str());
-    return 2;
-  }
+  if (flags.given("stop-token-ids"))
+    if (const std::string error =
+            id_list_flag("--stop-token-ids", stop_token_ids, &g.stop_token_ids);
+        !error.empty())
+      return usage_error(error);
+  if (const std::string error = recursion_flag_error(g.recursion); !error.empty())
+    return usage_error(error);
   // A proto string must be UTF-8: protobuf logged an error line of its own, and the server refused
   // the body as one that does not parse, naming no flag.
   if (size_t ok = utf8_valid_prefix(g.request_id); ok != g.request_id.size()) {
@@ -302,6 +305,8 @@ int client_score(int argc, char** argv) {
   v1::ScoreRequest req;
   req.set_text(text);
   if (no_bos) req.set_add_bos(false);
+  if (const std::string error = recursion_flag_error(recursion); !error.empty())
+    return usage_error(error);
   req.set_recursion_depth(recursion);
   req.set_priority(priority);
   if (flags.given("ids") && !set_ids(ids, "ids", req.mutable_ids())) return 2;

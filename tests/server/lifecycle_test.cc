@@ -252,10 +252,6 @@ TEST(ServerHealth, CallsRefusedWhileLoadingAreLoggedOnceASecond) {
   }
 }
 
-// Watch streams the status: NOT_SERVING while the model loads (if it still loads when the stream
-// starts), SERVING once the server serves, NOT_SERVING when a drain begins, each change once; a
-// name the server does not have is SERVICE_UNKNOWN; every stream ends when the server stops.
-// (gRPC's default health service, which ours replaces, started SERVING before the model loaded.)
 // A model sure enough that the warm-up's text (token 0 after token 0) gets a perplexity past a
 // double's serves: that judges the text, not the model (serve exited 1 after its ports line,
 // where `cemlm generate` ran it). Score answers such a text OUT_OF_RANGE, not INTERNAL (a server
@@ -280,6 +276,10 @@ TEST(ServerHealth, AModelSureOfItsTokensServes) {
       << st.error_message();
 }
 
+// Watch streams the status: NOT_SERVING while the model loads (if it still loads when the stream
+// starts), SERVING once the server serves, NOT_SERVING when a drain begins, each change once; a
+// name the server does not have is SERVICE_UNKNOWN; every stream ends when the server stops.
+// (gRPC's default health service, which ours replaces, started SERVING before the model loaded.)
 TEST(ServerHealth, WatchFollowsTheLifecycle) {
   using grpc::health::v1::HealthCheckResponse;
   auto server = ServerProcess::start_listening(make_tiny_model(fresh_temp_dir()),
@@ -1035,6 +1035,21 @@ TEST_F(ServerLifecycle, CommandLineClientAndBenchServe) {
   EXPECT_EQ(run_cemlm({"client", "generate", "--addr", addr, "--prompt-ids", "5,999"}, &out, &err),
             1);
   EXPECT_NE(err.find("--prompt-ids[1] = 999 is not a token id"), std::string::npos) << err;
+  // No model has a negative id or depth: refused here, before a call, as `cemlm generate` does.
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"generate", "--prompt-ids", "5,-1"}, "--prompt-ids[1] = -1 is not a token id"},
+           {{"generate", "--prompt-ids", "5", "--stop-token-ids", "-2"},
+            "--stop-token-ids[0] = -2 is not a token id"},
+           {{"generate", "--prompt-ids", "5", "--recursion", "-1"},
+            "--recursion = -1 must be >= 0"},
+           {{"score", "--ids", "5,6", "--recursion", "-1"}, "--recursion = -1 must be >= 0"},
+           {{"score", "--ids", "5,-6"}, "--ids[1] = -6 is not a token id"},
+           {{"detokenize", "--ids", "-5"}, "--ids[0] = -5 is not a token id"}}) {
+    std::vector<std::string> cmd = {"client", args[0], "--addr", addr};
+    cmd.insert(cmd.end(), args.begin() + 1, args.end());
+    EXPECT_EQ(run_cemlm(cmd, &out, &err), 2) << says;
+    EXPECT_NE(err.find(says), std::string::npos) << err;
+  }
   EXPECT_EQ(run_cemlm({"client", "score", "--addr", addr, "--ids", "5,6", "--recursion", "99"},
                       &out, &err),
             1);

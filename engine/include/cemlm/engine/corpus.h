@@ -24,9 +24,9 @@ bool read_text_file(const std::string& path, std::string* text, std::string* err
 // files, listing them in `*skipped` when given, and in `*why_skipped` (beside them, one for one)
 // why: empty for a file left out by its name, unread, else "'path' is not UTF-8 text: ..." with the
 // offending byte. Each file is checked a MiB at a time, not held whole. False (error names the
-// path) when a path does not exist or cannot be read. A directory found in the walk that holds
-// another training run's output (is_run_output_dir) is not walked: it is listed in `*run_dirs` when
-// given.
+// path) when a path does not exist or cannot be read, or names a directory of a training run's
+// output (is_run_output_dir) itself. Such a directory found in the walk is not walked: it is
+// listed in `*run_dirs` when given.
 bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
                         std::string* error, std::vector<std::string>* skipped = nullptr,
                         std::vector<std::string>* why_skipped = nullptr,

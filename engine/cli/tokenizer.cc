@@ -66,6 +66,10 @@ int train(int argc, char** argv) {
   if (int rc = flags.parse(argc, argv); rc >= 0) return rc;
   if (opts.threads < 0)
     return usage_error("--threads must be >= 0 (0: the CPUs this process may use)");
+  // Too few for any text: the flag's error, before the other checks.
+  if (const std::string error = tokenizer_vocab_too_small("--vocab-size", opts.vocab_size);
+      !error.empty())
+    return usage_error(error);
   std::string error;
   // A trained checkpoint's tokenizer is what its weights read: a new one in its place fed them
   // other ids (the same number of pieces loaded without a word).
@@ -83,8 +87,7 @@ int train(int argc, char** argv) {
                       inputs_of(opts)))
     return fail(error);
   TokenizerTrainStats stats;
-  if (!train_tokenizer(opts, &error, &stats))  // too few for any text: the flag's error
-    return opts.vocab_size < kMinTrainedVocab ? usage_error(error) : fail(error);
+  if (!train_tokenizer(opts, &error, &stats)) return fail(error);
   std::printf("wrote %s: %d pieces from %d text files (%.2f MB), %zu files skipped\n",
               opts.out_path.c_str(), opts.vocab_size, stats.files, double(stats.bytes) / 1e6,
               stats.skipped.size());

@@ -410,18 +410,21 @@ bool write_atomically(const std::string& path, const std::string& bytes, const s
 
 }  // namespace
 
+std::string tokenizer_vocab_too_small(const std::string& flag, int vocab_size) {
+  static_assert(kSpecialIds + kByteIds + 1 == kMinTrainedVocab);
+  if (vocab_size >= kMinTrainedVocab) return "";
+  return flag + " " + std::to_string(vocab_size) +
+         " is too small: the special and byte-fallback pieces alone take " +
+         std::to_string(kSpecialIds + kByteIds) +
+         " ids; use a few hundred more for the text's characters and merges";
+}
+
 bool train_tokenizer(const TokenizerTrainOptions& opts, std::string* error,
                      TokenizerTrainStats* stats) {
-  constexpr int kMinVocab = kSpecialIds + kByteIds + 1;
-  static_assert(kMinVocab == kMinTrainedVocab);
   TokenizerTrainStats local;
   TokenizerTrainStats& st = stats ? *stats : local;
-  if (opts.vocab_size < kMinVocab) {
-    st.min_vocab_size = kMinVocab;
-    *error = opts.vocab_flag + " " + std::to_string(opts.vocab_size) +
-             " is too small: the special and byte-fallback pieces alone take " +
-             std::to_string(kSpecialIds + kByteIds) +
-             " ids; use a few hundred more for the text's characters and merges";
+  if (*error = tokenizer_vocab_too_small(opts.vocab_flag, opts.vocab_size); !error->empty()) {
+    st.min_vocab_size = kMinTrainedVocab;
     return false;
   }
   if (opts.inputs.empty()) {

@@ -106,10 +106,11 @@ TEST(TokenizerCli, TrainEncodeDecode) {
 TEST(TokenizerCli, ErrorsNameTheFlag) {
   const std::string dir = testing_files::fresh_temp_dir(), model = dir + "/tok.model";
   EXPECT_EQ(run({"train", "--input", testing_files::small_corpus()[0]}).rc, 2);  // no --out
-  // Below what any text needs: a usage error (the text's own need is the text's: exit 1 below).
+  // Below what any text needs: a usage error, before the --out check (the text's own need is
+  // the text's: exit 1 below).
   for (const char* n : {"10", "0", "-5"}) {
-    CliRun small = run(
-        {"train", "--input", testing_files::small_corpus()[0], "--vocab-size", n, "--out", model});
+    CliRun small = run({"train", "--input", testing_files::small_corpus()[0], "--vocab-size", n,
+                        "--out", "/nonexistent/dir/tok.model"});
     EXPECT_EQ(small.rc, 2) << n;
     EXPECT_NE(small.err.find(std::string("--vocab-size ") + n + " is too small"), std::string::npos)
         << small.err;

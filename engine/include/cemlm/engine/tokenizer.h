@@ -137,6 +137,8 @@ struct TokenizerTrainOptions {
 // The fewest pieces a trained tokenizer has, whatever its text: the 4 special ids, the 256 byte
 // pieces and one more.
 inline constexpr int kMinTrainedVocab = 261;
+// The error when `vocab_size` (given by `flag`) is below kMinTrainedVocab, else "".
+std::string tokenizer_vocab_too_small(const std::string& flag, int vocab_size);
 
 struct TokenizerTrainStats {
   int files = 0;                     // text files trained on

@@ -3,7 +3,10 @@
 #include "cemlm/engine/sampler.h"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -64,8 +67,9 @@ size_t select_mass(std::vector<std::pair<float, int>>& cand, size_t n,
 
 // The candidates of a top-p nucleus, as (scaled logit, id) in cand: the ids within 8 of the best
 // scaled logit (a probability above 3.4e-4 of the best's) when their mass reaches `target`, else
-// all. Such a set is a best-first prefix, so the nucleus lies inside it, and the selection runs
-// on it alone: over all V ids it costs 3-4x a plain draw where the model is sure of a few tokens.
+// those of the top probability buckets that reach it. Such a set is a best-first prefix, so the
+// nucleus lies inside it, and the selection runs on it alone: over all V ids it costs 3-4x a
+// plain draw where the model is sure of a few tokens.
 // The mass must pass the target by a margin, so that sums taken in another order cannot fall
 // short of it inside the set.
 void nucleus_candidates(const std::vector<float>& work, const std::vector<float>& prob,
@@ -80,8 +84,27 @@ void nucleus_candidates(const std::vector<float>& work, const std::vector<float>
       cand.push_back({work[i], int(i)});
     }
   if (!cand.empty() && mass >= target * (1 + 1e-6)) return;
-  cand.resize(V);
-  for (size_t i = 0; i < V; ++i) cand[i] = {work[i], int(i)};
+  // Else (a flat row: the band held 88% of a N(0, 3²) row's mass, short of top_p = 0.9, and the
+  // selection then ran over all V ids) the ids by their probability's float bits, which order
+  // them as the probabilities do: the exponent and 3 bits of the mantissa, buckets an eighth of
+  // an octave wide. The buckets from the top whose mass reaches the target hold a best-first
+  // prefix too.
+  constexpr int kShift = 20;
+  std::array<double, (std::bit_cast<uint32_t>(1.0f) >> kShift) + 1> bucket_mass{};
+  auto bucket = [&](float p) {  // the best's e^0 may pass 1 by a rounding
+    return std::min<size_t>(std::bit_cast<uint32_t>(p) >> kShift, bucket_mass.size() - 1);
+  };
+  for (size_t i = 0; i < V; ++i) bucket_mass[bucket(prob[i])] += prob[i];
+  size_t first = 0;  // the lowest bucket kept
+  mass = 0;
+  for (size_t b = bucket_mass.size(); b-- > 0;)
+    if ((mass += bucket_mass[b]) >= target * (1 + 1e-6)) {
+      first = b;
+      break;
+    }
+  cand.clear();
+  for (size_t i = 0; i < V; ++i)
+    if (bucket(prob[i]) >= first) cand.push_back({work[i], int(i)});
 }
 
 // The k best (logit, id) pairs of the row by `better`, in cand in no order (k ≤ V): one

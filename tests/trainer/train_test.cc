@@ -159,6 +159,37 @@ TEST(Train, ResumeWithChangedOptionsNamesThem) {
       << said;
 }
 
+// A stop asked for during an evaluation ends the run at that step, saved: it trained one more
+// step, evaluated again and only then saved (twice the evaluation's time past the signal). One
+// asked for during a save ends it there, the save being the run's last.
+TEST(Train, AStopDuringAnEvaluationOrASaveEndsTheRunThere) {
+  for (const bool during_save : {false, true}) {
+    TrainOptions o = tiny_options(fresh_dir());  // 12 steps, an evaluation every 6
+    if (during_save) o.save_every = 4, o.eval_every = 100;
+    int evaluations = 0, saves = 0, asked = 0;
+    int64_t last_step = 0;
+    TrainCallbacks cb;
+    cb.on_step = [&](const StepMetrics& m) { return last_step = m.step, true; };
+    cb.on_eval = [&](const EvalMetrics&) { ++evaluations; };
+    cb.on_save = [&](int64_t, const std::string&) { ++saves; };
+    cb.stop_after = [&](int64_t step, bool saved) {
+      ++asked;
+      return saved == during_save && step == (during_save ? 4 : 6);
+    };
+    auto summary = train(o, cb);
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    EXPECT_EQ(summary->step, during_save ? 4 : 6) << during_save;
+    EXPECT_EQ(last_step, summary->step) << "no step after the stop";
+    EXPECT_FALSE(summary->finished);
+    EXPECT_EQ(evaluations, during_save ? 0 : 1) << during_save;
+    EXPECT_EQ(saves, 1) << during_save;
+    EXPECT_GE(asked, 1);
+    std::string text, error;
+    ASSERT_TRUE(read_file(o.out_dir + "/" + kTrainerStateFile, &text, &error)) << error;
+    EXPECT_EQ(nlohmann::json::parse(text)["step"], summary->step) << during_save;
+  }
+}
+
 // With --threads 0 the count comes from OMP_NUM_THREADS or the CPUs, so the same flags on another
 // machine run on another count, whose products split their sums otherwise: the state saves the
 // count the run had, and a resume on another says that it is no longer bit-exact. (The count is
@@ -1376,6 +1407,32 @@ TEST(TrainCli, DataInsideTheCacheIsNamedAsSuch) {
   EXPECT_EQ(rc, 1);
   EXPECT_NE(err.find("'" + o.data[0] + "' lies inside --cache '" + corpus + "'"), std::string::npos)
       << err;
+}
+
+// A --cache that is another checkpoint, or a folder inside one, is refused before anything is
+// written: the run replaced that checkpoint's tokenizer.model (its weights then read other ids)
+// and left its cache files there, so the checkpoint could not be resumed.
+TEST(TrainCli, ACacheInAnotherCheckpointIsRefused) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  ASSERT_FALSE(one_step_run(o).empty());
+  const std::string tokenizer = o.out_dir + "/" + kTokenizerFile;
+  std::string before, after, error;
+  ASSERT_TRUE(read_file(tokenizer, &before, &error)) << error;
+  for (const std::string& cache : {o.out_dir, o.out_dir + "/sub"}) {
+    const auto [rc, err] =
+        cli({"--config", o.config_path, "--data", o.data[0], "--out", dir + "/second", "--cache",
+             cache, "--vocab-size", "300", "--seq-len", "24", "--threads", "1", "--steps", "1"});
+    EXPECT_EQ(rc, 1) << cache;
+    EXPECT_NE(err.find("--cache '" + cache + "' is "), std::string::npos) << err;
+    EXPECT_NE(err.find("a checkpoint directory, which holds its own files alone"),
+              std::string::npos)
+        << err;
+  }
+  ASSERT_TRUE(read_file(tokenizer, &after, &error)) << error;
+  EXPECT_EQ(after, before);
+  EXPECT_FALSE(fs::exists(o.out_dir + "/" + kTokenCacheFile));
+  EXPECT_FALSE(fs::exists(o.out_dir + "/sub"));
 }
 
 // A trainer_state.json far larger than any (a damaged file) is refused without reading it whole.

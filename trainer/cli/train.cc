@@ -385,6 +385,11 @@ int cmd_train(int argc, char** argv) {
   cb.stop_before_training = [](bool last) {
     return ((last ? g_state.fetch_or(kTraining) : g_state.load()) & kStopAsked) != 0;
   };
+  cb.stop_after = [&](int64_t step, bool saved) {
+    if (g_stop_signal)
+      progress.line(absl::StrCat("interrupted: ", saved ? "saved" : "saving", " at step ", step));
+    return g_stop_signal != 0;
+  };
   cb.on_eval = [&](const EvalMetrics& e) { progress.line(eval_text(e)); };
   cb.on_save = [&](int64_t step, const std::string& dir) {
     progress.line(absl::StrCat("saved ", dir, " at step ", step));

@@ -342,6 +342,20 @@ absl::Status Trainer::check_out_and_cache_paths() const {
               : ": give a --cache outside it, or another --out (the default --cache is "
                 "'<out>.cache')"));
   }
+  // Nor any other checkpoint, or a folder inside one: the cache's tokenizer.model replaced its
+  // tokenizer (its weights then read other ids), and its files left a directory no run could
+  // save or resume into.
+  for (fs::path dir = cache; !dir.empty(); dir = dir.parent_path()) {
+    auto has = [&](const char* name) { return fs::exists(dir / name, ec); };
+    if ((has(kConfigFile) && has(kWeightsFile)) || has(kTrainerStateFile))
+      return absl::InvalidArgumentError(absl::StrCat(
+          o_.cache_dir.empty() ? "the default --cache '" : "--cache '", cache_path().string(),
+          "' is ", dir == cache ? "" : absl::StrCat("inside '", dir.string(), "', "),
+          "a checkpoint directory, which holds its own files alone (its tokenizer.model would be "
+          "replaced, and its weights would read other ids): choose a --cache outside any "
+          "checkpoint"));
+    if (dir == dir.root_path()) break;
+  }
   return absl::OkStatus();
 }
 
@@ -1006,15 +1020,22 @@ absl::StatusOr<TrainSummary> Trainer::run() {
         stop = true;
       }
     }
-    const bool last = stop || step_ == o_.steps;
-    if (!evaluated && (step_ % o_.eval_every == 0 || last)) CEMLM_RETURN_IF_ERROR(run_eval());
-    if (step_ % o_.save_every == 0 || last) {
+    if (!evaluated && (stop || step_ == o_.steps || step_ % o_.eval_every == 0))
+      CEMLM_RETURN_IF_ERROR(run_eval());
+    // A stop asked for during the evaluation (a minute or more on a large validation set) ends
+    // the run here, saved: it trained one more step and evaluated again before saving.
+    auto stop_after = [&](bool saved) {
+      return !stop && step_ < o_.steps && cb_.stop_after && cb_.stop_after(step_, saved);
+    };
+    if (evaluated && stop_after(false)) stop = true;
+    if (step_ % o_.save_every == 0 || stop || step_ == o_.steps) {
       const Clock::time_point s0 = Clock::now();
       // A save between evaluations checks one batch of validation windows (a step's forward at
       // each depth), so that weights ruined since the last evaluation are not saved either.
       if (!evaluated) CEMLM_RETURN_IF_ERROR(finite_eval(evaluate(o_.batch_size)));
       CEMLM_RETURN_IF_ERROR(save());
       budget.save_s = seconds_since(s0);
+      if (stop_after(true)) stop = true;  // asked for during the save: the run is saved
     }
   }
   if (steps_run_ == 0 && step_ >= o_.steps)

@@ -112,6 +112,10 @@ struct TrainCallbacks {
   // and once more right before the first step (`last` true): true ends the run there, with
   // nothing trained or saved. A stop asked for after the last check is on_step's.
   std::function<bool(bool last)> stop_before_training;
+  // Asked after an evaluation or a save at `step` (`saved`: a save just ended): true stops the
+  // run there, saving it first if it was not, instead of training one more step (and evaluating
+  // again) before on_step could stop it.
+  std::function<bool(int64_t step, bool saved)> stop_after;
   std::function<void(const EvalMetrics&)> on_eval;
   std::function<void(int64_t step, const std::string& dir)> on_save;
 };

@@ -67,6 +67,12 @@ int cmd_init(int argc, char** argv) {
     return 1;
   }
 
+  // A training run saving into --out would replace these weights at its next save.
+  if (absl::Status st = check_checkpoint_unlocked(out_dir, "--out"); !st.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(st.message()).c_str());
+    return 1;
+  }
+
   auto config = load_config(config_path);
   if (!config.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(config.status().message()).c_str());

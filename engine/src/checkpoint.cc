@@ -4,6 +4,7 @@
 #include "cemlm/engine/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -269,6 +270,30 @@ fs::path checkpoint_target_path(const std::string& dir) {
     if (!target.has_filename()) target = target.parent_path();
   }
   return target;
+}
+
+fs::path checkpoint_lock_path(const std::string& dir) {
+  const fs::path target = checkpoint_target_path(dir);
+  return target.parent_path() / ("." + target.filename().string() + ".lock");
+}
+
+absl::Status check_checkpoint_unlocked(const std::string& dir, std::string_view flag) {
+  const fs::path lock = checkpoint_lock_path(dir);
+  const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::OkStatus();  // no run ever locked it (or none can be seen)
+  const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  char pid[32] = {};
+  const ssize_t n = held ? ::pread(fd, pid, sizeof(pid) - 1, 0) : 0;
+  ::close(fd);  // and with it the shared lock, when it was taken
+  if (!held) return absl::OkStatus();
+  const std::string f(flag);
+  return absl::FailedPreconditionError(absl::StrCat(
+      f, " '", dir, "' is in use: a cemlm train run",
+      n > 0 ? absl::StrCat(" (pid ", std::string(pid, size_t(n)), ")") : "", " holds its lock '",
+      lock.string(),
+      "' and its next save would replace what is written there; wait for that run to end, or "
+      "choose another ",
+      f));
 }
 
 absl::Status check_checkpoint_target(const std::string& dir) {

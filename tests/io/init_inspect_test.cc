@@ -1,7 +1,10 @@
 // `cemlm init` and `cemlm inspect` through their entry points: flags, exit codes, a loadable
 // and seed-deterministic checkpoint, and inspect's counts against count_params.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <string>
@@ -95,6 +98,32 @@ TEST(InitCommand, AnExistingCheckpointIsReplacedOnlyWithForce) {
             std::string::npos)
       << err;
   EXPECT_EQ(read_bytes(out + "/model.safetensors"), weights);
+  ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", out, "--seed", "6", "--force"}), 0);
+  EXPECT_NE(read_bytes(out + "/model.safetensors"), weights);
+}
+
+// While a training run holds --out's lock, init --force is refused naming the run: its next save
+// would replace the new weights (init wrote them and exited 0). The lock released, it replaces.
+TEST(InitCommand, ACheckpointATrainingRunHoldsIsNotReplaced) {
+  const std::string dir = fresh_dir(), cfg = dir + "/config.json", out = dir + "/run";
+  write_bytes(cfg, kConfig);
+  ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", out, "--seed", "5"}), 0);
+  const std::string weights = read_bytes(out + "/model.safetensors");
+  const std::string lock = dir + "/.run.lock";
+  EXPECT_EQ(checkpoint_lock_path(out + "/").string(), lock);
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);  // as a run holds it
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  ASSERT_EQ(::write(fd, "4242", 4), 4);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", out, "--seed", "6", "--force"}), 1);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("--out '" + out +
+                     "' is in use: a cemlm train run (pid 4242) holds its lock '" + lock + "'"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(read_bytes(out + "/model.safetensors"), weights);
+  ::close(fd);
   ASSERT_EQ(run(cli::cmd_init, {"--config", cfg, "--out", out, "--seed", "6", "--force"}), 0);
   EXPECT_NE(read_bytes(out + "/model.safetensors"), weights);
 }

@@ -377,8 +377,7 @@ absl::Status Trainer::check_out_is_new() const {
 
 absl::Status Trainer::lock_out() {
   CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", create_checkpoint_parent(o_.out_dir)));
-  const fs::path out = out_path();
-  const fs::path lock = out.parent_path() / ("." + out.filename().string() + ".lock");
+  const fs::path lock = checkpoint_lock_path(o_.out_dir);
   lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (lock_fd_ < 0)
     return absl::UnavailableError(absl::StrCat("--out: cannot open the lock file '", lock.string(),

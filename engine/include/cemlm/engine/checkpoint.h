@@ -67,6 +67,14 @@ using ExtraFilesWriter = std::function<absl::Status(const std::string& tmp_dir)>
 // followed, so the link keeps pointing at the new checkpoint.
 std::filesystem::path checkpoint_target_path(const std::string& dir);
 
+// The lock file a training run holds on `dir` while it runs: ".NAME.lock" beside the directory
+// checkpoint_target_path gives.
+std::filesystem::path checkpoint_lock_path(const std::string& dir);
+// FAILED_PRECONDITION naming `flag`, the lock and its holder's pid while a process holds `dir`'s
+// lock (a training run, whose next save would replace what is written there); OK when none does.
+// Creates no lock file.
+absl::Status check_checkpoint_unlocked(const std::string& dir, std::string_view flag);
+
 // Whether save_checkpoint may write `dir`: absent, empty, or a checkpoint directory (config.json,
 // and nothing but kCheckpointFiles), with a writable parent (or, when that is absent, a writable
 // nearest ancestor: save_checkpoint creates the rest). Creates nothing. A trainer asks before

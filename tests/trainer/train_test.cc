@@ -1435,6 +1435,23 @@ TEST(TrainCli, ACacheInAnotherCheckpointIsRefused) {
   EXPECT_FALSE(fs::exists(o.out_dir + "/sub"));
 }
 
+// A --tokenizer that is missing or no SentencePiece model is refused before --out's folders and
+// lock file are made (they were left behind, an empty tree beside a failed run).
+TEST(TrainCli, ATokenizerThatDoesNotLoadLeavesNothingBehind) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  testing_trainer::write_file(dir + "/not-a-model", "plain text, not a SentencePiece model\n");
+  for (const std::string& tok : {dir + "/missing.model", dir + "/not-a-model"}) {
+    const auto [rc, err] =
+        cli({"--config", o.config_path, "--data", o.data[0], "--out", dir + "/nest/run",
+             "--tokenizer", tok, "--seq-len", "24", "--threads", "1", "--steps", "1"});
+    EXPECT_EQ(rc, 1) << tok;
+    EXPECT_NE(err.find("--tokenizer: "), std::string::npos) << err;
+    EXPECT_NE(err.find(tok), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(dir + "/nest")) << tok;
+  }
+}
+
 // A trainer_state.json far larger than any (a damaged file) is refused without reading it whole.
 TEST(TrainCli, AHugeTrainerStateIsRefusedUnread) {
   const std::string dir = fresh_dir();

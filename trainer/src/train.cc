@@ -955,6 +955,10 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   CEMLM_RETURN_IF_ERROR(load_model());
   CEMLM_RETURN_IF_ERROR(check_against_model());
   CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus, list_data());
+  // A --tokenizer that does not load is refused before --out's folders and lock are made (set_up
+  // loads it again, the one kept).
+  if (std::string error; !o_.tokenizer_path.empty() && !Tokenizer::load(o_.tokenizer_path, &error))
+    return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
   if (lock_fd_ < 0) {
     CEMLM_RETURN_IF_ERROR(lock_out());
     // Again under the lock: a run on the same --out that ended while the data was listed (seconds

@@ -1452,6 +1452,27 @@ TEST(TrainCli, ATokenizerThatDoesNotLoadLeavesNothingBehind) {
   }
 }
 
+// --resume with --vocab-size and --cache given as the run has them in effect (the model's own
+// vocabulary where the run saved 0, the default '<out>.cache' named) is no change: no note that
+// the options differ, and the state keeps them as saved.
+TEST(TrainCli, ResumeWithTheRunsOwnVocabularyAndCacheChangesNothing) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  const std::string state = one_step_run(o);
+  ASSERT_FALSE(state.empty());
+  const auto model = load_checkpoint_config(o.out_dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const auto [rc, err] = cli({"--out", o.out_dir, "--resume", "--steps", "2", "--vocab-size",
+                              std::to_string(model->vocab_size), "--cache", o.out_dir + ".cache/"});
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_EQ(err.find("differ"), std::string::npos) << err;
+  std::string text, error;
+  ASSERT_TRUE(read_file(state, &text, &error)) << error;
+  const nlohmann::json saved = nlohmann::json::parse(text)["options"];
+  EXPECT_EQ(saved["vocab_size"], 0) << saved;
+  EXPECT_EQ(saved["cache"], "") << saved;
+}
+
 // A trainer_state.json far larger than any (a damaged file) is refused without reading it whole.
 TEST(TrainCli, AHugeTrainerStateIsRefusedUnread) {
   const std::string dir = fresh_dir();

@@ -293,6 +293,15 @@ int options_from_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
                      flag);
         return 2;
       }
+    // Given again as the run has them in effect, they are the run's: kept as saved (they were
+    // said to differ, and saved as changed: --vocab-size N where the run saved 0 for the model's
+    // own N; --cache naming the default '<out>.cache').
+    o.vocab_size = saved->vocab_size;
+    auto cache_of = [&](const TrainOptions& r) {
+      return r.cache_dir.empty() ? checkpoint_target_path(out_dir).string() + ".cache"
+                                 : r.cache_dir;
+    };
+    if (same_path(cache_of(o), cache_of(*saved))) o.cache_dir = saved->cache_dir;
     // Fewer steps than the run did cannot be trained to (as many: it says so and ends, exit 0).
     if (given("--steps", argc, argv) && o.steps < done) {
       std::fprintf(stderr,

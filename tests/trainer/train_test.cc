@@ -1279,8 +1279,16 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   ASSERT_TRUE(saved.ok());
   EXPECT_EQ(saved->steps, 5);
   EXPECT_EQ(saved->lr, 0.005);
-  // --min-lr left out: a tenth of --lr (a fixed 3e-4 before, which refused `--lr 1e-4` alone).
+  // --min-lr left out: a tenth of --lr (a fixed 3e-4 before, which refused `--lr 1e-4` alone),
+  // as written in decimal: 0.003 / 10 was 0.00030000000000000003, quoted so in messages.
   EXPECT_DOUBLE_EQ(saved->min_lr, 0.0005);
+  const auto [lr_rc, lr_err] =
+      cli({"--config", o.config_path, "--data", o.data[0], "--out", dir + "/lr3", "--lr", "0.003",
+           "--batch-size", "4", "--seq-len", "24", "--threads", "1", "--steps", "1"});
+  ASSERT_EQ(lr_rc, 0) << lr_err;
+  auto lr3 = load_run_options(dir + "/lr3");
+  ASSERT_TRUE(lr3.ok()) << lr3.status();
+  EXPECT_EQ(lr3->min_lr, 0.0003);
   EXPECT_EQ(saved->seq_len, 24);
   auto log = MetricsLog::parse(
       [&] {

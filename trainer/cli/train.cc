@@ -149,7 +149,8 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   if (!t.data.empty()) o.data = t.data;
   // A tenth of --lr, as the defaults are: `--lr 1e-4` alone was refused for the fixed 3e-4.
   // (A resumed run keeps its own, as every option not given again.)
-  if (!o.resume && !f.given("min-lr")) o.min_lr = o.lr / 10;
+  // To 15 digits: --lr 0.003 / 10 is 0.00030000000000000003 in binary, which messages quoted.
+  if (!o.resume && !f.given("min-lr")) o.min_lr = std::stod(absl::StrFormat("%.15g", o.lr / 10));
   return -1;
 }
 

@@ -272,9 +272,12 @@ fs::path checkpoint_target_path(const std::string& dir) {
   return target;
 }
 
-fs::path checkpoint_lock_path(const std::string& dir) {
-  const fs::path target = checkpoint_target_path(dir);
+fs::path lock_path_of(const fs::path& target) {
   return target.parent_path() / ("." + target.filename().string() + ".lock");
+}
+
+fs::path checkpoint_lock_path(const std::string& dir) {
+  return lock_path_of(checkpoint_target_path(dir));
 }
 
 absl::Status check_checkpoint_unlocked(const std::string& dir, std::string_view flag) {

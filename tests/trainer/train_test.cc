@@ -1289,6 +1289,12 @@ TEST(TrainCli, ResumeKeepsTheSavedOptionsAndAppliesOnlyTheFlagsGiven) {
   auto lr3 = load_run_options(dir + "/lr3");
   ASSERT_TRUE(lr3.ok()) << lr3.status();
   EXPECT_EQ(lr3->min_lr, 0.0003);
+  // A tenth of a tiny --lr is below a double's normal range: refused by name (the rounding's
+  // std::stod threw, and the process aborted).
+  const auto [tiny_rc, tiny_err] = cli({"--config", o.config_path, "--data", o.data[0], "--out",
+                                        dir + "/tiny", "--lr", "1e-308", "--steps", "1"});
+  EXPECT_NE(tiny_rc, 0);
+  EXPECT_NE(tiny_err.find("--lr 1e-308 is too small"), std::string::npos) << tiny_err;
   EXPECT_EQ(saved->seq_len, 24);
   auto log = MetricsLog::parse(
       [&] {
@@ -1479,6 +1485,24 @@ TEST(TrainCli, ResumeWithTheRunsOwnVocabularyAndCacheChangesNothing) {
   const nlohmann::json saved = nlohmann::json::parse(text)["options"];
   EXPECT_EQ(saved["vocab_size"], 0) << saved;
   EXPECT_EQ(saved["cache"], "") << saved;
+}
+
+// A run started with --tokenizer FILE resumes from its checkpoint's own tokenizer.model: the file
+// may be gone since (moved, or the run copied to another machine), and was refused as a
+// --tokenizer that does not load.
+TEST(TrainCli, ResumeNeedsNotTheTokenizerFileTheRunStartedWith) {
+  const std::string dir = fresh_dir();
+  const TrainOptions o = tiny_options(dir);
+  ASSERT_FALSE(one_step_run(o).empty());
+  const std::string tok = dir + "/tok.model", out = dir + "/second";
+  fs::copy_file(o.out_dir + "/" + kTokenizerFile, tok);
+  auto [rc, err] =
+      cli({"--config", o.config_path, "--data", o.data[0], "--out", out, "--tokenizer", tok,
+           "--batch-size", "4", "--seq-len", "24", "--threads", "1", "--steps", "1"});
+  ASSERT_EQ(rc, 0) << err;
+  fs::remove(tok);
+  std::tie(rc, err) = cli({"--out", out, "--resume", "--steps", "2"});
+  EXPECT_EQ(rc, 0) << err;
 }
 
 // A trainer_state.json far larger than any (a damaged file) is refused without reading it whole.

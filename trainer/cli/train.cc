@@ -10,6 +10,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -150,7 +151,10 @@ int parse_flags(int argc, char** argv, TrainOptions& o, FlagText& t) {
   // A tenth of --lr, as the defaults are: `--lr 1e-4` alone was refused for the fixed 3e-4.
   // (A resumed run keeps its own, as every option not given again.)
   // To 15 digits: --lr 0.003 / 10 is 0.00030000000000000003 in binary, which messages quoted.
-  if (!o.resume && !f.given("min-lr")) o.min_lr = std::stod(absl::StrFormat("%.15g", o.lr / 10));
+  // (strtod, which does not throw: a tenth of a tiny --lr may be below a double's normal range,
+  // which validation then refuses by name.)
+  if (!o.resume && !f.given("min-lr"))
+    o.min_lr = std::strtod(absl::StrFormat("%.15g", o.lr / 10).c_str(), nullptr);
   return -1;
 }
 

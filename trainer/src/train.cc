@@ -377,7 +377,7 @@ absl::Status Trainer::check_out_is_new() const {
 
 absl::Status Trainer::lock_out() {
   CEMLM_RETURN_IF_ERROR(with_prefix("--out: ", create_checkpoint_parent(o_.out_dir)));
-  const fs::path lock = checkpoint_lock_path(o_.out_dir);
+  const fs::path lock = lock_path_of(out_path());  // out_, resolved once: where the saves go
   lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (lock_fd_ < 0)
     return absl::UnavailableError(absl::StrCat("--out: cannot open the lock file '", lock.string(),
@@ -956,8 +956,10 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   CEMLM_RETURN_IF_ERROR(check_against_model());
   CEMLM_ASSIGN_OR_RETURN(const CorpusFiles corpus, list_data());
   // A --tokenizer that does not load is refused before --out's folders and lock are made (set_up
-  // loads it again, the one kept).
-  if (std::string error; !o_.tokenizer_path.empty() && !Tokenizer::load(o_.tokenizer_path, &error))
+  // loads it again, the one kept). A resumed run, or an --init checkpoint with its own, uses the
+  // checkpoint's: the file the run started with may be gone.
+  if (std::string error; tokenizer_path_.empty() && !o_.tokenizer_path.empty() &&
+                         !Tokenizer::load(o_.tokenizer_path, &error))
     return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", error));
   if (lock_fd_ < 0) {
     CEMLM_RETURN_IF_ERROR(lock_out());

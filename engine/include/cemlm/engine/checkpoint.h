@@ -68,8 +68,9 @@ using ExtraFilesWriter = std::function<absl::Status(const std::string& tmp_dir)>
 std::filesystem::path checkpoint_target_path(const std::string& dir);
 
 // The lock file a training run holds on `dir` while it runs: ".NAME.lock" beside the directory
-// checkpoint_target_path gives.
+// checkpoint_target_path gives (lock_path_of that directory).
 std::filesystem::path checkpoint_lock_path(const std::string& dir);
+std::filesystem::path lock_path_of(const std::filesystem::path& target);
 // FAILED_PRECONDITION naming `flag`, the lock and its holder's pid while a process holds `dir`'s
 // lock (a training run, whose next save would replace what is written there); OK when none does.
 // Creates no lock file.

@@ -163,9 +163,11 @@ TEST(Train, ResumeWithChangedOptionsNamesThem) {
 // step, evaluated again and only then saved (twice the evaluation's time past the signal). One
 // asked for during a save ends it there, the save being the run's last.
 TEST(Train, AStopDuringAnEvaluationOrASaveEndsTheRunThere) {
-  for (const bool during_save : {false, true}) {
+  // During an evaluation (on a step that saves as well, and on one that does not), and a save.
+  for (const auto [during_save, save_every] : {std::pair{false, 100}, {false, 6}, {true, 4}}) {
     TrainOptions o = tiny_options(fresh_dir());  // 12 steps, an evaluation every 6
-    if (during_save) o.save_every = 4, o.eval_every = 100;
+    o.save_every = save_every;
+    if (during_save) o.eval_every = 100;
     int evaluations = 0, saves = 0, asked = 0;
     int64_t last_step = 0;
     TrainCallbacks cb;
@@ -182,7 +184,7 @@ TEST(Train, AStopDuringAnEvaluationOrASaveEndsTheRunThere) {
     EXPECT_EQ(last_step, summary->step) << "no step after the stop";
     EXPECT_FALSE(summary->finished);
     EXPECT_EQ(evaluations, during_save ? 0 : 1) << during_save;
-    EXPECT_EQ(saves, 1) << during_save;
+    EXPECT_EQ(saves, 1) << during_save << " " << save_every;  // one, the stop's
     EXPECT_GE(asked, 1);
     std::string text, error;
     ASSERT_TRUE(read_file(o.out_dir + "/" + kTrainerStateFile, &text, &error)) << error;

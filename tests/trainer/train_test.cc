@@ -1449,6 +1449,14 @@ TEST(TrainCli, ACacheInAnotherCheckpointIsRefused) {
   EXPECT_EQ(after, before);
   EXPECT_FALSE(fs::exists(o.out_dir + "/" + kTokenCacheFile));
   EXPECT_FALSE(fs::exists(o.out_dir + "/sub"));
+  // Another program's model folder (a config.json that is no cemlm config beside weights) is no
+  // checkpoint of ours: a cache inside it is fine.
+  testing_trainer::write_file(dir + "/hf/config.json", "{\"model_type\": \"llama\"}\n");
+  testing_trainer::write_file(dir + "/hf/model.safetensors", "weights");
+  const auto [rc, err] = cli({"--config", o.config_path, "--data", o.data[0], "--out",
+                              dir + "/third", "--cache", dir + "/hf/cache", "--batch-size", "4",
+                              "--seq-len", "24", "--threads", "1", "--steps", "1"});
+  EXPECT_EQ(rc, 0) << err;
 }
 
 // A --tokenizer that is missing or no SentencePiece model is refused before --out's folders and

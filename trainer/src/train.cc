@@ -344,10 +344,10 @@ absl::Status Trainer::check_out_and_cache_paths() const {
   }
   // Nor any other checkpoint, or a folder inside one: the cache's tokenizer.model replaced its
   // tokenizer (its weights then read other ids), and its files left a directory no run could
-  // save or resume into.
+  // save or resume into. A cemlm checkpoint's config.json, not any (a Hugging Face model folder
+  // holds a config.json and a model.safetensors too).
   for (fs::path dir = cache; !dir.empty(); dir = dir.parent_path()) {
-    auto has = [&](const char* name) { return fs::exists(dir / name, ec); };
-    if ((has(kConfigFile) && has(kWeightsFile)) || has(kTrainerStateFile))
+    if (fs::exists(dir / kWeightsFile, ec) && load_checkpoint_config(dir.string()).ok())
       return absl::InvalidArgumentError(absl::StrCat(
           o_.cache_dir.empty() ? "the default --cache '" : "--cache '", cache_path().string(),
           "' is ", dir == cache ? "" : absl::StrCat("inside '", dir.string(), "', "),

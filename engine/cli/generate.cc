@@ -124,6 +124,10 @@ int cmd_generate(int argc, char** argv) {
     return usage_error("give exactly one of --prompt and --prompt-ids (see --help)");
   if (no_bos && f.given("prompt-ids"))
     return usage_error("--no-bos applies to --prompt only: --prompt-ids are used as given");
+  if (no_bos && f.given("prompt") && prompt.empty())  // as `cemlm client generate` refuses it
+    return usage_error(
+        "--prompt is empty and --no-bos leaves out the BOS: nothing to generate from; give a "
+        "prompt");
 
   if (top_logprobs > 0 && !json)
     return usage_error("--top-logprobs needs --json: the streamed text has no place for them");

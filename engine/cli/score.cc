@@ -48,13 +48,19 @@ int cmd_score(int argc, char** argv) {
     return usage_error("give exactly one of --text and --ids (see --help)");
   if (no_bos && f.given("ids"))
     return usage_error("--no-bos applies to --text only: --ids are used as given");
+  if (f.given("text") && text.empty())  // as `cemlm client score` refuses it
+    return usage_error("--text is empty; give a text to score, or its ids as --ids");
   if (size_t valid = utf8_valid_prefix(text); valid != text.size())  // before the model loads
     return usage_error("--text is not valid UTF-8 (bad byte at offset " + std::to_string(valid) +
                        ")");
   std::vector<int> ids;
-  if (f.given("ids"))
+  if (f.given("ids")) {
     if (const std::string error = id_list_flag("--ids", ids_text, &ids); !error.empty())
       return usage_error(error);
+    if (ids.size() < 2)  // the first token is not scored: nothing would be
+      return usage_error("--ids: need at least 2 tokens to score (got " +
+                         std::to_string(ids.size()) + ")");
+  }
   if (const std::string error = recursion_flag_error(T); !error.empty()) return usage_error(error);
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
@@ -77,14 +83,22 @@ int cmd_score(int argc, char** argv) {
     if (!encoded) return fail("--text: " + err + "; use --ids");
     ids = *std::move(encoded);
   }
-  if (ids.size() < 2) return fail("need at least 2 tokens to score (got " + std::to_string(ids.size()) + ")");
+  // The count names where the tokens came from (with the BOS --text starts with, as generate's).
+  const std::string input = f.given("ids") ? "--ids"
+                            : no_bos       ? "--text (as tokens)"
+                                           : "--text (as tokens, BOS included)";
+  if (ids.size() < 2)
+    return fail(input + " has " + std::to_string(ids.size()) +
+                (ids.size() == 1 ? " token" : " tokens") +
+                "; need at least 2 to score (the first is not scored): give a longer text");
   if (int(ids.size()) > c.max_seq_len)
-    return fail("input has " + std::to_string(ids.size()) + " tokens; the model's max_seq_len is " +
-                std::to_string(c.max_seq_len));
+    return fail(input + " has " + std::to_string(ids.size()) +
+                " tokens; the model's max_seq_len is " + std::to_string(c.max_seq_len) +
+                (f.given("ids") ? ": give fewer ids" : ": score a shorter text"));
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= c.vocab_size)
-      return fail("token id " + std::to_string(ids[i]) + " at index " + std::to_string(i) +
-                  " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
+      return fail("--ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                  " is not a token id in [0, " + std::to_string(c.vocab_size) + ")");
   if (absl::Status st = check_recursion_depth(c, T, "--recursion"); !st.ok())
     return fail(std::string(st.message()));
   if (T == 0) T = c.recursion_default;

@@ -278,6 +278,42 @@ TEST_F(GenerateCli, ScoreRefusesATextNotUtf8BeforeTheModelLoads) {
   EXPECT_EQ(err.find("no-such-model"), std::string::npos) << err;
 }
 
+// What `cemlm score` cannot score names the flag it came from; an empty --text, or one id, is a
+// usage error before the model loads, as `cemlm client score` refuses them (they exited 1 with
+// "need at least 2 tokens to score", which named no flag).
+TEST_F(GenerateCli, ScoreRefusesTooFewOrTooManyTokensNamingTheFlag) {
+  std::string sixty_five = "3";
+  for (int i = 1; i < 65; ++i) sixty_five += ",3";
+  const struct {
+    std::vector<std::string> args;
+    std::string message;
+    int rc;
+  } cases[] = {
+      {{"--model", dir_ + "/no-such-model", "--text", ""},
+       "--text is empty; give a text to score, or its ids as --ids",
+       2},
+      {{"--model", dir_ + "/no-such-model", "--ids", "7"},
+       "--ids: need at least 2 tokens to score (got 1)",
+       2},
+      {{"--model", dir_, "--ids", sixty_five},
+       "--ids has 65 tokens; the model's max_seq_len is 64: give fewer ids",
+       1},
+      {{"--model", dir_, "--ids", "3,61"}, "--ids[1] = 61 is not a token id in [0, 61)", 1},
+  };
+  for (auto c : cases) {
+    std::vector<char*> argv;
+    for (std::string& a : c.args) argv.push_back(a.data());
+    ::testing::internal::CaptureStdout();
+    ::testing::internal::CaptureStderr();
+    const int rc = cli::cmd_score(int(argv.size()), argv.data());
+    const std::string out = ::testing::internal::GetCapturedStdout();
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(rc, c.rc) << c.message << ": " << err;
+    EXPECT_EQ(out, "");
+    EXPECT_NE(err.find(c.message), std::string::npos) << err;
+  }
+}
+
 // `cemlm score` refuses a perplexity past a double's range, as the server's Score does: with the
 // head's weights ×1e30 the mean negative log-likelihood is ~1e30, and the perplexity was printed
 // as null (JSON has no inf) with exit 0.
@@ -531,6 +567,30 @@ TEST_F(GenerateCliText, ErrorsOnATextPromptSayTheCountIncludesBos) {
               std::string::npos)
         << err;
   }
+}
+
+// An empty --prompt without its BOS is nothing to generate from: a usage error before the model
+// loads, as `cemlm client generate` refuses it (it exited 1, after the load). Score's too few
+// tokens of a text say that they are its tokens.
+TEST_F(GenerateCliText, TooShortATextIsRefusedNamingTheFlag) {
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(run({"--model", ckpt_ + "/missing", "--prompt", "", "--no-bos"}), 2);
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("--prompt is empty and --no-bos leaves out the BOS: nothing to generate from"),
+            std::string::npos)
+      << err;
+  std::string error;
+  const auto tok = Tokenizer::load(ckpt_ + "/tokenizer.model", &error);
+  ASSERT_TRUE(tok) << error;
+  ASSERT_EQ(tok->encode("a", &error)->size(), 1u);  // the whole text is one piece
+  std::vector<std::string> args = {"--model", ckpt_, "--text", "a", "--no-bos"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(cli::cmd_score(int(argv.size()), argv.data()), 1);
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("--text (as tokens) has 1 token; need at least 2 to score"), std::string::npos)
+      << err;
 }
 
 TEST_F(GenerateCliText, StreamedTextKeepsNulBytes) {

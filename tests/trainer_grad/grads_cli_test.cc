@@ -100,11 +100,20 @@ struct BadCase {
   int rc = 1;                     // 2: a usage error, whatever the model
 };
 
+// "3,3,…": `n` ids.
+std::string ids_of_length(int n) {
+  std::string ids = "3";
+  for (int i = 1; i < n; ++i) ids += ",3";
+  return ids;
+}
+
 TEST_F(GradsCli, BadInputsAreRefusedByName) {
   const std::vector<BadCase> cases = {
       {{"--ids", "3,x,5"}, "--ids: expected comma-separated integers", 2},
-      {{"--ids", "3"}, "--ids"},
-      {{"--ids", "3,61"}, "--ids"},
+      // One id has no next token to score, whatever the model: a usage error (it exited 1).
+      {{"--ids", "3"}, "--ids: need at least 2 tokens (got 1)", 2},
+      {{"--ids", "3,61"}, "--ids[1] = 61 is not a token id in [0, 61)"},
+      {{"--ids", ids_of_length(65)}, "--ids has 65 tokens; the model's max_seq_len is 64"},
       {{"--ids", "3,-1"}, "--ids[1] = -1 is not a token id", 2},
       {{"--ids", "3,4", "--recursion", "5"},
        "--recursion = 5 exceeds the model's recursion.max = 4"},

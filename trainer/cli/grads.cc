@@ -27,15 +27,13 @@ int fail(const std::string& msg) {
 
 // Empty when the ids can be scored by the model, else what is wrong, naming the flag.
 std::string check_ids(const std::vector<int>& ids, const ModelConfig& c) {
-  if (ids.size() < 2)
-    return "--ids: need at least 2 tokens (got " + std::to_string(ids.size()) + ")";
   if (int(ids.size()) > c.max_seq_len)
-    return "--ids: " + std::to_string(ids.size()) + " tokens exceed the model's max_seq_len " +
-           std::to_string(c.max_seq_len);
+    return "--ids has " + std::to_string(ids.size()) + " tokens; the model's max_seq_len is " +
+           std::to_string(c.max_seq_len) + ": give fewer ids";
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= c.vocab_size)
-      return "--ids: token id " + std::to_string(ids[i]) + " at index " + std::to_string(i) +
-             " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")";
+      return "--ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
+             " is not a token id in [0, " + std::to_string(c.vocab_size) + ")";
   return "";
 }
 
@@ -77,6 +75,8 @@ int cmd_grads(int argc, char** argv) {
   std::vector<int> ids;
   if (const std::string error = id_list_flag("--ids", ids_text, &ids); !error.empty())
     return usage_error(error);
+  if (ids.size() < 2)  // the loss is over next tokens: one id has none
+    return usage_error("--ids: need at least 2 tokens (got " + std::to_string(ids.size()) + ")");
   if (const std::string error = recursion_flag_error(T); !error.empty()) return usage_error(error);
   // Checked before the forward and backward: a path they cannot take was refused only after. The
   // checkpoint's own files are not to be written (the weights were replaced by gradients).

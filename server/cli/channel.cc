@@ -50,6 +50,7 @@ bool valid_addr(const std::string& a) {
 }
 
 bool tls_channel = false;  // whether make_channel made a TLS channel (report_error's hints)
+const char* key_source = nullptr;  // where make_channel's key came from, if any (the same)
 
 // gRPC's own error lines ("E1206 … ssl_transport_security.cc:1501] Handshake failed …") said on
 // stderr what the call's status then says again, before cemlm's "error:" line: left out, unless
@@ -97,6 +98,7 @@ std::shared_ptr<grpc::Channel> make_channel(const ChannelFlags& f, bool own_conn
   if (!std::getenv("GRPC_VERBOSITY") && !std::getenv("GRPC_TRACE"))
     gpr_set_log_function(drop_grpc_line);
   tls_channel = !f.tls_ca.empty();
+  key_source = !f.api_key.empty() ? "--api-key" : api_key(f).empty() ? nullptr : "$CEMLM_API_KEY";
   grpc::ChannelArguments args;
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (f.keepalive > 0) {
@@ -152,6 +154,10 @@ int report_error(const grpc::Status& status, bool answered) {
       hint = " (the server's certificate is not signed by a --tls-ca certificate)";
     else if (m.find("keepalive watchdog timeout") != std::string::npos)
       hint = " (the server stopped answering: no reply to a ping within --keepalive seconds)";
+  } else if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+    hint = key_source ? std::string(" (the key sent, from ") + key_source +
+                            ", is not one the server takes: is it a line of its --api-key-file?)"
+                      : " (no key was sent: give one with --api-key, or in $CEMLM_API_KEY)";
   }
   std::fprintf(stderr, "error: %s: %s%s\n", server::grpc_code_name(status.error_code()).c_str(),
                in_flag_terms(m).c_str(), hint.c_str());

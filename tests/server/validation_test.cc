@@ -977,8 +977,20 @@ TEST(ServerAuth, ApiKeysGuardInferenceButNotHealth) {
                       &err_info),
             0);
   EXPECT_NE(err_info.find("UNAUTHENTICATED"), std::string::npos) << err_info;
+  // Its error says where the key came from, or that none was sent, and what gives one.
+  EXPECT_NE(err_info.find("(the key sent, from --api-key, is not one the server takes"),
+            std::string::npos)
+      << err_info;
+  ::setenv("CEMLM_API_KEY", "wrong", 1);
+  EXPECT_NE(run_cemlm({"client", "info", "--addr", server->addr()}, &out_info, &err_info), 0);
+  EXPECT_NE(err_info.find("(the key sent, from $CEMLM_API_KEY, is not one"), std::string::npos)
+      << err_info;
   ::unsetenv("CEMLM_API_KEY");
   EXPECT_NE(run_cemlm({"client", "info", "--addr", server->addr()}, &out_info, &err_info), 0);
+  EXPECT_NE(err_info.find("missing API key: send the metadata 'authorization: Bearer <key>' (no "
+                          "key was sent: give one with --api-key, or in $CEMLM_API_KEY)"),
+            std::string::npos)
+      << err_info;
   // An empty --api-key-file is a mistake, not "no keys"; so is an empty --tls-cert/--tls-key
   // (it served plaintext), host, metrics host or model name.
   std::string out;

@@ -68,6 +68,9 @@ int cmd_score(int argc, char** argv) {
       f.given("dump-logits") && !check_out_file("--dump-logits", dump, "logits.safetensors", false,
                                                 &err, checkpoint_file_paths(model)))
     return fail(err);
+  if (const std::string err = checkpoint_file_error("--dump-logits", dump);
+      f.given("dump-logits") && !err.empty())
+    return fail(err);
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));
   const ModelConfig& c = ck->config;

@@ -382,6 +382,19 @@ absl::Status save_checkpoint(const std::string& dir, const ModelConfig& config,
   return st;
 }
 
+std::string checkpoint_file_error(const std::string& flag, const std::string& path) {
+  std::error_code ec;
+  const fs::path file = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  if (ec ||
+      std::find(kCheckpointFiles.begin(), kCheckpointFiles.end(), file.filename().string()) ==
+          kCheckpointFiles.end() ||
+      !fs::exists(file.parent_path() / kConfigFile, ec))
+    return "";
+  return absl::StrCat(flag, " '", path, "' is a file of the checkpoint '",
+                      file.parent_path().string(),
+                      "': writing it would break that checkpoint; name another file");
+}
+
 std::vector<std::string> checkpoint_file_paths(const std::string& dir) {
   std::vector<std::string> paths;
   for (const std::string_view name : kCheckpointFiles)

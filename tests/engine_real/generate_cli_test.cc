@@ -314,6 +314,29 @@ TEST_F(GenerateCli, ScoreRefusesTooFewOrTooManyTokensNamingTheFlag) {
   }
 }
 
+// --dump-logits naming a file of another checkpoint is refused before the forward: written, it
+// replaced that checkpoint's weights with logits, and it no longer loaded.
+TEST_F(GenerateCli, ScoreDumpRefusesAnotherCheckpointsFile) {
+  const std::string other = testing_temp::fresh_dir("score_dump_other");
+  ParamStore store(cfg_);
+  testing_models::randomize(store, 4);
+  ASSERT_TRUE(save_checkpoint(other, cfg_, store).ok());
+  const std::string target = other + "/model.safetensors";
+  std::vector<std::string> args = {"--model", dir_, "--ids", "3,9,4", "--dump-logits", target};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int rc = cli::cmd_score(int(argv.size()), argv.data());
+  ::testing::internal::GetCapturedStdout();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(err.find("--dump-logits '" + target + "' is a file of the checkpoint"),
+            std::string::npos)
+      << err;
+  EXPECT_TRUE(load_checkpoint(other).ok());
+}
+
 // `cemlm score` refuses a perplexity past a double's range, as the server's Score does: with the
 // head's weights ×1e30 the mean negative log-likelihood is ~1e30, and the perplexity was printed
 // as null (JSON has no inf) with exit 0.

@@ -164,7 +164,7 @@ TEST(Train, ResumeWithChangedOptionsNamesThem) {
 // asked for during a save ends it there, the save being the run's last.
 TEST(Train, AStopDuringAnEvaluationOrASaveEndsTheRunThere) {
   // During an evaluation (on a step that saves as well, and on one that does not), and a save.
-  for (const auto [during_save, save_every] : {std::pair{false, 100}, {false, 6}, {true, 4}}) {
+  for (const auto& [during_save, save_every] : {std::pair{false, 100}, {false, 6}, {true, 4}}) {
     TrainOptions o = tiny_options(fresh_dir());  // 12 steps, an evaluation every 6
     o.save_every = save_every;
     if (during_save) o.eval_every = 100;

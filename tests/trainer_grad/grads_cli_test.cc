@@ -167,6 +167,21 @@ TEST_F(GradsCli, AnOutThatIsACheckpointFileIsRefused) {
   EXPECT_NE(err.find("is an input of this command"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(model_dir() + "/tokenizer.model"));
   EXPECT_TRUE(load_checkpoint(model_dir()).ok());
+  // Nor a file of another checkpoint, or a link to one: its weights were replaced by gradients,
+  // and that checkpoint no longer loaded.
+  const std::string other = (dir_ / "other").string();
+  ASSERT_TRUE(save_checkpoint(other, cfg_, params_).ok());
+  fs::create_symlink(other + "/model.safetensors", dir_ / "link.safetensors");
+  for (const std::string& target : {other + "/model.safetensors", other + "/trainer_state.json",
+                                    (dir_ / "link.safetensors").string()}) {
+    EXPECT_EQ(run({"--model", model_dir(), "--ids", "3,4", "--out", target}, &err), 1) << target;
+    EXPECT_NE(err.find("--out '" + target + "' is a file of the checkpoint '" + other +
+                       "': writing it would break that checkpoint"),
+              std::string::npos)
+        << err;
+  }
+  EXPECT_FALSE(fs::exists(other + "/trainer_state.json"));
+  EXPECT_TRUE(load_checkpoint(other).ok());
   // Another file there is no input: written again and again (the directory's listing was taken
   // for the inputs, so a second run refused the first one's output).
   const std::string beside = model_dir() + "/grads.safetensors";

@@ -83,6 +83,7 @@ int cmd_grads(int argc, char** argv) {
   if (std::string err;
       !check_out_file("--out", out, "grads.safetensors", false, &err, checkpoint_file_paths(model)))
     return fail(err);
+  if (const std::string err = checkpoint_file_error("--out", out); !err.empty()) return fail(err);
 
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));

@@ -38,6 +38,10 @@ inline constexpr std::array<std::string_view, 7> kCheckpointFiles = {
 // The paths of the files of kCheckpointFiles in directory `dir` (whether they exist or not): what
 // a command reading the checkpoint must not write over.
 std::vector<std::string> checkpoint_file_paths(const std::string& dir);
+// Empty when a command may write its output file `path`, else why not, naming `flag`: where it
+// resolves, it is one of kCheckpointFiles of a checkpoint directory (config.json beside it), any
+// checkpoint's, not only the command's input's (checkpoint_file_paths).
+std::string checkpoint_file_error(const std::string& flag, const std::string& path);
 
 struct Checkpoint {
   ModelConfig config;

@@ -90,9 +90,12 @@ int affinity_cpus() {
   return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-}  // namespace
-
-double cgroup_cpu_limit(const std::string& cgroup_root, const std::string& self_cgroup) {
+// The tightest of `v1` (on `controller`'s v1 hierarchy, mounted as one of `v1_mounts`) or `v2`
+// (the unified one) over this process's group and its ancestors; 0 when none applies.
+double cgroup_tightest(const std::string& cgroup_root, const std::string& self_cgroup,
+                       const std::string& controller, std::initializer_list<const char*> v1_mounts,
+                       const std::function<double(const fs::path&)>& v1,
+                       const std::function<double(const fs::path&)>& v2) {
   std::ifstream f(self_cgroup);
   std::string v2_path;
   for (std::string line; std::getline(f, line);) {
@@ -106,16 +109,82 @@ double cgroup_cpu_limit(const std::string& cgroup_root, const std::string& self_
     }
     std::istringstream list(controllers);
     for (std::string c; std::getline(list, c, ',');) {
-      if (c != "cpu") continue;
-      // v1 (or a hybrid system, whose cpu controller is on v1): mounted under its joint name.
-      for (const char* mount : {"cpu,cpuacct", "cpu"}) {
+      if (c != controller) continue;
+      // v1 (or a hybrid system, whose controller is on v1): mounted under its (joint) name.
+      for (const char* mount : v1_mounts) {
         std::error_code ec;
         if (fs::is_directory(fs::path(cgroup_root) / mount, ec))
-          return tightest(fs::path(cgroup_root) / mount, path, v1_limit);
+          return tightest(fs::path(cgroup_root) / mount, path, v1);
       }
     }
   }
-  return v2_path.empty() ? 0 : tightest(cgroup_root, v2_path, v2_limit);
+  return v2_path.empty() ? 0 : tightest(cgroup_root, v2_path, v2);
+}
+
+// A finite number >= 0, else -1.
+double nonnegative(const std::string& text) {
+  const double v = positive(text);
+  return v > 0 ? v : text == "0" ? 0 : -1;
+}
+
+// The first number after `key` on its line of `file` ("key N", "key:   N kB"), or -1.
+double keyed(const fs::path& file, std::string_view key) {
+  std::ifstream f(file);
+  for (std::string line; std::getline(f, line);) {
+    if (!line.starts_with(key) || line.size() <= key.size() ||
+        !absl::ascii_isspace(static_cast<unsigned char>(line[key.size()])))
+      continue;
+    std::istringstream in(line.substr(key.size()));
+    std::string number;
+    return in >> number ? nonnegative(number) : -1;
+  }
+  return -1;
+}
+
+// Room left under `limit` with `used` taken, `reclaimable` of it to be given back: 0 where there
+// is no limit (or it cannot be read); at least 1 byte where there is one.
+double room(double limit, double used, double reclaimable) {
+  if (!(limit > 0) || limit >= 0x1p62 || used < 0) return 0;
+  return std::max(1.0, limit - used + std::max(0.0, reclaimable));
+}
+
+// cgroup v2: room under memory.max ("max" for none) above memory.current, with the inactive file
+// pages of memory.stat, which the kernel reclaims before it ends a process (a corpus just read
+// sits there).
+double v2_memory_room(const fs::path& dir) {
+  const auto max = words(dir / "memory.max"), current = words(dir / "memory.current");
+  if (max.size() != 1 || current.size() != 1) return 0;
+  return room(positive(max[0]), nonnegative(current[0]),
+              keyed(dir / "memory.stat", "inactive_file"));
+}
+
+// cgroup v1: the same from memory.limit_in_bytes (a huge number for none), memory.usage_in_bytes
+// and total_inactive_file.
+double v1_memory_room(const fs::path& dir) {
+  const auto limit = words(dir / "memory.limit_in_bytes"),
+             usage = words(dir / "memory.usage_in_bytes");
+  if (limit.size() != 1 || usage.size() != 1) return 0;
+  return room(positive(limit[0]), nonnegative(usage[0]),
+              keyed(dir / "memory.stat", "total_inactive_file"));
+}
+
+}  // namespace
+
+double cgroup_cpu_limit(const std::string& cgroup_root, const std::string& self_cgroup) {
+  return cgroup_tightest(cgroup_root, self_cgroup, "cpu", {"cpu,cpuacct", "cpu"}, v1_limit,
+                         v2_limit);
+}
+
+int64_t available_memory_bytes(const std::string& cgroup_root, const std::string& self_cgroup,
+                               const std::string& meminfo) {
+  double best = -1;
+  // MemAvailable: the kernel's estimate of what can be allocated without swapping.
+  if (const double kib = keyed(meminfo, "MemAvailable:"); kib >= 0) best = kib * 1024;
+  if (const double r = cgroup_tightest(cgroup_root, self_cgroup, "memory", {"memory"},
+                                       v1_memory_room, v2_memory_room);
+      r > 0 && (best < 0 || r < best))
+    best = r;
+  return best < 0 ? -1 : int64_t(std::min(best, 0x1p62));
 }
 
 namespace {

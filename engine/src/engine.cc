@@ -19,7 +19,6 @@
 #include <condition_variable>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <future>
 #include <limits>
@@ -31,11 +30,9 @@
 #include <thread>
 #include <unordered_map>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/kv_blocks.h"
 #include "cemlm/engine/model_runner.h"
 #include "cemlm/engine/params.h"
@@ -293,19 +290,6 @@ EngineImpl::EngineImpl(const EngineOptions& opts, std::unique_ptr<ModelRunner> r
   thread_ = std::move(loop_thread);
 }
 
-// MemAvailable of /proc/meminfo in bytes; -1 when it cannot be read.
-int64_t available_memory_bytes() {
-  std::ifstream f("/proc/meminfo");
-  for (std::string line; std::getline(f, line);) {
-    int64_t kib = 0;
-    if (line.starts_with("MemAvailable:") &&
-        absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line.substr(13)), " kB"),
-                         &kib))
-      return kib * 1024;
-  }
-  return -1;
-}
-
 std::string mib(int64_t bytes) {
   return bytes < (int64_t(10) << 20) ? absl::StrCat((bytes + 1023) >> 10, " KiB")
                                      : absl::StrCat(bytes >> 20, " MiB");
@@ -320,7 +304,7 @@ std::string out_of_memory_loading(const ModelConfig& c, const RunnerOptions& ro,
       " as loaded (4 bytes each, whatever --device keeps after), the KV cache up to ",
       mib(ro.kv_cache_memory), " (--kv-cache-memory)",
       available >= 0 ? absl::StrCat(", and ", mib(available), " was available when it began") : "",
-      " (a container's memory limit may be lower); lower --kv-cache-memory or use a larger "
+      " (under the machine's and any cgroup's limit); lower --kv-cache-memory or use a larger "
       "machine");
 }
 

@@ -74,6 +74,58 @@ TEST_F(CgroupLimit, V1CpuController) {
   EXPECT_EQ(limit(self), 0);
 }
 
+// The memory left: MemAvailable, capped by the room under the tightest cgroup memory limit, where
+// the inactive file pages count as free (the kernel takes them back first).
+class MemoryLeft : public CgroupLimit {
+ protected:
+  int64_t available(const std::string& self_cgroup, const std::string& meminfo) {
+    put("../self_cgroup", self_cgroup);
+    put("../meminfo", meminfo);
+    return available_memory_bytes(root_ + "/sys", root_ + "/self_cgroup", root_ + "/meminfo");
+  }
+  static constexpr int64_t kGiB = int64_t(1) << 30;
+  const std::string meminfo_ =
+      "MemTotal:       24000000 kB\nMemFree:         1000000 kB\n"
+      "MemAvailable:   20971520 kB\nBuffers:            1000 kB";
+};
+
+TEST_F(MemoryLeft, MemAvailableWithoutALimit) {
+  EXPECT_EQ(available("0::/", meminfo_), 20 * kGiB);
+  put("memory.max", "max");
+  put("memory.current", "123456");
+  EXPECT_EQ(available("0::/", meminfo_), 20 * kGiB);
+  EXPECT_EQ(available("0::/", "MemTotal: 1 kB"), -1);  // nothing readable
+}
+
+TEST_F(MemoryLeft, V2TightestRoomWithInactiveFilePagesFree) {
+  put("memory.max", "max");
+  put("a/memory.max", std::to_string(8 * kGiB));
+  put("a/memory.current", std::to_string(6 * kGiB));
+  put("a/memory.stat", "anon 100\ninactive_file " + std::to_string(kGiB) + "\nactive_file 5");
+  put("a/b/memory.max", std::to_string(16 * kGiB));
+  put("a/b/memory.current", std::to_string(kGiB));
+  EXPECT_EQ(available("0::/a/b", meminfo_), 3 * kGiB);  // a's 8 − 6 + 1
+  // A group at its limit has almost no room, not "no limit".
+  put("a/b/memory.max", std::to_string(kGiB));
+  EXPECT_EQ(available("0::/a/b", meminfo_), 1);
+  // A room larger than MemAvailable leaves MemAvailable.
+  put("a/b/memory.max", "max");
+  put("a/memory.max", std::to_string(64 * kGiB));
+  EXPECT_EQ(available("0::/a/b", meminfo_), 20 * kGiB);
+  // Only the cgroup's: without /proc/meminfo.
+  EXPECT_EQ(available("0::/a/b", "nothing"), 59 * kGiB);
+}
+
+TEST_F(MemoryLeft, V1MemoryController) {
+  put("memory/kubepods/pod1/memory.limit_in_bytes", std::to_string(4 * kGiB));
+  put("memory/kubepods/pod1/memory.usage_in_bytes", std::to_string(3 * kGiB));
+  put("memory/kubepods/pod1/memory.stat", "cache 7\ntotal_inactive_file " + std::to_string(kGiB));
+  put("memory/kubepods/memory.limit_in_bytes", "9223372036854771712");  // v1's "none"
+  put("memory/kubepods/memory.usage_in_bytes", std::to_string(5 * kGiB));
+  const std::string self = "12:memory:/kubepods/pod1\n4:cpu,cpuacct:/kubepods/pod1\n0::/\n";
+  EXPECT_EQ(available(self, meminfo_), 2 * kGiB);
+}
+
 TEST(CpuThreads, AskedIsTakenAsGiven) {
   const CpuThreads t = cpu_threads(3);
   EXPECT_EQ(t.threads, 3);

@@ -80,6 +80,35 @@ TEST(CemlmProgram, NoRopeTableOfEveryPosition) {
     EXPECT_NE(oom_err.find(part), std::string::npos) << part << "\n" << oom_err;
 }
 
+// A training step past the memory the process may take (here a 1.5 GB address-space limit, under
+// the machine's memory, so that the check before training lets it through) ends the run with a
+// message naming the batch flags, exit 1.
+TEST(CemlmProgram, TrainingStepOutOfMemoryNamesTheBatch) {
+  const std::string dir = fresh_temp_dir();
+  std::ofstream(dir + "/tiny.json") << R"({"architecture": "cemlm", "format_version": 1,
+    "vocab_size": 300, "d_model": 32, "n_layers": 2, "n_heads": 2, "head_dim": 16, "d_ff": 64,
+    "max_seq_len": 64, "embedding": {"type": "table"}, "attention": {"type": "cem"},
+    "mlp": {"type": "cem"}})";
+  {
+    std::ofstream text(dir + "/corpus.txt");
+    for (int i = 0; i < 4000; ++i) text << "the cat " << i % 97 << " sat on mat " << i % 13 << "\n";
+  }
+  const int status = std::system(
+      ("ulimit -v 1500000 && OMP_NUM_THREADS=1 timeout 300 '" CEMLM_BIN "' train --config '" + dir +
+       "/tiny.json' --data '" + dir + "/corpus.txt' --out '" + dir +
+       "/run' --steps 1 --batch-size 20000 --seq-len 32 --threads 1 > /dev/null 2>'" + dir +
+       "/err.txt'")
+          .c_str());
+  std::ifstream in(dir + "/err.txt");
+  const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status)) << status << ": " << err;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << err;
+  EXPECT_NE(err.find("error: out of memory at training step 1: the activations of --batch-size "
+                     "20000 × --seq-len 32 at T up to 2 do not fit in the memory left ("),
+            std::string::npos)
+      << err;
+}
+
 // Output that cannot be written (a full disk: /dev/full) fails the command: `cemlm score … >
 // out.json` on a full disk exited 0 with an empty file.
 TEST(CemlmProgram, OutputThatCannotBeWrittenIsAnError) {

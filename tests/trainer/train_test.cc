@@ -1858,6 +1858,12 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--seq-len", "1"}, "--seq-len"},
       {{"--seq-len", "65"}, "--seq-len", 1},  // above max_seq_len
       {{"--accum", "0"}, "--accum"},
+      // Past any machine's memory: refused before the tokenizer and the data, not grown into
+      // until the kernel's out-of-memory killer ends the run.
+      {{"--batch-size", "2000000000"},
+       "out of memory: the activations of --batch-size 2000000000 × --seq-len 24 at T up to 2 "
+       "take at least ",
+       1},
       {{"--warmup", "-1"}, "--warmup"},
       {{"--weight-decay", "-0.1"}, "--weight-decay"},
       // lr·wd ≥ 1 would flip or zero the weights; wd ≥ 1 alone is fine (see below).

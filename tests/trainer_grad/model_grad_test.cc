@@ -100,6 +100,20 @@ INSTANTIATE_TEST_SUITE_P(Variants, ModelGrad, testing::ValuesIn(all_cases()), []
 
 Variant full_cem() { return testing_models::all_variants()[5]; }  // LEV, shared diag, both precond
 
+// The memory estimate the trainer checks before its first step is a lower bound of what a call
+// takes, and the bulk of it where the rows are many: the part that grows with the batch.
+TEST_P(ModelGrad, MinBytesBoundWhatACallTakes) {
+  const Case& k = GetParam();
+  constexpr int kRows = 24, kLong = 48;  // 1,152 rows: the head's 256 and the scratch are small
+  Fixture f(k.v, kRows, kLong);
+  f.backward(k.T, kRows, kLong);
+  const int64_t min_bytes = forward_backward_min_bytes(f.c, kRows, kLong, k.T);
+  const int64_t arena_bytes = min_bytes - int64_t(kRows) * kLong * 16;  // less the per-row ints
+  const int64_t taken = last_forward_backward_floats() * int64_t(sizeof(float));
+  EXPECT_LE(arena_bytes, taken);
+  EXPECT_GE(double(arena_bytes), 0.9 * double(taken)) << arena_bytes << " of " << taken;
+}
+
 TEST(ModelGradProperties, LossScaleScalesAndCallsAccumulate) {
   Fixture a(full_cem()), b(full_cem());
   const double la = a.backward(2);

@@ -13,10 +13,12 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <new>
 #include <span>
 #include <vector>
 
 #include "cemlm/engine/cpu_model.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/sampler.h"
 #include "cemlm/kernels/attention.h"
 #include "cemlm/kernels/attention_grad.h"
@@ -57,14 +59,25 @@ class Arena {
   void rewind() {
     cur_ = 0;
     used_ = 0;
+    taken_ = 0;
   }
+  int64_t taken() const { return taken_; }  // floats, since the last rewind
   float* take(int64_t n) {
     n = (n + 15) / 16 * 16;  // 64-byte aligned offsets
+    taken_ += n;
     while (cur_ < chunks_.size() && used_ + n > int64_t(chunks_[cur_].size())) {
       ++cur_;
       used_ = 0;
     }
-    if (cur_ == chunks_.size()) chunks_.emplace_back(size_t(std::max(n, kChunk)));
+    if (cur_ == chunks_.size()) {
+      // A batch too large for the memory left is refused here, before its pages are touched: it
+      // grew until the kernel's out-of-memory killer ended the run (or another process) minutes
+      // later, each chunk's allocation succeeding.
+      const int64_t floats = std::max(n, kChunk), left = available_memory_bytes();
+      if (left >= 0 && floats * int64_t(sizeof(float)) + kReserveBytes > left)
+        throw std::bad_alloc();
+      chunks_.emplace_back(size_t(floats));
+    }
     float* p = chunks_[cur_].data() + used_;
     used_ += n;
     return p;
@@ -72,9 +85,11 @@ class Arena {
 
  private:
   static constexpr int64_t kChunk = int64_t(1) << 22;  // floats (16 MiB)
+  // What a chunk leaves to the rest of the process and the machine.
+  static constexpr int64_t kReserveBytes = int64_t(256) << 20;
   std::deque<std::vector<float>> chunks_;              // deque: chunks never move
   size_t cur_ = 0;
-  int64_t used_ = 0;
+  int64_t used_ = 0, taken_ = 0;
 };
 
 // What one sub-layer keeps for its backward (see the file comment); per-step lists for CEM.
@@ -519,13 +534,41 @@ double Backprop::head_backward(float loss_scale) {
 
 }  // namespace
 
+namespace {
+thread_local Arena arena;  // forward_backward's working memory on this thread
+}  // namespace
+
 double forward_backward(const ModelConfig& c, const Weights& w, const Weights& grads,
                         const int* ids, int batch, int seq_len, int T, float loss_scale) {
-  thread_local Arena arena;
+  // Refused before any of it is taken, as the arena refuses its chunks.
+  if (const int64_t left = available_memory_bytes();
+      left >= 0 && forward_backward_min_bytes(c, batch, seq_len, T) > left)
+    throw std::bad_alloc();
   arena.rewind();
   Backprop bp(c, w, grads, ids, batch, seq_len, T, arena);
   return bp.run(loss_scale);
 }
+
+int64_t forward_backward_min_bytes(const ModelConfig& c, int batch, int seq_len, int T) {
+  const int64_t D = c.d_model, Q = c.qk_dim(), F = c.d_ff, L = c.n_layers;
+  const bool standard = c.attention == AttentionType::kStandard;
+  const int64_t qdw = diag_kind(c) == DiagKind::kNone ? 0
+                      : c.diag == DiagMode::kPerHead  ? int64_t(c.n_heads) * D
+                                                      : D;
+  // Backprop's constructor: the sub-layer inputs, the buffers of a sub-layer, 1/rms twice.
+  int64_t floats = (2 * L + 1) * D + 8 * D + 2 + 3 * Q + (standard ? Q : 0) + 3 * qdw + 4 * F;
+  // Per layer, what the forward keeps for the backward (the file comment's list).
+  floats +=
+      L *
+      (standard ? 4 * Q : Q + T * (2 * Q + qdw + (c.attn_precond_rank > 0 ? D : 0)) + (T - 1) * D);
+  floats +=
+      L * (c.mlp == MlpType::kCem ? F + T * (F + (c.mlp_precond_rank > 0 ? D : 0)) + (T - 1) * D
+                                  : 2 * F);
+  // Each row's id, position, step size and LEV slot.
+  return int64_t(batch) * seq_len * (floats * int64_t(sizeof(float)) + 16);
+}
+
+int64_t last_forward_backward_floats() { return arena.taken(); }
 
 double forward_loss(const ModelConfig& c, const Weights& w, const int* ids, int batch, int seq_len,
                     int T) {

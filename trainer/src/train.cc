@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <new>
 #include <optional>
 #include <stdexcept>
 
@@ -110,6 +111,23 @@ absl::Status diverged(const StepMetrics& m, double clip) {
                                : absl::StrCat("the loss at step ", m.step, " is not finite");
   return absl::InternalError(absl::StrCat("training diverged: ", what,
                                           "; lower --lr or --clip (the last checkpoint is kept)"));
+}
+
+// A training step that does not fit in memory: found before training (`step` < 0; `needed`, the
+// bytes a step takes at least), or at a step (forward_backward refuses it before its pages are
+// taken).
+absl::Status out_of_memory(const TrainOptions& o, int64_t step, int64_t needed = 0) {
+  const int64_t left = available_memory_bytes();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "out of memory", step >= 0 ? absl::StrCat(" at training step ", step + 1) : "",
+      ": the activations of --batch-size ", o.batch_size, " × --seq-len ", o.seq_len,
+      " at T up to ", o.train_recursion.max,
+      needed > 0 ? absl::StrCat(" take at least ", needed >> 20, " MiB and") : "",
+      " do not fit in the memory left (",
+      left >= 0 ? absl::StrCat(left >> 20, " MiB") : std::string("unknown"),
+      " on this machine or under its cgroup's limit; less under a ulimit -v); lower --batch-size "
+      "(a larger --accum keeps the tokens per step) or --seq-len",
+      step > 0 ? " (the last checkpoint is kept)" : ""));
 }
 
 // The options of `now` that differ from `saved` (a resumed run's), as "--flag saved → now", in
@@ -582,6 +600,13 @@ absl::Status Trainer::check_against_model() {
   if (o_.seq_len > cfg_.max_seq_len)
     return absl::InvalidArgumentError(absl::StrCat(
         "--seq-len ", o_.seq_len, " exceeds the model's max_seq_len ", cfg_.max_seq_len));
+  // A batch too large for the memory left is refused before the tokenizer and the data: its
+  // step's activations grew until the kernel's out-of-memory killer ended the run minutes later.
+  const int64_t step_bytes =
+      int64_t(o_.batch_size) * o_.seq_len * int64_t(sizeof(int32_t)) +
+      forward_backward_min_bytes(cfg_, o_.batch_size, o_.seq_len, o_.train_recursion.max);
+  if (const int64_t left = available_memory_bytes(); left >= 0 && step_bytes > left)
+    return out_of_memory(o_, -1, step_bytes);
   eval_T_.clear();
   for (int T : o_.eval_recursion)
     if (T <= cfg_.recursion_max) eval_T_.push_back(T);
@@ -615,7 +640,6 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--data: the validation split has ", data_.val.size(), " tokens, fewer than --seq-len ",
         o_.seq_len, ": give more text, raise --val-fraction or shorten --seq-len"));
-  batch_ids_.resize(size_t(o_.batch_size) * o_.seq_len);
   return absl::OkStatus();
 }
 
@@ -983,9 +1007,15 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   TimeBudget budget;
   // Before the first save: the weights and both moments written at ~200 MB/s.
   budget.save_s = double(params_.size()) * 4 * 3 / 2e8;
+  batch_ids_.resize(size_t(o_.batch_size) * o_.seq_len);
   while (step_ < o_.steps && !stop) {
     const Clock::time_point t0 = Clock::now();
-    StepMetrics m = step();
+    StepMetrics m;
+    try {
+      m = step();
+    } catch (const std::bad_alloc&) {
+      return out_of_memory(o_, step_);
+    }
     train_s_ += seconds_since(t0);
     ++steps_run_;
     if (!finite_step(m, o_.clip)) return diverged(m, o_.clip);

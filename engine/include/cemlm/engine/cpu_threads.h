@@ -1,7 +1,9 @@
 // How many compute threads a CPU run uses when --threads is not given: the CPUs this process
 // may run on (its affinity mask), capped by a cgroup CPU limit (a container's --cpus, a pod's
 // limits.cpu, systemd's CPUQuota), as OMP_NUM_THREADS would otherwise be the only way to say so.
+// And how much memory it may still take, under the same kind of limits.
 #pragma once
+#include <cstdint>
 #include <string>
 
 namespace cemlm {
@@ -34,5 +36,14 @@ CpuThreads use_cpu_threads(int asked);
 // cpu.cfs_quota_us / cpu.cfs_period_us. The paths are parameters for tests.
 double cgroup_cpu_limit(const std::string& cgroup_root = "/sys/fs/cgroup",
                         const std::string& self_cgroup = "/proc/self/cgroup");
+
+// The bytes this process may still take before the kernel's (or its cgroup's) out-of-memory
+// killer ends something: /proc/meminfo's MemAvailable, capped by the room left under the
+// tightest cgroup memory limit of its group and their ancestors (v2 memory.max less
+// memory.current, or v1's limit_in_bytes less usage_in_bytes; their inactive file pages counted
+// as free); -1 when neither can be read. The paths are parameters for tests.
+int64_t available_memory_bytes(const std::string& cgroup_root = "/sys/fs/cgroup",
+                               const std::string& self_cgroup = "/proc/self/cgroup",
+                               const std::string& meminfo = "/proc/meminfo");
 
 }  // namespace cemlm

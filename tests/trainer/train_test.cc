@@ -676,6 +676,16 @@ TEST(Train, ResumeWithoutTokenizerAndInitWithAnotherVocabularyAreRefused) {
   auto st = train(init);
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.status().message().find("--tokenizer"), std::string::npos) << st.status();
+  // --init and --out the same: said as such (it advised --init, already given).
+  TrainOptions onto = init;
+  onto.out_dir = o.out_dir + "/";
+  onto.tokenizer_path.clear();
+  st = train(onto);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("--init and --out name the same checkpoint '" +
+                                       onto.out_dir + "'"),
+            std::string::npos)
+      << st.status();
   init.tokenizer_path.clear();
   init.vocab_size = 999;
   st = train(init);
@@ -800,6 +810,56 @@ TEST(Train, ResumingOnAnotherValidationSplitSaysSo) {
   EXPECT_EQ(lines.find("validation split"), std::string::npos) << lines;
   lines = resume_edited(9, [](nlohmann::json& j) { j["split"] = "document-start"; });
   EXPECT_EQ(lines.find("validation split"), std::string::npos) << lines;
+}
+
+// Another tokenizer put in the run's place is refused: the weights went on training on its ids
+// (it was only "the validation split is not the run's"), and the save kept it as the checkpoint's.
+// A state saved before the hash resumes as it did. A checkpoint that cannot be resumed is refused
+// before the corpus is read (it was encoded first: minutes on a large one).
+TEST(Train, ResumeRefusesAnotherTokenizerAndADamagedCheckpointBeforeTheData) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 2;
+  ASSERT_TRUE(train(o).ok());
+  TrainOptions other = tiny_options(dir);
+  other.out_dir = dir + "/other";
+  other.vocab_size = 295;
+  other.steps = 1;
+  ASSERT_TRUE(train(other).ok());
+  const std::string tok = o.out_dir + "/tokenizer.model";
+  fs::copy_file(tok, dir + "/own.model");
+  fs::copy_file(other.out_dir + "/tokenizer.model", tok, fs::copy_options::overwrite_existing);
+  o.resume = true;
+  o.steps = 3;
+  std::string lines;
+  TrainCallbacks cb;
+  cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+  auto st = train(o, cb);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("--resume: " + tok +
+                                       " is not the tokenizer the run trained with (" +
+                                       kTrainerStateFile + " holds another one's hash)"),
+            std::string::npos)
+      << st.status();
+  EXPECT_EQ(lines.find("data: "), std::string::npos) << lines;
+  fs::copy_file(dir + "/own.model", tok, fs::copy_options::overwrite_existing);
+  // Saved by a cemlm before the hash: resumed as before.
+  const std::string state_file = o.out_dir + "/" + kTrainerStateFile;
+  std::string state, error;
+  ASSERT_TRUE(read_file(state_file, &state, &error)) << error;
+  nlohmann::json j = nlohmann::json::parse(state);
+  ASSERT_TRUE(j.contains("tokenizer_hash"));
+  j.erase("tokenizer_hash");
+  testing_trainer::write_file(state_file, j.dump(2) + "\n");
+  ASSERT_TRUE(train(o).ok());
+  // An optimizer state gone: refused before the data.
+  fs::remove(o.out_dir + "/" + kOptimizerFile);
+  o.steps = 4;
+  lines.clear();
+  st = train(o, cb);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find(kOptimizerFile), std::string::npos) << st.status();
+  EXPECT_EQ(lines.find("data: "), std::string::npos) << lines;
 }
 
 TEST(Train, DamagedSavedOptionsNameTheKey) {
@@ -1858,6 +1918,10 @@ TEST(TrainCli, BadFlagsAreRefusedByName) {
       {{"--seq-len", "1"}, "--seq-len"},
       {{"--seq-len", "65"}, "--seq-len", 1},  // above max_seq_len
       {{"--accum", "0"}, "--accum"},
+      // The tokenizer the run trains could not have so few pieces (it was exit 1, as the
+      // config's vocab_size once the model was set up).
+      {{"--vocab-size", "100"}, "--vocab-size 100 is too small: the special and byte-fallback"},
+      {{"--vocab-size", "1"}, "--vocab-size 1 is too small"},
       // Past any machine's memory: refused before the tokenizer and the data, not grown into
       // until the kernel's out-of-memory killer ends the run.
       {{"--batch-size", "2000000000"},

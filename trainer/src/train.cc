@@ -188,6 +188,7 @@ class Trainer {
   absl::Status check_against_model();
   absl::Status load_data(const CorpusFiles& corpus);
   absl::Status restore();
+  void note_split_change();  // after load_data, of a resumed run
   int draw_T();
   // One update, left out (step_ unchanged) when finite_step(m, clip) is false.
   StepMetrics step();
@@ -226,6 +227,9 @@ class Trainer {
   std::unique_ptr<Tokenizer> tokenizer_;
   TokenData data_;
   uint64_t val_hash_ = 0;  // of data_.val's ids, saved so that a resume sees its split change
+  // A resumed run's saved split: its rule, and the hash of its validation ids where saved.
+  std::string saved_split_;
+  std::optional<uint64_t> saved_val_hash_;
   std::vector<int> eval_ids_, eval_T_, batch_ids_;
   MetricsLog log_;
   int64_t step_ = 0, tokens_ = 0;
@@ -385,6 +389,11 @@ absl::Status Trainer::check_out_and_cache_paths() const {
 // unlinked file, one of a new file at the same path).
 absl::Status Trainer::check_out_is_new() const {
   std::error_code ec;
+  if (!o_.resume && !o_.init_dir.empty() && fs::equivalent(o_.init_dir, out_path(), ec))
+    return absl::AlreadyExistsError(absl::StrCat(
+        "--init and --out name the same checkpoint '", o_.out_dir,
+        "': a run starting from its weights saves a new checkpoint; choose another --out (or "
+        "pass --resume without --init to continue its own run)"));
   if (!o_.resume && fs::exists(in_out(kConfigFile), ec))
     return absl::AlreadyExistsError(
         absl::StrCat("--out '", o_.out_dir,
@@ -655,9 +664,9 @@ absl::Status Trainer::restore() {
                                                    parsed.status().message(),
                                                    " (the file is damaged)"));
   const json& j = *parsed;
-  std::string split, options_text;
+  std::string options_text;
   int saved_threads = 0;  // 0: not saved
-  std::optional<uint64_t> saved_val_hash;  // not in the states of cemlm before it was saved
+  std::optional<uint64_t> saved_tokenizer_hash;  // not in the states of cemlm before it was saved
   const char* key = "";  // the one being read, named in the error
   auto get = [&](const char* k) -> const json& {
     key = k;
@@ -673,7 +682,7 @@ absl::Status Trainer::restore() {
     for (const auto& [k, v] : j.items())
       if (k != "format_version" && k != "step" && k != "tokens" && k != "elapsed_s" &&
           k != "data_rng" && k != "recursion_rng" && k != "split" && k != "options" &&
-          k != "compute_threads" && k != "validation_hash") {
+          k != "compute_threads" && k != "validation_hash" && k != "tokenizer_hash") {
         key = "";
         throw std::invalid_argument(absl::StrCat("unknown key \"", absl::CHexEscape(k),
                                                  "\" (the file is damaged, or "
@@ -702,13 +711,16 @@ absl::Status Trainer::restore() {
     key = "split";
     if (j.contains("split") && !j["split"].is_string())
       throw std::invalid_argument(absl::StrCat("must be a string (got ", j["split"].dump(), ")"));
-    split = j.value("split", "");
-    if (j.contains("validation_hash")) {
-      key = "validation_hash";
-      if (!j[key].is_number_unsigned())
+    saved_split_ = j.value("split", "");
+    // Not in the states of cemlm before they were saved.
+    for (auto [k, hash] : {std::pair{"validation_hash", &saved_val_hash_},
+                           std::pair{"tokenizer_hash", &saved_tokenizer_hash}}) {
+      if (!j.contains(k)) continue;
+      key = k;
+      if (!j[k].is_number_unsigned())
         throw std::invalid_argument(
-            absl::StrCat("must be an integer in [0, 2^64) (got ", j[key].dump(), ")"));
-      saved_val_hash = j[key].get<uint64_t>();
+            absl::StrCat("must be an integer in [0, 2^64) (got ", j[k].dump(), ")"));
+      *hash = j[k].get<uint64_t>();
     }
     if (j.contains("options")) options_text = j["options"].dump();
     if (j.contains("compute_threads")) {  // not in the states of cemlm before it was saved
@@ -723,6 +735,14 @@ absl::Status Trainer::restore() {
                                                    *key ? absl::StrCat("\"", key, "\": ") : "",
                                                    e.what()));
   }
+  // The weights read the ids of the tokenizer they were trained with: another one put in its place
+  // trained on other ids without a word (and was saved as the checkpoint's).
+  if (saved_tokenizer_hash && *saved_tokenizer_hash != hash_bytes(tokenizer_bytes_))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--resume: ", in_out(kTokenizerFile), " is not the tokenizer the run trained with (",
+        kTrainerStateFile,
+        " holds another one's hash), and its weights read that one's ids: put the run's "
+        "tokenizer.model back"));
   if (step_ != opt_->steps())
     return absl::InvalidArgumentError(absl::StrCat(
         "--resume: ", in_out(kTrainerStateFile), " is at step ", step_, " but ", kOptimizerFile,
@@ -764,23 +784,27 @@ absl::Status Trainer::restore() {
                         "; to go on near the old rate, pass a lower "
                         "--lr as well"));
   }
+  info(absl::StrCat("resuming at step ", step_, " of ", o_.steps));
+  return absl::OkStatus();
+}
+
+void Trainer::note_split_change() {
   // The validation ids as saved tell whether they moved (other files, fraction, tokenizer or
   // split rule); a state without them, only whether the split rule did.
-  if (saved_val_hash ? *saved_val_hash != val_hash_ : split != kSplitRule)
+  if (saved_val_hash_ ? *saved_val_hash_ != val_hash_ : saved_split_ != kSplitRule)
     info(absl::StrCat(
         "note: the validation split is not the run's",
-        saved_val_hash  ? " (other --data files or contents, --val-fraction, tokenizer, or split "
+        saved_val_hash_ ? " (other --data files or contents, --val-fraction, tokenizer, or split "
                           "rule)"
-        : split.empty() ? ": the run began with an older cemlm, whose split cut documents in two"
-        : split == "document-start,end-trains"
+        : saved_split_.empty()
+            ? ": the run began with an older cemlm, whose split cut documents in two"
+        : saved_split_ == "document-start,end-trains"
             ? ": the run began with an older cemlm, whose split cut a piece out of each file "
               "that is one document, also when there were enough such files to give whole"
             : ": the run began with an older cemlm, whose split gave the end of a file that is "
               "one document, its EOS, to validation",
         "; from here on it trains and evaluates on the current one (the validation curve may "
         "step, and the run is no longer bit-identical to an uninterrupted one)"));
-  info(absl::StrCat("resuming at step ", step_, " of ", o_.steps));
-  return absl::OkStatus();
 }
 
 int Trainer::draw_T() {
@@ -843,6 +867,7 @@ absl::Status Trainer::write_extra(const std::string& dir) const {
                       {"compute_threads", compute_threads_},
                       {"split", kSplitRule},
                       {"validation_hash", val_hash_},
+                      {"tokenizer_hash", hash_bytes(tokenizer_bytes_)},
                       {"options", json::parse(options_to_json(o_))}};
   CEMLM_RETURN_IF_ERROR(write_text((d / kTrainerStateFile).string(), state.dump(2) + "\n"));
   CEMLM_RETURN_IF_ERROR(write_text((d / kMetricsFile).string(), log_.jsonl()));
@@ -933,8 +958,11 @@ absl::Status Trainer::set_up(const CorpusFiles& corpus) {
   CEMLM_RETURN_IF_ERROR(prepare_tokenizer(corpus));
   if (stop_asked(false)) return absl::CancelledError("stopped after the tokenizer");
   CEMLM_RETURN_IF_ERROR(prepare_params());
-  CEMLM_RETURN_IF_ERROR(load_data(corpus));
+  // Before the data: a checkpoint that cannot be resumed was refused only once a corpus had been
+  // encoded (minutes for a large one), its token cache written.
   if (o_.resume) CEMLM_RETURN_IF_ERROR(restore());
+  CEMLM_RETURN_IF_ERROR(load_data(corpus));
+  if (o_.resume) note_split_change();
   info(absl::StrCat("model: ", cfg_.variant_name(), ", ", params_.size(), " parameters; T ",
                     recursion_range_text(o_.train_recursion), " in training, evaluated at T ",
                     absl::StrJoin(eval_T_, ",")));

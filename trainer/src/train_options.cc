@@ -17,6 +17,7 @@
 #include "cemlm/engine/float32.h"
 #include "cemlm/engine/status.h"
 #include "cemlm/engine/strict_json.h"
+#include "cemlm/engine/tokenizer.h"
 #include "cemlm/trainer/train.h"
 #include "nlohmann/json.hpp"
 
@@ -135,6 +136,12 @@ absl::Status validate_options(const TrainOptions& o) {
   if (o.data.empty()) return flag_error("data", "needs at least one file or directory");
   if (o.out_dir.empty()) return flag_error("out", "must name the checkpoint directory");
   CEMLM_RETURN_IF_ERROR(at_least<int>("vocab-size", o.vocab_size, 0));
+  // A new run without --tokenizer trains one of --vocab-size pieces: too few is wrong whatever
+  // the corpus (it was refused as the config's vocab_size, after the model was set up, exit 1).
+  if (const std::string error = tokenizer_vocab_too_small("--vocab-size", o.vocab_size);
+      o.vocab_size > 0 && !o.resume && o.init_dir.empty() && o.tokenizer_path.empty() &&
+      !error.empty())
+    return absl::InvalidArgumentError(error);
   CEMLM_RETURN_IF_ERROR(in_range("val-fraction", o.val_fraction, 0, 0.5, true, false));
   CEMLM_RETURN_IF_ERROR(at_least<int64_t>("save-every", o.save_every, 1));
   CEMLM_RETURN_IF_ERROR(at_least<int64_t>("steps", o.steps, 1));

@@ -43,12 +43,17 @@ class StrictSax {
  public:
   explicit StrictSax(json* root) : root_(root) {}
   const std::string& duplicate() const { return duplicate_; }
+  const std::string& underflow() const { return underflow_; }
 
   bool null() { return put(nullptr) != nullptr; }
   bool boolean(bool v) { return put(v) != nullptr; }
   bool number_integer(json::number_integer_t v) { return put(v) != nullptr; }
   bool number_unsigned(json::number_unsigned_t v) { return put(v) != nullptr; }
-  bool number_float(json::number_float_t v, const std::string& /*text*/) {
+  bool number_float(json::number_float_t v, const std::string& text) {
+    // A number too small for a double reads as 0: "1e-400" was then refused as "= 0".
+    if (v == 0 && underflow_.empty() &&
+        text.substr(0, text.find_first_of("eE")).find_first_of("123456789") != std::string::npos)
+      underflow_ = text;
     return put(v) != nullptr;
   }
   bool string(json::string_t& v) { return put(std::move(v)) != nullptr; }
@@ -105,6 +110,7 @@ class StrictSax {
   json* const root_;
   std::vector<Frame> stack_;
   std::string duplicate_;  // path of the first repeated key; empty while none
+  std::string underflow_;  // the first number not 0 that reads as 0; empty while none
 };
 
 // The files read through here nest three levels deep; a deeper value is refused before parsing,
@@ -166,6 +172,14 @@ size_t number_at(std::string_view text, std::string_view literal) {
   });
 }
 
+// A number no double holds: said where it stands, in words.
+absl::Status number_error(std::string_view text, const std::string& literal, const char* what) {
+  const size_t at = number_at(text, literal);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "not valid JSON", at == std::string_view::npos ? "" : " at ",
+      at == std::string_view::npos ? "" : position(text, at), ": the number ", literal, " ", what));
+}
+
 }  // namespace
 
 absl::StatusOr<json> parse_json_strict(std::string_view text) {
@@ -206,17 +220,15 @@ absl::StatusOr<json> parse_json_strict(std::string_view text) {
     std::string what = e.what();
     const size_t open = what.find('\''), close = what.rfind('\'');
     if (e.id == 406 && open != std::string::npos && close > open) {
-      const std::string literal = what.substr(open + 1, close - open - 1);
-      const size_t at = number_at(text, literal);
-      return absl::InvalidArgumentError(
-          absl::StrCat("not valid JSON", at == std::string_view::npos ? "" : " at ",
-                       at == std::string_view::npos ? "" : position(text, at), ": the number ",
-                       literal, " is beyond the range of a 64-bit float"));
+      return number_error(text, what.substr(open + 1, close - open - 1),
+                          "is beyond the range of a 64-bit float");
     }
     return absl::InvalidArgumentError(absl::StrCat("not valid JSON: ", e.what()));
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("not valid JSON: ", e.what()));
   }
+  if (const std::string& literal = sax.underflow(); !literal.empty())
+    return number_error(text, literal, "is below the range of a 64-bit float (it would read as 0)");
   if (const std::string& duplicate = sax.duplicate(); !duplicate.empty())
     return absl::InvalidArgumentError(absl::StrCat("duplicate key \"", absl::CHexEscape(duplicate),
                                                    "\" (a key may appear once per object)"));

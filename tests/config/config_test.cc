@@ -519,5 +519,29 @@ TEST(Config, NumbersBeyondADoubleAreRefusedWhereTheyAre) {
       << k.status();
 }
 
+// A number below a double's range read as 0, and was refused as 0 ("'norm_eps' = 0 is out of
+// range"); it is said as written. Zeros, and tiny numbers a double holds, are numbers as before.
+TEST(Config, NumbersBelowADoubleAreRefusedWhereTheyAre) {
+  nlohmann::json j = base();
+  j["norm_eps"] = 12345;
+  std::string text = j.dump();
+  const size_t at = text.find("12345");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 5, "1e-400");
+  auto c = parse_config(text);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find(
+                "config: not valid JSON at line 1, column " + std::to_string(at + 1) + " (byte " +
+                std::to_string(at) +
+                "): the number 1e-400 is below the range of a 64-bit float (it would read as 0)"),
+            std::string::npos)
+      << c.status();
+  for (const char* fine : {"0.0", "-0e5", "0.000e-999", "1e-310", "4.9e-324"}) {
+    auto v = parse_json_strict(absl::StrCat("[", fine, "]"));
+    ASSERT_TRUE(v.ok()) << fine << ": " << v.status();
+  }
+  EXPECT_FALSE(parse_json_strict("[-2.5E-999]").ok());
+}
+
 }  // namespace
 }  // namespace cemlm

@@ -112,9 +112,11 @@ std::string not_text_message(const std::string& path, const std::string& why) {
   return "'" + path + "' is not UTF-8 text: " + why;
 }
 
-// Appends the candidate files under `path` (sorted when it is a directory), and the directories
-// of other runs' output it leaves unwalked to *run_dirs when given.
-bool expand(const std::string& path, std::vector<std::string>* out, std::string* error,
+// Appends the candidate files under `path` (sorted when it is a directory), what a directory
+// holds that is no file or directory (a FIFO, socket, device, or a link to one or to nothing) to
+// *others, and the directories of other runs' output it leaves unwalked to *run_dirs when given.
+bool expand(const std::string& path, std::vector<std::string>* out,
+            std::vector<std::string>* others, std::string* error,
             std::vector<std::string>* run_dirs) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
@@ -158,7 +160,9 @@ bool expand(const std::string& path, std::vector<std::string>* out, std::string*
         walking.push_back(std::move(dir));
       continue;
     }
-    if (it->is_regular_file(ec)) found.push_back(it->path().string());
+    // (Left out, they were not counted among the files skipped: a corpus short of a file said
+    // nothing of it.)
+    (it->is_regular_file(ec) ? found : *others).push_back(it->path().string());
   }
   if (ec) {
     *error = "cannot list directory '" + path + "': " + ec.message();
@@ -181,9 +185,17 @@ bool for_each_text_file(const std::vector<std::string>& paths, bool with_text,
                         const std::function<void(const std::string&, std::string&&)>& use,
                         std::string* error, std::vector<std::string>* skipped,
                         std::vector<std::string>* why_skipped, std::vector<std::string>* run_dirs) {
-  std::vector<std::string> candidates;
+  std::vector<std::string> candidates, others;
   for (const auto& p : paths)
-    if (!expand(p, &candidates, error, run_dirs)) return false;
+    if (!expand(p, &candidates, &others, error, run_dirs)) return false;
+  std::sort(others.begin(), others.end());
+  for (std::string& path : others) {
+    if (why_skipped)
+      why_skipped->push_back("'" + path +
+                             "' is not a regular file (a FIFO, socket or device, or a link to one "
+                             "or to nothing)");
+    if (skipped) skipped->push_back(std::move(path));
+  }
   for (const auto& path : candidates) {
     std::string why;
     if (!skipped_by_name(path)) {

@@ -3,6 +3,7 @@
 #include "cemlm/engine/corpus.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -99,7 +100,8 @@ TEST_F(CorpusTest, LinkedDirectoriesAreWalkedOnce) {
   std::string error;
   ASSERT_TRUE(collect_text_files({dir_ + "/top"}, &files, &error, &skipped)) << error;
   EXPECT_EQ(files, std::vector<std::string>{dir_ + "/top/more/e.txt"});
-  EXPECT_TRUE(skipped.empty()) << testing::PrintToString(skipped);
+  // A link to nothing is no file to read: skipped, and counted (it was left out unsaid).
+  EXPECT_EQ(skipped, std::vector<std::string>{dir_ + "/top/dangling"});
   files.clear();
   ASSERT_TRUE(collect_text_files({dir_}, &files, &error)) << error;
   EXPECT_EQ(files, (std::vector<std::string>{dir_ + "/a.txt", dir_ + "/b.txt",
@@ -113,6 +115,27 @@ TEST_F(CorpusTest, LinkedDirectoriesAreWalkedOnce) {
   ASSERT_TRUE(collect_text_files({dir_ + "/named"}, &files, &error, &skipped)) << error;
   EXPECT_EQ(files, std::vector<std::string>{dir_ + "/named/art2"});
   EXPECT_EQ(skipped, std::vector<std::string>{dir_ + "/named/art.u8"});
+}
+
+// What a directory holds that is no file to read (a FIFO, a link to a device or to nothing) is
+// skipped and counted, with why: it was left out without a word ("0 files skipped"). A FIFO is
+// not opened (it would wait for a writer).
+TEST_F(CorpusTest, EntriesThatAreNotFilesAreSkippedAndSaidWhy) {
+  namespace fs = std::filesystem;
+  const std::string d = dir_ + "/odd";
+  write_file(d + "/text.txt", "text\n");
+  ASSERT_EQ(::mkfifo((d + "/pipe.txt").c_str(), 0644), 0);
+  fs::create_symlink("/dev/zero", d + "/zero.txt");
+  fs::create_symlink(d + "/missing", d + "/gone.txt");
+  std::vector<std::string> files, skipped, why;
+  std::string error;
+  ASSERT_TRUE(collect_text_files({d}, &files, &error, &skipped, &why)) << error;
+  EXPECT_EQ(files, std::vector<std::string>{d + "/text.txt"});
+  EXPECT_EQ(skipped, (std::vector<std::string>{d + "/gone.txt", d + "/pipe.txt", d + "/zero.txt"}));
+  ASSERT_EQ(why.size(), 3u);
+  EXPECT_EQ(why[1], "'" + d +
+                        "/pipe.txt' is not a regular file (a FIFO, socket or device, or a "
+                        "link to one or to nothing)");
 }
 
 TEST_F(CorpusTest, KeepsTheOrderOfExplicitInputs) {

@@ -20,13 +20,14 @@ bool read_text_file(const std::string& path, std::string* text, std::string* err
 // Expands `paths` (files, or directories walked recursively in sorted order, hidden entries
 // skipped, links to directories followed but not around a loop, a file reached by two paths of a
 // directory taken once) into the text files to train on, in input order. Skips `.dat`/`.u8` files
-// (the strfile indexes and symlinked duplicates of Debian's fortunes) and binary or non-UTF-8
-// files, listing them in `*skipped` when given, and in `*why_skipped` (beside them, one for one)
-// why: empty for a file left out by its name, unread, else "'path' is not UTF-8 text: ..." with the
-// offending byte. Each file is checked a MiB at a time, not held whole. False (error names the
-// path) when a path does not exist or cannot be read, or names a directory of a training run's
-// output (is_run_output_dir) itself. Such a directory found in the walk is not walked: it is
-// listed in `*run_dirs` when given.
+// (the strfile indexes and symlinked duplicates of Debian's fortunes), binary or non-UTF-8
+// files, and what a directory holds that is no file (a FIFO, device, or link to one or to
+// nothing), listing them in `*skipped` when given, and in `*why_skipped` (beside them, one for
+// one) why: empty for a file left out by its name, unread, else "'path' is not UTF-8 text: ..."
+// with the offending byte, or "'path' is not a regular file (...)". Each file is checked a MiB at a
+// time, not held whole. False (error names the path) when a path does not exist or cannot be read,
+// or names a directory of a training run's output (is_run_output_dir) itself. Such a directory
+// found in the walk is not walked: it is listed in `*run_dirs` when given.
 bool collect_text_files(const std::vector<std::string>& paths, std::vector<std::string>* files,
                         std::string* error, std::vector<std::string>* skipped = nullptr,
                         std::vector<std::string>* why_skipped = nullptr,

@@ -27,7 +27,7 @@ int fail(const std::string& msg) {
 
 int cmd_score(int argc, char** argv) {
   std::string model, text, ids_text, dump;
-  int T = 0;
+  int T = 0, threads = 0;
   bool no_bos = false;
   Flags f("cemlm score --model DIR (--text STR | --ids 3,17,42) [--recursion T] [--dump-logits FILE]",
           "Prints JSON {\"tokens\", \"logprobs\", \"nll\", \"perplexity\", \"recursion\"}: the\n"
@@ -40,6 +40,7 @@ int cmd_score(int argc, char** argv) {
   f.add("ids", &ids_text, "comma-separated token ids to score (used as given)");
   f.add_bool("no-bos", &no_bos, "do not start --text with the model's BOS");
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
+  f.add("threads", &threads, kThreadsHelp);
   f.add("dump-logits", &dump,
         "write the logits as a safetensors file with one F32 tensor `logits` [N, V] (held whole "
         "in memory; without it they are reduced 256 rows at a time)");
@@ -62,6 +63,8 @@ int cmd_score(int argc, char** argv) {
                          std::to_string(ids.size()) + ")");
   }
   if (const std::string error = recursion_flag_error(T); !error.empty()) return usage_error(error);
+  if (const std::string error = threads_flag_error(threads); !error.empty())
+    return usage_error(error);
 
   // Checked before the forward: a path it cannot take was refused only once that had run.
   if (std::string err;
@@ -106,7 +109,7 @@ int cmd_score(int argc, char** argv) {
     return fail(std::string(st.message()));
   if (T == 0) T = c.recursion_default;
 
-  use_cpu_threads(0);  // as the engine does: the CPU limit, not every core
+  use_cpu_threads(threads);  // as the engine does: by default the CPU limit, not every core
   const Weights w = bind_weights(c, ck->params);
   if (c.embedding == EmbeddingType::kLev) {
     // The text's embeddings alone (the forward builds the whole table): one that overflows would

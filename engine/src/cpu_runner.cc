@@ -99,10 +99,8 @@ absl::Status check_runner_options(const RunnerOptions& opts) {
         absl::StrCat("--kv-cache-dtype \"", opts.kv_cache_dtype,
                      "\": the CUDA runner keeps its KV cache in fp32; use fp32 (bf16 and int8 are "
                      "for --device cpu)"));
-  if (opts.threads < 0 || opts.threads > kMaxThreads)
-    return absl::InvalidArgumentError(
-        absl::StrCat("--threads ", opts.threads, " must be >= 0 and at most ", kMaxThreads,
-                     " (0: OMP_NUM_THREADS if set, else the CPUs this process may use)"));
+  if (const std::string error = threads_flag_error(opts.threads); !error.empty())
+    return absl::InvalidArgumentError(error);
   if (opts.block_size < 1 || opts.block_size > 1024)
     return absl::InvalidArgumentError(
         absl::StrCat("block_size ", opts.block_size, " must be in [1, 1024]"));

@@ -198,6 +198,12 @@ CpuThreads at_most_max(CpuThreads t) {
 
 }  // namespace
 
+std::string threads_flag_error(int threads) {
+  if (threads >= 0 && threads <= kMaxThreads) return "";
+  return absl::StrCat("--threads ", threads, " must be >= 0 and at most ", kMaxThreads,
+                      " (0: OMP_NUM_THREADS if set, else the CPUs this process may use)");
+}
+
 CpuThreads cpu_threads(int asked) {
   if (asked > 0) return {asked, "--threads"};
   // As OpenMP reads it: a count per nesting level, each "[+]digits" above 0 between blanks.

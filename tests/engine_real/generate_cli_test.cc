@@ -299,6 +299,9 @@ TEST_F(GenerateCli, ScoreRefusesTooFewOrTooManyTokensNamingTheFlag) {
        "--ids has 65 tokens; the model's max_seq_len is 64: give fewer ids",
        1},
       {{"--model", dir_, "--ids", "3,61"}, "--ids[1] = 61 is not a token id in [0, 61)", 1},
+      {{"--model", dir_ + "/no-such-model", "--ids", "3,4", "--threads", "-1"},
+       "--threads -1 must be >= 0 and at most 1024",
+       2},
   };
   for (auto c : cases) {
     std::vector<char*> argv;

@@ -118,6 +118,8 @@ TEST_F(GradsCli, BadInputsAreRefusedByName) {
       {{"--ids", "3,4", "--recursion", "5"},
        "--recursion = 5 exceeds the model's recursion.max = 4"},
       // 0 is a depth too (the model's default): the range says so, as score's and generate's do.
+      {{"--ids", "3,4", "--threads", "-1"}, "--threads -1 must be >= 0 and at most 1024", 2},
+      {{"--ids", "3,4", "--threads", "2000"}, "--threads 2000 must be >= 0 and at most 1024", 2},
       {{"--ids", "3,4", "--recursion", "-1"},
        "--recursion = -1 must be >= 0 (0 = the model's recursion.default)",
        2},

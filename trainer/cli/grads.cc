@@ -13,6 +13,7 @@
 #include "cemlm/cli/commands.h"
 #include "cemlm/cli/flags.h"
 #include "cemlm/engine/checkpoint.h"
+#include "cemlm/engine/cpu_threads.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/trainer/backprop.h"
 #include "nlohmann/json.hpp"
@@ -59,7 +60,7 @@ std::string check_finite(double loss, const ParamStore& grads) {
 
 int cmd_grads(int argc, char** argv) {
   std::string model, ids_text, out;
-  int T = 0;
+  int T = 0, threads = 0;
   Flags f(
       "cemlm grads --model DIR --ids 3,17,42 [--recursion T] --out FILE",
       "Writes the mean next-token cross-entropy of the ids and its gradient with respect to every\n"
@@ -71,6 +72,7 @@ int cmd_grads(int argc, char** argv) {
   f.add("ids", &ids_text, "comma-separated token ids (at least 2)", true);
   f.add("recursion", &T, "recursion depth T (0: the model's recursion.default)");
   f.add("out", &out, "safetensors file to write", true);
+  f.add("threads", &threads, kThreadsHelp);
   if (int rc = f.parse(argc, argv); rc >= 0) return rc;
   std::vector<int> ids;
   if (const std::string error = id_list_flag("--ids", ids_text, &ids); !error.empty())
@@ -78,6 +80,8 @@ int cmd_grads(int argc, char** argv) {
   if (ids.size() < 2)  // the loss is over next tokens: one id has none
     return usage_error("--ids: need at least 2 tokens (got " + std::to_string(ids.size()) + ")");
   if (const std::string error = recursion_flag_error(T); !error.empty()) return usage_error(error);
+  if (const std::string error = threads_flag_error(threads); !error.empty())
+    return usage_error(error);
   // Checked before the forward and backward: a path they cannot take was refused only after. The
   // checkpoint's own files are not to be written (the weights were replaced by gradients).
   if (std::string err;
@@ -93,6 +97,7 @@ int cmd_grads(int argc, char** argv) {
     return fail(std::string(st.message()));
   if (T == 0) T = c.recursion_default;
 
+  use_cpu_threads(threads);  // by default the CPU limit, as the other commands: not every core
   const Weights w = bind_weights(c, ck->params);
   ParamStore grads(c);
   const double loss =

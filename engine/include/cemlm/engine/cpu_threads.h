@@ -23,6 +23,9 @@ inline constexpr const char* kThreadsHelp =
     "CPU compute threads, at most 1024; 0 = OMP_NUM_THREADS if set, else the CPUs this process "
     "may use (affinity mask, capped by a container's or cgroup's CPU limit)";
 
+// "" when `threads` is a --threads value the programs take (0 to kMaxThreads), else the error.
+std::string threads_flag_error(int threads);
+
 // `asked` > 0 is taken as given; 0 means: OMP_NUM_THREADS if set, else the CPUs of the affinity
 // mask capped by the cgroup limit rounded up; either default at most kMaxThreads.
 CpuThreads cpu_threads(int asked);

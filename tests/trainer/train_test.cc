@@ -862,6 +862,32 @@ TEST(Train, ResumeRefusesAnotherTokenizerAndADamagedCheckpointBeforeTheData) {
   EXPECT_EQ(lines.find("data: "), std::string::npos) << lines;
 }
 
+// A config whose bos_id is a piece of the text (id 5, the byte piece <0x01>) is said to be one: the
+// documents' starts were marked with a byte their text holds too, without a word. The tokenizer's
+// own ids, or an id no text encodes to, say nothing.
+TEST(Train, AConfigBosThatIsATextPieceIsNoted) {
+  const std::string dir = fresh_dir();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 1;
+  auto lines_with = [&](const std::string& ids, const std::string& out) {
+    testing_trainer::write_file(o.config_path, testing_trainer::tiny_config_json(ids));
+    o.out_dir = dir + "/" + out;
+    std::string lines;
+    TrainCallbacks cb;
+    cb.on_info = [&](const std::string& s) { lines += s + "\n"; };
+    EXPECT_TRUE(train(o, cb).ok());
+    return lines;
+  };
+  const std::string lines = lines_with(R"(, "bos_id": 5)", "byte");
+  EXPECT_NE(lines.find("note: the config's bos_id 5 is the tokenizer's piece '<0x01>', which "
+                       "text encodes to as well (the tokenizer's own is 1)"),
+            std::string::npos)
+      << lines;
+  EXPECT_EQ(lines.find("eos_id"), std::string::npos) << lines;
+  EXPECT_EQ(lines_with(R"(, "bos_id": 1, "eos_id": 2)", "own").find("note: the config's"),
+            std::string::npos);
+}
+
 TEST(Train, DamagedSavedOptionsNameTheKey) {
   const std::string json = options_to_json(TrainOptions{});
   const size_t at = json.find("\"steps\"");

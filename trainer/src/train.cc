@@ -19,6 +19,7 @@
 #include <new>
 #include <optional>
 #include <stdexcept>
+#include <tuple>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -633,6 +634,16 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   const uint64_t tok_hash = hash_bytes(tokenizer_bytes_);
   const int bos = resolve_bos_id(cfg_.bos_id, tokenizer.get());
   const int eos = resolve_eos_id(cfg_.eos_id, tokenizer.get());
+  // A config's bos_id or eos_id that is a piece text encodes to (a byte, a word) marks the
+  // documents with a token their text holds as well: said, since nothing else would.
+  for (const auto& [field, id, own] : {std::tuple{"bos_id", cfg_.bos_id, tokenizer->bos_id()},
+                                       std::tuple{"eos_id", cfg_.eos_id, tokenizer->eos_id()}})
+    if (const int one[] = {id}; id >= 0 && id != own && !tokenizer->decode(one).empty())
+      info(absl::StrCat("note: the config's ", field, " ", id, " is the tokenizer's piece '",
+                        absl::CHexEscape(tokenizer->id_to_piece(id)),
+                        "', which text encodes to as well (the tokenizer's own is ", own,
+                        "): the documents' marks cannot be told from that text; leave ", field,
+                        " out of the config to use the tokenizer's"));
   CEMLM_ASSIGN_OR_RETURN(
       data_, load_token_data(corpus, *tokenizer, tok_hash, bos, eos, in_cache(kTokenCacheFile),
                              o_.val_fraction, [this] { return stop_asked(false); }));

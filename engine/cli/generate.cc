@@ -215,17 +215,17 @@ int cmd_generate(int argc, char** argv) {
                                      "either)"
                                    : ""));
 
-  req.prompt_field = f.given("prompt-ids") ? "--prompt-ids"
-                     : no_bos               ? "--prompt (as tokens)"
-                                            : "--prompt (as tokens, BOS included)";
+  req.prompt_field = "--prompt-ids";
   if (!f.given("prompt-ids")) {
     const Tokenizer* tok = (*engine)->tokenizer();
     if (!tok)
       return fail("--prompt: the checkpoint '" + model +
                   "' has no tokenizer.model; use --prompt-ids");
+    // The count in errors says whether a BOS is in it (a model may have none).
+    const int bos = no_bos ? -1 : resolve_bos_id((*engine)->config().bos_id, tok);
+    req.prompt_field = bos < 0 ? "--prompt (as tokens)" : "--prompt (as tokens, BOS included)";
     std::string error;
-    auto ids = encode_input(*tok, prompt,
-                            no_bos ? -1 : resolve_bos_id((*engine)->config().bos_id, tok), &error);
+    auto ids = encode_input(*tok, prompt, bos, &error);
     if (!ids) return fail("--prompt: " + error + "; use --prompt-ids");
     req.prompt_ids = *std::move(ids);
   }

@@ -77,6 +77,7 @@ int cmd_score(int argc, char** argv) {
   auto ck = load_checkpoint(model);
   if (!ck.ok()) return fail(std::string(ck.status().message()));
   const ModelConfig& c = ck->config;
+  int bos = -1;  // the id put before --text's tokens, if any
   if (!f.given("ids")) {
     if (ck->tokenizer_path.empty())
       return fail("--text: the checkpoint '" + model + "' has no tokenizer.model; use --ids");
@@ -84,14 +85,14 @@ int cmd_score(int argc, char** argv) {
     auto tok = Tokenizer::load(ck->tokenizer_path, &err, c.vocab_size);
     if (!tok) return fail(err);
     if (!check_tokenizer_fits(*tok, c.vocab_size, &err)) return fail(ck->tokenizer_path + ": " + err);
-    auto encoded =
-        encode_input(*tok, text, no_bos ? -1 : resolve_bos_id(c.bos_id, tok.get()), &err);
+    bos = no_bos ? -1 : resolve_bos_id(c.bos_id, tok.get());
+    auto encoded = encode_input(*tok, text, bos, &err);
     if (!encoded) return fail("--text: " + err + "; use --ids");
     ids = *std::move(encoded);
   }
   // The count names where the tokens came from (with the BOS --text starts with, as generate's).
   const std::string input = f.given("ids") ? "--ids"
-                            : no_bos       ? "--text (as tokens)"
+                            : bos < 0      ? "--text (as tokens)"
                                            : "--text (as tokens, BOS included)";
   if (ids.size() < 2)
     return fail(input + " has " + std::to_string(ids.size()) +

@@ -188,14 +188,6 @@ bool for_each_text_file(const std::vector<std::string>& paths, bool with_text,
   std::vector<std::string> candidates, others;
   for (const auto& p : paths)
     if (!expand(p, &candidates, &others, error, run_dirs)) return false;
-  std::sort(others.begin(), others.end());
-  for (std::string& path : others) {
-    if (why_skipped)
-      why_skipped->push_back("'" + path +
-                             "' is not a regular file (a FIFO, socket or device, or a link to one "
-                             "or to nothing)");
-    if (skipped) skipped->push_back(std::move(path));
-  }
   for (const auto& path : candidates) {
     std::string why;
     if (!skipped_by_name(path)) {
@@ -217,6 +209,17 @@ bool for_each_text_file(const std::vector<std::string>& paths, bool with_text,
     }
     if (skipped) skipped->push_back(path);
     if (why_skipped) why_skipped->push_back(std::move(why));
+  }
+  // After the files: by name first, as those are (a dangling ".u8" link says nothing more).
+  std::sort(others.begin(), others.end());
+  for (std::string& path : others) {
+    if (why_skipped)
+      why_skipped->push_back(skipped_by_name(path)
+                                 ? std::string()
+                                 : "'" + path +
+                                       "' is not a regular file (a FIFO, socket or device, or a "
+                                       "link to one or to nothing)");
+    if (skipped) skipped->push_back(std::move(path));
   }
   return true;
 }

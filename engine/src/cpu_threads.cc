@@ -148,24 +148,28 @@ double room(double limit, double used, double reclaimable) {
   return std::max(1.0, limit - used + std::max(0.0, reclaimable));
 }
 
-// cgroup v2: room under memory.max ("max" for none) above memory.current, with the inactive file
-// pages of memory.stat, which the kernel reclaims before it ends a process (a corpus just read
-// sits there).
+// The file pages of a memory.stat (active and inactive: the kernel takes both back before it
+// ends a process; a corpus read twice sits on the active list), keys prefixed `prefix`.
+double file_pages(const fs::path& stat, const std::string& prefix) {
+  return std::max(0.0, keyed(stat, prefix + "active_file")) +
+         std::max(0.0, keyed(stat, prefix + "inactive_file"));
+}
+
+// cgroup v2: room under memory.max ("max" for none) above memory.current, with the file pages
+// of memory.stat counted as free.
 double v2_memory_room(const fs::path& dir) {
   const auto max = words(dir / "memory.max"), current = words(dir / "memory.current");
   if (max.size() != 1 || current.size() != 1) return 0;
-  return room(positive(max[0]), nonnegative(current[0]),
-              keyed(dir / "memory.stat", "inactive_file"));
+  return room(positive(max[0]), nonnegative(current[0]), file_pages(dir / "memory.stat", ""));
 }
 
 // cgroup v1: the same from memory.limit_in_bytes (a huge number for none), memory.usage_in_bytes
-// and total_inactive_file.
+// and the total_ file pages.
 double v1_memory_room(const fs::path& dir) {
   const auto limit = words(dir / "memory.limit_in_bytes"),
              usage = words(dir / "memory.usage_in_bytes");
   if (limit.size() != 1 || usage.size() != 1) return 0;
-  return room(positive(limit[0]), nonnegative(usage[0]),
-              keyed(dir / "memory.stat", "total_inactive_file"));
+  return room(positive(limit[0]), nonnegative(usage[0]), file_pages(dir / "memory.stat", "total_"));
 }
 
 }  // namespace
@@ -185,6 +189,11 @@ int64_t available_memory_bytes(const std::string& cgroup_root, const std::string
       r > 0 && (best < 0 || r < best))
     best = r;
   return best < 0 ? -1 : int64_t(std::min(best, 0x1p62));
+}
+
+bool memory_left_for(int64_t bytes) {
+  const int64_t left = available_memory_bytes();
+  return left < 0 || bytes <= left - std::min(left / 10, int64_t(256) << 20);
 }
 
 namespace {

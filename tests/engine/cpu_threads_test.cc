@@ -75,7 +75,7 @@ TEST_F(CgroupLimit, V1CpuController) {
 }
 
 // The memory left: MemAvailable, capped by the room under the tightest cgroup memory limit, where
-// the inactive file pages count as free (the kernel takes them back first).
+// the file pages, active and inactive, count as free (the kernel takes them back first).
 class MemoryLeft : public CgroupLimit {
  protected:
   int64_t available(const std::string& self_cgroup, const std::string& meminfo) {
@@ -101,10 +101,11 @@ TEST_F(MemoryLeft, V2TightestRoomWithInactiveFilePagesFree) {
   put("memory.max", "max");
   put("a/memory.max", std::to_string(8 * kGiB));
   put("a/memory.current", std::to_string(6 * kGiB));
-  put("a/memory.stat", "anon 100\ninactive_file " + std::to_string(kGiB) + "\nactive_file 5");
+  put("a/memory.stat", "anon 100\ninactive_file " + std::to_string(kGiB) + "\nactive_file " +
+                           std::to_string(kGiB) + "\nactive_anon 7");
   put("a/b/memory.max", std::to_string(16 * kGiB));
   put("a/b/memory.current", std::to_string(kGiB));
-  EXPECT_EQ(available("0::/a/b", meminfo_), 3 * kGiB);  // a's 8 − 6 + 1
+  EXPECT_EQ(available("0::/a/b", meminfo_), 4 * kGiB);  // a's 8 − 6 + 1 + 1
   // A group at its limit has almost no room, not "no limit".
   put("a/b/memory.max", std::to_string(kGiB));
   EXPECT_EQ(available("0::/a/b", meminfo_), 1);
@@ -113,17 +114,19 @@ TEST_F(MemoryLeft, V2TightestRoomWithInactiveFilePagesFree) {
   put("a/memory.max", std::to_string(64 * kGiB));
   EXPECT_EQ(available("0::/a/b", meminfo_), 20 * kGiB);
   // Only the cgroup's: without /proc/meminfo.
-  EXPECT_EQ(available("0::/a/b", "nothing"), 59 * kGiB);
+  EXPECT_EQ(available("0::/a/b", "nothing"), 60 * kGiB);
 }
 
 TEST_F(MemoryLeft, V1MemoryController) {
   put("memory/kubepods/pod1/memory.limit_in_bytes", std::to_string(4 * kGiB));
   put("memory/kubepods/pod1/memory.usage_in_bytes", std::to_string(3 * kGiB));
-  put("memory/kubepods/pod1/memory.stat", "cache 7\ntotal_inactive_file " + std::to_string(kGiB));
+  put("memory/kubepods/pod1/memory.stat", "cache 7\ninactive_file 9\ntotal_inactive_file " +
+                                              std::to_string(kGiB) + "\ntotal_active_file " +
+                                              std::to_string(kGiB / 2));
   put("memory/kubepods/memory.limit_in_bytes", "9223372036854771712");  // v1's "none"
   put("memory/kubepods/memory.usage_in_bytes", std::to_string(5 * kGiB));
   const std::string self = "12:memory:/kubepods/pod1\n4:cpu,cpuacct:/kubepods/pod1\n0::/\n";
-  EXPECT_EQ(available(self, meminfo_), 2 * kGiB);
+  EXPECT_EQ(available(self, meminfo_), 2 * kGiB + kGiB / 2);  // 4 − 3 + 1 + 0.5
 }
 
 TEST(CpuThreads, AskedIsTakenAsGiven) {

@@ -127,13 +127,18 @@ TEST_F(CorpusTest, EntriesThatAreNotFilesAreSkippedAndSaidWhy) {
   ASSERT_EQ(::mkfifo((d + "/pipe.txt").c_str(), 0644), 0);
   fs::create_symlink("/dev/zero", d + "/zero.txt");
   fs::create_symlink(d + "/missing", d + "/gone.txt");
+  fs::create_symlink(d + "/missing", d + "/gone.u8");  // skipped by its name, as a file would be
+  write_file(d + "/latin1", "caf\xE9\n");
   std::vector<std::string> files, skipped, why;
   std::string error;
   ASSERT_TRUE(collect_text_files({d}, &files, &error, &skipped, &why)) << error;
   EXPECT_EQ(files, std::vector<std::string>{d + "/text.txt"});
-  EXPECT_EQ(skipped, (std::vector<std::string>{d + "/gone.txt", d + "/pipe.txt", d + "/zero.txt"}));
-  ASSERT_EQ(why.size(), 3u);
-  EXPECT_EQ(why[1], "'" + d +
+  // After the files skipped for their contents, which a note names first.
+  EXPECT_EQ(skipped, (std::vector<std::string>{d + "/latin1", d + "/gone.txt", d + "/gone.u8",
+                                               d + "/pipe.txt", d + "/zero.txt"}));
+  ASSERT_EQ(why.size(), 5u);
+  EXPECT_EQ(why[2], "");
+  EXPECT_EQ(why[3], "'" + d +
                         "/pipe.txt' is not a regular file (a FIFO, socket or device, or a "
                         "link to one or to nothing)");
 }

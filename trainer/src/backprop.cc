@@ -62,6 +62,7 @@ class Arena {
     taken_ = 0;
   }
   int64_t taken() const { return taken_; }  // floats, since the last rewind
+  int64_t held() const { return held_; }    // floats, in all chunks
   float* take(int64_t n) {
     n = (n + 15) / 16 * 16;  // 64-byte aligned offsets
     taken_ += n;
@@ -73,10 +74,10 @@ class Arena {
       // A batch too large for the memory left is refused here, before its pages are touched: it
       // grew until the kernel's out-of-memory killer ended the run (or another process) minutes
       // later, each chunk's allocation succeeding.
-      const int64_t floats = std::max(n, kChunk), left = available_memory_bytes();
-      if (left >= 0 && floats * int64_t(sizeof(float)) + kReserveBytes > left)
-        throw std::bad_alloc();
+      const int64_t floats = std::max(n, kChunk);
+      if (!memory_left_for(floats * int64_t(sizeof(float)))) throw std::bad_alloc();
       chunks_.emplace_back(size_t(floats));
+      held_ += floats;
     }
     float* p = chunks_[cur_].data() + used_;
     used_ += n;
@@ -85,11 +86,9 @@ class Arena {
 
  private:
   static constexpr int64_t kChunk = int64_t(1) << 22;  // floats (16 MiB)
-  // What a chunk leaves to the rest of the process and the machine.
-  static constexpr int64_t kReserveBytes = int64_t(256) << 20;
   std::deque<std::vector<float>> chunks_;              // deque: chunks never move
   size_t cur_ = 0;
-  int64_t used_ = 0, taken_ = 0;
+  int64_t used_ = 0, taken_ = 0, held_ = 0;
 };
 
 // What one sub-layer keeps for its backward (see the file comment); per-step lists for CEM.
@@ -540,9 +539,10 @@ thread_local Arena arena;  // forward_backward's working memory on this thread
 
 double forward_backward(const ModelConfig& c, const Weights& w, const Weights& grads,
                         const int* ids, int batch, int seq_len, int T, float loss_scale) {
-  // Refused before any of it is taken, as the arena refuses its chunks.
-  if (const int64_t left = available_memory_bytes();
-      left >= 0 && forward_backward_min_bytes(c, batch, seq_len, T) > left)
+  // Refused before any of it is taken, as the arena refuses its chunks: what the arena holds from
+  // earlier calls is in use already, not needed again.
+  if (!memory_left_for(forward_backward_min_bytes(c, batch, seq_len, T) -
+                       arena.held() * int64_t(sizeof(float))))
     throw std::bad_alloc();
   arena.rewind();
   Backprop bp(c, w, grads, ids, batch, seq_len, T, arena);
@@ -564,8 +564,12 @@ int64_t forward_backward_min_bytes(const ModelConfig& c, int batch, int seq_len,
   floats +=
       L * (c.mlp == MlpType::kCem ? F + T * (F + (c.mlp_precond_rank > 0 ? D : 0)) + (T - 1) * D
                                   : 2 * F);
-  // Each row's id, position, step size and LEV slot.
-  return int64_t(batch) * seq_len * (floats * int64_t(sizeof(float)) + 16);
+  // Each row's id, position, step size and LEV slot; past int64 (no machine's), its largest.
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(int64_t(batch) * seq_len, floats * int64_t(sizeof(float)) + 16,
+                             &bytes))
+    return INT64_MAX;
+  return bytes;
 }
 
 int64_t last_forward_backward_floats() { return arena.taken(); }

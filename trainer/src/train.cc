@@ -86,38 +86,42 @@ bool finite_step(const StepMetrics& m, double clip) {
          update_norm(m, clip) <= kMaxUpdateNorm;
 }
 
+// What a run that ends in error leaves: said only where a checkpoint is there to keep.
+const char* kept(bool saved) {
+  return saved ? " (the last checkpoint is kept)" : " (no checkpoint was saved yet)";
+}
+
 // Weights whose validation loss is not finite are not saved: a healthy model's log-softmax is
 // finite whatever its logits. A damaged optimizer state that passes --resume's checks (a finite
 // but absurd first moment) made one update that ruined the model, and the run then wrote it over
 // the good checkpoint and exited 0.
-absl::Status finite_eval(const EvalMetrics& e) {
+absl::Status finite_eval(const EvalMetrics& e, bool saved) {
   for (const auto& [T, loss] : e.loss)
     if (!std::isfinite(loss))
       return absl::InternalError(absl::StrCat(
           "training diverged: the validation loss at step ", e.step, " is not finite at T = ", T,
-          "; nothing saved (the last checkpoint is kept): resume from a good copy, or lower "
-          "--lr or --clip"));
+          "; nothing saved", kept(saved), ": resume from a good copy, or lower --lr or --clip"));
   return absl::OkStatus();
 }
 
-absl::Status diverged(const StepMetrics& m, double clip) {
+absl::Status diverged(const StepMetrics& m, double clip, bool saved) {
   if (std::isfinite(m.loss) && std::isfinite(m.grad_norm))
     return absl::InternalError(absl::StrCat(
         "training diverged: the gradient norm at step ", m.step, " is ", update_norm(m, clip),
         ", past the ", kMaxUpdateNorm, " whose squares AdamW's float moments hold (the loss is ",
-        m.loss, "); clip it with --clip (the last checkpoint is kept)"));
+        m.loss, "); clip it with --clip", kept(saved)));
   const std::string what = std::isfinite(m.loss)
                                ? absl::StrCat("the gradient norm at step ", m.step,
                                               " is not finite (the loss is ", m.loss, ")")
                                : absl::StrCat("the loss at step ", m.step, " is not finite");
-  return absl::InternalError(absl::StrCat("training diverged: ", what,
-                                          "; lower --lr or --clip (the last checkpoint is kept)"));
+  return absl::InternalError(
+      absl::StrCat("training diverged: ", what, "; lower --lr or --clip", kept(saved)));
 }
 
 // A training step that does not fit in memory: found before training (`step` < 0; `needed`, the
 // bytes a step takes at least), or at a step (forward_backward refuses it before its pages are
-// taken).
-absl::Status out_of_memory(const TrainOptions& o, int64_t step, int64_t needed = 0) {
+// taken), where `saved` says whether a checkpoint is kept.
+absl::Status out_of_memory(const TrainOptions& o, int64_t step, bool saved, int64_t needed = 0) {
   const int64_t left = available_memory_bytes();
   return absl::ResourceExhaustedError(absl::StrCat(
       "out of memory", step >= 0 ? absl::StrCat(" at training step ", step + 1) : "",
@@ -128,7 +132,7 @@ absl::Status out_of_memory(const TrainOptions& o, int64_t step, int64_t needed =
       left >= 0 ? absl::StrCat(left >> 20, " MiB") : std::string("unknown"),
       " on this machine or under its cgroup's limit; less under a ulimit -v); lower --batch-size "
       "(a larger --accum keeps the tokens per step) or --seq-len",
-      step > 0 ? " (the last checkpoint is kept)" : ""));
+      step >= 0 ? kept(saved) : ""));
 }
 
 // The options of `now` that differ from `saved` (a resumed run's), as "--flag saved → now", in
@@ -613,10 +617,10 @@ absl::Status Trainer::check_against_model() {
   // A batch too large for the memory left is refused before the tokenizer and the data: its
   // step's activations grew until the kernel's out-of-memory killer ended the run minutes later.
   const int64_t step_bytes =
-      int64_t(o_.batch_size) * o_.seq_len * int64_t(sizeof(int32_t)) +
-      forward_backward_min_bytes(cfg_, o_.batch_size, o_.seq_len, o_.train_recursion.max);
-  if (const int64_t left = available_memory_bytes(); left >= 0 && step_bytes > left)
-    return out_of_memory(o_, -1, step_bytes);
+      std::min<int64_t>(INT64_MAX / 2, forward_backward_min_bytes(cfg_, o_.batch_size, o_.seq_len,
+                                                                  o_.train_recursion.max)) +
+      int64_t(o_.batch_size) * o_.seq_len * int64_t(sizeof(int32_t));
+  if (!memory_left_for(step_bytes)) return out_of_memory(o_, -1, false, step_bytes);
   eval_T_.clear();
   for (int T : o_.eval_recursion)
     if (T <= cfg_.recursion_max) eval_T_.push_back(T);
@@ -936,7 +940,8 @@ absl::StatusOr<CorpusFiles> Trainer::list_data() const {
     info(absl::StrCat("note: --data: ", n, n == 1 ? " file" : " files",
                       " left out: ", absl::StrJoin(named, "; "),
                       n > kNamed ? absl::StrCat("; and ", n - kNamed, " more") : "",
-                      " (convert a text file to UTF-8, e.g. with iconv, to train on it)"));
+                      " (text in another encoding can be converted to UTF-8, e.g. with iconv, to "
+                      "train on it)"));
   }
   if (const std::vector<std::string>& others = corpus.run_dirs; !others.empty())
     info(absl::StrCat(
@@ -959,7 +964,9 @@ absl::StatusOr<CorpusFiles> Trainer::list_data() const {
       }
     return absl::InvalidArgumentError(absl::StrCat(
         "--data: no UTF-8 text file in ", absl::StrJoin(o_.data, ", "), " (", corpus.skipped.size(),
-        " files skipped as .dat/.u8, binary, not UTF-8 or this run's own output)", inside));
+        " files skipped as .dat/.u8, binary, not UTF-8, not regular files or this run's own "
+        "output)",
+        inside));
   }
   return corpus;
 }
@@ -1053,11 +1060,11 @@ absl::StatusOr<TrainSummary> Trainer::run() {
     try {
       m = step();
     } catch (const std::bad_alloc&) {
-      return out_of_memory(o_, step_);
+      return out_of_memory(o_, step_, fs::exists(in_out(kConfigFile), ec));
     }
     train_s_ += seconds_since(t0);
     ++steps_run_;
-    if (!finite_step(m, o_.clip)) return diverged(m, o_.clip);
+    if (!finite_step(m, o_.clip)) return diverged(m, o_.clip, fs::exists(in_out(kConfigFile), ec));
     const double step_s = train_s_ / double(steps_run_);
     m.tokens_per_s = double(steps_run_) * o_.accum * o_.batch_size * o_.seq_len / train_s_;
     m.elapsed_s = prior_elapsed_s_ + seconds_since(start_);
@@ -1074,7 +1081,7 @@ absl::StatusOr<TrainSummary> Trainer::run() {
       eval_measured = evaluated = true;
       log_.add(summary.last_eval);
       if (cb_.on_eval) cb_.on_eval(summary.last_eval);
-      return finite_eval(summary.last_eval);
+      return finite_eval(summary.last_eval, fs::exists(in_out(kConfigFile), ec));
     };
     if (o_.max_minutes > 0 && step_ < o_.steps) {
       const double budget_s = o_.max_minutes * 60;
@@ -1106,7 +1113,9 @@ absl::StatusOr<TrainSummary> Trainer::run() {
       const Clock::time_point s0 = Clock::now();
       // A save between evaluations checks one batch of validation windows (a step's forward at
       // each depth), so that weights ruined since the last evaluation are not saved either.
-      if (!evaluated) CEMLM_RETURN_IF_ERROR(finite_eval(evaluate(o_.batch_size)));
+      if (!evaluated)
+        CEMLM_RETURN_IF_ERROR(
+            finite_eval(evaluate(o_.batch_size), fs::exists(in_out(kConfigFile), ec)));
       CEMLM_RETURN_IF_ERROR(save());
       budget.save_s = seconds_since(s0);
       if (stop_after(true)) stop = true;  // asked for during the save: the run is saved

@@ -43,10 +43,14 @@ double cgroup_cpu_limit(const std::string& cgroup_root = "/sys/fs/cgroup",
 // The bytes this process may still take before the kernel's (or its cgroup's) out-of-memory
 // killer ends something: /proc/meminfo's MemAvailable, capped by the room left under the
 // tightest cgroup memory limit of its group and their ancestors (v2 memory.max less
-// memory.current, or v1's limit_in_bytes less usage_in_bytes; their inactive file pages counted
-// as free); -1 when neither can be read. The paths are parameters for tests.
+// memory.current, or v1's limit_in_bytes less usage_in_bytes; their file pages, which the
+// kernel takes back before it kills, counted as free); -1 when neither can be read. The paths are
+// parameters for tests.
 int64_t available_memory_bytes(const std::string& cgroup_root = "/sys/fs/cgroup",
                                const std::string& self_cgroup = "/proc/self/cgroup",
                                const std::string& meminfo = "/proc/meminfo");
+// Whether `bytes` more can be taken leaving a margin (a tenth of what is left, at most 256 MiB)
+// to the rest of the process and the machine; true when available_memory_bytes cannot tell.
+bool memory_left_for(int64_t bytes);
 
 }  // namespace cemlm

@@ -886,6 +886,13 @@ TEST(Train, AConfigBosThatIsATextPieceIsNoted) {
   EXPECT_EQ(lines.find("eos_id"), std::string::npos) << lines;
   EXPECT_EQ(lines_with(R"(, "bos_id": 1, "eos_id": 2)", "own").find("note: the config's"),
             std::string::npos);
+  // Past the tokenizer's pieces (a model's vocabulary larger than them): no text encodes to it
+  // (it decodes like the unknown id, " ⁇ ", and was taken for a text piece).
+  o.vocab_size = 290;
+  lines_with("", "tok290");  // a tokenizer of 290 pieces
+  o.vocab_size = 0;
+  o.tokenizer_path = dir + "/tok290/tokenizer.model";  // for the config's 300 ids
+  EXPECT_EQ(lines_with(R"(, "bos_id": 299)", "past").find("note: the config's"), std::string::npos);
 }
 
 TEST(Train, DamagedSavedOptionsNameTheKey) {

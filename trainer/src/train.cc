@@ -642,7 +642,8 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   // documents with a token their text holds as well: said, since nothing else would.
   for (const auto& [field, id, own] : {std::tuple{"bos_id", cfg_.bos_id, tokenizer->bos_id()},
                                        std::tuple{"eos_id", cfg_.eos_id, tokenizer->eos_id()}})
-    if (const int one[] = {id}; id >= 0 && id != own && !tokenizer->decode(one).empty())
+    if (const int one[] = {id};
+        id >= 0 && id != own && id < tokenizer->vocab_size() && !tokenizer->decode(one).empty())
       info(absl::StrCat("note: the config's ", field, " ", id, " is the tokenizer's piece '",
                         absl::CHexEscape(tokenizer->id_to_piece(id)),
                         "', which text encodes to as well (the tokenizer's own is ", own,

@@ -4,6 +4,7 @@
 #include "cemlm/trainer/train.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +26,7 @@
 #include "cemlm/engine/corpus.h"
 #include "cemlm/engine/safetensors.h"
 #include "cemlm/engine/tokenizer.h"
+#include "cemlm/trainer/backprop.h"
 #include "cemlm/trainer/data.h"
 #include "nlohmann/json.hpp"
 #include "tiny_models.h"
@@ -243,6 +245,32 @@ TEST(Train, ResumeOnAnotherThreadCountSaysSo) {
 }
 
 // --train-recursion MIN-MAX draws every depth of the range, both ends included.
+// A run whose T varies lays out a step's working memory at its largest T before the first step:
+// a later step at a larger T than those before it took more (its takes skipped chunks laid out
+// for a smaller T), up to a fifth more, and a run that fit at its largest T was refused there.
+TEST(Train, AVaryingDepthTakesItsWorkingMemoryOnceBeforeTheFirstStep) {
+  TrainOptions o = tiny_options(fresh_dir());
+  o.train_recursion = {1, 4};
+  o.steps = 8;
+  o.seed = 7;
+  o.batch_size = 256;  // 16,384 rows: a step's memory spans several 16 MiB chunks
+  o.seq_len = 64;
+  std::vector<int64_t> held;
+  std::vector<int> depths;
+  TrainCallbacks cb;
+  cb.on_step = [&](const StepMetrics& m) {
+    held.push_back(forward_backward_held_bytes());
+    depths.push_back(m.T);
+    return true;
+  };
+  ASSERT_TRUE(train(o, cb).ok());
+  ASSERT_EQ(held.size(), 8u);
+  // The draws climb past the first step's T (else this run tells nothing).
+  ASSERT_LT(depths[0], *std::max_element(depths.begin(), depths.end()));
+  for (size_t i = 1; i < held.size(); ++i)
+    EXPECT_EQ(held[i], held[0]) << "step " << i + 1 << " at T " << depths[i];
+}
+
 TEST(Train, TrainingDepthsCoverTheirWholeRange) {
   TrainOptions o = tiny_options(fresh_dir());
   o.steps = 30;
@@ -292,7 +320,20 @@ TEST(Train, DataFilesLeftOutForTheirContentsAreNamed) {
                        "/text/notes.txt' is not UTF-8 text: invalid UTF-8 at byte offset 2"),
             std::string::npos)
       << lines;
+  EXPECT_NE(lines.find("(convert a text file to UTF-8, e.g. with iconv"), std::string::npos)
+      << lines;
   EXPECT_NE(lines.find("data: 2 files"), std::string::npos) << lines;
+  // A FIFO is left out too, named, without the advice to convert it.
+  fs::remove(dir + "/text/notes.txt");
+  ASSERT_EQ(::mkfifo((dir + "/text/pipe.txt").c_str(), 0644), 0);
+  o.out_dir = dir + "/run2";
+  lines.clear();
+  ASSERT_TRUE(train(o, cb).ok());
+  EXPECT_NE(lines.find("note: --data: 1 file left out: '" + dir +
+                       "/text/pipe.txt' is not a regular file"),
+            std::string::npos)
+      << lines;
+  EXPECT_EQ(lines.find("iconv"), std::string::npos) << lines;
 }
 
 // Another run's checkpoint under --data is left out, and the run names it (its JSON and SVG were
@@ -886,6 +927,8 @@ TEST(Train, AConfigBosThatIsATextPieceIsNoted) {
   EXPECT_EQ(lines.find("eos_id"), std::string::npos) << lines;
   EXPECT_EQ(lines_with(R"(, "bos_id": 1, "eos_id": 2)", "own").find("note: the config's"),
             std::string::npos);
+  // The unknown id: with byte pieces, no text encodes to it.
+  EXPECT_EQ(lines_with(R"(, "bos_id": 0)", "unk").find("note: the config's"), std::string::npos);
   // Past the tokenizer's pieces (a model's vocabulary larger than them): no text encodes to it
   // (it decodes like the unknown id, " ⁇ ", and was taken for a text piece).
   o.vocab_size = 290;

@@ -573,6 +573,7 @@ int64_t forward_backward_min_bytes(const ModelConfig& c, int batch, int seq_len,
 }
 
 int64_t last_forward_backward_floats() { return arena.taken(); }
+int64_t forward_backward_held_bytes() { return arena.held() * int64_t(sizeof(float)); }
 
 double forward_loss(const ModelConfig& c, const Weights& w, const int* ids, int batch, int seq_len,
                     int T) {

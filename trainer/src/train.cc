@@ -642,11 +642,13 @@ absl::Status Trainer::load_data(const CorpusFiles& corpus) {
   // documents with a token their text holds as well: said, since nothing else would.
   for (const auto& [field, id, own] : {std::tuple{"bos_id", cfg_.bos_id, tokenizer->bos_id()},
                                        std::tuple{"eos_id", cfg_.eos_id, tokenizer->eos_id()}})
-    if (const int one[] = {id};
-        id >= 0 && id != own && id < tokenizer->vocab_size() && !tokenizer->decode(one).empty())
+    if (const int one[] = {id}; id >= 0 && id != own && id < tokenizer->vocab_size() &&
+                                id != tokenizer->unk_id() && !tokenizer->decode(one).empty())
       info(absl::StrCat("note: the config's ", field, " ", id, " is the tokenizer's piece '",
                         absl::CHexEscape(tokenizer->id_to_piece(id)),
-                        "', which text encodes to as well (the tokenizer's own is ", own,
+                        "', which text encodes to as well (",
+                        own >= 0 ? absl::StrCat("the tokenizer's own is ", own)
+                                 : std::string("the tokenizer has none of its own"),
                         "): the documents' marks cannot be told from that text; leave ", field,
                         " out of the config to use the tokenizer's"));
   CEMLM_ASSIGN_OR_RETURN(
@@ -938,11 +940,14 @@ absl::StatusOr<CorpusFiles> Trainer::list_data() const {
     const size_t n = corpus.not_text.size();
     const std::vector<std::string> named(corpus.not_text.begin(),
                                          corpus.not_text.begin() + std::min(n, kNamed));
-    info(absl::StrCat("note: --data: ", n, n == 1 ? " file" : " files",
-                      " left out: ", absl::StrJoin(named, "; "),
-                      n > kNamed ? absl::StrCat("; and ", n - kNamed, " more") : "",
-                      " (text in another encoding can be converted to UTF-8, e.g. with iconv, to "
-                      "train on it)"));
+    // (The hint where a file was left out for its bytes, not for being a FIFO or a device.)
+    const bool bytes = std::any_of(
+        corpus.not_text.begin(), corpus.not_text.end(),
+        [](const std::string& why) { return absl::StrContains(why, "' is not UTF-8 text: "); });
+    info(absl::StrCat(
+        "note: --data: ", n, n == 1 ? " file" : " files", " left out: ", absl::StrJoin(named, "; "),
+        n > kNamed ? absl::StrCat("; and ", n - kNamed, " more") : "",
+        bytes ? " (convert a text file to UTF-8, e.g. with iconv, to train on it)" : ""));
   }
   if (const std::vector<std::string>& others = corpus.run_dirs; !others.empty())
     info(absl::StrCat(
@@ -1055,6 +1060,20 @@ absl::StatusOr<TrainSummary> Trainer::run() {
   // Before the first save: the weights and both moments written at ~200 MB/s.
   budget.save_s = double(params_.size()) * 4 * 3 / 2e8;
   batch_ids_.resize(size_t(o_.batch_size) * o_.seq_len);
+  // A run whose T varies lays out a step's working memory at its largest T first (a step's
+  // forward and backward on the data's first tokens, its gradients then discarded): a step at a
+  // larger T than the steps before it grew the layout (its takes skipped chunks laid out for
+  // another T), up to a fifth more memory, and a run that fits at its largest T was refused at
+  // that step. A run that does not fit is refused here, before training.
+  if (const RecursionRange& r = o_.train_recursion; r.min < r.max && step_ < o_.steps) {
+    for (int b = 0; b < o_.batch_size; ++b)
+      std::copy_n(data_.train.begin(), o_.seq_len, batch_ids_.begin() + int64_t(b) * o_.seq_len);
+    try {
+      forward_backward(cfg_, w_, gw_, batch_ids_.data(), o_.batch_size, o_.seq_len, r.max);
+    } catch (const std::bad_alloc&) {
+      return out_of_memory(o_, -1, false);
+    }
+  }
   while (step_ < o_.steps && !stop) {
     const Clock::time_point t0 = Clock::now();
     StepMetrics m;

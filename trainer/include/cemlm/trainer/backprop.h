@@ -21,8 +21,10 @@ double forward_backward(const ModelConfig& c, const Weights& w, const Weights& g
 // keeps of each row for the backward (trainer/src/backprop.cc's list) and its sub-layer buffers;
 // not the head's logits (256 rows at a time), the scratch, nor LEV's table of the batch's ids.
 int64_t forward_backward_min_bytes(const ModelConfig& c, int batch, int seq_len, int T);
-// The floats the last forward_backward on this thread took from its working memory.
+// The floats the last forward_backward on this thread took from its working memory, and the
+// bytes that memory holds (kept for the next call).
 int64_t last_forward_backward_floats();
+int64_t forward_backward_held_bytes();
 // Loss only (no gradient), same definition, computed with the engine's forward (CpuModel).
 double forward_loss(const ModelConfig& c, const Weights& w, const int* ids, int batch, int seq_len,
                     int T);

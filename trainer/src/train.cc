@@ -88,7 +88,7 @@ bool finite_step(const StepMetrics& m, double clip) {
 
 // What a run that ends in error leaves: said only where a checkpoint is there to keep.
 const char* kept(bool saved) {
-  return saved ? " (the last checkpoint is kept)" : " (no checkpoint was saved yet)";
+  return saved ? " (the last checkpoint is kept)" : " (the run saved no checkpoint)";
 }
 
 // Weights whose validation loss is not finite are not saved: a healthy model's log-softmax is

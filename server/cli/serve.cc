@@ -253,6 +253,17 @@ int serve(const ServeFlags& f, sigset_t* signals) {
     return prometheus::TextSerializer().Serialize(metrics->Collect());
   });
   if (!metrics_http.ok()) return fail(metrics_http.status());
+  // Before the server: gRPC's file watcher reads the watch's copies of the files.
+  std::optional<TlsFileWatch> tls_watch;
+  if (tls) {
+    tls_watch.emplace(*tls, opts.tls_reload_interval_s,
+                      [metrics](double end) { metrics->set_tls_certificate_end(end); });
+    if (!tls_watch->started().ok()) return fail(tls_watch->started());
+    opts.tls_cert_path = tls_watch->served_cert_path();
+    opts.tls_key_path = tls_watch->served_key_path();
+    // gRPC reads the copies (in memory) every second; the files are read at each look.
+    if (opts.tls_reload_interval_s > 0) opts.tls_reload_interval_s = 1;
+  }
   auto server = server::InferenceServer::start(opts, metrics.get());
   if (!server.ok()) return fail(server.status());
   const int metrics_port = (*metrics_http)->port();
@@ -285,12 +296,8 @@ int serve(const ServeFlags& f, sigset_t* signals) {
       spdlog::info("{}: api keys read again from {}: {} keys", why, key_file->path(), n);
     }
   };
-  // With --tls-reload-interval, the TLS files are looked at as often as gRPC reads them, so
-  // that the log says what new connections get (gRPC's watcher logs only failures to read).
-  std::optional<TlsFileWatch> tls_watch;
-  if (tls)
-    tls_watch.emplace(*tls, opts.tls_reload_interval_s,
-                      [metrics](double end) { metrics->set_tls_certificate_end(end); });
+  // With --tls-reload-interval, the TLS files are looked at that often; each look puts what they
+  // hold in the copies gRPC serves new connections from, and logs what those get.
   // The files looked at every so many seconds, from this thread between signals.
   struct Look {
     int interval_s;

@@ -1,10 +1,15 @@
 #include "tls_files.h"
 
+#include <fcntl.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <memory>
@@ -12,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cemlm/engine/status.h"
 
 namespace cemlm::cli {
 namespace {
@@ -174,7 +180,60 @@ absl::StatusOr<TlsFiles> read_tls_files(const std::string& cert_path, const std:
 TlsFileWatch::TlsFileWatch(TlsFiles served, unsigned interval_s,
                            std::function<void(double)> report_end)
     : seen_(std::move(served)), interval_s_(interval_s), report_end_(std::move(report_end)) {
+  start_ = publish();
   check_dates();
+}
+
+TlsFileWatch::~TlsFileWatch() {
+  for (int fd : {cert_fd_, key_fd_})
+    if (fd >= 0) ::close(fd);
+}
+
+std::string TlsFileWatch::served_cert_path() const {
+  return absl::StrCat("/proc/self/fd/", cert_fd_);
+}
+std::string TlsFileWatch::served_key_path() const {
+  return absl::StrCat("/proc/self/fd/", key_fd_);
+}
+
+namespace {
+
+// A memory file holding `bytes`, put in place of `*fd` in one step (dup3), so that a reader of
+// "/proc/self/fd/N" gets the old bytes or the new ones.
+absl::Status replace_memory_file(int* fd, const std::string& bytes) {
+  const int made = ::memfd_create("cemlm-tls", MFD_CLOEXEC);
+  if (made < 0)
+    return absl::InternalError(absl::StrCat(
+        "TLS: cannot make a memory file for the copy gRPC reads: ", std::strerror(errno)));
+  for (size_t at = 0; at < bytes.size();) {
+    const ssize_t n = ::write(made, bytes.data() + at, bytes.size() - at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = errno;
+      ::close(made);
+      return absl::InternalError(
+          absl::StrCat("TLS: cannot write the copy gRPC reads: ", std::strerror(e)));
+    }
+    at += size_t(n);
+  }
+  if (*fd < 0) {
+    *fd = made;
+    return absl::OkStatus();
+  }
+  const bool replaced = ::dup3(made, *fd, O_CLOEXEC) == *fd;
+  const int e = errno;
+  ::close(made);
+  if (!replaced)
+    return absl::InternalError(
+        absl::StrCat("TLS: cannot replace the copy gRPC reads: ", std::strerror(e)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status TlsFileWatch::publish() {
+  CEMLM_RETURN_IF_ERROR(replace_memory_file(&cert_fd_, seen_.cert_pem));
+  return replace_memory_file(&key_fd_, seen_.key_pem);
 }
 
 absl::Status TlsFileWatch::read(TlsFiles* now) const {
@@ -189,7 +248,13 @@ absl::Status TlsFileWatch::read(TlsFiles* now) const {
 
 void TlsFileWatch::poll() {
   TlsFiles now{seen_.cert_path, seen_.key_path, "", ""};
-  if (absl::Status st = read(&now); !st.ok()) {
+  absl::Status st = read(&now);
+  // An empty file is one being written (cp truncates first) or emptied: never a pair to serve.
+  if (st.ok() && (now.cert_pem.empty() || now.key_pem.empty()))
+    st = absl::FailedPreconditionError(
+        absl::StrCat(now.cert_pem.empty() ? "--tls-cert '" : "--tls-key '",
+                     now.cert_pem.empty() ? now.cert_path : now.key_path, "' is empty"));
+  if (!st.ok()) {
     // gRPC keeps what it read last until the files can be read again: nothing changes.
     if (std::string(st.message()) != read_error_)
       spdlog::warn("TLS: {} (now); new connections go on getting what the files held before",
@@ -202,12 +267,13 @@ void TlsFileWatch::poll() {
     if (error_.empty()) check_dates();
     return;
   }
-  absl::Status st = check_pair(now);
+  st = check_pair(now);
   if (!st.ok()) {
     // The two files are read one after the other: a rotation landing between the reads pairs
     // one's new file with the other's old one. A second read settles it.
     TlsFiles again{now.cert_path, now.key_path, "", ""};
-    if (read(&again).ok() && (again.cert_pem != now.cert_pem || again.key_pem != now.key_pem)) {
+    if (read(&again).ok() && !again.cert_pem.empty() && !again.key_pem.empty() &&
+        (again.cert_pem != now.cert_pem || again.key_pem != now.key_pem)) {
       now = std::move(again);
       if (now.cert_pem == seen_.cert_pem && now.key_pem == seen_.key_pem) return;
       st = check_pair(now);
@@ -215,6 +281,11 @@ void TlsFileWatch::poll() {
   }
   seen_ = std::move(now);
   dates_ = -1;
+  // What gRPC serves from now on (within its next read, a second): a pair that cannot serve as
+  // well, which fails new connections as the files themselves did.
+  if (absl::Status published = publish(); !published.ok())
+    spdlog::error("{}; new connections go on getting what the files held before",
+                  std::string(published.message()));
   if (!st.ok()) {
     report_end_(0);
     // Once per distinct problem, not at every look.
@@ -230,7 +301,7 @@ void TlsFileWatch::poll() {
   const X509Ptr c = first_certificate(seen_.cert_pem);
   spdlog::info(
       "TLS: --tls-cert '{}' and --tls-key changed: connections made from now on get the "
-      "certificate of {}, valid until {} (gRPC takes the files within {} s of a change)",
+      "certificate of {}, valid until {} (the files are read every {} s)",
       seen_.cert_path, subject_of(c.get()), text_of(X509_get0_notAfter(c.get())), interval_s_);
   check_dates();
 }

@@ -1775,6 +1775,18 @@ TEST(ServerTls, ARenewedCertificateServesWithoutARestart) {
   EXPECT_TRUE(exports_certificate_end(*server, not_after_of(new_pair + "/cert.pem")));
   EXPECT_TRUE(serves_certificate_of(*server, new_pair, true)) << server->log();
 
+  // An empty file (one being copied over: cp truncates it first) is no pair: the server goes on
+  // serving what it had. gRPC read the files itself, and an empty key ended the process on an
+  // assertion in its TLS code (SIGABRT).
+  std::ofstream(live + "/key.pem", std::ios::trunc).close();
+  EXPECT_TRUE(log_says(*server, "TLS: --tls-key '" + live + "/key.pem' is empty (now)"))
+      << server->log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // gRPC's reads, a second apart
+  EXPECT_TRUE(serves_certificate_of(*server, new_pair, true)) << server->log();
+  EXPECT_TRUE(generate(server->channel(), valid_request()).status.ok());
+  std::filesystem::copy_file(new_pair + "/key.pem", live + "/key.pem",
+                             std::filesystem::copy_options::overwrite_existing);
+
   std::ofstream(live + "/cert.pem") << "not a certificate\n";
   EXPECT_TRUE(serves_certificate_of(*server, new_pair, false));
   EXPECT_TRUE(log_says(*server, "TLS: the files changed: --tls-cert '" + live +

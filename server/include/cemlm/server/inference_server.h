@@ -30,7 +30,8 @@ struct ServerOptions {
   ApiKeys api_keys;
   std::string tls_cert_pem, tls_key_pem;  // both empty: plaintext
   // With tls_reload_interval_s > 0, gRPC reads these files again that often and gives new
-  // connections the pair they hold (the PEMs above are then what the caller checked at start).
+  // connections the pair they hold (the PEMs above are then what the caller checked at start;
+  // `cemlm serve` gives copies it makes of the files it checks, see server/cli/tls_files.h).
   std::string tls_cert_path, tls_key_path;
   unsigned tls_reload_interval_s = 0;
   std::string model_name = "cemlm";

@@ -151,7 +151,10 @@ int report_error(const grpc::Status& status, bool answered) {
     else if (tls_channel && m.find("wrong version number") != std::string::npos)
       hint = " (the server does not speak TLS: leave out --tls-ca)";
     else if (tls_channel && m.find("certificate verify failed") != std::string::npos)
-      hint = " (the server's certificate is not signed by a --tls-ca certificate)";
+      // (OpenSSL's words for a certificate out of its dates, too.)
+      hint =
+          " (the server's certificate is not signed by a --tls-ca certificate, or is out of its "
+          "dates: expired, or not valid yet by this machine's clock)";
     else if (m.find("keepalive watchdog timeout") != std::string::npos)
       hint = " (the server stopped answering: no reply to a ping within --keepalive seconds)";
   } else if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {

@@ -1633,7 +1633,8 @@ TEST(ServerTls, ServesOverTls) {
             "--tls-ca missing?)"},
            {{"--addr", server->addr(), "--tls-ca", other + "/cert.pem"},
             "certificate verify failed (the server's certificate is not signed by a --tls-ca "
-            "certificate)"},
+            "certificate, or is out of its dates: expired, or not valid yet by this machine's "
+            "clock)"},
            {{"--addr", plaintext->addr(), "--tls-ca", cert},
             "(the server does not speak TLS: leave out --tls-ca)"}}) {
     std::vector<std::string> cmd = {"client", "health"};

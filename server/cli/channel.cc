@@ -155,6 +155,10 @@ int report_error(const grpc::Status& status, bool answered) {
       hint =
           " (the server's certificate is not signed by a --tls-ca certificate, or is out of its "
           "dates: expired, or not valid yet by this machine's clock)";
+    else if (tls_channel && m.find("is not in peer certificate") != std::string::npos)
+      hint =
+          " (the server's certificate does not name the host of --addr: connect by a name or "
+          "address it holds)";
     else if (m.find("keepalive watchdog timeout") != std::string::npos)
       hint = " (the server stopped answering: no reply to a ping within --keepalive seconds)";
   } else if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {

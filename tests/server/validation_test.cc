@@ -1528,9 +1528,11 @@ std::shared_ptr<grpc::ChannelCredentials> trusting(const std::string& dir) {
   return grpc::SslCredentials(ssl);
 }
 
-// A self-signed certificate for localhost and 127.0.0.1 valid from `from` to `to` seconds from
-// now (dates the openssl command cannot set), and its key, as dir/cert.pem and dir/key.pem.
-void make_certificate_between(const std::string& dir, long from, long to) {
+// A self-signed certificate for localhost and 127.0.0.1 (or the subjectAltName `names`) valid
+// from `from` to `to` seconds from now (dates the openssl command cannot set), and its key, as
+// dir/cert.pem and dir/key.pem.
+void make_certificate_between(const std::string& dir, long from, long to,
+                              const char* names = "IP:127.0.0.1,DNS:localhost") {
   EVP_PKEY* key = EVP_EC_gen("P-256");
   X509* x = X509_new();
   X509_set_version(x, 2);
@@ -1544,8 +1546,7 @@ void make_certificate_between(const std::string& dir, long from, long to) {
   X509_set_issuer_name(x, name);
   X509V3_CTX ctx;
   X509V3_set_ctx(&ctx, x, x, nullptr, nullptr, 0);
-  X509_EXTENSION* san =
-      X509V3_EXT_conf_nid(nullptr, &ctx, NID_subject_alt_name, "IP:127.0.0.1,DNS:localhost");
+  X509_EXTENSION* san = X509V3_EXT_conf_nid(nullptr, &ctx, NID_subject_alt_name, names);
   X509_add_ext(x, san, -1);
   X509_EXTENSION_free(san);
   X509_sign(x, key, EVP_sha256());
@@ -1623,10 +1624,17 @@ TEST(ServerTls, ServesOverTls) {
   // The client's connection errors say what to change, without gRPC's own log lines before them
   // ("E1206 … ssl_transport_security.cc:1501] Handshake failed …"): plaintext against TLS, a
   // CA that did not sign the server's certificate, TLS against plaintext.
-  const std::string other = fresh_temp_dir();
+  const std::string other = fresh_temp_dir(), elsewhere = fresh_temp_dir();
   ASSERT_TRUE(make_certificate(other));
   auto plaintext = ServerProcess::start(make_tiny_model(fresh_temp_dir()));
   ASSERT_TRUE(plaintext);
+  // A server whose certificate names another host.
+  make_certificate_between(elsewhere, -3600, 3600, "DNS:wrong.example");
+  auto misnamed = ServerProcess::start_listening(
+      make_tiny_model(elsewhere),
+      {"--tls-cert", elsewhere + "/cert.pem", "--tls-key", elsewhere + "/key.pem"},
+      trusting(elsewhere));
+  ASSERT_TRUE(misnamed);
   for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--addr", server->addr()},
             "(a server with TLS on closes plaintext connections: is "
@@ -1636,7 +1644,10 @@ TEST(ServerTls, ServesOverTls) {
             "certificate, or is out of its dates: expired, or not valid yet by this machine's "
             "clock)"},
            {{"--addr", plaintext->addr(), "--tls-ca", cert},
-            "(the server does not speak TLS: leave out --tls-ca)"}}) {
+            "(the server does not speak TLS: leave out --tls-ca)"},
+           {{"--addr", misnamed->addr(), "--tls-ca", elsewhere + "/cert.pem"},
+            "is not in peer certificate (the server's certificate does not name the host of "
+            "--addr: connect by a name or address it holds)"}}) {
     std::vector<std::string> cmd = {"client", "health"};
     cmd.insert(cmd.end(), args.begin(), args.end());
     EXPECT_EQ(run_cemlm(cmd, &out, &err), 1) << err;
